@@ -1,0 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+#include "hila/error.h"
+#include "hila/ops.h"
+#include "hila/tensor.h"

@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: Apache-2.0
+// The public operator API of hila: one params struct per op direction, one entry point each.
+//
+// Layout (sequence-first, as in fla / FlashAttention):
+//   q, k  [B, T, G, dk]     G query/key groups
+//   v     [B, T, H, dv]     H value heads, H % G == 0; head h reads group h / (H / G)
+//   g     [B, T, H]         log-gates <= 0 (tied), or [B, T, H, P] with untied gates: one column
+//                           per primitive, inner first (hla2: gS,gY; ahla: gP,gE; hla3: gS,gP,gX)
+//   lam   [B, T, H, L]      Fenwick level weights (log-linear operators only)
+//   beta  [B, T, H]         delta-rule step sizes (gdn, loglinear_gdn only)
+//   cu_seqlens [N+1]        varlen: B == 1, sequences packed along T
+//   o     [B, T, H, dv]
+// States: see StateView and docs/STATES.md.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hila/tensor.h"
+
+namespace hila {
+
+enum class Op : int {
+  gla,
+  hla2,
+  ahla,
+  hla3,
+  loglinear,
+  loglinear_hla2,
+  loglinear_ahla,
+  loglinear_hla3,
+  gdn,
+  loglinear_gdn,
+};
+enum class Form : int { naive, serial, chunk, scan };
+enum class Gates : int { tied, untied };
+
+const char* op_name(Op op);
+const char* form_name(Form f);
+Op parse_op(const std::string& name);      // throws hila::Error("op", ...) on unknown names
+Form parse_form(const std::string& name);  // throws hila::Error("form", ...)
+const std::vector<Op>& all_ops();
+const std::vector<Form>& all_forms();
+
+// What an operator is made of (HLA_SPEC §2, §11; LOGLINEAR_SPEC §7).
+struct OpTraits {
+  bool loglinear;      // outer primitive uses Fenwick levels and takes lam
+  bool delta;          // delta rule (takes beta)
+  bool has_S;          // inner metric S = GLA(Q,K,K) (hla2, hla3 and their log-linear versions)
+  bool has_P;          // inner first-order state P = GLA(Q,K,V) (ahla, hla3, ...)
+  int num_primitives;  // gate columns with untied gates
+  bool hla_family;     // accepts normalize / untied gates
+};
+OpTraits op_traits(Op op);
+
+// Whether `form` is available for `op` in the given direction. Forward: every form. Backward:
+// naive and chunk for every operator; serial for the GLA family (gla, hla2, ahla, hla3), whose
+// reverse-time adjoint the spec gives (HLA_SPEC §7.3); scan has no backward.
+bool supports(Op op, Form form, bool backward);
+
+struct OpConfig {
+  Op op = Op::gla;
+  double scale = 0.0;        // 0: default dk^-1/2. Applied to q in every role it plays.
+  bool normalize = false;    // HLA family: o = num / (den + eps), HLA_SPEC §4
+  double eps = 1e-6;
+  double ridge = 0.0;        // hla2 / loglinear_hla2 only: S_j -> S_j + ridge * I (HLA_SPEC §3.2)
+  Gates gates = Gates::tied;
+  bool qk_l2norm = false;    // gdn / loglinear_gdn only (LOGLINEAR_SPEC §6.1), eps 1e-6
+  bool check_values = true;  // reject g > 0 and non-finite inputs (LOGLINEAR_SPEC §11)
+};
+
+// One state format for prefill output, decode state, initial state and context-parallel carry.
+//   pos  int64 [N]                      absolute position (tokens consumed) per sequence
+//   S    [N, H, dk(dk+1)/2]             packed symmetric metric (row-major upper triangle)
+//   P    [N, H, dk, dv']                inner first-order state
+//   H    [N, H, dk, dv']                outer state: GLA/GDN H, HLA2 Y, AHLA E, HLA3 X
+//        [N, H, Ls, dk, dv']            log-linear operators: Fenwick slots, slot = level
+// dv' = dv + 1 with normalize (the last column carries the denominator). Only the parts an
+// operator uses are defined. dtype: float64 for float64 inputs, float32 otherwise.
+struct StateView {
+  TensorView pos, S, P, H;
+  bool defined() const { return pos.defined() || S.defined() || P.defined() || H.defined(); }
+};
+
+struct StateShape {
+  bool S = false, P = false, H = false, levels = false;
+  std::vector<int64_t> S_shape, P_shape, H_shape;  // pos is [N]
+};
+// Shapes of the state parts for N sequences whose largest position is max_pos.
+StateShape state_shape(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
+                       int64_t max_pos);
+// Fenwick slots needed at position n: bitlen(n) + 1 (LOGLINEAR_SPEC §2.5).
+int64_t state_slots(int64_t n);
+// lam levels needed by a call over positions n0 .. n0+T-1: bitlen(n0+T-1) + 1 (§2.3).
+int64_t levels_needed(int64_t n0, int64_t T);
+
+struct ForwardParams {
+  OpConfig cfg;
+  Form form = Form::chunk;
+  int64_t chunk = 64;  // power of two
+  TensorView q, k, v, g, lam, beta, cu_seqlens;
+  StateView init;      // optional initial state
+  TensorView o;        // output [B, T, H, dv], dtype of v
+  StateView final_state;  // optional output
+};
+
+struct BackwardParams : ForwardParams {
+  TensorView d_o;        // cotangent of o
+  StateView d_final;     // optional cotangent of the final state (pos ignored)
+  // Outputs; each optional. Same shape and dtype as the corresponding input.
+  TensorView dq, dk, dv, dg, dlam, dbeta;
+  StateView d_init;      // gradient w.r.t. the initial state (pos ignored)
+};
+
+void forward(const ForwardParams& p);
+void backward(const BackwardParams& p);
+
+// ---------------------------------------------------------------------------------------------
+// Decode: an owning state for N sequences x H heads, stepped one token at a time (serial form).
+struct StepParams {
+  OpConfig cfg;
+  TensorView q, k;  // [N, G, dk]
+  TensorView v;     // [N, H, dv]
+  TensorView g;     // [N, H] or [N, H, P] (untied); optional
+  TensorView lam;   // [N, H, L], L >= bitlen(pos)+1 for every sequence; log-linear ops only
+  TensorView beta;  // [N, H]; delta ops only
+  TensorView o;     // output [N, H, dv]
+};
+
+class DecodeState {
+ public:
+  // A zero state at position 0. dtype: f64 or f32 (the compute type of the inputs to come).
+  DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
+              DType dtype = DType::f32, Device device = {});
+  ~DecodeState();
+  DecodeState(DecodeState&&) noexcept;
+  DecodeState& operator=(DecodeState&&) noexcept;
+
+  const OpConfig& config() const;
+  int64_t batch() const;
+  int64_t heads() const;
+  int64_t dk() const;
+  int64_t dv() const;
+  DType dtype() const;
+  Device device() const;
+  int64_t slots() const;  // Fenwick slot capacity (1 for non-log-linear operators)
+  int64_t position(int64_t seq) const;
+  // Grow the Fenwick slot capacity so that positions up to max_pos need no reallocation.
+  void reserve(int64_t max_pos);
+  // Views of the current state, valid until the next step/reserve/load.
+  StateView view();
+  // Copy a state in (e.g. a prefill's final state); validated like an initial state.
+  void load(const StateView& s);
+  // Bytes of state per sequence at its current capacity (all heads).
+  int64_t bytes_per_sequence() const;
+
+  struct Impl;
+  Impl* impl() { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+void step(const StepParams& p, DecodeState& state);
+
+}  // namespace hila

@@ -1,0 +1,534 @@
+// SPDX-License-Identifier: Apache-2.0
+// Input validation for every entry point. Each failure names the argument, what was expected and
+// what was given (LOGLINEAR_SPEC §11). Nothing is launched before all checks pass.
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "core/access.h"
+#include "core/problem.h"
+#include "hila/error.h"
+
+namespace hila::detail {
+
+namespace {
+
+int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+std::string shape_of(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+[[noreturn]] void fail(const std::string& arg, const std::string& what) { throw Error(arg, what); }
+
+void require(const std::string& name, const TensorView& t, const std::string& why) {
+  if (!t.defined()) fail(name, "is required " + why + ", got nothing");
+}
+
+void forbid(const std::string& name, const TensorView& t, const std::string& why) {
+  if (t.defined()) fail(name, "expected no tensor (" + why + "), got " + t.shape_str());
+}
+
+void expect_shape(const std::string& name, const TensorView& t, const std::vector<int64_t>& s,
+                  const std::string& note = "") {
+  bool ok = t.ndim == static_cast<int>(s.size());
+  for (int i = 0; ok && i < t.ndim; ++i) ok = t.shape[i] == s[i];
+  if (!ok)
+    fail(name, "expected shape " + shape_of(s) + (note.empty() ? "" : " (" + note + ")") +
+                   ", got " + t.shape_str());
+}
+
+void expect_ndim(const std::string& name, const TensorView& t, int nd, const std::string& layout) {
+  if (t.ndim != nd)
+    fail(name, "expected " + std::to_string(nd) + " dimensions " + layout + ", got " +
+                   std::to_string(t.ndim) + " dimensions " + t.shape_str());
+  for (int i = 0; i < nd; ++i)
+    if (t.shape[i] < 0) fail(name, "expected non-negative sizes, got " + t.shape_str());
+}
+
+void expect_float(const std::string& name, const TensorView& t) {
+  if (!is_float(t.dtype))
+    fail(name, std::string("expected a floating dtype (float64, float32, bfloat16, float16), got ") +
+                   dtype_name(t.dtype));
+}
+
+void expect_dtype(const std::string& name, const TensorView& t, DType d, const std::string& why) {
+  if (t.dtype != d)
+    fail(name, std::string("expected dtype ") + dtype_name(d) + " (" + why + "), got " +
+                   dtype_name(t.dtype));
+}
+
+void expect_state_dtype(const std::string& name, const TensorView& t) {
+  if (t.dtype != DType::f32 && t.dtype != DType::f64)
+    fail(name, std::string("expected float32 or float64 (states are kept in fp32 or fp64), got ") +
+                   dtype_name(t.dtype));
+}
+
+void expect_device(const std::string& name, const TensorView& t, Device d) {
+  if (!(t.device == d))
+    fail(name, "expected device " + device_name(d) + " (that of q), got " + device_name(t.device));
+}
+
+// Innermost dimension contiguous, no negative strides, data present.
+void expect_strides(const std::string& name, const TensorView& t) {
+  if (t.numel() > 0 && t.data == nullptr) fail(name, "expected data, got a null pointer");
+  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1)
+    fail(name, "expected the innermost dimension to be contiguous (stride 1), got stride " +
+                   std::to_string(t.stride[t.ndim - 1]));
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.stride[i] < 0 && t.shape[i] > 1)
+      fail(name, "expected non-negative strides, got stride " + std::to_string(t.stride[i]) +
+                     " in dimension " + std::to_string(i));
+}
+
+// Visit every element of a (strided) tensor.
+template <class F>
+void for_each(const TensorView& t, F f) {
+  if (!t.defined() || t.numel() == 0) return;
+  std::array<int64_t, kMaxDims> idx{};
+  const int64_t total = t.numel();
+  for (int64_t n = 0; n < total; ++n) {
+    int64_t off = 0;
+    for (int i = 0; i < t.ndim; ++i) off += idx[i] * t.stride[i];
+    f(off, idx);
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      if (++idx[i] < t.shape[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+
+std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < nd; ++i) os << (i ? ", " : "") << idx[i];
+  os << "]";
+  return os.str();
+}
+
+void check_finite(const std::string& name, const TensorView& t) {
+  for_each(t, [&](int64_t off, const auto& idx) {
+    const double x = load(t, off);
+    if (!std::isfinite(x))
+      fail(name, "expected finite values (value checks are on), got " + std::to_string(x) +
+                     " at " + idx_str(idx, t.ndim));
+  });
+}
+
+void check_gates(const std::string& name, const TensorView& t) {
+  for_each(t, [&](int64_t off, const auto& idx) {
+    const double x = load(t, off);
+    if (!std::isfinite(x) || x > 0)
+      fail(name, "expected finite log-gates <= 0 (value checks are on), got " + std::to_string(x) +
+                     " at " + idx_str(idx, t.ndim));
+  });
+}
+
+// Options that only some operators take.
+void check_config(const OpConfig& c) {
+  const int id = static_cast<int>(c.op);
+  if (id < 0 || id > 9) fail("op", "expected a valid hila::Op, got id " + std::to_string(id));
+  const OpTraits t = op_traits(c.op);
+  const std::string on = std::string(" for operator ") + op_name(c.op);
+  if (c.normalize && !t.hla_family)
+    fail("normalize", "expected false" + on + " (only the HLA family normalizes), got true");
+  if (c.gates == Gates::untied && !t.hla_family)
+    fail("gates", "expected tied" + on + " (a single primitive has one gate), got untied");
+  if (c.ridge != 0 && !t.has_S)
+    fail("ridge", "expected 0" + on + " (the ridge applies to the metric S of hla2), got " +
+                      std::to_string(c.ridge));
+  if (c.ridge != 0 && (c.op == Op::hla3 || c.op == Op::loglinear_hla3))
+    fail("ridge", "expected 0" + on + " (the ridge is defined for hla2), got " +
+                      std::to_string(c.ridge));
+  if (c.qk_l2norm && !t.delta)
+    fail("qk_l2norm", "expected false" + on + " (only gdn and loglinear_gdn take it), got true");
+  if (!std::isfinite(c.scale)) fail("scale", "expected a finite value, got " + std::to_string(c.scale));
+  if (!std::isfinite(c.eps) || c.eps < 0)
+    fail("eps", "expected a finite value >= 0, got " + std::to_string(c.eps));
+  if (!std::isfinite(c.ridge)) fail("ridge", "expected a finite value, got " + std::to_string(c.ridge));
+}
+
+void check_chunk(int64_t C) {
+  if (C < 1 || (C & (C - 1)) != 0)
+    fail("chunk", "expected a power of two >= 1 (chunks must align with Fenwick levels), got " +
+                      std::to_string(C));
+}
+
+// The sequence table: B sequences of T rows, or varlen from cu_seqlens (B == 1).
+std::vector<SeqInfo> make_seqs(const TensorView& cu, int64_t B, int64_t T, Device dev) {
+  std::vector<SeqInfo> seqs;
+  if (!cu.defined()) {
+    for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T, 0});
+    return seqs;
+  }
+  if (cu.dtype != DType::i32 && cu.dtype != DType::i64)
+    fail("cu_seqlens", std::string("expected dtype int32 or int64, got ") + dtype_name(cu.dtype));
+  if (cu.ndim != 1 || cu.shape[0] < 2)
+    fail("cu_seqlens", "expected shape [N+1] with N >= 1, got " + cu.shape_str());
+  expect_device("cu_seqlens", cu, dev);
+  expect_strides("cu_seqlens", cu);
+  if (B != 1) fail("cu_seqlens", "expected batch size B = 1 with varlen, got B = " + std::to_string(B));
+  const int64_t n = cu.shape[0];
+  int64_t prev = load_int(cu, 0);
+  if (prev != 0) fail("cu_seqlens", "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t x = load_int(cu, i * cu.stride[0]);
+    if (x < prev)
+      fail("cu_seqlens", "expected non-decreasing offsets, got cu_seqlens[" + std::to_string(i) +
+                             "] = " + std::to_string(x) + " < cu_seqlens[" + std::to_string(i - 1) +
+                             "] = " + std::to_string(prev));
+    seqs.push_back({0, prev, x - prev, 0});
+    prev = x;
+  }
+  if (prev != T)
+    fail("cu_seqlens", "expected the last offset to equal T = " + std::to_string(T) + ", got " +
+                           std::to_string(prev));
+  return seqs;
+}
+
+struct Dims {
+  int64_t B, T, G, H, dk, dv, dvp;
+  Device dev;
+  DType dtype;
+};
+
+// q, k [B,T,G,dk], v [B,T,H,dv] (or the step layout without T).
+Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bool with_t,
+               const OpConfig& cfg) {
+  const int nd = with_t ? 4 : 3;
+  const std::string lq = with_t ? "[B, T, G, dk]" : "[N, G, dk]";
+  const std::string lv = with_t ? "[B, T, H, dv]" : "[N, H, dv]";
+  require("q", q, "(queries " + lq + ")");
+  require("k", k, "(keys " + lq + ")");
+  require("v", v, "(values " + lv + ")");
+  expect_ndim("q", q, nd, lq);
+  expect_float("q", q);
+  expect_strides("q", q);
+  Dims d{};
+  d.dev = q.device;
+  d.dtype = q.dtype;
+  d.B = q.shape[0];
+  d.T = with_t ? q.shape[1] : 1;
+  d.G = q.shape[nd - 2];
+  d.dk = q.shape[nd - 1];
+  if (d.G < 1) fail("q", "expected at least one group (G >= 1), got " + q.shape_str());
+  if (d.dk < 1) fail("q", "expected head dim dk >= 1, got " + q.shape_str());
+  std::vector<int64_t> qs(q.shape.begin(), q.shape.begin() + nd);
+  expect_shape("k", k, qs, "same as q");
+  expect_dtype("k", k, q.dtype, "same as q");
+  expect_device("k", k, d.dev);
+  expect_strides("k", k);
+  expect_ndim("v", v, nd, lv);
+  expect_dtype("v", v, q.dtype, "same as q");
+  expect_device("v", v, d.dev);
+  expect_strides("v", v);
+  d.H = v.shape[nd - 2];
+  d.dv = v.shape[nd - 1];
+  std::vector<int64_t> vs = qs;
+  vs[nd - 2] = d.H;
+  vs[nd - 1] = d.dv;
+  if (d.dv < 1) fail("v", "expected value dim dv >= 1, got " + v.shape_str());
+  if (d.H < 1 || d.H % d.G != 0)
+    fail("v", "expected the number of value heads H to be a multiple of the q/k groups G = " +
+                  std::to_string(d.G) + ", got H = " + std::to_string(d.H));
+  vs[nd - 1] = d.dv;
+  expect_shape("v", v, vs, std::string("batch") + (with_t ? " and T" : "") + " as q");
+  d.dvp = d.dv + (cfg.normalize ? 1 : 0);
+  return d;
+}
+
+// g, lam, beta for a call over the leading dims `lead` ([B,T] or [N]).
+int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView& lam,
+                      const TensorView& beta, const std::vector<int64_t>& lead, const Dims& d) {
+  const OpTraits t = op_traits(cfg.op);
+  const std::string on = std::string("operator ") + op_name(cfg.op);
+  int gate_cols = 0;
+  if (g.defined()) {
+    std::vector<int64_t> gs = lead;
+    gs.push_back(d.H);
+    if (cfg.gates == Gates::untied) gs.push_back(t.num_primitives);
+    expect_shape("g", g, gs,
+                 cfg.gates == Gates::untied
+                     ? "untied gates: one column per primitive of " + std::string(op_name(cfg.op))
+                     : "one log-gate per token and value head");
+    expect_float("g", g);
+    expect_device("g", g, d.dev);
+    expect_strides("g", g);
+    gate_cols = cfg.gates == Gates::untied ? t.num_primitives : 1;
+  }
+  if (t.loglinear) {
+    require("lam", lam, "by " + on + " (Fenwick level weights)");
+    expect_ndim("lam", lam, static_cast<int>(lead.size()) + 2, "[..., H, L]");
+    std::vector<int64_t> ls = lead;
+    ls.push_back(d.H);
+    ls.push_back(lam.shape[lam.ndim - 1]);
+    expect_shape("lam", lam, ls, "leading dims as v, then L levels");
+    expect_float("lam", lam);
+    expect_device("lam", lam, d.dev);
+    expect_strides("lam", lam);
+  } else {
+    forbid("lam", lam, on + " has no Fenwick levels");
+  }
+  if (t.delta) {
+    require("beta", beta, "by " + on + " (delta-rule step sizes)");
+    std::vector<int64_t> bs = lead;
+    bs.push_back(d.H);
+    expect_shape("beta", beta, bs, "one step size per token and value head");
+    expect_float("beta", beta);
+    expect_device("beta", beta, d.dev);
+    expect_strides("beta", beta);
+  } else {
+    forbid("beta", beta, on + " has no delta rule");
+  }
+  return gate_cols;
+}
+
+void check_values(const OpConfig& cfg, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& g, const TensorView& lam,
+                  const TensorView& beta) {
+  if (!cfg.check_values) return;
+  check_finite("q", q);
+  check_finite("k", k);
+  check_finite("v", v);
+  if (g.defined()) check_gates("g", g);
+  if (lam.defined()) check_finite("lam", lam);
+  if (beta.defined()) check_finite("beta", beta);
+}
+
+void check_levels(const Resolved& r, const TensorView& lam) {
+  if (!r.traits.loglinear) return;
+  for (size_t i = 0; i < r.seqs.size(); ++i) {
+    const SeqInfo& s = r.seqs[i];
+    const int64_t need = levels_needed(s.n0, s.len);
+    if (r.nL < need)
+      fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
+                      " covering positions " + std::to_string(s.n0) + ".." +
+                      std::to_string(s.n0 + s.len - 1) + " needs " + std::to_string(need) +
+                      " (bitlen(n0+T-1)+1); missing levels are never treated as zero");
+  }
+}
+
+void check_output(const std::string& name, const TensorView& t, const std::vector<int64_t>& shape,
+                  DType dt, Device dev, const std::string& what) {
+  require(name, t, "(" + what + ")");
+  expect_shape(name, t, shape, what);
+  expect_dtype(name, t, dt, "same as the input");
+  expect_device(name, t, dev);
+  expect_strides(name, t);
+}
+
+void check_optional_output(const std::string& name, const TensorView& t, const TensorView& like,
+                           const std::string& input) {
+  if (!t.defined()) return;
+  if (!like.defined())
+    fail(name, "expected no tensor (input '" + input + "' was not given), got " + t.shape_str());
+  std::vector<int64_t> s(like.shape.begin(), like.shape.begin() + like.ndim);
+  check_output(name, t, s, like.dtype, like.device, "shape of " + input);
+}
+
+Resolved resolve_common(const ForwardParams& p) {
+  check_config(p.cfg);
+  const int form = static_cast<int>(p.form);
+  if (form < 0 || form > 3) fail("form", "expected naive, serial, chunk or scan, got id " + std::to_string(form));
+  check_chunk(p.chunk);
+  const Dims d = check_qkv(p.q, p.k, p.v, true, p.cfg);
+  Resolved r;
+  r.cfg = p.cfg;
+  r.traits = op_traits(p.cfg.op);
+  r.form = p.form;
+  r.chunk = p.chunk;
+  r.B = d.B, r.T = d.T, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
+  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B, d.T}, d);
+  r.nL = p.lam.defined() ? p.lam.shape[3] : 0;
+  r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
+  r.f64 = d.dtype == DType::f64 || p.form == Form::naive;
+  r.seqs = make_seqs(p.cu_seqlens, d.B, d.T, d.dev);
+  const int64_t N = static_cast<int64_t>(r.seqs.size());
+  if (p.init.defined()) {
+    check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, nullptr, true, p.cfg.check_values, d.dev);
+    const std::vector<int64_t> pos = read_positions(p.init.pos);
+    for (int64_t i = 0; i < N; ++i) {
+      if (pos[i] > (int64_t(1) << 62) - r.seqs[i].len)
+        fail("init.pos", "expected n0 + T < 2^62, got n0 = " + std::to_string(pos[i]));
+      r.seqs[i].n0 = pos[i];
+    }
+    r.has_init = true;
+    check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, &pos, true, p.cfg.check_values, d.dev);
+  }
+  check_levels(r, p.lam);
+  check_output("o", p.o, {d.B, d.T, d.H, d.dv}, d.dtype, d.dev, "[B, T, H, dv] like v");
+  if (p.final_state.defined()) {
+    std::vector<int64_t> fin;
+    for (const SeqInfo& s : r.seqs) fin.push_back(s.n0 + s.len);
+    check_state("final_state", p.final_state, p.cfg, N, d.H, d.dk, d.dv, &fin, true, false, d.dev);
+  }
+  check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
+  return r;
+}
+
+}  // namespace
+
+std::vector<int64_t> read_positions(const TensorView& pos) {
+  std::vector<int64_t> out(static_cast<size_t>(pos.shape[0]));
+  for (int64_t i = 0; i < pos.shape[0]; ++i) out[i] = load_int(pos, i * pos.stride[0]);
+  return out;
+}
+
+void check_state(const char* name, const StateView& s, const OpConfig& cfg, int64_t N, int64_t H,
+                 int64_t dk, int64_t dv, const std::vector<int64_t>* positions, bool want_pos,
+                 bool values, Device dev) {
+  const std::string nm = name;
+  const OpTraits t = op_traits(cfg.op);
+  const int64_t dvp = dv + (cfg.normalize ? 1 : 0);
+  if (want_pos) {
+    require(nm + ".pos", s.pos, "(int64 [N] positions of the state)");
+    expect_shape(nm + ".pos", s.pos, {N}, "one position per sequence");
+    expect_dtype(nm + ".pos", s.pos, DType::i64, "positions are int64");
+    expect_device(nm + ".pos", s.pos, dev);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t x = load_int(s.pos, i * s.pos.stride[0]);
+      if (x < 0)
+        fail(nm + ".pos", "expected positions >= 0, got " + std::to_string(x) + " for sequence " +
+                              std::to_string(i));
+    }
+  }
+  auto part = [&](const char* p, const TensorView& tv, bool has, std::vector<int64_t> shape,
+                  const std::string& layout) {
+    const std::string pn = nm + "." + p;
+    if (!has) {
+      forbid(pn, tv, std::string("operator ") + op_name(cfg.op) + " has no state part " + p);
+      return;
+    }
+    require(pn, tv, "(" + layout + ")");
+    if (t.loglinear && std::string(p) == "H") {
+      expect_ndim(pn, tv, 5, layout);
+      shape[2] = tv.shape[2];
+    }
+    expect_shape(pn, tv, shape, layout);
+    expect_state_dtype(pn, tv);
+    expect_device(pn, tv, dev);
+    expect_strides(pn, tv);
+    if (values) check_finite(pn, tv);
+  };
+  part("S", s.S, t.has_S, {N, H, dk * (dk + 1) / 2}, "[N, H, dk(dk+1)/2] packed symmetric S");
+  part("P", s.P, t.has_P, {N, H, dk, dvp}, "[N, H, dk, dv']");
+  if (t.loglinear) {
+    part("H", s.H, true, {N, H, 0, dk, dvp}, "[N, H, Ls, dk, dv'] Fenwick slots");
+  } else {
+    part("H", s.H, true, {N, H, dk, dvp}, "[N, H, dk, dv']");
+  }
+  if (!t.loglinear || !positions) return;
+  const int64_t Ls = s.H.shape[2];
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t n = (*positions)[i];
+    const int64_t need = bitlen(static_cast<uint64_t>(n)) + 1;
+    if (Ls < need)
+      fail(nm + ".H", "has " + std::to_string(Ls) + " level slots, but position " + std::to_string(n) +
+                          " of sequence " + std::to_string(i) + " needs " + std::to_string(need) +
+                          " (bitlen(pos)+1)");
+    if (!values) continue;
+    for (int64_t l = 0; l < Ls; ++l) {
+      const bool live = l >= 1 && l <= 63 && ((n >> (l - 1)) & 1);
+      if (live) continue;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < dk; ++r)
+          for (int64_t c = 0; c < dvp; ++c)
+            if (load(s.H, offset(s.H, {i, h, l, r, c})) != 0)
+              fail(nm + ".H", "is not canonical at position " + std::to_string(n) + ": slot " +
+                                  std::to_string(l) + " of sequence " + std::to_string(i) +
+                                  " must be zero (bit " + std::to_string(l - 1) +
+                                  " of the position is clear), got a non-zero entry");
+    }
+  }
+}
+
+Resolved resolve_forward(const ForwardParams& p) { return resolve_common(p); }
+
+Resolved resolve_backward(const BackwardParams& p) {
+  if (static_cast<int>(p.form) >= 0 && static_cast<int>(p.form) <= 3 &&
+      static_cast<int>(p.cfg.op) >= 0 && static_cast<int>(p.cfg.op) <= 9 &&
+      !supports(p.cfg.op, p.form, true))
+    fail("form", std::string("expected a form with a backward for operator ") + op_name(p.cfg.op) +
+                     " (naive or chunk" +
+                     (supports(p.cfg.op, Form::serial, true) ? ", or serial" : "") + "), got " +
+                     form_name(p.form));
+  Resolved r = resolve_common(p);
+  const DType dt = p.q.dtype;
+  const Device dev = p.q.device;
+  check_output("d_o", p.d_o, {r.B, r.T, r.H, r.dv}, dt, dev, "cotangent of o, [B, T, H, dv]");
+  if (p.cfg.check_values) check_finite("d_o", p.d_o);
+  const int64_t N = static_cast<int64_t>(r.seqs.size());
+  if (p.d_final.defined()) {
+    std::vector<int64_t> fin;
+    for (const SeqInfo& s : r.seqs) fin.push_back(s.n0 + s.len);
+    check_state("d_final", p.d_final, p.cfg, N, r.H, r.dk, r.dv, &fin, false, false, dev);
+    if (p.cfg.check_values) {
+      check_finite("d_final.S", p.d_final.S);
+      check_finite("d_final.P", p.d_final.P);
+      check_finite("d_final.H", p.d_final.H);
+    }
+  }
+  check_optional_output("dq", p.dq, p.q, "q");
+  check_optional_output("dk", p.dk, p.k, "k");
+  check_optional_output("dv", p.dv, p.v, "v");
+  check_optional_output("dg", p.dg, p.g, "g");
+  check_optional_output("dlam", p.dlam, p.lam, "lam");
+  check_optional_output("dbeta", p.dbeta, p.beta, "beta");
+  if (p.d_init.defined()) {
+    if (!p.init.defined())
+      fail("d_init", "expected no tensors (no initial state was given), got a state");
+    check_optional_output("d_init.S", p.d_init.S, p.init.S, "init.S");
+    check_optional_output("d_init.P", p.d_init.P, p.init.P, "init.P");
+    check_optional_output("d_init.H", p.d_init.H, p.init.H, "init.H");
+  }
+  return r;
+}
+
+Resolved resolve_step(const StepParams& p, const DecodeState& st) {
+  check_config(p.cfg);
+  const OpConfig& sc = st.config();
+  if (p.cfg.op != sc.op)
+    fail("op", std::string("expected the decode state's operator ") + op_name(sc.op) + ", got " +
+                   op_name(p.cfg.op));
+  if (p.cfg.normalize != sc.normalize)
+    fail("normalize", std::string("expected ") + (sc.normalize ? "true" : "false") +
+                          " as when the decode state was created, got " +
+                          (p.cfg.normalize ? "true" : "false"));
+  const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
+  if (d.B != st.batch() || d.H != st.heads() || d.dk != st.dk() || d.dv != st.dv())
+    fail("q", "expected N = " + std::to_string(st.batch()) + ", H = " + std::to_string(st.heads()) +
+                  ", dk = " + std::to_string(st.dk()) + ", dv = " + std::to_string(st.dv()) +
+                  " (the decode state's), got N = " + std::to_string(d.B) + ", H = " +
+                  std::to_string(d.H) + ", dk = " + std::to_string(d.dk) + ", dv = " +
+                  std::to_string(d.dv));
+  if (!(d.dev == st.device()))
+    fail("q", "expected device " + device_name(st.device()) + " (the decode state's), got " +
+                  device_name(d.dev));
+  Resolved r;
+  r.cfg = p.cfg;
+  r.traits = op_traits(p.cfg.op);
+  r.form = Form::serial;
+  r.B = d.B, r.T = 1, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
+  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B}, d);
+  r.nL = p.lam.defined() ? p.lam.shape[2] : 0;
+  r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
+  r.f64 = st.dtype() == DType::f64;
+  for (int64_t i = 0; i < d.B; ++i) r.seqs.push_back({i, 0, 1, st.position(i)});
+  if (r.traits.loglinear)
+    for (int64_t i = 0; i < d.B; ++i) {
+      const int64_t need = bitlen(static_cast<uint64_t>(r.seqs[i].n0)) + 1;
+      if (r.nL < need)
+        fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
+                        " is at position " + std::to_string(r.seqs[i].n0) + " and needs " +
+                        std::to_string(need) + " (bitlen(pos)+1)");
+    }
+  check_output("o", p.o, {d.B, d.H, d.dv}, d.dtype, d.dev, "[N, H, dv] like v");
+  check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
+  return r;
+}
+
+}  // namespace hila::detail

@@ -1,0 +1,594 @@
+// SPDX-License-Identifier: Apache-2.0
+// Forms of the hila primitive (see primitive.h). The segment routines below are the masked-matrix
+// form over rows [s, e) with an incoming canonical state: LOGLINEAR_SPEC §3.3 (mamba) and §6.4
+// (delta). The naive form is one segment over the whole call (= the masked-matrix oracle, §3.1 /
+// §6.2); the chunk form cuts the call into segments that never cross a multiple of C, so only
+// levels <= log2 C occur inside a segment and the O(T^2) work becomes O(T C).
+#include "cpu/primitive.h"
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+#include "cpu/blelloch.h"
+
+namespace hila::cpu {
+
+std::vector<std::pair<int64_t, int64_t>> segments(int64_t n0, int64_t n, int64_t C) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t s = n0, end = n0 + n; s < end;) {
+    const int64_t e = std::min((s / C + 1) * C, end);
+    out.emplace_back(s, e);
+    s = e;
+  }
+  return out;
+}
+
+template <class R>
+void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, int64_t e, R f,
+               const Mat<R>* M, int64_t dk, int64_t dv) {
+  for (int l = 0; l < static_cast<int>(H.slot.size()); ++l) {
+    const Mat<R>* X = H.get(l);
+    if (!X || !lv.live(n, l)) continue;
+    Mat<R>& Y = out.at(lv.read_level(e, n, l), dk, dv);
+    if (M) {
+      gemm<R>(Y, *M, false, *X, false, f, R(1));  // [dk,dk] x [dk,dv]
+    } else {
+      axpy<R>(Y, *X, f);
+    }
+  }
+}
+
+namespace {
+
+// Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
+// absolute positions [s, e).
+template <class R>
+struct Seg {
+  int64_t i0, i1, nr, s, e;
+  std::vector<R> b;    // chunk-local inclusive cumsum of g
+  R B = 0;             // b[nr-1]
+  MRef<const R> q, k, v;
+  // delta only (LOGLINEAR_SPEC §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
+  Mat<R> bk, KK, Tm, W;
+
+  Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_)
+      : i0(i0_), i1(i1_), nr(i1_ - i0_), s(a.n0 + i0_), e(a.n0 + i1_), b(static_cast<size_t>(nr)) {
+    q = a.q.rows(i0, i1);
+    k = a.k.rows(i0, i1);
+    v = a.v.rows(i0, i1);
+    R c = 0;
+    for (int64_t i = 0; i < nr; ++i) b[i] = (c += a.gate(i0 + i));
+    B = nr ? b[nr - 1] : R(0);
+    if (!a.delta) return;
+    const int64_t dk = a.dk();
+    bk = Mat<R>(nr, dk);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
+    KK = matmul<R>(k, false, k, true);  // [R,dk] x [dk,R]
+    Mat<R> N(nr, nr);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j < i; ++j) N(i, j) = a.beta[i0 + i] * KK(i, j);
+    Tm = unit_lower_inverse(N);
+    W = matmul<R>(Tm, false, bk, false);  // [R,R] x [R,dk]
+  }
+
+  // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} exp(b_i - b_j) on j <= i (LOGLINEAR_SPEC §3.1).
+  Mat<R> mask(const PrimArgs<R>& a) const {
+    Mat<R> M(nr, nr);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j <= i; ++j)
+        M(i, j) = a.lambda(i0 + i, a.lv.level(s + i, s + j)) * std::exp(b[i] - b[j]);
+    return M;
+  }
+  // X = tril(q k^T) and D = X Tm (delta) or X (mamba): the un-masked intra-segment scores.
+  void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& D) const {
+    X = matmul<R>(q, false, k, true);  // [R,dk] x [dk,R]
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = i + 1; j < nr; ++j) X(i, j) = 0;
+    D = a.delta ? matmul<R>(X, false, Tm, false) : X;  // [R,R] x [R,R]
+  }
+  // Effective queries Q~ = q - D diag(beta) K (delta) or q (mamba).
+  Mat<R> effective_q(const PrimArgs<R>& a, const Mat<R>& D) const {
+    Mat<R> Qt(nr, q.c);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j < q.c; ++j) Qt(i, j) = q(i, j);
+    if (a.delta) gemm<R>(Qt, D, false, bk, false, R(-1), R(1));  // [R,R] x [R,dk]
+    return Qt;
+  }
+  // Distinct target slots of this segment's own tokens in the state at e, with row masks.
+  std::map<int, std::vector<R>> token_groups(const PrimArgs<R>& a) const {
+    std::map<int, std::vector<R>> groups;
+    for (int64_t j = 0; j < nr; ++j) {
+      auto& m = groups[a.lv.level(e, s + j)];
+      if (m.empty()) m.assign(static_cast<size_t>(nr), R(0));
+      m[j] = 1;
+    }
+    return groups;
+  }
+};
+
+// Forward over one segment: O rows (optional) and the outgoing canonical state at e.
+template <class R>
+Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+                     MRef<R>* O = nullptr) {
+  const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
+  if (O) {
+    Mat<R> X, D;
+    sg.scores(a, X, D);
+    Mat<R> P = sg.mask(a);  // P = M o D
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j <= i; ++j) P(i, j) *= D(i, j);
+    Mat<R> bv(nr, dv);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+    MRef<R> Or = *O;
+    gemm<R>(Or, P, false, bv, false);  // [R,R] x [R,dv]
+    const Mat<R> Qt = sg.effective_q(a, D);
+    for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
+      const Mat<R>* H = Hin.get(l);
+      if (!H || !a.lv.live(sg.s, l)) continue;
+      const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
+      for (int64_t i = 0; i < nr; ++i) {
+        const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * std::exp(sg.b[i]);
+        for (int64_t j = 0; j < dv; ++j) Or(i, j) += coef * T(i, j);
+      }
+    }
+  }
+  Canon<R> Hout;
+  Hout.resize(a.lv.slots(sg.e));
+  if (a.delta) {
+    // every live level is erased by the segment: e^B (H - K^T (W H))
+    for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
+      const Mat<R>* H = Hin.get(l);
+      if (!H || !a.lv.live(sg.s, l)) continue;
+      Mat<R> Hn = *H;
+      const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
+      gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));     // [dk,R] x [R,dv]
+      axpy<R>(Hout.at(a.lv.read_level(sg.e, sg.s, l), dk, dv), Hn, std::exp(sg.B));
+    }
+  } else {
+    rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, std::exp(sg.B), nullptr, dk, dv);
+  }
+  for (auto& [tl, m] : sg.token_groups(a)) {
+    Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
+    for (int64_t j = 0; j < nr; ++j) {
+      const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.B - sg.b[j]);
+      for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
+    }
+    if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false);  // [R,R] x [R,dv]
+    gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+  }
+  return Hout;
+}
+
+// Reverse of seg_forward (LOGLINEAR_SPEC §5.2 for mamba, §6.5 for delta; the mamba path is the
+// delta path with Tm = I and beta = 1). Accumulates rows [i0, i1) of G; returns the adjoint of Hin.
+template <class R>
+Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+                      MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G) {
+  const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
+  const bool delta = a.delta, fen = a.lv.fenwick;
+  Mat<R> X, D;
+  sg.scores(a, X, D);
+  const Mat<R> Qt = sg.effective_q(a, D);
+  const Mat<R> M = sg.mask(a);
+  std::vector<R> db(static_cast<size_t>(nr), R(0));
+  R dB = 0;
+  Mat<R> dQt(nr, dk), dTm, dW;
+  if (delta) {
+    dTm = Mat<R>(nr, nr);
+    dW = Mat<R>(nr, dk);
+  }
+  MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
+  R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
+  auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
+
+  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V
+  for (auto& [tl, m] : sg.token_groups(a)) {
+    const Mat<R>* Dz = dHout.get(tl);
+    if (!Dz) continue;
+    Mat<R> Y(nr, dv);
+    std::vector<R> coef(static_cast<size_t>(nr));
+    for (int64_t j = 0; j < nr; ++j) {
+      coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.B - sg.b[j]);
+      for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
+    }
+    const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false) : Y;
+    gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
+    Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
+    if (delta) {
+      gemm<R>(dTm, dY, false, Y, true, R(1), R(1));           // [R,dv] x [dv,R]
+      dY = matmul<R>(sg.Tm, true, dY, false);                 // [R,R] x [R,dv]
+    }
+    for (int64_t j = 0; j < nr; ++j) {
+      const R tY = dot(dY.row(j), sg.v.row(j), dv);
+      for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
+      const R w = std::exp(sg.B - sg.b[j]);
+      if (delta) dbeta[j] += w * m[j] * tY;
+      const R dwm = coef[j] * tY;  // d/d(B - b_j)
+      dB += dwm;
+      db[j] -= dwm;
+    }
+  }
+  // transitions (decay, erase, re-key) and reads of the incoming live levels
+  Canon<R> dHin;
+  dHin.resize(static_cast<int64_t>(Hin.slot.size()));
+  const R eB = std::exp(sg.B);
+  for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
+    const Mat<R>* H = Hin.get(l);
+    if (!H || !a.lv.live(sg.s, l)) continue;
+    Mat<R>& dX = dHin.at(l, dk, dv);
+    if (const Mat<R>* Dout = dHout.get(a.lv.read_level(sg.e, sg.s, l))) {
+      axpy<R>(dX, *Dout, eB);
+      if (delta) {
+        const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
+        Mat<R> Hn = *H;
+        gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));      // [dk,R] x [R,dv]
+        dB += eB * dot<R>(*Dout, Hn);
+        gemm<R>(dk_, E, false, *Dout, true, -eB, R(1));      // [R,dv] x [dv,dk]
+        const Mat<R> dE = matmul<R>(sg.k, false, *Dout, false);  // (times -e^B below)
+        gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
+        gemm<R>(dX, sg.W, true, dE, false, -eB, R(1));       // [dk,R] x [R,dv]
+      } else {
+        dB += eB * dot<R>(*Dout, *H);
+      }
+    }
+    const Mat<R> Yr = matmul<R>(dO, false, *H, true);  // [R,dv] x [dv,dk]
+    Mat<R> cdO(nr, dv);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int lvl = a.lv.read_level(sg.s + i, sg.s, l);
+      const R eb = std::exp(sg.b[i]);
+      const R coef = a.lambda(i0 + i, lvl) * eb;
+      const R qY = dot(Qt.row(i), Yr.row(i), dk);
+      for (int64_t c = 0; c < dk; ++c) dQt(i, c) += coef * Yr(i, c);
+      if (fen) dlam(i, lvl) += eb * qY;
+      db[i] += coef * qY;
+      for (int64_t c = 0; c < dv; ++c) cdO(i, c) = coef * dO(i, c);
+    }
+    gemm<R>(dX, Qt, true, cdO, false, R(1), R(1));  // [dk,R] x [R,dv]
+  }
+  // intra: O = (D o M) diag(beta) V
+  {
+    Mat<R> bv(nr, dv), P(nr, nr), dP;
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t c = 0; c < dv; ++c) bv(i, c) = a.b(i0 + i) * sg.v(i, c);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j <= i; ++j) P(i, j) = D(i, j) * M(i, j);
+    dP = matmul<R>(dO, false, bv, true);                   // [R,dv] x [dv,R]
+    const Mat<R> dbv = matmul<R>(P, true, dO, false);      // [R,R] x [R,dv]
+    for (int64_t i = 0; i < nr; ++i) {
+      for (int64_t c = 0; c < dv; ++c) dv_(i, c) += a.b(i0 + i) * dbv(i, c);
+      if (delta) dbeta[i] += dot(dbv.row(i), sg.v.row(i), dv);
+    }
+    Mat<R> dD(nr, nr);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t j = 0; j <= i; ++j) {
+        const R dPij = dP(i, j);
+        dD(i, j) = dPij * M(i, j);
+        const R dM = dPij * D(i, j);
+        if (fen) dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dM * std::exp(sg.b[i] - sg.b[j]);
+        const R dG = dM * M(i, j);  // d/d(b_i - b_j)
+        db[i] += dG;
+        db[j] -= dG;
+      }
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t c = 0; c < dk; ++c) dq(i, c) += dQt(i, c);
+    Mat<R> dXm;
+    if (delta) {
+      gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));    // Q~ = q - D bk  [R,dk] x [dk,R]
+      Mat<R> dbk = matmul<R>(D, true, dQt, false);         // [R,R] x [R,dk], negated below
+      scale<R>(dbk, R(-1));
+      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1));    // W = Tm bk  [R,dk] x [dk,R]
+      gemm<R>(dbk, sg.Tm, true, dW, false, R(1), R(1));    // [R,R] x [R,dk]
+      for (int64_t i = 0; i < nr; ++i) {
+        for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
+        dbeta[i] += dot(dbk.row(i), sg.k.row(i), dk);
+      }
+      dXm = matmul<R>(dD, false, sg.Tm, true);             // D = X Tm  [R,R] x [R,R]
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
+      gemm<R>(dTm, X, true, dD, false, R(1), R(1));        // [R,R] x [R,R]
+    } else {
+      dXm = std::move(dD);
+    }
+    gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1));      // [R,R] x [R,dk]
+    gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1));      // [R,R] x [R,dk]
+    if (delta) {  // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T)
+      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false);
+      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true);
+      Mat<R> dA(nr, nr);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < i; ++j) {
+          const R dN = -t2(i, j);
+          dbeta[i] += dN * sg.KK(i, j);
+          dA(i, j) = a.beta[i0 + i] * dN;
+        }
+      gemm<R>(dk_, dA, false, sg.k, false, R(1), R(1));    // (dA + dA^T) K
+      gemm<R>(dk_, dA, true, sg.k, false, R(1), R(1));
+    }
+  }
+  db[nr - 1] += dB;
+  R acc = 0;
+  for (int64_t i = nr - 1; i >= 0; --i) G.dg[i0 + i] = (acc += db[i]);
+  return dHin;
+}
+
+template <class R>
+Canon<R> trimmed(const Canon<R>& H, const Levels& lv, int64_t n) {
+  Canon<R> out;
+  out.resize(lv.slots(n));
+  for (int l = 0; l < static_cast<int>(std::min(out.slot.size(), H.slot.size())); ++l)
+    if (lv.live(n, l) && H.get(l)) out.slot[l] = H.slot[l];
+  return out;
+}
+
+template <class R>
+PrimGrads<R> make_grads(const PrimArgs<R>& a) {
+  PrimGrads<R> G;
+  const int64_t n = a.n();
+  G.dq = Mat<R>(n, a.dk());
+  G.dk = Mat<R>(n, a.dk());
+  G.dv = Mat<R>(n, a.dv());
+  G.dg.assign(static_cast<size_t>(n), R(0));
+  if (a.delta) G.dbeta.assign(static_cast<size_t>(n), R(0));
+  if (a.lv.fenwick) G.dlam = Mat<R>(n, a.lam.c);
+  return G;
+}
+
+// Serial reverse-time adjoint of flat GLA (HLA_SPEC §7.3 specialised to one primitive):
+//   Hbar_t = q_t do_t^T + a_{t+1} Hbar_{t+1};  dq_t = H_t do_t;  dk_t = Hbar_t v_t;
+//   dv_t = Hbar_t^T k_t;  dg_t = a_t <Hbar_t, H_{t-1}>;  dH0 = a_0 Hbar_0.
+// States are recomputed forward from checkpoints every kBlock tokens (no decay inversion).
+template <class R>
+PrimGrads<R> serial_backward_flat(const PrimArgs<R>& a, const Canon<R>& init, MRef<const R> dO,
+                                  const Canon<R>& dfinal) {
+  constexpr int64_t kBlock = 64;
+  const int64_t n = a.n(), dk = a.dk(), dv = a.dv();
+  PrimGrads<R> G = make_grads(a);
+  std::vector<Mat<R>> ckpt;  // H_{t0-1} for each block start t0
+  Mat<R> H = init.get(0) ? *init.get(0) : Mat<R>(dk, dv);
+  auto advance = [&](Mat<R>& S, int64_t i) {
+    scale<R>(S, std::exp(a.gate(i)));
+    for (int64_t r = 0; r < dk; ++r)
+      for (int64_t c = 0; c < dv; ++c) S(r, c) += a.k(i, r) * a.v(i, c);
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % kBlock == 0) ckpt.push_back(H);
+    advance(H, i);
+  }
+  Mat<R> Hbar = dfinal.get(0) ? *dfinal.get(0) : Mat<R>(dk, dv);
+  R a_next = 0;  // a_{t+1}; Hbar_{T-1} = q do^T + dH_T
+  for (int64_t blk = (n + kBlock - 1) / kBlock - 1; blk >= 0; --blk) {
+    const int64_t t0 = blk * kBlock, t1 = std::min(n, t0 + kBlock);
+    std::vector<Mat<R>> Hs(static_cast<size_t>(t1 - t0 + 1));  // H_{t0-1} .. H_{t1-1}
+    Hs[0] = ckpt[blk];
+    for (int64_t i = t0; i < t1; ++i) {
+      Hs[i - t0 + 1] = Hs[i - t0];
+      advance(Hs[i - t0 + 1], i);
+    }
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      if (t < n - 1) scale<R>(Hbar, a_next);
+      for (int64_t r = 0; r < dk; ++r)
+        for (int64_t c = 0; c < dv; ++c) Hbar(r, c) += a.q(t, r) * dO(t, c);
+      const Mat<R>& Ht = Hs[t - t0 + 1];
+      const Mat<R>& Hp = Hs[t - t0];
+      for (int64_t r = 0; r < dk; ++r) {
+        G.dq(t, r) = dot(Ht.row(r), dO.row(t), dv);
+        G.dk(t, r) = dot(Hbar.row(r), a.v.row(t), dv);
+      }
+      for (int64_t c = 0; c < dv; ++c) {
+        R s = 0;
+        for (int64_t r = 0; r < dk; ++r) s += Hbar(r, c) * a.k(t, r);
+        G.dv(t, c) = s;
+      }
+      a_next = std::exp(a.gate(t));
+      G.dg[t] = a_next * dot<R>(Hbar, Hp);
+    }
+  }
+  G.dinit.resize(1);
+  Mat<R> dH0 = Hbar;
+  if (n > 0) scale<R>(dH0, a_next);
+  G.dinit.slot[0] = std::move(dH0);
+  return G;
+}
+
+}  // namespace
+
+template <class R>
+void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
+  const int64_t dk = a.dk(), dv = a.dv();
+  const Levels& lv = a.lv;
+  if (static_cast<int64_t>(st.slot.size()) < lv.slots(t + 1)) st.resize(lv.slots(t + 1));
+  const R at = std::exp(a.gate(i)), bt = a.b(i);
+  const R* q = a.q.row(i);
+  const R* k = a.k.row(i);
+  const R* v = a.v.row(i);
+  // o = lam^0 beta (q.k) v + sum_live lam^l H[l]^T q, after decay (and erase) of every live level
+  const R diag = a.lambda(i, 0) * bt * dot(q, k, dk);
+  for (int64_t c = 0; c < dv; ++c) o[c] = diag * v[c];
+  std::vector<R> kH(static_cast<size_t>(dv));
+  for (int l = 0; l < static_cast<int>(st.slot.size()); ++l) {
+    if (!lv.live(t, l) || st.slot[l].empty()) continue;
+    Mat<R>& H = st.slot[l];
+    if (a.delta) {  // rank-1 erase: H <- a (H - beta k (k^T H)), O(dk dv) per level
+      std::fill(kH.begin(), kH.end(), R(0));
+      for (int64_t r = 0; r < dk; ++r)
+        for (int64_t c = 0; c < dv; ++c) kH[c] += k[r] * H(r, c);
+      for (int64_t r = 0; r < dk; ++r)
+        for (int64_t c = 0; c < dv; ++c) H(r, c) = at * (H(r, c) - bt * k[r] * kH[c]);
+    } else {
+      scale<R>(H, at);
+    }
+    const R lam = a.lambda(i, lv.read_level(t, t, l));
+    for (int64_t r = 0; r < dk; ++r)
+      for (int64_t c = 0; c < dv; ++c) o[c] += lam * q[r] * H(r, c);
+  }
+  // merge: flat adds to its one slot; Fenwick moves levels 1..r and the token into slot r+1
+  Mat<R>* target;
+  if (lv.fenwick) {
+    const int r = ctz(uint64_t(t + 1));
+    Mat<R> merged(dk, dv);
+    for (int l = 1; l <= r; ++l) {
+      if (!st.slot[l].empty()) axpy<R>(merged, st.slot[l]);
+      st.slot[l] = Mat<R>();
+    }
+    st.slot[r + 1] = std::move(merged);
+    target = &st.slot[r + 1];
+  } else {
+    target = &st.at(0, dk, dv);
+  }
+  for (int64_t r = 0; r < dk; ++r)
+    for (int64_t c = 0; c < dv; ++c) (*target)(r, c) += bt * k[r] * v[c];
+}
+
+template <class R>
+Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
+                      MRef<R> O) {
+  const int64_t n = a.n(), n0 = a.n0;
+  Canon<R> st = trimmed(init, a.lv, n0);
+  if (n == 0) return st;
+  switch (form) {
+    case PForm::naive: {
+      Seg<R> sg(a, 0, n);
+      return seg_forward(a, sg, st, &O);
+    }
+    case PForm::serial:
+      for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
+      return trimmed(st, a.lv, n0 + n);
+    case PForm::chunk:
+      for (auto [s, e] : segments(n0, n, chunk)) {
+        Seg<R> sg(a, s - n0, e - n0);
+        MRef<R> Or = O.rows(s - n0, e - n0);
+        st = seg_forward(a, sg, st, &Or);
+      }
+      return st;
+    case PForm::scan: {
+      // chunk summaries -> Blelloch exclusive scan -> every chunk finishes from its carry-in
+      const auto segs = segments(n0, n, chunk);
+      std::vector<PrimSummary<R>> sums(segs.size());
+      for (size_t c = 0; c < segs.size(); ++c)
+        sums[c] = prim_summarize(a, segs[c].first - n0, segs[c].second - n0);
+      const int64_t dk = a.dk(), dv = a.dv();
+      auto comb = [&](const PrimSummary<R>& A, const PrimSummary<R>& B) {
+        return prim_compose(A, B, a.lv, a.delta, dk, dv);
+      };
+      PrimSummary<R> total;
+      const auto prefix = blelloch_exclusive(sums, PrimSummary<R>{}, comb, &total);
+      for (size_t c = 0; c < segs.size(); ++c) {
+        const auto [s, e] = segs[c];
+        Seg<R> sg(a, s - n0, e - n0);
+        MRef<R> Or = O.rows(s - n0, e - n0);
+        seg_forward(a, sg, prim_apply(prefix[c], st, a.lv, a.delta, dk, dv), &Or);
+      }
+      return trimmed(prim_apply(total, st, a.lv, a.delta, dk, dv), a.lv, n0 + n);
+    }
+  }
+  throw std::logic_error("prim_forward: bad form");
+}
+
+template <class R>
+PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
+                           MRef<const R> dO, const Canon<R>& dfinal) {
+  const int64_t n = a.n(), n0 = a.n0;
+  const Canon<R> st0 = trimmed(init, a.lv, n0);
+  const Canon<R> dst = trimmed(dfinal, a.lv, n0 + n);
+  if (form == PForm::serial) {
+    if (a.delta || a.lv.fenwick)
+      throw std::logic_error("serial backward exists for the flat mamba primitive only");
+    return serial_backward_flat(a, st0, dO, dst);
+  }
+  PrimGrads<R> G = make_grads(a);
+  if (n == 0) {
+    G.dinit = dst;
+    return G;
+  }
+  std::vector<std::pair<int64_t, int64_t>> segs =
+      form == PForm::naive ? std::vector<std::pair<int64_t, int64_t>>{{n0, n0 + n}}
+                           : segments(n0, n, chunk);
+  // states-only sweep: the canonical state entering each segment
+  std::vector<Canon<R>> Hin(segs.size());
+  Hin[0] = st0;
+  for (size_t c = 0; c + 1 < segs.size(); ++c) {
+    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
+    Hin[c + 1] = seg_forward(a, sg, Hin[c]);
+  }
+  Canon<R> d = dst;
+  for (size_t c = segs.size(); c-- > 0;) {
+    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
+    d = seg_backward(a, sg, Hin[c], dO.rows(sg.i0, sg.i1), d, G);
+  }
+  G.dinit = trimmed(d, a.lv, n0);
+  return G;
+}
+
+template <class R>
+PrimSummary<R> prim_summarize(const PrimArgs<R>& a, int64_t i0, int64_t i1) {
+  Seg<R> sg(a, i0, i1);
+  PrimSummary<R> S;
+  S.identity = false;
+  S.a = sg.s;
+  S.b = sg.e;
+  S.P = seg_forward(a, sg, Canon<R>{});
+  if (a.delta) {  // M = e^B (I - K^T W)
+    const int64_t dk = a.dk();
+    S.M = Mat<R>(dk, dk);
+    for (int64_t i = 0; i < dk; ++i) S.M(i, i) = 1;
+    gemm<R>(S.M, sg.k, true, sg.W, false, R(-1), R(1));  // [dk,R] x [R,dk]
+    scale<R>(S.M, std::exp(sg.B));
+  } else {
+    S.logm = sg.B;
+  }
+  return S;
+}
+
+template <class R>
+Canon<R> prim_apply(const PrimSummary<R>& S, const Canon<R>& H, const Levels& lv, bool delta,
+                    int64_t dk, int64_t dv) {
+  if (S.identity) return H;
+  Canon<R> out;
+  out.resize(lv.slots(S.b));
+  rekey_add<R>(out, H, lv, S.a, S.b, delta ? R(1) : std::exp(S.logm), delta ? &S.M : nullptr, dk,
+               dv);
+  for (int l = 0; l < static_cast<int>(S.P.slot.size()); ++l)
+    if (const Mat<R>* X = S.P.get(l)) axpy<R>(out.at(l, dk, dv), *X);
+  return out;
+}
+
+template <class R>
+PrimSummary<R> prim_compose(const PrimSummary<R>& A, const PrimSummary<R>& B, const Levels& lv,
+                            bool delta, int64_t dk, int64_t dv) {
+  if (A.identity) return B;
+  if (B.identity) return A;
+  if (A.b != B.a) throw std::logic_error("prim_compose: segments are not adjacent");
+  PrimSummary<R> C;
+  C.identity = false;
+  C.a = A.a;
+  C.b = B.b;
+  if (delta) {
+    C.M = matmul<R>(B.M, false, A.M, false);  // [dk,dk] x [dk,dk]
+  } else {
+    C.logm = A.logm + B.logm;
+  }
+  C.P = prim_apply(B, A.P, lv, delta, dk, dv);
+  return C;
+}
+
+#define HILA_INSTANTIATE(R)                                                                      \
+  template Canon<R> prim_forward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,         \
+                                    MRef<R>);                                                    \
+  template PrimGrads<R> prim_backward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,    \
+                                         MRef<const R>, const Canon<R>&);                        \
+  template void prim_step<R>(const PrimArgs<R>&, int64_t, int64_t, Canon<R>&, R*);               \
+  template void rekey_add<R>(Canon<R>&, const Canon<R>&, const Levels&, int64_t, int64_t, R,     \
+                             const Mat<R>*, int64_t, int64_t);                                   \
+  template PrimSummary<R> prim_summarize<R>(const PrimArgs<R>&, int64_t, int64_t);               \
+  template PrimSummary<R> prim_compose<R>(const PrimSummary<R>&, const PrimSummary<R>&,          \
+                                          const Levels&, bool, int64_t, int64_t);                \
+  template Canon<R> prim_apply<R>(const PrimSummary<R>&, const Canon<R>&, const Levels&, bool,   \
+                                  int64_t, int64_t);
+HILA_INSTANTIATE(float)
+HILA_INSTANTIATE(double)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cpu

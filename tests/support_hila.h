@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared helpers of the GoogleTest suite: tolerances, readable names, result comparison and
+// state slicing. Problems, buffers and calls come from tools/problem.h.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "hila/hila.h"
+#include "problem.h"
+
+namespace hila_test {
+
+using hila::DType;
+using hila::Form;
+using hila::Gates;
+using hila::Op;
+using hila::OpConfig;
+using hila::tools::Buffer;
+using hila::tools::Problem;
+using hila::tools::ProblemSpec;
+using hila::tools::Result;
+using hila::tools::StateBuffers;
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Relative-error bounds against the float64 naive form (max-norm, relative to max |reference|).
+inline double fwd_tol(DType dt) {
+  switch (dt) {
+    case DType::f64: return 1e-10;
+    case DType::f32: return 1e-4;
+    case DType::f16: return 3e-3;  // output rounding 2^-11 plus input/fp32 compute noise
+    default: return 1e-2;          // bf16
+  }
+}
+inline double bwd_tol(DType dt) { return dt == DType::f64 ? 1e-9 : fwd_tol(dt); }
+
+inline std::string dtype_tag(DType dt) {
+  switch (dt) {
+    case DType::f64: return "f64";
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+  }
+  return "dt";
+}
+
+inline hila::OpTraits traits(Op op) { return hila::op_traits(op); }
+inline bool has_gdn_norm(Op op) { return traits(op).delta; }
+inline bool takes_ridge(Op op) { return op == Op::hla2 || op == Op::loglinear_hla2; }
+
+// Every buffer of compare(got, ref) within its bound: forward quantities (o, final.*) within
+// tf, gradients (names starting with 'd') within tb. NaN anywhere gives +inf and fails.
+inline void expect_results_close(const Result& got, const Result& ref, double tf, double tb,
+                                 const std::string& ctx) {
+  for (const auto& [name, err] : hila::tools::compare(got, ref)) {
+    const double tol = name[0] == 'd' ? tb : tf;
+    EXPECT_LE(err, tol) << ctx << ": " << name << " relative error " << err;
+  }
+}
+
+inline void expect_buffer_close(const Buffer& got, const Buffer& ref, double tol,
+                                const std::string& ctx) {
+  const double err = hila::tools::rel_err(got, ref);
+  EXPECT_LE(err, tol) << ctx << " relative error " << err << " (shapes "
+                      << hila::tools::shape_str(got.shape) << " vs "
+                      << hila::tools::shape_str(ref.shape) << ")";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers along their first dimension (state rows: one per sequence).
+
+inline Buffer slice_rows(const Buffer& b, int64_t r0, int64_t n) {
+  if (b.empty()) return Buffer{};
+  std::vector<int64_t> shape = b.shape;
+  shape[0] = n;
+  Buffer out(b.dtype, shape);
+  const size_t row = out.numel() == 0 ? 0 : out.bytes.size() / size_t(n);
+  if (n > 0) std::memcpy(out.bytes.data(), b.bytes.data() + size_t(r0) * row, size_t(n) * row);
+  return out;
+}
+
+// A log-linear H [N, H, Ls, dk, dv'] with its slot axis resized to Ls (zero-padded or cut).
+// Returns false through `lossless` when a cut slot held a non-zero entry.
+inline Buffer resize_slots(const Buffer& h, int64_t Ls, bool* lossless = nullptr) {
+  if (h.empty() || h.shape.size() != 5) return h;
+  std::vector<int64_t> shape = h.shape;
+  const int64_t L0 = shape[2];
+  shape[2] = Ls;
+  Buffer out(h.dtype, shape);
+  const int64_t outer = shape[0] * shape[1], mat = shape[3] * shape[4];
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t l = 0; l < std::max(L0, Ls); ++l)
+      for (int64_t i = 0; i < mat; ++i) {
+        const double x = l < L0 ? h.get((o * L0 + l) * mat + i) : 0.0;
+        if (l < Ls)
+          out.set((o * Ls + l) * mat + i, x);
+        else if (x != 0 && lossless)
+          *lossless = false;
+      }
+  return out;
+}
+
+// Elements per token of a [B, T, ...] buffer.
+inline int64_t token_elems(const Buffer& b) {
+  int64_t n = 1;
+  for (size_t i = 2; i < b.shape.size(); ++i) n *= b.shape[i];
+  return n;
+}
+
+// Row b of the result = token t[b] of batch row b: [B, T, ...] -> [B, ...] (decode-step layout).
+inline Buffer gather_tokens(const Buffer& b, const std::vector<int64_t>& t) {
+  if (b.empty()) return Buffer{};
+  std::vector<int64_t> shape = b.shape;
+  shape.erase(shape.begin() + 1);
+  Buffer out(b.dtype, shape);
+  const int64_t e = token_elems(b), T = b.shape[1];
+  const size_t es = size_t(hila::dtype_size(b.dtype));
+  for (int64_t i = 0; i < b.shape[0]; ++i)
+    std::memcpy(out.bytes.data() + size_t(i * e) * es,
+                b.bytes.data() + size_t((i * T + t[size_t(i)]) * e) * es, size_t(e) * es);
+  return out;
+}
+
+// Concatenation of B == 1 buffers along T.
+inline Buffer concat_time(const std::vector<Buffer>& parts) {
+  if (parts.empty() || parts[0].empty()) return Buffer{};
+  std::vector<int64_t> shape = parts[0].shape;
+  shape[1] = 0;
+  for (const Buffer& p : parts) shape[1] += p.shape[1];
+  Buffer out(parts[0].dtype, shape);
+  size_t off = 0;
+  for (const Buffer& p : parts) {
+    std::memcpy(out.bytes.data() + off, p.bytes.data(), p.bytes.size());
+    off += p.bytes.size();
+  }
+  return out;
+}
+
+inline StateBuffers state_row(const StateBuffers& s, int64_t i) {
+  return StateBuffers{slice_rows(s.pos, i, 1), slice_rows(s.S, i, 1), slice_rows(s.P, i, 1),
+                      slice_rows(s.H, i, 1)};
+}
+
+inline StateBuffers with_slots(StateBuffers s, int64_t Ls) {
+  s.H = resize_slots(s.H, Ls);
+  return s;
+}
+
+// Copy of a (possibly strided) state view into owning contiguous buffers.
+inline Buffer copy_view(const hila::TensorView& t) {
+  if (!t.defined()) return Buffer{};
+  std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+  Buffer out(t.dtype, shape);
+  const int64_t n = out.numel();
+  const int es = hila::dtype_size(t.dtype);
+  for (int64_t lin = 0; lin < n; ++lin) {
+    int64_t rem = lin, off = 0;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      off += (rem % t.shape[d]) * t.stride[d];
+      rem /= t.shape[d];
+    }
+    std::memcpy(out.bytes.data() + size_t(lin) * es,
+                static_cast<const unsigned char*>(t.data) + size_t(off) * es, size_t(es));
+  }
+  return out;
+}
+inline StateBuffers copy_state(const hila::StateView& v) {
+  return StateBuffers{copy_view(v.pos), copy_view(v.S), copy_view(v.P), copy_view(v.H)};
+}
+
+// rel_err of two states whose Fenwick capacities may differ: common slots compared, slots present
+// in one only must be zero. pos compared exactly (when present in both).
+inline double state_err(const StateBuffers& got, const StateBuffers& ref) {
+  StateBuffers a = got, b = ref;
+  if (!a.H.empty() && !b.H.empty() && a.H.shape.size() == 5 && b.H.shape.size() == 5 &&
+      a.H.shape[2] != b.H.shape[2]) {
+    const int64_t L = std::max(a.H.shape[2], b.H.shape[2]);
+    a.H = resize_slots(a.H, L);
+    b.H = resize_slots(b.H, L);
+  }
+  if (a.pos.empty() || b.pos.empty()) a.pos = b.pos = Buffer{};
+  return hila::tools::rel_err(a, b);
+}
+
+// Whether every entry is finite.
+inline bool all_finite(const Buffer& b) {
+  for (int64_t i = 0; i < b.numel(); ++i)
+    if (!std::isfinite(b.get(i))) return false;
+  return true;
+}
+
+inline std::string op_tag(Op op) { return hila::op_name(op); }
+
+// Base spec shared by the suites: gated, tied gates, float64, small heads.
+inline ProblemSpec spec_for(Op op, int64_t T, uint64_t seed) {
+  ProblemSpec s;
+  s.cfg.op = op;
+  s.T = T;
+  s.seed = seed;
+  return s;
+}
+
+// A stable seed from a test name, so every test has its own inputs.
+inline uint64_t seed_of(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) h = (h ^ uint64_t(uint8_t(c))) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace hila_test

@@ -1,0 +1,273 @@
+// SPDX-License-Identifier: Apache-2.0
+// Every operator x form x direction against the float64 naive form (HLA_SPEC §1–7,
+// LOGLINEAR_SPEC §3–7): outputs, final states and all gradients, in float64 (1e-10, backward
+// 1e-9), float32 (1e-4) and bf16 / f16 inputs (computed in fp32).
+#include <string>
+#include <vector>
+
+#include "support_hila.h"
+
+namespace hila_test {
+namespace {
+
+enum class Var { plain, nogate, init, gqa, untied, normalize, ridge, l2norm, scale, all };
+
+const char* var_tag(Var v) {
+  switch (v) {
+    case Var::plain: return "plain";
+    case Var::nogate: return "nogate";
+    case Var::init: return "init";
+    case Var::gqa: return "gqa";
+    case Var::untied: return "untied";
+    case Var::normalize: return "normalize";
+    case Var::ridge: return "ridge";
+    case Var::l2norm: return "l2norm";
+    case Var::scale: return "scale";
+    case Var::all: return "all";
+  }
+  return "?";
+}
+
+bool applies(Op op, Var v) {
+  const hila::OpTraits t = traits(op);
+  switch (v) {
+    case Var::untied:
+    case Var::normalize: return t.hla_family;
+    case Var::ridge: return takes_ridge(op);
+    case Var::l2norm: return t.delta;
+    default: return true;
+  }
+}
+
+struct FormCase {
+  Op op;
+  Form form;
+  int64_t chunk;
+  DType dt;
+  int64_t T;
+  Var var;
+  bool bwd;
+};
+
+std::string case_name(const FormCase& c) {
+  std::string f = hila::form_name(c.form);
+  if (c.form == Form::chunk || c.form == Form::scan) f += std::to_string(c.chunk);
+  return op_tag(c.op) + "_" + f + "_" + dtype_tag(c.dt) + "_T" + std::to_string(c.T) + "_" +
+         var_tag(c.var) + (c.bwd ? "_bwd" : "_fwd");
+}
+
+ProblemSpec spec_of(const FormCase& c) {
+  ProblemSpec s = spec_for(c.op, c.T, seed_of(case_name(c)));
+  s.B = 2;
+  s.H = 2;
+  s.G = 1;
+  s.dk = 8;
+  s.dv = 5;
+  s.dtype = c.dt;
+  const hila::OpTraits t = traits(c.op);
+  auto init = [&] {
+    s.init_state = true;
+    s.init_pos = {37, 100};  // unaligned with every chunk size; different per sequence
+  };
+  auto gqa = [&] {
+    s.G = 2;
+    s.H = 4;
+  };
+  switch (c.var) {
+    case Var::plain: break;
+    case Var::nogate: s.gated = false; break;
+    case Var::init: init(); break;
+    case Var::gqa: gqa(); break;
+    case Var::untied: s.cfg.gates = Gates::untied; break;
+    case Var::normalize:
+      s.cfg.normalize = true;
+      s.nonneg = true;  // positive denominators (HLA_SPEC §4)
+      break;
+    case Var::ridge: s.cfg.ridge = 0.3; break;
+    case Var::l2norm: s.cfg.qk_l2norm = true; break;
+    case Var::scale: s.cfg.scale = 0.6; break;
+    case Var::all:
+      init();
+      gqa();
+      if (t.hla_family) {
+        s.cfg.gates = Gates::untied;
+        s.cfg.normalize = true;
+        s.nonneg = true;
+      }
+      if (takes_ridge(c.op)) s.cfg.ridge = 0.3;
+      if (t.delta) s.cfg.qk_l2norm = true;
+      break;
+  }
+  return s;
+}
+
+struct FormConfig {
+  Form form;
+  int64_t chunk;
+};
+
+std::vector<FormConfig> form_configs(bool with_naive) {
+  std::vector<FormConfig> f = {{Form::serial, 64}, {Form::chunk, 16}, {Form::chunk, 64},
+                               {Form::scan, 16},   {Form::scan, 64}};
+  if (with_naive) f.insert(f.begin(), {Form::naive, 64});
+  return f;
+}
+
+void add_cases(std::vector<FormCase>& out, Op op, DType dt, int64_t T, Var var, bool with_bwd) {
+  for (const FormConfig& fc : form_configs(dt != DType::f64)) {
+    out.push_back({op, fc.form, fc.chunk, dt, T, var, false});
+    if (with_bwd && hila::supports(op, fc.form, true))
+      out.push_back({op, fc.form, fc.chunk, dt, T, var, true});
+  }
+}
+
+// Plain problems over the T sweep (T = 1, around one chunk of 64, more than two chunks).
+std::vector<FormCase> sweep_cases() {
+  std::vector<FormCase> out;
+  for (Op op : hila::all_ops())
+    for (DType dt : {DType::f64, DType::f32})
+      for (int64_t T : {1, 63, 64, 65, 130}) add_cases(out, op, dt, T, Var::plain, true);
+  return out;
+}
+
+// Options and structure: no gates, initial states, GQA, untied gates, normalize, ridge, qk_l2norm,
+// explicit scale, and all of them at once.
+std::vector<FormCase> variant_cases() {
+  std::vector<FormCase> out;
+  const Var vars[] = {Var::nogate, Var::init,   Var::gqa,   Var::untied, Var::normalize,
+                      Var::ridge,  Var::l2norm, Var::scale, Var::all};
+  for (Op op : hila::all_ops())
+    for (Var v : vars) {
+      if (!applies(op, v)) continue;
+      std::vector<int64_t> Ts = {65};
+      if (v == Var::init || v == Var::all) Ts = {1, 65, 130};
+      for (DType dt : {DType::f64, DType::f32})
+        for (int64_t T : Ts) add_cases(out, op, dt, T, v, true);
+    }
+  return out;
+}
+
+// bf16 / f16 inputs are accepted and computed in fp32 (forward).
+std::vector<FormCase> lowp_cases() {
+  std::vector<FormCase> out;
+  for (Op op : hila::all_ops())
+    for (DType dt : {DType::bf16, DType::f16}) {
+      add_cases(out, op, dt, 65, Var::plain, false);
+      add_cases(out, op, dt, 65, Var::init, false);
+    }
+  return out;
+}
+
+class Forms : public ::testing::TestWithParam<FormCase> {};
+
+TEST_P(Forms, MatchesNaiveFloat64) {
+  const FormCase& c = GetParam();
+  const Problem p = hila::tools::make_problem(spec_of(c));
+  const Problem ref = c.dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
+  const Result got = c.bwd ? hila::tools::run_backward(p, c.form, c.chunk)
+                           : hila::tools::run_forward(p, c.form, c.chunk);
+  const Result want = c.bwd ? hila::tools::run_backward(ref, Form::naive)
+                            : hila::tools::run_forward(ref, Form::naive);
+  ASSERT_EQ(got.o.dtype, c.dt) << "o must have the dtype of v";
+  if (!got.final_state.S.empty())
+    EXPECT_EQ(got.final_state.S.dtype, hila::tools::state_dtype(c.dt));
+  if (!got.final_state.H.empty())
+    EXPECT_EQ(got.final_state.H.dtype, hila::tools::state_dtype(c.dt));
+  expect_results_close(got, want, fwd_tol(c.dt), bwd_tol(c.dt), case_name(c));
+}
+
+std::string param_name(const ::testing::TestParamInfo<FormCase>& info) {
+  return case_name(info.param);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, Forms, ::testing::ValuesIn(sweep_cases()), param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, Forms, ::testing::ValuesIn(variant_cases()), param_name);
+INSTANTIATE_TEST_SUITE_P(LowPrecision, Forms, ::testing::ValuesIn(lowp_cases()), param_name);
+
+// The naive form itself against an independent float64 reference: GLA with one head computed
+// here from HLA_SPEC §1, so a wrong naive form cannot hide behind form agreement.
+TEST(FormsOracle, NaiveGlaMatchesDirectSum) {
+  ProblemSpec s = spec_for(Op::gla, 23, 11);
+  s.dk = 3;
+  s.dv = 2;
+  s.cfg.scale = 0.7;
+  const Problem p = hila::tools::make_problem(s);
+  const Result r = hila::tools::run_forward(p, Form::naive);
+  const std::vector<double> q = p.q.to_double(), k = p.k.to_double(), v = p.v.to_double(),
+                            g = p.g.to_double();
+  Buffer want(DType::f64, {1, 23, 1, 2});
+  for (int t = 0; t < 23; ++t)
+    for (int c = 0; c < 2; ++c) {
+      double acc = 0;
+      for (int u = 0; u <= t; ++u) {
+        double decay = 0;
+        for (int r2 = u + 1; r2 <= t; ++r2) decay += g[r2];
+        double qk = 0;
+        for (int i = 0; i < 3; ++i) qk += 0.7 * q[t * 3 + i] * k[u * 3 + i];
+        acc += std::exp(decay) * qk * v[u * 2 + c];
+      }
+      want.set(t * 2 + c, acc);
+    }
+  expect_buffer_close(r.o, want, 1e-12, "naive gla vs direct sum");
+}
+
+// HLA2 naive against its triple-sum definition (HLA_SPEC §3.1, tied gates).
+TEST(FormsOracle, NaiveHla2MatchesTripleSum) {
+  ProblemSpec s = spec_for(Op::hla2, 17, 12);
+  s.dk = 3;
+  s.dv = 2;
+  const Problem p = hila::tools::make_problem(s);
+  const Result r = hila::tools::run_forward(p, Form::naive);
+  const double sc = 1.0 / std::sqrt(3.0);
+  const std::vector<double> q = p.q.to_double(), k = p.k.to_double(), v = p.v.to_double(),
+                            g = p.g.to_double();
+  std::vector<double> c(17);
+  for (int t = 0; t < 17; ++t) c[t] = (t ? c[t - 1] : 0) + g[t];
+  auto dot = [&](const std::vector<double>& a, int i, const std::vector<double>& b, int j) {
+    double x = 0;
+    for (int d = 0; d < 3; ++d) x += a[i * 3 + d] * b[j * 3 + d];
+    return x;
+  };
+  Buffer want(DType::f64, {1, 17, 1, 2});
+  for (int t = 0; t < 17; ++t)
+    for (int col = 0; col < 2; ++col) {
+      double acc = 0;
+      for (int j = 0; j <= t; ++j)
+        for (int i = 0; i <= j; ++i)
+          acc += std::exp(c[t] - c[i]) * sc * dot(q, t, k, i) * sc * dot(q, j, k, i) *
+                 v[j * 2 + col];
+      want.set(t * 2 + col, acc);
+    }
+  expect_buffer_close(r.o, want, 1e-12, "naive hla2 vs triple sum");
+}
+
+// Log-linear Mamba-2 naive against its masked definition (LOGLINEAR_SPEC §3.1).
+TEST(FormsOracle, NaiveLoglinearMatchesMaskedSum) {
+  ProblemSpec s = spec_for(Op::loglinear, 21, 13);
+  s.dk = 3;
+  s.dv = 2;
+  const Problem p = hila::tools::make_problem(s);
+  const Result r = hila::tools::run_forward(p, Form::naive);
+  const double sc = 1.0 / std::sqrt(3.0);
+  const int64_t L = p.lam.shape[3];
+  const std::vector<double> q = p.q.to_double(), k = p.k.to_double(), v = p.v.to_double(),
+                            g = p.g.to_double(), lam = p.lam.to_double();
+  auto bitlen = [](uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; };
+  Buffer want(DType::f64, {1, 21, 1, 2});
+  for (int t = 0; t < 21; ++t)
+    for (int col = 0; col < 2; ++col) {
+      double acc = 0;
+      for (int u = 0; u <= t; ++u) {
+        double decay = 0;
+        for (int r2 = u + 1; r2 <= t; ++r2) decay += g[r2];
+        double qk = 0;
+        for (int d = 0; d < 3; ++d) qk += sc * q[t * 3 + d] * k[u * 3 + d];
+        acc += lam[t * L + bitlen(uint64_t(t ^ u))] * std::exp(decay) * qk * v[u * 2 + col];
+      }
+      want.set(t * 2 + col, acc);
+    }
+  expect_buffer_close(r.o, want, 1e-12, "naive loglinear vs masked sum");
+}
+
+}  // namespace
+}  // namespace hila_test

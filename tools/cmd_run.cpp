@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: Apache-2.0
+// `hila run`: one forward (or forward + backward) call on tensors from a safetensors file.
+#include <iostream>
+#include <memory>
+
+#include "commands.h"
+#include "hila/error.h"
+#include "problem.h"
+#include "safetensors.h"
+
+namespace hila::tools {
+
+namespace {
+
+struct RunOptions {
+  std::string op, form = "chunk", in, out, gates = "tied", device = "cpu";
+  int64_t chunk = 64;
+  bool backward = false, no_check_values = false;
+  OpConfig cfg;  // scalar flags are parsed straight into it
+};
+
+Buffer take(Safetensors& f, const std::string& name) {
+  auto it = f.tensors.find(name);
+  if (it == f.tensors.end()) return Buffer{};
+  Buffer b = std::move(it->second);
+  f.tensors.erase(it);
+  return b;
+}
+
+StateBuffers take_state(Safetensors& f, const std::string& prefix, bool with_pos) {
+  StateBuffers s;
+  if (with_pos) s.pos = take(f, prefix + ".pos");
+  s.S = take(f, prefix + ".S");
+  s.P = take(f, prefix + ".P");
+  s.H = take(f, prefix + ".H");
+  return s;
+}
+
+void require_rank4(const Buffer& b, const char* name, const char* layout) {
+  if (b.empty()) throw Error(name, std::string("required tensor missing from the input file"));
+  if (b.shape.size() != 4)
+    throw Error(name, std::string("expected a tensor of rank 4 ") + layout + ", got " + shape_str(b.shape));
+}
+
+std::vector<int64_t> int_values(const Buffer& b) {
+  std::vector<int64_t> out(static_cast<size_t>(b.numel()));
+  for (int64_t i = 0; i < b.numel(); ++i)  // i64 read exactly: positions may exceed 2^53
+    out[size_t(i)] = b.dtype == DType::i64 ? b.data<int64_t>()[i] : int64_t(b.get(i));
+  return out;
+}
+
+// The file's tensors as a Problem, so that run_forward / run_backward allocate the outputs exactly
+// as they do for the tests. Shapes beyond what allocation needs are left to hila's validation.
+Problem problem_from_file(const OpConfig& cfg, Safetensors& f, bool backward) {
+  Problem p;
+  p.q = take(f, "q");
+  p.k = take(f, "k");
+  p.v = take(f, "v");
+  p.g = take(f, "g");
+  p.lam = take(f, "lam");
+  p.beta = take(f, "beta");
+  p.cu_seqlens = take(f, "cu_seqlens");
+  p.init = take_state(f, "h0", true);
+  if (backward) {
+    p.d_o = take(f, "do");
+    p.d_final = take_state(f, "dht", false);
+    if (p.d_o.empty()) throw Error("do", "required with --backward: the cotangent of o, shaped like o");
+  }
+  require_rank4(p.q, "q", "[B, T, G, dk]");
+  require_rank4(p.v, "v", "[B, T, H, dv]");
+
+  ProblemSpec& s = p.spec;
+  s.cfg = cfg;
+  s.B = p.v.shape[0];
+  s.T = p.v.shape[1];
+  s.H = p.v.shape[2];
+  s.dv = p.v.shape[3];
+  s.G = p.q.shape[2];
+  s.dk = p.q.shape[3];
+  s.dtype = p.v.dtype;
+  s.gated = !p.g.empty();
+  if (p.cu_seqlens.shape.size() == 1 && p.cu_seqlens.numel() >= 2 && !is_float(p.cu_seqlens.dtype)) {
+    const std::vector<int64_t> cu = int_values(p.cu_seqlens);
+    for (size_t i = 0; i + 1 < cu.size(); ++i) s.seqlens.push_back(cu[i + 1] - cu[i]);
+  }
+  s.init_state = !p.init.empty();
+  if (p.init.pos.shape.size() == 1 && p.init.pos.numel() == p.num_seqs() && !is_float(p.init.pos.dtype))
+    s.init_pos = int_values(p.init.pos);
+  return p;
+}
+
+void put(Safetensors& f, const std::string& name, Buffer& b) {
+  if (!b.empty()) f.tensors[name] = std::move(b);
+}
+
+void put_state(Safetensors& f, const std::string& prefix, StateBuffers& s) {
+  put(f, prefix + ".pos", s.pos);
+  put(f, prefix + ".S", s.S);
+  put(f, prefix + ".P", s.P);
+  put(f, prefix + ".H", s.H);
+}
+
+int run(const RunOptions& o) {
+  parse_device(o.device);
+  OpConfig cfg = o.cfg;
+  cfg.op = parse_op(o.op);
+  cfg.gates = o.gates == "untied" ? Gates::untied : Gates::tied;
+  cfg.check_values = !o.no_check_values;
+  const Form form = parse_form(o.form);
+
+  Safetensors in = read_safetensors(o.in);
+  Problem p = problem_from_file(cfg, in, o.backward);
+  for (const auto& [name, b] : in.tensors)
+    std::cerr << "hila: warning: ignoring tensor '" << name << "' in " << o.in
+              << (name.rfind("dht.", 0) == 0 ? " (only read with --backward)" : "") << '\n';
+
+  Result r = o.backward ? run_backward(p, form, o.chunk) : run_forward(p, form, o.chunk);
+
+  Safetensors out;
+  out.metadata = {{"op", op_name(cfg.op)},
+                  {"form", form_name(form)},
+                  {"chunk", std::to_string(o.chunk)},
+                  {"direction", o.backward ? "backward" : "forward"}};
+  put(out, "o", r.o);
+  put_state(out, "ht", r.final_state);
+  if (o.backward) {
+    put(out, "dq", r.dq);
+    put(out, "dk", r.dk);
+    put(out, "dv", r.dv);
+    put(out, "dg", r.dg);
+    put(out, "dlam", r.dlam);
+    put(out, "dbeta", r.dbeta);
+    put_state(out, "dh0", r.d_init);
+  }
+  write_safetensors(o.out, out);
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_run_command(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  CLI::App* sub = app.add_subcommand("run", "run one operator call on tensors from a safetensors file");
+  sub->add_option("--op", o->op, "operator: gla, hla2, ahla, hla3, loglinear, loglinear_hla2, loglinear_ahla, "
+                                 "loglinear_hla3, gdn, loglinear_gdn")->required();
+  sub->add_option("--form", o->form, "naive, serial, chunk or scan")->capture_default_str();
+  sub->add_option("--in", o->in, "input file: q k v [g lam beta cu_seqlens do h0.pos h0.S h0.P h0.H dht.S dht.P dht.H]")
+      ->required();
+  sub->add_option("--out", o->out, "output file: o ht.* [dq dk dv dg dlam dbeta dh0.*]")->required();
+  sub->add_flag("--backward", o->backward, "also compute gradients (reads do and optional dht.*)");
+  sub->add_option("--chunk", o->chunk, "chunk size, a power of two (chunk and scan forms)")->capture_default_str();
+  sub->add_flag("--normalize", o->cfg.normalize, "HLA family: o = num / (den + eps)");
+  sub->add_option("--eps", o->cfg.eps, "epsilon of --normalize")->capture_default_str();
+  sub->add_option("--scale", o->cfg.scale, "query scale; 0 means dk^-1/2")->capture_default_str();
+  sub->add_option("--ridge", o->cfg.ridge, "hla2 / loglinear_hla2: S + ridge * I")->capture_default_str();
+  sub->add_option("--gates", o->gates, "tied (one log-gate per head) or untied (one per primitive)")
+      ->check(CLI::IsMember({"tied", "untied"}))
+      ->capture_default_str();
+  sub->add_flag("--qk-l2norm", o->cfg.qk_l2norm, "gdn / loglinear_gdn: L2-normalize q and k in the kernel");
+  sub->add_flag("--no-check-values", o->no_check_values, "skip the g <= 0 and finiteness checks on inputs");
+  add_device_option(sub, o->device);
+  return {sub, [o] { return run(*o); }};
+}
+
+}  // namespace hila::tools
