@@ -173,7 +173,7 @@ TEST_P(Forms, MatchesNaiveFloat64) {
     EXPECT_EQ(got.final_state.S.dtype, hila::tools::state_dtype(c.dt));
   if (!got.final_state.H.empty())
     EXPECT_EQ(got.final_state.H.dtype, hila::tools::state_dtype(c.dt));
-  expect_results_close(got, want, fwd_tol(c.dt), bwd_tol(c.dt), case_name(c));
+  expect_results_close(got, want, fwd_tol(c.dt), bwd_tol(c.dt), case_name(c), grad_floor(c.dt));
 }
 
 std::string param_name(const ::testing::TestParamInfo<FormCase>& info) {

@@ -342,7 +342,7 @@ TEST(DecodeStateSize, BytesPerSequence) {
       const int64_t fixed = H * ((t.has_S ? dk * (dk + 1) / 2 : 0) + (t.has_P ? dk * dv : 0)) * es;
       const int64_t per_slot = H * dk * dv * es;
       std::vector<int64_t> bytes;
-      for (int64_t max_pos : {16, 1024, 2048, int64_t(1) << 20}) {
+      for (int64_t max_pos : {int64_t(16), int64_t(1024), int64_t(2048), int64_t(1) << 20}) {
         ds.reserve(max_pos);
         const int64_t b = ds.bytes_per_sequence();
         bytes.push_back(b);

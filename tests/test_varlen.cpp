@@ -82,16 +82,18 @@ TEST_P(Varlen, PackedEqualsSeparate) {
                                : hila::tools::run_forward(s, c.form, c.chunk);
     const int64_t len = p.seq_len(i);
     auto rows = [&](const Buffer& b) { return hila::tools::slice_time(b, t0, len); };
+    // A sequence's gradient may be exactly zero (dg of a length-1 sequence without a state).
+    auto floor = [](const Buffer& b) { return 1e-4 * max_abs(b); };
     expect_buffer_close(rows(packed.o), alone.o, tf, ctx + " o");
     EXPECT_LE(state_err(state_row(packed.final_state, i), alone.final_state), tf)
         << ctx << " final state";
     if (c.bwd) {
-      expect_buffer_close(rows(packed.dq), alone.dq, tb, ctx + " dq");
-      expect_buffer_close(rows(packed.dk), alone.dk, tb, ctx + " dk");
-      expect_buffer_close(rows(packed.dv), alone.dv, tb, ctx + " dv");
-      expect_buffer_close(rows(packed.dg), alone.dg, tb, ctx + " dg");
-      expect_buffer_close(rows(packed.dlam), alone.dlam, tb, ctx + " dlam");
-      expect_buffer_close(rows(packed.dbeta), alone.dbeta, tb, ctx + " dbeta");
+      expect_buffer_close(rows(packed.dq), alone.dq, tb, ctx + " dq", floor(packed.dq));
+      expect_buffer_close(rows(packed.dk), alone.dk, tb, ctx + " dk", floor(packed.dk));
+      expect_buffer_close(rows(packed.dv), alone.dv, tb, ctx + " dv", floor(packed.dv));
+      expect_buffer_close(rows(packed.dg), alone.dg, tb, ctx + " dg", floor(packed.dg));
+      expect_buffer_close(rows(packed.dlam), alone.dlam, tb, ctx + " dlam", floor(packed.dlam));
+      expect_buffer_close(rows(packed.dbeta), alone.dbeta, tb, ctx + " dbeta", floor(packed.dbeta));
       if (c.init)
         EXPECT_LE(state_err(state_row(packed.d_init, i), alone.d_init), tb) << ctx << " d_init";
     }

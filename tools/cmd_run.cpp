@@ -112,7 +112,7 @@ int run(const RunOptions& o) {
   Problem p = problem_from_file(cfg, in, o.backward);
   for (const auto& [name, b] : in.tensors)
     std::cerr << "hila: warning: ignoring tensor '" << name << "' in " << o.in
-              << (name.rfind("dht.", 0) == 0 ? " (only read with --backward)" : "") << '\n';
+              << (name == "do" || name.rfind("dht.", 0) == 0 ? " (only read with --backward)" : "") << '\n';
 
   Result r = o.backward ? run_backward(p, form, o.chunk) : run_forward(p, form, o.chunk);
 

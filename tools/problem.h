@@ -136,12 +136,15 @@ Result run_forward(const Problem& p, Form form, int64_t chunk = 64);
 // input (dq, dk, dv; dg if gated; dlam if log-linear; dbeta if delta; d_init if init_state).
 Result run_backward(const Problem& p, Form form, int64_t chunk = 64);
 
-// max |a-b| / max(max|b|, tiny). +inf if a or b holds NaN/Inf or the shapes differ; 0 if both absent.
-double rel_err(const Buffer& a, const Buffer& b);
+// max |a-b| / max(max|b|, floor, tiny). +inf if a or b holds NaN/Inf or the shapes differ; 0 if
+// both absent. floor keeps a tensor that is exactly zero in exact arithmetic (rounding noise only,
+// e.g. dg at T = 1) from reading as a 100% error.
+double rel_err(const Buffer& a, const Buffer& b, double floor = 0);
 // Per part (pos compared exactly: +inf on mismatch); +inf if a part is present in one only.
 double rel_err(const StateBuffers& a, const StateBuffers& b);
 // rel_err of every buffer present in a or b, named "o", "dq", ..., "final.H", "d_init.S", ...
-std::vector<std::pair<std::string, double>> compare(const Result& a, const Result& b);
-double rel_err(const Result& a, const Result& b);  // max over compare()
+// Gradients get floor = grad_floor x (largest |entry| over all of b's gradients).
+std::vector<std::pair<std::string, double>> compare(const Result& a, const Result& b, double grad_floor = 0);
+double rel_err(const Result& a, const Result& b, double grad_floor = 0);  // max over compare()
 
 }  // namespace hila::tools

@@ -70,4 +70,27 @@ inline void store_int(const TensorView& t, int64_t off, int64_t x) {
   else store(t, off, static_cast<double>(x));
 }
 
+// Rows of n elements at `off` (innermost stride 1, as validation guarantees), converted to R.
+template <class R>
+inline void load_row(const TensorView& t, int64_t off, R* dst, int64_t n) {
+  if (t.dtype == DType::f32 && sizeof(R) == 4) {
+    std::memcpy(dst, static_cast<const float*>(t.data) + off, n * sizeof(R));
+  } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
+    std::memcpy(dst, static_cast<const double*>(t.data) + off, n * sizeof(R));
+  } else {
+    for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<R>(load(t, off + c));
+  }
+}
+
+template <class R>
+inline void store_row(const TensorView& t, int64_t off, const R* src, int64_t n) {
+  if (t.dtype == DType::f32 && sizeof(R) == 4) {
+    std::memcpy(static_cast<float*>(t.data) + off, src, n * sizeof(R));
+  } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
+    std::memcpy(static_cast<double*>(t.data) + off, src, n * sizeof(R));
+  } else {
+    for (int64_t c = 0; c < n; ++c) store(t, off + c, static_cast<double>(src[c]));
+  }
+}
+
 }  // namespace hila::detail

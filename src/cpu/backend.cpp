@@ -57,8 +57,7 @@ Mat<R> gather_qk(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t gr
                  double scale) {
   Mat<R> m(s.len, G.r->dk);
   for (int64_t i = 0; i < s.len; ++i) {
-    const int64_t o = base(t, G.with_t, s.b, s.row0 + i, grp);
-    for (int64_t c = 0; c < G.r->dk; ++c) m(i, c) = R(load(t, o + c * inner(t)));
+    load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, grp), m.row(i), G.r->dk);
   }
   if (l2) l2norm_rows(m);
   if (scale != 1.0) cpu::scale<R>(m, R(scale));
@@ -71,8 +70,7 @@ Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t 
                    bool ones = false) {
   Mat<R> m(s.len, cols + (ones ? 1 : 0));
   for (int64_t i = 0; i < s.len; ++i) {
-    const int64_t o = base(t, G.with_t, s.b, s.row0 + i, h);
-    for (int64_t c = 0; c < cols; ++c) m(i, c) = R(load(t, o + c * inner(t)));
+    load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, h), m.row(i), cols);
     if (ones) m(i, cols) = 1;
   }
   return m;
@@ -92,10 +90,7 @@ std::vector<R> gather_col(const Geo& G, const TensorView& t, const SeqInfo& s, i
 template <class R>
 void scatter_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h,
                   cpu::MRef<const R> m, int64_t cols) {
-  for (int64_t i = 0; i < s.len; ++i) {
-    const int64_t o = base(t, G.with_t, s.b, s.row0 + i, h);
-    for (int64_t c = 0; c < cols; ++c) store(t, o + c * inner(t), double(m(i, c)));
-  }
+  for (int64_t i = 0; i < s.len; ++i) store_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, h), m.row(i), cols);
 }
 
 // ---- states -------------------------------------------------------------------------------
@@ -104,29 +99,24 @@ template <class R>
 Canon<R> read_mat(const TensorView& t, int64_t i, int64_t h, int64_t rows, int64_t cols) {
   Canon<R> c;
   c.slot.emplace_back(rows, cols);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < cols; ++k) c.slot[0](r, k) = R(load(t, offset(t, {i, h, r, k})));
+  for (int64_t r = 0; r < rows; ++r) load_row<R>(t, offset(t, {i, h, r, 0}), c.slot[0].row(r), cols);
   return c;
 }
 
+// Packed symmetric S (row-major upper triangle). As a cotangent (d_final), <p, dp> =
+// sum_{a<=b} S_ab dp_ab, so the dense cotangent is the upper triangle alone.
 template <class R>
-Canon<R> read_packed(const TensorView& t, int64_t i, int64_t h, int64_t d) {
+Canon<R> read_packed(const TensorView& t, int64_t i, int64_t h, int64_t d, bool cotangent) {
+  std::vector<R> p(static_cast<size_t>(d * (d + 1) / 2));
+  load_row<R>(t, offset(t, {i, h, 0}), p.data(), static_cast<int64_t>(p.size()));
   Canon<R> c;
   c.slot.emplace_back(d, d);
   Mat<R>& S = c.slot[0];
   for (int64_t a = 0; a < d; ++a)
-    for (int64_t b = a; b < d; ++b)
-      S(a, b) = S(b, a) = R(load(t, offset(t, {i, h, packed_index(a, b, d)})));
-  return c;
-}
-
-// d_final of a packed S: <p, dp> = sum_{a<=b} S_ab dp_ab, i.e. dS = upper-triangular dp.
-template <class R>
-Canon<R> read_packed_cotangent(const TensorView& t, int64_t i, int64_t h, int64_t d) {
-  Canon<R> c;
-  c.slot.emplace_back(d, d);
-  for (int64_t a = 0; a < d; ++a)
-    for (int64_t b = a; b < d; ++b) c.slot[0](a, b) = R(load(t, offset(t, {i, h, packed_index(a, b, d)})));
+    for (int64_t b = a; b < d; ++b) {
+      S(a, b) = p[packed_index(a, b, d)];
+      if (!cotangent) S(b, a) = S(a, b);
+    }
   return c;
 }
 
@@ -139,8 +129,7 @@ Canon<R> read_levels(const TensorView& t, int64_t i, int64_t h, int64_t pos, int
   for (int l = 1; l < need && l < t.shape[2]; ++l) {
     if (!((pos >> (l - 1)) & 1)) continue;
     Mat<R>& m = c.at(l, dk, dvp);
-    for (int64_t r = 0; r < dk; ++r)
-      for (int64_t k = 0; k < dvp; ++k) m(r, k) = R(load(t, offset(t, {i, h, l, r, k})));
+    for (int64_t r = 0; r < dk; ++r) load_row<R>(t, offset(t, {i, h, l, r, 0}), m.row(r), dvp);
   }
   return c;
 }
@@ -151,7 +140,7 @@ OpState<R> read_state(const Resolved& r, const StateView& sv, int64_t i, int64_t
   OpState<R> st;
   if (!sv.defined()) return st;
   if (r.traits.has_S && sv.S.defined())
-    st.S = cotangent ? read_packed_cotangent<R>(sv.S, i, h, r.dk) : read_packed<R>(sv.S, i, h, r.dk);
+    st.S = read_packed<R>(sv.S, i, h, r.dk, cotangent);
   if (r.traits.has_P && sv.P.defined()) st.P = read_mat<R>(sv.P, i, h, r.dk, r.dvp);
   if (sv.H.defined())
     st.H = r.traits.loglinear ? read_levels<R>(sv.H, i, h, pos, r.dk, r.dvp)
@@ -160,27 +149,29 @@ OpState<R> read_state(const Resolved& r, const StateView& sv, int64_t i, int64_t
 }
 
 // Write a state (or the gradient of one: packed S then gets dS_ab + dS_ba off the diagonal).
+// Fenwick slots from `slots` on are left alone (a decode step knows they are still zero).
 template <class R>
 void write_state(const Resolved& r, const StateView& sv, const OpState<R>& st, int64_t i,
-                 int64_t h, bool gradient) {
+                 int64_t h, bool gradient, int64_t slots = -1) {
   const int64_t dk = r.dk, dvp = r.dvp;
   if (sv.S.defined()) {
-    const Mat<R>* S = st.S.get(0);
-    for (int64_t a = 0; a < dk; ++a)
-      for (int64_t b = a; b < dk; ++b) {
-        double x = 0;
-        if (S) x = gradient && a != b ? double((*S)(a, b)) + double((*S)(b, a)) : double((*S)(a, b));
-        store(sv.S, offset(sv.S, {i, h, packed_index(a, b, dk)}), x);
-      }
+    std::vector<R> p(static_cast<size_t>(dk * (dk + 1) / 2), R(0));
+    if (const Mat<R>* S = st.S.get(0))
+      for (int64_t a = 0; a < dk; ++a)
+        for (int64_t b = a; b < dk; ++b)
+          p[packed_index(a, b, dk)] = gradient && a != b ? (*S)(a, b) + (*S)(b, a) : (*S)(a, b);
+    store_row<R>(sv.S, offset(sv.S, {i, h, 0}), p.data(), static_cast<int64_t>(p.size()));
   }
+  const std::vector<R> zeros(static_cast<size_t>(dvp), R(0));
   auto put = [&](const TensorView& t, const Mat<R>* m, auto... lead) {
     for (int64_t a = 0; a < dk; ++a)
-      for (int64_t b = 0; b < dvp; ++b) store(t, offset(t, {i, h, lead..., a, b}), m ? double((*m)(a, b)) : 0.0);
+      store_row<R>(t, offset(t, {i, h, lead..., a, 0}), m ? m->row(a) : zeros.data(), dvp);
   };
   if (sv.P.defined()) put(sv.P, st.P.get(0));
   if (sv.H.defined()) {
     if (r.traits.loglinear) {
-      for (int64_t l = 0; l < sv.H.shape[2]; ++l) put(sv.H, st.H.get(static_cast<int>(l)), l);
+      const int64_t n = slots < 0 ? sv.H.shape[2] : std::min(slots, sv.H.shape[2]);
+      for (int64_t l = 0; l < n; ++l) put(sv.H, st.H.get(static_cast<int>(l)), l);
     } else {
       put(sv.H, st.H.get(0));
     }
@@ -234,14 +225,22 @@ HeadInputs<R> gather_head(const Geo& G, const TensorView& q, const TensorView& k
   return in;
 }
 
+// Rough multiply-adds per (sequence, head): decides whether a parallel region pays.
+int64_t work(const Resolved& r) {
+  const int64_t state = r.dk * (r.dk + 3 * r.dvp) * (r.traits.loglinear ? 4 : 1);
+  return state * std::max<int64_t>(1, r.T) * (r.form == Form::naive ? std::max<int64_t>(1, r.T) : 1);
+}
+
 PForm pform(Form f) { return static_cast<PForm>(static_cast<int>(f)); }
 
-// Run body(seq, head) over all pairs in parallel; rethrow the first exception afterwards.
+// Run body(seq, head) over all pairs, in parallel when there is enough work (`work`: a rough
+// count of multiply-adds per pair); rethrow the first exception afterwards.
 template <class F>
-void parallel_heads(int64_t N, int64_t H, F body) {
+void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
   std::exception_ptr err;
   std::mutex mu;
-#pragma omp parallel for schedule(dynamic)
+  const bool parallel = N * H > 1 && N * H * work > (int64_t(1) << 18);
+#pragma omp parallel for schedule(dynamic) if (parallel)
   for (int64_t item = 0; item < N * H; ++item) {
     try {
       body(item / H, item % H);
@@ -257,7 +256,7 @@ template <class R>
 void forward_impl(const Resolved& r, const ForwardParams& p) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, true};
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, [&](int64_t i, int64_t h) {
+  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
     const SeqInfo& s = r.seqs[i];
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, i, h);
     Mat<R> O(s.len, r.dv);
@@ -289,7 +288,7 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
   const int64_t N = static_cast<int64_t>(r.seqs.size());
   // per (sequence, head) gradients of the (scaled, normalised) q and k, reduced per group below
   std::vector<Mat<R>> dq(static_cast<size_t>(N * r.H)), dk(static_cast<size_t>(N * r.H));
-  parallel_heads(N, r.H, [&](int64_t i, int64_t h) {
+  parallel_heads(N, r.H, 3 * work(r), [&](int64_t i, int64_t h) {
     const SeqInfo& s = r.seqs[i];
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, i, h);
     const HeadView<R> x = in.view(plan, s.n0);
@@ -352,14 +351,14 @@ template <class R>
 void step_impl(const Resolved& r, const StepParams& p, const StateView& sv) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, false};
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, [&](int64_t i, int64_t h) {
+  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
     const SeqInfo& s = r.seqs[i];
     HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, sv, s, i, h);
     std::vector<R> o(static_cast<size_t>(r.dv));
     cpu::op_step<R>(plan, in.view(plan, s.n0), 0, s.n0, in.init, o.data());
     cpu::MRef<const R> orow{o.data(), 1, r.dv, r.dv};
     scatter_rows<R>(G, p.o, s, h, orow, r.dv);
-    write_state<R>(r, sv, in.init, i, h, false);
+    write_state<R>(r, sv, in.init, i, h, false, state_slots(s.n0 + 1));
   });
   for (size_t i = 0; i < r.seqs.size(); ++i)
     store_int(sv.pos, int64_t(i) * sv.pos.stride[0], r.seqs[i].n0 + 1);

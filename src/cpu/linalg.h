@@ -129,18 +129,21 @@ R dot(const R* a, const R* b, int64_t n) {
   return s;
 }
 
-// (I + N)^-1 for strictly lower-triangular N [n, n], by forward substitution (unit lower result).
+// (I + N)^-1 for strictly lower-triangular N [n, n], by forward substitution row by row:
+// T[i, :i] = -sum_{k<i} N[i,k] T[k, :i]  (unit lower result, unit-stride inner loop).
 template <class R>
 Mat<R> unit_lower_inverse(const Mat<R>& N) {
   const int64_t n = N.r;
   Mat<R> T(n, n);
   for (int64_t i = 0; i < n; ++i) {
-    T(i, i) = 1;
-    for (int64_t j = 0; j < i; ++j) {
-      R s = 0;
-      for (int64_t k = j; k < i; ++k) s += N(i, k) * T(k, j);
-      T(i, j) = -s;
+    R* ti = T.row(i);
+    for (int64_t k = 0; k < i; ++k) {
+      const R a = N(i, k);
+      if (a == R(0)) continue;
+      const R* tk = T.row(k);
+      for (int64_t j = 0; j <= k; ++j) ti[j] -= a * tk[j];
     }
+    ti[i] = 1;
   }
   return T;
 }

@@ -2,6 +2,7 @@
 // Segment summaries of hla2 / ahla / hla3 (HLA_SPEC §3.4, §5.3, §6.3), exposed for tests of
 // associativity, identity and the action property, and for context parallelism.
 #pragma once
+#include "cpu/blelloch.h"
 #include "cpu/compose.h"
 
 namespace hila::cpu {

@@ -8,6 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+# the oracles invert and multiply small matrices: OpenBLAS threading only slows them down
+for _v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,6 +27,13 @@ def pytest_addoption(parser):
 def _hila_path(config):
     p = config.getoption("--hila-bin") or os.environ.get("HILA_BIN")
     return Path(p) if p else spec.REPO_ROOT / "build" / "hila"
+
+
+def pytest_collection_modifyitems(config, items):
+    if spec.UNAVAILABLE:
+        mark = pytest.mark.skip(reason=spec.UNAVAILABLE)
+        for item in items:
+            item.add_marker(mark)
 
 
 def pytest_report_header(config):

@@ -343,9 +343,12 @@ def _head_inputs(op, inp, b, r0, r1, h, rep):
     Q = inp["q"][b, r0:r1, grp]
     K = inp["k"][b, r0:r1, grp]
     V = inp["v"][b, r0:r1, h]
-    g = inp["g"]
     P = num_primitives(op)
-    gates = [g[b, r0:r1, h, p] for p in range(P)] if g.ndim == 4 else [g[b, r0:r1, h]] * P
+    g = inp.get("g")
+    if g is None:      # ungated: every log-gate 0
+        gates = [np.zeros(r1 - r0)] * P
+    else:
+        gates = [g[b, r0:r1, h, p] for p in range(P)] if g.ndim == 4 else [g[b, r0:r1, h]] * P
     lam = inp["lam"][b, r0:r1, h] if "lam" in inp else None
     beta = inp["beta"][b, r0:r1, h] if "beta" in inp else None
     return Q, K, V, gates, lam, beta
@@ -423,15 +426,14 @@ def backward(op, inp, o=Options()):
     rep = H // G
     scale = o.scale if o.scale is not None else dk ** -0.5
     seqs = _sequences(inp)
-    out = {"dq": np.zeros_like(q), "dk": np.zeros_like(inp["k"]), "dv": np.zeros_like(v),
-           "dg": np.zeros_like(inp["g"])}
-    for name in ("lam", "beta"):
+    out = {"dq": np.zeros_like(q), "dk": np.zeros_like(inp["k"]), "dv": np.zeros_like(v)}
+    for name in ("g", "lam", "beta"):
         if name in inp:
             out["d" + name] = np.zeros_like(inp[name])
     for part in "SPH":
         if "h0." + part in inp:
             out["dh0." + part] = np.zeros_like(inp["h0." + part])
-    untied = inp["g"].ndim == 4
+    untied = "g" in inp and inp["g"].ndim == 4
     for i, (b, r0, r1) in enumerate(seqs):
         for h in range(H):
             grp = h // rep
@@ -446,7 +448,7 @@ def backward(op, inp, o=Options()):
             if untied:
                 for p, dgp in enumerate(Gr.dgates):
                     out["dg"][b, r0:r1, h, p] = dgp
-            else:
+            elif "dg" in out:
                 out["dg"][b, r0:r1, h] = sum(Gr.dgates)
             if "dlam" in out:
                 out["dlam"][b, r0:r1, h] = Gr.dlam

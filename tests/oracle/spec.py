@@ -3,7 +3,8 @@
 
 The oracles live in ``<repo>/../shared/spec``; the environment variable ``HILA_SPEC_DIR``
 overrides that. When the directory (or an oracle file) is missing, ``vh`` and ``vl`` are None
-and ``UNAVAILABLE`` holds the reason; test modules then skip via ``require()``.
+and ``UNAVAILABLE`` holds the reason; conftest.py then marks every collected test skipped
+(so the suite still collects its tests and pytest exits 0, not 5).
 """
 import importlib.util
 import os
@@ -38,10 +39,3 @@ try:
 except Exception as exc:  # noqa: BLE001 - any failure to load the oracles means "skip"
     vh = vl = None
     UNAVAILABLE = f"float64 oracles unavailable: {exc}"
-
-
-def require():
-    """Skip the calling test module when the oracles cannot be imported."""
-    if UNAVAILABLE is not None:
-        import pytest
-        pytest.skip(UNAVAILABLE, allow_module_level=True)

@@ -8,12 +8,8 @@ l2norm_vjp. The assembly is checked against finite differences in test_reference
 """
 import pytest
 
-import spec
-
-spec.require()
-
-import reference as ref  # noqa: E402
-from cases import Problem, backward_forms, check, params  # noqa: E402
+import reference as ref
+from cases import Problem, backward_forms, check, params
 
 T_VALUES = (1, 5, 64, 65, 100)
 VARLEN_LENS = (0, 37, 0, 64, 65, 1)
@@ -40,16 +36,23 @@ def _options():
         out += [Problem(op, T=T, untied=True, backward=True) for op in ref.HLA_OPS]
         out += [Problem("hla2", T=T, normalize=True, positive=True, eps=1e-6, backward=True),
                 Problem("hla2", T=T, normalize=True, positive=True, eps=0.25, untied=True, G=1, backward=True)]
+        out += [Problem(op, T=T, normalize=True, positive=True, eps=1e-3, backward=True)
+                for op in ref.HLA_OPS if op != "hla2"]
         out += [Problem(op, T=T, ridge=0.3, backward=True) for op in ref.RIDGE_OPS]
+        out += [Problem(op, T=T, ridge=0.3, normalize=True, positive=True, eps=1e-3, backward=True)
+                for op in ref.RIDGE_OPS]
         out += [Problem(op, T=T, qk_l2norm=True, backward=True) for op in ref.DELTA_OPS]
     out += [Problem(op, T=65, scale=0.83, backward=True) for op in ref.ALL_OPS]
     out += [Problem(op, T=37, extra_levels=2, backward=True) for op in ref.LOGLINEAR_OPS]
+    out += [Problem(op, T=33, gated=False, backward=True) for op in ref.ALL_OPS]
+    out += [Problem(op, T=33, dht=True, backward=True) for op in ref.ALL_OPS]    # dht without h0
     return out
 
 
 @pytest.mark.parametrize("p,form,chunk", params(_options(), _few_forms))
 def test_backward_options(hila, p, form, chunk):
-    """untied gates, normalize, ridge, qk_l2norm, --scale, extra (unread) lam levels (dlam == 0 there)."""
+    """untied gates, normalize, ridge, qk_l2norm, final-state cotangent without h0, --scale, extra (unread) lam levels (dlam == 0 there),
+       no g tensor (ungated: no dg)."""
     check(hila, p, form, chunk)
 
 
@@ -70,6 +73,7 @@ def _states():
             Problem("loglinear_hla2", T=40, n0=13, ridge=0.3, dht=True, backward=True),
             Problem("gdn", T=40, n0=13, qk_l2norm=True, dht=True, backward=True),
             Problem("loglinear_gdn", T=40, n0=64, qk_l2norm=True, dht=True, backward=True)]
+    out += [Problem(op, T=20, n0=21, extra_slots=2, dht=True, backward=True) for op in ref.LOGLINEAR_OPS]
     return out
 
 
@@ -101,4 +105,19 @@ def _varlen():
 @pytest.mark.parametrize("p,form,chunk", params(_varlen(), _few_forms))
 def test_backward_varlen(hila, p, form, chunk):
     """packed sequences, with zero-length ones, with and without initial states and cotangents."""
+    check(hila, p, form, chunk)
+
+
+def _edges():
+    out = [Problem(op, T=0, n0=13, dht=True, backward=True) for op in ref.ALL_OPS]
+    out += [Problem(op, T=9, n0=(1 << 40) - 3, G=1, dht=True, backward=True) for op in ref.LOGLINEAR_OPS]
+    out += [Problem(op, T=21, n0=(13, 64), dht=True, backward=True) for op in ref.LOGLINEAR_OPS]
+    out += [Problem(op, T=65, dk=dk, dv=dv, n0=13, dht=True, backward=True)
+            for op in ref.ALL_OPS for dk, dv in ((8, 3), (3, 8))]
+    return out
+
+
+@pytest.mark.parametrize("p,form,chunk", params(_edges(), _few_forms))
+def test_backward_edges(hila, p, form, chunk):
+    """T = 0 (dh0 = dht re-keyed), positions near 2^40, per-row positions, dk != dv both ways."""
     check(hila, p, form, chunk)

@@ -4,11 +4,7 @@
 initial states of the HLA ops, ridge, normalize with a state, qk_l2norm, dead-slot cotangents)."""
 import pytest
 
-import spec
-
-spec.require()
-
-from cases import backward_forms, check, fd_problems, params  # noqa: E402
+from cases import backward_forms, check, fd_problems, params
 
 
 @pytest.mark.parametrize("p,form,chunk", params(fd_problems(), lambda p: backward_forms(p.op, chunks=(4,))))

@@ -2,12 +2,8 @@
 """`hila run` forward (outputs and final states) vs the float64 oracles, max rel. error <= 1e-10."""
 import pytest
 
-import spec
-
-spec.require()
-
-import reference as ref  # noqa: E402
-from cases import Problem, check, forward_forms, params  # noqa: E402
+import reference as ref
+from cases import Problem, check, forward_forms, params
 
 T_VALUES = (1, 5, 64, 65, 100)
 VARLEN_LENS = (0, 37, 0, 64, 65, 1)
@@ -32,18 +28,21 @@ def _options():
         out += [Problem("hla2", T=T, normalize=True, positive=True, eps=1e-6),
                 Problem("hla2", T=T, normalize=True, positive=True, eps=0.25, G=1),
                 Problem("hla2", T=T, normalize=True, positive=True, untied=True, eps=1e-3)]
+        out += [Problem(op, T=T, normalize=True, positive=True, eps=1e-3) for op in ref.HLA_OPS if op != "hla2"]
         out += [Problem(op, T=T, ridge=0.3) for op in ref.RIDGE_OPS]
+        out += [Problem(op, T=T, ridge=0.3, normalize=True, positive=True, eps=1e-3) for op in ref.RIDGE_OPS]
         out += [Problem("hla2", T=T, ridge=0.7, untied=True, G=1)]
         out += [Problem(op, T=T, qk_l2norm=True) for op in ref.DELTA_OPS]
     out += [Problem(op, T=65, scale=0.83) for op in ref.ALL_OPS]
     out += [Problem(op, T=37, extra_levels=2) for op in ref.LOGLINEAR_OPS]
+    out += [Problem(op, T=33, gated=False) for op in ref.ALL_OPS]
     return out
 
 
 @pytest.mark.parametrize("p,form,chunk", params(_options(), FEW_FORMS))
 def test_forward_options(hila, p, form, chunk):
-    """untied gates (HLA ops), normalize (hla2), ridge (hla2, loglinear_hla2), qk_l2norm (gdn ops),
-       explicit --scale, extra lam levels."""
+    """untied gates (HLA ops), normalize (HLA ops), ridge (hla2, loglinear_hla2), qk_l2norm (gdn ops),
+       explicit --scale, extra lam levels, no g tensor (ungated)."""
     check(hila, p, form, chunk)
 
 
@@ -62,6 +61,7 @@ def _states():
             Problem("loglinear_hla2", T=40, n0=13, ridge=0.3),
             Problem("gdn", T=40, n0=13, qk_l2norm=True),
             Problem("loglinear_gdn", T=40, n0=64, qk_l2norm=True)]
+    out += [Problem(op, T=20, n0=21, extra_slots=2) for op in ref.LOGLINEAR_OPS]
     # positions where the Fenwick state crosses a power of two
     out += [Problem("loglinear", T=T, n0=n0, G=1) for n0, T in ((63, 1), (63, 2), (127, 3), (96, 33))]
     return out
@@ -83,4 +83,18 @@ def _varlen():
 @pytest.mark.parametrize("p,form,chunk", params(_varlen(), FEW_FORMS))
 def test_forward_varlen(hila, p, form, chunk):
     """packed sequences (cu_seqlens, B = 1) with zero-length ones, without and with initial states."""
+    check(hila, p, form, chunk)
+
+
+def _edges():
+    out = [Problem(op, T=0, n0=13) for op in ref.ALL_OPS]                       # empty call: ht == h0
+    out += [Problem(op, T=9, n0=(1 << 40) - 3, G=1) for op in ref.LOGLINEAR_OPS]  # int64 positions, 42 levels
+    out += [Problem(op, T=21, n0=(13, 64)) for op in ref.LOGLINEAR_OPS]          # batch rows at different positions
+    out += [Problem(op, T=65, dk=dk, dv=dv, n0=13) for op in ref.ALL_OPS for dk, dv in ((8, 3), (3, 8))]
+    return out
+
+
+@pytest.mark.parametrize("p,form,chunk", params(_edges(), FEW_FORMS))
+def test_forward_edges(hila, p, form, chunk):
+    """T = 0, positions near 2^40, per-row positions in a batch, dk != dv both ways."""
     check(hila, p, form, chunk)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Installs what hila needs to build and test on a fresh Debian/Ubuntu machine:
+# the compiler toolchain, GoogleTest, nlohmann-json and CLI11 from Debian packages, and the
+# Python packages the oracle tests use (numpy, safetensors, pytest) from the package index.
+# Idempotent: already-installed packages are skipped.
+set -euo pipefail
+
+debs=(cmake g++ make libgtest-dev nlohmann-json3-dev libcli11-dev python3 python3-pip)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup: installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import numpy, safetensors, pytest" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: numpy safetensors pytest"
+  "$PY" -m pip install -q --disable-pip-version-check numpy safetensors pytest 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages numpy safetensors pytest
+fi
