@@ -158,6 +158,8 @@ std::vector<FormCase> lowp_cases() {
   return out;
 }
 
+void PrintTo(const FormCase& c, std::ostream* os) { *os << case_name(c); }
+
 class Forms : public ::testing::TestWithParam<FormCase> {};
 
 TEST_P(Forms, MatchesNaiveFloat64) {
@@ -169,10 +171,12 @@ TEST_P(Forms, MatchesNaiveFloat64) {
   const Result want = c.bwd ? hila::tools::run_backward(ref, Form::naive)
                             : hila::tools::run_forward(ref, Form::naive);
   ASSERT_EQ(got.o.dtype, c.dt) << "o must have the dtype of v";
-  if (!got.final_state.S.empty())
+  if (!got.final_state.S.empty()) {
     EXPECT_EQ(got.final_state.S.dtype, hila::tools::state_dtype(c.dt));
-  if (!got.final_state.H.empty())
+  }
+  if (!got.final_state.H.empty()) {
     EXPECT_EQ(got.final_state.H.dtype, hila::tools::state_dtype(c.dt));
+  }
   expect_results_close(got, want, fwd_tol(c.dt), bwd_tol(c.dt), case_name(c), grad_floor(c.dt));
 }
 
@@ -267,6 +271,62 @@ TEST(FormsOracle, NaiveLoglinearMatchesMaskedSum) {
       want.set(t * 2 + col, acc);
     }
   expect_buffer_close(r.o, want, 1e-12, "naive loglinear vs masked sum");
+}
+
+// AHLA, HLA3 and Gated DeltaNet naive forms against their serial recurrences written out here
+// (HLA_SPEC §5.2, §6.2; LOGLINEAR_SPEC §6.1 with lam = 1), tied gates, one head.
+TEST(FormsOracle, NaiveMatchesSpecRecurrences) {
+  constexpr int T = 15, d = 3, dv = 2;
+  for (Op op : {Op::ahla, Op::hla3, Op::gdn}) {
+    ProblemSpec s = spec_for(op, T, 14);
+    s.dk = d;
+    s.dv = dv;
+    const Problem p = hila::tools::make_problem(s);
+    const Result r = hila::tools::run_forward(p, Form::naive);
+    const double sc = 1.0 / std::sqrt(double(d));
+    const std::vector<double> q = p.q.to_double(), k = p.k.to_double(), v = p.v.to_double(),
+                              g = p.g.to_double();
+    const std::vector<double> beta = op == Op::gdn ? p.beta.to_double() : std::vector<double>(T, 1.0);
+    double S[d][d] = {}, P[d][dv] = {}, X[d][dv] = {};
+    Buffer want(DType::f64, {1, T, 1, dv});
+    for (int t = 0; t < T; ++t) {
+      const double a = std::exp(g[t]);
+      const double* kt = &k[t * d];
+      const double* vt = &v[t * dv];
+      double qh[d];
+      for (int i = 0; i < d; ++i) qh[i] = sc * q[t * d + i];
+      double o[dv] = {};
+      if (op == Op::gdn) {
+        // P is the GDN state: P <- a (I - beta k k^T) P + beta k v^T; o = P^T q^
+        double kP[dv] = {};
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) kP[c] += kt[i] * P[i][c];
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c)
+            P[i][c] = a * (P[i][c] - beta[t] * kt[i] * kP[c]) + beta[t] * kt[i] * vt[c];
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) o[c] += P[i][c] * qh[i];
+      } else {
+        for (int i = 0; i < d; ++i)
+          for (int j = 0; j < d; ++j) S[i][j] = a * S[i][j] + kt[i] * kt[j];
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) P[i][c] = a * P[i][c] + kt[i] * vt[c];
+        double h[dv] = {}, u[d] = {};
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) h[c] += P[i][c] * qh[i];  // h = P^T q^
+        for (int i = 0; i < d; ++i)
+          for (int j = 0; j < d; ++j) u[i] += S[i][j] * qh[j];   // u = S q^
+        // AHLA: E <- a E + k h^T;  HLA3: X <- a X + u h^T;  o = X^T q^
+        const double* left = op == Op::ahla ? kt : u;
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) X[i][c] = a * X[i][c] + left[i] * h[c];
+        for (int i = 0; i < d; ++i)
+          for (int c = 0; c < dv; ++c) o[c] += X[i][c] * qh[i];
+      }
+      for (int c = 0; c < dv; ++c) want.set(t * dv + c, o[c]);
+    }
+    expect_buffer_close(r.o, want, 1e-12, op_tag(op) + " naive vs spec recurrence");
+  }
 }
 
 }  // namespace

@@ -101,6 +101,8 @@ struct Grad {
   Buffer StateBuffers::*dpart = nullptr;
 };
 
+void PrintTo(const GradCase& c, std::ostream* os) { *os << case_name(c); }
+
 class GradCheck : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(GradCheck, BackwardMatchesFiniteDifferences) {

@@ -82,6 +82,8 @@ Buffer decode_token(const Problem& p, int64_t t, hila::DecodeState& ds) {
   return o;
 }
 
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << case_name(c); }
+
 class PrefillDecode : public ::testing::TestWithParam<DecodeCase> {};
 
 TEST_P(PrefillDecode, EveryPrefillLengthMatchesFullForward) {
@@ -136,7 +138,9 @@ TEST_P(PrefillDecode, FreshStateMatchesFullForward) {
         << case_name(c) << " token " << t;
   }
   EXPECT_LE(state_err(copy_state(ds.view()), ref.final_state), kTol) << case_name(c);
-  if (traits(c.op).loglinear) EXPECT_GE(ds.slots(), hila::state_slots(140));
+  if (traits(c.op).loglinear) {
+    EXPECT_GE(ds.slots(), hila::state_slots(140));
+  }
 }
 
 // N = 2 sequences at different positions stepped together: loaded from a varlen prefill with

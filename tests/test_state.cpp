@@ -66,6 +66,8 @@ std::vector<OpForm> op_forms() {
 
 std::string of_param_name(const ::testing::TestParamInfo<OpForm>& i) { return of_name(i.param); }
 
+void PrintTo(const OpForm& c, std::ostream* os) { *os << of_name(c); }
+
 class Gqa : public ::testing::TestWithParam<OpForm> {};
 
 TEST_P(Gqa, EqualsRepeatedHeads) {
@@ -164,7 +166,9 @@ TEST_P(RoundTrip, TwoCallsEqualOne) {
       expect_buffer_close(cat(ra.dg, rb.dg), one.dg, kTb, ctx + " dg");
       expect_buffer_close(cat(ra.dlam, rb.dlam), one.dlam, kTb, ctx + " dlam");
       expect_buffer_close(cat(ra.dbeta, rb.dbeta), one.dbeta, kTb, ctx + " dbeta");
-      if (sp.n0 >= 0) EXPECT_LE(state_err(ra.d_init, one.d_init), kTb) << ctx << " d_init";
+      if (sp.n0 >= 0) {
+        EXPECT_LE(state_err(ra.d_init, one.d_init), kTb) << ctx << " d_init";
+      }
     }
   }
 }
@@ -222,13 +226,16 @@ TEST(StateShape, PartsPerOperator) {
         EXPECT_EQ(sh.P, t.has_P) << ctx;
         EXPECT_TRUE(sh.H) << ctx;
         EXPECT_EQ(sh.levels, t.loglinear) << ctx;
-        if (t.has_S) EXPECT_EQ(sh.S_shape, (std::vector<int64_t>{N, H, dk * (dk + 1) / 2})) << ctx;
-        if (t.has_P) EXPECT_EQ(sh.P_shape, (std::vector<int64_t>{N, H, dk, dvp})) << ctx;
-        if (t.loglinear)
-          EXPECT_EQ(sh.H_shape, (std::vector<int64_t>{N, H, hila::state_slots(max_pos), dk, dvp}))
-              << ctx << " max_pos " << max_pos;
-        else
-          EXPECT_EQ(sh.H_shape, (std::vector<int64_t>{N, H, dk, dvp})) << ctx;
+        if (t.has_S) {
+          EXPECT_EQ(sh.S_shape, (std::vector<int64_t>{N, H, dk * (dk + 1) / 2})) << ctx;
+        }
+        if (t.has_P) {
+          EXPECT_EQ(sh.P_shape, (std::vector<int64_t>{N, H, dk, dvp})) << ctx;
+        }
+        const std::vector<int64_t> h_shape =
+            t.loglinear ? std::vector<int64_t>{N, H, hila::state_slots(max_pos), dk, dvp}
+                        : std::vector<int64_t>{N, H, dk, dvp};
+        EXPECT_EQ(sh.H_shape, h_shape) << ctx << " max_pos " << max_pos;
       }
     }
   // Which operator has which inner state (HLA_SPEC §3.2, §5.2, §6.2).
@@ -256,10 +263,11 @@ TEST(StateShape, FinalStateIsCanonical) {
         const bool live = l >= 1 && ((T >> (l - 1)) & 1);
         double mx = 0;
         for (int64_t i = 0; i < mat; ++i) mx = std::max(mx, std::fabs(h.get(l * mat + i)));
-        if (live)
+        if (live) {
           EXPECT_GT(mx, 0) << op_tag(op) << " T=" << T << " live slot " << l;
-        else
+        } else {
           EXPECT_EQ(mx, 0) << op_tag(op) << " T=" << T << " dead slot " << l;
+        }
       }
     }
 }

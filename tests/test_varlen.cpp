@@ -63,6 +63,8 @@ Problem sequence(const Problem& p, int64_t i, int64_t t0) {
   return s;
 }
 
+void PrintTo(const VarlenCase& c, std::ostream* os) { *os << case_name(c); }
+
 class Varlen : public ::testing::TestWithParam<VarlenCase> {};
 
 TEST_P(Varlen, PackedEqualsSeparate) {
@@ -94,8 +96,9 @@ TEST_P(Varlen, PackedEqualsSeparate) {
       expect_buffer_close(rows(packed.dg), alone.dg, tb, ctx + " dg", floor(packed.dg));
       expect_buffer_close(rows(packed.dlam), alone.dlam, tb, ctx + " dlam", floor(packed.dlam));
       expect_buffer_close(rows(packed.dbeta), alone.dbeta, tb, ctx + " dbeta", floor(packed.dbeta));
-      if (c.init)
+      if (c.init) {
         EXPECT_LE(state_err(state_row(packed.d_init, i), alone.d_init), tb) << ctx << " d_init";
+      }
     }
     if (len == 0) {
       // An empty sequence passes its state through: final = initial, d_init = d_final.

@@ -104,8 +104,10 @@ struct ForwardParams {
   StateView init;      // optional initial state
   TensorView o;        // output [B, T, H, dv], dtype of v
   StateView final_state;  // optional output
+  void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr: the default stream)
 };
 
+// Backward also runs the forward: when `o` or `final_state` are given they are written too.
 struct BackwardParams : ForwardParams {
   TensorView d_o;        // cotangent of o
   StateView d_final;     // optional cotangent of the final state (pos ignored)
@@ -127,6 +129,7 @@ struct StepParams {
   TensorView lam;   // [N, H, L], L >= bitlen(pos)+1 for every sequence; log-linear ops only
   TensorView beta;  // [N, H]; delta ops only
   TensorView o;     // output [N, H, dv]
+  void* stream = nullptr;  // cudaStream_t for CUDA tensors
 };
 
 class DecodeState {

@@ -3,26 +3,42 @@
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
+#ifdef HILA_WITH_CUDA
+#include "cuda/backend.h"
+#endif
 
 namespace hila {
 
 namespace {
-void require_backend(Device d) {
-  if (d.type == DeviceType::cpu) return;
-  throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " +
-                            device_name(d));
+bool on_cuda(Device d) {
+  if (d.type == DeviceType::cpu) return false;
+#ifdef HILA_WITH_CUDA
+  return true;
+#else
+  throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " + device_name(d));
+#endif
 }
 }  // namespace
 
 void forward(const ForwardParams& p) {
   const detail::Resolved r = detail::resolve_forward(p);
-  require_backend(p.q.device);
+  if (on_cuda(p.q.device)) {
+#ifdef HILA_WITH_CUDA
+    detail::cuda_forward(r, p);
+#endif
+    return;
+  }
   detail::cpu_forward(r, p);
 }
 
 void backward(const BackwardParams& p) {
   const detail::Resolved r = detail::resolve_backward(p);
-  require_backend(p.q.device);
+  if (on_cuda(p.q.device)) {
+#ifdef HILA_WITH_CUDA
+    detail::cuda_backward(r, p);
+#endif
+    return;
+  }
   detail::cpu_backward(r, p);
 }
 

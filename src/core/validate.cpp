@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/access.h"
+#include "core/host_mirror.h"
 #include "core/problem.h"
 #include "hila/error.h"
 
@@ -110,7 +111,9 @@ std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
   return os.str();
 }
 
-void check_finite(const std::string& name, const TensorView& t) {
+void check_finite(const std::string& name, const TensorView& dev_t) {
+  const HostMirror m(dev_t);
+  const TensorView& t = m.view();
   for_each(t, [&](int64_t off, const auto& idx) {
     const double x = load(t, off);
     if (!std::isfinite(x))
@@ -119,7 +122,9 @@ void check_finite(const std::string& name, const TensorView& t) {
   });
 }
 
-void check_gates(const std::string& name, const TensorView& t) {
+void check_gates(const std::string& name, const TensorView& dev_t) {
+  const HostMirror m(dev_t);
+  const TensorView& t = m.view();
   for_each(t, [&](int64_t off, const auto& idx) {
     const double x = load(t, off);
     if (!std::isfinite(x) || x > 0)
@@ -159,7 +164,9 @@ void check_chunk(int64_t C) {
 }
 
 // The sequence table: B sequences of T rows, or varlen from cu_seqlens (B == 1).
-std::vector<SeqInfo> make_seqs(const TensorView& cu, int64_t B, int64_t T, Device dev) {
+std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, Device dev) {
+  const HostMirror mirror(cu_dev);
+  const TensorView& cu = mirror.view();
   std::vector<SeqInfo> seqs;
   if (!cu.defined()) {
     for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T, 0});
@@ -169,7 +176,7 @@ std::vector<SeqInfo> make_seqs(const TensorView& cu, int64_t B, int64_t T, Devic
     fail("cu_seqlens", std::string("expected dtype int32 or int64, got ") + dtype_name(cu.dtype));
   if (cu.ndim != 1 || cu.shape[0] < 2)
     fail("cu_seqlens", "expected shape [N+1] with N >= 1, got " + cu.shape_str());
-  expect_device("cu_seqlens", cu, dev);
+  expect_device("cu_seqlens", cu_dev, dev);
   expect_strides("cu_seqlens", cu);
   if (B != 1) fail("cu_seqlens", "expected batch size B = 1 with varlen, got B = " + std::to_string(B));
   const int64_t n = cu.shape[0];
@@ -372,7 +379,9 @@ Resolved resolve_common(const ForwardParams& p) {
 
 }  // namespace
 
-std::vector<int64_t> read_positions(const TensorView& pos) {
+std::vector<int64_t> read_positions(const TensorView& dev_pos) {
+  const HostMirror m(dev_pos);
+  const TensorView& pos = m.view();
   std::vector<int64_t> out(static_cast<size_t>(pos.shape[0]));
   for (int64_t i = 0; i < pos.shape[0]; ++i) out[i] = load_int(pos, i * pos.stride[0]);
   return out;
@@ -389,8 +398,9 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
     expect_shape(nm + ".pos", s.pos, {N}, "one position per sequence");
     expect_dtype(nm + ".pos", s.pos, DType::i64, "positions are int64");
     expect_device(nm + ".pos", s.pos, dev);
+    const std::vector<int64_t> pos = read_positions(s.pos);
     for (int64_t i = 0; i < N; ++i) {
-      const int64_t x = load_int(s.pos, i * s.pos.stride[0]);
+      const int64_t x = pos[i];
       if (x < 0)
         fail(nm + ".pos", "expected positions >= 0, got " + std::to_string(x) + " for sequence " +
                               std::to_string(i));
@@ -423,6 +433,7 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
   }
   if (!t.loglinear || !positions) return;
   const int64_t Ls = s.H.shape[2];
+  const HostMirror hm(values ? s.H : TensorView{});
   for (int64_t i = 0; i < N; ++i) {
     const int64_t n = (*positions)[i];
     const int64_t need = bitlen(static_cast<uint64_t>(n)) + 1;
@@ -437,7 +448,7 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < dk; ++r)
           for (int64_t c = 0; c < dvp; ++c)
-            if (load(s.H, offset(s.H, {i, h, l, r, c})) != 0)
+            if (load(hm.view(), offset(hm.view(), {i, h, l, r, c})) != 0)
               fail(nm + ".H", "is not canonical at position " + std::to_string(n) + ": slot " +
                                   std::to_string(l) + " of sequence " + std::to_string(i) +
                                   " must be zero (bit " + std::to_string(l - 1) +

@@ -213,7 +213,7 @@ def hla_forward(op, Q, K, V, gates, lam, scale, st, o):
 
 def hla_backward(op, Q, K, V, gates, lam, scale, st, dO, dst, o):
     kind, ll = HLA_KIND[op], is_loglinear(op)
-    T, dk, dv = len(Q), K.shape[1], V.shape[1]
+    T, dv = len(Q), V.shape[1]
     if not ll and T > 0 and o.ridge == 0 and st.S is None and st.P is None and st.H is None \
             and dst.S is None and dst.P is None and dst.H is None:
         # no states: the named composition VJP oracles
@@ -422,7 +422,7 @@ def backward(op, inp, o=Options()):
        (cotangents: `do` and optional `dht.S/P/H`)."""
     q, v = inp["q"], inp["v"]
     B, T, G, dk = q.shape
-    H, dv = v.shape[2], v.shape[3]
+    H = v.shape[2]
     rep = H // G
     scale = o.scale if o.scale is not None else dk ** -0.5
     seqs = _sequences(inp)

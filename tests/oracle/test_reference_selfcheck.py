@@ -151,7 +151,7 @@ def test_ridge_matches_shifted_metric(op):
     Y0 = vl.rand_state(rng, n0, d, V.shape[1]) if ll else rng.standard_normal((d, V.shape[1]))
     st = ref.HeadState(n0, S0, None, Y0)
     O, _ = ref.hla_forward(op, Q, K, V, [gS, gY], lam, 1.0, st, ref.Options(ridge=rho))
-    cS, cY = np.cumsum(gS), np.cumsum(gY)
+    cY = np.cumsum(gY)
     Sj = []
     S = S0.copy()
     for j in range(T):

@@ -1,0 +1,484 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Functional API of hila over any DLPack array: numpy, torch, cupy, jax, ...
+
+Mirrors the C++ API (docs/API.md): one :func:`forward` and one :func:`backward` for every operator
+and form, a decode state (:class:`DecodeState`, or the stateless :func:`step`), and the size
+helpers. Layouts are sequence-first, as in FlashAttention and fla::
+
+    q, k        [B, T, G, dk]     G query/key groups
+    v           [B, T, H, dv]     H value heads, H % G == 0; head h reads group h // (H // G)
+    g           [B, T, H]         log-gates <= 0 (tied), or [B, T, H, P] (untied: one column per
+                                  primitive, inner first; hla2: gS, gY; ahla: gP, gE; hla3: gS, gP, gX)
+    lam         [B, T, H, L]      Fenwick level weights, log-linear operators only
+    beta        [B, T, H]         delta-rule step sizes, gdn and loglinear_gdn only
+    cu_seqlens  [N + 1]           int32/int64 offsets of packed sequences (varlen, B == 1)
+    o           [B, T, H, dv]     dtype of v
+
+States (docs/STATES.md) are :class:`State` tuples ``(pos, S, P, H)``; see there for shapes.
+
+Outputs are allocated by the array library of ``q`` (torch tensors give torch tensors on the same
+device, numpy arrays give numpy arrays, ...); jax arrays, being immutable, get numpy outputs turned
+back into jax arrays. Bad input raises :class:`hila.HilaError` (a ``ValueError``) naming the argument.
+
+Devices: this build runs on the CPU. CUDA arrays are recognised and rejected with a HilaError until
+the CUDA backend lands; every call already takes ``stream`` (a ``cudaStream_t`` as an int; None or 0
+is the default stream), which hila.torch fills with the caller's current CUDA stream.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _C
+from ._errors import HilaError
+
+Array = Any  # any object exporting DLPack (numpy.ndarray, torch.Tensor, cupy.ndarray, jax.Array, ...)
+
+OPS: Tuple[str, ...] = tuple(_C.op_names())
+"""Operator names: gla hla2 ahla hla3 loglinear loglinear_hla2 loglinear_ahla loglinear_hla3 gdn loglinear_gdn."""
+FORMS: Tuple[str, ...] = tuple(_C.form_names())
+"""Form names: naive serial chunk scan."""
+
+
+class State(NamedTuple):
+    """A recurrent state in hila's single format (docs/STATES.md), for N sequences and H value heads.
+
+    Attributes:
+        pos: int64 [N], tokens consumed per sequence (None in gradients).
+        S: [N, H, dk(dk+1)/2] packed symmetric metric (hla2, hla3 and log-linear versions), else None.
+        P: [N, H, dk, dv'] inner first-order state (ahla, hla3 and log-linear versions), else None.
+        H: [N, H, dk, dv'] outer state, or [N, H, Ls, dk, dv'] Fenwick slots for log-linear operators.
+
+    dv' = dv + 1 with ``normalize``. dtype float64 for float64 inputs, float32 otherwise.
+    """
+
+    pos: Optional[Array]
+    S: Optional[Array]
+    P: Optional[Array]
+    H: Optional[Array]
+
+
+class Grads(NamedTuple):
+    """Gradients returned by :func:`backward`, each shaped like its input (None where no input).
+
+    ``d_initial_state`` is a :class:`State` with ``pos`` None, present when an initial state was given.
+    The gradient of a packed ``S`` treats its entries as independent variables (an off-diagonal
+    entry stands for both S_ij and S_ji).
+    """
+
+    dq: Array
+    dk: Array
+    dv: Array
+    dg: Optional[Array]
+    dlam: Optional[Array]
+    dbeta: Optional[Array]
+    d_initial_state: Optional[State]
+
+
+# ----------------------------------------------------------------------------- introspection
+
+def op_traits(op: str) -> dict:
+    """What ``op`` is made of: ``loglinear`` (takes lam), ``delta`` (takes beta), ``has_S``,
+    ``has_P``, ``num_primitives`` (untied gate columns) and ``hla_family`` (normalize, untied)."""
+    return _C.op_traits(op)
+
+
+_TRAITS = {name: op_traits(name) for name in OPS}
+
+
+def _traits(op: str) -> dict:
+    t = _TRAITS.get(op)
+    if t is None:
+        _C.op_traits(op)  # raises HilaError('op') listing the valid names
+    return t
+
+
+def supports(op: str, form: str, backward: bool = False) -> bool:
+    """Whether ``form`` exists for ``op`` in that direction. Forward: all. Backward: naive and chunk
+    for every operator, serial for gla/hla2/ahla/hla3, never scan."""
+    return _C.supports(op, form, backward)
+
+
+def state_slots(n: int) -> int:
+    """Fenwick slots of a log-linear state at position n: ``bitlen(n) + 1``."""
+    return _C.state_slots(n)
+
+
+def levels_needed(n0: int, T: int) -> int:
+    """lam levels a call over positions n0 .. n0+T-1 needs: ``bitlen(n0 + T - 1) + 1`` (0 if T == 0)."""
+    return _C.levels_needed(n0, T)
+
+
+def state_part_shapes(op: str, N: int, H: int, dk: int, dv: int, *, normalize: bool = False,
+                      slots: int = 1) -> State:
+    """Shapes of the parts of a state (a :class:`State` of tuples, None for absent parts).
+
+    ``slots`` is the Fenwick slot count of a log-linear ``H`` (see :func:`state_slots`). Pure
+    Python, so it also works on symbolic sizes (torch fake tensors).
+    """
+    t = _traits(op)
+    dvp = dv + 1 if normalize else dv
+    return State(
+        pos=(N,),
+        S=(N, H, dk * (dk + 1) // 2) if t["has_S"] else None,
+        P=(N, H, dk, dvp) if t["has_P"] else None,
+        H=(N, H, slots, dk, dvp) if t["loglinear"] else (N, H, dk, dvp),
+    )
+
+
+def state_shape(op: str, N: int, H: int, dk: int, dv: int, max_pos: int, *,
+                normalize: bool = False) -> State:
+    """Shapes of the state parts for N sequences whose largest position is ``max_pos``
+    (the C++ ``hila::state_shape``)."""
+    d = _C.state_shape(config(op, normalize=normalize), N, H, dk, dv, max_pos)
+    return State(*(None if d[k] is None else tuple(d[k]) for k in State._fields))
+
+
+def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
+           ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True) -> _C.Config:
+    """An operator configuration (``hila::OpConfig``); ``scale=None`` means ``dk ** -0.5``.
+
+    Untied gates need no flag: they are recognised by the extra column axis of ``g``.
+    """
+    if scale is not None and scale == 0:
+        raise HilaError("hila: argument 'scale': expected a non-zero scale (None means dk^-1/2), got 0",
+                        "scale")
+    return _C.Config(op, scale=0.0 if scale is None else float(scale), normalize=normalize,
+                     eps=float(eps), ridge=float(ridge), qk_l2norm=qk_l2norm,
+                     check_values=check_values)
+
+
+# ----------------------------------------------------------------------------- array families
+
+class _Family:
+    """Allocates outputs with the array library of a reference array."""
+
+    def __init__(self, like: Array):
+        self.like = like
+        root = type(like).__module__.split(".")[0]
+        self.torch = root == "torch"
+        self.xp = None
+        self.immutable = False
+        if not self.torch and root != "numpy" and hasattr(like, "__array_namespace__"):
+            self.xp = like.__array_namespace__()
+            self.immutable = self.xp.__name__.split(".")[0] == "jax"
+
+    def zeros(self, shape: Sequence[int], dtype: str) -> Array:
+        if self.torch:
+            import torch
+            return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
+        if self.xp is not None and not self.immutable:
+            return self.xp.zeros(tuple(shape), dtype=getattr(self.xp, dtype))
+        return np.zeros(tuple(shape), dtype=np.dtype(dtype))
+
+    def finish(self, x: Optional[Array]) -> Optional[Array]:
+        """Outputs as arrays of the caller's library (jax: numpy -> jax)."""
+        return self.xp.asarray(x) if (self.immutable and x is not None) else x
+
+
+def _dtype_name(x: Array) -> str:
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def _state_dtype(q: Array) -> str:
+    return "float64" if _dtype_name(q) == "float64" else "float32"
+
+
+def _arr(x: Optional[Array]) -> Optional[Array]:
+    """Arrays pass through (nanobind reads them over DLPack); sequences become numpy arrays."""
+    if x is None or hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__"):
+        return x
+    return np.asarray(x)
+
+
+def _state(s: Optional[Sequence[Optional[Array]]]) -> Optional[tuple]:
+    if s is None:
+        return None
+    if len(s) != 4:
+        raise HilaError(f"hila: argument 'state': expected a State (pos, S, P, H), got {len(s)} items",
+                        "state")
+    return tuple(_arr(x) for x in s)
+
+
+def _stream(stream: Optional[int]) -> int:
+    return 0 if stream is None else int(stream)
+
+
+def _ndim(x: Optional[Array]) -> int:
+    return -1 if x is None else len(x.shape)
+
+
+def _max_final_position(T: int, B: int, cu_seqlens: Optional[Array], init_pos: Optional[Array]) -> int:
+    """max_i (n0_i + len_i) over the sequences of a call, read from the (host) arrays; 0 when
+    they cannot be read, which leaves the report of what is wrong with them to the C++ checks."""
+    try:
+        if cu_seqlens is None:
+            lens = np.full(B, T, dtype=np.int64)
+        else:
+            cu = np.asarray(cu_seqlens, dtype=np.int64)
+            lens = cu[1:] - cu[:-1]
+        n0 = np.zeros_like(lens) if init_pos is None else np.asarray(init_pos, dtype=np.int64)
+        return int((n0 + lens).max()) if lens.size and lens.shape == n0.shape else 0
+    except (TypeError, ValueError, RuntimeError):
+        return 0
+
+
+def _allocate_state(fam: _Family, op: str, N: int, H: int, dk: int, dv: int, normalize: bool,
+                    slots: int, dtype: str, with_pos: bool = True) -> State:
+    shapes = state_part_shapes(op, N, H, dk, dv, normalize=normalize, slots=slots)
+    return State(
+        pos=fam.zeros(shapes.pos, "int64") if with_pos else None,
+        S=None if shapes.S is None else fam.zeros(shapes.S, dtype),
+        P=None if shapes.P is None else fam.zeros(shapes.P, dtype),
+        H=fam.zeros(shapes.H, dtype),
+    )
+
+
+def _like_state(fam: _Family, s: Optional[Sequence[Optional[Array]]]) -> Optional[State]:
+    """Zero arrays shaped like the S, P, H parts of s (gradients: no pos)."""
+    if s is None:
+        return None
+    z = [None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x)) for x in s[1:]]
+    return State(None, *z)
+
+
+def _finish_state(fam: _Family, s: Optional[State]) -> Optional[State]:
+    return None if s is None else State(*(fam.finish(x) for x in s))
+
+
+# ----------------------------------------------------------------------------- calls
+
+def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
+            lam: Optional[Array] = None, beta: Optional[Array] = None,
+            cu_seqlens: Optional[Array] = None, initial_state: Optional[State] = None,
+            output_final_state: bool = False, final_slots: Optional[int] = None,
+            form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
+            normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
+            qk_l2norm: bool = False, check_values: bool = True,
+            stream: Optional[int] = None) -> Tuple[Array, Optional[State]]:
+    """Runs operator ``op`` over whole sequences.
+
+    Args:
+        op: one of :data:`OPS`.
+        q, k: [B, T, G, dk] queries and keys (float64, float32, bfloat16 or float16).
+        v: [B, T, H, dv] values, H a multiple of G.
+        g: optional log-gates <= 0, [B, T, H] (tied) or [B, T, H, P] (untied, HLA family).
+        lam: [B, T, H, L] level weights, log-linear operators only; L >= levels_needed(n0, T).
+        beta: [B, T, H] delta-rule step sizes, gdn and loglinear_gdn only.
+        cu_seqlens: int32/int64 [N + 1] offsets of packed sequences (B == 1); each sequence has
+            its own positions, gates, levels and chunk alignment.
+        initial_state: a :class:`State` for the N sequences (``pos`` required).
+        output_final_state: also return the state after the call.
+        final_slots: Fenwick slots of a log-linear final ``H``; None: exactly
+            ``state_slots(max final position)``. More slots are allowed (zero capacity).
+        form: ``naive`` (float64 masked matrix), ``serial``, ``chunk`` or ``scan``.
+        chunk: chunk size of the chunk and scan forms, a power of two.
+        scale: query scale; None: dk ** -0.5.
+        normalize: HLA family: o = num / (den + eps) (the state carries dv + 1 columns).
+        eps: normalize epsilon.
+        ridge: hla2 / loglinear_hla2: S -> S + ridge * I.
+        qk_l2norm: gdn / loglinear_gdn: L2-normalise q and k inside the operator.
+        check_values: reject g > 0 and non-finite inputs (O(size) host reads).
+        stream: cudaStream_t as an int for CUDA arrays (unused on the CPU).
+
+    Returns:
+        ``(o, final_state)``: o [B, T, H, dv] with the dtype of v, and a :class:`State` or None.
+    """
+    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                 check_values=check_values)
+    q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
+    init = _state(initial_state)
+    fam = _Family(q)
+    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    final = None
+    if output_final_state and _ndim(q) == 4 and _ndim(v) == 4:
+        B, T, _, dk = q.shape
+        H, dv = v.shape[2], v.shape[3]
+        N = B if cu_seqlens is None or _ndim(cu_seqlens) != 1 else cu_seqlens.shape[0] - 1
+        if final_slots is None:
+            final_slots = state_slots(_max_final_position(T, B, cu_seqlens, None if init is None else init[0]))
+        final = _allocate_state(fam, op, N, H, dk, dv, normalize, final_slots, _state_dtype(q))
+    _C.forward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o, final_state=final,
+               stream=_stream(stream))
+    return fam.finish(o), _finish_state(fam, final)
+
+
+def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, do: Array,
+             lam: Optional[Array] = None, beta: Optional[Array] = None,
+             cu_seqlens: Optional[Array] = None, initial_state: Optional[State] = None,
+             d_final_state: Optional[State] = None, form: str = "chunk", chunk: int = 64,
+             scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
+             ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
+             stream: Optional[int] = None) -> Grads:
+    """Gradients of ``<o, do> + <final_state, d_final_state>`` with respect to every input.
+
+    Arguments as in :func:`forward`, plus:
+        do: [B, T, H, dv] cotangent of o.
+        d_final_state: optional cotangent of the final state (``pos`` ignored; S, P, H shaped as
+            the final state, a log-linear H with at least the slots its positions need).
+
+    Forms with a backward: naive and chunk for every operator, serial for gla/hla2/ahla/hla3.
+
+    Returns:
+        :class:`Grads`, each gradient with the shape and dtype of its input.
+    """
+    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                 check_values=check_values)
+    q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
+    init = _state(initial_state)
+    dfin = _state(d_final_state)
+    fam = _Family(q)
+    zeros_like = lambda x: None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x))  # noqa: E731
+    dq, dk, dv, dg, dlam, dbeta = map(zeros_like, (q, k, v, g, lam, beta))
+    d_init = _like_state(fam, init)
+    _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
+                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=_stream(stream))
+    f = fam.finish
+    return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
+
+
+def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, state: State,
+         lam: Optional[Array] = None, beta: Optional[Array] = None, out_slots: Optional[int] = None,
+         scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
+         ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
+         stream: Optional[int] = None) -> Tuple[Array, State]:
+    """One decode step for N sequences on a caller-owned state (functional: returns a new state).
+
+    Args:
+        q, k: [N, G, dk]; v: [N, H, dv]; g: optional [N, H] or [N, H, P] (untied).
+        lam: [N, H, L] with L >= bitlen(pos) + 1 for every sequence (log-linear operators).
+        beta: [N, H] (gdn, loglinear_gdn).
+        state: the :class:`State` before the token (``pos`` per sequence; sequences may sit at
+            different positions).
+        out_slots: Fenwick slots of the returned log-linear ``H``; None: those of ``state.H``,
+            grown when a position crosses a power of two. An int must cover the new positions.
+
+    Returns:
+        ``(o, new_state)``, o [N, H, dv] with the dtype of v. Same arithmetic as
+        :meth:`DecodeState.step`.
+    """
+    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                 check_values=check_values)
+    q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+    st = _state(state)
+    if st is None:
+        raise HilaError("hila: argument 'state': is required (the state before the token), got None",
+                        "state")
+    fam = _Family(q)
+    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    out = []
+    for i, x in enumerate(st):
+        shape = None if x is None else list(x.shape)
+        if shape is not None and i == 3 and _traits(op)["loglinear"] and len(shape) == 5:
+            if out_slots is None:
+                out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
+            shape[2] = out_slots
+        out.append(None if x is None else fam.zeros(shape, _dtype_name(x)))
+    _C.step(cfg, q, k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
+    return fam.finish(o), _finish_state(fam, State(*out))
+
+
+class DecodeState:
+    """An owning decode state (``hila::DecodeState``) for N sequences x H heads, stepped one token
+    at a time. Its memory is host memory managed by hila; log-linear states grow one Fenwick slot
+    per doubling of the position.
+
+    Example::
+
+        o, fin = hila.forward("hla2", q, k, v, g, output_final_state=True)   # prefill
+        st = hila.DecodeState.from_state("hla2", fin)
+        o_t = st.step(q_t, k_t, v_t, g_t)                                    # [N, H, dv]
+    """
+
+    def __init__(self, op: str, batch: int, heads: int, dk: int, dv: int, *, dtype: str = "float32",
+                 scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
+                 ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True):
+        """A zero state at position 0. ``dtype``: 'float32' or 'float64', the compute type of the
+        inputs to come (float64 inputs need a float64 state)."""
+        self._cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
+                           qk_l2norm=qk_l2norm, check_values=check_values)
+        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype)
+
+    @classmethod
+    def from_state(cls, op: str, state: State, **config_kwargs) -> "DecodeState":
+        """A decode state loaded from ``state`` (e.g. a prefill's final state); sizes and dtype
+        are read from ``state.H``. ``config_kwargs`` as in :func:`forward` (scale, normalize, ...)."""
+        H = _arr(state.H)
+        if H is None or len(H.shape) < 4:
+            raise HilaError("hila: argument 'state.H': expected [N, H, (Ls,) dk, dv'], got "
+                            f"{None if H is None else tuple(H.shape)}", "state.H")
+        dv = H.shape[-1] - (1 if config_kwargs.get("normalize") else 0)
+        self = cls(op, H.shape[0], H.shape[1], H.shape[-2], dv, dtype=_dtype_name(H), **config_kwargs)
+        self.load(state)
+        return self
+
+    def step(self, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
+             lam: Optional[Array] = None, beta: Optional[Array] = None,
+             stream: Optional[int] = None) -> Array:
+        """One token for every sequence and head: q, k [N, G, dk], v [N, H, dv], g [N, H] or
+        [N, H, P], lam [N, H, L], beta [N, H]. Returns o [N, H, dv] (dtype of v); updates the state."""
+        q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+        fam = _Family(q)
+        o = fam.zeros(tuple(v.shape), _dtype_name(v))
+        self._st.step(q, k, v, g, lam, beta, o=o, stream=_stream(stream))
+        return fam.finish(o)
+
+    def load(self, state: State) -> None:
+        """Copies ``state`` in (validated like an initial state; host arrays)."""
+        self._st.load(_state(state))
+
+    def state(self) -> State:
+        """A copy of the current state as numpy arrays (log-linear H at the current capacity)."""
+        return State(*(None if x is None else np.array(x, copy=True) for x in self._st.view()))
+
+    def reserve(self, max_pos: int) -> None:
+        """Grows the Fenwick slot capacity so positions up to ``max_pos`` need no reallocation."""
+        self._st.reserve(max_pos)
+
+    def position(self, seq: int) -> int:
+        """Tokens consumed by sequence ``seq``."""
+        return self._st.position(seq)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [N] tokens consumed per sequence."""
+        return np.array(self._st.view()[0], copy=True)
+
+    @property
+    def op(self) -> str:
+        return self._cfg.op
+
+    @property
+    def batch(self) -> int:
+        return self._st.batch
+
+    @property
+    def heads(self) -> int:
+        return self._st.heads
+
+    @property
+    def dk(self) -> int:
+        return self._st.dk
+
+    @property
+    def dv(self) -> int:
+        return self._st.dv
+
+    @property
+    def dtype(self) -> str:
+        return self._st.dtype
+
+    @property
+    def slots(self) -> int:
+        """Fenwick slot capacity (1 for operators without levels)."""
+        return self._st.slots
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes of state per sequence at the current capacity (all heads)."""
+        return self._st.bytes_per_sequence
+
+    def __repr__(self) -> str:
+        return (f"DecodeState(op='{self.op}', batch={self.batch}, heads={self.heads}, dk={self.dk}, "
+                f"dv={self.dv}, dtype='{self.dtype}', slots={self.slots})")

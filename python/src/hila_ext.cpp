@@ -1,0 +1,425 @@
+// SPDX-License-Identifier: Apache-2.0
+// hila._C, the nanobind extension behind the Python package.
+//
+// Deliberately thin: it turns DLPack arrays (numpy, torch, cupy, jax, ...) into hila::TensorView
+// (data, dtype, device, shape, strides in elements), calls the C++ API with the GIL released, and
+// turns hila::Error into hila.HilaError (a ValueError carrying `.argument`). It never allocates a
+// tensor: the callers (hila.ops for any array library, hila.torch for torch) pass the outputs, so
+// memory always belongs to the caller's framework and device.
+//
+// Devices and streams: arrays on CUDA are recognised (DeviceType::cuda with the DLPack device id)
+// and every call takes `stream`, the caller's cudaStream_t as an integer (0: the default stream),
+// handed to the C++ params when they have a `stream` field. A library built without the CUDA
+// backend (no HILA_WITH_CUDA) gets no device arrays at all: `require_host` rejects them here with
+// a HilaError naming the argument.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "hila/hila.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using hila::DType;
+using hila::Error;
+using hila::OpConfig;
+using hila::StateView;
+using hila::TensorView;
+
+using In = nb::ndarray<nb::ro>;  // any dtype, shape and device; read-only arrays accepted
+using Out = nb::ndarray<>;       // written in place
+using OptIn = std::optional<In>;
+using OptOut = std::optional<Out>;
+// A state as (pos, S, P, H), the order of hila.State; absent parts are None.
+using StateIn = std::tuple<OptIn, OptIn, OptIn, OptIn>;
+using StateOut = std::tuple<OptOut, OptOut, OptOut, OptOut>;
+
+DType dtype_of(const std::string& name, nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  if (d.lanes == 1) {
+    if (code == C::Float && d.bits == 64) return DType::f64;
+    if (code == C::Float && d.bits == 32) return DType::f32;
+    if (code == C::Float && d.bits == 16) return DType::f16;
+    if (code == C::Bfloat && d.bits == 16) return DType::bf16;
+    if (code == C::Int && d.bits == 32) return DType::i32;
+    if (code == C::Int && d.bits == 64) return DType::i64;
+  }
+  throw Error(name, "expected dtype float64, float32, bfloat16, float16, int32 or int64, got DLPack "
+                    "type code " + std::to_string(d.code) + " with " + std::to_string(d.bits) +
+                    " bits x " + std::to_string(d.lanes) + " lanes");
+}
+
+hila::Device device_of(const std::string& name, int type, int id) {
+  if (type == nb::device::cpu::value || type == nb::device::cuda_host::value) return {};
+  if (type == nb::device::cuda::value) return {hila::DeviceType::cuda, id};
+  throw Error(name, "expected an array in host or CUDA memory, got DLPack device type " +
+                        std::to_string(type));
+}
+
+// Without a CUDA backend, device memory never reaches the library (see the file comment).
+void require_host(const std::string& name, const TensorView& t) {
+#ifndef HILA_WITH_CUDA
+  if (t.defined() && t.device.type != hila::DeviceType::cpu)
+    throw Error(name, "expected a CPU array: this build of hila has no CUDA backend, got " +
+                          hila::device_name(t.device));
+#endif
+}
+
+// The caller's stream, for params that carry one (cudaStream_t; 0 is the default stream).
+template <class P>
+void set_stream(P& p, uintptr_t stream) {
+  if constexpr (requires { p.stream; }) p.stream = reinterpret_cast<decltype(p.stream)>(stream);
+}
+
+template <class A>
+TensorView view_of(const std::string& name, const A& a) {
+  if (a.ndim() > static_cast<size_t>(hila::kMaxDims))
+    throw Error(name, "expected at most " + std::to_string(hila::kMaxDims) + " dimensions, got " +
+                          std::to_string(a.ndim()));
+  TensorView t;
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.dtype = dtype_of(name, a.dtype());
+  t.device = device_of(name, a.device_type(), a.device_id());
+  t.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = static_cast<int64_t>(a.shape(i));
+    t.stride[i] = a.stride(i);
+  }
+  require_host(name, t);
+  return t;
+}
+
+template <class A>
+TensorView view_of(const std::string& name, const std::optional<A>& a) {
+  return a ? view_of(name, *a) : TensorView{};
+}
+
+template <class T>
+StateView state_of(const std::string& prefix, const std::optional<T>& s) {
+  StateView v;
+  if (!s) return v;
+  v.pos = view_of(prefix + ".pos", std::get<0>(*s));
+  v.S = view_of(prefix + ".S", std::get<1>(*s));
+  v.P = view_of(prefix + ".P", std::get<2>(*s));
+  v.H = view_of(prefix + ".H", std::get<3>(*s));
+  return v;
+}
+
+// Untied gates are told apart by their extra column axis: g [B, T, H, P] (or [N, H, P] per step).
+OpConfig with_gates(OpConfig cfg, const TensorView& g, int tied_ndim) {
+  cfg.gates = g.defined() && g.ndim == tied_ndim + 1 ? hila::Gates::untied : hila::Gates::tied;
+  return cfg;
+}
+
+OpConfig make_config(const std::string& op, double scale, bool normalize, double eps, double ridge,
+                     bool qk_l2norm, bool check_values) {
+  OpConfig c;
+  c.op = hila::parse_op(op);
+  c.scale = scale;
+  c.normalize = normalize;
+  c.eps = eps;
+  c.ridge = ridge;
+  c.qk_l2norm = qk_l2norm;
+  c.check_values = check_values;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------- calls
+
+void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q, const In& k,
+             const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
+             const OptIn& cu_seqlens, const std::optional<StateIn>& init, const Out& o,
+             const std::optional<StateOut>& final_state, uintptr_t stream) {
+  hila::ForwardParams p;
+  p.form = hila::parse_form(form);
+  p.chunk = chunk;
+  p.q = view_of("q", q);
+  p.k = view_of("k", k);
+  p.v = view_of("v", v);
+  p.g = view_of("g", g);
+  p.lam = view_of("lam", lam);
+  p.beta = view_of("beta", beta);
+  p.cu_seqlens = view_of("cu_seqlens", cu_seqlens);
+  p.init = state_of("init", init);
+  p.o = view_of("o", o);
+  p.final_state = state_of("final_state", final_state);
+  p.cfg = with_gates(cfg, p.g, 3);
+  set_stream(p, stream);
+  nb::gil_scoped_release nogil;
+  hila::forward(p);
+}
+
+void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q,
+              const In& k, const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
+              const OptIn& cu_seqlens, const std::optional<StateIn>& init, const In& d_o,
+              const std::optional<StateIn>& d_final, const OptOut& dq, const OptOut& dk,
+              const OptOut& dv, const OptOut& dg, const OptOut& dlam, const OptOut& dbeta,
+              const std::optional<StateOut>& d_init, const OptOut& o,
+              const std::optional<StateOut>& final_state, uintptr_t stream) {
+  hila::BackwardParams p;
+  p.form = hila::parse_form(form);
+  p.chunk = chunk;
+  p.q = view_of("q", q);
+  p.k = view_of("k", k);
+  p.v = view_of("v", v);
+  p.g = view_of("g", g);
+  p.lam = view_of("lam", lam);
+  p.beta = view_of("beta", beta);
+  p.cu_seqlens = view_of("cu_seqlens", cu_seqlens);
+  p.init = state_of("init", init);
+  p.d_o = view_of("d_o", d_o);
+  p.d_final = state_of("d_final", d_final);
+  p.dq = view_of("dq", dq);
+  p.dk = view_of("dk", dk);
+  p.dv = view_of("dv", dv);
+  p.dg = view_of("dg", dg);
+  p.dlam = view_of("dlam", dlam);
+  p.dbeta = view_of("dbeta", dbeta);
+  p.d_init = state_of("d_init", d_init);
+  p.o = view_of("o", o);
+  p.final_state = state_of("final_state", final_state);
+  p.cfg = with_gates(cfg, p.g, 3);
+  set_stream(p, stream);
+  nb::gil_scoped_release nogil;
+  hila::backward(p);
+}
+
+hila::StepParams step_params(const OpConfig& cfg, const In& q, const In& k, const In& v,
+                             const OptIn& g, const OptIn& lam, const OptIn& beta, const Out& o,
+                             uintptr_t stream) {
+  hila::StepParams p;
+  p.q = view_of("q", q);
+  p.k = view_of("k", k);
+  p.v = view_of("v", v);
+  p.g = view_of("g", g);
+  p.lam = view_of("lam", lam);
+  p.beta = view_of("beta", beta);
+  p.o = view_of("o", o);
+  p.cfg = with_gates(cfg, p.g, 2);
+  set_stream(p, stream);
+  return p;
+}
+
+// A per-token view [N, ...] as a call of one token [N, 1, ...].
+TensorView one_token(const std::string& name, const TensorView& t, int ndim, const char* layout) {
+  if (!t.defined()) return t;
+  if (t.ndim != ndim)
+    throw Error(name, "expected " + std::to_string(ndim) + " dimensions " + layout + ", got " +
+                          std::to_string(t.ndim) + " dimensions " + t.shape_str());
+  TensorView r = t;
+  r.ndim = ndim + 1;
+  for (int i = ndim - 1; i >= 1; --i) {
+    r.shape[i + 1] = t.shape[i];
+    r.stride[i + 1] = t.stride[i];
+  }
+  r.shape[1] = 1;
+  r.stride[1] = 0;
+  return r;
+}
+
+// One decode step on a caller-owned state (pos, S, P, H), written to `state_out`: the serial form
+// over one token with the state as initial and `state_out` as final state, so it runs wherever
+// forward runs and needs no copies. A log-linear `state_out.H` needs the slots of the new
+// positions (hila.torch keeps the capacity of the cache it was built for).
+void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
+                const OptIn& lam, const OptIn& beta, const StateIn& state, const Out& o,
+                const StateOut& state_out, uintptr_t stream) {
+  const hila::StepParams s = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+  hila::ForwardParams p;
+  p.cfg = s.cfg;
+  p.form = hila::Form::serial;
+  p.chunk = 1;
+  p.q = one_token("q", s.q, 3, "[N, G, dk]");
+  p.k = one_token("k", s.k, 3, "[N, G, dk]");
+  p.v = one_token("v", s.v, 3, "[N, H, dv]");
+  p.g = one_token("g", s.g, s.g.ndim == 3 ? 3 : 2, "[N, H] (or [N, H, P] with untied gates)");
+  p.lam = one_token("lam", s.lam, 3, "[N, H, L]");
+  p.beta = one_token("beta", s.beta, 2, "[N, H]");
+  p.o = one_token("o", s.o, 3, "[N, H, dv]");
+  p.init = state_of("state", std::optional<StateIn>(state));
+  p.final_state = state_of("state_out", std::optional<StateOut>(state_out));
+  set_stream(p, stream);
+  if (!p.init.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
+  nb::gil_scoped_release nogil;
+  hila::forward(p);
+}
+
+// ---------------------------------------------------------------------------------- DecodeState
+
+DType state_dtype(const std::string& name) {
+  if (name == "float32") return DType::f32;
+  if (name == "float64") return DType::f64;
+  throw Error("dtype", "expected 'float32' or 'float64' for a decode state, got '" + name + "'");
+}
+
+nb::ndarray<nb::numpy> host_array(const TensorView& t, nb::handle owner) {
+  size_t shape[hila::kMaxDims];
+  for (int i = 0; i < t.ndim; ++i) shape[i] = static_cast<size_t>(t.shape[i]);
+  nb::dlpack::dtype dt = t.dtype == DType::i64   ? nb::dtype<int64_t>()
+                         : t.dtype == DType::f64 ? nb::dtype<double>()
+                                                 : nb::dtype<float>();
+  return nb::ndarray<nb::numpy>(t.data, static_cast<size_t>(t.ndim), shape, owner, nullptr, dt,
+                                nb::device::cpu::value);
+}
+
+nb::object part_or_none(const TensorView& t, nb::handle owner) {
+  return t.defined() ? nb::cast(host_array(t, owner)) : nb::none();
+}
+
+nb::dict traits_dict(const std::string& op) {
+  const hila::OpTraits t = hila::op_traits(hila::parse_op(op));
+  nb::dict d;
+  d["loglinear"] = t.loglinear;
+  d["delta"] = t.delta;
+  d["has_S"] = t.has_S;
+  d["has_P"] = t.has_P;
+  d["num_primitives"] = t.num_primitives;
+  d["hla_family"] = t.hla_family;
+  return d;
+}
+
+nb::dict state_shape_dict(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
+                          int64_t max_pos) {
+  const hila::StateShape s = hila::state_shape(cfg, N, H, dk, dv, max_pos);
+  nb::dict d;
+  d["pos"] = nb::cast(std::vector<int64_t>{N});
+  d["S"] = s.S ? nb::cast(s.S_shape) : nb::none();
+  d["P"] = s.P ? nb::cast(s.P_shape) : nb::none();
+  d["H"] = nb::cast(s.H_shape);
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "hila's C++ operators over DLPack arrays (internal; use hila.ops or hila.torch).";
+
+  // hila::Error -> hila.HilaError(message, argument), a ValueError subclass defined in Python.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      nb::object cls = nb::module_::import_("hila._errors").attr("HilaError");
+      nb::object exc = cls(e.what(), e.argument());
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+
+  nb::class_<OpConfig>(m, "Config", "Operator configuration (hila::OpConfig); gates are inferred from g.")
+      .def(
+          "__init__",
+          [](OpConfig* self, const std::string& op, double scale, bool normalize, double eps,
+             double ridge, bool qk_l2norm, bool check_values) {
+            new (self) OpConfig(make_config(op, scale, normalize, eps, ridge, qk_l2norm, check_values));
+          },
+          "op"_a, nb::kw_only(), "scale"_a = 0.0, "normalize"_a = false, "eps"_a = 1e-6,
+           "ridge"_a = 0.0, "qk_l2norm"_a = false, "check_values"_a = true)
+      .def_prop_ro("op", [](const OpConfig& c) { return std::string(hila::op_name(c.op)); })
+      .def_ro("scale", &OpConfig::scale)
+      .def_ro("normalize", &OpConfig::normalize)
+      .def_ro("eps", &OpConfig::eps)
+      .def_ro("ridge", &OpConfig::ridge)
+      .def_ro("qk_l2norm", &OpConfig::qk_l2norm)
+      .def_ro("check_values", &OpConfig::check_values)
+      .def("__repr__", [](const OpConfig& c) {
+        return std::string("Config(op='") + hila::op_name(c.op) + "', scale=" + std::to_string(c.scale) +
+               ", normalize=" + (c.normalize ? "True" : "False") + ", eps=" + std::to_string(c.eps) +
+               ", ridge=" + std::to_string(c.ridge) + ", qk_l2norm=" + (c.qk_l2norm ? "True" : "False") +
+               ", check_values=" + (c.check_values ? "True" : "False") + ")";
+      });
+
+  m.def("forward", &forward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
+        "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), nb::kw_only(),
+        "o"_a, "final_state"_a.none() = nb::none(), "stream"_a = 0,
+        "hila::forward: writes o (and final_state) in place.");
+  m.def("backward", &backward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
+        "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), "d_o"_a,
+        "d_final"_a.none(), nb::kw_only(), "dq"_a.none() = nb::none(), "dk"_a.none() = nb::none(),
+        "dv"_a.none() = nb::none(), "dg"_a.none() = nb::none(), "dlam"_a.none() = nb::none(),
+        "dbeta"_a.none() = nb::none(), "d_init"_a.none() = nb::none(), "o"_a.none() = nb::none(),
+        "final_state"_a.none() = nb::none(), "stream"_a = 0,
+        "hila::backward: writes the requested gradients (and o, final_state) in place.");
+  m.def("step", &step_state, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
+        "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "state_out"_a, "stream"_a = 0,
+        "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
+
+  nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
+      .def(
+          "__init__",
+          [](hila::DecodeState* self, const OpConfig& cfg, int64_t N, int64_t H, int64_t dk,
+             int64_t dv, const std::string& dtype) {
+            new (self) hila::DecodeState(cfg, N, H, dk, dv, state_dtype(dtype));
+          },
+          "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "dtype"_a = "float32")
+      .def(
+          "step",
+          [](hila::DecodeState& s, const In& q, const In& k, const In& v, const OptIn& g,
+             const OptIn& lam, const OptIn& beta, const Out& o, uintptr_t stream) {
+            const hila::StepParams p = step_params(s.config(), q, k, v, g, lam, beta, o, stream);
+            nb::gil_scoped_release nogil;
+            hila::step(p, s);
+          },
+          "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(), "beta"_a.none(), nb::kw_only(), "o"_a,
+          "stream"_a = 0)
+      .def(
+          "load",
+          [](hila::DecodeState& s, const StateIn& st) {
+            const StateView v = state_of("state", std::optional<StateIn>(st));
+            nb::gil_scoped_release nogil;
+            s.load(v);
+          },
+          "state"_a)
+      .def(
+          "view",
+          [](nb::handle self) {
+            hila::DecodeState& s = nb::cast<hila::DecodeState&>(self);
+            const StateView v = s.view();
+            return nb::make_tuple(part_or_none(v.pos, self), part_or_none(v.S, self),
+                                  part_or_none(v.P, self), part_or_none(v.H, self));
+          },
+          "(pos, S, P, H) as numpy arrays aliasing the state; valid until the next step/load/reserve.")
+      .def("reserve", &hila::DecodeState::reserve, "max_pos"_a)
+      .def("position", &hila::DecodeState::position, "seq"_a)
+      .def_prop_ro("config", &hila::DecodeState::config)
+      .def_prop_ro("batch", &hila::DecodeState::batch)
+      .def_prop_ro("heads", &hila::DecodeState::heads)
+      .def_prop_ro("dk", &hila::DecodeState::dk)
+      .def_prop_ro("dv", &hila::DecodeState::dv)
+      .def_prop_ro("slots", &hila::DecodeState::slots)
+      .def_prop_ro("dtype", [](const hila::DecodeState& s) { return std::string(hila::dtype_name(s.dtype())); })
+      .def_prop_ro("bytes_per_sequence", &hila::DecodeState::bytes_per_sequence);
+
+  m.def("op_names", [] {
+    std::vector<std::string> v;
+    for (hila::Op op : hila::all_ops()) v.emplace_back(hila::op_name(op));
+    return v;
+  });
+  m.def("form_names", [] {
+    std::vector<std::string> v;
+    for (hila::Form f : hila::all_forms()) v.emplace_back(hila::form_name(f));
+    return v;
+  });
+  m.def("op_traits", &traits_dict, "op"_a);
+  m.def(
+      "supports",
+      [](const std::string& op, const std::string& form, bool backward) {
+        return hila::supports(hila::parse_op(op), hila::parse_form(form), backward);
+      },
+      "op"_a, "form"_a, "backward"_a);
+  m.def("state_shape", &state_shape_dict, "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "max_pos"_a);
+  m.def("state_slots", &hila::state_slots, "n"_a);
+  m.def("levels_needed", &hila::levels_needed, "n0"_a, "T"_a);
+}

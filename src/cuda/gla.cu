@@ -1,0 +1,393 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kernels of the GLA primitive; see gla.cuh for the math and the grid mapping.
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/gla.cuh"
+
+namespace hila::cuda {
+
+namespace {
+
+// Shared-memory carve-out: bump allocator over the dynamic buffer, 128-byte aligned pieces.
+struct Carve {
+  char* p;
+  size_t used = 0;
+  template <class X>
+  __host__ __device__ X* take(size_t n) {
+    used = (used + 127) & ~size_t(127);
+    X* r = reinterpret_cast<X*>(p + used);
+    used += n * sizeof(X);
+    return r;
+  }
+};
+
+// Rows [r0, r0+nr) of a packed [heads][Ttot][ld_g] buffer into smem [64][lds] (zero beyond nr),
+// columns [c0, c0+nc).
+template <class T>
+__device__ void load_rows(T* s, int lds, const T* g, int64_t ldg, int64_t r0, int nr, int c0, int nc) {
+  for (int e = threadIdx.x; e < kChunk * nc; e += blockDim.x) {
+    const int i = e / nc, j = e % nc;
+    s[i * lds + j] = i < nr ? g[(r0 + i) * ldg + c0 + j] : to<T>(0.0f);
+  }
+}
+
+// Valid rows of chunk c of a sequence of `len` tokens.
+__device__ __forceinline__ int rows_in(int64_t len, int64_t c) {
+  const int64_t r = len - c * kChunk;
+  return r < kChunk ? int(r) : kChunk;
+}
+
+// Chunk-local inclusive cumsum of the gates: b[i] for i < nr (b[i] = b[nr-1] beyond).
+template <class R>
+__device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
+  if (threadIdx.x == 0) {
+    R c = 0;
+    for (int i = 0; i < kChunk; ++i) {
+      if (i < nr && g) c += g[r0 + i];
+      b[i] = c;
+    }
+  }
+  __syncthreads();
+}
+
+template <class T>
+struct FwdSmem {
+  using R = Acc<T>;
+  T *Q, *K, *V, *Hs, *P;
+  R *A, *O, *Hf, *b;
+  int ldk, ldv, ldc, ldkr, ldvr, ldcr;
+  __host__ __device__ FwdSmem(char* base, int dk, size_t* bytes = nullptr) {
+    ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldc = ld_of<T>(kChunk);
+    ldvr = ld_of<R>(kBV), ldcr = ld_of<R>(kChunk);
+    Carve c{base};
+    Q = c.take<T>(kChunk * ldk);
+    K = c.take<T>(kChunk * ldk);
+    V = c.take<T>(kChunk * ldv);
+    Hs = c.take<T>(dk * ldv);
+    P = c.take<T>(kChunk * ldc);
+    A = c.take<R>(kChunk * ldcr);
+    O = c.take<R>(kChunk * ldvr);
+    Hf = c.take<R>(dk * ldvr);
+    b = c.take<R>(kChunk);
+    if (bytes) *bytes = c.used;
+  }
+};
+
+// Forward sweep: grid (dv / 64, N * H), one [dk, 64] state tile per block.
+template <class T>
+__global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
+  using R = Acc<T>;
+  extern __shared__ __align__(128) char smem[];
+  FwdSmem<T> s(smem, a.dk);
+  const int v0 = blockIdx.x * kBV, bv = min(kBV, a.dv - v0);
+  const int seq = blockIdx.y / a.H, h = blockIdx.y % a.H;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  const T* q = a.q + int64_t(h / a.q_div) * a.Ttot * a.dk;
+  const T* k = a.k + int64_t(h / a.k_div) * a.Ttot * a.dk;
+  const T* v = a.v + int64_t(h / a.v_div) * a.Ttot * a.dv;
+  const R* g = a.g ? a.g + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv] offset
+  for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) {
+    const int i = e / bv, j = e % bv;
+    s.Hf[i * s.ldvr + j] = a.h0 ? a.h0[sidx + int64_t(i) * a.dv + v0 + j] : R(0);
+  }
+  __syncthreads();
+  const int nch = int((len + kChunk - 1) / kChunk);
+  for (int c = 0; c < nch; ++c) {
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int nr = rows_in(len, c);
+    if (a.hbuf) {
+      R* hb = a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
+      for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+        hb[int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+    }
+    load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
+    load_rows(s.K, s.ldk, k, a.dk, r0, nr, 0, a.dk);
+    load_rows(s.V, s.ldv, v, a.dv, r0, nr, v0, bv);
+    chunk_cumsum(s.b, g, r0, nr);  // includes a barrier
+    if (a.o) {
+      for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+        s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(s.Hf[(e / bv) * s.ldvr + e % bv]);
+      smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, a.dk, false);
+      for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+        const int i = e / kChunk, j = e % kChunk;
+        const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
+        s.P[i * s.ldc + j] = to<T>(x);
+      }
+      for (int e = threadIdx.x; e < kChunk * a.dk; e += blockDim.x) {  // Q <- diag(scale e^b) Q
+        const int i = e / a.dk, j = e % a.dk;
+        s.Q[i * s.ldk + j] = to<T>(from<R>(s.Q[i * s.ldk + j]) * a.scale * exp(s.b[i]));
+      }
+      __syncthreads();
+      smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
+      smem_gemm<T, false, false>(s.O, s.ldvr, s.Q, s.ldk, s.Hs, s.ldv, kChunk, bv, a.dk, true);
+      T* o = a.o + int64_t(h) * a.Ttot * a.dv;
+      for (int e = threadIdx.x; e < nr * bv; e += blockDim.x) {
+        const int i = e / bv, j = e % bv;
+        o[(r0 + i) * a.dv + v0 + j] = to<T>(s.O[i * s.ldvr + j]);
+      }
+    }
+    // H <- e^B H + K^T diag(e^{B-b}) V
+    const R B = s.b[kChunk - 1];
+    for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
+      const int i = e / bv, j = e % bv;
+      s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * exp(B - s.b[i]));
+    }
+    const R eB = exp(B);
+    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) s.Hf[(e / bv) * s.ldvr + e % bv] *= eB;
+    __syncthreads();
+    smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
+  }
+  if (a.ht)
+    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+      a.ht[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+}
+
+// Reverse sweep of the state cotangent: dH_end(c) is stored, then dH <- e^B dH + Q^^T diag(e^b) dO.
+template <class T>
+__global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
+  using R = Acc<T>;
+  extern __shared__ __align__(128) char smem[];
+  FwdSmem<T> s(smem, a.dk);  // Q, V (as dO), Hf (as dH), b
+  const int v0 = blockIdx.x * kBV, bv = min(kBV, a.dv - v0);
+  const int seq = blockIdx.y / a.H, h = blockIdx.y % a.H;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  const T* q = a.q + int64_t(h / a.q_div) * a.Ttot * a.dk;
+  const T* dO = a.dO + int64_t(h) * a.Ttot * a.dv;
+  const R* g = a.g ? a.g + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;
+  for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+    s.Hf[(e / bv) * s.ldvr + e % bv] = a.dht ? a.dht[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] : R(0);
+  __syncthreads();
+  const int nch = int((len + kChunk - 1) / kChunk);
+  for (int c = nch - 1; c >= 0; --c) {
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int nr = rows_in(len, c);
+    R* hb = a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
+    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+      hb[int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+    load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
+    load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
+    chunk_cumsum(s.b, g, r0, nr);
+    const R B = s.b[kChunk - 1];
+    for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
+      const int i = e / bv, j = e % bv;
+      s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * a.scale * exp(s.b[i]));
+    }
+    const R eB = exp(B);
+    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) s.Hf[(e / bv) * s.ldvr + e % bv] *= eB;
+    __syncthreads();
+    smem_gemm<T, true, false>(s.Hf, s.ldvr, s.Q, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
+  }
+  if (a.dh0)
+    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+      a.dh0[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+}
+
+template <class T>
+struct BwdSmem {
+  using R = Acc<T>;
+  T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
+  R *A, *X, *b, *dc;
+  int ldk, ldv, ldc, ldcr, ldx;
+  __host__ __device__ BwdSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
+    ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
+    ldcr = ld_of<R>(kChunk), ldx = ld_of<R>(dk > dv ? dk : dv);
+    Carve c{base};
+    Q = c.take<T>(kChunk * ldk);
+    K = c.take<T>(kChunk * ldk);
+    V = c.take<T>(kChunk * ldv);
+    dO = c.take<T>(kChunk * ldv);
+    Hp = c.take<T>(dk * ldv);
+    dH = c.take<T>(dk * ldv);
+    P = c.take<T>(kChunk * ldc);
+    dA = c.take<T>(kChunk * ldc);
+    A = c.take<R>(kChunk * ldcr);
+    X = c.take<R>(kChunk * ldx);
+    b = c.take<R>(kChunk);
+    dc = c.take<R>(kChunk);
+    if (bytes) *bytes = c.used;
+  }
+};
+
+// Per-chunk gradients: grid (nchunks, H).
+template <class T>
+__global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
+  using R = Acc<T>;
+  extern __shared__ __align__(128) char smem[];
+  BwdSmem<T> s(smem, a.dk, a.dv);
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq];
+  const int64_t r0 = a.row0[seq] + c * kChunk;
+  const int nr = rows_in(a.len[seq], c);
+  const int dk = a.dk, dv = a.dv;
+  load_rows(s.Q, s.ldk, a.q + int64_t(h / a.q_div) * a.Ttot * dk, dk, r0, nr, 0, dk);
+  load_rows(s.K, s.ldk, a.k + int64_t(h / a.k_div) * a.Ttot * dk, dk, r0, nr, 0, dk);
+  load_rows(s.V, s.ldv, a.v + int64_t(h / a.v_div) * a.Ttot * dv, dv, r0, nr, 0, dv);
+  load_rows(s.dO, s.ldv, a.dO + int64_t(h) * a.Ttot * dv, dv, r0, nr, 0, dv);
+  const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
+  for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
+    const int i = e / dv, j = e % dv;
+    s.Hp[i * s.ldv + j] = to<T>(a.hbuf[hidx + e]);
+    s.dH[i * s.ldv + j] = to<T>(a.dhbuf[hidx + e]);
+  }
+  chunk_cumsum(s.b, a.g ? a.g + int64_t(h) * a.Ttot : nullptr, r0, nr);
+  const R B = s.b[kChunk - 1];
+  // P = scale Gamma o (Q K^T);  dA = Gamma o (dO V^T)
+  smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, dk, false);
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+    const int i = e / kChunk, j = e % kChunk;
+    const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
+    s.P[i * s.ldc + j] = to<T>(x);
+  }
+  __syncthreads();
+  smem_gemm<T, false, true>(s.A, s.ldcr, s.dO, s.ldv, s.V, s.ldv, kChunk, kChunk, dv, false);
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+    const int i = e / kChunk, j = e % kChunk;
+    const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * exp(s.b[i] - s.b[j]) : R(0);
+    s.dA[i * s.ldc + j] = to<T>(x);
+  }
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {  // Q <- Q^ = scale Q
+    const int i = e / dk, j = e % dk;
+    s.Q[i * s.ldk + j] = to<T>(from<R>(s.Q[i * s.ldk + j]) * a.scale);
+  }
+  __syncthreads();
+  const int64_t rowbase = int64_t(h) * a.Ttot;
+  // dQ^ = diag(e^b) dO Hp^T + dA K
+  smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hp, s.ldv, kChunk, dk, dv, false);
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(s.b[e / dk]);
+  __syncthreads();
+  smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, true);
+  if (threadIdx.x < kChunk) {
+    const int i = threadIdx.x;
+    R acc = 0;
+    for (int j = 0; j < dk; ++j) acc += from<R>(s.Q[i * s.ldk + j]) * s.X[i * s.ldx + j];
+    s.dc[i] = acc;
+  }
+  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
+    a.dq[(rowbase + r0 + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
+  __syncthreads();
+  // dK = diag(w) V dH^T + dA^T Q^
+  smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.dH, s.ldv, kChunk, dk, dv, false);
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(B - s.b[e / dk]);
+  __syncthreads();
+  smem_gemm<T, true, false>(s.X, s.ldx, s.dA, s.ldc, s.Q, s.ldk, kChunk, dk, kChunk, true);
+  if (threadIdx.x < kChunk) {
+    const int i = threadIdx.x;
+    R acc = 0;
+    for (int j = 0; j < dk; ++j) acc += from<R>(s.K[i * s.ldk + j]) * s.X[i * s.ldx + j];
+    s.dc[i] -= acc;
+  }
+  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
+    a.dk_[(rowbase + r0 + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
+  __syncthreads();
+  // dV = diag(w) K dH + P^T dO
+  smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.dH, s.ldv, kChunk, dv, dk, false);
+  for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) s.X[(e / dv) * s.ldx + e % dv] *= exp(B - s.b[e / dv]);
+  __syncthreads();
+  smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);
+  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x)
+    a.dv_[(rowbase + r0 + e / dv) * dv + e % dv] = s.X[(e / dv) * s.ldx + e % dv];
+  for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
+}
+
+// dg: add <dH_T, H_T> at the last token, then reverse cumsum per (sequence, head).
+template <class T>
+__global__ void __launch_bounds__(256) gla_dg_kernel(GlaArgs<T> a) {
+  using R = Acc<T>;
+  using Scan = cub::BlockScan<R, 256>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ R red[256];
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  if (len == 0) return;
+  R* dg = a.dg + int64_t(h) * a.Ttot + row0;
+  R extra = 0;
+  if (a.dht) {
+    const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;
+    for (int64_t e = threadIdx.x; e < int64_t(a.dk) * a.dv; e += blockDim.x) extra += a.dht[sidx + e] * a.ht[sidx + e];
+  }
+  red[threadIdx.x] = extra;
+  __syncthreads();
+  for (int s = 128; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  R carry = 0;
+  for (int64_t base = len; base > 0; base -= 256) {  // tiles from the end, reversed
+    const int64_t i = base - 1 - threadIdx.x;
+    R x = i >= 0 ? dg[i] : R(0);
+    if (i == len - 1) x += red[0];
+    R incl;
+    R total;
+    Scan(tmp).InclusiveSum(x, incl, total);
+    if (i >= 0) dg[i] = incl + carry;
+    carry += total;
+    __syncthreads();
+  }
+}
+
+template <class T>
+size_t fwd_bytes(int dk) {
+  size_t b = 0;
+  FwdSmem<T> s(nullptr, dk, &b);
+  return b;
+}
+template <class T>
+size_t bwd_bytes(int dk, int dv) {
+  size_t b = 0;
+  BwdSmem<T> s(nullptr, dk, dv, &b);
+  return b;
+}
+
+template <class F>
+void set_smem(F* kernel, size_t bytes) {
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+}  // namespace
+
+template <class T>
+size_t gla_smem_need(int dk, int dv) {
+  return std::max(fwd_bytes<T>(dk), bwd_bytes<T>(dk, dv));
+}
+
+template <class T>
+void gla_forward(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (a.N == 0 || a.H == 0) return;
+  const size_t bytes = fwd_bytes<T>(a.dk);
+  set_smem(gla_fwd_kernel<T>, bytes);
+  dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
+  gla_fwd_kernel<T><<<grid, 256, bytes, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (a.N == 0 || a.H == 0) return;
+  const size_t fb = fwd_bytes<T>(a.dk), bb = bwd_bytes<T>(a.dk, a.dv);
+  set_smem(gla_bwd_dh_kernel<T>, fb);
+  set_smem(gla_bwd_chunk_kernel<T>, bb);
+  dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
+  gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
+  if (a.nchunks > 0) {
+    gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
+  gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+#define HILA_INSTANTIATE(T)                                          \
+  template void gla_forward<T>(const GlaArgs<T>&, cudaStream_t);     \
+  template void gla_backward<T>(const GlaArgs<T>&, cudaStream_t);    \
+  template size_t gla_smem_need<T>(int, int);
+HILA_INSTANTIATE(__nv_bfloat16)
+HILA_INSTANTIATE(__half)
+HILA_INSTANTIATE(float)
+HILA_INSTANTIATE(double)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cuda

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// The GLA primitive on the GPU (HLA_SPEC §1, §7.1), on packed head-major buffers:
+//   x [heads][Ttot][d_pad] (d_pad a multiple of 16, zero padded), sequences are row ranges.
+// Forward: one block per (value tile of 64 columns, sequence x head) sweeps the chunks of its
+// sequence in order, keeping its [dk, 64] state tile in fp32 shared memory:
+//   O_c = (Gamma_c o Q^_c K_c^T) V_c + diag(e^b) Q^_c H            [C,dk]x[dk,C], [C,C]x[C,64], [C,dk]x[dk,64]
+//   H  <- e^B H + K_c^T diag(e^{B-b}) V_c                          [dk,C]x[C,64]
+// Backward: the same sweep stores the state entering every chunk (hbuf); a reverse sweep stores
+// the state cotangent at every chunk end (dhbuf); then one block per (chunk, head) forms
+//   dA = (dO V^T) o Gamma;  dQ^ = dA K + diag(e^b) dO Hp^T;  dK = dA^T Q^ + diag(w) V dH^T;
+//   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
+// and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
+#pragma once
+#include "cuda/common.cuh"
+
+namespace hila::cuda {
+
+constexpr int kChunk = 64;  // tokens per chunk (a power of two; 64 fits the tile GEMMs)
+constexpr int kBV = 64;     // value columns per block in the sequential sweeps
+
+template <class T>
+struct GlaArgs {
+  using R = Acc<T>;
+  const T *q = nullptr, *k = nullptr, *v = nullptr;  // packed [heads][Ttot][d_pad]
+  int q_div = 1, k_div = 1, v_div = 1;              // source head = h / div
+  const R* g = nullptr;                             // [H][Ttot] log-gates, nullptr = 0
+  int H = 1, N = 1;
+  int64_t Ttot = 0;
+  int dk = 16, dv = 16;                             // padded, multiples of 16
+  const int64_t *row0 = nullptr, *len = nullptr, *chunk0 = nullptr;  // [N] (device)
+  const int* chunk_seq = nullptr;                   // [nchunks] sequence of each chunk (device)
+  int64_t nchunks = 0;
+  R scale = 1;
+  // forward
+  T* o = nullptr;                                   // [H][Ttot][dv]
+  const R* h0 = nullptr;                            // [N][H][dk][dv]
+  R* ht = nullptr;                                  // [N][H][dk][dv]
+  R* hbuf = nullptr;                                // [nchunks][H][dk][dv]: state entering each chunk
+  // backward
+  const T* dO = nullptr;                            // [H][Ttot][dv]
+  const R* dht = nullptr;                           // [N][H][dk][dv]
+  R* dh0 = nullptr;                                 // [N][H][dk][dv]
+  R* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
+  R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;  // per head [H][Ttot][d]
+  R* dg = nullptr;                                  // [H][Ttot]
+};
+
+// Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
+template <class T>
+void gla_forward(const GlaArgs<T>& a, cudaStream_t stream);
+// Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg.
+template <class T>
+void gla_backward(const GlaArgs<T>& a, cudaStream_t stream);
+// Shared memory the kernels need for these head dims (bytes); 0 if they do not fit the device.
+template <class T>
+size_t gla_smem_need(int dk, int dv);
+
+}  // namespace hila::cuda
