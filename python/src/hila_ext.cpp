@@ -254,7 +254,16 @@ void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, cons
   set_stream(p, stream);
   if (!p.init.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
   nb::gil_scoped_release nogil;
-  hila::forward(p);
+  try {
+    hila::forward(p);
+  } catch (const Error& e) {
+    // Name the states as the caller does: init.* -> state.*, final_state.* -> state_out.*
+    const std::string& arg = e.argument();
+    const std::string what = std::string(e.what()).substr(std::string("hila: argument '" + arg + "': ").size());
+    for (const auto& [from, to] : {std::pair<std::string, std::string>{"init", "state"}, {"final_state", "state_out"}})
+      if (arg.rfind(from + ".", 0) == 0) throw Error(to + arg.substr(from.size()), what);
+    throw;
+  }
 }
 
 // ---------------------------------------------------------------------------------- DecodeState

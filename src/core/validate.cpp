@@ -337,7 +337,7 @@ void check_optional_output(const std::string& name, const TensorView& t, const T
   check_output(name, t, s, like.dtype, like.device, "shape of " + input);
 }
 
-Resolved resolve_common(const ForwardParams& p) {
+Resolved resolve_common(const ForwardParams& p, bool o_required) {
   check_config(p.cfg);
   const int form = static_cast<int>(p.form);
   if (form < 0 || form > 3) fail("form", "expected naive, serial, chunk or scan, got id " + std::to_string(form));
@@ -367,7 +367,8 @@ Resolved resolve_common(const ForwardParams& p) {
     check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, &pos, true, p.cfg.check_values, d.dev);
   }
   check_levels(r, p.lam);
-  check_output("o", p.o, {d.B, d.T, d.H, d.dv}, d.dtype, d.dev, "[B, T, H, dv] like v");
+  if (o_required || p.o.defined())
+    check_output("o", p.o, {d.B, d.T, d.H, d.dv}, d.dtype, d.dev, "[B, T, H, dv] like v");
   if (p.final_state.defined()) {
     std::vector<int64_t> fin;
     for (const SeqInfo& s : r.seqs) fin.push_back(s.n0 + s.len);
@@ -398,12 +399,12 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
     expect_shape(nm + ".pos", s.pos, {N}, "one position per sequence");
     expect_dtype(nm + ".pos", s.pos, DType::i64, "positions are int64");
     expect_device(nm + ".pos", s.pos, dev);
-    const std::vector<int64_t> pos = read_positions(s.pos);
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t x = pos[i];
-      if (x < 0)
-        fail(nm + ".pos", "expected positions >= 0, got " + std::to_string(x) + " for sequence " +
-                              std::to_string(i));
+    if (positions == nullptr) {  // an input state: its positions are read (outputs are only shaped)
+      const std::vector<int64_t> pos = read_positions(s.pos);
+      for (int64_t i = 0; i < N; ++i)
+        if (pos[i] < 0)
+          fail(nm + ".pos", "expected positions >= 0, got " + std::to_string(pos[i]) + " for sequence " +
+                                std::to_string(i));
     }
   }
   auto part = [&](const char* p, const TensorView& tv, bool has, std::vector<int64_t> shape,
@@ -457,7 +458,7 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
   }
 }
 
-Resolved resolve_forward(const ForwardParams& p) { return resolve_common(p); }
+Resolved resolve_forward(const ForwardParams& p) { return resolve_common(p, true); }
 
 Resolved resolve_backward(const BackwardParams& p) {
   if (static_cast<int>(p.form) >= 0 && static_cast<int>(p.form) <= 3 &&
@@ -467,7 +468,7 @@ Resolved resolve_backward(const BackwardParams& p) {
                      " (naive or chunk" +
                      (supports(p.cfg.op, Form::serial, true) ? ", or serial" : "") + "), got " +
                      form_name(p.form));
-  Resolved r = resolve_common(p);
+  Resolved r = resolve_common(p, false);
   const DType dt = p.q.dtype;
   const Device dev = p.q.device;
   check_output("d_o", p.d_o, {r.B, r.T, r.H, r.dv}, dt, dev, "cotangent of o, [B, T, H, dv]");

@@ -163,7 +163,7 @@ __global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, in
   }
 }
 
-unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + 255) / 256, 65535 * 4)); }
+unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4)); }
 int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
 
 // Sequence tables on the device.

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Anchors timed in the same run as hila: ceilings (bf16 GEMM, device-to-device copy), torch SDPA
+(flash and cuDNN backends, causal) and fla's chunk_simple_gla. CSV rows on stdout:
+impl,op,dtype,B,T,H,d,direction,ms   (ceilings: impl=ceiling, op=gemm_tflops|copy_tbps, ms=value).
+fla's gated backward is refused on Hopper with Triton < 3.7.1 (wrong gradients); when the installed
+Triton is older, the guard is lifted so that its *speed* can be measured, and the rows say so
+(impl=fla_guard_lifted)."""
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+
+def ms_of(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def row(impl, op, B, T, H, d, direction, ms):
+    print(f"{impl},{op},bf16,{B},{T},{H},{d},{direction},{ms:.4f}", flush=True)
+
+
+def ceilings():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = ms_of(lambda: a @ b)
+    row("ceiling", "gemm_tflops", n, n, n, 0, "-", 2 * n**3 / ms / 1e9)
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = ms_of(lambda: y.copy_(x))
+    row("ceiling", "copy_tbps", 0, 0, 0, 0, "-", 2 * x.numel() / ms / 1e9)
+
+
+def sdpa(shapes, H, d):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, be in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        for B, T in shapes:
+            q, k, v = [torch.randn(B, H, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+            do = torch.randn_like(q)
+            with sdpa_kernel(be):
+                row(name, "softmax", B, T, H, d, "fwd", ms_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+                def fb():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+                row(name, "softmax", B, T, H, d, "fwdbwd", ms_of(fb))
+            del q, k, v, do
+            torch.cuda.empty_cache()
+
+
+def fla_gla(shapes, H, d):
+    import fla.ops.common.chunk_o as chunk_o
+    from fla.ops.simple_gla import chunk_simple_gla
+    impl = "fla"
+    if not chunk_o.TRITON_ABOVE_3_7_1:
+        chunk_o.TRITON_ABOVE_3_7_1 = True  # speed only: see the module docstring
+        impl = "fla_guard_lifted"
+    for B, T in shapes:
+        q = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        k = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        v = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16)
+        g = torch.empty(B, T, H, device="cuda").uniform_(-0.105, 0.0)
+        for t in (q, k, v, g):
+            t.requires_grad_()
+        do = torch.randn_like(v)
+        with torch.no_grad():
+            row(impl, "gla", B, T, H, d, "fwd", ms_of(lambda: chunk_simple_gla(q, k, v, g, scale=d**-0.5)))
+
+        def fb():
+            chunk_simple_gla(q, k, v, g, scale=d**-0.5)[0].backward(do)
+        row(impl, "gla", B, T, H, d, "fwdbwd", ms_of(fb))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="32:1024,8:4096,2:16384,1:65536")
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("sections", nargs="*", default=["ceil", "sdpa", "fla"])
+    a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",")]
+    print("impl,op,dtype,B,T,H,d,direction,ms", flush=True)
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
+    for s in a.sections:
+        try:
+            {"ceil": ceilings, "sdpa": lambda: sdpa(shapes, a.H, a.d), "fla": lambda: fla_gla(shapes, a.H, a.d)}[s]()
+        except Exception as e:  # a missing anchor is reported, not fatal
+            print(f"# section {s} failed: {e!r}"[:300], file=sys.stderr)

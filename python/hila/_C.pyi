@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Type stubs of hila._C, the nanobind extension (internal: use hila.ops or hila.torch).
+
+Every array argument is any object exporting DLPack (numpy, torch, cupy, jax, ...), read over
+DLPack without a copy; outputs are written in place. Layouts and shapes are those of hila.ops:
+q, k [B, T, G, dk]; v, o [B, T, H, dv]; g [B, T, H] or [B, T, H, P]; lam [B, T, H, L];
+beta [B, T, H]; cu_seqlens [N + 1]; per-token calls drop T. A state is a tuple
+(pos [N] int64, S [N, H, dk(dk+1)/2], P [N, H, dk, dv'], H [N, H, (Ls,) dk, dv']) with None for
+absent parts. ``stream`` is a cudaStream_t as an int (0: the default stream). Errors raise
+hila.HilaError (a ValueError) naming the argument.
+"""
+from typing import Any, Optional, Tuple
+
+Array = Any
+StateIn = Tuple[Optional[Array], Optional[Array], Optional[Array], Optional[Array]]
+
+class Config:
+    """hila::OpConfig. ``scale=0``: dk^-1/2. Untied gates are recognised by g's extra axis."""
+
+    def __init__(self, op: str, *, scale: float = 0.0, normalize: bool = False, eps: float = 1e-06,
+                 ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True) -> None: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def normalize(self) -> bool: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def ridge(self) -> float: ...
+    @property
+    def qk_l2norm(self) -> bool: ...
+    @property
+    def check_values(self) -> bool: ...
+
+def forward(cfg: Config, form: str, chunk: int, q: Array, k: Array, v: Array, g: Optional[Array],
+            lam: Optional[Array], beta: Optional[Array], cu_seqlens: Optional[Array],
+            init: Optional[StateIn], *, o: Array, final_state: Optional[StateIn] = None,
+            stream: int = 0) -> None:
+    """hila::forward: writes o [B, T, H, dv] and, when given, final_state."""
+
+def backward(cfg: Config, form: str, chunk: int, q: Array, k: Array, v: Array, g: Optional[Array],
+             lam: Optional[Array], beta: Optional[Array], cu_seqlens: Optional[Array],
+             init: Optional[StateIn], d_o: Array, d_final: Optional[StateIn], *,
+             dq: Optional[Array] = None, dk: Optional[Array] = None, dv: Optional[Array] = None,
+             dg: Optional[Array] = None, dlam: Optional[Array] = None, dbeta: Optional[Array] = None,
+             d_init: Optional[StateIn] = None, o: Optional[Array] = None,
+             final_state: Optional[StateIn] = None, stream: int = 0) -> None:
+    """hila::backward: writes the given gradient outputs (shaped as their inputs), o (required)
+    and final_state."""
+
+def step(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
+         beta: Optional[Array], state: StateIn, *, o: Array, state_out: StateIn,
+         stream: int = 0) -> None:
+    """One decode token on a caller-owned state: q, k [N, G, dk], v [N, H, dv], g [N, H] or
+    [N, H, P], lam [N, H, L], beta [N, H]; writes o [N, H, dv] and state_out (shaped as state; a
+    log-linear H with the slots of the new positions)."""
+
+class DecodeState:
+    """hila::DecodeState: an owning host-memory decode state for N sequences x H heads."""
+
+    def __init__(self, cfg: Config, N: int, H: int, dk: int, dv: int, dtype: str = "float32") -> None: ...
+    def step(self, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
+             beta: Optional[Array], *, o: Array, stream: int = 0) -> None:
+        """One token for every sequence; writes o [N, H, dv]."""
+    def load(self, state: StateIn) -> None: ...
+    def view(self) -> Tuple[Any, Optional[Any], Optional[Any], Any]:
+        """(pos, S, P, H) as numpy arrays aliasing the state; valid until the next step/load/reserve."""
+    def reserve(self, max_pos: int) -> None: ...
+    def position(self, seq: int) -> int: ...
+    @property
+    def config(self) -> Config: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def dk(self) -> int: ...
+    @property
+    def dv(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def bytes_per_sequence(self) -> int: ...
+
+def op_names() -> list[str]: ...
+def form_names() -> list[str]: ...
+def op_traits(op: str) -> dict: ...
+def supports(op: str, form: str, backward: bool) -> bool: ...
+def state_shape(cfg: Config, N: int, H: int, dk: int, dv: int, max_pos: int) -> dict:
+    """{'pos': [N], 'S': [...] or None, 'P': [...] or None, 'H': [...]}"""
+def state_slots(n: int) -> int: ...
+def levels_needed(n0: int, T: int) -> int: ...

@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token mixers built on hila's operators: drop-in replacements for an attention block's mixer.
+
+    HLAAttention            hla2 / ahla / hla3 (or their log-linear versions)
+    LogLinearMamba2         Mamba-2 with log-linear attention (Guo et al. 2025)
+    LogLinearGatedDeltaNet  Gated DeltaNet with log-linear attention
+
+Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
+
+    y, state = layer(x, state=None, cu_seqlens=None, max_seqlen=None, use_cache=False)
+
+* ``mode='chunk'`` runs the chunk form (training, prefill); ``mode='recurrent'`` the serial form.
+* ``use_cache=True`` returns a :class:`LayerState`; passing it back continues the sequences: a
+  one-token call (T == 1, no cu_seqlens) is a decode step, a longer call a chunked prefill.
+* ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
+  state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
+  int) spares log-linear layers a device read for their ``max_len`` check.
+
+Log-linear layers are built for ``max_len`` tokens: they have ``levels_needed(0, max_len)`` level
+weights and raise :class:`hila.HilaError` for longer sequences (never silently dropping levels).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops as _ops
+from .._errors import HilaError
+from .cache import LayerState
+from .modules import DecayGate, GatedRMSNorm, LevelWeights, ShortConvolution, at_least_f32
+from .ops import forward as _forward
+from .ops import step as _step
+
+__all__ = ["HLAAttention", "LogLinearMamba2", "LogLinearGatedDeltaNet"]
+
+_MODES = {"chunk": "chunk", "recurrent": "serial"}
+
+
+class _Call:
+    """One call of a mixer: decides decode step vs. whole-sequence form, runs the short
+    convolutions and the operator with their caches, and assembles the new LayerState."""
+
+    def __init__(self, layer: "_Mixer", x: Tensor, state: Optional[LayerState],
+                 cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], use_cache: bool):
+        if cu_seqlens is not None and x.shape[0] != 1:
+            raise HilaError("hila: argument 'x': expected batch size 1 with cu_seqlens (packed "
+                            f"sequences along T), got {tuple(x.shape)}", "x")
+        if state is not None:
+            n, got = state.recurrent.pos.shape[0], x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            if n != got:
+                raise HilaError(f"hila: argument 'state': expected a cache of the input's {got} "
+                                f"sequences, got one of {n}", "state")
+        self.layer, self.state, self.cu, self.use_cache = layer, state, cu_seqlens, use_cache
+        self.decode = state is not None and cu_seqlens is None and x.shape[1] == 1
+        self.conv_caches = []
+        prev = state.max_position if state is not None else 0
+        span = x.shape[1] if cu_seqlens is None else max_seqlen
+        if span is None and not torch.compiler.is_compiling():
+            span = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+        # Under torch.compile without max_seqlen the bound is unknown: the operator still refuses
+        # lam with too few levels for a sequence.
+        self.end = None if span is None else prev + span
+        if layer.levels is not None and self.end is not None:
+            layer.levels.check(self.end)
+
+    def conv(self, conv: Optional[ShortConvolution], x: Tensor) -> Tensor:
+        """The next short convolution of the layer over x [B, T, C] (identity when None)."""
+        if conv is None:
+            return x
+        cache = self.state.conv[len(self.conv_caches)] if self.state is not None else None
+        if self.decode:
+            y, new = conv.step(x[:, 0], cache)
+            y = y.unsqueeze(1)
+        else:
+            y, new = conv(x, cache, self.cu, output_cache=self.use_cache)
+        self.conv_caches.append(new)
+        return y
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+            lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, **options) -> Tensor:
+        """The layer's operator over q, k [B, T, G, dk], v [B, T, H, dv] -> o [B, T, H, dv]."""
+        layer = self.layer
+        if self.decode:
+            first = lambda t: None if t is None else t[:, 0]  # noqa: E731
+            o, self.recurrent = _step(layer.op, first(q), first(k), first(v), first(g),
+                                      state=self.state.recurrent, lam=first(lam), beta=first(beta),
+                                      **options)
+            return o.unsqueeze(1)
+        o, self.recurrent = _forward(
+            layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu,
+            initial_state=self.state.recurrent if self.state is not None else None,
+            output_final_state=self.use_cache, final_slots=layer.state_slots, form=layer.form,
+            chunk=layer.chunk_size, **options)
+        return o
+
+    def result(self, y: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        if not self.use_cache:
+            return y, None
+        end = self.end if self.end is not None else (self.state.max_position if self.state else 0)
+        return y, LayerState(self.recurrent, tuple(self.conv_caches), end)
+
+
+class _Mixer(nn.Module):
+    """What every hila layer has: operator, mode, chunk size and (log-linear) level weights."""
+
+    def __init__(self, op: str, mode: str, chunk_size: int, heads: int, max_len: Optional[int],
+                 layer_idx: Optional[int]):
+        super().__init__()
+        if mode not in _MODES:
+            raise HilaError(f"hila: argument 'mode': expected 'chunk' or 'recurrent', got '{mode}'", "mode")
+        self.traits = _ops.op_traits(op)  # raises HilaError('op') for unknown names
+        self.op, self.mode, self.form = op, mode, _MODES[mode]
+        self.chunk_size, self.layer_idx = chunk_size, layer_idx
+        self.levels = LevelWeights(heads, max_len) if self.traits["loglinear"] else None
+        self.max_len = max_len
+        # Fenwick capacity of the cached state: decoding up to max_len never reallocates.
+        self.state_slots = _ops.state_slots(max_len) if self.levels is not None else 1
+
+    def _call(self, x, state, cu_seqlens, max_seqlen, use_cache) -> _Call:
+        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache)
+
+    def extra_repr(self) -> str:
+        s = f"op={self.op}, mode={self.mode}, chunk_size={self.chunk_size}"
+        return s + (f", max_len={self.max_len}, levels={self.levels.levels}" if self.levels is not None else "")
+
+
+def _heads(x: Tensor, d: int) -> Tensor:
+    return x.unflatten(-1, (-1, d))
+
+
+class HLAAttention(_Mixer):
+    """Higher-order linear attention mixer (hla2, ahla, hla3; or loglinear_hla2/ahla/hla3 with ``max_len``).
+
+    x -> q, k (G groups of head_dim), v (H heads of head_dim_v) projections, each through an
+    optional short convolution (width ``conv_size``, SiLU); q and k RMS-normalised per head
+    (``qk_norm``); data-dependent log-gates ``g = -exp(A_log) softplus(a_proj(x) + dt_bias)``, one
+    per head (``gates='tied'``) or one per primitive (``'untied'``); the operator; an RMSNorm of
+    each head's output gated by ``silu(g_proj(x))`` (``use_output_gate``); o_proj.
+
+    Args:
+        hidden_size: D.
+        num_heads: H value heads.
+        head_dim: dk of q and k (default 64).
+        head_dim_v: dv (default head_dim).
+        num_qk_groups: G query/key groups, a divisor of H (default H).
+        op: 'hla2', 'ahla', 'hla3', 'loglinear_hla2', 'loglinear_ahla' or 'loglinear_hla3'.
+        mode: 'chunk' or 'recurrent'.
+        normalize, ridge, scale: operator options (see hila.forward).
+        max_len: longest sequence, required by the log-linear versions.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int = 64,
+                 head_dim_v: Optional[int] = None, num_qk_groups: Optional[int] = None,
+                 op: str = "hla2", mode: str = "chunk", chunk_size: int = 64,
+                 use_short_conv: bool = True, conv_size: int = 4, qk_norm: bool = True,
+                 gates: str = "tied", normalize: bool = False, ridge: float = 0.0,
+                 scale: Optional[float] = None, use_output_gate: bool = True,
+                 norm_eps: float = 1e-5, max_len: Optional[int] = None,
+                 layer_idx: Optional[int] = None):
+        super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx)
+        if not self.traits["hla_family"]:
+            raise HilaError(f"hila: argument 'op': expected an HLA operator (hla2, ahla, hla3 or a "
+                            f"loglinear_ version), got '{op}'", "op")
+        if gates not in ("tied", "untied"):
+            raise HilaError(f"hila: argument 'gates': expected 'tied' or 'untied', got '{gates}'", "gates")
+        G = num_qk_groups or num_heads
+        if num_heads % G:
+            raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
+                            f"{num_heads}, got {G}", "num_qk_groups")
+        dk, dv = head_dim, head_dim_v or head_dim
+        self.num_heads, self.num_qk_groups, self.head_dim, self.head_dim_v = num_heads, G, dk, dv
+        self.options = dict(normalize=normalize, ridge=ridge, scale=scale)
+        self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        conv = (lambda c: ShortConvolution(c, conv_size)) if use_short_conv else (lambda c: None)
+        self.q_conv, self.k_conv, self.v_conv = conv(G * dk), conv(G * dk), conv(num_heads * dv)
+        self.q_norm = nn.RMSNorm(dk, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(dk, eps=norm_eps) if qk_norm else None
+        cols = self.traits["num_primitives"] if gates == "untied" else 1
+        self.a_proj = nn.Linear(hidden_size, num_heads * cols, bias=False)
+        self.gate = DecayGate(num_heads, cols)
+        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False) if self.levels else None
+        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False) if use_output_gate else None
+        self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
+        self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, state: Optional[LayerState] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        q = _heads(call.conv(self.q_conv, self.q_proj(x)), self.head_dim)
+        k = _heads(call.conv(self.k_conv, self.k_proj(x)), self.head_dim)
+        v = _heads(call.conv(self.v_conv, self.v_proj(x)), self.head_dim_v)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        g, _ = self.gate(self.a_proj(x))
+        lam = self.levels(self.l_proj(x)) if self.levels is not None else None
+        o = call.mix(q, k, v, g, lam=lam, **self.options)
+        z = _heads(self.g_proj(x), self.head_dim_v) if self.g_proj is not None else None
+        return call.result(self.o_proj(self.o_norm(o, z).flatten(-2)))
+
+
+class LogLinearMamba2(_Mixer):
+    """Log-linear Mamba-2 mixer (Guo et al. 2025), as in the authors' and fla's layers.
+
+    ``in_proj`` maps x to ``[z (inner), xBC (inner + 2 G N), dt (H), dl (H L)]`` with
+    inner = expand * D, H = inner / head_dim heads, G = n_groups, N = state_size and
+    L = levels_needed(0, max_len); xBC goes through a short convolution (width 4, SiLU, bias);
+    the operator runs with q = C, k = B (G groups), v = x * dt, g = -exp(A_log) dt with
+    dt = softplus(dt + dt_bias) and A = 1..H, lam = softplus(L * dl) and scale 1; then the skip
+    D * x, ``RMSNorm(y * silu(z))`` and ``out_proj``.
+    """
+
+    def __init__(self, hidden_size: int, max_len: int, state_size: int = 128, expand: int = 2,
+                 head_dim: int = 64, n_groups: int = 1, conv_size: int = 4, mode: str = "chunk",
+                 chunk_size: int = 64, A_init="arange", dt_min: float = 1e-3, dt_max: float = 0.1,
+                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5,
+                 layer_idx: Optional[int] = None):
+        inner = expand * hidden_size
+        if inner % head_dim:
+            raise HilaError(f"hila: argument 'head_dim': expected a divisor of expand * hidden_size "
+                            f"= {inner}, got {head_dim}", "head_dim")
+        H = inner // head_dim
+        if H % n_groups:
+            raise HilaError(f"hila: argument 'n_groups': expected a divisor of the {H} heads, got "
+                            f"{n_groups}", "n_groups")
+        super().__init__("loglinear", mode, chunk_size, H, max_len, layer_idx)
+        self.inner, self.num_heads, self.head_dim = inner, H, head_dim
+        self.n_groups, self.state_size = n_groups, state_size
+        conv_dim = inner + 2 * n_groups * state_size
+        self.splits = (inner, conv_dim, H, H * self.levels.levels)
+        self.in_proj = nn.Linear(hidden_size, sum(self.splits), bias=False)
+        self.conv = ShortConvolution(conv_dim, conv_size, bias=True)
+        self.gate = DecayGate(H, 1, A_init=A_init, dt_min=dt_min, dt_max=dt_max,
+                              dt_init_floor=dt_init_floor)
+        self.D = nn.Parameter(torch.ones(H))
+        self.D._no_weight_decay = True
+        self.norm = GatedRMSNorm(inner, group_size=inner // n_groups, eps=norm_eps, norm_before_gate=False)
+        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, state: Optional[LayerState] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        z, xBC, dt, dl = torch.split(self.in_proj(x), self.splits, dim=-1)
+        xBC = call.conv(self.conv, xBC)
+        xs, Bm, Cm = torch.split(xBC, (self.inner, self.n_groups * self.state_size,
+                                       self.n_groups * self.state_size), dim=-1)
+        xs = _heads(xs, self.head_dim)                                                 # [B, T, H, P]
+        g, dt = self.gate(dt)                                                          # [B, T, H]
+        v = (xs * dt.unsqueeze(-1).to(xs.dtype))
+        y = call.mix(_heads(Cm, self.state_size), _heads(Bm, self.state_size), v, g,
+                     lam=self.levels(dl), scale=1.0)
+        y = y + xs * self.D.unsqueeze(-1).to(xs.dtype)
+        return call.result(self.out_proj(self.norm(y.flatten(-2), z)))
+
+
+class LogLinearGatedDeltaNet(_Mixer):
+    """Log-linear Gated DeltaNet mixer, as in the log-linear authors' layer.
+
+    q, k (G groups of head_dim) and v (H heads of expand_v * head_dim) projections, each with a
+    short convolution (width 4, SiLU); ``beta = sigmoid(b_proj(x))``;
+    ``g = -exp(A_log) softplus(a_proj(x) + dt_bias)`` with A ~ U(0, 16) and dt in [1e-3, 0.1];
+    q and k L2-normalised inside the operator, scale 1; ``lam = softplus(L * l_proj(x))``; the
+    operator loglinear_gdn; an RMSNorm per head gated by ``silu(g_proj(x))``; o_proj.
+    """
+
+    def __init__(self, hidden_size: int, max_len: int, num_heads: int = 6, head_dim: int = 128,
+                 expand_v: float = 2.0, num_qk_groups: Optional[int] = None, conv_size: int = 4,
+                 mode: str = "chunk", chunk_size: int = 64, A_init=(0.0, 16.0),
+                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 norm_eps: float = 1e-5, layer_idx: Optional[int] = None):
+        super().__init__("loglinear_gdn", mode, chunk_size, num_heads, max_len, layer_idx)
+        G = num_qk_groups or num_heads
+        if num_heads % G:
+            raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
+                            f"{num_heads}, got {G}", "num_qk_groups")
+        dk, dv = head_dim, int(head_dim * expand_v)
+        self.num_heads, self.num_qk_groups, self.head_dim, self.head_dim_v = num_heads, G, dk, dv
+        self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        self.q_conv, self.k_conv = ShortConvolution(G * dk, conv_size), ShortConvolution(G * dk, conv_size)
+        self.v_conv = ShortConvolution(num_heads * dv, conv_size)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=True)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.gate = DecayGate(num_heads, 1, A_init=A_init, dt_min=dt_min, dt_max=dt_max,
+                              dt_init_floor=dt_init_floor)
+        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False)
+        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
+        self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, state: Optional[LayerState] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        q = _heads(call.conv(self.q_conv, self.q_proj(x)), self.head_dim)
+        k = _heads(call.conv(self.k_conv, self.k_proj(x)), self.head_dim)
+        v = _heads(call.conv(self.v_conv, self.v_proj(x)), self.head_dim_v)
+        beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
+        g, _ = self.gate(self.a_proj(x))
+        o = call.mix(q, k, v, g, lam=self.levels(self.l_proj(x)), beta=beta, qk_l2norm=True, scale=1.0)
+        return call.result(self.o_proj(self.o_norm(o, _heads(self.g_proj(x), self.head_dim_v)).flatten(-2)))

@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A small decoder-only language model built from hila's layers, with cached generation.
+
+Block (as in the log-linear paper's models): ``x + mixer(RMSNorm(x))``, then
+``x + GatedMLP(RMSNorm(x))`` (SwiGLU, hidden ratio 4); untied input and output embeddings;
+normal init with std 0.006 (zero-free biases, norms at one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import HilaError
+from .cache import Cache
+from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2
+
+__all__ = ["HilaLMConfig", "HilaLM", "GatedMLP", "LMOutput"]
+
+MIXERS = {"hla": HLAAttention, "loglinear_mamba2": LogLinearMamba2,
+          "loglinear_gdn": LogLinearGatedDeltaNet}
+
+
+@dataclass
+class HilaLMConfig:
+    """Configuration of :class:`HilaLM`.
+
+    ``mixer`` is 'hla' (:class:`HLAAttention`), 'loglinear_mamba2' or 'loglinear_gdn';
+    ``mixer_kwargs`` go to its constructor (``max_len`` is added for the log-linear mixers and
+    for the log-linear HLA operators).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    num_layers: int = 4
+    mixer: str = "hla"
+    mixer_kwargs: dict = field(default_factory=lambda: {"num_heads": 8})
+    max_len: int = 2048
+    mlp_ratio: float = 4.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.006
+
+
+class LMOutput(NamedTuple):
+    logits: Tensor               # [B, T, vocab]
+    loss: Optional[Tensor]       # mean next-token cross entropy when labels are given
+    cache: Optional[Cache]       # with use_cache=True
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, ratio: float = 4.0):
+        super().__init__()
+        inner = int(hidden_size * ratio * 2 / 3 + 255) // 256 * 256  # fla's rounding of 8/3 D
+        self.gate_up = nn.Linear(hidden_size, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: HilaLMConfig, layer_idx: int):
+        super().__init__()
+        kwargs = dict(cfg.mixer_kwargs)
+        cls = MIXERS.get(cfg.mixer)
+        if cls is None:
+            raise HilaError(f"hila: argument 'mixer': expected one of {', '.join(MIXERS)}, got "
+                            f"'{cfg.mixer}'", "mixer")
+        if cls is not HLAAttention or str(kwargs.get("op", "")).startswith("loglinear"):
+            kwargs.setdefault("max_len", cfg.max_len)
+        self.mixer_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mixer = cls(cfg.hidden_size, layer_idx=layer_idx, **kwargs)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_ratio)
+
+    def forward(self, x, state, cu_seqlens, max_seqlen, use_cache):
+        y, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen, use_cache)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class HilaLM(nn.Module):
+    """Decoder-only language model: embedding, ``num_layers`` blocks, RMSNorm, LM head."""
+
+    def __init__(self, config: HilaLMConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.config.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
+                cache: Optional[Cache] = None, use_cache: bool = False,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None) -> LMOutput:
+        """input_ids [B, T] (B == 1 with packed cu_seqlens [N + 1]); labels [B, T] (-100: ignored;
+        next-token targets are taken as labels shifted by one, never across packed sequences).
+        A ``cache`` continues its N sequences (decode: input_ids [N, 1])."""
+        x = self.embed(input_ids)
+        new = Cache.empty(len(self.blocks)) if use_cache else None
+        for i, block in enumerate(self.blocks):
+            x, st = block(x, cache[i] if cache is not None else None, cu_seqlens, max_seqlen, use_cache)
+            if use_cache:
+                new[i] = st
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if labels is not None:
+            target = labels[:, 1:]
+            if cu_seqlens is not None:  # the last token of a sequence predicts nothing
+                last = torch.zeros(labels.shape[1], dtype=torch.bool, device=labels.device)
+                last[(cu_seqlens[1:] - 1).clamp(min=0).long()] = True
+                target = target.masked_fill(last[:-1].unsqueeze(0), -100)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        return LMOutput(logits, loss, new)
+
+    @torch.no_grad()
+    def generate(self, prompts: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *,
+                 temperature: float = 0.0, top_k: Optional[int] = None,
+                 eos_token_id: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        """Samples continuations with the decode cache.
+
+        ``prompts``: a [B, T] tensor or a list of 1-D token tensors of any lengths (>= 1): they are
+        prefilled together as packed sequences (cu_seqlens) and decoded in one batch, each at its
+        own position. ``temperature=0``: greedy. Returns the new tokens of each prompt (stopping
+        after ``eos_token_id``).
+        """
+        rows = list(prompts) if not isinstance(prompts, Tensor) or prompts.dim() == 2 else [prompts]
+        if not rows or any(r.dim() != 1 or r.numel() == 0 for r in rows):
+            raise HilaError("hila: argument 'prompts': expected a [B, T] tensor or non-empty 1-D "
+                            "token tensors", "prompts")
+        lens = [r.numel() for r in rows]
+        if max(lens) + max_new_tokens > self.config.max_len:
+            raise HilaError(f"hila: argument 'max_new_tokens': prompt ({max(lens)}) + new tokens "
+                            f"({max_new_tokens}) exceed max_len = {self.config.max_len}", "max_new_tokens")
+        device = self.embed.weight.device
+        cu = torch.tensor([0] + lens, device=device).cumsum(0)
+        out = self(torch.cat(rows).to(device).unsqueeze(0), cache=None, use_cache=True,
+                   cu_seqlens=cu, max_seqlen=max(lens))
+        logits, cache = out.logits[0, cu[1:] - 1], out.cache                          # [N, vocab]
+        tokens, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
+        for i in range(max_new_tokens):
+            nxt = self._sample(logits, temperature, top_k, generator)
+            tokens.append(nxt)
+            if eos_token_id is not None:
+                done |= nxt == eos_token_id
+                if bool(done.all()):
+                    break
+            if i + 1 < max_new_tokens:
+                out = self(nxt.unsqueeze(1), cache=cache, use_cache=True)
+                logits, cache = out.logits[:, -1], out.cache
+        new = torch.stack(tokens, 1)                                                   # [N, steps]
+        if eos_token_id is None:
+            return list(new)
+        result = []
+        for row in new:
+            stop = (row == eos_token_id).nonzero()
+            result.append(row[: int(stop[0]) + 1] if len(stop) else row)
+        return result
+
+    @staticmethod
+    def _sample(logits: Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> Tensor:
+        if temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(F.softmax(logits, -1), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""hila's operators as PyTorch custom ops, differentiable and traceable by torch.compile.
+
+Three ops are registered with ``torch.library.custom_op`` (each with ``register_fake`` and, for the
+first and last, ``register_autograd``)::
+
+    torch.ops.hila.forward    o and the final state of a whole call (any op, any form)
+    torch.ops.hila.backward   every gradient of a call (naive, chunk, or serial for gla/hla2/ahla/hla3)
+    torch.ops.hila.step       one decode token on a state tensor tuple (functional)
+
+Use them through :func:`forward` and :func:`step`, which take and return :class:`hila.State`
+tuples. Gradients flow to q, k, v, g, lam, beta and the S, P, H parts of the initial state (also
+through :func:`step`). Forms without a backward (scan, and serial for the log-linear and delta
+operators) are differentiated with the chunk backward, which computes the same function.
+
+Tensors on CUDA run on the caller's current stream (``torch.cuda.current_stream()``, handed to the
+C++ library); this build of hila computes on the CPU and raises :class:`hila.HilaError` for CUDA
+tensors until the CUDA backend is built in.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import ops as _ops
+from .._errors import HilaError
+from ..ops import State
+
+__all__ = ["forward", "step", "zero_state"]
+
+_Out5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+_Grads9 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _host(x: Optional[Tensor]) -> Optional[Tensor]:
+    """A tensor the extension can read over DLPack: no autograd history, innermost stride 1
+    (incoming gradients are often expanded scalars with stride 0)."""
+    if x is None:
+        return None
+    x = x.detach()
+    return x if x.dim() == 0 or x.stride(-1) == 1 or x.size(-1) <= 1 else x.contiguous()
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _scale(scale: float) -> Optional[float]:
+    return None if scale == 0.0 else scale  # 0.0 in a schema: the default dk^-1/2
+
+
+def _state_or_none(pos, S, P, H) -> Optional[State]:
+    return None if pos is None and S is None and P is None and H is None else State(pos, S, P, H)
+
+
+def _present(xs, like: Tensor) -> tuple:
+    """Optional results as tensors (a custom op returns no None): absent is an empty tensor."""
+    return tuple(like.new_empty(0) if x is None else x for x in xs)
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- hila::forward
+
+@torch.library.custom_op("hila::forward", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
+                beta: Optional[Tensor], cu_seqlens: Optional[Tensor], init_pos: Optional[Tensor],
+                init_S: Optional[Tensor], init_P: Optional[Tensor], init_H: Optional[Tensor],
+                op: str, form: str, chunk: int, scale: float, normalize: bool, eps: float,
+                ridge: float, qk_l2norm: bool, check_values: bool, output_final_state: bool,
+                final_slots: int) -> _Out5:
+    h = _host
+    o, fin = _ops.forward(
+        op, h(q), h(k), h(v), h(g), lam=h(lam), beta=h(beta), cu_seqlens=h(cu_seqlens),
+        initial_state=_state_or_none(h(init_pos), h(init_S), h(init_P), h(init_H)),
+        output_final_state=output_final_state, final_slots=final_slots, form=form, chunk=chunk,
+        scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+        check_values=check_values, stream=_stream(q))
+    return (o,) + _present(fin if fin is not None else (None,) * 4, q)
+
+
+@_forward_op.register_fake
+def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, form, chunk, scale,
+      normalize, eps, ridge, qk_l2norm, check_values, output_final_state, final_slots):
+    o = v.new_empty(v.shape)
+    if not output_final_state:
+        return (o,) + _present((None,) * 4, q)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shapes = _ops.state_part_shapes(op, N, v.shape[2], q.shape[3], v.shape[3], normalize=normalize,
+                                    slots=final_slots)
+    dt = _state_dtype(q)
+    parts = [None if s is None else q.new_empty(s, dtype=dt) for s in shapes[1:]]
+    return (o, q.new_empty(shapes.pos, dtype=torch.int64)) + _present(parts, q)
+
+
+def _forward_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:11])
+    ctx.config = inputs[11:]
+
+
+def _forward_backward(ctx, do, dpos, dS, dP, dH):
+    saved = ctx.saved_tensors
+    op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values, has_final, _ = ctx.config
+    form = form if _ops.supports(op, form, True) else "chunk"
+    d_final = [x if has_final and x.numel() > 0 else None for x in (dS, dP, dH)]
+    grads = torch.ops.hila.backward(*saved, do, *d_final, op, form, chunk, scale, normalize, eps,
+                                    ridge, qk_l2norm, check_values)
+    # no gradient for absent inputs, cu_seqlens, positions and the configuration
+    dq, dk, dv, dg, dlam, dbeta, dS0, dP0, dH0 = (
+        None if x is None else gr for x, gr in zip(saved[:6] + saved[8:], grads))
+    return (dq, dk, dv, dg, dlam, dbeta, None, None, dS0, dP0, dH0) + (None,) * 11
+
+
+_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+# ----------------------------------------------------------------------------- hila::backward
+
+@torch.library.custom_op("hila::backward", mutates_args=())
+def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
+                 beta: Optional[Tensor], cu_seqlens: Optional[Tensor], init_pos: Optional[Tensor],
+                 init_S: Optional[Tensor], init_P: Optional[Tensor], init_H: Optional[Tensor],
+                 do: Tensor, d_final_S: Optional[Tensor], d_final_P: Optional[Tensor],
+                 d_final_H: Optional[Tensor], op: str, form: str, chunk: int, scale: float,
+                 normalize: bool, eps: float, ridge: float, qk_l2norm: bool,
+                 check_values: bool) -> _Grads9:
+    h = _host
+    gr = _ops.backward(
+        op, h(q), h(k), h(v), h(g), do=h(do), lam=h(lam), beta=h(beta), cu_seqlens=h(cu_seqlens),
+        initial_state=_state_or_none(h(init_pos), h(init_S), h(init_P), h(init_H)),
+        d_final_state=_state_or_none(None, h(d_final_S), h(d_final_P), h(d_final_H)), form=form,
+        chunk=chunk, scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge,
+        qk_l2norm=qk_l2norm, check_values=check_values, stream=_stream(q))
+    d_init = gr.d_initial_state if gr.d_initial_state is not None else (None,) * 4
+    return _present(gr[:6] + tuple(d_init[1:]), q)
+
+
+@_backward_op.register_fake
+def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, do, d_final_S,
+      d_final_P, d_final_H, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
+    like = (q, k, v, g, lam, beta, init_S, init_P, init_H)
+    return _present([None if x is None else x.new_empty(x.shape) for x in like], q)
+
+
+# ----------------------------------------------------------------------------- hila::step
+
+@torch.library.custom_op("hila::step", mutates_args=())
+def _step_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
+             beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
+             H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
+             qk_l2norm: bool, check_values: bool) -> _Out5:
+    h = _host
+    o, st = _ops.step(
+        op, h(q), h(k), h(v), h(g), state=State(h(pos), h(S), h(P), h(H)), lam=h(lam),
+        beta=h(beta), out_slots=H.shape[2] if H.dim() == 5 else None, scale=_scale(scale),
+        normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm, check_values=check_values,
+        stream=_stream(q))
+    return (o,) + _present(st, q)
+
+
+@_step_op.register_fake
+def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_l2norm, check_values):
+    return (v.new_empty(v.shape),) + _present(
+        [None if x is None else x.new_empty(x.shape) for x in (pos, S, P, H)], q)
+
+
+def _step_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:10])
+    ctx.config = inputs[10:]
+
+
+def _step_backward(ctx, do, dpos, dS, dP, dH):
+    # A step is the forward over one token with the state as initial state: its VJP is that call's.
+    q, k, v, g, lam, beta, pos, S, P, H = ctx.saved_tensors
+    op, scale, normalize, eps, ridge, qk_l2norm, check_values = ctx.config
+    tok = lambda x: None if x is None else x.unsqueeze(1)  # noqa: E731  [N, ...] -> [N, 1, ...]
+    d_final = [None if x is None else d for x, d in ((S, dS), (P, dP), (H, dH))]
+    grads = torch.ops.hila.backward(
+        tok(q), tok(k), tok(v), tok(g), tok(lam), tok(beta), None, pos, S, P, H, tok(do), *d_final,
+        op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    dq, dk, dv, dg, dlam, dbeta = (None if x is None else gr.squeeze(1)
+                                   for x, gr in zip((q, k, v, g, lam, beta), grads[:6]))
+    dS0, dP0, dH0 = (None if x is None else gr for x, gr in zip((S, P, H), grads[6:]))
+    return (dq, dk, dv, dg, dlam, dbeta, None, dS0, dP0, dH0) + (None,) * 7
+
+
+_step_op.register_autograd(_step_backward, setup_context=_step_setup)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
+                 init_pos: Optional[Tensor]) -> int:
+    """Slots of a log-linear final state: exact when the shapes tell (dense, no initial state);
+    otherwise read from cu_seqlens / init_pos, which torch.compile cannot trace."""
+    if not _ops.op_traits(op)["loglinear"]:
+        return 1
+    if cu_seqlens is None and init_pos is None:
+        return _ops.state_slots(T)
+    if torch.compiler.is_compiling():
+        raise HilaError(
+            "hila: argument 'final_slots': is required under torch.compile for a log-linear final "
+            "state with cu_seqlens or an initial state (e.g. hila.state_slots(max_len)), got None",
+            "final_slots")
+    try:
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]) if cu_seqlens is not None else torch.full((B,), T)
+        n0 = init_pos.to(lens.device) if init_pos is not None else torch.zeros_like(lens)
+        return _ops.state_slots(int((lens + n0).max()) if lens.numel() else 0)
+    except (RuntimeError, IndexError, TypeError):
+        return 1  # malformed inputs: the op reports them by name
+
+
+def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
+            lam: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+            cu_seqlens: Optional[Tensor] = None, initial_state: Optional[State] = None,
+            output_final_state: bool = False, final_slots: Optional[int] = None,
+            form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
+            normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
+            qk_l2norm: bool = False, check_values: bool = True) -> Tuple[Tensor, Optional[State]]:
+    """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
+
+    Shapes as in :func:`hila.forward`: q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or
+    [B, T, H, P]; lam [B, T, H, L]; beta [B, T, H]; cu_seqlens [N + 1] (B == 1). Returns
+    ``(o [B, T, H, dv], final_state or None)``.
+
+    ``final_slots``: Fenwick slots of a log-linear final H. None: ``state_slots(T)`` for dense
+    input without initial state, else read from the data (pass it explicitly under torch.compile).
+    """
+    init = initial_state if initial_state is not None else State(None, None, None, None)
+    if len(init) != 4:
+        raise HilaError("hila: argument 'initial_state': expected a State (pos, S, P, H), got "
+                        f"{len(init)} items", "initial_state")
+    if output_final_state and final_slots is None:
+        final_slots = _final_slots(op, q.shape[1], q.shape[0], cu_seqlens, init[0])
+    o, pos, S, P, H = torch.ops.hila.forward(
+        q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, float(scale or 0.0), normalize,
+        float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
+    if not output_final_state:
+        return o, None
+    t = _ops.op_traits(op)
+    return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
+
+
+def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+         lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
+         normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
+         check_values: bool = True) -> Tuple[Tensor, State]:
+    """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
+
+    q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
+    :class:`hila.State` before the token. Returns ``(o [N, H, dv], new_state)``; the new state has
+    the shapes of ``state`` (a log-linear H keeps its slot capacity: allocate it for the longest
+    sequence to come, see :func:`zero_state`).
+    """
+    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+        raise HilaError("hila: argument 'state': expected a State with pos and H, got "
+                        f"{type(state).__name__}", "state")
+    o, pos, S, P, H = torch.ops.hila.step(
+        q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize, float(eps), float(ridge),
+        qk_l2norm, check_values)
+    return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
+
+
+def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: int = 1,
+               normalize: bool = False, dtype: torch.dtype = torch.float32,
+               device: Optional[torch.device] = None) -> State:
+    """A zero state at position 0 for ``batch`` sequences, with the Fenwick capacity of sequences
+    up to ``max_len`` tokens (log-linear operators). ``dtype``: float32, or float64 for float64 inputs."""
+    shapes = _ops.state_part_shapes(op, batch, heads, dk, dv, normalize=normalize,
+                                    slots=_ops.state_slots(max_len))
+    z = lambda s, dt=dtype: None if s is None else torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+    return State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H))

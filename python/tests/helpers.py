@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared helpers of the Python suite: hila calls on the oracle suite's problems (tests/oracle
+cases.py inputs, in the CLI's tensor names), and the device probe of the torch tests."""
+import functools
+
+import numpy as np
+import pytest
+
+import hila
+
+STATE_KEYS = ("pos", "S", "P", "H")
+
+
+def options(p):
+    """hila keyword options of an oracle Problem."""
+    return dict(scale=p.scale, normalize=p.normalize, eps=p.eps, ridge=p.ridge, qk_l2norm=p.qk_l2norm)
+
+
+def state_from(inp, prefix):
+    """A hila.State from the CLI tensors `prefix`.pos/S/P/H (None when there are none)."""
+    parts = [inp.get(f"{prefix}.{k}") for k in STATE_KEYS]
+    return None if all(x is None for x in parts) else hila.State(*parts)
+
+
+def state_to(out, prefix, st):
+    for k, x in zip(STATE_KEYS, st if st is not None else ()):
+        if x is not None:
+            out[f"{prefix}.{k}"] = np.asarray(x)
+
+
+def call_kwargs(inp, convert=lambda x: x):
+    kw = {name: convert(inp[name]) for name in ("lam", "beta", "cu_seqlens") if name in inp}
+    init = state_from(inp, "h0")
+    if init is not None:
+        kw["initial_state"] = hila.State(*(None if x is None else convert(x) for x in init))
+    return kw
+
+
+def run_forward(p, inp, form, chunk, forward=hila.forward, convert=lambda x: x):
+    """hila forward of oracle problem p; outputs named as the oracle's (o, ht.*)."""
+    o, fin = forward(p.op, convert(inp["q"]), convert(inp["k"]), convert(inp["v"]),
+                     convert(inp["g"]) if "g" in inp else None, output_final_state=True,
+                     form=form, chunk=chunk or 64, **call_kwargs(inp, convert), **options(p))
+    out = {"o": np.asarray(o)}
+    state_to(out, "ht", fin)
+    return out
+
+
+def run_backward(p, inp, form, chunk):
+    """hila.backward of oracle problem p; gradients named as the oracle's (dq, ..., dh0.*)."""
+    dfin = state_from(inp, "dht")
+    gr = hila.backward(p.op, inp["q"], inp["k"], inp["v"], inp.get("g"), do=inp["do"],
+                       d_final_state=dfin, form=form, chunk=chunk or 64, **call_kwargs(inp),
+                       **options(p))
+    out = {n: getattr(gr, n) for n in ("dq", "dk", "dv", "dg", "dlam", "dbeta")
+           if getattr(gr, n) is not None}
+    state_to(out, "dh0", gr.d_initial_state)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def device_problem(device, op):
+    """None when hila runs `op` on torch device `device`, else why not (the HilaError text)."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    t = hila.op_traits(op)
+    B, T, H, d = 1, 3, 1, 2
+    z = lambda *s: torch.full(s, 0.5, device=device)  # noqa: E731
+    kw = {}
+    if t["loglinear"]:
+        kw["lam"] = z(B, T, H, 3)
+    if t["delta"]:
+        kw["beta"] = z(B, T, H)
+    try:
+        from hila.torch import forward
+        forward(op, z(B, T, H, d), z(B, T, H, d), z(B, T, H, d), -z(B, T, H), **kw)
+    except hila.HilaError as exc:
+        return f"hila cannot run {op} on {device}: {exc}"
+    return None
+
+
+def require_device(device, op="gla"):
+    why = device_problem(device, op)
+    if why:
+        pytest.skip(why)
