@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Installs what hila needs to build and test on a fresh Debian/Ubuntu machine:
-# the compiler toolchain, GoogleTest, nlohmann-json and CLI11 from Debian packages, and the
-# Python packages the oracle tests use (numpy, safetensors, pytest) from the package index.
+# the compiler toolchain, GoogleTest, nlohmann-json and CLI11 from Debian packages, and from the
+# package index the Python packages of the oracle tests (numpy, safetensors, pytest) and of the
+# Python package (nanobind, scikit-build-core to build it; torch to test hila.torch).
 # Idempotent: already-installed packages are skipped.
 set -euo pipefail
 
@@ -24,4 +25,10 @@ if ! "$PY" -c "import numpy, safetensors, pytest" >/dev/null 2>&1; then
   echo "setup: installing Python packages: numpy safetensors pytest"
   "$PY" -m pip install -q --disable-pip-version-check numpy safetensors pytest 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages numpy safetensors pytest
+fi
+# torch from PyPI brings its CUDA libraries: about 3 minutes and 5 GB on a fresh machine.
+if ! "$PY" -c "import nanobind, scikit_build_core, torch" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: nanobind scikit-build-core torch"
+  "$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core torch 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages nanobind scikit-build-core torch
 fi

@@ -332,9 +332,8 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     zeros_like = lambda x: None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x))  # noqa: E731
     dq, dk, dv, dg, dlam, dbeta = map(zeros_like, (q, k, v, g, lam, beta))
     d_init = _like_state(fam, init)
-    o = fam.zeros(tuple(v.shape), _dtype_name(v))  # hila::backward requires o (and writes it)
     _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
-                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, o=o, stream=_stream(stream))
+                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=_stream(stream))
     f = fam.finish
     return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
 

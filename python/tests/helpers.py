@@ -59,13 +59,14 @@ def run_backward(p, inp, form, chunk):
 
 
 @functools.lru_cache(maxsize=None)
-def device_problem(device, op):
-    """None when hila runs `op` on torch device `device`, else why not (the HilaError text)."""
+def device_problem(device, op, form="chunk", chunk=64):
+    """None when hila runs `op` in that form on torch device `device`, else why not (the
+    HilaError text): the CUDA backend covers a subset of operators, forms and chunk sizes."""
     import torch
     if device == "cuda" and not torch.cuda.is_available():
         return "torch sees no CUDA device"
     t = hila.op_traits(op)
-    B, T, H, d = 1, 3, 1, 2
+    B, T, H, d = 1, 3, 1, 4
     z = lambda *s: torch.full(s, 0.5, device=device)  # noqa: E731
     kw = {}
     if t["loglinear"]:
@@ -74,13 +75,18 @@ def device_problem(device, op):
         kw["beta"] = z(B, T, H)
     try:
         from hila.torch import forward
-        forward(op, z(B, T, H, d), z(B, T, H, d), z(B, T, H, d), -z(B, T, H), **kw)
+        forward(op, z(B, T, H, d), z(B, T, H, d), z(B, T, H, d), -z(B, T, H), form=form, chunk=chunk, **kw)
     except hila.HilaError as exc:
-        return f"hila cannot run {op} on {device}: {exc}"
+        return f"hila cannot run {op} (form {form}, chunk {chunk}) on {device}: {exc}"
     return None
 
 
-def require_device(device, op="gla"):
-    why = device_problem(device, op)
+def require_device(device, op="gla", form="chunk", chunk=64):
+    why = device_problem(device, op, form, chunk)
     if why:
         pytest.skip(why)
+
+
+def chunk_for(device, cpu_chunk):
+    """Small chunks on the CPU (several per test sequence); the CUDA backend's fixed chunk of 64."""
+    return cpu_chunk if device == "cpu" else 64

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
-from helpers import device_problem, require_device, run_forward  # noqa: E402
+from helpers import chunk_for, device_problem, require_device, run_forward  # noqa: E402
 
 OPS = hila.OPS
 LOGLINEAR = tuple(op for op in OPS if hila.op_traits(op)["loglinear"])
@@ -17,12 +17,12 @@ LOGLINEAR = tuple(op for op in OPS if hila.op_traits(op)["loglinear"])
 @pytest.mark.parametrize("op", OPS)
 def test_forward_matches_oracle(oracles, op, device):
     """torch.ops.hila.forward on `device` (float64) with a varlen batch and initial states."""
-    require_device(device, op)
+    chunk = chunk_for(device, 8)
+    require_device(device, op, "chunk", chunk)
     cases, _ = oracles
-    p = cases.Problem(op, lens=(7, 0, 19), n0=(3, 9, 40))
+    p = cases.Problem(op, lens=(7, 0, 150), n0=(3, 9, 40))
     conv = lambda x: torch.from_numpy(np.array(x)).to(device)  # noqa: E731
-    out = run_forward(p, cases.make_inputs(p), "chunk", 8, forward=ht.forward,
-                      convert=conv)
+    out = run_forward(p, cases.make_inputs(p), "chunk", chunk, forward=ht.forward, convert=conv)
     out = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     cases.compare(out, cases.expected_forward(p), lambda _: cases.FWD_TOL, where=p.label())
 
@@ -76,9 +76,10 @@ GRAD_CASES += [("hla2", dict(normalize=True)), ("loglinear_hla2", dict(ridge=0.3
 def test_gradcheck(op, case, device):
     """float64 gradcheck of o and the final state w.r.t. q, k, v, g, lam, beta and the initial
     state (chunk size 4 so that several chunks are crossed)."""
-    require_device(device, op)
     case = dict(case)
     form = case.pop("form", "chunk")
+    chunk = chunk_for(device, 4)
+    require_device(device, op, form, chunk)
     opts = {k: case.pop(k) for k in ("normalize", "ridge", "qk_l2norm", "scale") if k in case}
     x, state, mask = _inputs(op, device, **case)
     names = list(x)
@@ -95,8 +96,8 @@ def test_gradcheck(op, case, device):
             if mask is not None:
                 parts[2] = parts[2] * mask
             init = hila.State(state[0], *parts)
-        o, fin = ht.forward(op, **kw, initial_state=init, output_final_state=True, form=form, chunk=4,
-                            **opts)
+        o, fin = ht.forward(op, **kw, initial_state=init, output_final_state=True, form=form,
+                            chunk=chunk, **opts)
         return (o,) + tuple(p for p in fin[1:] if p is not None)
 
     _gradcheck(fn, leaves)
@@ -105,7 +106,7 @@ def test_gradcheck(op, case, device):
 @pytest.mark.parametrize("op", ("hla2", "hla3", "loglinear", "loglinear_gdn"))
 def test_gradcheck_step(op, device):
     """the decode step is differentiable: o and the new state w.r.t. the token and the state."""
-    require_device(device, op)
+    require_device(device, op, "serial")
     x, state, mask = _inputs(op, device, T=1, n0=[5, 11])
     tok = {k: v[:, 0].detach().requires_grad_() for k, v in x.items()}
     names, parts = list(tok), [s for s in state[1:] if s is not None]
@@ -123,12 +124,13 @@ def test_gradcheck_step(op, device):
 
 
 def test_gradcheck_varlen(device):
-    require_device(device, "loglinear_hla2")
+    chunk = chunk_for(device, 4)
+    require_device(device, "loglinear_hla2", "chunk", chunk)
     x, _, _ = _inputs("loglinear_hla2", device, B=1, T=12)
     cu = torch.tensor([0, 5, 5, 12], device=device)
     names = list(x)
     _gradcheck(lambda *a: ht.forward("loglinear_hla2", **dict(zip(names, a)), cu_seqlens=cu,
-                                     output_final_state=True, chunk=4)[1].H, list(x.values()))
+                                     output_final_state=True, chunk=chunk)[1].H, list(x.values()))
 
 
 def test_gradients_flow_into_bfloat16_inputs(device):
@@ -157,12 +159,12 @@ def _opcheck_forward_cases(device):
 
 @pytest.mark.parametrize("which", ("hla3-state", "loglinear_gdn-varlen"))
 def test_opcheck_forward(which, device):
-    require_device(device, "hla3" if which.startswith("hla3") else "loglinear_gdn")
+    require_device(device, "hla3" if which.startswith("hla3") else "loglinear_gdn", "chunk", 4)
     torch.library.opcheck(torch.ops.hila.forward.default, _opcheck_forward_cases(device)[which])
 
 
 def test_opcheck_backward(device):
-    require_device(device, "loglinear_hla2")
+    require_device(device, "loglinear_hla2", "chunk", 4)
     x, state, mask = _inputs("loglinear_hla2", device, n0=[3, 6])
     x = {k: v.detach() for k, v in x.items()}
     state = [s if s is None else s.detach() for s in state]
@@ -177,7 +179,7 @@ def test_opcheck_backward(device):
 
 @pytest.mark.parametrize("op", ("ahla", "loglinear"))
 def test_opcheck_step(op, device):
-    require_device(device, op)
+    require_device(device, op, "serial")
     x, _, _ = _inputs(op, device, T=1)
     st = ht.zero_state(op, 2, 2, 3, 2, max_len=16, dtype=torch.float64, device=device)
     tok = [x[k][:, 0] if k in x else None for k in ("q", "k", "v", "g", "lam", "beta")]
@@ -196,7 +198,9 @@ def test_device_support(device):
         return
     with pytest.raises(hila.HilaError) as e:
         ht.forward("gla", z, z, z)
-    assert e.value.argument in ("q", "device"), str(e.value)
+    assert e.value.argument, str(e.value)
+    if "no CUDA backend" in str(e.value):
+        assert e.value.argument == "q", str(e.value)
 
 
 def test_meta_tensors_use_the_fake_kernels():

@@ -21,13 +21,35 @@ struct Carve {
   }
 };
 
-// Rows [r0, r0+nr) of a packed [heads][Ttot][ld_g] buffer into smem [64][lds] (zero beyond nr),
-// columns [c0, c0+nc).
+// Rows [r0, r0+nr) of a packed [heads][Ttot][ldg] buffer into smem [64][lds] (zero beyond nr),
+// columns [c0, c0+nc), in 16-byte vectors (all widths and offsets are multiples of 16 bytes).
 template <class T>
 __device__ void load_rows(T* s, int lds, const T* g, int64_t ldg, int64_t r0, int nr, int c0, int nc) {
-  for (int e = threadIdx.x; e < kChunk * nc; e += blockDim.x) {
-    const int i = e / nc, j = e % nc;
-    s[i * lds + j] = i < nr ? g[(r0 + i) * ldg + c0 + j] : to<T>(0.0f);
+  constexpr int V = 16 / sizeof(T);
+  const int nv = nc / V;
+  for (int e = threadIdx.x; e < kChunk * nv; e += blockDim.x) {
+    const int i = e / nv, j = (e % nv) * V;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (i < nr) x = *reinterpret_cast<const uint4*>(g + (r0 + i) * ldg + c0 + j);
+    *reinterpret_cast<uint4*>(s + i * lds + j) = x;
+  }
+}
+
+// Rows [0, nr) of an accumulator tile [64][ldr] to global rows r0.. of [..][ldg] as T, columns
+// [c0, c0+nc), 16-byte stores.
+template <class T, class R>
+__device__ void store_rows(T* g, int64_t ldg, int64_t r0, int c0, const R* s, int ldr, int nr, int nc) {
+  constexpr int V = 16 / sizeof(T);
+  const int nv = nc / V;
+  for (int e = threadIdx.x; e < nr * nv; e += blockDim.x) {
+    const int i = e / nv, j = (e % nv) * V;
+    union {
+      uint4 u;
+      T t[V];
+    } x;
+#pragma unroll
+    for (int v = 0; v < V; ++v) x.t[v] = to<T>(s[i * ldr + j + v]);
+    *reinterpret_cast<uint4*>(g + (r0 + i) * ldg + c0 + j) = x.u;
   }
 }
 
@@ -37,15 +59,23 @@ __device__ __forceinline__ int rows_in(int64_t len, int64_t c) {
   return r < kChunk ? int(r) : kChunk;
 }
 
-// Chunk-local inclusive cumsum of the gates: b[i] for i < nr (b[i] = b[nr-1] beyond).
+// Chunk-local inclusive cumsum of the gates: b[i] for i < nr (b[i] = b[nr-1] beyond). One warp,
+// two gates per lane, shuffle scan.
 template <class R>
 __device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
-  if (threadIdx.x == 0) {
-    R c = 0;
-    for (int i = 0; i < kChunk; ++i) {
-      if (i < nr && g) c += g[r0 + i];
-      b[i] = c;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, i0 = 2 * lane, i1 = i0 + 1;
+    const R x0 = (g && i0 < nr) ? g[r0 + i0] : R(0);
+    const R x1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
+    const R pair = x0 + x1;
+    R incl = pair;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const R y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
     }
+    b[i0] = incl - pair + x0;
+    b[i1] = incl;
   }
   __syncthreads();
 }
@@ -121,11 +151,7 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
       __syncthreads();
       smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
       smem_gemm<T, false, false>(s.O, s.ldvr, s.Q, s.ldk, s.Hs, s.ldv, kChunk, bv, a.dk, true);
-      T* o = a.o + int64_t(h) * a.Ttot * a.dv;
-      for (int e = threadIdx.x; e < nr * bv; e += blockDim.x) {
-        const int i = e / bv, j = e % bv;
-        o[(r0 + i) * a.dv + v0 + j] = to<T>(s.O[i * s.ldvr + j]);
-      }
+      store_rows(a.o + int64_t(h) * a.Ttot * a.dv, a.dv, r0, v0, s.O, s.ldvr, nr, bv);
     }
     // H <- e^B H + K^T diag(e^{B-b}) V
     const R B = s.b[kChunk - 1];

@@ -17,6 +17,7 @@ namespace hila::cuda {
 
 constexpr int kChunk = 64;  // tokens per chunk (a power of two; 64 fits the tile GEMMs)
 constexpr int kBV = 64;     // value columns per block in the sequential sweeps
+static_assert(kChunk == 64, "chunk_cumsum scans two gates per lane of one warp");
 
 template <class T>
 struct GlaArgs {
