@@ -80,6 +80,22 @@ __device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
   __syncthreads();
 }
 
+// A [rows, bv] state tile in shared memory (ld) <-> columns [v0, v0+bv) of a [rows, dv] global
+// matrix at `g` (nullptr on load: zero).
+template <class R>
+__device__ void tile_load(R* t, int ld, const R* g, int dv, int v0, int rows, int bv) {
+  for (int e = threadIdx.x; e < rows * bv; e += blockDim.x)
+    t[(e / bv) * ld + e % bv] = g ? g[int64_t(e / bv) * dv + v0 + e % bv] : R(0);
+}
+template <class R>
+__device__ void tile_store(R* g, int dv, int v0, const R* t, int ld, int rows, int bv) {
+  for (int e = threadIdx.x; e < rows * bv; e += blockDim.x) g[int64_t(e / bv) * dv + v0 + e % bv] = t[(e / bv) * ld + e % bv];
+}
+template <class R>
+__device__ void tile_scale(R* t, int ld, int rows, int bv, R f) {
+  for (int e = threadIdx.x; e < rows * bv; e += blockDim.x) t[(e / bv) * ld + e % bv] *= f;
+}
+
 template <class T>
 struct FwdSmem {
   using R = Acc<T>;
@@ -117,20 +133,14 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
   const T* v = a.v + int64_t(h / a.v_div) * a.Ttot * a.dv;
   const R* g = a.g ? a.g + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv] offset
-  for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) {
-    const int i = e / bv, j = e % bv;
-    s.Hf[i * s.ldvr + j] = a.h0 ? a.h0[sidx + int64_t(i) * a.dv + v0 + j] : R(0);
-  }
+  tile_load(s.Hf, s.ldvr, a.h0 ? a.h0 + sidx : nullptr, a.dv, v0, a.dk, bv);
   __syncthreads();
   const int nch = int((len + kChunk - 1) / kChunk);
   for (int c = 0; c < nch; ++c) {
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
-    if (a.hbuf) {
-      R* hb = a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
-      for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-        hb[int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
-    }
+    if (a.hbuf)
+      tile_store(a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.K, s.ldk, k, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, v, a.dv, r0, nr, v0, bv);
@@ -159,14 +169,11 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
       const int i = e / bv, j = e % bv;
       s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * exp(B - s.b[i]));
     }
-    const R eB = exp(B);
-    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) s.Hf[(e / bv) * s.ldvr + e % bv] *= eB;
+    tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
     __syncthreads();
     smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
   }
-  if (a.ht)
-    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-      a.ht[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+  if (a.ht) tile_store(a.ht + sidx, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
 }
 
 // Reverse sweep of the state cotangent: dH_end(c) is stored, then dH <- e^B dH + Q^^T diag(e^b) dO.
@@ -182,16 +189,13 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
   const T* dO = a.dO + int64_t(h) * a.Ttot * a.dv;
   const R* g = a.g ? a.g + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;
-  for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-    s.Hf[(e / bv) * s.ldvr + e % bv] = a.dht ? a.dht[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] : R(0);
+  tile_load(s.Hf, s.ldvr, a.dht ? a.dht + sidx : nullptr, a.dv, v0, a.dk, bv);
   __syncthreads();
   const int nch = int((len + kChunk - 1) / kChunk);
   for (int c = nch - 1; c >= 0; --c) {
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
-    R* hb = a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
-    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-      hb[int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+    tile_store(a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
     chunk_cumsum(s.b, g, r0, nr);
@@ -200,14 +204,11 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
       const int i = e / bv, j = e % bv;
       s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * a.scale * exp(s.b[i]));
     }
-    const R eB = exp(B);
-    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x) s.Hf[(e / bv) * s.ldvr + e % bv] *= eB;
+    tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
     __syncthreads();
     smem_gemm<T, true, false>(s.Hf, s.ldvr, s.Q, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
   }
-  if (a.dh0)
-    for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-      a.dh0[sidx + int64_t(e / bv) * a.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+  if (a.dh0) tile_store(a.dh0 + sidx, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
 }
 
 template <class T>
