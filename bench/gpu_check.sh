@@ -15,7 +15,7 @@ echo "== tests"
 echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
-    --gtest_filter='*bf16_d64_T65:*f32_d64_varlen_init' >"$OUT/sanitizer_$tool.log" 2>&1
+    --gtest_filter='*gla_bf16_d64_T65:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init' >"$OUT/sanitizer_$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
 done
 echo "== bench"

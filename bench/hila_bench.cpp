@@ -81,12 +81,21 @@ double median_ms(F f, int warmup, int reps) {
 int main(int argc, char** argv) {
   using namespace hila;
   int reps = 10, warmup = 2;
+  std::vector<Op> ops = {Op::gla};
   int64_t H = 16, d = 128;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--reps") reps = std::stoi(v);
     else if (k == "--H") H = std::stoll(v);
+    else if (k == "--ops") {  // "gla,hla2"
+      ops.clear();
+      for (size_t pos = 0; pos <= v.size();) {
+        const size_t c = v.find(',', pos), e = c == std::string::npos ? v.size() : c;
+        ops.push_back(parse_op(v.substr(pos, e - pos)));
+        pos = e + 1;
+      }
+    }
     else if (k == "--d") d = std::stoll(v);
     else if (k == "--shapes") {  // "B:T,B:T"
       shapes.clear();
@@ -113,8 +122,9 @@ int main(int argc, char** argv) {
     fill_gates(g, rng);
     const Device dev{DeviceType::cuda, 0};
     auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
+    for (Op op : ops) {
     BackwardParams p;
-    p.cfg.op = Op::gla;
+    p.cfg.op = op;
     p.cfg.check_values = false;  // value checks copy inputs to the host
     p.form = Form::chunk;
     p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
@@ -126,11 +136,12 @@ int main(int argc, char** argv) {
     b.dq = view4(dq), b.dk = view4(dk), b.dv = view4(dv);
     b.dg = TensorView::contiguous_view(dg.p, DType::f32, {B, T, H}, dev);
     const double bwd = median_ms([&] { backward(b); }, warmup, reps);
-    std::printf("hila,gla,bf16,%lld,%lld,%lld,%lld,fwd,%.4f\n", (long long)B, (long long)T, (long long)H,
-                (long long)d, fwd);
-    std::printf("hila,gla,bf16,%lld,%lld,%lld,%lld,fwdbwd,%.4f\n", (long long)B, (long long)T, (long long)H,
-                (long long)d, fwd + bwd);
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,fwd,%.4f\n", op_name(op), (long long)B, (long long)T,
+                (long long)H, (long long)d, fwd);
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,fwdbwd,%.4f\n", op_name(op), (long long)B, (long long)T,
+                (long long)H, (long long)d, fwd + bwd);
     std::fflush(stdout);
+    }
   }
   return 0;
 }

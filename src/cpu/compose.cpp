@@ -5,25 +5,6 @@
 
 namespace hila::cpu {
 
-OpPlan OpPlan::make(const OpConfig& cfg) {
-  const OpTraits t = op_traits(cfg.op);
-  OpPlan p;
-  p.op = cfg.op;
-  p.has_S = t.has_S;
-  p.has_P = t.has_P;
-  p.fenwick = t.loglinear;
-  p.delta = t.delta;
-  p.normalize = cfg.normalize;
-  p.eps = cfg.eps;
-  p.ridge = cfg.ridge;
-  int col = 0;
-  if (p.has_S) p.gS = col++;
-  if (p.has_P) p.gP = col++;
-  p.gO = col;
-  p.op_level_scan = !t.loglinear && t.hla_family;
-  return p;
-}
-
 template <class R>
 HeadView<R> HeadView<R>::rows(int64_t i0, int64_t i1) const {
   HeadView r = *this;

@@ -7,19 +7,13 @@
 // where the outer prim is flat (GLA) or Fenwick (log-linear). Normalize runs the op on [V | 1]
 // and divides (HLA_SPEC §4). Per (sequence, head); q is pre-scaled (and l2-normalised if asked).
 #pragma once
+#include "core/plan.h"
 #include "cpu/primitive.h"
 #include "hila/ops.h"
 
 namespace hila::cpu {
 
-struct OpPlan {
-  Op op;
-  bool has_S = false, has_P = false, fenwick = false, delta = false, normalize = false;
-  int gS = -1, gP = -1, gO = 0;  // gate column of each primitive
-  double ridge = 0, eps = 0;
-  bool op_level_scan = false;    // hla2/ahla/hla3: the spec's own segment operators (§3.4, §5.3, §6.3)
-  static OpPlan make(const OpConfig& cfg);
-};
+using detail::OpPlan;
 
 template <class R>
 struct HeadView {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/host_mirror.h"
+#include "core/plan.h"
 #include "cuda/backend.h"
 #include "cuda/gla.cuh"
 #include "hila/error.h"
@@ -134,11 +135,11 @@ __global__ void pack_gates(R* out, Strided in, int64_t T, int64_t H, int64_t Tto
   }
 }
 template <class R>
-__global__ void unpack_gates(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot) {
+__global__ void unpack_gates(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot, int p) {
   const int64_t n = H * Ttot;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
-    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2], in[e]);
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], in[e]);
   }
 }
 
@@ -163,8 +164,98 @@ __global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, in
   }
 }
 
+__device__ __forceinline__ int64_t packed_index(int i, int j, int d) { return int64_t(i) * d - int64_t(i) * (i - 1) / 2 + (j - i); }
+
+// packed symmetric S [N, H, dk(dk+1)/2] -> dense [N][H][dkp][dkp]; as a cotangent only the upper
+// triangle is set (<p, dp> = sum_{i<=j} S_ij dp_ij).
+template <class R>
+__global__ void pack_sym(R* out, Strided in, int64_t NH, int64_t H, int dk, int dkp, bool cotangent) {
+  const int64_t n = NH * dkp * dkp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dkp), i = int((e / dkp) % dkp);
+    const int64_t nh = e / (int64_t(dkp) * dkp);
+    R x = 0;
+    if (i < dk && j < dk && (i <= j || !cotangent)) {
+      const int a = i < j ? i : j, b = i < j ? j : i;
+      x = ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + packed_index(a, b, dk) * in.s[2]);
+    }
+    out[e] = x;
+  }
+}
+// dense -> packed; as a gradient the off-diagonal entry is dS_ij + dS_ji.
+template <class R>
+__global__ void unpack_sym(Strided out, const R* in, int64_t NH, int64_t H, int dk, int dkp, bool gradient) {
+  const int64_t m = int64_t(dk) * (dk + 1) / 2, n = NH * m;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t nh = e / m;
+    int64_t r = e % m;
+    int i = 0;
+    while (r >= dk - i) r -= dk - i, ++i;  // row of the packed upper triangle
+    const int j = i + int(r);
+    const R* S = in + nh * dkp * dkp;
+    const R x = gradient && i != j ? S[i * dkp + j] + S[j * dkp + i] : S[i * dkp + j];
+    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + packed_index(i, j, dk) * out.s[2], x);
+  }
+}
+
+// y (+)= a * x over n elements, with conversion (packed buffers of different types).
+template <class Y, class X>
+__global__ void axpy_k(Y* y, const X* x, int64_t n, Acc<Y> a, bool accumulate) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const Acc<Y> v = a * from<Acc<Y>>(x[e]);
+    y[e] = to<Y>(accumulate ? from<Acc<Y>>(y[e]) + v : v);
+  }
+}
+
+// U [H][Ttot][dkp] += ridge * scale * q [H/rep][Ttot][dkp]   (u_j = (S_j + ridge I) q^_j)
+template <class T>
+__global__ void add_ridge(T* U, const T* q, int64_t H, int rep, int64_t rows_dkp, Acc<T> c) {
+  const int64_t n = H * rows_dkp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = e / rows_dkp, rest = e % rows_dkp;
+    U[e] = to<T>(from<Acc<T>>(U[e]) + c * from<Acc<T>>(q[(h / rep) * rows_dkp + rest]));
+  }
+}
+
+// normalize (HLA_SPEC §4): o = num / (den + eps) from O' [H][Ttot][dvp] (den in column dv)
+template <class T>
+__global__ void unpack_normalized(Strided out, const T* in, int64_t T_, int64_t H, int64_t Ttot, int dv, int dvp,
+                                  Acc<T> eps) {
+  using R = Acc<T>;
+  const int64_t n = H * Ttot * dv;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % dv);
+    const int64_t r = (e / dv) % Ttot, h = e / (int64_t(dv) * Ttot);
+    const T* row = in + (h * Ttot + r) * dvp;
+    const int64_t b = r / T_, t = r % T_;
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + c * out.s[3], from<R>(row[c]) / (from<R>(row[dv]) + eps));
+  }
+}
+// dO' = [dO / (den + eps) | -sum(dO o num) / (den + eps)^2] per row; dO is packed [H][Ttot][dvp].
+template <class T>
+__global__ void normalized_cotangent(T* dOp, const T* Op, int64_t rows, int dv, int dvp, Acc<T> eps) {
+  using R = Acc<T>;
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    T* d = dOp + r * dvp;
+    const T* o = Op + r * dvp;
+    const R den = from<R>(o[dv]) + eps;
+    R s = 0;
+    for (int c = 0; c < dv; ++c) {
+      const R g = from<R>(d[c]);
+      s += g * from<R>(o[c]);
+      d[c] = to<T>(g / den);
+    }
+    d[dv] = to<T>(-s / (den * den));
+  }
+}
+
 unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4)); }
 int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
+#define HILA_LAUNCH(kernel, n, s, ...)                        \
+  do {                                                        \
+    kernel<<<grid_for(n), 256, 0, s>>>(__VA_ARGS__);          \
+    HILA_CUDA_CHECK_LAUNCH();                                 \
+  } while (0)
 
 // Sequence tables on the device.
 struct SeqTables {
@@ -196,143 +287,246 @@ struct SeqTables {
   }
 };
 
-// Packed inputs and the GlaArgs that read them.
+// One call's packed inputs, states and the composition over GLA primitives (core/plan.h).
 template <class T>
-struct Packed {
+struct Call {
   using R = Acc<T>;
-  int dkp, dvp;
+  const detail::Resolved& r;
+  const detail::OpPlan plan;
+  cudaStream_t s;
+  int dkp, dvp, rep;
+  int64_t Ttot, N, NH;
   DevBuf<T> q, k, v;
-  DevBuf<R> g, h0;
+  DevBuf<R> g[3];
+  DevBuf<R> S0, P0, H0;  // packed initial states (dense)
   SeqTables seqs;
-  GlaArgs<T> args;
 
-  Packed(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s)
-      : dkp(pad16(r.dk)), dvp(pad16(r.dvp)), seqs(r, s) {
-    const int64_t Ttot = r.B * r.T;
+  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
+      : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
+        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_) {
     q = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
     k = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
     v = DevBuf<T>(size_t(r.H * Ttot * dvp), s);
-    pack_rows<T><<<grid_for(r.G * Ttot * dkp), 256, 0, s>>>(q.get(), Strided(p.q), r.T, r.G, Ttot, int(r.dk), dkp, -1);
-    HILA_CUDA_CHECK_LAUNCH();
-    pack_rows<T><<<grid_for(r.G * Ttot * dkp), 256, 0, s>>>(k.get(), Strided(p.k), r.T, r.G, Ttot, int(r.dk), dkp, -1);
-    HILA_CUDA_CHECK_LAUNCH();
-    pack_rows<T><<<grid_for(r.H * Ttot * dvp), 256, 0, s>>>(v.get(), Strided(p.v), r.T, r.H, Ttot, int(r.dv), dvp,
-                                                            r.cfg.normalize ? int(r.dv) : -1);
-    HILA_CUDA_CHECK_LAUNCH();
-    if (p.g.defined()) {
-      g = DevBuf<R>(size_t(r.H * Ttot), s);
-      pack_gates<R><<<grid_for(r.H * Ttot), 256, 0, s>>>(g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
-      HILA_CUDA_CHECK_LAUNCH();
+    HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dkp, s, q.get(), Strided(p.q), r.T, r.G, Ttot, int(r.dk), dkp, -1);
+    HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dkp, s, k.get(), Strided(p.k), r.T, r.G, Ttot, int(r.dk), dkp, -1);
+    HILA_LAUNCH(pack_rows<T>, r.H * Ttot * dvp, s, v.get(), Strided(p.v), r.T, r.H, Ttot, int(r.dv), dvp,
+                r.cfg.normalize ? int(r.dv) : -1);
+    for (int c = 0; c < r.gate_cols; ++c) {  // tied: one column serves every primitive
+      g[c] = DevBuf<R>(size_t(r.H * Ttot), s);
+      HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g[c].get(), Strided(p.g), r.T, r.H, Ttot, c);
     }
-    const int64_t N = int64_t(r.seqs.size());
-    if (p.init.H.defined()) {
-      h0 = DevBuf<R>(size_t(N * r.H * dkp * dvp), s);
-      pack_state<R><<<grid_for(N * r.H * dkp * dvp), 256, 0, s>>>(h0.get(), Strided(p.init.H), N * r.H, r.H,
-                                                                   int(r.dk), int(r.dvp), dkp, dvp);
-      HILA_CUDA_CHECK_LAUNCH();
+    if (p.init.S.defined()) {
+      S0 = DevBuf<R>(size_t(NH * dkp * dkp), s);
+      HILA_LAUNCH(pack_sym<R>, NH * dkp * dkp, s, S0.get(), Strided(p.init.S), NH, r.H, int(r.dk), dkp, false);
     }
-    GlaArgs<T>& a = args;
-    a.q = q.get(), a.k = k.get(), a.v = v.get();
-    a.q_div = a.k_div = int(r.H / r.G);
-    a.v_div = 1;
-    a.g = g.get();
-    a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dkp, a.dv = dvp;
+    if (p.init.P.defined()) P0 = pack_dense(p.init.P);
+    if (p.init.H.defined()) H0 = pack_dense(p.init.H);
+  }
+  DevBuf<R> pack_dense(const TensorView& t) const {
+    DevBuf<R> b(size_t(NH * dkp * dvp), s);
+    HILA_LAUNCH(pack_state<R>, NH * dkp * dvp, s, b.get(), Strided(t), NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
+    return b;
+  }
+  const R* gate(int prim) const { return r.gate_cols == 0 ? nullptr : g[r.gate_cols == 1 ? 0 : prim].get(); }
+
+  // Base arguments of a primitive over (Q, key, value) with the given gate column.
+  GlaArgs<T> args(const T* key, int key_div, const T* val, int val_div, int dval, int prim) const {
+    GlaArgs<T> a;
+    a.q = q.get(), a.k = key, a.v = val;
+    a.q_div = rep, a.k_div = key_div, a.v_div = val_div;
+    a.g = gate(prim);
+    a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dkp, a.dv = dval;
     a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
     a.chunk_seq = seqs.d_chunk_seq.get();
     a.nchunks = seqs.nchunks;
     a.scale = R(r.scale);
-    a.h0 = h0.get();
+    return a;
+  }
+  GlaArgs<T> inner_S() const { return args(k.get(), rep, k.get(), rep, dkp, plan.gS); }
+  GlaArgs<T> inner_P() const { return args(k.get(), rep, v.get(), 1, dvp, plan.gP); }
+
+  // Forward of the inner primitives: U (+ ridge) and Hh, with their final states / chunk states.
+  struct Inner {
+    DevBuf<T> U, Hh;
+    DevBuf<R> Sf, Pf, Sbuf, Pbuf;
+  };
+  Inner run_inner(bool with_chunk_states) const {
+    Inner in;
+    const size_t rowsU = size_t(r.H * Ttot * dkp), rowsH = size_t(r.H * Ttot * dvp);
+    if (plan.has_S) {
+      in.U = DevBuf<T>(rowsU, s);
+      in.Sf = DevBuf<R>(size_t(NH * dkp * dkp), s);
+      GlaArgs<T> a = inner_S();
+      a.o = in.U.get(), a.h0 = S0.get(), a.ht = in.Sf.get();
+      if (with_chunk_states) a.hbuf = (in.Sbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dkp), s)).get();
+      gla_forward<T>(a, s);
+      if (plan.ridge != 0)
+        HILA_LAUNCH(add_ridge<T>, int64_t(rowsU), s, in.U.get(), q.get(), r.H, rep, Ttot * dkp, R(plan.ridge * r.scale));
+    }
+    if (plan.has_P) {
+      in.Hh = DevBuf<T>(rowsH, s);
+      in.Pf = DevBuf<R>(size_t(NH * dkp * dvp), s);
+      GlaArgs<T> a = inner_P();
+      a.o = in.Hh.get(), a.h0 = P0.get(), a.ht = in.Pf.get();
+      if (with_chunk_states) a.hbuf = (in.Pbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dvp), s)).get();
+      gla_forward<T>(a, s);
+    }
+    return in;
+  }
+  GlaArgs<T> outer(const Inner& in) const {
+    return args(plan.has_S ? in.U.get() : k.get(), plan.has_S ? 1 : rep, plan.has_P ? in.Hh.get() : v.get(), 1, dvp,
+                plan.gO);
+  }
+
+  void write_output(const TensorView& o, const T* Oraw) const {
+    if (plan.normalize)
+      HILA_LAUNCH(unpack_normalized<T>, r.H * Ttot * r.dv, s, Strided(o), Oraw, r.T, r.H, Ttot, int(r.dv), dvp, R(plan.eps));
+    else
+      HILA_LAUNCH(unpack_rows<T>, r.H * Ttot * r.dv, s, Strided(o), Oraw, r.T, r.H, 1, Ttot, int(r.dv), dvp, R(1));
+  }
+  void write_states(const StateView& fin, const Inner& in, const R* Hf) const {
+    if (!fin.defined()) return;
+    if (fin.S.defined())
+      HILA_LAUNCH(unpack_sym<R>, NH * r.dk * (r.dk + 1) / 2, s, Strided(fin.S), in.Sf.get(), NH, r.H, int(r.dk), dkp, false);
+    if (fin.P.defined())
+      HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(fin.P), in.Pf.get(), NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
+    if (fin.H.defined())
+      HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(fin.H), Hf, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
+    if (fin.pos.defined()) {
+      std::vector<int64_t> pos;
+      for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
+      HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
+      HILA_CUDA_CHECK(cudaStreamSynchronize(s));  // `pos` is a host temporary
+    }
   }
 };
 
+// Per-primitive gradient buffers (per head, accumulation type).
 template <class T>
-void unpack_state_to(const TensorView& out, const Acc<T>* in, const detail::Resolved& r, int dkp, int dvp,
-                     cudaStream_t s) {
-  const int64_t NH = int64_t(r.seqs.size()) * r.H;
-  unpack_state<Acc<T>><<<grid_for(NH * r.dk * r.dvp), 256, 0, s>>>(Strided(out), in, NH, r.H, int(r.dk),
-                                                                     int(r.dvp), dkp, dvp);
-  HILA_CUDA_CHECK_LAUNCH();
-}
-
-template <class T>
-void write_final(const detail::Resolved& r, const StateView& fin, const Packed<T>& pk, const Acc<T>* ht,
-                 cudaStream_t s) {
-  if (!fin.defined()) return;
-  if (fin.H.defined()) unpack_state_to<T>(fin.H, ht, r, pk.dkp, pk.dvp, s);
-  if (fin.pos.defined()) {
-    std::vector<int64_t> pos;
-    for (const auto& q : r.seqs) pos.push_back(q.n0 + q.len);
-    HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
-    HILA_CUDA_CHECK(cudaStreamSynchronize(s));  // `pos` is a host temporary
+struct PrimGradBufs {
+  using R = Acc<T>;
+  DevBuf<R> dq, dk, dv, dg, dh0, dhbuf;
+  PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s)
+      : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
+        dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
+        dh0(want_dh0 ? size_t(c.NH * c.dkp * dval) : 0, s),
+        dhbuf(size_t(c.seqs.nchunks * c.r.H * c.dkp * dval), s) {}
+  void attach(GlaArgs<T>& a) const {
+    a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
   }
-}
+};
 
 template <class P>
 void unpack_to(const TensorView& out, const P* in, const detail::Resolved& r, int64_t X, int rep, int d, int dp,
                Acc<P> mult, cudaStream_t s) {
-  const int64_t Ttot = r.B * r.T;
-  unpack_rows<P><<<grid_for(X * Ttot * d), 256, 0, s>>>(Strided(out), in, r.T, X, rep, Ttot, d, dp, mult);
-  HILA_CUDA_CHECK_LAUNCH();
+  HILA_LAUNCH(unpack_rows<P>, X * r.B * r.T * d, s, Strided(out), in, r.T, X, rep, r.B * r.T, d, dp, mult);
 }
 
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  Packed<T> pk(r, p, s);
-  const int64_t Ttot = r.B * r.T, N = int64_t(r.seqs.size());
-  DevBuf<T> o(size_t(r.H * Ttot * pk.dvp), s);
-  DevBuf<R> ht(size_t(N * r.H * pk.dkp * pk.dvp), s);
-  GlaArgs<T> a = pk.args;
-  a.o = o.get();
-  a.ht = ht.get();
+  const Call<T> c(r, p, s);
+  const auto in = c.run_inner(false);
+  DevBuf<T> O(size_t(r.H * c.Ttot * c.dvp), s);
+  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
+  GlaArgs<T> a = c.outer(in);
+  a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get();
   gla_forward<T>(a, s);
-  unpack_to<T>(p.o, o.get(), r, r.H, 1, int(r.dv), pk.dvp, R(1), s);
-  write_final<T>(r, p.final_state, pk, ht.get(), s);
+  c.write_output(p.o, O.get());
+  c.write_states(p.final_state, in, Hf.get());
 }
 
+// VJP of the composition (HLA_SPEC §7.2): outer primitive first, then the inner ones with the
+// outer key / value gradients as their output cotangents.
 template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  Packed<T> pk(r, p, s);
-  const int64_t Ttot = r.B * r.T, N = int64_t(r.seqs.size());
-  const size_t state = size_t(N * r.H * pk.dkp * pk.dvp);
-  const size_t chunks = size_t(pk.seqs.nchunks * r.H * pk.dkp * pk.dvp);
-  DevBuf<T> o(p.o.defined() ? size_t(r.H * Ttot * pk.dvp) : 0, s), dO(size_t(r.H * Ttot * pk.dvp), s);
-  DevBuf<R> ht(state, s), hbuf(chunks, s), dhbuf(chunks, s), dht, dh0;
-  pack_rows<T><<<grid_for(r.H * Ttot * pk.dvp), 256, 0, s>>>(dO.get(), Strided(p.d_o), r.T, r.H, Ttot, int(r.dv),
-                                                              pk.dvp, -1);
-  HILA_CUDA_CHECK_LAUNCH();
-  if (p.d_final.H.defined()) {
-    dht = DevBuf<R>(state, s);
-    pack_state<R><<<grid_for(int64_t(state)), 256, 0, s>>>(dht.get(), Strided(p.d_final.H), N * r.H, r.H,
-                                                           int(r.dk), int(r.dvp), pk.dkp, pk.dvp);
-    HILA_CUDA_CHECK_LAUNCH();
-  }
-  if (p.d_init.H.defined()) dh0 = DevBuf<R>(state, s);
-  DevBuf<R> dq(size_t(r.H * Ttot * pk.dkp), s), dk(size_t(r.H * Ttot * pk.dkp), s),
-      dv(size_t(r.H * Ttot * pk.dvp), s), dg(size_t(r.H * Ttot), s);
-  GlaArgs<T> a = pk.args;
-  a.o = o.get();
-  a.ht = ht.get();
-  a.hbuf = hbuf.get();
+  const Call<T> c(r, p, s);
+  const auto& plan = c.plan;
+  const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
+  const auto in = c.run_inner(true);
+  // outer forward with its chunk states (and O' when normalizing or when o is asked for)
+  DevBuf<T> O(size_t(rowsV), s);
+  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s), Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+  GlaArgs<T> a = c.outer(in);
+  a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
   gla_forward<T>(a, s);
-  a.dO = dO.get();
-  a.dht = dht.get();
-  a.dh0 = dh0.get();
-  a.dhbuf = dhbuf.get();
-  a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get();
-  gla_backward<T>(a, s);
-  const int rep = int(r.H / r.G);
-  if (p.o.defined()) unpack_to<T>(p.o, o.get(), r, r.H, 1, int(r.dv), pk.dvp, R(1), s);
-  if (p.dq.defined()) unpack_to<R>(p.dq, dq.get(), r, r.G, rep, int(r.dk), pk.dkp, R(r.scale), s);
-  if (p.dk.defined()) unpack_to<R>(p.dk, dk.get(), r, r.G, rep, int(r.dk), pk.dkp, R(1), s);
-  if (p.dv.defined()) unpack_to<R>(p.dv, dv.get(), r, r.H, 1, int(r.dv), pk.dvp, R(1), s);
-  if (p.dg.defined()) {
-    unpack_gates<R><<<grid_for(r.H * Ttot), 256, 0, s>>>(Strided(p.dg), dg.get(), r.T, r.H, Ttot);
-    HILA_CUDA_CHECK_LAUNCH();
+  if (p.o.defined()) c.write_output(p.o, O.get());
+  c.write_states(p.final_state, in, Hf.get());
+  // cotangents of O' and of the final states
+  DevBuf<T> dO(size_t(rowsV), s);
+  HILA_LAUNCH(pack_rows<T>, rowsV, s, dO.get(), Strided(p.d_o), r.T, r.H, c.Ttot, int(r.dv), c.dvp, -1);
+  if (plan.normalize)
+    HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dO.get(), O.get(), r.H * c.Ttot, int(r.dv), c.dvp, R(plan.eps));
+  DevBuf<R> dSf, dPf, dHf;
+  if (p.d_final.S.defined()) {
+    dSf = DevBuf<R>(size_t(c.NH * c.dkp * c.dkp), s);
+    HILA_LAUNCH(pack_sym<R>, c.NH * c.dkp * c.dkp, s, dSf.get(), Strided(p.d_final.S), c.NH, r.H, int(r.dk), c.dkp, true);
   }
-  if (p.d_init.H.defined()) unpack_state_to<T>(p.d_init.H, dh0.get(), r, pk.dkp, pk.dvp, s);
-  write_final<T>(r, p.final_state, pk, ht.get(), s);
+  if (p.d_final.P.defined()) dPf = c.pack_dense(p.d_final.P);
+  if (p.d_final.H.defined()) dHf = c.pack_dense(p.d_final.H);
+  // outer
+  PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s);
+  a.dO = dO.get(), a.dht = dHf.get();
+  go.attach(a);
+  gla_backward<T>(a, s);
+  DevBuf<R> dq(size_t(rowsK), s), dk(size_t(rowsK), s), dv(size_t(rowsV), s), dg[3];
+  HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), go.dq.get(), rowsK, R(1), false);
+  if (!plan.has_S) HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), go.dk.get(), rowsK, R(1), false);
+  else HILA_CUDA_CHECK(cudaMemsetAsync(dk.get(), 0, size_t(rowsK) * sizeof(R), s));
+  if (!plan.has_P) HILA_LAUNCH((axpy_k<R, R>), rowsV, s, dv.get(), go.dv.get(), rowsV, R(1), false);
+  dg[plan.gO] = std::move(go.dg);
+  DevBuf<R> dP0, dS0;
+  if (plan.has_P) {  // Hh = GLA_gP(Q, K, V'): cotangent = outer value gradient
+    DevBuf<T> dHh(size_t(rowsV), s);
+    HILA_LAUNCH((axpy_k<T, R>), rowsV, s, dHh.get(), go.dv.get(), rowsV, R(1), false);
+    PrimGradBufs<T> gp(c, c.dvp, p.d_init.P.defined(), s);
+    GlaArgs<T> b = c.inner_P();
+    b.hbuf = in.Pbuf.get(), b.ht = in.Pf.get(), b.h0 = c.P0.get(), b.dO = dHh.get(), b.dht = dPf.get();
+    gp.attach(b);
+    gla_backward<T>(b, s);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), gp.dq.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gp.dk.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsV, s, dv.get(), gp.dv.get(), rowsV, R(1), false);
+    dg[plan.gP] = std::move(gp.dg);
+    dP0 = std::move(gp.dh0);
+  }
+  if (plan.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q^: cotangent = outer key gradient
+    DevBuf<T> dU(size_t(rowsK), s);
+    HILA_LAUNCH((axpy_k<T, R>), rowsK, s, dU.get(), go.dk.get(), rowsK, R(1), false);
+    if (plan.ridge != 0)  // dq^ += ridge dU (the unpack multiplies by scale)
+      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), go.dk.get(), rowsK, R(plan.ridge), true);
+    PrimGradBufs<T> gs(c, c.dkp, p.d_init.S.defined(), s);
+    GlaArgs<T> b = c.inner_S();
+    b.hbuf = in.Sbuf.get(), b.ht = in.Sf.get(), b.h0 = c.S0.get(), b.dO = dU.get(), b.dht = dSf.get();
+    gs.attach(b);
+    gla_backward<T>(b, s);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), gs.dq.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gs.dk.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gs.dv.get(), rowsK, R(1), true);  // K is also the value
+    dg[plan.gS] = std::move(gs.dg);
+    dS0 = std::move(gs.dh0);
+  }
+  if (p.dq.defined()) unpack_to<R>(p.dq, dq.get(), r, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), s);
+  if (p.dk.defined()) unpack_to<R>(p.dk, dk.get(), r, r.G, c.rep, int(r.dk), c.dkp, R(1), s);
+  if (p.dv.defined()) unpack_to<R>(p.dv, dv.get(), r, r.H, 1, int(r.dv), c.dvp, R(1), s);
+  if (p.dg.defined()) {
+    const int prims = r.traits.num_primitives;
+    if (r.gate_cols == 1) {  // tied: sum over primitives
+      for (int i = 1; i < prims; ++i)
+        HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, dg[0].get(), dg[i].get(), r.H * c.Ttot, R(1), true);
+      HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[0].get(), r.T, r.H, c.Ttot, 0);
+    } else {
+      for (int i = 0; i < prims; ++i)
+        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i].get(), r.T, r.H, c.Ttot, i);
+    }
+  }
+  if (p.d_init.S.defined())
+    HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), dS0.get(), c.NH, r.H, int(r.dk), c.dkp, true);
+  if (p.d_init.P.defined())
+    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), dP0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
+  if (p.d_init.H.defined())
+    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.H), go.dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
 }
 
 template <template <class> class F, class... Args>
@@ -383,9 +577,9 @@ class DeviceScope {
 namespace hila::detail {
 
 void cuda_check_supported(const Resolved& r, DType dt) {
-  if (r.cfg.op != Op::gla)
-    throw Error("op", std::string("expected gla on a CUDA device (the CUDA backend covers gla so far; ") +
-                          op_name(r.cfg.op) + " runs on the CPU backend), got " + op_name(r.cfg.op));
+  if (r.traits.loglinear || r.traits.delta)
+    throw Error("op", std::string("expected gla, hla2, ahla or hla3 on a CUDA device (log-linear and "
+                                  "delta-rule operators run on the CPU backend so far), got ") + op_name(r.cfg.op));
   if (r.form != Form::chunk)
     throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
                                     "run on the CPU backend), got ") + form_name(r.form));

@@ -48,38 +48,57 @@ struct DevTensor {
 };
 
 struct Case {
+  Op op;
   DType dtype;
   int64_t B, T, G, H, dk, dv;
   std::vector<int64_t> seqlens;
   bool gated, init;
   double tol;
   std::string name;
+  bool normalize = false, untied = false;
+  double ridge = 0;
 };
 
 std::vector<Case> cases() {
   std::vector<Case> cs;
   auto add = [&](DType dt, double tol, int64_t d, const char* tag) {
     for (int64_t T : {1, 63, 65, 1000, 4096})
-      cs.push_back({dt, 2, T, 1, 4, d, d, {}, true, false, tol, std::string(tag) + "_T" + std::to_string(T)});
-    cs.push_back({dt, 1, 0, 1, 4, d, d, {0, 100, 0, 64, 1, 257}, true, true, tol, std::string(tag) + "_varlen_init"});
-    cs.push_back({dt, 2, 300, 1, 4, d, d, {}, false, true, tol, std::string(tag) + "_ungated_init_gqa4"});
+      cs.push_back({Op::gla, dt, 2, T, 1, 4, d, d, {}, true, false, tol, std::string("gla_") + tag + "_T" + std::to_string(T)});
+    cs.push_back({Op::gla, dt, 1, 0, 1, 4, d, d, {0, 100, 0, 64, 1, 257}, true, true, tol, std::string("gla_") + tag + "_varlen_init"});
+    cs.push_back({Op::gla, dt, 2, 300, 1, 4, d, d, {}, false, true, tol, std::string("gla_") + tag + "_ungated_init_gqa4"});
   };
   add(DType::bf16, 1e-2, 128, "bf16_d128");
   add(DType::bf16, 1e-2, 64, "bf16_d64");
   add(DType::f16, 1e-2, 64, "f16_d64");
   add(DType::f32, 1e-4, 64, "f32_d64");
   add(DType::f64, 1e-10, 32, "f64_d32");
-  cs.push_back({DType::bf16, 2, 200, 2, 8, 40, 72, {}, true, true, 1e-2, "bf16_dk40_dv72_gqa4"});
+  cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 40, 72, {}, true, true, 1e-2, "gla_bf16_dk40_dv72_gqa4"});
+  // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
+  for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
+    const std::string n = op_name(op);
+    for (int64_t T : {1, 65, 1000})
+      cs.push_back({op, DType::bf16, 2, T, 1, 4, 64, 64, {}, true, false, 1e-2, n + "_bf16_d64_T" + std::to_string(T)});
+    cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2, n + "_bf16_varlen_init"});
+    cs.push_back({op, DType::f32, 2, 300, 1, 4, 32, 32, {}, true, true, 1e-4, n + "_f32_d32_init_gqa4_untied", false, true});
+    cs.push_back({op, DType::f32, 2, 130, 2, 4, 32, 24, {}, true, true, 1e-4, n + "_f32_normalize_init", true, false,
+                  op == Op::hla2 ? 0.3 : 0.0});
+    cs.push_back({op, DType::f64, 1, 130, 1, 2, 16, 16, {}, true, true, 1e-10, n + "_f64_untied_normalize", true, true,
+                  op == Op::hla2 ? 0.3 : 0.0});
+  }
   return cs;
 }
 
-class CudaGla : public ::testing::TestWithParam<Case> {};
+class CudaOps : public ::testing::TestWithParam<Case> {};
 
-TEST_P(CudaGla, ForwardBackwardMatchNaiveFloat64) {
+TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
   const Case c = GetParam();
   ProblemSpec s;
-  s.cfg.op = Op::gla;
+  s.cfg.op = c.op;
+  s.cfg.normalize = c.normalize;
+  s.cfg.gates = c.untied ? Gates::untied : Gates::tied;
+  s.cfg.ridge = c.ridge;
+  s.nonneg = c.normalize;  // keeps the denominators away from zero (HLA_SPEC §4)
   s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.seqlens = c.seqlens;
   s.gated = c.gated;
@@ -93,23 +112,26 @@ TEST_P(CudaGla, ForwardBackwardMatchNaiveFloat64) {
   const Result ref = run_backward(ref_in, Form::naive);
 
   DevTensor q(low.q), k(low.k), v(low.v), g(low.g), cu(low.cu_seqlens), dO(low.d_o);
-  DevTensor pos(low.init.pos), h0(low.init.H), dht(low.d_final.H);
+  DevTensor pos(low.init.pos), S0(low.init.S), P0(low.init.P), h0(low.init.H);
+  DevTensor dSt(low.d_final.S), dPt(low.d_final.P), dht(low.d_final.H);
   BackwardParams p;
   static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
   p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.cu_seqlens = cu.view();
   p.init = {};
-  if (c.init) p.init.pos = pos.view(), p.init.H = h0.view();
+  if (c.init) p.init.pos = pos.view(), p.init.S = S0.view(), p.init.P = P0.view(), p.init.H = h0.view();
   p.d_o = dO.view();
-  p.d_final.H = dht.view();
+  p.d_final.S = dSt.view(), p.d_final.P = dPt.view(), p.d_final.H = dht.view();
   const int64_t N = low.num_seqs();
   const StateBuffers fin_host = make_state(s.cfg, N, s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
-  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fH(fin_host.H, true);
-  DevTensor dq(low.q, true), dk(low.k, true), dv(low.v, true), dg(low.g, true), dh0(low.init.H, true);
+  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fS(fin_host.S, true), fP(fin_host.P, true),
+      fH(fin_host.H, true);
+  DevTensor dq(low.q, true), dk(low.k, true), dv(low.v, true), dg(low.g, true);
+  DevTensor dS0(low.init.S, true), dP0(low.init.P, true), dh0(low.init.H, true);
   p.o = o.view();
-  p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
+  p.final_state.pos = fpos.view(), p.final_state.S = fS.view(), p.final_state.P = fP.view(), p.final_state.H = fH.view();
   p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view(), p.dg = dg.view();
   p.d_init = {};
-  if (c.init) p.d_init.H = dh0.view();
+  if (c.init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
   try {
     backward(p);
@@ -140,29 +162,35 @@ TEST_P(CudaGla, ForwardBackwardMatchNaiveFloat64) {
     EXPECT_LE(e, c.tol) << name;
   };
   check("o", o.fetch(), ref.o);
-  check("ht", fH.fetch(), ref.final_state.H);
+  if (!ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
+  if (!ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
+  check("H_T", fH.fetch(), ref.final_state.H);
   check("dq", dq.fetch(), ref.dq);
   check("dk", dk.fetch(), ref.dk);
   check("dv", dv.fetch(), ref.dv);
   if (c.gated) check("dg", dg.fetch(), ref.dg, floor_g);
-  if (c.init) check("dh0", dh0.fetch(), ref.d_init.H);
+  if (c.init) {
+    if (!ref.d_init.S.empty()) check("dS0", dS0.fetch(), ref.d_init.S);
+    if (!ref.d_init.P.empty()) check("dP0", dP0.fetch(), ref.d_init.P);
+    check("dH0", dh0.fetch(), ref.d_init.H);
+  }
   const Buffer fp = fpos.fetch();
   for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp.get(i), ref.final_state.pos.get(i));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CudaGla, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaOps, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-TEST(CudaGla, UnsupportedOnDeviceIsAClearError) {
+TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
   ProblemSpec s;
-  s.cfg.op = Op::hla2;
+  s.cfg.op = Op::gdn;
   s.B = 1, s.T = 8, s.dk = 16, s.dv = 16;
   s.dtype = DType::bf16;
   const Problem pr = make_problem(s);
-  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), o(pr.v, true);
+  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), beta(pr.beta), o(pr.v, true);
   ForwardParams p = pr.forward_params(Form::chunk, 64);
-  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.o = o.view();
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.beta = beta.view(), p.o = o.view();
   try {
     forward(p);
     FAIL() << "expected hila::Error";
