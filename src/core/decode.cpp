@@ -62,8 +62,8 @@ DecodeState::DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, 
     throw Error("dtype", std::string("expected float32 or float64 for a decode state, got ") +
                              dtype_name(dtype));
   if (device.type != DeviceType::cpu)
-    throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " +
-                              device_name(device));
+    throw Error("device", "expected cpu (decode states and the step kernels run on the CPU backend so "
+                          "far), got " + device_name(device));
   s.N = N, s.H = H, s.dk = dk, s.dv = dv, s.dvp = dv + (cfg.normalize ? 1 : 0);
   s.dtype = dtype;
   s.device = device;
