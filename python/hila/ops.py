@@ -20,9 +20,10 @@ Outputs are allocated by the array library of ``q`` (torch tensors give torch te
 device, numpy arrays give numpy arrays, ...); jax arrays, being immutable, get numpy outputs turned
 back into jax arrays. Bad input raises :class:`hila.HilaError` (a ``ValueError``) naming the argument.
 
-Devices: this build runs on the CPU. CUDA arrays are recognised and rejected with a HilaError until
-the CUDA backend lands; every call already takes ``stream`` (a ``cudaStream_t`` as an int; None or 0
-is the default stream), which hila.torch fills with the caller's current CUDA stream.
+Devices: arrays carry their device into hila; CUDA arrays run on the library's CUDA backend where it
+is built in and covers the call, and raise HilaError otherwise. Every call takes ``stream`` (a
+``cudaStream_t`` as an int; None or 0 is the default stream), which hila.torch fills with the
+caller's current CUDA stream.
 """
 from __future__ import annotations
 
@@ -355,8 +356,9 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
             grown when a position crosses a power of two. An int must cover the new positions.
 
     Returns:
-        ``(o, new_state)``, o [N, H, dv] with the dtype of v. Same arithmetic as
-        :meth:`DecodeState.step`.
+        ``(o, new_state)``, o [N, H, dv] with the dtype of v: what :meth:`DecodeState.step`
+        computes, as a one-token forward call with ``state`` as initial state (so it runs on every
+        device that forward runs on, on the caller's arrays, with no copies).
     """
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)

@@ -230,18 +230,19 @@ TensorView one_token(const std::string& name, const TensorView& t, int ndim, con
   return r;
 }
 
-// One decode step on a caller-owned state (pos, S, P, H), written to `state_out`: the serial form
-// over one token with the state as initial and `state_out` as final state, so it runs wherever
-// forward runs and needs no copies. A log-linear `state_out.H` needs the slots of the new
-// positions (hila.torch keeps the capacity of the cache it was built for).
+// One decode step on a caller-owned state (pos, S, P, H), written to `state_out`: a forward call
+// over one token with the state as initial and `state_out` as final state, so it needs no copies
+// and runs on every device forward runs on. The chunk form (chunk 64, the size every backend
+// takes) covers one token exactly like the serial form. A log-linear `state_out.H` needs the
+// slots of the new positions (hila.torch keeps the capacity of the cache it was built for).
 void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
                 const OptIn& lam, const OptIn& beta, const StateIn& state, const Out& o,
                 const StateOut& state_out, uintptr_t stream) {
   const hila::StepParams s = step_params(cfg, q, k, v, g, lam, beta, o, stream);
   hila::ForwardParams p;
   p.cfg = s.cfg;
-  p.form = hila::Form::serial;
-  p.chunk = 1;
+  p.form = hila::Form::chunk;
+  p.chunk = 64;
   p.q = one_token("q", s.q, 3, "[N, G, dk]");
   p.k = one_token("k", s.k, 3, "[N, G, dk]");
   p.v = one_token("v", s.v, 3, "[N, H, dv]");

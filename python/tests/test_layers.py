@@ -55,7 +55,7 @@ def test_prefill_then_decode_equals_full_forward(name, device):
 
 
 @pytest.mark.parametrize("name", LAYERS)
-def test_chunked_prefill_and_recurrent_mode(name, device):
+def test_chunked_prefill(name, device):
     layer = _layer(name, device)
     x = _x(device)
     full, fin = layer(x, use_cache=True)
@@ -66,8 +66,15 @@ def test_chunked_prefill_and_recurrent_mode(name, device):
         assert (a is None) == (b is None)
         if a is not None and a.is_floating_point():
             _close(a, b)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_recurrent_mode(name, device):
+    """mode='recurrent' (the serial form) computes what mode='chunk' does."""
+    full, _ = _layer(name, device)(_x(device))
     rec = _layer(name, device, mode="recurrent")
-    _close(rec(x)[0], full)
+    require_device(device, rec.op, "serial")
+    _close(rec(_x(device))[0], full)
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -118,6 +125,17 @@ def test_log_linear_layers_refuse_sequences_past_max_len():
     with pytest.raises(hila.HilaError, match="at most 48 tokens"):
         layer(_x("cpu", B=1, T=59), cu_seqlens=cu)
     layer(_x("cpu", B=1, T=59), cu_seqlens=torch.tensor([0, 30, 59]))  # packed: each under max_len
+
+
+def test_value_checks():
+    """non-finite activations raise HilaError at the operator; check_values=False skips the scan."""
+    x = _x("cpu", B=1, T=6)
+    y, _ = _layer("hla2", "cpu")(x)
+    _close(_layer("hla2", "cpu", check_values=False)(x)[0], y)
+    x[0, 3, 5] = float("nan")
+    with pytest.raises(hila.HilaError, match="finite") as e:
+        _layer("hla2", "cpu")(x)
+    assert e.value.argument == "q"
 
 
 def test_layer_errors():

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "hila/tensor.h"
 
-#include <sstream>
+#include <string>
 
 namespace hila {
 
@@ -49,11 +49,9 @@ bool TensorView::contiguous() const {
 
 std::string TensorView::shape_str() const {
   if (!defined()) return "(absent)";
-  std::ostringstream os;
-  os << "[";
-  for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 TensorView TensorView::contiguous_view(void* data, DType dtype, const int64_t* shape, int ndim,

@@ -2,7 +2,6 @@
 // Input validation for every entry point. Each failure names the argument, what was expected and
 // what was given (LOGLINEAR_SPEC §11). Nothing is launched before all checks pass.
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "core/access.h"
@@ -16,12 +15,12 @@ namespace {
 
 int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
+// Error text is built with std::string only (no iostreams): it runs inside host processes of every
+// kind, Python extensions included.
 std::string shape_of(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
-  return os.str();
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
 }
 
 [[noreturn]] void fail(const std::string& arg, const std::string& what) { throw Error(arg, what); }
@@ -104,11 +103,9 @@ void for_each(const TensorView& t, F f) {
 }
 
 std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
-  std::ostringstream os;
-  os << "[";
-  for (int i = 0; i < nd; ++i) os << (i ? ", " : "") << idx[i];
-  os << "]";
-  return os.str();
+  std::string r = "[";
+  for (int i = 0; i < nd; ++i) r += (i ? ", " : "") + std::to_string(idx[i]);
+  return r + "]";
 }
 
 void check_finite(const std::string& name, const TensorView& dev_t) {
@@ -452,8 +449,10 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
             if (load(hm.view(), offset(hm.view(), {i, h, l, r, c})) != 0)
               fail(nm + ".H", "is not canonical at position " + std::to_string(n) + ": slot " +
                                   std::to_string(l) + " of sequence " + std::to_string(i) +
-                                  " must be zero (bit " + std::to_string(l - 1) +
-                                  " of the position is clear), got a non-zero entry");
+                                  (l == 0 ? " must be zero (slot 0 is the diagonal level, never stored)"
+                                          : " must be zero (bit " + std::to_string(l - 1) +
+                                                " of the position is clear)") +
+                                  ", got a non-zero entry");
     }
   }
 }

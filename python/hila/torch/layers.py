@@ -12,6 +12,8 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
 * ``mode='chunk'`` runs the chunk form (training, prefill); ``mode='recurrent'`` the serial form.
 * ``use_cache=True`` returns a :class:`LayerState`; passing it back continues the sequences: a
   one-token call (T == 1, no cu_seqlens) is a decode step, a longer call a chunked prefill.
+* ``check_values=False`` skips the operator's O(size) scan for non-finite inputs and positive
+  gates (on CUDA it copies the inputs to the host): turn it off in GPU training loops.
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
   state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
   int) spares log-linear layers a device read for their ``max_len`` check.
@@ -24,7 +26,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as _ops
@@ -83,6 +84,7 @@ class _Call:
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, **options) -> Tensor:
         """The layer's operator over q, k [B, T, G, dk], v [B, T, H, dv] -> o [B, T, H, dv]."""
         layer = self.layer
+        options.setdefault("check_values", layer.check_values)
         if self.decode:
             first = lambda t: None if t is None else t[:, 0]  # noqa: E731
             o, self.recurrent = _step(layer.op, first(q), first(k), first(v), first(g),
@@ -107,8 +109,9 @@ class _Mixer(nn.Module):
     """What every hila layer has: operator, mode, chunk size and (log-linear) level weights."""
 
     def __init__(self, op: str, mode: str, chunk_size: int, heads: int, max_len: Optional[int],
-                 layer_idx: Optional[int]):
+                 layer_idx: Optional[int], check_values: bool):
         super().__init__()
+        self.check_values = check_values
         if mode not in _MODES:
             raise HilaError(f"hila: argument 'mode': expected 'chunk' or 'recurrent', got '{mode}'", "mode")
         self.traits = _ops.op_traits(op)  # raises HilaError('op') for unknown names
@@ -159,8 +162,8 @@ class HLAAttention(_Mixer):
                  gates: str = "tied", normalize: bool = False, ridge: float = 0.0,
                  scale: Optional[float] = None, use_output_gate: bool = True,
                  norm_eps: float = 1e-5, max_len: Optional[int] = None,
-                 layer_idx: Optional[int] = None):
-        super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx)
+                 check_values: bool = True, layer_idx: Optional[int] = None):
+        super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
         if not self.traits["hla_family"]:
             raise HilaError(f"hila: argument 'op': expected an HLA operator (hla2, ahla, hla3 or a "
                             f"loglinear_ version), got '{op}'", "op")
@@ -219,7 +222,7 @@ class LogLinearMamba2(_Mixer):
     def __init__(self, hidden_size: int, max_len: int, state_size: int = 128, expand: int = 2,
                  head_dim: int = 64, n_groups: int = 1, conv_size: int = 4, mode: str = "chunk",
                  chunk_size: int = 64, A_init="arange", dt_min: float = 1e-3, dt_max: float = 0.1,
-                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5,
+                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: bool = True,
                  layer_idx: Optional[int] = None):
         inner = expand * hidden_size
         if inner % head_dim:
@@ -229,7 +232,7 @@ class LogLinearMamba2(_Mixer):
         if H % n_groups:
             raise HilaError(f"hila: argument 'n_groups': expected a divisor of the {H} heads, got "
                             f"{n_groups}", "n_groups")
-        super().__init__("loglinear", mode, chunk_size, H, max_len, layer_idx)
+        super().__init__("loglinear", mode, chunk_size, H, max_len, layer_idx, check_values)
         self.inner, self.num_heads, self.head_dim = inner, H, head_dim
         self.n_groups, self.state_size = n_groups, state_size
         conv_dim = inner + 2 * n_groups * state_size
@@ -275,8 +278,8 @@ class LogLinearGatedDeltaNet(_Mixer):
                  expand_v: float = 2.0, num_qk_groups: Optional[int] = None, conv_size: int = 4,
                  mode: str = "chunk", chunk_size: int = 64, A_init=(0.0, 16.0),
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 norm_eps: float = 1e-5, layer_idx: Optional[int] = None):
-        super().__init__("loglinear_gdn", mode, chunk_size, num_heads, max_len, layer_idx)
+                 norm_eps: float = 1e-5, check_values: bool = True, layer_idx: Optional[int] = None):
+        super().__init__("loglinear_gdn", mode, chunk_size, num_heads, max_len, layer_idx, check_values)
         G = num_qk_groups or num_heads
         if num_heads % G:
             raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "

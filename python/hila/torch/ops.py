@@ -14,8 +14,7 @@ through :func:`step`). Forms without a backward (scan, and serial for the log-li
 operators) are differentiated with the chunk backward, which computes the same function.
 
 Tensors on CUDA run on the caller's current stream (``torch.cuda.current_stream()``, handed to the
-C++ library); this build of hila computes on the CPU and raises :class:`hila.HilaError` for CUDA
-tensors until the CUDA backend is built in.
+C++ library); what the library cannot run on a device (docs/API.md) raises :class:`hila.HilaError`.
 """
 from __future__ import annotations
 
