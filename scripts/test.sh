@@ -4,7 +4,7 @@
 # the CLI, all through CTest; then the Python package, installed with pip and tested with pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh python
 bash scripts/build.sh
 (cd build && ctest --output-on-failure -j"$(nproc)" "$@")
 
