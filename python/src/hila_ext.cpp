@@ -139,11 +139,11 @@ OpConfig make_config(const std::string& op, double scale, bool normalize, double
 
 // ---------------------------------------------------------------------------------- calls
 
-void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q, const In& k,
-             const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
-             const OptIn& cu_seqlens, const std::optional<StateIn>& init, const Out& o,
-             const std::optional<StateOut>& final_state, uintptr_t stream) {
-  hila::ForwardParams p;
+// The inputs forward and backward share (BackwardParams extends ForwardParams).
+void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& form, int64_t chunk,
+                const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
+                const OptIn& beta, const OptIn& cu_seqlens, const std::optional<StateIn>& init,
+                const OptOut& o, const std::optional<StateOut>& final_state, uintptr_t stream) {
   p.form = hila::parse_form(form);
   p.chunk = chunk;
   p.q = view_of("q", q);
@@ -158,6 +158,14 @@ void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const 
   p.final_state = state_of("final_state", final_state);
   p.cfg = with_gates(cfg, p.g, 3);
   set_stream(p, stream);
+}
+
+void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q, const In& k,
+             const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
+             const OptIn& cu_seqlens, const std::optional<StateIn>& init, const Out& o,
+             const std::optional<StateOut>& final_state, uintptr_t stream) {
+  hila::ForwardParams p;
+  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
   nb::gil_scoped_release nogil;
   hila::forward(p);
 }
@@ -170,16 +178,7 @@ void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const
               const std::optional<StateOut>& d_init, const OptOut& o,
               const std::optional<StateOut>& final_state, uintptr_t stream) {
   hila::BackwardParams p;
-  p.form = hila::parse_form(form);
-  p.chunk = chunk;
-  p.q = view_of("q", q);
-  p.k = view_of("k", k);
-  p.v = view_of("v", v);
-  p.g = view_of("g", g);
-  p.lam = view_of("lam", lam);
-  p.beta = view_of("beta", beta);
-  p.cu_seqlens = view_of("cu_seqlens", cu_seqlens);
-  p.init = state_of("init", init);
+  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
   p.d_o = view_of("d_o", d_o);
   p.d_final = state_of("d_final", d_final);
   p.dq = view_of("dq", dq);
@@ -189,10 +188,6 @@ void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const
   p.dlam = view_of("dlam", dlam);
   p.dbeta = view_of("dbeta", dbeta);
   p.d_init = state_of("d_init", d_init);
-  p.o = view_of("o", o);
-  p.final_state = state_of("final_state", final_state);
-  p.cfg = with_gates(cfg, p.g, 3);
-  set_stream(p, stream);
   nb::gil_scoped_release nogil;
   hila::backward(p);
 }
