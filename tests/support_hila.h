@@ -41,6 +41,16 @@ inline double fwd_tol(DType dt) {
     default: return 1e-2;          // bf16
   }
 }
+// Step params over host buffers (absent buffers give absent views).
+inline hila::StepParams step_params(const OpConfig& cfg, const Buffer& q, const Buffer& k, const Buffer& v,
+                                    const Buffer& g, const Buffer& lam, const Buffer& beta, const Buffer& o) {
+  hila::StepParams sp;
+  sp.cfg = cfg;
+  sp.q = q.view(), sp.k = k.view(), sp.v = v.view(), sp.g = g.view();
+  sp.lam = lam.view(), sp.beta = beta.view(), sp.o = o.view();
+  return sp;
+}
+
 inline double bwd_tol(DType dt) { return dt == DType::f64 ? 1e-9 : fwd_tol(dt); }
 // Floor for gradient comparisons (see expect_results_close): rounding noise of a zero tensor,
 // about eps(dt) x largest gradient, stays well inside the bound.

@@ -485,15 +485,7 @@ TEST(Errors, TooFewLevels) {
       Buffer q = gather_tokens(p.q, {0}), k = gather_tokens(p.k, {0}), v = gather_tokens(p.v, {0}),
              g = gather_tokens(p.g, {0}), beta = gather_tokens(p.beta, {0});
       Buffer lam(DType::f64, {1, s.H, 7}), o(DType::f64, {1, s.H, s.dv});
-      hila::StepParams sp;
-      sp.cfg = s.cfg;
-      sp.q = q.view();
-      sp.k = k.view();
-      sp.v = v.view();
-      sp.g = g.view();
-      sp.lam = lam.view();
-      sp.beta = beta.view();
-      sp.o = o.view();
+      hila::StepParams sp = step_params(s.cfg, q, k, v, g, lam, beta, o);
       expect_error(on + " decode 7 < 8 levels", [&] { hila::step(sp, ds); }, "lam", {"7", "8", "64"});
       EXPECT_EQ(ds.position(0), 64) << on << ": a rejected step must not advance the state";
       Buffer lam8(DType::f64, {1, s.H, 8});
@@ -818,15 +810,7 @@ TEST(Errors, Step) {
            beta = gather_tokens(p.beta, {0});
     Buffer o(DType::f64, {1, s.H, s.dv});
     auto params = [&] {
-      hila::StepParams sp;
-      sp.cfg = s.cfg;
-      sp.q = q.view();
-      sp.k = k.view();
-      sp.v = v.view();
-      sp.g = g.view();
-      sp.lam = lam.view();
-      sp.beta = beta.view();
-      sp.o = o.view();
+      hila::StepParams sp = step_params(s.cfg, q, k, v, g, lam, beta, o);
       return sp;
     };
     {

@@ -62,15 +62,7 @@ hila::StepParams step_params(const Problem& p, const std::vector<int64_t>& t, Bu
   beta = gather_tokens(p.beta, t);
   o = Buffer(p.spec.dtype, {int64_t(t.size()), p.spec.H, p.spec.dv});
   o.poison();
-  hila::StepParams sp;
-  sp.cfg = p.spec.cfg;
-  sp.q = q.view();
-  sp.k = k.view();
-  sp.v = v.view();
-  sp.g = g.view();
-  sp.lam = lam.view();
-  sp.beta = beta.view();
-  sp.o = o.view();
+  hila::StepParams sp = hila_test::step_params(p.spec.cfg, q, k, v, g, lam, beta, o);
   return sp;
 }
 

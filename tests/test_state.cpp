@@ -305,15 +305,7 @@ TEST_P(FarPositions, ChunkAndDecodeAcrossPowerOfTwo) {
              beta = gather_tokens(p.beta, {t});
       Buffer o(DType::f64, {1, s.H, s.dv});
       o.poison();
-      hila::StepParams sp;
-      sp.cfg = s.cfg;
-      sp.q = q.view();
-      sp.k = k.view();
-      sp.v = v.view();
-      sp.g = g.view();
-      sp.lam = lam.view();
-      sp.beta = beta.view();
-      sp.o = o.view();
+      hila::StepParams sp = step_params(s.cfg, q, k, v, g, lam, beta, o);
       hila::step(sp, ds);
       EXPECT_LE(hila::tools::rel_err(o, gather_tokens(want.o, {t})), kTf) << ctx << " decode " << t;
     }
