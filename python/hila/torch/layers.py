@@ -125,6 +125,14 @@ class _Mixer(nn.Module):
     def _call(self, x, state, cu_seqlens, max_seqlen, use_cache) -> _Call:
         return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache)
 
+    def _qkv(self, call: _Call, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """q, k [B, T, G, dk] and v [B, T, H, dv]: projection, short convolution, split into heads
+        (layers with q/k/v projections: HLAAttention, LogLinearGatedDeltaNet)."""
+        q = _heads(call.conv(self.q_conv, self.q_proj(x)), self.head_dim)
+        k = _heads(call.conv(self.k_conv, self.k_proj(x)), self.head_dim)
+        v = _heads(call.conv(self.v_conv, self.v_proj(x)), self.head_dim_v)
+        return q, k, v
+
     def extra_repr(self) -> str:
         s = f"op={self.op}, mode={self.mode}, chunk_size={self.chunk_size}"
         return s + (f", max_len={self.max_len}, levels={self.levels.levels}" if self.levels is not None else "")
@@ -196,9 +204,7 @@ class HLAAttention(_Mixer):
                 use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
         call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
-        q = _heads(call.conv(self.q_conv, self.q_proj(x)), self.head_dim)
-        k = _heads(call.conv(self.k_conv, self.k_proj(x)), self.head_dim)
-        v = _heads(call.conv(self.v_conv, self.v_proj(x)), self.head_dim_v)
+        q, k, v = self._qkv(call, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         g, _ = self.gate(self.a_proj(x))
@@ -305,9 +311,7 @@ class LogLinearGatedDeltaNet(_Mixer):
                 use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
         call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
-        q = _heads(call.conv(self.q_conv, self.q_proj(x)), self.head_dim)
-        k = _heads(call.conv(self.k_conv, self.k_proj(x)), self.head_dim)
-        v = _heads(call.conv(self.v_conv, self.v_proj(x)), self.head_dim_v)
+        q, k, v = self._qkv(call, x)
         beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
         g, _ = self.gate(self.a_proj(x))
         o = call.mix(q, k, v, g, lam=self.levels(self.l_proj(x)), beta=beta, qk_l2norm=True, scale=1.0)
