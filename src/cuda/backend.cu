@@ -11,6 +11,8 @@
 #include "core/plan.h"
 #include "cuda/backend.h"
 #include "cuda/gla.cuh"
+#include "cuda/pack.cuh"
+#include "cuda/runtime.cuh"
 #include "hila/error.h"
 
 namespace hila::cuda {
@@ -32,261 +34,6 @@ void d2h(void* dst, const void* src, size_t bytes, int device) {
 }
 const bool g_registered = (detail::register_device_to_host(&d2h), true);
 
-// Stream-ordered device buffer.
-template <class X>
-class DevBuf {
- public:
-  DevBuf() = default;
-  DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
-    if (n == 0) return;
-    HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
-    if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
-  }
-  ~DevBuf() {
-    if (p_) cudaFreeAsync(p_, s_);
-  }
-  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_), s_(o.s_) { o.p_ = nullptr; }
-  DevBuf& operator=(DevBuf&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(n_, o.n_);
-    std::swap(s_, o.s_);
-    return *this;
-  }
-  X* get() const { return p_; }
-
- private:
-  X* p_ = nullptr;
-  size_t n_ = 0;
-  cudaStream_t s_ = nullptr;
-};
-
-// A strided tensor as kernels see it: up to 5 dims, runtime dtype.
-struct Strided {
-  void* p = nullptr;
-  DType dt = DType::f32;
-  int64_t s[5] = {0, 0, 0, 0, 0};
-  explicit Strided(const TensorView& t) {
-    p = t.data;
-    dt = t.dtype;
-    for (int i = 0; i < t.ndim && i < 5; ++i) s[i] = t.stride[i];
-  }
-};
-
-template <class R>
-__device__ R ld(const Strided& t, int64_t off) {
-  switch (t.dt) {
-    case DType::f64: return R(static_cast<const double*>(t.p)[off]);
-    case DType::f32: return R(static_cast<const float*>(t.p)[off]);
-    case DType::bf16: return R(__bfloat162float(static_cast<const __nv_bfloat16*>(t.p)[off]));
-    case DType::f16: return R(__half2float(static_cast<const __half*>(t.p)[off]));
-    default: return R(0);
-  }
-}
-template <class R>
-__device__ void st(const Strided& t, int64_t off, R x) {
-  switch (t.dt) {
-    case DType::f64: static_cast<double*>(t.p)[off] = double(x); break;
-    case DType::f32: static_cast<float*>(t.p)[off] = float(x); break;
-    case DType::bf16: static_cast<__nv_bfloat16*>(t.p)[off] = __float2bfloat16_rn(float(x)); break;
-    case DType::f16: static_cast<__half*>(t.p)[off] = __float2half_rn(float(x)); break;
-    default: break;
-  }
-}
-
-// [B, T, X, d] (strided) -> packed [X][B*T][dp], zero beyond d; appends a ones column at `ones`.
-template <class P>
-__global__ void pack_rows(P* out, Strided in, int64_t T, int64_t X, int64_t Ttot, int d, int dp,
-                          int ones) {
-  const int64_t n = X * Ttot * dp;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(e % dp);
-    const int64_t r = (e / dp) % Ttot, x = e / (dp * Ttot);
-    const int64_t b = r / T, t = r % T;
-    P v = to<P>(0.0f);
-    if (c < d) v = to<P>(ld<Acc<P>>(in, b * in.s[0] + t * in.s[1] + x * in.s[2] + c * in.s[3]));
-    else if (c == ones) v = to<P>(1.0f);
-    out[e] = v;
-  }
-}
-
-// packed [X*rep][Ttot][dp] (P) -> [B, T, X, d] (strided): out = mult * sum over rep heads.
-template <class P>
-__global__ void unpack_rows(Strided out, const P* in, int64_t T, int64_t X, int rep, int64_t Ttot,
-                            int d, int dp, Acc<P> mult) {
-  using R = Acc<P>;
-  const int64_t n = X * Ttot * d;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(e % d);
-    const int64_t r = (e / d) % Ttot, x = e / (d * Ttot);
-    R acc = 0;
-    for (int j = 0; j < rep; ++j) acc += from<R>(in[((x * rep + j) * Ttot + r) * dp + c]);
-    const int64_t b = r / T, t = r % T;
-    st<R>(out, b * out.s[0] + t * out.s[1] + x * out.s[2] + c * out.s[3], mult * acc);
-  }
-}
-
-// gates [B, T, H(, P)] column p -> [H][Ttot]; and back for dg.
-template <class R>
-__global__ void pack_gates(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int p) {
-  const int64_t n = H * Ttot;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
-    out[e] = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + p * in.s[3]);
-  }
-}
-template <class R>
-__global__ void unpack_gates(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot, int p) {
-  const int64_t n = H * Ttot;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
-    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], in[e]);
-  }
-}
-
-// state [N, H, dk, dv] (strided) <-> packed [N][H][dkp][dvp]
-template <class R>
-__global__ void pack_state(R* out, Strided in, int64_t NH, int64_t H, int dk, int dv, int dkp, int dvp) {
-  const int64_t n = NH * dkp * dvp;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int j = int(e % dvp), i = int((e / dvp) % dkp);
-    const int64_t nh = e / (int64_t(dkp) * dvp);
-    out[e] = (i < dk && j < dv) ? ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + i * in.s[2] + j * in.s[3]) : R(0);
-  }
-}
-template <class R>
-__global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, int dk, int dv, int dkp, int dvp) {
-  const int64_t n = NH * dk * dv;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int j = int(e % dv), i = int((e / dv) % dk);
-    const int64_t nh = e / (int64_t(dk) * dv);
-    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + i * out.s[2] + j * out.s[3],
-          in[(nh * dkp + i) * dvp + j]);
-  }
-}
-
-__device__ __forceinline__ int64_t packed_index(int i, int j, int d) { return int64_t(i) * d - int64_t(i) * (i - 1) / 2 + (j - i); }
-
-// packed symmetric S [N, H, dk(dk+1)/2] -> dense [N][H][dkp][dkp]; as a cotangent only the upper
-// triangle is set (<p, dp> = sum_{i<=j} S_ij dp_ij).
-template <class R>
-__global__ void pack_sym(R* out, Strided in, int64_t NH, int64_t H, int dk, int dkp, bool cotangent) {
-  const int64_t n = NH * dkp * dkp;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int j = int(e % dkp), i = int((e / dkp) % dkp);
-    const int64_t nh = e / (int64_t(dkp) * dkp);
-    R x = 0;
-    if (i < dk && j < dk && (i <= j || !cotangent)) {
-      const int a = i < j ? i : j, b = i < j ? j : i;
-      x = ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + packed_index(a, b, dk) * in.s[2]);
-    }
-    out[e] = x;
-  }
-}
-// dense -> packed; as a gradient the off-diagonal entry is dS_ij + dS_ji.
-template <class R>
-__global__ void unpack_sym(Strided out, const R* in, int64_t NH, int64_t H, int dk, int dkp, bool gradient) {
-  const int64_t m = int64_t(dk) * (dk + 1) / 2, n = NH * m;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t nh = e / m;
-    int64_t r = e % m;
-    int i = 0;
-    while (r >= dk - i) r -= dk - i, ++i;  // row of the packed upper triangle
-    const int j = i + int(r);
-    const R* S = in + nh * dkp * dkp;
-    const R x = gradient && i != j ? S[i * dkp + j] + S[j * dkp + i] : S[i * dkp + j];
-    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + packed_index(i, j, dk) * out.s[2], x);
-  }
-}
-
-// y (+)= a * x over n elements, with conversion (packed buffers of different types).
-template <class Y, class X>
-__global__ void axpy_k(Y* y, const X* x, int64_t n, Acc<Y> a, bool accumulate) {
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const Acc<Y> v = a * from<Acc<Y>>(x[e]);
-    y[e] = to<Y>(accumulate ? from<Acc<Y>>(y[e]) + v : v);
-  }
-}
-
-// U [H][Ttot][dkp] += ridge * scale * q [H/rep][Ttot][dkp]   (u_j = (S_j + ridge I) q^_j)
-template <class T>
-__global__ void add_ridge(T* U, const T* q, int64_t H, int rep, int64_t rows_dkp, Acc<T> c) {
-  const int64_t n = H * rows_dkp;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t h = e / rows_dkp, rest = e % rows_dkp;
-    U[e] = to<T>(from<Acc<T>>(U[e]) + c * from<Acc<T>>(q[(h / rep) * rows_dkp + rest]));
-  }
-}
-
-// normalize (HLA_SPEC §4): o = num / (den + eps) from O' [H][Ttot][dvp] (den in column dv)
-template <class T>
-__global__ void unpack_normalized(Strided out, const T* in, int64_t T_, int64_t H, int64_t Ttot, int dv, int dvp,
-                                  Acc<T> eps) {
-  using R = Acc<T>;
-  const int64_t n = H * Ttot * dv;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(e % dv);
-    const int64_t r = (e / dv) % Ttot, h = e / (int64_t(dv) * Ttot);
-    const T* row = in + (h * Ttot + r) * dvp;
-    const int64_t b = r / T_, t = r % T_;
-    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + c * out.s[3], from<R>(row[c]) / (from<R>(row[dv]) + eps));
-  }
-}
-// dO' = [dO / (den + eps) | -sum(dO o num) / (den + eps)^2] per row; dO is packed [H][Ttot][dvp].
-template <class T>
-__global__ void normalized_cotangent(T* dOp, const T* Op, int64_t rows, int dv, int dvp, Acc<T> eps) {
-  using R = Acc<T>;
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    T* d = dOp + r * dvp;
-    const T* o = Op + r * dvp;
-    const R den = from<R>(o[dv]) + eps;
-    R s = 0;
-    for (int c = 0; c < dv; ++c) {
-      const R g = from<R>(d[c]);
-      s += g * from<R>(o[c]);
-      d[c] = to<T>(g / den);
-    }
-    d[dv] = to<T>(-s / (den * den));
-  }
-}
-
-unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4)); }
-int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
-#define HILA_LAUNCH(kernel, n, s, ...)                        \
-  do {                                                        \
-    kernel<<<grid_for(n), 256, 0, s>>>(__VA_ARGS__);          \
-    HILA_CUDA_CHECK_LAUNCH();                                 \
-  } while (0)
-
-// Sequence tables on the device.
-struct SeqTables {
-  std::vector<int64_t> row0, len, chunk0;
-  std::vector<int> chunk_seq;
-  DevBuf<int64_t> d_row0, d_len, d_chunk0;
-  DevBuf<int> d_chunk_seq;
-  int64_t nchunks = 0;
-  SeqTables(const detail::Resolved& r, cudaStream_t s) {
-    for (size_t i = 0; i < r.seqs.size(); ++i) {
-      const auto& q = r.seqs[i];
-      row0.push_back(q.b * r.T + q.row0);
-      len.push_back(q.len);
-      chunk0.push_back(nchunks);
-      const int64_t nc = (q.len + kChunk - 1) / kChunk;
-      for (int64_t c = 0; c < nc; ++c) chunk_seq.push_back(int(i));
-      nchunks += nc;
-    }
-    d_row0 = upload(row0, s);
-    d_len = upload(len, s);
-    d_chunk0 = upload(chunk0, s);
-    d_chunk_seq = upload(chunk_seq, s);
-  }
-  template <class X>
-  static DevBuf<X> upload(const std::vector<X>& v, cudaStream_t s) {
-    DevBuf<X> b(v.size(), s);
-    if (!v.empty()) HILA_CUDA_CHECK(cudaMemcpyAsync(b.get(), v.data(), v.size() * sizeof(X), cudaMemcpyHostToDevice, s));
-    return b;
-  }
-};
-
 // One call's packed inputs, states and the composition over GLA primitives (core/plan.h).
 template <class T>
 struct Call {
@@ -303,7 +50,7 @@ struct Call {
 
   Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
-        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_) {
+        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk) {
     q = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
     k = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
     v = DevBuf<T>(size_t(r.H * Ttot * dvp), s);
@@ -556,19 +303,6 @@ size_t smem_need(DType dt, int dk, int dv) {
     default: return gla_smem_need<double>(dk, dv);
   }
 }
-
-// Device and stream of a call: the device of q, made current for the duration.
-class DeviceScope {
- public:
-  explicit DeviceScope(int dev) {
-    HILA_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != dev) HILA_CUDA_CHECK(cudaSetDevice(dev));
-  }
-  ~DeviceScope() { cudaSetDevice(prev_); }
-
- private:
-  int prev_ = 0;
-};
 
 }  // namespace
 

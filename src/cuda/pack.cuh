@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: Apache-2.0
+// Pack / unpack kernels between the caller's strided, sequence-first tensors and the head-major
+// buffers padded to multiples of 16 columns that the primitive kernels read.
+#pragma once
+#include "cuda/runtime.cuh"
+
+namespace hila::cuda {
+
+// [B, T, X, d] (strided) -> packed [X][B*T][dp], zero beyond d; appends a ones column at `ones`.
+template <class P>
+__global__ void pack_rows(P* out, Strided in, int64_t T, int64_t X, int64_t Ttot, int d, int dp,
+                          int ones) {
+  const int64_t n = X * Ttot * dp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % dp);
+    const int64_t r = (e / dp) % Ttot, x = e / (dp * Ttot);
+    const int64_t b = r / T, t = r % T;
+    P v = to<P>(0.0f);
+    if (c < d) v = to<P>(ld<Acc<P>>(in, b * in.s[0] + t * in.s[1] + x * in.s[2] + c * in.s[3]));
+    else if (c == ones) v = to<P>(1.0f);
+    out[e] = v;
+  }
+}
+
+// packed [X*rep][Ttot][dp] (P) -> [B, T, X, d] (strided): out = mult * sum over rep heads.
+template <class P>
+__global__ void unpack_rows(Strided out, const P* in, int64_t T, int64_t X, int rep, int64_t Ttot,
+                            int d, int dp, Acc<P> mult) {
+  using R = Acc<P>;
+  const int64_t n = X * Ttot * d;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % d);
+    const int64_t r = (e / d) % Ttot, x = e / (d * Ttot);
+    R acc = 0;
+    for (int j = 0; j < rep; ++j) acc += from<R>(in[((x * rep + j) * Ttot + r) * dp + c]);
+    const int64_t b = r / T, t = r % T;
+    st<R>(out, b * out.s[0] + t * out.s[1] + x * out.s[2] + c * out.s[3], mult * acc);
+  }
+}
+
+// gates [B, T, H(, P)] column p -> [H][Ttot]; and back for dg.
+template <class R>
+__global__ void pack_gates(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int p) {
+  const int64_t n = H * Ttot;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
+    out[e] = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + p * in.s[3]);
+  }
+}
+template <class R>
+__global__ void unpack_gates(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot, int p) {
+  const int64_t n = H * Ttot;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], in[e]);
+  }
+}
+
+// state [N, H, dk, dv] (strided) <-> packed [N][H][dkp][dvp]
+template <class R>
+__global__ void pack_state(R* out, Strided in, int64_t NH, int64_t H, int dk, int dv, int dkp, int dvp) {
+  const int64_t n = NH * dkp * dvp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dvp), i = int((e / dvp) % dkp);
+    const int64_t nh = e / (int64_t(dkp) * dvp);
+    out[e] = (i < dk && j < dv) ? ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + i * in.s[2] + j * in.s[3]) : R(0);
+  }
+}
+template <class R>
+__global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, int dk, int dv, int dkp, int dvp) {
+  const int64_t n = NH * dk * dv;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dv), i = int((e / dv) % dk);
+    const int64_t nh = e / (int64_t(dk) * dv);
+    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + i * out.s[2] + j * out.s[3],
+          in[(nh * dkp + i) * dvp + j]);
+  }
+}
+
+__device__ __forceinline__ int64_t packed_index(int i, int j, int d) { return int64_t(i) * d - int64_t(i) * (i - 1) / 2 + (j - i); }
+
+// packed symmetric S [N, H, dk(dk+1)/2] -> dense [N][H][dkp][dkp]; as a cotangent only the upper
+// triangle is set (<p, dp> = sum_{i<=j} S_ij dp_ij).
+template <class R>
+__global__ void pack_sym(R* out, Strided in, int64_t NH, int64_t H, int dk, int dkp, bool cotangent) {
+  const int64_t n = NH * dkp * dkp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dkp), i = int((e / dkp) % dkp);
+    const int64_t nh = e / (int64_t(dkp) * dkp);
+    R x = 0;
+    if (i < dk && j < dk && (i <= j || !cotangent)) {
+      const int a = i < j ? i : j, b = i < j ? j : i;
+      x = ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + packed_index(a, b, dk) * in.s[2]);
+    }
+    out[e] = x;
+  }
+}
+// dense -> packed; as a gradient the off-diagonal entry is dS_ij + dS_ji.
+template <class R>
+__global__ void unpack_sym(Strided out, const R* in, int64_t NH, int64_t H, int dk, int dkp, bool gradient) {
+  const int64_t m = int64_t(dk) * (dk + 1) / 2, n = NH * m;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t nh = e / m;
+    int64_t r = e % m;
+    int i = 0;
+    while (r >= dk - i) r -= dk - i, ++i;  // row of the packed upper triangle
+    const int j = i + int(r);
+    const R* S = in + nh * dkp * dkp;
+    const R x = gradient && i != j ? S[i * dkp + j] + S[j * dkp + i] : S[i * dkp + j];
+    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + packed_index(i, j, dk) * out.s[2], x);
+  }
+}
+
+// y (+)= a * x over n elements, with conversion (packed buffers of different types).
+template <class Y, class X>
+__global__ void axpy_k(Y* y, const X* x, int64_t n, Acc<Y> a, bool accumulate) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const Acc<Y> v = a * from<Acc<Y>>(x[e]);
+    y[e] = to<Y>(accumulate ? from<Acc<Y>>(y[e]) + v : v);
+  }
+}
+
+// U [H][Ttot][dkp] += ridge * scale * q [H/rep][Ttot][dkp]   (u_j = (S_j + ridge I) q^_j)
+template <class T>
+__global__ void add_ridge(T* U, const T* q, int64_t H, int rep, int64_t rows_dkp, Acc<T> c) {
+  const int64_t n = H * rows_dkp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = e / rows_dkp, rest = e % rows_dkp;
+    U[e] = to<T>(from<Acc<T>>(U[e]) + c * from<Acc<T>>(q[(h / rep) * rows_dkp + rest]));
+  }
+}
+
+// normalize (HLA_SPEC §4): o = num / (den + eps) from O' [H][Ttot][dvp] (den in column dv)
+template <class T>
+__global__ void unpack_normalized(Strided out, const T* in, int64_t T_, int64_t H, int64_t Ttot, int dv, int dvp,
+                                  Acc<T> eps) {
+  using R = Acc<T>;
+  const int64_t n = H * Ttot * dv;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % dv);
+    const int64_t r = (e / dv) % Ttot, h = e / (int64_t(dv) * Ttot);
+    const T* row = in + (h * Ttot + r) * dvp;
+    const int64_t b = r / T_, t = r % T_;
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + c * out.s[3], from<R>(row[c]) / (from<R>(row[dv]) + eps));
+  }
+}
+// dO' = [dO / (den + eps) | -sum(dO o num) / (den + eps)^2] per row; dO is packed [H][Ttot][dvp].
+template <class T>
+__global__ void normalized_cotangent(T* dOp, const T* Op, int64_t rows, int dv, int dvp, Acc<T> eps) {
+  using R = Acc<T>;
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    T* d = dOp + r * dvp;
+    const T* o = Op + r * dvp;
+    const R den = from<R>(o[dv]) + eps;
+    R s = 0;
+    for (int c = 0; c < dv; ++c) {
+      const R g = from<R>(d[c]);
+      s += g * from<R>(o[c]);
+      d[c] = to<T>(g / den);
+    }
+    d[dv] = to<T>(-s / (den * den));
+  }
+}
+
+}  // namespace hila::cuda

@@ -1,0 +1,128 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side runtime pieces shared by every CUDA operator family: stream-ordered buffers, the
+// strided-tensor view that pack/unpack kernels read, launch helpers, the per-call sequence tables
+// and the device scope of a call.
+#pragma once
+#include <algorithm>
+#include <vector>
+
+#include "core/problem.h"
+#include "cuda/common.cuh"
+#include "hila/tensor.h"
+
+namespace hila::cuda {
+
+// Stream-ordered device buffer.
+template <class X>
+class DevBuf {
+ public:
+  DevBuf() = default;
+  DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
+    if (n == 0) return;
+    HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
+    if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
+  }
+  ~DevBuf() {
+    if (p_) cudaFreeAsync(p_, s_);
+  }
+  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_), s_(o.s_) { o.p_ = nullptr; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    std::swap(s_, o.s_);
+    return *this;
+  }
+  X* get() const { return p_; }
+
+ private:
+  X* p_ = nullptr;
+  size_t n_ = 0;
+  cudaStream_t s_ = nullptr;
+};
+
+// A strided tensor as kernels see it: up to 5 dims, runtime dtype.
+struct Strided {
+  void* p = nullptr;
+  DType dt = DType::f32;
+  int64_t s[5] = {0, 0, 0, 0, 0};
+  explicit Strided(const TensorView& t) {
+    p = t.data;
+    dt = t.dtype;
+    for (int i = 0; i < t.ndim && i < 5; ++i) s[i] = t.stride[i];
+  }
+};
+
+template <class R>
+__device__ R ld(const Strided& t, int64_t off) {
+  switch (t.dt) {
+    case DType::f64: return R(static_cast<const double*>(t.p)[off]);
+    case DType::f32: return R(static_cast<const float*>(t.p)[off]);
+    case DType::bf16: return R(__bfloat162float(static_cast<const __nv_bfloat16*>(t.p)[off]));
+    case DType::f16: return R(__half2float(static_cast<const __half*>(t.p)[off]));
+    default: return R(0);
+  }
+}
+template <class R>
+__device__ void st(const Strided& t, int64_t off, R x) {
+  switch (t.dt) {
+    case DType::f64: static_cast<double*>(t.p)[off] = double(x); break;
+    case DType::f32: static_cast<float*>(t.p)[off] = float(x); break;
+    case DType::bf16: static_cast<__nv_bfloat16*>(t.p)[off] = __float2bfloat16_rn(float(x)); break;
+    case DType::f16: static_cast<__half*>(t.p)[off] = __float2half_rn(float(x)); break;
+    default: break;
+  }
+}
+
+inline unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4)); }
+inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
+#define HILA_LAUNCH(kernel, n, s, ...)                        \
+  do {                                                        \
+    kernel<<<grid_for(n), 256, 0, s>>>(__VA_ARGS__);          \
+    HILA_CUDA_CHECK_LAUNCH();                                 \
+  } while (0)
+
+// Sequence tables on the device.
+struct SeqTables {
+  std::vector<int64_t> row0, len, chunk0;
+  std::vector<int> chunk_seq;
+  DevBuf<int64_t> d_row0, d_len, d_chunk0;
+  DevBuf<int> d_chunk_seq;
+  int64_t nchunks = 0;
+  SeqTables(const detail::Resolved& r, cudaStream_t s, int64_t chunk) {
+    for (size_t i = 0; i < r.seqs.size(); ++i) {
+      const auto& q = r.seqs[i];
+      row0.push_back(q.b * r.T + q.row0);
+      len.push_back(q.len);
+      chunk0.push_back(nchunks);
+      const int64_t nc = (q.len + chunk - 1) / chunk;
+      for (int64_t c = 0; c < nc; ++c) chunk_seq.push_back(int(i));
+      nchunks += nc;
+    }
+    d_row0 = upload(row0, s);
+    d_len = upload(len, s);
+    d_chunk0 = upload(chunk0, s);
+    d_chunk_seq = upload(chunk_seq, s);
+  }
+  template <class X>
+  static DevBuf<X> upload(const std::vector<X>& v, cudaStream_t s) {
+    DevBuf<X> b(v.size(), s);
+    if (!v.empty()) HILA_CUDA_CHECK(cudaMemcpyAsync(b.get(), v.data(), v.size() * sizeof(X), cudaMemcpyHostToDevice, s));
+    return b;
+  }
+};
+
+// Device and stream of a call: the device of q, made current for the duration.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int dev) {
+    HILA_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != dev) HILA_CUDA_CHECK(cudaSetDevice(dev));
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+
+ private:
+  int prev_ = 0;
+};
+
+
+}  // namespace hila::cuda
