@@ -11,13 +11,11 @@
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
 // and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
 #pragma once
-#include "cuda/common.cuh"
+#include "cuda/tile.cuh"
 
 namespace hila::cuda {
 
-constexpr int kChunk = 64;  // tokens per chunk (a power of two; 64 fits the tile GEMMs)
 constexpr int kBV = 64;     // value columns per block in the sequential sweeps
-static_assert(kChunk == 64, "chunk_cumsum scans two gates per lane of one warp");
 
 template <class T>
 struct GlaArgs {
