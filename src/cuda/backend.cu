@@ -44,7 +44,7 @@ struct Call {
   int dkp, dvp, rep;
   int64_t Ttot, N, NH;
   DevBuf<T> q, k, v;
-  DevBuf<R> g[3];
+  DevBuf<R> g[3], b[3];  // packed log-gates and their chunk-local cumsums, per gate column
   DevBuf<R> S0, P0, H0;  // packed initial states (dense)
   SeqTables seqs;
 
@@ -61,6 +61,9 @@ struct Call {
     for (int c = 0; c < r.gate_cols; ++c) {  // tied: one column serves every primitive
       g[c] = DevBuf<R>(size_t(r.H * Ttot), s);
       HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g[c].get(), Strided(p.g), r.T, r.H, Ttot, c);
+      b[c] = DevBuf<R>(size_t(r.H * Ttot), s);
+      GlaArgs<T> a = args(nullptr, 1, nullptr, 1, dvp, c);
+      gla_chunk_cumsum<T>(a, b[c].get(), s);
     }
     if (p.init.S.defined()) {
       S0 = DevBuf<R>(size_t(NH * dkp * dkp), s);
@@ -75,6 +78,7 @@ struct Call {
     return b;
   }
   const R* gate(int prim) const { return r.gate_cols == 0 ? nullptr : g[r.gate_cols == 1 ? 0 : prim].get(); }
+  const R* gate_cumsum(int prim) const { return r.gate_cols == 0 ? nullptr : b[r.gate_cols == 1 ? 0 : prim].get(); }
 
   // Base arguments of a primitive over (Q, key, value) with the given gate column.
   GlaArgs<T> args(const T* key, int key_div, const T* val, int val_div, int dval, int prim) const {
@@ -82,6 +86,7 @@ struct Call {
     a.q = q.get(), a.k = key, a.v = val;
     a.q_div = rep, a.k_div = key_div, a.v_div = val_div;
     a.g = gate(prim);
+    a.b = gate_cumsum(prim);
     a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dkp, a.dv = dval;
     a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
     a.chunk_seq = seqs.d_chunk_seq.get();
@@ -95,7 +100,8 @@ struct Call {
   // Forward of the inner primitives: U (+ ridge) and Hh, with their final states / chunk states.
   struct Inner {
     DevBuf<T> U, Hh;
-    DevBuf<R> Sf, Pf, Sbuf, Pbuf;
+    DevBuf<R> Sf, Pf;
+    DevBuf<StateOperand<T>> Sbuf, Pbuf;
   };
   Inner run_inner(bool with_chunk_states) const {
     Inner in;
@@ -105,7 +111,7 @@ struct Call {
       in.Sf = DevBuf<R>(size_t(NH * dkp * dkp), s);
       GlaArgs<T> a = inner_S();
       a.o = in.U.get(), a.h0 = S0.get(), a.ht = in.Sf.get();
-      if (with_chunk_states) a.hbuf = (in.Sbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dkp), s)).get();
+      if (with_chunk_states) a.hbuf = (in.Sbuf = DevBuf<StateOperand<T>>(size_t(seqs.nchunks * r.H * dkp * dkp), s)).get();
       gla_forward<T>(a, s);
       if (plan.ridge != 0)
         HILA_LAUNCH(add_ridge<T>, int64_t(rowsU), s, in.U.get(), q.get(), r.H, rep, Ttot * dkp, R(plan.ridge * r.scale));
@@ -115,7 +121,7 @@ struct Call {
       in.Pf = DevBuf<R>(size_t(NH * dkp * dvp), s);
       GlaArgs<T> a = inner_P();
       a.o = in.Hh.get(), a.h0 = P0.get(), a.ht = in.Pf.get();
-      if (with_chunk_states) a.hbuf = (in.Pbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dvp), s)).get();
+      if (with_chunk_states) a.hbuf = (in.Pbuf = DevBuf<StateOperand<T>>(size_t(seqs.nchunks * r.H * dkp * dvp), s)).get();
       gla_forward<T>(a, s);
     }
     return in;
@@ -152,7 +158,8 @@ struct Call {
 template <class T>
 struct PrimGradBufs {
   using R = Acc<T>;
-  DevBuf<R> dq, dk, dv, dg, dh0, dhbuf;
+  DevBuf<R> dq, dk, dv, dg, dh0;
+  DevBuf<StateOperand<T>> dhbuf;
   PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s)
       : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
         dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
@@ -194,7 +201,8 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   const auto in = c.run_inner(true);
   // outer forward with its chunk states (and O' when normalizing or when o is asked for)
   DevBuf<T> O(size_t(rowsV), s);
-  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s), Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
+  DevBuf<StateOperand<T>> Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
   a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
   gla_forward<T>(a, s);

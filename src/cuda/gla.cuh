@@ -17,12 +17,18 @@ namespace hila::cuda {
 
 constexpr int kBV = 64;     // value columns per block in the sequential sweeps
 
+// Per-chunk states stored for later kernels are GEMM operands only: 16-bit for the tensor-core
+// path, the accumulator type otherwise. The carries themselves stay in Acc<T>.
+template <class T>
+using StateOperand = std::conditional_t<kTensorCore<T>, T, Acc<T>>;
+
 template <class T>
 struct GlaArgs {
   using R = Acc<T>;
   const T *q = nullptr, *k = nullptr, *v = nullptr;  // packed [heads][Ttot][d_pad]
   int q_div = 1, k_div = 1, v_div = 1;              // source head = h / div
   const R* g = nullptr;                             // [H][Ttot] log-gates, nullptr = 0
+  const R* b = nullptr;                             // [H][Ttot] chunk-local cumsum of g (gla_chunk_cumsum)
   int H = 1, N = 1;
   int64_t Ttot = 0;
   int dk = 16, dv = 16;                             // padded, multiples of 16
@@ -34,15 +40,29 @@ struct GlaArgs {
   T* o = nullptr;                                   // [H][Ttot][dv]
   const R* h0 = nullptr;                            // [N][H][dk][dv]
   R* ht = nullptr;                                  // [N][H][dk][dv]
-  R* hbuf = nullptr;                                // [nchunks][H][dk][dv]: state entering each chunk
+  StateOperand<T>* hbuf = nullptr;                                // [nchunks][H][dk][dv]: state entering each chunk
   // backward
   const T* dO = nullptr;                            // [H][Ttot][dv]
   const R* dht = nullptr;                           // [N][H][dk][dv]
   R* dh0 = nullptr;                                 // [N][H][dk][dv]
-  R* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
+  StateOperand<T>* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
   R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;  // per head [H][Ttot][d]
   R* dg = nullptr;                                  // [H][Ttot]
 };
+
+// b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot] (no-op without gates).
+template <class T>
+void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
+// Tensor-core path (bf16/fp16; gla_tc.cu): the state sweep (reverse = cotangent sweep) and the
+// chunk-parallel output kernel, which reads hbuf.
+template <class T>
+void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+template <class T>
+void tc_output(const GlaArgs<T>& a, cudaStream_t stream);
+template <class T>
+void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream);  // per-chunk dq, dk, dv, dc
+size_t tc_output_smem(int dk, size_t esize);
+size_t tc_bwd_smem(int dk, int dv);
 
 // Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
 template <class T>
