@@ -40,8 +40,16 @@ if has python; then
    PYTHONPATH=/tmp/hsite HILA_SPEC_DIR="$SPEC" HILA_TEST_DEVICES=cuda timeout 300 \
      python3 -m pytest -q -x -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1)
   rc=$?
-  tail -15 "$OUT/pytest.log"
+  grep -E "^(E  |FAILED|ERROR)|Error|error:" "$OUT/pytest.log" | head -40
+  tail -3 "$OUT/pytest.log"
   summary+=("python(cuda) rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)")
+fi
+if has profile; then  # per-kernel GPU time of one forward + backward (ncu), for the limiter analysis
+  for shp in ${PROFILE_SHAPES:-8:4096 1:65536}; do
+    timeout 200 ncu --csv --metrics gpu__time_duration.sum "$BIN/hila_bench" --reps 1 --warmup 0 --ops ${PROFILE_OPS:-gla} \
+      --shapes "$shp" >"$OUT/ncu_${shp/:/x}.csv" 2>"$OUT/ncu.err"
+    python3 bench/ncu_summary.py "$OUT/ncu_${shp/:/x}.csv" "$shp"
+  done
 fi
 if has bench; then
   timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "$OPS" --shapes "$SHAPES" ${BENCH_ARGS:-} >"$OUT/hila.csv" 2>"$OUT/hila_bench.err"
@@ -58,3 +66,5 @@ if [ -s "$OUT/hila.csv" ]; then
   cat "$OUT/table.md" 2>/dev/null || cat "$OUT/hila.csv"
 fi
 printf '%s\n' "== summary" "${summary[@]}"
+# at most 8 files come back: keep the report, pack the logs
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -vE '^(table.md|bench.csv|bench.png|logs.tgz)$') 2>/dev/null)

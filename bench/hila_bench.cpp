@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--reps") reps = std::stoi(v);
+    else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--H") H = std::stoll(v);
     else if (k == "--ops") {  // "gla,hla2"
       ops.clear();

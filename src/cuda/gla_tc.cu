@@ -52,21 +52,35 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
 }
 
 // The sequential sweep; kRev selects the backward cotangent sweep (see the file comment).
+// Pipeline depth of the sweep: chunk i+2's operands (and gates) are in flight while chunk i is used.
+constexpr int kStages = 3;
+struct SweepStage {
+  static constexpr size_t kTileBytes = size_t(kChunk) * kLdTile * 2;  // one 16-bit [C, 64] tile
+  static constexpr size_t kBytes = 2 * kTileBytes + kChunk * sizeof(float);
+};
+
+// vtile: value columns per block (64, or 32 to double the blocks when there are few sequences x heads).
 template <class T, bool kRev>
-__global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a) {
+__global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile) {
   using R = Acc<T>;
-  __shared__ __align__(128) T Ks[2][kChunk * kLdTile];
-  __shared__ __align__(128) T Vs[2][kChunk * kLdTile];
-  __shared__ R bs[2][kChunk];
+  static_assert(std::is_same_v<R, float>, "the tensor-core sweep carries fp32 states");
+  extern __shared__ __align__(128) char smem[];
+  auto Ks = [&](int st) { return reinterpret_cast<T*>(smem + st * SweepStage::kBytes); };
+  auto Vs = [&](int st) { return reinterpret_cast<T*>(smem + st * SweepStage::kBytes + SweepStage::kTileBytes); };
+  auto bs = [&](int st) { return reinterpret_cast<float*>(smem + st * SweepStage::kBytes + 2 * SweepStage::kTileBytes); };
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
-  const int k0 = blockIdx.y * kTile, v0 = blockIdx.z * kTile;
-  const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
+  const int k0 = blockIdx.y * kTile, v0 = blockIdx.z * vtile;
+  const int bk = min(kTile, a.dk - k0), bv = min(vtile, a.dv - v0), nt = bv / 8;
   const bool active = 16 * w < bk;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   // key [rows, dk] and value [rows, dv] of this head: (K, V) forward, (Q, dO) reverse
-  const T* key = kRev ? a.q + int64_t(h / a.q_div) * a.Ttot * a.dk : a.k + int64_t(h / a.k_div) * a.Ttot * a.dk;
-  const T* val = kRev ? a.dO + int64_t(h) * a.Ttot * a.dv : a.v + int64_t(h / a.v_div) * a.Ttot * a.dv;
+  const T* key = kRev ? a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk)
+                      : a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const T* val = kRev ? a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv)
+                      : a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const int64_t key_ld = kRev ? row_ld(a.q_ld, a.dk) : row_ld(a.k_ld, a.dk);
+  const int64_t val_ld = kRev ? row_ld(a.dO_ld, a.dv) : row_ld(a.v_ld, a.dv);
   const R* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const R* init = kRev ? a.dht : a.h0;
@@ -84,22 +98,32 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a) {
     }
   const int nch = int((len + kChunk - 1) / kChunk);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
-    const int c = chunk_of(i), buf = i & 1;
+    const int c = chunk_of(i), st = i % kStages;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
-    tc::async_rows(Ks[buf], kLdTile, key, a.dk, r0, nr, k0, bk, kChunk);
-    tc::async_rows(Vs[buf], kLdTile, val, a.dv, r0, nr, v0, bv, kChunk);
-    if (threadIdx.x < kChunk) bs[buf][threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
+    tc::async_rows(Ks(st), kLdTile, key, key_ld, r0, nr, k0, bk, kChunk);
+    tc::async_rows(Vs(st), kLdTile, val, val_ld, r0, nr, v0, bv, kChunk);
+    if (threadIdx.x < kChunk) {
+      const bool in = b && int(threadIdx.x) < nr;
+      tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : key, in ? 4 : 0);
+    }
     tc::cp_async_commit();
   };
-  if (nch > 0) issue(0);
-  for (int i = 0; i < nch; ++i) {
-    if (i + 1 < nch) issue(i + 1);
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < nch) issue(i);
     else tc::cp_async_commit();
-    tc::cp_async_wait<1>();
+  }
+  for (int i = 0; i < nch; ++i) {
+    if (i + kStages - 1 < nch) issue(i + kStages - 1);
+    else tc::cp_async_commit();
+    tc::cp_async_wait<kStages - 1>();
     __syncthreads();
-    const int c = chunk_of(i), buf = i & 1;
+    const int c = chunk_of(i), st = i % kStages;
+    const T* Kt = Ks(st);
+    const T* Vt = Vs(st);
+    const float* bt = bs(st);
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
       StateOperand<T>* dst = store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
 #pragma unroll
@@ -111,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a) {
             *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
           }
     }
-    const float B = float(bs[buf][kChunk - 1]);
+    const float B = bt[rows_in(len, c) - 1];
     const float decay = __expf(B);
     const float sc = float(a.scale);
 #pragma unroll
@@ -122,12 +146,12 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a) {
 #pragma unroll
       for (int kk = 0; kk < kChunk / 16; ++kk) {
         uint32_t fa[4];
-        tc::load_a_t(fa, Ks[buf], kLdTile, 16 * w, 16 * kk);
+        tc::load_a_t(fa, Kt, kLdTile, 16 * w, 16 * kk);
         // token weights of the k index held by this thread: 16kk + 2t (+1), 16kk + 2t + 8 (+1)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int k = 16 * kk + 2 * t + 8 * hf;
-          const float b0 = float(bs[buf][k]), b1 = float(bs[buf][k + 1]);
+          const float b0 = bt[k], b1 = bt[k + 1];
           const float w0 = kRev ? sc * __expf(b0) : __expf(B - b0);
           const float w1 = kRev ? sc * __expf(b1) : __expf(B - b1);
 #pragma unroll
@@ -140,13 +164,13 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a) {
         for (int jj = 0; jj < 4; ++jj)
           if (2 * jj < nt) {
             uint32_t fb[4];
-            tc::load_b_kn(fb, Vs[buf], kLdTile, 16 * jj, 16 * kk);
+            tc::load_b_kn(fb, Vt, kLdTile, 16 * jj, 16 * kk);
             tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
             tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
           }
       }
     }
-    __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+    __syncthreads();  // stage `st` is refilled by a later iteration's prefetch
   }
   if (fin && active) {
 #pragma unroll
@@ -179,9 +203,12 @@ __global__ void __launch_bounds__(kThreads) output_kernel(GlaArgs<T> a) {
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
   const int nr = rows_in(a.len[seq], c);
   const int bv = min(kTile, a.dv - v0), nt = bv / 8;
-  tc::async_rows(Qs, ldq, a.q + int64_t(h / a.q_div) * a.Ttot * a.dk, a.dk, r0, nr, 0, a.dk, kChunk);
-  tc::async_rows(Ks, ldq, a.k + int64_t(h / a.k_div) * a.Ttot * a.dk, a.dk, r0, nr, 0, a.dk, kChunk);
-  tc::async_rows(Vs, kLdTile, a.v + int64_t(h / a.v_div) * a.Ttot * a.dv, a.dv, r0, nr, v0, bv, kChunk);
+  tc::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
+                 a.dk, kChunk);
+  tc::async_rows(Ks, ldq, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
+                 a.dk, kChunk);
+  tc::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr,
+                 v0, bv, kChunk);
   tc::async_rows(Hs, kLdTile, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
   tc::cp_async_commit();
   const R* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
@@ -257,7 +284,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(GlaArgs<T> a) {
         tc::mma<T>(o[2 * jj + 1], pa, fb[2], fb[3]);
       }
   }
-  T* out = a.o + int64_t(h) * a.Ttot * a.dv;
+  T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv);
+  const int64_t ldo = row_ld(a.o_ld, a.dv);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (j < nt)
@@ -265,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) output_kernel(GlaArgs<T> a) {
       for (int hf = 0; hf < 2; ++hf) {
         const int i = hf ? i1 : i0;
         if (i < nr)
-          *reinterpret_cast<uint32_t*>(out + (r0 + i) * a.dv + v0 + 8 * j + 2 * t) =
+          *reinterpret_cast<uint32_t*>(out + (r0 + i) * ldo + v0 + 8 * j + 2 * t) =
               tc::pack2<T>(o[j][2 * hf], o[j][2 * hf + 1]);
       }
 }
@@ -343,10 +371,13 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   const int nr = rows_in(a.len[seq], c);
   const int dk = a.dk, dv = a.dv;
   const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
-  tc::async_rows(s.Q, s.ldk, a.q + int64_t(h / a.q_div) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
-  tc::async_rows(s.K, s.ldk, a.k + int64_t(h / a.k_div) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
-  tc::async_rows(s.V, s.ldv, a.v + int64_t(h / a.v_div) * a.Ttot * dv, dv, r0, nr, 0, dv, kChunk);
-  tc::async_rows(s.dO, s.ldv, a.dO + int64_t(h) * a.Ttot * dv, dv, r0, nr, 0, dv, kChunk);
+  tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
+                 kChunk);
+  tc::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
+                 kChunk);
+  tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
+                 kChunk);
+  tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
   tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
   tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
   tc::cp_async_commit();
@@ -390,16 +421,21 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   const int64_t rowbase = int64_t(h) * a.Ttot + r0;
   float dcp0 = 0.f, dcp1 = 0.f;  // this thread's partial dc of rows i0, i1
   // writes acc (columns c0 + 8j + 2t) of rows < nr to out [rows][ld] (fp32)
-  auto store = [&](float* out, int ld, const float(&acc)[8][4], int c0, int nt) {
+  // (or, with a 16-bit target `gt`, to the caller's tensor: head h at gt + h*hs, rows of ld, times mult)
+  auto store = [&](float* out, int ld, const GradOut<T>& gt, const float(&acc)[8][4], int c0, int nt) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0;
-          if (i < nr)
-            *reinterpret_cast<float2*>(out + (rowbase + i) * ld + c0 + 8 * j + 2 * t) =
-                make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+          if (i >= nr) continue;
+          const int col = c0 + 8 * j + 2 * t;
+          if (gt.p)
+            *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + (r0 + i) * gt.ld + col) =
+                tc::pack2<T>(gt.mult * acc[j][2 * hf], gt.mult * acc[j][2 * hf + 1]);
+          else
+            *reinterpret_cast<float2*>(out + (rowbase + i) * ld + col) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
   };
   // <acc, X> over this thread's entries, X a 16-bit smem tile [rows][ld]
@@ -427,7 +463,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] *= e0, acc[j][1] *= e0, acc[j][2] *= e1, acc[j][3] *= e1;
     warp_gemm<T, 8, false, true>(acc, s.dA, kLdTile, 16 * rb, s.K, s.ldk, cc, nt, 0, 16 * rb + 16);
-    store(a.dq, dk, acc, cc, nt);
+    store(a.dq, dk, a.dq_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.Q, s.ldk, cc, nt, d0, d1);
     dcp0 += sc * d0, dcp1 += sc * d1;
@@ -443,7 +479,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
       acc[j][0] = acc[j][0] * w0 + sc * acc2[j][0], acc[j][1] = acc[j][1] * w0 + sc * acc2[j][1];
       acc[j][2] = acc[j][2] * w1 + sc * acc2[j][2], acc[j][3] = acc[j][3] * w1 + sc * acc2[j][3];
     }
-    store(a.dk_, dk, acc, cc, nt);
+    store(a.dk_, dk, a.dk_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
     dcp0 -= d0, dcp1 -= d1;
@@ -459,7 +495,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
       acc[j][0] = acc[j][0] * w0 + acc2[j][0], acc[j][1] = acc[j][1] * w0 + acc2[j][1];
       acc[j][2] = acc[j][2] * w1 + acc2[j][2], acc[j][3] = acc[j][3] * w1 + acc2[j][3];
     }
-    store(a.dv_, dv, acc, cc, nt);
+    store(a.dv_, dv, a.dv_out, acc, cc, nt);
   }
   // dc: reduce over the 4 lanes of a row, then over the two column halves
   dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 1), dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 2);
@@ -491,10 +527,24 @@ void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream) {
 
 template <class T>
 void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
-  const dim3 grid(unsigned(a.N * a.H), (a.dk + kTile - 1) / kTile, (a.dv + kTile - 1) / kTile);
-  if (reverse) sweep_kernel<T, true><<<grid, kThreads, 0, stream>>>(a);
-  else sweep_kernel<T, false><<<grid, kThreads, 0, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    HILA_CUDA_CHECK(cudaGetDevice(&dev));
+    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  const int64_t ktiles = (a.dk + kTile - 1) / kTile;
+  // few (sequence x head) pairs: halve the value tile so that at least ~one block per SM sweeps
+  const int vtile = int64_t(a.N) * a.H * ktiles * ((a.dv + kTile - 1) / kTile) < sms && a.dv % 32 == 0 ? 32 : kTile;
+  const dim3 grid(unsigned(a.N * a.H), unsigned(ktiles), unsigned((a.dv + vtile - 1) / vtile));
+  const size_t bytes = kStages * SweepStage::kBytes;
+  auto launch = [&](auto kernel) {
+    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
+    HILA_CUDA_CHECK_LAUNCH();
+  };
+  if (reverse) launch(sweep_kernel<T, true>);
+  else launch(sweep_kernel<T, false>);
 }
 
 template <class T>
