@@ -51,6 +51,13 @@ if has profile; then  # per-kernel GPU time of one forward + backward (ncu), for
     python3 bench/ncu_summary.py "$OUT/ncu_${shp/:/x}.csv" "$shp"
   done
 fi
+if has ncu; then  # stall reasons and throughputs of the main kernels (one launch each)
+  timeout 240 ncu --kernel-name regex:"${NCU_KERNELS:-sweep_kernel|output_kernel|bwd_chunk_kernel}" --launch-skip ${NCU_SKIP:-6} \
+    --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section LaunchStats "$BIN/hila_bench" --reps 1 --warmup 1 --ops gla \
+    --shapes ${NCU_SHAPE:-8:4096} >"$OUT/ncu_detail.txt" 2>&1
+  grep -E "^  [a-z_:]+.*(sweep|output|bwd_chunk)|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Shared Memory Config|Warp Cycles Per Issued|Stall|stall|L1/TEX Hit|L2 Hit|Block Limit" "$OUT/ncu_detail.txt" | head -90
+fi
 if has bench; then
   timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "$OPS" --shapes "$SHAPES" ${BENCH_ARGS:-} >"$OUT/hila.csv" 2>"$OUT/hila_bench.err"
   summary+=("bench rc=$?")

@@ -4,6 +4,9 @@
 // on the caller's stream, and unpacks outputs, states and gradients (summing dq/dk over the heads
 // of a GQA group). Temporary buffers are stream-ordered allocations.
 #include <algorithm>
+#include <cstring>
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,14 +29,108 @@ namespace hila::cuda {
 
 namespace {
 
-void d2h(void* dst, const void* src, size_t bytes, int device) {
-  int prev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&prev));
-  HILA_CUDA_CHECK(cudaSetDevice(device));
-  HILA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-  HILA_CUDA_CHECK(cudaSetDevice(prev));
+class PinnedRing {
+ public:
+  static constexpr size_t kBytes = size_t(4) << 20;
+  void upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!base_) HILA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&base_), kBytes));
+    const size_t need = (bytes + 255) & ~size_t(255);
+    if (need > kBytes) {  // larger than the ring: a plain (synchronizing) copy
+      HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+      HILA_CUDA_CHECK(cudaStreamSynchronize(s));
+      return;
+    }
+    if (head_ + need > kBytes) head_ = 0;
+    // wait for earlier uploads whose bytes overlap [head_, head_ + need)
+    while (!pending_.empty()) {
+      const Pending& p = pending_.front();
+      const bool overlap = p.off < head_ + need && head_ < p.off + p.len;
+      if (!overlap && pending_.size() < 256) break;
+      HILA_CUDA_CHECK(cudaEventSynchronize(p.done));
+      HILA_CUDA_CHECK(cudaEventDestroy(p.done));
+      pending_.pop_front();
+    }
+    std::memcpy(base_ + head_, src, bytes);
+    HILA_CUDA_CHECK(cudaMemcpyAsync(dst, base_ + head_, bytes, cudaMemcpyHostToDevice, s));
+    cudaEvent_t e;
+    HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    HILA_CUDA_CHECK(cudaEventRecord(e, s));
+    pending_.push_back({head_, need, e});
+    head_ += need;
+  }
+
+ private:
+  struct Pending {
+    size_t off, len;
+    cudaEvent_t done;
+  };
+  std::mutex mu_;
+  char* base_ = nullptr;
+  size_t head_ = 0;
+  std::deque<Pending> pending_;
+};
+
+void d2h(void* dst, const void* src, size_t bytes, int device, void* stream) {
+  DeviceScope scope(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
 }
-const bool g_registered = (detail::register_device_to_host(&d2h), true);
+
+// first[0] = min row-major index of an element that is non-finite (or > 0 for gates).
+__global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_t s0, int64_t s1, int64_t s2,
+                            int64_t s3, int64_t s4, int64_t n, bool contiguous, bool gates) {
+  const int64_t shape[5] = {s0, s1, s2, s3, s4};
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    int64_t off = e;
+    if (!contiguous) {
+      off = 0;
+      int64_t rem = e;
+      for (int i = nd - 1; i >= 0; --i) {
+        off += (rem % shape[i]) * t.s[i];
+        rem /= shape[i];
+      }
+    }
+    const double x = ld<double>(t, off);
+    if (!isfinite(x) || (gates && x > 0)) atomicMin(first, static_cast<unsigned long long>(e));
+  }
+}
+
+int64_t device_scan(const TensorView& t, bool gates, void* stream) {
+  if (t.ndim > 5) return -2;
+  DeviceScope scope(t.device.index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  bool contiguous = true;
+  int64_t expect = 1, shape[5] = {1, 1, 1, 1, 1};
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    shape[i] = t.shape[i];
+    if (t.shape[i] != 1 && t.stride[i] != expect) contiguous = false;
+    expect *= t.shape[i];
+  }
+  DevBuf<unsigned long long> first(1, s);
+  HILA_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, sizeof(unsigned long long), s));
+  const int64_t n = t.numel();
+  HILA_LAUNCH(scan_kernel, n, s, first.get(), Strided(t), t.ndim, shape[0], shape[1], shape[2], shape[3], shape[4], n,
+              contiguous, gates);
+  unsigned long long host = 0;
+  HILA_CUDA_CHECK(cudaMemcpyAsync(&host, first.get(), sizeof(host), cudaMemcpyDeviceToHost, s));
+  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
+  return host == ~0ull ? -1 : static_cast<int64_t>(host);
+}
+
+const bool g_registered = (detail::register_device_to_host(&d2h), detail::register_device_scan(&device_scan), true);
+
+}  // namespace
+
+void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+  static PinnedRing rings[64];  // per device ordinal
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  rings[dev & 63].upload(dst, src, bytes, s);
+}
+
+namespace {
 
 // An operand as the kernels read it: element (row r, head x, column c) at p + x*hs + r*ld + c;
 // ld = hs = 0 is the packed layout [heads][Ttot][d_pad].
@@ -183,8 +280,7 @@ struct Call {
     if (fin.pos.defined()) {
       std::vector<int64_t> pos;
       for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-      HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
-      HILA_CUDA_CHECK(cudaStreamSynchronize(s));  // `pos` is a host temporary
+      upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
     }
   }
 };

@@ -81,6 +81,12 @@ inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
     HILA_CUDA_CHECK_LAUNCH();                                 \
   } while (0)
 
+// Host-to-device uploads of small per-call tables without a stream synchronization: the bytes
+// go through a pinned ring buffer (per device), and a slot is reused only after the copy that
+// read it has completed (an event per upload). A pageable cudaMemcpyAsync would instead wait for
+// all earlier work on the stream, leaving the GPU idle while the host prepares the next call.
+void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s);
+
 // Sequence tables on the device.
 struct SeqTables {
   std::vector<int64_t> row0, len, chunk0;
@@ -106,7 +112,7 @@ struct SeqTables {
   template <class X>
   static DevBuf<X> upload(const std::vector<X>& v, cudaStream_t s) {
     DevBuf<X> b(v.size(), s);
-    if (!v.empty()) HILA_CUDA_CHECK(cudaMemcpyAsync(b.get(), v.data(), v.size() * sizeof(X), cudaMemcpyHostToDevice, s));
+    if (!v.empty()) upload_async(b.get(), v.data(), v.size() * sizeof(X), s);
     return b;
   }
 };
