@@ -123,6 +123,18 @@ const bool g_registered = (detail::register_device_to_host(&d2h), detail::regist
 
 }  // namespace
 
+void keep_pool_cached() {
+  static std::once_flag done[64];
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::call_once(done[dev & 63], [dev] {
+    cudaMemPool_t pool;
+    HILA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    uint64_t keep = UINT64_MAX;
+    HILA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  });
+}
+
 void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   static PinnedRing rings[64];  // per device ordinal
   int dev = 0;

@@ -106,6 +106,14 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 template <class T>
 __device__ __forceinline__ void async_rows(T* s, int lds, const T* g, int64_t ldg, int64_t r0, int nr, int c0,
                                            int nc, int rows) {
+  if (nc == 64) {  // the common full tile: 8 vectors per row, no runtime division
+    for (int e = threadIdx.x; e < rows * 8; e += blockDim.x) {
+      const int i = e >> 3, j = (e & 7) * 8;
+      const bool in = i < nr;
+      cp_async16(s + i * lds + j, g + (in ? (r0 + i) * ldg + c0 + j : 0), in ? 16 : 0);
+    }
+    return;
+  }
   const int nv = nc / 8;
   for (int e = threadIdx.x; e < rows * nv; e += blockDim.x) {
     const int i = e / nv, j = (e % nv) * 8;

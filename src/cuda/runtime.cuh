@@ -12,13 +12,19 @@
 
 namespace hila::cuda {
 
-// Stream-ordered device buffer.
+// Keep freed temporaries cached in the current device's default memory pool (its release
+// threshold is 0 by default, which hands the memory back at every synchronization and makes the
+// next call pay for fresh allocations). Once per device.
+void keep_pool_cached();
+
+// Stream-ordered device buffer (from the current device's default pool).
 template <class X>
 class DevBuf {
  public:
   DevBuf() = default;
   DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
     if (n == 0) return;
+    keep_pool_cached();
     HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
     if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
   }

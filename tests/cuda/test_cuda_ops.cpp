@@ -206,10 +206,11 @@ TEST(CudaOps, BadValuesOnDeviceAreFoundWithTheirIndex) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
   ProblemSpec s;
   s.cfg.op = Op::gla;
-  s.B = 2, s.T = 70, s.H = 2, s.dk = 16, s.dv = 16;
+  s.B = 2, s.T = 70, s.G = 2, s.H = 2, s.dk = 16, s.dv = 16;
   s.dtype = DType::f32;
   s.gated = true;
   Problem pr = make_problem(s);
+  ASSERT_EQ(pr.q.shape, (std::vector<int64_t>{2, 70, 2, 16}));
   auto expect_error = [&](Problem bad, const std::string& arg, const std::string& where) {
     DevTensor q(bad.q), k(bad.k), v(bad.v), g(bad.g), o(bad.v, true);
     ForwardParams p = bad.forward_params(Form::chunk, 64);
