@@ -116,10 +116,11 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     else tc::cp_async_commit();
   }
   for (int i = 0; i < nch; ++i) {
+    // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
+    tc::cp_async_wait<kStages - 2>();
+    __syncthreads();
     if (i + kStages - 1 < nch) issue(i + kStages - 1);
     else tc::cp_async_commit();
-    tc::cp_async_wait<kStages - 1>();
-    __syncthreads();
     const int c = chunk_of(i), st = i % kStages;
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
@@ -170,7 +171,6 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
           }
       }
     }
-    __syncthreads();  // stage `st` is refilled by a later iteration's prefetch
   }
   if (fin && active) {
 #pragma unroll
