@@ -290,7 +290,7 @@ void set_smem(F* kernel, size_t bytes) {
 
 template <class T>
 size_t gla_smem_need(int dk, int dv) {
-  if constexpr (kTensorCore<T>) return std::max(tc_output_smem(dk, sizeof(T)), tc_bwd_smem(dk, dv));
+  if constexpr (kTensorCore<T>) return std::max(tc_output_smem(dk, dv, sizeof(T)), tc_bwd_smem(dk, dv));
   else return std::max(fwd_bytes<T>(dk), bwd_bytes<T>(dk, dv));
 }
 

@@ -75,7 +75,7 @@ template <class T>
 void tc_output(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
 void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream);  // per-chunk dq, dk, dv, dc
-size_t tc_output_smem(int dk, size_t esize);
+size_t tc_output_smem(int dk, int dv, size_t esize);
 size_t tc_bwd_smem(int dk, int dv);
 
 // Effective layout of an operand with d (padded) columns.

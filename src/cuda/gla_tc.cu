@@ -28,6 +28,34 @@ __device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
   return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
 }
 
+template <int NT>
+__device__ __forceinline__ void zero(float (&x)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
+}
+
+// acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
+//   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
+//   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
+template <class T, int NT, bool kA, bool kB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
+                                          int nt, int k_begin, int k_end) {
+  for (int k = k_begin; k < k_end; k += 16) {
+    uint32_t fa[4];
+    if constexpr (kA) tc::load_a_t(fa, A, lda, m0, k);
+    else tc::load_a(fa, A, lda, m0, k);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)
+      if (2 * jj < nt) {
+        uint32_t fb[4];
+        if constexpr (kB) tc::load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
+        else tc::load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
+        tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
+        tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+  }
+}
+
 // b[h][row] = chunk-local inclusive cumsum of g; grid (nchunks, H), one warp.
 template <class T>
 __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
@@ -184,106 +212,75 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   }
 }
 
-// Output of every chunk; grid (nchunks, dv tiles, H). Dynamic smem: Q, K [C, dk], V [C, 64],
-// H [dk, 64] (16-bit), b [C].
+// Output of every chunk; grid (nchunks, dv tiles of kOutV, H), 8 warps. Warp w = (rb, ch):
+//   phase 1: P = scale Gamma o Q K^T for rows [16 rb, 16 rb + 16), key columns of half ch (causal
+//            part only), to smem as the 16-bit A operand;
+//   phase 2: O = diag(scale e^b) Q H_c + P V for the same rows, value columns [64 ch, 64 ch + 64).
+// Q and K are read once per chunk for up to kOutV value columns. Dynamic smem: Q, K [C, dk+8],
+// V [C, vt+8], H [dk, vt+8], P [C, C+8] (16-bit), b [C].
+constexpr int kOutV = 128;
+constexpr int kOutThreads = 256;
+
 template <class T>
-__global__ void __launch_bounds__(kThreads) output_kernel(GlaArgs<T> a) {
-  using R = Acc<T>;
+__global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a) {
   extern __shared__ __align__(128) char smem[];
-  const int ldq = a.dk + 8;
+  const int vt = min(kOutV, a.dv), ldq = a.dk + 8, ldv = vt + 8;
   T* Qs = reinterpret_cast<T*>(smem);
   T* Ks = Qs + kChunk * ldq;
   T* Vs = Ks + kChunk * ldq;
-  T* Hs = Vs + kChunk * kLdTile;
-  float* bs = reinterpret_cast<float*>(Hs + a.dk * kLdTile);
+  T* Hs = Vs + kChunk * ldv;
+  T* Ps = Hs + a.dk * ldv;
+  float* bs = reinterpret_cast<float*>(Ps + kChunk * kLdTile);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rb = w & 3, ch = w >> 2;
   const int64_t cg = blockIdx.x;
-  const int v0 = blockIdx.y * kTile, h = blockIdx.z;
+  const int v0 = blockIdx.y * kOutV, h = blockIdx.z;
   const int seq = a.chunk_seq[cg];
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
   const int nr = rows_in(a.len[seq], c);
-  const int bv = min(kTile, a.dv - v0), nt = bv / 8;
+  const int bv = min(vt, a.dv - v0);
   tc::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
   tc::async_rows(Ks, ldq, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
-  tc::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr,
-                 v0, bv, kChunk);
-  tc::async_rows(Hs, kLdTile, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
+  tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
+                 bv, kChunk);
+  tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
   tc::cp_async_commit();
-  const R* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  if (threadIdx.x < kChunk) bs[threadIdx.x] = float(gate_at(b, r0, threadIdx.x, nr));
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
   tc::cp_async_wait<0>();
   __syncthreads();
   const float sc = float(a.scale);
-  const int i0 = 16 * w + g, i1 = i0 + 8;  // rows of this thread
+  const int i0 = 16 * rb + g, i1 = i0 + 8;  // rows of this thread
   const float bi0 = bs[i0], bi1 = bs[i1];
-  // scores S = Q K^T for the causal part: column tiles jj <= w
-  float s[8][4];
+  {  // phase 1
+    const int n0 = 32 * ch;
+    float x[4][4];
+    zero(x);
+    if (n0 <= 16 * rb + 15) warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, n0, 4, 0, a.dk);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-  for (int kk = 0; kk < a.dk / 16; ++kk) {
-    uint32_t fa[4];
-    tc::load_a(fa, Qs, ldq, 16 * w, 16 * kk);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-      if (jj <= w) {
-        uint32_t fb[4];
-        tc::load_b_nk(fb, Ks, ldq, 16 * jj, 16 * kk);
-        tc::mma<T>(s[2 * jj], fa, fb[0], fb[1]);
-        tc::mma<T>(s[2 * jj + 1], fa, fb[2], fb[3]);
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
+        const float bi = hf ? bi1 : bi0;
+        const float p0 = col <= i ? x[j][2 * hf] * sc * __expf(bi - bs[col]) : 0.f;
+        const float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * __expf(bi - bs[col + 1]) : 0.f;
+        *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
       }
   }
-  // inter-chunk part: O = Q H_c, then rows scaled by scale e^{b_i}
+  __syncthreads();
+  // phase 2
+  const int c0 = 64 * ch, nt = max(0, min(64, bv - c0)) / 8;
+  if (nt == 0) return;
   float o[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
-  for (int kk = 0; kk < a.dk / 16; ++kk) {
-    uint32_t fa[4];
-    tc::load_a(fa, Qs, ldq, 16 * w, 16 * kk);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-      if (2 * jj < nt) {
-        uint32_t fb[4];
-        tc::load_b_kn(fb, Hs, kLdTile, 16 * jj, 16 * kk);
-        tc::mma<T>(o[2 * jj], fa, fb[0], fb[1]);
-        tc::mma<T>(o[2 * jj + 1], fa, fb[2], fb[3]);
-      }
-  }
+  zero(o);
+  warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
   const float e0 = sc * __expf(bi0), e1 = sc * __expf(bi1);
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
-  // intra-chunk part: O += P V, P = scale Gamma o S (j <= i), from registers as the A operand
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    if (kk > w) break;
-    uint32_t pa[4];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // n-tiles 2kk (a0, a1) and 2kk+1 (a2, a3)
-      const int n = 2 * kk + half;
-      float p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = (e >> 1) ? i1 : i0, j = 8 * n + 2 * t + (e & 1);
-        const float bi = (e >> 1) ? bi1 : bi0;
-        p[e] = j <= i ? s[n][e] * sc * __expf(bi - bs[j]) : 0.f;
-      }
-      pa[2 * half] = tc::pack2<T>(p[0], p[1]);
-      pa[2 * half + 1] = tc::pack2<T>(p[2], p[3]);
-    }
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-      if (2 * jj < nt) {
-        uint32_t fb[4];
-        tc::load_b_kn(fb, Vs, kLdTile, 16 * jj, 16 * kk);
-        tc::mma<T>(o[2 * jj], pa, fb[0], fb[1]);
-        tc::mma<T>(o[2 * jj + 1], pa, fb[2], fb[3]);
-      }
-  }
+  warp_gemm<T, 8, false, true>(o, Ps, kLdTile, 16 * rb, Vs, ldv, c0, nt, 0, 16 * rb + 16);
   T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv);
   const int64_t ldo = row_ld(a.o_ld, a.dv);
 #pragma unroll
@@ -293,11 +290,10 @@ __global__ void __launch_bounds__(kThreads) output_kernel(GlaArgs<T> a) {
       for (int hf = 0; hf < 2; ++hf) {
         const int i = hf ? i1 : i0;
         if (i < nr)
-          *reinterpret_cast<uint32_t*>(out + (r0 + i) * ldo + v0 + 8 * j + 2 * t) =
+          *reinterpret_cast<uint32_t*>(out + (r0 + i) * ldo + v0 + c0 + 8 * j + 2 * t) =
               tc::pack2<T>(o[j][2 * hf], o[j][2 * hf + 1]);
       }
 }
-
 
 // Per-chunk gradients (HLA_SPEC §7.1); grid (nchunks, H), 8 warps. Warp w owns rows
 // [16 rb, 16 rb + 16) (rb = w % 4) and the column half ch = w / 4 of every [C, d] output.
@@ -330,34 +326,6 @@ struct BwdTiles {
     if (bytes) *bytes = c.used;
   }
 };
-
-template <int NT>
-__device__ __forceinline__ void zero(float (&x)[NT][4]) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
-}
-
-// acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
-//   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
-//   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
-template <class T, int NT, bool kA, bool kB>
-__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
-                                          int nt, int k_begin, int k_end) {
-  for (int k = k_begin; k < k_end; k += 16) {
-    uint32_t fa[4];
-    if constexpr (kA) tc::load_a_t(fa, A, lda, m0, k);
-    else tc::load_a(fa, A, lda, m0, k);
-#pragma unroll
-    for (int jj = 0; jj < NT / 2; ++jj)
-      if (2 * jj < nt) {
-        uint32_t fb[4];
-        if constexpr (kB) tc::load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
-        else tc::load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
-        tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
-        tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
-      }
-  }
-}
 
 template <class T>
 __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
@@ -511,8 +479,9 @@ size_t bwd_smem(int dk, int dv, size_t esize) {
   return bytes;
 }
 
-size_t output_smem(int dk, size_t esize) {
-  return (size_t(2) * kChunk * (dk + 8) + size_t(kChunk) * kLdTile + size_t(dk) * kLdTile) * esize +
+size_t output_smem(int dk, int dv, size_t esize) {
+  const size_t vt = size_t(std::min(kOutV, dv));
+  return (size_t(2) * kChunk * (dk + 8) + (size_t(kChunk) + dk) * (vt + 8) + size_t(kChunk) * kLdTile) * esize +
          kChunk * sizeof(float);
 }
 
@@ -550,13 +519,13 @@ void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
 template <class T>
 void tc_output(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.nchunks == 0) return;
-  const size_t bytes = output_smem(a.dk, sizeof(T));
+  const size_t bytes = output_smem(a.dk, a.dv, sizeof(T));
   HILA_CUDA_CHECK(cudaFuncSetAttribute(output_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kTile - 1) / kTile, a.H), kThreads, bytes, stream>>>(a);
+  output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
-size_t tc_output_smem(int dk, size_t esize) { return output_smem(dk, esize); }
+size_t tc_output_smem(int dk, int dv, size_t esize) { return output_smem(dk, dv, esize); }
 size_t tc_bwd_smem(int dk, int dv) { return bwd_smem(dk, dv, 2); }
 
 template <class T>
