@@ -97,6 +97,7 @@ struct DecodeState::Impl {
   Device device{};
   std::vector<int64_t> pos;  // the positions (CPU) or their host copy (CUDA)
   Block dpos;                // CUDA: the positions on the device
+  Block counters;            // CUDA: the step kernel's counters (cuda/step.h), zero between steps
   Block S, P, Hs;
 
   bool on_cuda() const { return device.type == DeviceType::cuda; }
@@ -165,7 +166,12 @@ DecodeState::DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, 
   s.dtype = dtype;
   s.device = device;
   s.pos.assign(static_cast<size_t>(N), 0);
-  if (s.on_cuda()) s.dpos = Block(static_cast<size_t>(N) * 8, device);
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) {
+    s.dpos = Block(static_cast<size_t>(N) * 8, device);
+    s.counters = Block(detail::cuda_step_counter_bytes(N, H), device);
+  }
+#endif
   s.S = Block(s.bytes(s.s_elems()), device);
   s.P = Block(s.bytes(s.p_elems()), device);
   s.Ls = s.traits.loglinear ? 2 : 1;  // slots(1): room for the first step
@@ -224,7 +230,7 @@ void step(const StepParams& p, DecodeState& state) {
   const detail::Resolved r = detail::resolve_step(p, state);
   DecodeState::Impl& s = *state.impl();
   s.grow(s.slots_for_next_step(), p.stream);
-  detail::run_step(r, p, s.view());
+  detail::run_step(r, p, s.view(), s.on_cuda() ? s.counters.data() : nullptr);
   if (s.on_cuda())  // the device copy advanced in the step's second kernel
     for (int64_t& x : s.pos) ++x;
 }

@@ -44,10 +44,10 @@ void backward(const BackwardParams& p) {
 }
 
 namespace detail {
-void run_step(const Resolved& r, const StepParams& p, const StateView& state) {
+void run_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters) {
   if (on_cuda(p.q.device)) {
 #ifdef HILA_WITH_CUDA
-    cuda_step(r, p, state);
+    cuda_step(r, p, state, counters);
 #endif
     return;
   }

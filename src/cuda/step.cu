@@ -15,13 +15,17 @@
 //     merge (Fenwick):     H_{r+1} <- sum_{l=1..r} H_l + beta key val^T, H_1..H_r <- 0,
 //                          r = ctz(t+1): levels 1..r are the trailing ones of t (LOGLINEAR_SPEC §2.5)
 //   normalize (HLA_SPEC §4): o = o'[:dv] / (o'[dv] + eps).
-// The position t of each sequence is read from the state's pos on the device; a second tiny
-// kernel increments it after every head has stepped (stream order).
+// The position t of each sequence is read from the state's pos on the device (sequences may be at
+// different positions), so a step needs no host round trip.
 //
 // Grid: x = sequence * tiles + tile, y = head. Columns of P and H are independent in every update
-// above, so blocks can split dv' into tiles of kCols columns, except where a block needs all of
-// them: the metric S (u needs all of S, which only one block may rewrite) and normalize (the
-// denominator column). Those run one tile of all dv' columns per block.
+// above, so blocks split dv' into tiles of kCols columns. Two things need more than a tile:
+//  - u = S q needs all of S. Every tile reads S; a per-(n, h) counter elects the last block to
+//    finish reading, which writes S back. Without counters (the functional step on a caller's
+//    state, which has nowhere to keep them) S ops run one tile of all dv' columns per block.
+//  - normalize divides by column dv of o': one tile of all dv' columns per block.
+// pos advances once every block of a sequence is done: a per-sequence counter elects the last
+// block, or (without counters) a second tiny kernel follows in stream order.
 // Thread layout inside a column chunk: warp w = row group, lane = column, so each warp reads 32
 // consecutive floats of one state row; rows r = w, w + kWarps, ... are held in registers
 // (kRows = rows per thread >= dk / kWarps, a template parameter).
@@ -62,6 +66,8 @@ struct StepArgs {
   int64_t Hs0, Hs1, Hsl, Hs2;  // Hsl: slot stride (0 for flat)
   int64_t* pos;                // [N]
   int64_t poss;
+  unsigned* seq_count;         // [N] blocks done per sequence (null: a second kernel advances pos)
+  unsigned* s_count;           // [N, H] blocks done reading S (tiles > 1 only)
   int N, H, rep, dk, dv, dvp, tiles;
   bool has_S, has_P, fenwick, delta, normalize, l2;
   R scale, ridge, eps;
@@ -131,6 +137,58 @@ __device__ R column_sum(R x, R* colred) {
   return s;
 }
 
+// Offset of row i of the packed upper triangle, shifted so that row[j] = S_ij for j >= i.
+__device__ __forceinline__ int64_t sym_row(int i, int dk) {
+  return int64_t(i) * dk - int64_t(i) * (i - 1) / 2 - i;
+}
+
+// One sweep over the packed S (row-major upper triangle) of x_ij = a S_ij + k_i k_j: `store`
+// writes x back; `accumulate` adds u = x q in two parts: row i's sum_{j>=i} x_ij q_j (a warp sum,
+// to s_row[i]) and, by symmetry, x_ij q_i for j > i to the lane's column accumulators
+// colacc[m] (j = lane + 32 m), which the caller sums over warps. Warp w takes rows w, w + kWarps,
+// ..., kB rows at a time with all their loads issued first.
+template <class R, int kM>
+__device__ void sym_sweep(R* S, int dk, R aS, const R* s_k, const R* s_q, bool accumulate, bool store,
+                          R* s_row, R (&colacc)[kM]) {
+  constexpr int kB = kM >= 8 ? 2 : 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  for (int i0 = warp; i0 < dk; i0 += kWarps * kB) {
+    R x[kB][kM];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int i = i0 + kWarps * b;
+      const R* row = S + sym_row(i, dk);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        const int j = lane + 32 * m;
+        x[b][m] = (i < dk && j >= i && j < dk) ? row[j] : R(0);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int i = i0 + kWarps * b;
+      if (i >= dk) break;  // uniform over the warp
+      R* row = S + sym_row(i, dk);
+      const R ki = s_k[i], qi = s_q[i];
+      R ra = 0;
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        const int j = lane + 32 * m;
+        if (j >= i && j < dk) {
+          const R y = aS * x[b][m] + ki * s_k[j];
+          if (store) row[j] = y;
+          ra += y * s_q[j];
+          if (j > i) colacc[m] += y * qi;
+        }
+      }
+      if (accumulate) {
+        ra = warp_sum(ra);
+        if (lane == 0) s_row[i] = ra;
+      }
+    }
+  }
+}
+
 template <class T, int kRows>
 __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
   using R = Acc<T>;
@@ -176,9 +234,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
   };
   const R beta = a.delta ? ld<R>(a.beta, n * a.beta.s[0] + h * a.beta.s[1]) : R(1);
 
-  // ---- inner S (packed symmetric, row-major upper triangle): S <- a S + k k^T, u = S q + ridge q.
-  // Warp per row i; lane owns columns j = lane + 32 m. Row i gives u_i += sum_{j>=i} S_ij q_j (a
-  // warp sum) and, by symmetry, u_j += S_ij q_i for j > i (per-lane accumulators, summed over warps).
+  // ---- inner S (packed symmetric): S <- a S + k k^T, u = S q + ridge q.
   if (a.has_S) {
     const R aS = gate(0);
     R* S = a.S + n * a.Ss0 + h * a.Ss1;
@@ -186,23 +242,10 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
     R colacc[kM];
 #pragma unroll
     for (int m = 0; m < kM; ++m) colacc[m] = 0;
-    for (int i = warp; i < dk; i += kWarps) {
-      R* row = S + (int64_t(i) * dk - int64_t(i) * (i - 1) / 2) - i;  // row[j] = S_ij, j >= i
-      const R ki = s_k[i], qi = s_q[i];
-      R ra = 0;
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        const int j = lane + 32 * m;
-        if (j >= i && j < dk) {
-          const R x = aS * row[j] + ki * s_k[j];
-          row[j] = x;
-          ra += x * s_q[j];
-          if (j > i) colacc[m] += x * qi;
-        }
-      }
-      ra = warp_sum(ra);
-      if (lane == 0) s_key[i] = ra;
-    }
+    // With several column tiles every block of (n, h) needs all of S: each reads it, and the last
+    // block to finish reading (a counter per (n, h)) writes the update.
+    const bool shared_S = a.tiles > 1;
+    sym_sweep<R, kM>(S, dk, aS, s_k, s_q, true, !shared_S, s_key, colacc);
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
       const int j = lane + 32 * m;
@@ -213,6 +256,17 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
       R u = s_key[j];
       for (int w = 0; w < kWarps; ++w) u += s_colpart[w * dk + j];
       s_key[j] = u + a.ridge * s_q[j];
+    }
+    if (shared_S) {
+      __shared__ int s_last;
+      if (tid == 0) {
+        unsigned* cnt = a.s_count + int64_t(n) * a.H + h;
+        __threadfence();
+        s_last = atomicAdd(cnt, 1u) == unsigned(a.tiles - 1);
+        if (s_last) *cnt = 0;  // ready for the next step (stream order)
+      }
+      __syncthreads();
+      if (s_last) sym_sweep<R, kM>(S, dk, aS, s_k, s_q, false, true, s_key, colacc);
     }
   } else {
     for (int c = tid; c < dk; c += kThreads) s_key[c] = s_k[c];
@@ -319,6 +373,14 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
   } else {
     for (int c = cbeg + tid; c < oend; c += kThreads) o[c] = to<T>(s_oraw[c]);
   }
+  // the last block of sequence n (every thread of every block has read t by now) advances pos
+  if (a.seq_count && tid == 0) {
+    unsigned* cnt = a.seq_count + n;
+    if (atomicAdd(cnt, 1u) == unsigned(a.H * a.tiles - 1)) {
+      *cnt = 0;
+      a.pos[n * a.poss] = t + 1;
+    }
+  }
 }
 
 // After every head of every sequence has stepped: pos <- pos + 1.
@@ -345,7 +407,8 @@ void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s) {
 }
 
 template <class T>
-void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& sv, cudaStream_t s) {
+void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& sv, void* counters,
+               cudaStream_t s) {
   using R = Acc<T>;
   const detail::OpPlan plan = detail::OpPlan::make(r.cfg);
   StepArgs<T> a{};
@@ -369,19 +432,29 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   a.has_S = plan.has_S, a.has_P = plan.has_P, a.fenwick = plan.fenwick, a.delta = plan.delta;
   a.normalize = plan.normalize, a.l2 = r.cfg.qk_l2norm;
   a.scale = R(r.scale), a.ridge = R(plan.ridge), a.eps = R(plan.eps);
-  a.tiles = (plan.has_S || plan.normalize) ? 1 : (a.dvp + kCols - 1) / kCols;
+  // Column tiles: all of dv' in one block for normalize (the denominator column) and, without
+  // the counters a DecodeState owns, for S (see the kernel); else kCols columns per block.
+  const bool one_tile = plan.normalize || (plan.has_S && counters == nullptr);
+  a.tiles = one_tile ? 1 : (a.dvp + kCols - 1) / kCols;
+  if (counters) {
+    a.seq_count = static_cast<unsigned*>(counters);
+    a.s_count = a.seq_count + a.N;
+  }
   const size_t smem = size_t(Smem(a.dk, a.dvp, a.has_S).total) * sizeof(R);
   if (r.B > 0) {
     launch_step<T>(a, dim3(unsigned(int64_t(a.N) * a.tiles), unsigned(a.H)), smem, s);
-    advance_positions<<<unsigned((a.N + 255) / 256), 256, 0, s>>>(a.pos, a.poss, a.N);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!counters) {
+      advance_positions<<<unsigned((a.N + 255) / 256), 256, 0, s>>>(a.pos, a.poss, a.N);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 
 template <class T>
 struct Step {
-  static void run(const detail::Resolved& r, const StepParams& p, const StateView& sv, cudaStream_t s) {
-    step_impl<T>(r, p, sv, s);
+  static void run(const detail::Resolved& r, const StepParams& p, const StateView& sv, void* counters,
+                  cudaStream_t s) {
+    step_impl<T>(r, p, sv, counters, s);
   }
 };
 
@@ -457,17 +530,19 @@ void cuda_synchronize(void* stream, int device) {
   HILA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
 
-void cuda_step(const Resolved& r, const StepParams& p, const StateView& state) {
+size_t cuda_step_counter_bytes(int64_t N, int64_t H) { return size_t(N + N * H) * sizeof(unsigned); }
+
+void cuda_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters) {
   cuda::DeviceScope scope(p.q.device.index);
   if (r.dk > cuda::kMaxDk)
     throw Error("q", "expected head dim dk <= " + std::to_string(cuda::kMaxDk) +
                          " for a decode step on a CUDA device, got " + std::to_string(r.dk));
   const cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   switch (p.q.dtype) {
-    case DType::bf16: cuda::Step<__nv_bfloat16>::run(r, p, state, s); break;
-    case DType::f16: cuda::Step<__half>::run(r, p, state, s); break;
-    case DType::f32: cuda::Step<float>::run(r, p, state, s); break;
-    case DType::f64: cuda::Step<double>::run(r, p, state, s); break;
+    case DType::bf16: cuda::Step<__nv_bfloat16>::run(r, p, state, counters, s); break;
+    case DType::f16: cuda::Step<__half>::run(r, p, state, counters, s); break;
+    case DType::f32: cuda::Step<float>::run(r, p, state, counters, s); break;
+    case DType::f64: cuda::Step<double>::run(r, p, state, counters, s); break;
     default: throw Error("q", std::string("expected a floating dtype, got ") + dtype_name(p.q.dtype));
   }
 }

@@ -9,8 +9,13 @@
 namespace hila::detail {
 
 // One decode step of a validated call on the state `state` (same device as q): one fused kernel
-// for all sequences and heads, then pos += 1 on the device. Enqueued on p.stream; no allocation.
-void cuda_step(const Resolved& r, const StepParams& p, const StateView& state);
+// for all sequences and heads, and pos += 1 on the device. Enqueued on p.stream; no allocation.
+// `counters` (zeroed device memory of cuda_step_counter_bytes(N, H), owned by a DecodeState and
+// left zeroed by every step) lets the kernel advance pos itself and split the metric S ops into
+// column tiles; without them (nullptr) S ops run one block per head and a second tiny kernel
+// advances pos. Steps that share counters must be stream-ordered.
+void cuda_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters);
+size_t cuda_step_counter_bytes(int64_t N, int64_t H);
 
 // Device storage of a DecodeState (allocation happens at construction, reserve, grow and load only).
 void* cuda_alloc_zeroed(size_t bytes, int device);
