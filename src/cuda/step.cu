@@ -280,14 +280,21 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
     for (int c0 = cbeg; c0 < cend; c0 += kCols) {
       const int c = c0 + lane;
       const bool active = c < cend;
+      R x[kRows];  // all loads first, then the stores
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int r = warp + kWarps * j;
+        x[j] = (active && r < dk) ? P[r * a.Ps2 + c] : R(0);
+      }
+      const R vc = active ? s_vin[c] : R(0);
       R part = 0;
-      if (active) {
-        const R vc = s_vin[c];
-        for (int r = warp; r < dk; r += kWarps) {
-          R* p = P + r * a.Ps2 + c;
-          const R x = aP * *p + s_k[r] * vc;
-          *p = x;
-          part += s_q[r] * x;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int r = warp + kWarps * j;
+        if (active && r < dk) {
+          const R y = aP * x[j] + s_k[r] * vc;
+          P[r * a.Ps2 + c] = y;
+          part += s_q[r] * y;
         }
       }
       part = column_sum(part, s_colred);
