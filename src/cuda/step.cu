@@ -31,6 +31,7 @@
 // (kRows = rows per thread >= dk / kWarps, a template parameter).
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "core/plan.h"
 #include "cuda/runtime.cuh"
@@ -61,9 +62,11 @@ struct StepArgs {
   R* S;                        // [N, H, dk(dk+1)/2] packed upper triangle
   int64_t Ss0, Ss1;
   R* P;                        // [N, H, dk, dv']
-  int64_t Ps0, Ps1, Ps2;
+  int64_t Ps0, Ps1;
+  int Ps2;                     // row stride inside one head's matrix (dk * stride < 2^31)
   R* Hs;                       // [N, H, dk, dv'] or [N, H, Ls, dk, dv']
-  int64_t Hs0, Hs1, Hsl, Hs2;  // Hsl: slot stride (0 for flat)
+  int64_t Hs0, Hs1, Hsl;       // Hsl: slot stride (0 for flat)
+  int Hs2;                     // row stride (dk * stride < 2^31)
   int64_t* pos;                // [N]
   int64_t poss;
   unsigned* seq_count;         // [N] blocks done per sequence (null: a second kernel advances pos)
@@ -189,8 +192,14 @@ __device__ void sym_sweep(R* S, int dk, R aS, const R* s_k, const R* s_q, bool a
   }
 }
 
+// Resident blocks per SM the register budget is sized for: the step is memory bound, so more
+// loads in flight beat the few spills this costs (ptxas -v: <= 20 bytes at kRows = 16 in fp32).
 template <class T, int kRows>
-__global__ void __launch_bounds__(kThreads) step_kernel(const StepArgs<T> a) {
+constexpr int kMinBlocks = std::is_same_v<T, double> ? (kRows <= 8 ? 4 : kRows <= 16 ? 2 : 1)
+                                                      : (kRows <= 16 ? 4 : kRows <= 32 ? 2 : 1);
+
+template <class T, int kRows>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows>)) step_kernel(const StepArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   R* sm = reinterpret_cast<R*>(smem_raw);
@@ -430,10 +439,16 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   a.gcol[2] = r.gate_cols > 1 ? plan.gO : 0;
   if (plan.has_S) a.S = static_cast<R*>(sv.S.data), a.Ss0 = sv.S.stride[0], a.Ss1 = sv.S.stride[1];
   if (plan.has_P)
-    a.P = static_cast<R*>(sv.P.data), a.Ps0 = sv.P.stride[0], a.Ps1 = sv.P.stride[1], a.Ps2 = sv.P.stride[2];
+    a.P = static_cast<R*>(sv.P.data), a.Ps0 = sv.P.stride[0], a.Ps1 = sv.P.stride[1], a.Ps2 = int(sv.P.stride[2]);
   a.Hs = static_cast<R*>(sv.H.data), a.Hs0 = sv.H.stride[0], a.Hs1 = sv.H.stride[1];
-  if (plan.fenwick) a.Hsl = sv.H.stride[2], a.Hs2 = sv.H.stride[3];
-  else a.Hsl = 0, a.Hs2 = sv.H.stride[2];
+  const int64_t hrow = plan.fenwick ? sv.H.stride[3] : sv.H.stride[2];
+  a.Hsl = plan.fenwick ? sv.H.stride[2] : 0;
+  a.Hs2 = int(hrow);
+  for (const auto& [name, stride] : {std::pair<const char*, int64_t>{"state.H", hrow},
+                                     {"state.P", plan.has_P ? sv.P.stride[2] : 0}})
+    if (stride * r.dk >= (int64_t(1) << 31))
+      throw Error(name, "expected a row stride below 2^31 / dk for the CUDA decode step, got " +
+                            std::to_string(stride));
   a.pos = static_cast<int64_t*>(sv.pos.data), a.poss = sv.pos.stride[0];
   a.N = int(r.B), a.H = int(r.H), a.rep = int(r.H / r.G), a.dk = int(r.dk), a.dv = int(r.dv), a.dvp = int(r.dvp);
   a.has_S = plan.has_S, a.has_P = plan.has_P, a.fenwick = plan.fenwick, a.delta = plan.delta;

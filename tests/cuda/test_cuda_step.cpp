@@ -193,6 +193,7 @@ std::vector<StepCase> step_cases() {
     // the benchmark shape dk = dv = 128, and a wide dv
     cs.push_back({on + "_bf16_d128", op, DType::bf16, 2, 1, 2, 128, 128, {65}, 2});
     cs.push_back({on + "_f32_dk256_dv200", op, DType::f32, 1, 1, 2, 256, 200, {33}, 2});
+    cs.push_back({on + "_f16_d64", op, DType::f16, 1, 1, 2, 64, 64, {65}, 2});
     // extras: normalize + untied gates (+ ridge for hla2) for the HLA family, qk_l2norm for delta
     if (t.hla_family) {
       const double ridge = t.has_S && !t.has_P ? 0.3 : 0.0;
