@@ -174,9 +174,10 @@ class DecodeState {
 // power of two; reserve() avoids that reallocation).
 void step(const StepParams& p, DecodeState& state);
 // The same step on a caller-owned state in the StateView layout, updated in place (pos included).
-// Validated like an initial state, plus: the state is on q's device, its float parts are all
-// float32 or all float64 (on CUDA: float64 exactly for float64 inputs), and log-linear H has
+// Validated: the state's layout (as an initial state's) and device (q's), its float parts all
+// float32 or all float64 (on CUDA: float64 exactly for float64 inputs), and log-linear H with
 // bitlen(pos + 1) + 1 slots for every sequence (the slot the step merges into; never grown here).
+// As for a DecodeState, check_values covers the step inputs, not the state's values.
 void step(const StepParams& p, const StateView& state);
 
 }  // namespace hila

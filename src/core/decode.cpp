@@ -5,6 +5,7 @@
 // growth and the lam-length check need them before anything is launched.
 #include <algorithm>
 #include <array>
+#include <utility>
 #include <vector>
 
 #include "core/access.h"
