@@ -12,7 +12,7 @@ out=$(mktemp -d)
 python3 - "$root/src/cuda/step.cu" "$out/kernel_body.inc" <<'PY'
 import sys
 s = open(sys.argv[1]).read()
-body = s[s.index('constexpr int kThreads = 256;'):s.index('// Rows per thread for a head dim')]
+body = s[s.index('constexpr int kThreads = 256;'):s.index('template <class T>\nvoid launch_step(')]
 body = body.replace('extern __shared__ __align__(16) unsigned char smem_raw[];', 'unsigned char* smem_raw = emu::smem;')
 body = body.replace('__shared__ int s_last;', 'static int s_last;')
 open(sys.argv[2], 'w').write(body)

@@ -47,6 +47,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 32;     // columns per chunk (one per lane)
 constexpr int kMaxLevels = 64;
 constexpr int kMaxDk = 512;   // kRows <= 64 registers per thread per array
+constexpr int kDeep = 4;      // Fenwick levels loaded together by the small-grid kernel
 
 // Kernel parameters (by value). Element offsets, strides in elements; innermost stride 1.
 template <class T>
@@ -194,12 +195,15 @@ __device__ void sym_sweep(R* S, int dk, R aS, const R* s_k, const R* s_q, bool a
 
 // Resident blocks per SM the register budget is sized for: the step is memory bound, so more
 // loads in flight beat the few spills this costs (ptxas -v: <= 20 bytes at kRows = 16 in fp32).
-template <class T, int kRows>
-constexpr int kMinBlocks = std::is_same_v<T, double> ? (kRows <= 8 ? 4 : kRows <= 16 ? 2 : 1)
-                                                      : (kRows <= 16 ? 4 : kRows <= 32 ? 2 : 1);
+// kDepth > 1 (several Fenwick levels loaded at once, for grids too small to fill the device)
+// trades occupancy for fewer dependent round trips per block.
+template <class T, int kRows, int kDepth>
+constexpr int kMinBlocks = kDepth > 1 ? (std::is_same_v<T, double> ? 1 : 2)
+                           : std::is_same_v<T, double> ? (kRows <= 8 ? 4 : kRows <= 16 ? 2 : 1)
+                                                       : (kRows <= 16 ? 4 : kRows <= 32 ? 2 : 1);
 
-template <class T, int kRows>
-__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows>)) step_kernel(const StepArgs<T> a) {
+template <class T, int kRows, int kDepth>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step_kernel(const StepArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   R* sm = reinterpret_cast<R*>(smem_raw);
@@ -326,44 +330,61 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows>)) step_kernel(
   for (int c0 = cbeg; c0 < cend; c0 += kCols) {
     const int c = c0 + lane;
     const bool active = c < cend;
-    R merged[kRows], x[kRows];
+    R merged[kRows];
 #pragma unroll
     for (int j = 0; j < kRows; ++j) merged[j] = 0;
     R opart = 0;
-    for (int l = lfirst; l <= nlev; ++l) {
-      if (a.fenwick && !((t >> (l - 1)) & 1)) continue;  // dead slot: never read (uniform branch)
-      R* Hl = Hh + l * a.Hsl;
+    // live slots in batches of kDepth, each batch's loads issued before any of it is processed
+    for (int next = lfirst;;) {
+      int lv[kDepth];
+      int nb = 0;
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int r = warp + kWarps * j;
-        x[j] = (active && r < dk) ? Hl[r * a.Hs2 + c] : R(0);
+      for (int d = 0; d < kDepth; ++d) {
+        while (next <= nlev && a.fenwick && !((t >> (next - 1)) & 1)) ++next;  // dead slots: never read
+        lv[d] = next <= nlev ? next++ : -1;
+        nb += lv[d] >= 0;
       }
-      if (a.delta) {  // kh = key^T H_l (column c), then H_l <- a (H_l - beta key kh)
-        R kp = 0;
+      if (nb == 0) break;
+      R x[kDepth][kRows];
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d)
 #pragma unroll
         for (int j = 0; j < kRows; ++j) {
           const int r = warp + kWarps * j;
-          if (r < dk) kp += s_key[r] * x[j];
+          x[d][j] = (lv[d] >= 0 && active && r < dk) ? Hh[lv[d] * a.Hsl + r * a.Hs2 + c] : R(0);
         }
-        const R kh = column_sum(kp, s_colred);
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const int l = lv[d];
+        if (l < 0) break;  // uniform over the block
+        R* Hl = Hh + l * a.Hsl;
+        if (a.delta) {  // kh = key^T H_l (column c), then H_l <- a (H_l - beta key kh)
+          R kp = 0;
+#pragma unroll
+          for (int j = 0; j < kRows; ++j) {
+            const int r = warp + kWarps * j;
+            if (r < dk) kp += s_key[r] * x[d][j];
+          }
+          const R kh = column_sum(kp, s_colred);
+#pragma unroll
+          for (int j = 0; j < kRows; ++j) {
+            const int r = warp + kWarps * j;
+            if (r < dk) x[d][j] = aO * (x[d][j] - beta * s_key[r] * kh);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kRows; ++j) x[d][j] *= aO;
+        }
+        const R lw = s_lam[l];
+        const bool merge = !a.fenwick || l <= rr;
 #pragma unroll
         for (int j = 0; j < kRows; ++j) {
           const int r = warp + kWarps * j;
-          if (r < dk) x[j] = aO * (x[j] - beta * s_key[r] * kh);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kRows; ++j) x[j] *= aO;
-      }
-      const R lw = s_lam[l];
-      const bool merge = !a.fenwick || l <= rr;
-#pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int r = warp + kWarps * j;
-        if (r < dk) {
-          opart += lw * s_q[r] * x[j];
-          if (merge) merged[j] += x[j];
-          if (active && (a.fenwick || !merge)) Hl[r * a.Hs2 + c] = merge ? R(0) : x[j];
+          if (r < dk) {
+            opart += lw * s_q[r] * x[d][j];
+            if (merge) merged[j] += x[d][j];
+            if (active && (a.fenwick || !merge)) Hl[r * a.Hs2 + c] = merge ? R(0) : x[d][j];
+          }
         }
       }
     }
@@ -405,9 +426,10 @@ __global__ void advance_positions(int64_t* pos, int64_t stride, int N) {
   if (i < N) pos[i * stride] += 1;
 }
 
-// Rows per thread for a head dim (the one runtime -> template switch).
+// The runtime -> template switch: rows per thread for the head dim, and the level batch depth
+// (deep batches for log-linear grids with fewer blocks than about 4 per SM, dk <= 128).
 template <class T>
-void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s) {
+void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, bool deep, cudaStream_t s) {
   auto go = [&](auto kernel) {
     if (smem > 48 * 1024)
       HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -415,11 +437,17 @@ void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s) {
     HILA_CUDA_CHECK_LAUNCH();
   };
   const int rows = (a.dk + kWarps - 1) / kWarps;
-  if (rows <= 4) go(step_kernel<T, 4>);
-  else if (rows <= 8) go(step_kernel<T, 8>);
-  else if (rows <= 16) go(step_kernel<T, 16>);
-  else if (rows <= 32) go(step_kernel<T, 32>);
-  else go(step_kernel<T, 64>);
+  if (deep && rows <= 16) {
+    if (rows <= 4) go(step_kernel<T, 4, kDeep>);
+    else if (rows <= 8) go(step_kernel<T, 8, kDeep>);
+    else go(step_kernel<T, 16, kDeep>);
+    return;
+  }
+  if (rows <= 4) go(step_kernel<T, 4, 1>);
+  else if (rows <= 8) go(step_kernel<T, 8, 1>);
+  else if (rows <= 16) go(step_kernel<T, 16, 1>);
+  else if (rows <= 32) go(step_kernel<T, 32, 1>);
+  else go(step_kernel<T, 64, 1>);
 }
 
 template <class T>
@@ -464,7 +492,12 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   }
   const size_t smem = size_t(Smem(a.dk, a.dvp, a.has_S).total) * sizeof(R);
   if (r.B > 0) {
-    launch_step<T>(a, dim3(unsigned(int64_t(a.N) * a.tiles), unsigned(a.H)), smem, s);
+    const int64_t blocks = int64_t(a.N) * a.tiles * a.H;
+    int dev = 0, sms = 0;
+    HILA_CUDA_CHECK(cudaGetDevice(&dev));
+    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const bool deep = plan.fenwick && blocks < 4 * int64_t(sms);
+    launch_step<T>(a, dim3(unsigned(int64_t(a.N) * a.tiles), unsigned(a.H)), smem, deep, s);
     if (!counters) {
       advance_positions<<<unsigned((a.N + 255) / 256), 256, 0, s>>>(a.pos, a.poss, a.N);
       HILA_CUDA_CHECK_LAUNCH();
