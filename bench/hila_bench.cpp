@@ -10,7 +10,7 @@
 // op,N,pos,us_per_step,state_bytes,GB_per_s: us_per_step is the median of --reps steps after
 // warm-up; state_bytes is the state read + written by one step (mean over the timed steps, whose
 // positions advance by one each); GB_per_s = (state_bytes + input/output bytes) / mean step time,
-// to be compared with the device's copy bandwidth.
+// to be compared with the device's copy bandwidth (printed to stderr first).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -111,6 +111,12 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
                 const std::vector<int64_t>& batches, const std::vector<int64_t>& positions) {
   using namespace hila;
   const Device dev{DeviceType::cuda, 0};
+  {  // the reference: device-to-device copy bandwidth (read + write), on stderr
+    const size_t bytes = size_t(1) << 30;
+    Dev a(bytes), b(bytes);
+    const double ms = median_ms([&] { CK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 2, 10);
+    std::fprintf(stderr, "# cudaMemcpy device-to-device: %.1f GB/s (read + write)\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
   std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s\n");
   std::mt19937 rng(0);
   for (Op op : ops) {

@@ -196,7 +196,16 @@ int64_t DecodeState::position(int64_t seq) const {
     throw Error("seq", "expected 0 <= seq < " + std::to_string(impl_->N) + ", got " + std::to_string(seq));
   return impl_->pos[seq];
 }
-void DecodeState::reserve(int64_t max_pos) { impl_->grow(state_slots(max_pos), nullptr); }
+// load() and reserve() copy on the default stream; on CUDA they first wait for the whole device,
+// so a step still running on another stream cannot race with them.
+void DecodeState::reserve(int64_t max_pos) {
+  Impl& s = *impl_;
+  if (!s.traits.loglinear || state_slots(max_pos) <= s.Ls) return;
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
+#endif
+  s.grow(state_slots(max_pos), nullptr);
+}
 StateView DecodeState::view() { return impl_->view(); }
 
 int64_t DecodeState::bytes_per_sequence() const {
@@ -211,6 +220,9 @@ void DecodeState::load(const StateView& in) {
   detail::check_state("state", in, s.cfg, s.N, s.H, s.dk, s.dv, &pos, true, s.cfg.check_values, s.device);
   int64_t need = 1;
   for (int64_t p : pos) need = std::max(need, state_slots(p + 1));
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
+#endif
   if (s.traits.loglinear) s.grow(std::max(need, in.H.shape[2]), nullptr);
   s.pos = pos;
   if (s.on_cuda()) {

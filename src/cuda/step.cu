@@ -580,6 +580,11 @@ void cuda_upload(void* dst, const void* src, size_t bytes, int device) {
   HILA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }
 
+void cuda_device_synchronize(int device) {
+  cuda::DeviceScope scope(device);
+  HILA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 void cuda_synchronize(void* stream, int device) {
   cuda::DeviceScope scope(device);
   HILA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));

@@ -25,5 +25,6 @@ void cuda_upload(void* dst, const void* src, size_t bytes, int device);  // host
 // dim), converting; the rest of dst is zero. Enqueued on `stream`.
 void cuda_copy_state_part(const TensorView& dst, const TensorView& src, void* stream);
 void cuda_synchronize(void* stream, int device);
+void cuda_device_synchronize(int device);  // every stream: no step of any stream still in flight
 
 }  // namespace hila::detail
