@@ -4,6 +4,13 @@
 // input tensor of the benchmark shapes exceeds the L2 cache, so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
 // training step pays.
+// --decode: one hila::step on a CUDA DecodeState (bf16 inputs, fp32 state) per timed run, for each
+// op at batch N (--batches, default 1,16,256) and, for log-linear ops, start positions --positions
+// (default 4096,65536,1048576; the state is a loaded zero state at that position). Prints
+// op,N,pos,us_per_step,state_bytes,GB_per_s: us_per_step is the median of --reps steps after
+// warm-up; state_bytes is the state read + written by one step (mean over the timed steps, whose
+// positions advance by one each); GB_per_s = (state_bytes + input/output bytes) / mean step time,
+// to be compared with the device's copy bandwidth (printed to stderr first).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +19,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -112,6 +120,120 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
   std::fflush(stdout);
 }
 
+std::vector<int64_t> parse_list(const std::string& v) {
+  std::vector<int64_t> out;
+  for (size_t pos = 0; pos <= v.size();) {
+    const size_t c = v.find(',', pos), e = c == std::string::npos ? v.size() : c;
+    out.push_back(std::stoll(v.substr(pos, e - pos)));
+    pos = e + 1;
+  }
+  return out;
+}
+
+// Bytes of state one step reads and writes per (sequence, head) at position t (see step.cu):
+// S and P read + written; flat H read + written; Fenwick: the popcount(t) live slots read and
+// written (zeroed when merged) and the merge target written.
+double step_state_bytes(const hila::OpConfig& cfg, int64_t dk, int64_t dv, int64_t t) {
+  const hila::OpTraits tr = hila::op_traits(cfg.op);
+  const double f = 4, slot = double(dk) * dv * f;
+  double b = 0;
+  if (tr.has_S) b += 2.0 * dk * (dk + 1) / 2 * f;
+  if (tr.has_P) b += 2 * slot;
+  b += tr.loglinear ? (2.0 * __builtin_popcountll(uint64_t(t)) + 1) * slot : 2 * slot;
+  return b;
+}
+
+void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps, int warmup,
+                const std::vector<int64_t>& batches, const std::vector<int64_t>& positions) {
+  using namespace hila;
+  const Device dev{DeviceType::cuda, 0};
+  {  // the reference: device-to-device copy bandwidth (read + write), on stderr
+    const size_t bytes = size_t(1) << 30;
+    Dev a(bytes), b(bytes);
+    const double ms = median_ms([&] { CK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 2, 10);
+    std::fprintf(stderr, "# cudaMemcpy device-to-device: %.1f GB/s (read + write)\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
+  std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s\n");
+  std::mt19937 rng(0);
+  for (Op op : ops) {
+    const OpTraits tr = op_traits(op);
+    for (int64_t N : batches) {
+      for (int64_t T : tr.loglinear ? positions : std::vector<int64_t>{0}) {
+        OpConfig cfg;
+        cfg.op = op;
+        cfg.check_values = false;  // value checks copy inputs to the host
+        const int64_t steps = warmup + reps, L = state_slots(T + steps);
+        DecodeState ds(cfg, N, H, d, d, DType::f32, dev);
+        ds.reserve(T + steps);
+        if (T > 0) {  // a zero state at position T
+          const StateShape sh = state_shape(cfg, N, H, d, d, T);
+          auto zeros = [&](const std::vector<int64_t>& shape) {
+            size_t n = 4;
+            for (int64_t x : shape) n *= size_t(x);
+            auto z = std::make_unique<Dev>(n);
+            CK(cudaMemset(z->p, 0, n));
+            return z;
+          };
+          std::vector<int64_t> pos(size_t(N), T);
+          Dev dpos(size_t(N) * 8);
+          CK(cudaMemcpy(dpos.p, pos.data(), size_t(N) * 8, cudaMemcpyHostToDevice));
+          std::unique_ptr<Dev> zS, zP, zH = zeros(sh.H_shape);
+          StateView src;
+          src.pos = TensorView::contiguous_view(dpos.p, DType::i64, {N}, dev);
+          if (sh.S) zS = zeros(sh.S_shape), src.S = TensorView::contiguous_view(zS->p, DType::f32, sh.S_shape.data(), 3, dev);
+          if (sh.P) zP = zeros(sh.P_shape), src.P = TensorView::contiguous_view(zP->p, DType::f32, sh.P_shape.data(), 4, dev);
+          src.H = TensorView::contiguous_view(zH->p, DType::f32, sh.H_shape.data(), int(sh.H_shape.size()), dev);
+          ds.load(src);
+        }
+        Dev q(size_t(N * H * d) * 2), k(size_t(N * H * d) * 2), v(size_t(N * H * d) * 2), o(size_t(N * H * d) * 2);
+        Dev g(size_t(N * H) * 4), lam(size_t(N * H * L) * 2), beta(size_t(N * H) * 2);
+        fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
+        fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
+        fill_bf16(v, rng, 1.f);
+        fill_bf16(lam, rng, 0.5f);
+        fill_bf16(beta, rng, 0.5f);
+        fill_gates(g, rng);
+        StepParams sp;
+        sp.cfg = cfg;
+        auto v3 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {N, H, d}, dev); };
+        sp.q = v3(q), sp.k = v3(k), sp.v = v3(v), sp.o = v3(o);
+        sp.g = TensorView::contiguous_view(g.p, DType::f32, {N, H}, dev);
+        if (tr.loglinear) sp.lam = TensorView::contiguous_view(lam.p, DType::bf16, {N, H, L}, dev);
+        if (tr.delta) sp.beta = TensorView::contiguous_view(beta.p, DType::bf16, {N, H}, dev);
+        for (int i = 0; i < warmup; ++i) step(sp, ds);
+        CK(cudaDeviceSynchronize());
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        std::vector<float> ms;
+        double state_bytes = 0;
+        for (int i = 0; i < reps; ++i) {
+          state_bytes += double(N * H) * step_state_bytes(cfg, d, d, ds.position(0));
+          CK(cudaEventRecord(a));
+          step(sp, ds);
+          CK(cudaEventRecord(b));
+          CK(cudaEventSynchronize(b));
+          float t = 0;
+          CK(cudaEventElapsedTime(&t, a, b));
+          ms.push_back(t);
+        }
+        CK(cudaEventDestroy(a));
+        CK(cudaEventDestroy(b));
+        double total_ms = 0;
+        for (float t : ms) total_ms += t;
+        std::sort(ms.begin(), ms.end());
+        state_bytes /= reps;
+        // q, k, v, o in bf16, g f32, lam / beta bf16, pos read + written
+        const double io = double(N * H) * (4.0 * d * 2 + 4 + (tr.loglinear ? 2.0 * L : 0) + (tr.delta ? 2 : 0)) + 16.0 * N;
+        const double gbs = (state_bytes + io) / (total_ms / reps * 1e-3) / 1e9;
+        std::printf("%s,%lld,%lld,%.2f,%.0f,%.1f\n", op_name(op), (long long)N, (long long)T,
+                    ms[ms.size() / 2] * 1e3, state_bytes, gbs);
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -120,13 +242,25 @@ int main(int argc, char** argv) {
   std::vector<Op> ops = {Op::gla};
   int64_t H = 16, d = 128;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
+  bool decode = false;
+  bool ops_given = false;
+  std::vector<int64_t> batches = {1, 16, 256}, positions = {4096, 65536, 1048576};
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--decode") decode = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--decode") {
+      --i;  // a flag without a value
+      continue;
+    }
     if (k == "--reps") reps = std::stoi(v);
     else if (k == "--warmup") warmup = std::stoi(v);
+    else if (k == "--batches") batches = parse_list(v);
+    else if (k == "--positions") positions = parse_list(v);
     else if (k == "--H") H = std::stoll(v);
     else if (k == "--ops") {  // "gla,hla2"
       ops.clear();
+      ops_given = true;
       for (size_t pos = 0; pos <= v.size();) {
         const size_t c = v.find(',', pos), e = c == std::string::npos ? v.size() : c;
         ops.push_back(parse_op(v.substr(pos, e - pos)));
@@ -145,6 +279,10 @@ int main(int argc, char** argv) {
         pos = e + 1;
       }
     }
+  }
+  if (decode) {
+    run_decode(ops_given ? ops : all_ops(), H, d, std::max(reps, 20), std::max(warmup, 3), batches, positions);
+    return 0;
   }
   std::printf("impl,op,dtype,B,T,H,d,direction,ms\n");
   std::mt19937 rng(0);

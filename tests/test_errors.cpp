@@ -862,6 +862,34 @@ TEST(Errors, Step) {
     expect_ok(on + " valid step", [&] { hila::step(sp, ds); });
     EXPECT_EQ(ds.position(0), 1);
   }
+  // the functional step on a caller-owned state: validated like an initial state, plus the
+  // Fenwick slot the step merges into
+  {
+    ProblemSpec s = base_spec(Op::loglinear_hla2);
+    s.B = 1;
+    s.T = 64;
+    const Problem p = make_problem(s);
+    const std::vector<int64_t> t = {63};
+    Buffer q = gather_tokens(p.q, t), k = gather_tokens(p.k, t), v = gather_tokens(p.v, t),
+           g = gather_tokens(p.g, t), lam = gather_tokens(p.lam, t);
+    Buffer o(DType::f64, {1, s.H, s.dv});
+    const hila::StepParams sp = step_params(s.cfg, q, k, v, g, lam, Buffer{}, o);
+    StateBuffers st = hila::tools::make_state(s.cfg, 1, s.H, s.dk, s.dv, 63, DType::f64);
+    st.pos.set(0, 63);
+    ASSERT_EQ(st.H.shape[2], 7);
+    expect_error("functional step 7 < 8 slots", [&] { hila::step(sp, st.view()); }, "state.H",
+                 {"7", "8", "63", "64"});
+    StateBuffers mixed = with_slots(st, 8);
+    mixed.S = mixed.S.cast(DType::f32);
+    expect_error("functional step mixed dtypes", [&] { hila::step(sp, mixed.view()); }, "state.S",
+                 {"float32", "float64"});
+    StateBuffers nopos = with_slots(st, 8);
+    nopos.pos = Buffer{};
+    expect_error("functional step without pos", [&] { hila::step(sp, nopos.view()); }, "state.pos");
+    StateBuffers ok = with_slots(st, 8);
+    expect_ok("functional step with 8 slots", [&] { hila::step(sp, ok.view()); });
+    EXPECT_EQ(int64_t(ok.pos.get(0)), 64);
+  }
   try {
     hila::DecodeState ds(hila::OpConfig{}, 0, 1, 4, 4, DType::f64);
     ADD_FAILURE() << "decode state with N = 0 accepted";

@@ -179,6 +179,31 @@ TEST_P(PrefillDecode, BatchAtDifferentPositions) {
   }
 }
 
+// The functional step on a caller-owned state (hila::step(p, StateView)) equals stepping a
+// DecodeState: same outputs, same state, pos advanced in place, across the crossing of 64.
+TEST_P(PrefillDecode, FunctionalStepMatchesDecodeState) {
+  const DecodeCase& c = GetParam();
+  constexpr int64_t n = 37, m = 30;
+  const Problem full = hila::tools::make_problem(spec_of(c, n + m));
+  const Result ref = hila::tools::run_forward(full, Form::chunk, 64);
+  const ProblemSpec& s = full.spec;
+  const Result pre = hila::tools::run_forward(hila::tools::prefix(full, n), Form::chunk, 64);
+  hila::DecodeState ds(s.cfg, 1, s.H, s.dk, s.dv, DType::f64);
+  ds.load(pre.final_state.view());
+  StateBuffers own = pre.final_state;  // room for every step to come
+  if (traits(c.op).loglinear) own = with_slots(own, hila::state_slots(n + m));
+  for (int64_t t = n; t < n + m; ++t) {
+    Buffer q, k, v, g, lam, beta, o;
+    const hila::StepParams sp = step_params(full, {t}, q, k, v, g, lam, beta, o);
+    hila::step(sp, own.view());
+    EXPECT_LE(hila::tools::rel_err(o, gather_tokens(ref.o, {t})), kTol) << case_name(c) << " token " << t;
+    EXPECT_EQ(hila::tools::rel_err(o, decode_token(full, t, ds)), 0) << case_name(c) << " token " << t;
+    EXPECT_EQ(int64_t(own.pos.get(0)), t + 1);
+  }
+  EXPECT_LE(state_err(own, ref.final_state), kTol) << case_name(c);
+  EXPECT_EQ(state_err(own, copy_state(ds.view())), 0) << case_name(c);
+}
+
 std::vector<DecodeCase> decode_cases() {
   std::vector<DecodeCase> out;
   for (Op op : hila::all_ops()) {

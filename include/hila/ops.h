@@ -134,7 +134,8 @@ struct StepParams {
 
 class DecodeState {
  public:
-  // A zero state at position 0. dtype: f64 or f32 (the compute type of the inputs to come).
+  // A zero state at position 0. dtype: f64 or f32 (the compute type of the inputs to come; on a
+  // CUDA device f64 exactly for f64 inputs). device: cpu or cuda (memory allocated here).
   DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
               DType dtype = DType::f32, Device device = {});
   ~DecodeState();
@@ -152,7 +153,9 @@ class DecodeState {
   int64_t position(int64_t seq) const;
   // Grow the Fenwick slot capacity so that positions up to max_pos need no reallocation.
   void reserve(int64_t max_pos);
-  // Views of the current state, valid until the next step/reserve/load.
+  // Views of the current state, valid until the next step/reserve/load. On a CUDA device the views
+  // hold device memory; position() reads a host copy of pos that step/load keep, so write the
+  // state through load(), not through view().pos.
   StateView view();
   // Copy a state in (e.g. a prefill's final state); validated like an initial state.
   void load(const StateView& s);
@@ -166,6 +169,15 @@ class DecodeState {
   std::unique_ptr<Impl> impl_;
 };
 
+// One decode step of every sequence: reads q, k, v (and g, lam, beta) at each sequence's position,
+// writes o and advances the state (growing its Fenwick slots first when a position crosses a
+// power of two; reserve() avoids that reallocation).
 void step(const StepParams& p, DecodeState& state);
+// The same step on a caller-owned state in the StateView layout, updated in place (pos included).
+// Validated: the state's layout (as an initial state's) and device (q's), its float parts all
+// float32 or all float64 (on CUDA: float64 exactly for float64 inputs), and log-linear H with
+// bitlen(pos + 1) + 1 slots for every sequence (the slot the step merges into; never grown here).
+// As for a DecodeState, check_values covers the step inputs, not the state's values.
+void step(const StepParams& p, const StateView& state);
 
 }  // namespace hila

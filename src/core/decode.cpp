@@ -1,15 +1,94 @@
 // SPDX-License-Identifier: Apache-2.0
 // DecodeState: owns one state (StateView layout) for N sequences and grows its Fenwick slot
-// capacity as positions cross powers of two (LOGLINEAR_SPEC §8: grown, never truncated).
+// capacity as positions cross powers of two (LOGLINEAR_SPEC §8: grown, never truncated). The
+// memory lives on the state's device (CPU or CUDA); positions are also kept on the host, since slot
+// growth and the lam-length check need them before anything is launched.
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "core/access.h"
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
+#ifdef HILA_WITH_CUDA
+#include "cuda/step.h"
+#endif
 
 namespace hila {
+
+namespace {
+
+// Zero-initialised bytes on a device.
+class Block {
+ public:
+  Block() = default;
+  Block(size_t bytes, Device d) : dev_(d) {
+    if (d.type == DeviceType::cpu) {
+      host_.assign(bytes, 0);
+      return;
+    }
+#ifdef HILA_WITH_CUDA
+    dev_ptr_ = detail::cuda_alloc_zeroed(bytes, d.index);
+#else
+    throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " + device_name(d));
+#endif
+  }
+  ~Block() { release(); }
+  Block(Block&& o) noexcept { *this = std::move(o); }
+  Block& operator=(Block&& o) noexcept {
+    if (this != &o) {
+      release();
+      host_ = std::move(o.host_);
+      dev_ptr_ = o.dev_ptr_;
+      dev_ = o.dev_;
+      o.dev_ptr_ = nullptr;
+    }
+    return *this;
+  }
+  void* data() { return dev_.type == DeviceType::cpu ? static_cast<void*>(host_.data()) : dev_ptr_; }
+
+ private:
+  void release() noexcept {
+#ifdef HILA_WITH_CUDA
+    if (dev_ptr_) detail::cuda_free(dev_ptr_, dev_.index);
+#endif
+    dev_ptr_ = nullptr;
+  }
+  std::vector<unsigned char> host_;
+  void* dev_ptr_ = nullptr;
+  Device dev_{};
+};
+
+// to (contiguous, at least as large in every dim) <- from (strided), converting; zero elsewhere.
+void copy_into_host(const TensorView& from, const TensorView& to) {
+  std::array<int64_t, kMaxDims> idx{};
+  const int64_t total = to.numel();
+  for (int64_t n = 0; n < total; ++n) {
+    int64_t fo = 0, too = 0;
+    bool inside = true;
+    for (int i = 0; i < to.ndim; ++i) {
+      inside = inside && idx[i] < from.shape[i];
+      fo += idx[i] * from.stride[i];
+      too += idx[i] * to.stride[i];
+    }
+    detail::store(to, too, inside ? detail::load(from, fo) : 0.0);
+    for (int i = to.ndim - 1; i >= 0; --i) {
+      if (++idx[i] < to.shape[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+
+void copy_into(const TensorView& from, const TensorView& to, void* stream) {
+  if (to.device.type == DeviceType::cpu) return copy_into_host(from, to);
+#ifdef HILA_WITH_CUDA
+  detail::cuda_copy_state_part(to, from, stream);
+#endif
+}
+
+}  // namespace
 
 struct DecodeState::Impl {
   OpConfig cfg;
@@ -17,34 +96,50 @@ struct DecodeState::Impl {
   int64_t N = 0, H = 0, dk = 0, dv = 0, dvp = 0, Ls = 1;
   DType dtype = DType::f32;
   Device device{};
-  std::vector<int64_t> pos;
-  std::vector<unsigned char> S, P, Hs;
+  std::vector<int64_t> pos;  // the positions (CPU) or their host copy (CUDA)
+  Block dpos;                // CUDA: the positions on the device
+  Block counters;            // CUDA: the step kernel's counters (cuda/step.h), zero between steps
+  Block S, P, Hs;
 
+  bool on_cuda() const { return device.type == DeviceType::cuda; }
   int64_t esize() const { return dtype_size(dtype); }
   int64_t s_elems() const { return traits.has_S ? N * H * dk * (dk + 1) / 2 : 0; }
   int64_t p_elems() const { return traits.has_P ? N * H * dk * dvp : 0; }
   int64_t h_elems(int64_t slots) const { return N * H * slots * dk * dvp; }
+  size_t bytes(int64_t elems) const { return static_cast<size_t>(elems * esize()); }
+
+  TensorView h_view(Block& b, int64_t slots) {
+    return traits.loglinear ? TensorView::contiguous_view(b.data(), dtype, {N, H, slots, dk, dvp}, device)
+                            : TensorView::contiguous_view(b.data(), dtype, {N, H, dk, dvp}, device);
+  }
 
   StateView view() {
     StateView v;
-    v.pos = TensorView::contiguous_view(pos.data(), DType::i64, {N}, device);
+    v.pos = TensorView::contiguous_view(on_cuda() ? dpos.data() : pos.data(), DType::i64, {N}, device);
     if (traits.has_S) v.S = TensorView::contiguous_view(S.data(), dtype, {N, H, dk * (dk + 1) / 2}, device);
     if (traits.has_P) v.P = TensorView::contiguous_view(P.data(), dtype, {N, H, dk, dvp}, device);
-    v.H = traits.loglinear
-              ? TensorView::contiguous_view(Hs.data(), dtype, {N, H, Ls, dk, dvp}, device)
-              : TensorView::contiguous_view(Hs.data(), dtype, {N, H, dk, dvp}, device);
+    v.H = h_view(Hs, Ls);
     return v;
   }
 
-  // Grow the slot dimension of H (log-linear only), keeping the contents.
-  void grow(int64_t slots) {
+  // Grow the slot dimension of H (log-linear only), keeping the contents. On CUDA the copy is
+  // ordered on `stream` and completes before the old buffer is freed.
+  void grow(int64_t slots, void* stream) {
     if (!traits.loglinear || slots <= Ls) return;
-    std::vector<unsigned char> nh(static_cast<size_t>(h_elems(slots) * esize()), 0);
-    const int64_t block = Ls * dk * dvp * esize(), nblock = slots * dk * dvp * esize();
-    for (int64_t nh_i = 0; nh_i < N * H; ++nh_i)
-      std::copy_n(Hs.data() + nh_i * block, block, nh.data() + nh_i * nblock);
-    Hs.swap(nh);
+    Block nh(bytes(h_elems(slots)), device);
+    copy_into(h_view(Hs, Ls), h_view(nh, slots), stream);
+#ifdef HILA_WITH_CUDA
+    if (on_cuda()) detail::cuda_synchronize(stream, device.index);
+#endif
+    Hs = std::move(nh);
     Ls = slots;
+  }
+
+  // Slots that every sequence's next step needs: bitlen(pos + 1) + 1.
+  int64_t slots_for_next_step() const {
+    int64_t need = 1;
+    for (int64_t x : pos) need = std::max(need, state_slots(x + 1));
+    return need;
   }
 };
 
@@ -61,17 +156,27 @@ DecodeState::DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, 
   if (dtype != DType::f32 && dtype != DType::f64)
     throw Error("dtype", std::string("expected float32 or float64 for a decode state, got ") +
                              dtype_name(dtype));
+#ifdef HILA_WITH_CUDA
+  if (device.type != DeviceType::cpu && device.type != DeviceType::cuda)
+    throw Error("device", "expected cpu or cuda, got " + device_name(device));
+#else
   if (device.type != DeviceType::cpu)
-    throw Error("device", "expected cpu (decode states and the step kernels run on the CPU backend so "
-                          "far), got " + device_name(device));
+    throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " + device_name(device));
+#endif
   s.N = N, s.H = H, s.dk = dk, s.dv = dv, s.dvp = dv + (cfg.normalize ? 1 : 0);
   s.dtype = dtype;
   s.device = device;
   s.pos.assign(static_cast<size_t>(N), 0);
-  s.S.assign(static_cast<size_t>(s.s_elems() * s.esize()), 0);
-  s.P.assign(static_cast<size_t>(s.p_elems() * s.esize()), 0);
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) {
+    s.dpos = Block(static_cast<size_t>(N) * 8, device);
+    s.counters = Block(detail::cuda_step_counter_bytes(N, H), device);
+  }
+#endif
+  s.S = Block(s.bytes(s.s_elems()), device);
+  s.P = Block(s.bytes(s.p_elems()), device);
   s.Ls = s.traits.loglinear ? 2 : 1;  // slots(1): room for the first step
-  s.Hs.assign(static_cast<size_t>(s.h_elems(s.Ls) * s.esize()), 0);
+  s.Hs = Block(s.bytes(s.h_elems(s.Ls)), device);
 }
 
 DecodeState::~DecodeState() = default;
@@ -91,7 +196,16 @@ int64_t DecodeState::position(int64_t seq) const {
     throw Error("seq", "expected 0 <= seq < " + std::to_string(impl_->N) + ", got " + std::to_string(seq));
   return impl_->pos[seq];
 }
-void DecodeState::reserve(int64_t max_pos) { impl_->grow(state_slots(max_pos)); }
+// load() and reserve() copy on the default stream; on CUDA they first wait for the whole device,
+// so a step still running on another stream cannot race with them.
+void DecodeState::reserve(int64_t max_pos) {
+  Impl& s = *impl_;
+  if (!s.traits.loglinear || state_slots(max_pos) <= s.Ls) return;
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
+#endif
+  s.grow(state_slots(max_pos), nullptr);
+}
 StateView DecodeState::view() { return impl_->view(); }
 
 int64_t DecodeState::bytes_per_sequence() const {
@@ -106,42 +220,32 @@ void DecodeState::load(const StateView& in) {
   detail::check_state("state", in, s.cfg, s.N, s.H, s.dk, s.dv, &pos, true, s.cfg.check_values, s.device);
   int64_t need = 1;
   for (int64_t p : pos) need = std::max(need, state_slots(p + 1));
-  if (s.traits.loglinear) s.grow(std::max(need, in.H.shape[2]));
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
+#endif
+  if (s.traits.loglinear) s.grow(std::max(need, in.H.shape[2]), nullptr);
   s.pos = pos;
+  if (s.on_cuda()) {
+#ifdef HILA_WITH_CUDA
+    detail::cuda_upload(s.dpos.data(), s.pos.data(), s.pos.size() * 8, s.device.index);
+#endif
+  }
   StateView dst = s.view();
-  auto copy = [](const TensorView& from, const TensorView& to) {
-    // element-wise with conversion; `to` is contiguous and at least as large in every dim
-    std::array<int64_t, kMaxDims> idx{};
-    const int64_t total = to.numel();
-    for (int64_t n = 0; n < total; ++n) {
-      int64_t fo = 0, too = 0;
-      bool inside = true;
-      for (int i = 0; i < to.ndim; ++i) {
-        inside = inside && idx[i] < from.shape[i];
-        fo += idx[i] * from.stride[i];
-        too += idx[i] * to.stride[i];
-      }
-      detail::store(to, too, inside ? detail::load(from, fo) : 0.0);
-      for (int i = to.ndim - 1; i >= 0; --i) {
-        if (++idx[i] < to.shape[i]) break;
-        idx[i] = 0;
-      }
-    }
-  };
-  if (s.traits.has_S) copy(in.S, dst.S);
-  if (s.traits.has_P) copy(in.P, dst.P);
-  copy(in.H, dst.H);
+  if (s.traits.has_S) copy_into(in.S, dst.S, nullptr);
+  if (s.traits.has_P) copy_into(in.P, dst.P, nullptr);
+  copy_into(in.H, dst.H, nullptr);
+#ifdef HILA_WITH_CUDA
+  if (s.on_cuda()) detail::cuda_synchronize(nullptr, s.device.index);
+#endif
 }
 
 void step(const StepParams& p, DecodeState& state) {
   const detail::Resolved r = detail::resolve_step(p, state);
   DecodeState::Impl& s = *state.impl();
-  if (s.traits.loglinear) {
-    int64_t need = 1;
-    for (int64_t x : s.pos) need = std::max(need, state_slots(x + 1));
-    s.grow(need);
-  }
-  detail::cpu_step(r, p, s.view());
+  s.grow(s.slots_for_next_step(), p.stream);
+  detail::run_step(r, p, s.view(), s.on_cuda() ? s.counters.data() : nullptr);
+  if (s.on_cuda())  // the device copy advanced in the step's second kernel
+    for (int64_t& x : s.pos) ++x;
 }
 
 }  // namespace hila

@@ -5,6 +5,7 @@
 #include "hila/error.h"
 #ifdef HILA_WITH_CUDA
 #include "cuda/backend.h"
+#include "cuda/step.h"
 #endif
 
 namespace hila {
@@ -40,6 +41,22 @@ void backward(const BackwardParams& p) {
     return;
   }
   detail::cpu_backward(r, p);
+}
+
+namespace detail {
+void run_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters) {
+  if (on_cuda(p.q.device)) {
+#ifdef HILA_WITH_CUDA
+    cuda_step(r, p, state, counters);
+#endif
+    return;
+  }
+  cpu_step(r, p, state);
+}
+}  // namespace detail
+
+void step(const StepParams& p, const StateView& state) {
+  detail::run_step(detail::resolve_step(p, state), p, state);
 }
 
 }  // namespace hila

@@ -3,6 +3,8 @@
 // what was given (LOGLINEAR_SPEC §11). Nothing is launched before all checks pass.
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/access.h"
 #include "core/host_mirror.h"
@@ -514,6 +516,59 @@ Resolved resolve_backward(const BackwardParams& p) {
   return r;
 }
 
+namespace {
+
+// What a step runs against: the state's op, sizes, dtype, device and positions.
+struct StepTarget {
+  int64_t N, H, dk, dv;
+  DType dtype;
+  Device device;
+  std::vector<int64_t> pos;
+};
+
+// q, k, v must match the state; validation of the step inputs shared by both step forms.
+Resolved resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarget& st) {
+  if (d.B != st.N || d.H != st.H || d.dk != st.dk || d.dv != st.dv)
+    fail("q", "expected N = " + std::to_string(st.N) + ", H = " + std::to_string(st.H) +
+                  ", dk = " + std::to_string(st.dk) + ", dv = " + std::to_string(st.dv) +
+                  " (the decode state's), got N = " + std::to_string(d.B) + ", H = " +
+                  std::to_string(d.H) + ", dk = " + std::to_string(d.dk) + ", dv = " +
+                  std::to_string(d.dv));
+  if (!(d.dev == st.device))
+    fail("q", "expected device " + device_name(st.device) + " (the decode state's), got " +
+                  device_name(d.dev));
+  if (d.dev.type == DeviceType::cuda) {
+    const DType want = d.dtype == DType::f64 ? DType::f64 : DType::f32;
+    if (st.dtype != want)
+      fail("state", std::string("expected a ") + dtype_name(want) + " state for " + dtype_name(d.dtype) +
+                        " inputs on a CUDA device (states are float32, float64 for float64 inputs), got " +
+                        dtype_name(st.dtype));
+  }
+  Resolved r;
+  r.cfg = p.cfg;
+  r.traits = op_traits(p.cfg.op);
+  r.form = Form::serial;
+  r.B = d.B, r.T = 1, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
+  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B}, d);
+  r.nL = p.lam.defined() ? p.lam.shape[2] : 0;
+  r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
+  r.f64 = st.dtype == DType::f64;
+  for (int64_t i = 0; i < d.B; ++i) r.seqs.push_back({i, 0, 1, st.pos[i]});
+  if (r.traits.loglinear)
+    for (int64_t i = 0; i < d.B; ++i) {
+      const int64_t need = bitlen(static_cast<uint64_t>(r.seqs[i].n0)) + 1;
+      if (r.nL < need)
+        fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
+                        " is at position " + std::to_string(r.seqs[i].n0) + " and needs " +
+                        std::to_string(need) + " (bitlen(pos)+1)");
+    }
+  check_output("o", p.o, {d.B, d.H, d.dv}, d.dtype, d.dev, "[N, H, dv] like v");
+  check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
+  return r;
+}
+
+}  // namespace
+
 Resolved resolve_step(const StepParams& p, const DecodeState& st) {
   const StreamScope scope(p.stream);
   check_config(p.cfg);
@@ -526,36 +581,39 @@ Resolved resolve_step(const StepParams& p, const DecodeState& st) {
                           " as when the decode state was created, got " +
                           (p.cfg.normalize ? "true" : "false"));
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
-  if (d.B != st.batch() || d.H != st.heads() || d.dk != st.dk() || d.dv != st.dv())
-    fail("q", "expected N = " + std::to_string(st.batch()) + ", H = " + std::to_string(st.heads()) +
-                  ", dk = " + std::to_string(st.dk()) + ", dv = " + std::to_string(st.dv()) +
-                  " (the decode state's), got N = " + std::to_string(d.B) + ", H = " +
-                  std::to_string(d.H) + ", dk = " + std::to_string(d.dk) + ", dv = " +
-                  std::to_string(d.dv));
-  if (!(d.dev == st.device()))
-    fail("q", "expected device " + device_name(st.device()) + " (the decode state's), got " +
-                  device_name(d.dev));
-  Resolved r;
-  r.cfg = p.cfg;
-  r.traits = op_traits(p.cfg.op);
-  r.form = Form::serial;
-  r.B = d.B, r.T = 1, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
-  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B}, d);
-  r.nL = p.lam.defined() ? p.lam.shape[2] : 0;
-  r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
-  r.f64 = st.dtype() == DType::f64;
-  for (int64_t i = 0; i < d.B; ++i) r.seqs.push_back({i, 0, 1, st.position(i)});
-  if (r.traits.loglinear)
+  StepTarget t{st.batch(), st.heads(), st.dk(), st.dv(), st.dtype(), st.device(), {}};
+  for (int64_t i = 0; i < st.batch(); ++i) t.pos.push_back(st.position(i));
+  return resolve_step_inputs(p, d, t);
+}
+
+Resolved resolve_step(const StepParams& p, const StateView& s) {
+  const StreamScope scope(p.stream);
+  check_config(p.cfg);
+  const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
+  const OpTraits t = op_traits(p.cfg.op);
+  // layout, dtypes and device first (values later, once the positions are known)
+  check_state("state", s, p.cfg, d.B, d.H, d.dk, d.dv, nullptr, true, false, d.dev);
+  DType dt = s.H.dtype;
+  for (const auto& [name, part] : {std::pair<const char*, const TensorView*>{"state.S", &s.S},
+                                   {"state.P", &s.P}})
+    if (part->defined() && part->dtype != dt)
+      fail(name, std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " +
+                     dtype_name(part->dtype));
+  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, read_positions(s.pos)};
+  if (t.loglinear) {
+    const int64_t Ls = s.H.shape[2];
     for (int64_t i = 0; i < d.B; ++i) {
-      const int64_t need = bitlen(static_cast<uint64_t>(r.seqs[i].n0)) + 1;
-      if (r.nL < need)
-        fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
-                        " is at position " + std::to_string(r.seqs[i].n0) + " and needs " +
-                        std::to_string(need) + " (bitlen(pos)+1)");
+      const int64_t need = state_slots(st.pos[i] + 1);
+      if (Ls < need)
+        fail("state.H", "has " + std::to_string(Ls) + " Fenwick slots, but sequence " + std::to_string(i) +
+                            " steps from position " + std::to_string(st.pos[i]) + " to " +
+                            std::to_string(st.pos[i] + 1) + " and needs " + std::to_string(need) +
+                            " slots (bitlen(pos+1)+1); grow the state, or use a DecodeState");
     }
-  check_output("o", p.o, {d.B, d.H, d.dv}, d.dtype, d.dev, "[N, H, dv] like v");
-  check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
-  return r;
+  }
+  // The state's values are not checked (a step's own output; checking would copy a device state to
+  // the host every step); check_values covers the step inputs as for a DecodeState.
+  return resolve_step_inputs(p, d, st);
 }
 
 }  // namespace hila::detail

@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// Helpers of the GPU tests: device detection and device copies of host buffers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "problem.h"
+
+namespace hila::tools {
+
+inline bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+inline Device cuda0() { return Device{DeviceType::cuda, 0}; }
+
+// A device copy of a host buffer; poisoned (all bits set: NaN for every float dtype) on request.
+struct DevTensor {
+  void* p = nullptr;
+  Buffer host;
+  DevTensor() = default;
+  explicit DevTensor(const Buffer& b, bool poison = false) : host(b) {
+    if (b.empty()) return;
+    cudaMalloc(&p, std::max<size_t>(1, b.bytes.size()));
+    if (poison) cudaMemset(p, 0xff, b.bytes.size());
+    else cudaMemcpy(p, b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice);
+  }
+  ~DevTensor() { if (p) cudaFree(p); }
+  DevTensor(const DevTensor&) = delete;
+  DevTensor& operator=(const DevTensor&) = delete;
+  TensorView view() const {
+    if (host.empty()) return {};
+    TensorView v = host.view();
+    v.data = p;
+    v.device = cuda0();
+    return v;
+  }
+  Buffer fetch() const {
+    Buffer b = host;
+    if (!b.empty()) cudaMemcpy(b.bytes.data(), p, b.bytes.size(), cudaMemcpyDeviceToHost);
+    return b;
+  }
+};
+
+// A device copy of a state (each part a DevTensor).
+struct DevState {
+  DevTensor pos, S, P, H;
+  explicit DevState(const StateBuffers& s, bool poison = false)
+      : pos(s.pos, poison), S(s.S, poison), P(s.P, poison), H(s.H, poison) {}
+  StateView view() const { return StateView{pos.view(), S.view(), P.view(), H.view()}; }
+  StateBuffers fetch() const { return StateBuffers{pos.fetch(), S.fetch(), P.fetch(), H.fetch()}; }
+};
+
+// Host copy of a (contiguous) device tensor.
+inline Buffer fetch_view(const TensorView& v) {
+  if (!v.defined()) return {};
+  Buffer b(v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+  if (!b.bytes.empty()) cudaMemcpy(b.bytes.data(), v.data, b.bytes.size(), cudaMemcpyDeviceToHost);
+  return b;
+}
+inline StateBuffers fetch_state(const StateView& s) {
+  return StateBuffers{fetch_view(s.pos), fetch_view(s.S), fetch_view(s.P), fetch_view(s.H)};
+}
+
+}  // namespace hila::tools
