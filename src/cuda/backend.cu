@@ -96,9 +96,11 @@ struct Call {
     else
       HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
   }
+  // base.hbuf becomes the stored live levels entering each segment (LlArgs::hst)
   LlArgs<T> ll_args(const GlaArgs<T>& base, R* dlam = nullptr) const {
     LlArgs<T> a;
     a.p = base;
+    a.hst = base.hbuf;
     a.lam = lam.get(), a.nL = int(r.nL), a.Ls = ll->Ls;
     a.n0 = ll->d_n0.get(), a.seg0 = ll->d_seg0.get(), a.hoff = ll->d_hoff.get(), a.doff = ll->d_doff.get();
     a.seg_seq = ll->d_seg_seq.get(), a.nseg = ll->nseg;
@@ -232,7 +234,8 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   // outer forward with its chunk states (and O' when normalizing or when o is asked for)
   DevBuf<T> O(size_t(rowsV), s);
   DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s),
-      Hbuf(plan.fenwick ? 0 : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+      Hbuf(plan.fenwick ? size_t(c.ll->stored_levels() * r.H * c.dkp * c.dvp)  // live levels per segment
+                        : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
   a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
   if (plan.fenwick) ll_forward<T>(c.ll_args(a), s);

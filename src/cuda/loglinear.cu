@@ -573,11 +573,15 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
   const int64_t tile = int64_t(a.p.dk) * a.p.dv;
-  DevBuf<R> ht(size_t(int64_t(a.p.N) * a.p.H * a.Ls * tile), stream);
-  DevBuf<R> hst(size_t(t.hoff.back() * a.p.H * tile), stream), dst(size_t(t.doff.back() * a.p.H * tile), stream);
+  DevBuf<R> ht, hst, dst(size_t(t.doff.back() * a.p.H * tile), stream);
   LlArgs<T> b = a;
-  b.p.o = nullptr, b.p.ht = ht.get(), b.hst = hst.get(), b.dst = dst.get();
-  launch_sweep_fwd(b, stream);  // states only, storing the live levels entering every segment
+  b.dst = dst.get();
+  if (!a.hst && t.hoff.back() > 0) {  // states only, storing the live levels entering every segment
+    ht = DevBuf<R>(size_t(int64_t(a.p.N) * a.p.H * a.Ls * tile), stream);
+    hst = DevBuf<R>(size_t(t.hoff.back() * a.p.H * tile), stream);
+    b.p.o = nullptr, b.p.ht = ht.get(), b.hst = hst.get();
+    launch_sweep_fwd(b, stream);
+  }
   const size_t rb = rev_bytes<T>(a.p.dk);
   set_smem(ll_bwd_dh_kernel<T>, rb);
   ll_bwd_dh_kernel<T><<<dim3((a.p.dv + kBV - 1) / kBV, a.p.N * a.p.H), 256, rb, stream>>>(b);

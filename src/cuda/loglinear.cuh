@@ -36,6 +36,7 @@ struct LlTables {
   DevBuf<int> d_seg_seq;
   int64_t nseg = 0;
   int Ls = 1;
+  int64_t stored_levels() const { return hoff.back(); }  // tiles of hst per head
   LlTables(const detail::Resolved& r, cudaStream_t s);
 };
 
@@ -62,7 +63,8 @@ struct LlArgs {
 template <class T>
 void ll_forward(const LlArgs<T>& a, cudaStream_t stream);
 // Backward: needs the inputs, p.dO, p.dht (optional), and writes p.dq, p.dk_, p.dv_, p.dg, dlam,
-// p.dh0 (d_init). Allocates its own stored states (hst, dst) on the stream.
+// p.dh0 (d_init). Reads hst when set (from an ll_forward with hst, [t.stored_levels()][H][dk][dv]);
+// otherwise recomputes it. Allocates the stored adjoints (dst) on the stream.
 template <class T>
 void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Shared memory the kernels need for these head dims (bytes).
