@@ -318,14 +318,13 @@ struct GradSmem {
     P = c.take<T>(kChunk * ldc);
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
-    dP = c.take<R>(kChunk * ldcr);
-    X = c.take<R>(kChunk * ldx);
+    // dP is dead before X is first written, and the block sums only run while X is free
+    dP = X = red = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));
     b = c.take<R>(kChunk);
     db = c.take<R>(kChunk);
     dbc = c.take<R>(kChunk);
     dBr = c.take<R>(kChunk);
     cf = c.take<R>(kChunk);
-    red = c.take<R>(256);
     if (bytes) *bytes = c.used;
   }
 };
