@@ -102,7 +102,7 @@ struct Call {
     a.p = base;
     a.hst = base.hbuf;
     a.lam = lam.get(), a.nL = int(r.nL), a.Ls = ll->Ls;
-    a.n0 = ll->d_n0.get(), a.seg0 = ll->d_seg0.get(), a.hoff = ll->d_hoff.get(), a.doff = ll->d_doff.get();
+    a.n0 = ll->d_n0.get(), a.seg0 = ll->d_seg0.get(), a.hoff = ll->d_hoff.get(), a.goff = ll->d_goff.get();
     a.seg_seq = ll->d_seg_seq.get(), a.nseg = ll->nseg;
     a.dlam = dlam;
     return a;

@@ -10,14 +10,18 @@ constexpr int kLogChunk = 6;  // p = log2(kChunk): levels inside a chunk are 0..
 static_assert((1 << kLogChunk) == kChunk, "kLogChunk must match kChunk");
 
 // ---- levels (§2.1, §2.2) on absolute int64 positions (n >= 0) ------------------------------------
-__device__ __forceinline__ int bitlen64(int64_t x) { return x ? 64 - __clzll(x) : 0; }
-__device__ __forceinline__ bool is_live(int64_t n, int l) { return l >= 1 && l <= 63 && ((n >> (l - 1)) & 1); }
+__host__ __device__ __forceinline__ int bitlen64(int64_t x) {
+#ifdef __CUDA_ARCH__
+  return x ? 64 - __clzll(x) : 0;
+#else
+  return x ? 64 - __builtin_clzll(uint64_t(x)) : 0;
+#endif
+}
+__host__ __device__ __forceinline__ bool is_live(int64_t n, int l) { return l >= 1 && l <= 63 && ((n >> (l - 1)) & 1); }
 // sigma_l(n) = (n >> l) << l: start of bucket l of position n
-__device__ __forceinline__ int64_t bucket_start(int64_t n, int l) { return l >= 63 ? 0 : (n >> l) << l; }
+__host__ __device__ __forceinline__ int64_t bucket_start(int64_t n, int l) { return l >= 63 ? 0 : (n >> l) << l; }
 // level at which query t >= n reads bucket l of the state at n (nesting lemma, §2.4)
 __device__ __forceinline__ int read_level(int64_t t, int64_t n, int l) { return bitlen64(t ^ bucket_start(n, l)); }
-// index of live level l among the live levels of n (compact storage order: increasing level)
-__device__ __forceinline__ int live_rank(int64_t n, int l) { return __popcll(n & ((int64_t(1) << (l - 1)) - 1)); }
 // in-chunk level LUT[i, j] = bitlen(i xor j) for chunk offsets i, j < kChunk
 __device__ __forceinline__ int chunk_level(int i, int j) { return 32 - __clz(i ^ j); }
 
@@ -39,12 +43,16 @@ __device__ __forceinline__ Seg segment(int64_t n0, int64_t len, int64_t row0, in
   g.off = int(g.s % kChunk);
   return g;
 }
-// Rows [lo, hi) of the segment whose tokens land in level L of the state at e (L live at e):
-// bucket B_L(e) = [sigma_L(e), sigma_L(e) + 2^{L-1}) intersected with [s, e).
-__device__ __forceinline__ void group_rows(const Seg& g, int L, int& lo, int& hi) {
-  const int64_t b0 = bucket_start(g.e, L), b1 = b0 + (int64_t(1) << (L - 1));
-  lo = int(max(b0, g.s) - g.s);
-  hi = int(min(b1, g.e) - g.s);
+// Rows [lo, hi) of the segment [s, e) whose tokens land in level L of the state at e (L live at
+// e): bucket B_L(e) = [sigma_L(e), sigma_L(e) + 2^{L-1}) intersected with [s, e). Non-empty?
+__host__ __device__ __forceinline__ bool bucket_rows(int64_t s, int64_t e, int L, int& lo, int& hi) {
+  const int64_t b0 = bucket_start(e, L), b1 = b0 + (int64_t(1) << (L - 1));
+  lo = int((b0 > s ? b0 : s) - s);
+  hi = int((b1 < e ? b1 : e) - s);
+  return lo < hi;
+}
+__device__ __forceinline__ bool group_rows(const Seg& g, int L, int& lo, int& hi) {
+  return is_live(g.e, L) && bucket_rows(g.s, g.e, L, lo, hi);
 }
 
 // Element loop over columns [v0, v0+bv) of a [rows, dv] global matrix: f(offset). Every
@@ -184,10 +192,8 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
     }
     // new tokens: H'[L] += K^T diag(e^{B-b} 1_L) V       [dk,C]x[C,64]
     for (int L = 1; L <= etop; ++L) {
-      if (!is_live(sg.e, L)) continue;
       int lo, hi;
-      group_rows(sg, L, lo, hi);
-      if (lo >= hi) continue;
+      if (!group_rows(sg, L, lo, hi)) continue;
       for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
         const int i = e / bv, c = e % bv;
         const R x = (i >= lo && i < hi) ? from<R>(s.V[i * s.ldv + c]) * exp(s.b[kChunk - 1] - s.b[i]) : R(0);
@@ -210,7 +216,7 @@ template <class T>
 struct RevSmem {
   using R = Acc<T>;
   T *Q, *D, *Ds;  // Q [C, dk]; dO tile [C, 64] and its per-level weighted copy
-  R *Hf, *b;
+  R *Hf, *b, *red;
   int ldk, ldv, ldvr;
   __host__ __device__ RevSmem(char* base, int dk, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldvr = ld_of<R>(kBV);
@@ -220,13 +226,15 @@ struct RevSmem {
     Ds = c.take<T>(kChunk * ldv);
     Hf = c.take<R>(dk * ldvr);
     b = c.take<R>(kChunk);
+    red = c.take<R>(256);
     if (bytes) *bytes = c.used;
   }
 };
 
 // grid (dv / 64, N * H). Working adjoint in p.dh0 (canonical: non-zero only at live levels).
-// Per segment, from the last: store dH' (live at e) to dst; dH[l] = e^B dH'[l(e, sigma_l(s))]
-// (un-merge = copy); dH[l] += Q^^T diag(lam e^b) dO for the reads of each live level.
+// Per segment, from the last: store dH'[L] of its new-token levels L to dst; this tile's part of
+// sum_l <dH'[l(e, sigma_l(s))], H[l]> (the gate gradient of the re-key) to dBpart;
+// dH[l] = e^B dH'[l(e, sigma_l(s))] (un-merge = copy); dH[l] += Q^^T diag(lam e^b) dO (reads).
 template <class T>
 __global__ void __launch_bounds__(256) ll_bwd_dh_kernel(LlArgs<T> a) {
   using R = Acc<T>;
@@ -252,13 +260,24 @@ __global__ void __launch_bounds__(256) ll_bwd_dh_kernel(LlArgs<T> a) {
     const Seg sg = segment(n0, len, row0, j);
     const int top = bitlen64(sg.s), etop = bitlen64(sg.e);
     {
-      const int64_t base = a.doff[a.seg0[seq] + j];
+      const int64_t gi = a.seg0[seq] + j;
       int m = 0;
       for (int L = 1; L <= etop; ++L) {
-        if (!is_live(sg.e, L)) continue;
-        R* dst = a.dst + ((base + m++) * p.H + h) * tile;
+        int lo, hi;
+        if (!group_rows(sg, L, lo, hi)) continue;
+        R* dst = a.dst + ((a.goff[gi] + m++) * p.H + h) * tile;
         each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { dst[x] = dH[L * tile + x]; });
       }
+      R part = 0;
+      m = 0;
+      for (int l = 1; l <= top; ++l) {
+        if (!is_live(sg.s, l)) continue;
+        const R* Hl = a.hst + ((a.hoff[gi] + m++) * p.H + h) * tile;
+        const int L = read_level(sg.e, sg.s, l);
+        each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { part += dH[L * tile + x] * Hl[x]; });
+      }
+      part = block_sum(part, s.red);  // includes barriers
+      if (threadIdx.x == 0) a.dBpart[(gi * p.H + h) * gridDim.x + blockIdx.x] = part;
     }
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.D, s.ldv, dO, p.dv, sg.row, sg.nr, v0, bv);
@@ -304,7 +323,7 @@ template <class T>
 struct GradSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hs, *P, *dA;
-  R *A, *dP, *X, *b, *db, *dbc, *dBr, *cf, *red;
+  R *A, *dP, *X, *b, *db, *dbc, *dBr, *cf;
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ GradSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -318,8 +337,7 @@ struct GradSmem {
     P = c.take<T>(kChunk * ldc);
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
-    // dP is dead before X is first written, and the block sums only run while X is free
-    dP = X = red = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));
+    dP = X = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));  // dP is dead before X is first written
     b = c.take<R>(kChunk);
     db = c.take<R>(kChunk);
     dbc = c.take<R>(kChunk);
@@ -416,21 +434,18 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
 
   // ---- reads of the incoming live levels: Y = dO H[l]^T, coef_i = lam_i^{lv_i} e^{b_i}
   //   dQ^ += diag(coef) Y;  dlam[i, lv_i] += e^{b_i} q^_i.Y_i;  db_i += coef_i q^_i.Y_i
-  //   and the transition: dB += e^B <dH'[l(e, sigma_l(s))], H[l]>
+  //   and the transition: dB += e^B <dH'[l(e, sigma_l(s))], H[l]> (summed over the reverse
+  //   sweep's column tiles in dBpart)
   R dB = 0;  // meaningful in thread 0
+  if (threadIdx.x == 0)
+    for (int t = 0, nt = (dv + kBV - 1) / kBV; t < nt; ++t) dB += eB * a.dBpart[(gi * p.H + h) * nt + t];
   {
-    const int64_t hbase = a.hoff[gi], dbase = a.doff[gi];
     int m = 0;
     for (int l = 1; l <= top; ++l) {
       if (!is_live(sg.s, l)) continue;
-      const R* Hl = a.hst + ((hbase + m++) * p.H + h) * tile;
-      const R* dHo = a.dst + ((dbase + live_rank(sg.e, read_level(sg.e, sg.s, l))) * p.H + h) * tile;
-      R part = 0;
-      for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
-        s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(Hl[e]);
-        part += Hl[e] * dHo[e];
-      }
-      dB += eB * block_sum(part, s.red);  // includes barriers
+      const R* Hl = a.hst + ((a.hoff[gi] + m++) * p.H + h) * tile;
+      for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(Hl[e]);
+      __syncthreads();
       smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hs, s.ldv, kChunk, dk, dv, false);   // [C,dv]x[dv,dk]
       if (threadIdx.x < nr) {
         const int i = threadIdx.x;
@@ -451,12 +466,10 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
   }
   // ---- new tokens of level L: Z_L = K^T diag(w 1_L) V, w = e^{B-b}
   //   dV += diag(w 1_L) K dH'[L];  dK += diag(w 1_L) V dH'[L]^T;  d(B - b_j) += w_j (K dH'[L])_j.v_j
-  for (int L = 1; L <= etop; ++L) {
-    if (!is_live(sg.e, L)) continue;
+  for (int L = 1, m = 0; L <= etop; ++L) {
     int lo, hi;
-    group_rows(sg, L, lo, hi);
-    if (lo >= hi) continue;
-    const R* dHo = a.dst + ((a.doff[gi] + live_rank(sg.e, L)) * p.H + h) * tile;
+    if (!group_rows(sg, L, lo, hi)) continue;
+    const R* dHo = a.dst + ((a.goff[gi] + m++) * p.H + h) * tile;
     for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(dHo[e]);
     __syncthreads();
     smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.Hs, s.ldv, kChunk, dv, dk, false);  // [C,dk]x[dk,dv]
@@ -530,7 +543,7 @@ void launch_sweep_fwd(const LlArgs<T>& a, cudaStream_t stream) {
 LlTables::LlTables(const detail::Resolved& r, cudaStream_t s) {
   std::vector<int> seg_seq;
   hoff.push_back(0);
-  doff.push_back(0);
+  goff.push_back(0);
   int64_t maxn = 0;
   for (size_t i = 0; i < r.seqs.size(); ++i) {
     const int64_t a = r.seqs[i].n0, n = a + r.seqs[i].len;
@@ -541,7 +554,9 @@ LlTables::LlTables(const detail::Resolved& r, cudaStream_t s) {
     for (int64_t c = a / kChunk; r.seqs[i].len > 0 && c * kChunk < n; ++c) {  // segments of §3.3
       const int64_t st = std::max(c * kChunk, a), en = std::min((c + 1) * kChunk, n);
       hoff.push_back(hoff.back() + __builtin_popcountll(uint64_t(st)));
-      doff.push_back(doff.back() + __builtin_popcountll(uint64_t(en)));
+      int groups = 0, lo, hi;
+      for (int L = 1; L <= bitlen64(en); ++L) groups += is_live(en, L) && bucket_rows(st, en, L, lo, hi);
+      goff.push_back(goff.back() + groups);
       seg_seq.push_back(int(i));
       ++nseg;
     }
@@ -552,7 +567,7 @@ LlTables::LlTables(const detail::Resolved& r, cudaStream_t s) {
   d_nend = SeqTables::upload(nend, s);
   d_seg0 = SeqTables::upload(seg0, s);
   d_hoff = SeqTables::upload(hoff, s);
-  d_doff = SeqTables::upload(doff, s);
+  d_goff = SeqTables::upload(goff, s);
   d_seg_seq = SeqTables::upload(seg_seq, s);
 }
 
@@ -572,9 +587,10 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
   const int64_t tile = int64_t(a.p.dk) * a.p.dv;
-  DevBuf<R> ht, hst, dst(size_t(t.doff.back() * a.p.H * tile), stream);
+  const int ntiles = (a.p.dv + kBV - 1) / kBV;
+  DevBuf<R> ht, hst, dst(size_t(t.goff.back() * a.p.H * tile), stream), dBpart(size_t(t.nseg * a.p.H * ntiles), stream);
   LlArgs<T> b = a;
-  b.dst = dst.get();
+  b.dst = dst.get(), b.dBpart = dBpart.get();
   if (!a.hst && t.hoff.back() > 0) {  // states only, storing the live levels entering every segment
     ht = DevBuf<R>(size_t(int64_t(a.p.N) * a.p.H * a.Ls * tile), stream);
     hst = DevBuf<R>(size_t(t.hoff.back() * a.p.H * tile), stream);
@@ -583,7 +599,7 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   }
   const size_t rb = rev_bytes<T>(a.p.dk);
   set_smem(ll_bwd_dh_kernel<T>, rb);
-  ll_bwd_dh_kernel<T><<<dim3((a.p.dv + kBV - 1) / kBV, a.p.N * a.p.H), 256, rb, stream>>>(b);
+  ll_bwd_dh_kernel<T><<<dim3(ntiles, a.p.N * a.p.H), 256, rb, stream>>>(b);
   HILA_CUDA_CHECK_LAUNCH();
   HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(R), stream));
   if (t.nseg > 0) {

@@ -10,11 +10,12 @@
 //
 // Forward: one block per (value tile of 64 columns, sequence x head) sweeps its segments in order;
 //   the level states live in the final-state buffer (global, L2-resident), one [dk, 64] tile each.
-// Backward (§5.2): (1) the same sweep without outputs stores the live levels entering every
-//   segment (compact: popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value
-//   tile, sequence x head) carries one adjoint per live level, stores the adjoint of the state
-//   leaving every segment (popcount(e) tiles at doff[g]) and ends with d_init; (3) one block per
-//   (segment, head) forms dq^, dk, dv, dlam and dg from those:
+// Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
+//   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
+//   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
+//   tokens land in (goff[g]: one tile per aligned chunk, at most p+1 for the last segment) and the
+//   re-key part of dB, and ends with d_init; (3) one block per (segment, head) forms dq^, dk, dv,
+//   dlam and dg from those:
 //   intra: dP = dO V^T, dA = dP o M, dQ^ = dA K, dK = dA^T Q^, dV = P^T dO, dlam via the in-chunk LUT
 //   reads: Y = dO H[l]^T, dQ^ += diag(lam e^b) Y, dlam[i, lv_i] += e^{b_i} q^_i.Y_i
 //   new tokens: dK += diag(w 1_L) V dH'[L]^T, dV += diag(w 1_L) K dH'[L], w = e^{B-b}
@@ -28,11 +29,11 @@
 namespace hila::cuda {
 
 // Per-call segment tables: per sequence its start position n0 and first global segment; per
-// segment the offsets of its stored incoming levels (hoff, popcount(s)) and outgoing adjoints
-// (doff, popcount(e)). Ls = Fenwick slots of the internal states, max_i bitlen(n0_i + len_i) + 1.
+// segment the offsets of its stored incoming levels (hoff, popcount(s)) and of the adjoints of its
+// new-token levels (goff). Ls = Fenwick slots of the internal states, max_i bitlen(n0_i + len_i) + 1.
 struct LlTables {
-  std::vector<int64_t> n0, nend, seg0, hoff, doff;
-  DevBuf<int64_t> d_n0, d_nend, d_seg0, d_hoff, d_doff;
+  std::vector<int64_t> n0, nend, seg0, hoff, goff;
+  DevBuf<int64_t> d_n0, d_nend, d_seg0, d_hoff, d_goff;
   DevBuf<int> d_seg_seq;
   int64_t nseg = 0;
   int Ls = 1;
@@ -51,11 +52,12 @@ struct LlArgs {
   const R* lam = nullptr;            // [H][Ttot][nL]
   int nL = 1;
   int Ls = 1;
-  const int64_t *n0 = nullptr, *seg0 = nullptr, *hoff = nullptr, *doff = nullptr;  // device
+  const int64_t *n0 = nullptr, *seg0 = nullptr, *hoff = nullptr, *goff = nullptr;  // device
   const int* seg_seq = nullptr;      // [nseg] sequence of each segment
   int64_t nseg = 0;
   R* hst = nullptr;                  // [hoff[nseg]][H][dk][dv] live levels entering each segment
-  R* dst = nullptr;                  // [doff[nseg]][H][dk][dv] adjoints leaving each segment
+  R* dst = nullptr;                  // [goff[nseg]][H][dk][dv] adjoints of each segment's token levels
+  R* dBpart = nullptr;               // [nseg][H][dv / 64] re-key part of dB per value tile
   R* dlam = nullptr;                 // [H][Ttot][nL]
 };
 
@@ -64,7 +66,7 @@ template <class T>
 void ll_forward(const LlArgs<T>& a, cudaStream_t stream);
 // Backward: needs the inputs, p.dO, p.dht (optional), and writes p.dq, p.dk_, p.dv_, p.dg, dlam,
 // p.dh0 (d_init). Reads hst when set (from an ll_forward with hst, [t.stored_levels()][H][dk][dv]);
-// otherwise recomputes it. Allocates the stored adjoints (dst) on the stream.
+// otherwise recomputes it. Allocates dst and dBpart on the stream.
 template <class T>
 void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Shared memory the kernels need for these head dims (bytes).
