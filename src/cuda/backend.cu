@@ -216,7 +216,7 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
   a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get();
-  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a), s);
+  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a), *c.ll, s);
   else gla_forward<T>(a, s);
   c.write_output(p.o, O.get());
   c.write_states(p.final_state, in, Hf.get());
@@ -238,7 +238,7 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
                         : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
   a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
-  if (plan.fenwick) ll_forward<T>(c.ll_args(a), s);
+  if (plan.fenwick) ll_forward<T>(c.ll_args(a), *c.ll, s);
   else gla_forward<T>(a, s);
   if (p.o.defined()) c.write_output(p.o, O.get());
   c.write_states(p.final_state, in, Hf.get());

@@ -2,6 +2,8 @@
 // Kernels of log-linear Mamba-2; see loglinear.cuh for the math, the layouts and the grid mapping.
 #include "cuda/loglinear.cuh"
 
+#include <cstdlib>
+
 namespace hila::cuda {
 
 namespace {
@@ -78,14 +80,16 @@ __device__ R block_sum(R x, R* red) {
 // ---- forward sweep ---------------------------------------------------------------------------
 
 template <class T>
+// Tiles of a segment's forward over `cols` value columns: kBV in the sweep (which also keeps the
+// state update tile Hf), all dv in the chunk-parallel output kernel.
 struct FwdSmem {
   using R = Acc<T>;
   T *Q, *Qs, *K, *V, *Hs, *P;  // P doubles as the weighted values of the state update
   R *A, *O, *Hf, *b;
   int ldk, ldv, ldc, ldcr, ldvr;
-  __host__ __device__ FwdSmem(char* base, int dk, size_t* bytes = nullptr) {
-    ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldc = ld_of<T>(kChunk);
-    ldcr = ld_of<R>(kChunk), ldvr = ld_of<R>(kBV);
+  __host__ __device__ FwdSmem(char* base, int dk, int cols, bool with_state, size_t* bytes = nullptr) {
+    ldk = ld_of<T>(dk), ldv = ld_of<T>(cols), ldc = ld_of<T>(kChunk);
+    ldcr = ld_of<R>(kChunk), ldvr = ld_of<R>(cols);
     Carve c{base};
     Q = c.take<T>(kChunk * ldk);
     Qs = c.take<T>(kChunk * ldk);
@@ -95,12 +99,52 @@ struct FwdSmem {
     P = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
     O = c.take<R>(kChunk * ldvr);
-    Hf = c.take<R>(dk * ldvr);
+    Hf = with_state ? c.take<R>(dk * ldvr) : nullptr;
     b = c.take<R>(kChunk);
     if (bytes) *bytes = c.used;
   }
 };
 static_assert(kBV == kChunk, "FwdSmem::P holds [C, C] scores and [C, kBV] weighted values");
+
+// Output rows of one segment, value columns [v0, v0+bv), with s.Q, s.K, s.V (columns [v0, v0+bv)
+// at 0) and s.b loaded:
+//   O = (Lam o Gamma_c o Q^ K^T) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^{b_i}) Q^ H[l]
+// level(l, m) points at element (0, v0) of live level l (the m-th live level of s) as a fp32
+// matrix with row stride p.dv.
+template <class T, class Level>
+__device__ void segment_output(const LlArgs<T>& a, FwdSmem<T>& s, const Seg& sg, int h, int v0, int bv, Level level) {
+  using R = Acc<T>;
+  const GlaArgs<T>& p = a.p;
+  const R* lam = a.lam + int64_t(h) * p.Ttot * a.nL;
+  smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, p.dk, false);  // [C,dk]x[dk,C]
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+    const int i = e / kChunk, jj = e % kChunk;
+    R x = 0;
+    if (jj <= i && i < sg.nr)
+      x = s.A[i * s.ldcr + jj] * p.scale * exp(s.b[i] - s.b[jj]) *
+          lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + jj)];
+    s.P[i * s.ldc + jj] = to<T>(x);
+  }
+  __syncthreads();
+  smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);  // [C,C]x[C,bv]
+  for (int l = 1, m = 0, top = bitlen64(sg.s); l <= top; ++l) {
+    if (!is_live(sg.s, l)) continue;
+    const R* Hl = level(l, m++);
+    for (int e = threadIdx.x; e < kChunk * p.dk; e += blockDim.x) {
+      const int i = e / p.dk, c = e % p.dk;
+      R x = 0;
+      if (i < sg.nr)
+        x = from<R>(s.Q[i * s.ldk + c]) * p.scale * exp(s.b[i]) *
+            lam[(sg.row + i) * a.nL + read_level(sg.s + i, sg.s, l)];
+      s.Qs[i * s.ldk + c] = to<T>(x);
+    }
+    for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
+      s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(Hl[int64_t(e / bv) * p.dv + e % bv]);
+    __syncthreads();
+    smem_gemm<T, false, false>(s.O, s.ldvr, s.Qs, s.ldk, s.Hs, s.ldv, kChunk, bv, p.dk, true);  // [C,dk]x[dk,bv]
+  }
+  store_rows(p.o + int64_t(h) * p.Ttot * p.dv, p.dv, sg.row, v0, s.O, s.ldvr, sg.nr, bv);
+}
 
 // grid (dv / 64, N * H): one [dk, 64] column tile of every level state per block, kept in p.ht.
 template <class T>
@@ -108,7 +152,7 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
-  FwdSmem<T> s(smem, p.dk);
+  FwdSmem<T> s(smem, p.dk, kBV, true);
   const int v0 = blockIdx.x * kBV, bv = min(kBV, p.dv - v0);
   const int seq = blockIdx.y / p.H, h = blockIdx.y % p.H;
   const int64_t len = p.len[seq], row0 = p.row0[seq], n0 = a.n0[seq];
@@ -116,7 +160,6 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
   const T* k = p.k + int64_t(h / p.k_div) * p.Ttot * p.dk;
   const T* v = p.v + int64_t(h / p.v_div) * p.Ttot * p.dv;
   const R* g = p.g ? p.g + int64_t(h) * p.Ttot : nullptr;
-  const R* lam = a.lam + int64_t(h) * p.Ttot * a.nL;
   const int64_t tile = int64_t(p.dk) * p.dv;
   R* H = p.ht + (int64_t(seq) * p.H + h) * a.Ls * tile;  // slot l at H + l * tile
   const R* H0 = p.h0 ? p.h0 + (int64_t(seq) * p.H + h) * a.Ls * tile : nullptr;
@@ -142,37 +185,7 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
     load_rows(s.K, s.ldk, k, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.V, s.ldv, v, p.dv, sg.row, sg.nr, v0, bv);
     chunk_cumsum(s.b, g, sg.row, sg.nr);  // includes a barrier
-    if (p.o) {
-      // O = (Lam o Gamma_c o Q^ K^T) V          [C,dk]x[dk,C], [C,C]x[C,64]
-      smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, p.dk, false);
-      for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
-        const int i = e / kChunk, jj = e % kChunk;
-        R x = 0;
-        if (jj <= i && i < sg.nr)
-          x = s.A[i * s.ldcr + jj] * p.scale * exp(s.b[i] - s.b[jj]) *
-              lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + jj)];
-        s.P[i * s.ldc + jj] = to<T>(x);
-      }
-      __syncthreads();
-      smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
-      // O += diag(lam^{l(s+i, sigma_l(s))} e^{b_i}) Q^ H[l] per live level      [C,dk]x[dk,64]
-      for (int l = 1; l <= top; ++l) {
-        if (!is_live(sg.s, l)) continue;
-        for (int e = threadIdx.x; e < kChunk * p.dk; e += blockDim.x) {
-          const int i = e / p.dk, c = e % p.dk;
-          R x = 0;
-          if (i < sg.nr)
-            x = from<R>(s.Q[i * s.ldk + c]) * p.scale * exp(s.b[i]) *
-                lam[(sg.row + i) * a.nL + read_level(sg.s + i, sg.s, l)];
-          s.Qs[i * s.ldk + c] = to<T>(x);
-        }
-        for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-          s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(H[l * tile + int64_t(e / bv) * p.dv + v0 + e % bv]);
-        __syncthreads();
-        smem_gemm<T, false, false>(s.O, s.ldvr, s.Qs, s.ldk, s.Hs, s.ldv, kChunk, bv, p.dk, true);
-      }
-      store_rows(p.o + int64_t(h) * p.Ttot * p.dv, p.dv, sg.row, v0, s.O, s.ldvr, sg.nr, bv);
-    }
+    if (p.o) segment_output(a, s, sg, h, v0, bv, [&](int l, int) { return H + l * tile + v0; });
     // decay and re-key H[l] -> H'[l(e, sigma_l(s))], in place from the top level down: a target
     // is >= its source, and every source above the current one has already moved out.
     const R eB = exp(s.b[kChunk - 1]);
@@ -208,6 +221,25 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
       __syncthreads();
     }
   }
+}
+
+// Chunk-parallel outputs from the stored live levels (hst): grid (nseg, H), all dv columns.
+template <class T>
+__global__ void __launch_bounds__(256) ll_out_kernel(LlArgs<T> a) {
+  using R = Acc<T>;
+  extern __shared__ __align__(128) char smem[];
+  const GlaArgs<T>& p = a.p;
+  FwdSmem<T> s(smem, p.dk, p.dv, false);
+  const int64_t gi = blockIdx.x;
+  const int h = blockIdx.y, seq = a.seg_seq[gi];
+  const Seg sg = segment(a.n0[seq], p.len[seq], p.row0[seq], gi - a.seg0[seq]);
+  load_rows(s.Q, s.ldk, p.q + int64_t(h / p.q_div) * p.Ttot * p.dk, p.dk, sg.row, sg.nr, 0, p.dk);
+  load_rows(s.K, s.ldk, p.k + int64_t(h / p.k_div) * p.Ttot * p.dk, p.dk, sg.row, sg.nr, 0, p.dk);
+  load_rows(s.V, s.ldv, p.v + int64_t(h / p.v_div) * p.Ttot * p.dv, p.dv, sg.row, sg.nr, 0, p.dv);
+  chunk_cumsum(s.b, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, sg.nr);
+  const int64_t tile = int64_t(p.dk) * p.dv;
+  segment_output(a, s, sg, h, 0, p.dv,
+                 [&](int, int m) -> const R* { return a.hst + ((a.hoff[gi] + m) * p.H + h) * tile; });
 }
 
 // ---- reverse sweep of the level adjoints (§5.2) -----------------------------------------------
@@ -509,7 +541,13 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
 template <class T>
 size_t fwd_bytes(int dk) {
   size_t b = 0;
-  FwdSmem<T> s(nullptr, dk, &b);
+  FwdSmem<T> s(nullptr, dk, kBV, true, &b);
+  return b;
+}
+template <class T>
+size_t out_bytes(int dk, int dv) {
+  size_t b = 0;
+  FwdSmem<T> s(nullptr, dk, dv, false, &b);
   return b;
 }
 template <class T>
@@ -576,10 +614,41 @@ size_t ll_smem_need(int dk, int dv) {
   return std::max({fwd_bytes<T>(dk), rev_bytes<T>(dk), grad_bytes<T>(dk, dv)});
 }
 
+// Bytes of stored live levels (hst) a forward-only call may allocate to run its outputs
+// chunk-parallel: a quarter of the free device memory, or HILA_LOGLINEAR_STORE_BUDGET (bytes; 0
+// keeps the outputs in the sweep, which the tests use to cover both paths).
+size_t hst_budget() {
+  if (const char* env = std::getenv("HILA_LOGLINEAR_STORE_BUDGET")) return size_t(std::strtoull(env, nullptr, 10));
+  size_t free = 0, total = 0;
+  HILA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return free / 4;
+}
+
 template <class T>
-void ll_forward(const LlArgs<T>& a, cudaStream_t stream) {
+void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
+  using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
-  launch_sweep_fwd(a, stream);
+  // The sweep is parallel over (value tile, sequence x head) only. When the live levels entering
+  // each segment are (or may be) stored, it carries the states alone and the outputs run in one
+  // block per (segment, head).
+  int dev = 0, optin = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t ob = out_bytes<T>(a.p.dk, a.p.dv);
+  const size_t hst_bytes = size_t(t.stored_levels()) * a.p.H * a.p.dk * a.p.dv * sizeof(R);
+  if (!a.p.o || t.nseg == 0 || ob > size_t(optin) || (!a.hst && hst_bytes > hst_budget())) {
+    launch_sweep_fwd(a, stream);
+    return;
+  }
+  DevBuf<R> hst;
+  LlArgs<T> b = a;
+  if (!b.hst && hst_bytes > 0) b.hst = (hst = DevBuf<R>(hst_bytes / sizeof(R), stream)).get();
+  b.p.o = nullptr;
+  launch_sweep_fwd(b, stream);
+  b.p.o = a.p.o;
+  set_smem(ll_out_kernel<T>, ob);
+  ll_out_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, ob, stream>>>(b);
+  HILA_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
@@ -611,7 +680,7 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
 }
 
 #define HILA_INSTANTIATE(T)                                                      \
-  template void ll_forward<T>(const LlArgs<T>&, cudaStream_t);                   \
+  template void ll_forward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);  \
   template void ll_backward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t); \
   template size_t ll_smem_need<T>(int, int);
 HILA_INSTANTIATE(__nv_bfloat16)

@@ -10,6 +10,9 @@
 //
 // Forward: one block per (value tile of 64 columns, sequence x head) sweeps its segments in order;
 //   the level states live in the final-state buffer (global, L2-resident), one [dk, 64] tile each.
+//   When the live levels entering each segment are stored (always in the backward; in a forward
+//   when they fit a quarter of the free memory) the sweep carries the states alone and the outputs
+//   run chunk-parallel, one block per (segment, head) over all dv columns.
 // Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
 //   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
 //   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
@@ -63,7 +66,7 @@ struct LlArgs {
 
 // Forward: writes p.o (if set), p.ht (final canonical state) and hst (if set).
 template <class T>
-void ll_forward(const LlArgs<T>& a, cudaStream_t stream);
+void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Backward: needs the inputs, p.dO, p.dht (optional), and writes p.dq, p.dk_, p.dv_, p.dg, dlam,
 // p.dh0 (d_init). Reads hst when set (from an ll_forward with hst, [t.stored_levels()][H][dk][dv]);
 // otherwise recomputes it. Allocates dst and dBpart on the stream.

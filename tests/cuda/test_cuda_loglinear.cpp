@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "cuda_support.h"
@@ -170,9 +171,15 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLogLinear, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Forward alone (no backward workspace) gives the same o and final state as the backward's forward.
-TEST(CudaLogLinear, ForwardOnlyMatchesNaive) {
+// Forward alone, with the outputs chunk-parallel from stored levels (the default when they fit)
+// and inside the sequential sweep (store budget 0).
+class CudaLogLinearForward : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaLogLinearForward, ForwardOnlyMatchesNaive) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  const char* budget = GetParam();
+  if (budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", budget, 1);
+  else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
   ProblemSpec s;
   s.cfg.op = Op::loglinear;
   s.B = 2, s.T = 777, s.H = 2, s.dk = 64, s.dv = 64;
@@ -192,12 +199,16 @@ TEST(CudaLogLinear, ForwardOnlyMatchesNaive) {
   p.o = o.view();
   p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
   forward(p);
+  unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double eo = rel_err(o.fetch(), ref.o), eh = rel_err(fH.fetch(), ref.final_state.H);
-  std::printf("  loglinear_forward_only o rel err %.2e, H_T rel err %.2e\n", eo, eh);
+  std::printf("  loglinear_forward_only (store budget %s) o rel err %.2e, H_T rel err %.2e\n",
+              budget ? budget : "default", eo, eh);
   EXPECT_LE(eo, 1e-4);
   EXPECT_LE(eh, 1e-4);
 }
+INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward, ::testing::Values(nullptr, "0"),
+                         [](const auto& info) { return std::string(info.param ? "sweep_outputs" : "chunk_outputs"); });
 
 // Too few lam levels is rejected before any launch on the CUDA path too (LOGLINEAR_SPEC §2.3).
 TEST(CudaLogLinear, TooFewLevelsIsAnError) {
