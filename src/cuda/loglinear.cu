@@ -49,8 +49,9 @@ __device__ __forceinline__ Seg segment(int64_t n0, int64_t len, int64_t row0, in
 // e): bucket B_L(e) = [sigma_L(e), sigma_L(e) + 2^{L-1}) intersected with [s, e). Non-empty?
 __host__ __device__ __forceinline__ bool bucket_rows(int64_t s, int64_t e, int L, int& lo, int& hi) {
   const int64_t b0 = bucket_start(e, L), b1 = b0 + (int64_t(1) << (L - 1));
-  lo = int((b0 > s ? b0 : s) - s);
-  hi = int((b1 < e ? b1 : e) - s);
+  const int64_t l64 = (b0 > s ? b0 : s) - s, h64 = (b1 < e ? b1 : e) - s;  // h64 may be << -2^31
+  lo = h64 > l64 ? int(l64) : 0;
+  hi = h64 > l64 ? int(h64) : 0;
   return lo < hi;
 }
 __device__ __forceinline__ bool group_rows(const Seg& g, int L, int& lo, int& hi) {

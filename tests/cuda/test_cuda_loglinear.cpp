@@ -31,6 +31,9 @@ struct LlCase {
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
+// 2^33 + 2^32 - 5: the first segment ends at 2^33 + 2^32, whose level-34 bucket starts 2^32 - 5
+// positions before it (distances past 2^31 in the segment arithmetic)
+constexpr int64_t kHuge = (int64_t(1) << 33) + (int64_t(1) << 32) - 5;
 
 std::vector<LlCase> cases() {
   std::vector<LlCase> cs;
@@ -45,6 +48,8 @@ std::vector<LlCase> cases() {
   cs.push_back({ll, DType::bf16, 2, 300, 1, 4, 64, 40, {}, {13}, 1e-2, name(ll, "bf16_init13_gqa4_dv40"), false,
                 false, 0, true});
   cs.push_back({ll, DType::f16, 2, 130, 1, 2, 64, 64, {}, {64}, 1e-2, name(ll, "f16_init64")});
+  cs.push_back({ll, DType::bf16, 1, 0, 1, 2, 64, 64, {70, 0, 130}, {kHuge, 3, kHuge + 64}, 1e-2,
+                name(ll, "bf16_varlen_init_past_2e33")});
   for (int64_t T : {1, 63, 64, 65, 1000})
     cs.push_back({ll, DType::f32, 2, T, 1, 2, 64, 64, {}, {}, 1e-4, name(ll, "f32_d64_T" + std::to_string(T))});
   cs.push_back({ll, DType::f32, 1, 4096, 1, 1, 32, 32, {}, {}, 1e-4, name(ll, "f32_d32_T4096")});
@@ -55,6 +60,7 @@ std::vector<LlCase> cases() {
   for (int64_t T : {1, 63, 64, 65})
     cs.push_back({ll, DType::f64, 1, T, 1, 2, 16, 16, {}, {}, 1e-10, name(ll, "f64_d16_T" + std::to_string(T))});
   cs.push_back({ll, DType::f64, 1, 200, 1, 2, 32, 32, {}, {13}, 1e-10, name(ll, "f64_init13")});
+  cs.push_back({ll, DType::f64, 1, 150, 1, 1, 16, 16, {}, {kHuge}, 1e-10, name(ll, "f64_init_past_2e33")});
   cs.push_back({ll, DType::f64, 1, 0, 1, 2, 16, 16, {0, 70, 0, 64, 1, 140}, {13, 64, 200, kFar, 0, 63}, 1e-10,
                 name(ll, "f64_varlen_init_mixed_pos"), false, false, 0, true});
   // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
