@@ -178,43 +178,53 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLogLinear, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
 // Forward alone, with the outputs chunk-parallel from stored levels (the default when they fit)
-// and inside the sequential sweep (store budget 0).
-class CudaLogLinearForward : public ::testing::TestWithParam<const char*> {};
+// and inside the sequential sweep (store budget 0), for the tensor-core and the FMA paths.
+struct FwdCase {
+  DType dtype;
+  int64_t dv;  // 128 in bf16: two value tiles in the sweep
+  double tol;
+  const char* budget;  // HILA_LOGLINEAR_STORE_BUDGET, nullptr: unset
+  std::string name;
+};
+class CudaLogLinearForward : public ::testing::TestWithParam<FwdCase> {};
 
 TEST_P(CudaLogLinearForward, ForwardOnlyMatchesNaive) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
-  const char* budget = GetParam();
-  if (budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", budget, 1);
-  else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  const FwdCase c = GetParam();
   ProblemSpec s;
   s.cfg.op = Op::loglinear;
-  s.B = 2, s.T = 777, s.H = 2, s.dk = 64, s.dv = 64;
+  s.B = 2, s.T = 777, s.H = 2, s.dk = 64, s.dv = c.dv;
   s.init_state = true;
   s.init_pos = {kFar};
   s.dtype = DType::f64;
   s.seed = 5;
-  const Problem low = cast_problem(make_problem(s), DType::f32);
+  const Problem low = cast_problem(make_problem(s), c.dtype);
   const Result ref = run_forward(cast_problem(low, DType::f64), Form::naive);
   DevTensor q(low.q), k(low.k), v(low.v), g(low.g), lam(low.lam), pos(low.init.pos), h0(low.init.H);
   ForwardParams p = low.forward_params(Form::chunk, 64);
   p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view();
   p.init = {};
   p.init.pos = pos.view(), p.init.H = h0.view();
-  const StateBuffers fin_host = make_state(s.cfg, 2, s.H, s.dk, s.dv, low.max_final_pos(), DType::f32);
-  DevTensor o(ref.o.cast(DType::f32), true), fpos(fin_host.pos, true), fH(fin_host.H, true);
+  const StateBuffers fin_host = make_state(s.cfg, 2, s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
+  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fH(fin_host.H, true);
   p.o = o.view();
   p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
+  if (c.budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", c.budget, 1);
+  else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
   forward(p);
   unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double eo = rel_err(o.fetch(), ref.o), eh = rel_err(fH.fetch(), ref.final_state.H);
-  std::printf("  loglinear_forward_only (store budget %s) o rel err %.2e, H_T rel err %.2e\n",
-              budget ? budget : "default", eo, eh);
-  EXPECT_LE(eo, 1e-4);
-  EXPECT_LE(eh, 1e-4);
+  std::printf("  %-32s o rel err %.2e, H_T rel err %.2e\n", c.name.c_str(), eo, eh);
+  EXPECT_LE(eo, c.tol);
+  EXPECT_LE(eh, c.tol);
 }
-INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward, ::testing::Values(nullptr, "0"),
-                         [](const auto& info) { return std::string(info.param ? "sweep_outputs" : "chunk_outputs"); });
+INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
+                         ::testing::Values(FwdCase{DType::bf16, 128, 1e-2, nullptr, "bf16_chunk_outputs"},
+                                           FwdCase{DType::bf16, 128, 1e-2, "0", "bf16_sweep_outputs"},
+                                           FwdCase{DType::f32, 64, 1e-4, nullptr, "f32_chunk_outputs"},
+                                           FwdCase{DType::f32, 64, 1e-4, "0", "f32_sweep_outputs"}),
+                         [](const auto& info) { return info.param.name; });
 
 // Too few lam levels is rejected before any launch on the CUDA path too (LOGLINEAR_SPEC §2.3).
 TEST(CudaLogLinear, TooFewLevelsIsAnError) {
