@@ -9,6 +9,7 @@ namespace hila::cuda {
 namespace {
 
 constexpr int kLogChunk = 6;  // p = log2(kChunk): levels inside a chunk are 0..p (§2.6)
+constexpr int kVT = 64;       // value columns per block in the sweeps (state tiles [dk, kVT])
 static_assert((1 << kLogChunk) == kChunk, "kLogChunk must match kChunk");
 
 // ---- levels (§2.1, §2.2) on absolute int64 positions (n >= 0) ------------------------------------
@@ -81,7 +82,7 @@ __device__ R block_sum(R x, R* red) {
 // ---- forward sweep ---------------------------------------------------------------------------
 
 template <class T>
-// Tiles of a segment's forward over `cols` value columns: kBV in the sweep (which also keeps the
+// Tiles of a segment's forward over `cols` value columns: kVT in the sweep (which also keeps the
 // state update tile Hf), all dv in the chunk-parallel output kernel.
 struct FwdSmem {
   using R = Acc<T>;
@@ -105,7 +106,7 @@ struct FwdSmem {
     if (bytes) *bytes = c.used;
   }
 };
-static_assert(kBV == kChunk, "FwdSmem::P holds [C, C] scores and [C, kBV] weighted values");
+static_assert(kVT <= kChunk, "FwdSmem::P holds [C, C] scores and [C, kVT] weighted values");
 
 // Output rows of one segment, value columns [v0, v0+bv), with s.Q, s.K, s.V (columns [v0, v0+bv)
 // at 0) and s.b loaded:
@@ -153,8 +154,8 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
-  FwdSmem<T> s(smem, p.dk, kBV, true);
-  const int v0 = blockIdx.x * kBV, bv = min(kBV, p.dv - v0);
+  FwdSmem<T> s(smem, p.dk, kVT, true);
+  const int v0 = blockIdx.x * kVT, bv = min(kVT, p.dv - v0);
   const int seq = blockIdx.y / p.H, h = blockIdx.y % p.H;
   const int64_t len = p.len[seq], row0 = p.row0[seq], n0 = a.n0[seq];
   const T* q = p.q + int64_t(h / p.q_div) * p.Ttot * p.dk;
@@ -252,7 +253,7 @@ struct RevSmem {
   R *Hf, *b, *red;
   int ldk, ldv, ldvr;
   __host__ __device__ RevSmem(char* base, int dk, size_t* bytes = nullptr) {
-    ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldvr = ld_of<R>(kBV);
+    ldk = ld_of<T>(dk), ldv = ld_of<T>(kVT), ldvr = ld_of<R>(kVT);
     Carve c{base};
     Q = c.take<T>(kChunk * ldk);
     D = c.take<T>(kChunk * ldv);
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(256) ll_bwd_dh_kernel(LlArgs<T> a) {
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
   RevSmem<T> s(smem, p.dk);
-  const int v0 = blockIdx.x * kBV, bv = min(kBV, p.dv - v0);
+  const int v0 = blockIdx.x * kVT, bv = min(kVT, p.dv - v0);
   const int seq = blockIdx.y / p.H, h = blockIdx.y % p.H;
   const int64_t len = p.len[seq], row0 = p.row0[seq], n0 = a.n0[seq], nend = n0 + len;
   const T* q = p.q + int64_t(h / p.q_div) * p.Ttot * p.dk;
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
   //   sweep's column tiles in dBpart)
   R dB = 0;  // meaningful in thread 0
   if (threadIdx.x == 0)
-    for (int t = 0, nt = (dv + kBV - 1) / kBV; t < nt; ++t) dB += eB * a.dBpart[(gi * p.H + h) * nt + t];
+    for (int t = 0, nt = (dv + kVT - 1) / kVT; t < nt; ++t) dB += eB * a.dBpart[(gi * p.H + h) * nt + t];
   {
     int m = 0;
     for (int l = 1; l <= top; ++l) {
@@ -542,7 +543,7 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
 template <class T>
 size_t fwd_bytes(int dk) {
   size_t b = 0;
-  FwdSmem<T> s(nullptr, dk, kBV, true, &b);
+  FwdSmem<T> s(nullptr, dk, kVT, true, &b);
   return b;
 }
 template <class T>
@@ -573,7 +574,7 @@ template <class T>
 void launch_sweep_fwd(const LlArgs<T>& a, cudaStream_t stream) {
   const size_t bytes = fwd_bytes<T>(a.p.dk);
   set_smem(ll_fwd_kernel<T>, bytes);
-  ll_fwd_kernel<T><<<dim3((a.p.dv + kBV - 1) / kBV, a.p.N * a.p.H), 256, bytes, stream>>>(a);
+  ll_fwd_kernel<T><<<dim3((a.p.dv + kVT - 1) / kVT, a.p.N * a.p.H), 256, bytes, stream>>>(a);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -657,7 +658,7 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
   const int64_t tile = int64_t(a.p.dk) * a.p.dv;
-  const int ntiles = (a.p.dv + kBV - 1) / kBV;
+  const int ntiles = (a.p.dv + kVT - 1) / kVT;
   DevBuf<R> ht, hst, dst(size_t(t.goff.back() * a.p.H * tile), stream), dBpart(size_t(t.nseg * a.p.H * ntiles), stream);
   LlArgs<T> b = a;
   b.dst = dst.get(), b.dBpart = dBpart.get();
