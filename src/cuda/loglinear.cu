@@ -25,6 +25,8 @@ __host__ __device__ __forceinline__ bool is_live(int64_t n, int l) { return l >=
 __host__ __device__ __forceinline__ int64_t bucket_start(int64_t n, int l) { return l >= 63 ? 0 : (n >> l) << l; }
 // level at which query t >= n reads bucket l of the state at n (nesting lemma, §2.4)
 __device__ __forceinline__ int read_level(int64_t t, int64_t n, int l) { return bitlen64(t ^ bucket_start(n, l)); }
+// index of live level l among the live levels of n (the compact order of hst: increasing level)
+__device__ __forceinline__ int live_rank(int64_t n, int l) { return __popcll(n & ((int64_t(1) << (l - 1)) - 1)); }
 // in-chunk level LUT[i, j] = bitlen(i xor j) for chunk offsets i, j < kChunk
 __device__ __forceinline__ int chunk_level(int i, int j) { return 32 - __clz(i ^ j); }
 
@@ -174,28 +176,22 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
   for (int64_t j = 0; j < nseg; ++j) {
     const Seg sg = segment(n0, len, row0, j);
     const int top = bitlen64(sg.s), etop = bitlen64(sg.e);
-    if (a.hst) {  // live levels entering the segment, for the backward
-      const int64_t base = a.hoff[a.seg0[seq] + j];
-      int m = 0;
-      for (int l = 1; l <= top; ++l) {
-        if (!is_live(sg.s, l)) continue;
-        R* dst = a.hst + ((base + m++) * p.H + h) * tile;
-        each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { dst[x] = H[l * tile + x]; });
-      }
-    }
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.K, s.ldk, k, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.V, s.ldv, v, p.dv, sg.row, sg.nr, v0, bv);
     chunk_cumsum(s.b, g, sg.row, sg.nr);  // includes a barrier
     if (p.o) segment_output(a, s, sg, h, v0, bv, [&](int l, int) { return H + l * tile + v0; });
     // decay and re-key H[l] -> H'[l(e, sigma_l(s))], in place from the top level down: a target
-    // is >= its source, and every source above the current one has already moved out.
+    // is >= its source, and every source above the current one has already moved out (so H[l]
+    // still holds the level entering the segment, which hst keeps for the outputs / backward).
     const R eB = exp(s.b[kChunk - 1]);
     for (int l = top; l >= 1; --l) {
       if (!is_live(sg.s, l)) continue;
       const int L = read_level(sg.e, sg.s, l);
+      R* kept = a.hst ? a.hst + ((a.hoff[a.seg0[seq] + j] + live_rank(sg.s, l)) * p.H + h) * tile : nullptr;
       each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) {
-        const R y = H[l * tile + x] * eB;
+        const R hx = H[l * tile + x], y = hx * eB;
+        if (kept) kept[x] = hx;
         if (L == l) {
           H[l * tile + x] = y;
         } else {
