@@ -298,28 +298,27 @@ __global__ void __launch_bounds__(256) ll_bwd_dh_kernel(LlArgs<T> a) {
         R* dst = a.dst + ((a.goff[gi] + m++) * p.H + h) * tile;
         each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { dst[x] = dH[L * tile + x]; });
       }
-      R part = 0;
-      m = 0;
-      for (int l = 1; l <= top; ++l) {
-        if (!is_live(sg.s, l)) continue;
-        const R* Hl = a.hst + ((a.hoff[gi] + m++) * p.H + h) * tile;
-        const int L = read_level(sg.e, sg.s, l);
-        each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { part += dH[L * tile + x] * Hl[x]; });
-      }
-      part = block_sum(part, s.red);  // includes barriers
-      if (threadIdx.x == 0) a.dBpart[(gi * p.H + h) * gridDim.x + blockIdx.x] = part;
     }
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.D, s.ldv, dO, p.dv, sg.row, sg.nr, v0, bv);
     chunk_cumsum(s.b, g, sg.row, sg.nr);
     const R eB = exp(s.b[kChunk - 1]);
-    // adjoint of the re-key, in place from the lowest level up (a source reads its target >= it)
-    for (int l = 1; l <= top; ++l) {
+    // adjoint of the re-key, in place from the lowest level up (a source reads its target >= it,
+    // which no lower source has written), with this tile's part of sum_l <dH'[L(l)], H[l]>
+    R part = 0;
+    for (int l = 1, m = 0; l <= top; ++l) {
       if (!is_live(sg.s, l)) continue;
       const int L = read_level(sg.e, sg.s, l);
-      each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { dH[l * tile + x] = eB * dH[L * tile + x]; });
+      const R* Hl = a.hst + ((a.hoff[a.seg0[seq] + j] + m++) * p.H + h) * tile;
+      each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) {
+        const R d = dH[L * tile + x];
+        part += d * Hl[x];
+        dH[l * tile + x] = eB * d;
+      });
       __syncthreads();
     }
+    part = block_sum(part, s.red);  // includes barriers
+    if (threadIdx.x == 0) a.dBpart[((a.seg0[seq] + j) * p.H + h) * gridDim.x + blockIdx.x] = part;
     for (int L = 1; L <= etop; ++L) {  // levels live at e only: no adjoint before the segment
       if (!is_live(sg.e, L) || is_live(sg.s, L)) continue;
       each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) { dH[L * tile + x] = 0; });
