@@ -296,8 +296,12 @@ int main(int argc, char** argv) {
     fill_bf16(v, rng, 1.f);
     fill_bf16(dO, rng, 1.f);
     fill_gates(g, rng);
+    const int64_t L = levels_needed(0, T);  // Fenwick level weights of the log-linear ops
+    Dev lam(size_t(B * T * H * L) * 2), dlam(size_t(B * T * H * L) * 2);
+    fill_bf16(lam, rng, 1.f);
     const Device dev{DeviceType::cuda, 0};
     auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
+    auto view_lam = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, L}, dev); };
     for (Op op : ops) {
     BackwardParams p;
     p.cfg.op = op;
@@ -305,12 +309,14 @@ int main(int argc, char** argv) {
     p.form = Form::chunk;
     p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
+    if (op_traits(op).loglinear) p.lam = view_lam(lam);
     const double fwd = median_ms([&] { forward(p); }, warmup, reps);
     BackwardParams b = p;
     b.o = {};
     b.d_o = view4(dO);
     b.dq = view4(dq), b.dk = view4(dk), b.dv = view4(dv);
     b.dg = TensorView::contiguous_view(dg.p, DType::f32, {B, T, H}, dev);
+    if (op_traits(op).loglinear) b.dlam = view_lam(dlam);
     const double bwd = median_ms([&] { backward(b); }, warmup, reps);
     std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,fwd,%.4f\n", op_name(op), (long long)B, (long long)T,
                 (long long)H, (long long)d, fwd);

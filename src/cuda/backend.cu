@@ -15,6 +15,7 @@
 #include "core/plan.h"
 #include "cuda/backend.h"
 #include "cuda/gla.cuh"
+#include "cuda/loglinear.cuh"
 #include "cuda/pack.cuh"
 #include "cuda/runtime.cuh"
 #include "hila/error.h"
@@ -185,6 +186,8 @@ struct Call {
   DevBuf<R> g[3], b[3];  // packed log-gates and their chunk-local cumsums, per gate column
   DevBuf<R> S0, P0, H0;  // packed initial states (dense)
   SeqTables seqs;
+  std::optional<LlTables> ll;  // log-linear outer primitive: segments, n0, Fenwick slots
+  DevBuf<R> lam;               // [H][Ttot][nL]
 
   Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
@@ -204,11 +207,46 @@ struct Call {
       HILA_LAUNCH(pack_sym<R>, NH * dkp * dkp, s, S0.get(), Strided(p.init.S), NH, r.H, int(r.dk), dkp, false);
     }
     if (p.init.P.defined()) P0 = pack_dense(p.init.P);
-    if (p.init.H.defined()) H0 = pack_dense(p.init.H);
+    if (plan.fenwick) {
+      ll.emplace(r, s);
+      lam = DevBuf<R>(size_t(r.H * Ttot * r.nL), s);
+      HILA_LAUNCH(pack_lam<R>, r.H * Ttot * r.nL, s, lam.get(), Strided(p.lam), r.T, r.H, Ttot, int(r.nL));
+    }
+    if (p.init.H.defined()) H0 = pack_H(p.init.H, false);
+  }
+  // Outer state H: dense [N][H][dkp][dvp], or Fenwick [N][H][Ls][dkp][dvp] (LOGLINEAR_SPEC §8)
+  // holding the slots live at n0 (initial) or at n0 + len (end of the call).
+  int64_t slots() const { return plan.fenwick ? ll->Ls : 1; }
+  DevBuf<R> pack_H(const TensorView& t, bool at_end) const {
+    if (!plan.fenwick) return pack_dense(t);
+    const int64_t n = NH * ll->Ls * dkp * dvp;
+    DevBuf<R> b(size_t(n), s);
+    HILA_LAUNCH(pack_levels<R>, n, s, b.get(), Strided(t), (at_end ? ll->d_nend : ll->d_n0).get(), NH, r.H,
+                int(t.shape[2]), ll->Ls, int(r.dk), int(r.dvp), dkp, dvp);
+    return b;
+  }
+  void unpack_H(const TensorView& out, const R* in) const {
+    if (plan.fenwick)
+      HILA_LAUNCH(unpack_levels<R>, NH * out.shape[2] * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(out.shape[2]),
+                  ll->Ls, int(r.dk), int(r.dvp), dkp, dvp);
+    else
+      HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
+  }
+  // Arguments of the log-linear outer primitive; hst holds the live levels stored per segment.
+  LlArgs<T> ll_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr) const {
+    LlArgs<T> a;
+    a.p = base;
+    a.p.hbuf = nullptr;
+    a.hst = hst;
+    a.lam = lam.get(), a.nL = int(r.nL), a.Ls = ll->Ls;
+    a.n0 = ll->d_n0.get(), a.seg0 = ll->d_seg0.get(), a.hoff = ll->d_hoff.get(), a.goff = ll->d_goff.get();
+    a.seg_seq = ll->d_seg_seq.get(), a.nseg = ll->nseg;
+    a.dlam = dlam;
+    return a;
   }
   // The caller's [B, T, X, d] tensor in place, or packed into `buf` ([X][Ttot][dp], a ones column at `ones`).
   Operand<T> operand(const TensorView& t, int64_t X, int d, int dp, int ones, DevBuf<T>& buf) const {
-    if (ones < 0 && d == dp && in_place_ok<T>(t, r.B, r.T))
+    if (ones < 0 && d == dp && !plan.fenwick && !plan.delta && in_place_ok<T>(t, r.B, r.T))
       return {static_cast<const T*>(t.data), t.stride[1], t.stride[2]};
     buf = DevBuf<T>(size_t(X * Ttot * dp), s);
     HILA_LAUNCH(pack_rows<T>, X * Ttot * dp, s, buf.get(), Strided(t), r.T, X, Ttot, d, dp, ones);
@@ -287,8 +325,7 @@ struct Call {
       HILA_LAUNCH(unpack_sym<R>, NH * r.dk * (r.dk + 1) / 2, s, Strided(fin.S), in.Sf.get(), NH, r.H, int(r.dk), dkp, false);
     if (fin.P.defined())
       HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(fin.P), in.Pf.get(), NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
-    if (fin.H.defined())
-      HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(fin.H), Hf, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
+    if (fin.H.defined()) unpack_H(fin.H, Hf);
     if (fin.pos.defined()) {
       std::vector<int64_t> pos;
       for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
@@ -303,11 +340,12 @@ struct PrimGradBufs {
   using R = Acc<T>;
   DevBuf<R> dq, dk, dv, dg, dh0;
   DevBuf<StateOperand<T>> dhbuf;
-  PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s)
+  // fenwick: the log-linear outer primitive (dh0 holds Fenwick slots and is always needed)
+  PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s, bool fenwick = false)
       : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
         dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
-        dh0(want_dh0 ? size_t(c.NH * c.dkp * dval) : 0, s),
-        dhbuf(size_t(c.seqs.nchunks * c.r.H * c.dkp * dval), s) {}
+        dh0(want_dh0 || fenwick ? size_t(c.NH * (fenwick ? c.slots() : 1) * c.dkp * dval) : 0, s),
+        dhbuf(fenwick ? 0 : size_t(c.seqs.nchunks * c.r.H * c.dkp * dval), s) {}
   void attach(GlaArgs<T>& a) const {
     a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
   }
@@ -337,7 +375,7 @@ struct OutputTarget {
   DevBuf<T> buf;
   bool in_place = false;
   OutputTarget(const Call<T>& c, const TensorView& o, bool need_packed) {
-    in_place = !need_packed && !c.plan.normalize && in_place_ok<T>(o, c.r.B, c.r.T);
+    in_place = !need_packed && !c.plan.normalize && !c.plan.fenwick && !c.plan.delta && in_place_ok<T>(o, c.r.B, c.r.T);
     if (!in_place) buf = DevBuf<T>(size_t(c.r.H * c.Ttot * c.dvp), c.s);
   }
   void attach(GlaArgs<T>& a, const TensorView& o) const {
@@ -352,11 +390,12 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   const Call<T> c(r, p, s);
   const auto in = c.run_inner(false);
   const OutputTarget<T> O(c, p.o, false);
-  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
+  DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
   O.attach(a, p.o);
   a.h0 = c.H0.get(), a.ht = Hf.get();
-  gla_forward<T>(a, s);
+  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a, nullptr), *c.ll, s);
+  else gla_forward<T>(a, s);
   if (!O.in_place) c.write_output(p.o, O.buf.get());
   c.write_states(p.final_state, in, Hf.get());
 }
@@ -372,8 +411,9 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
   const auto in = c.run_inner(true);
   // outer forward: its chunk states, and O' only when normalizing (the cotangent needs it) or when o is asked for
-  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
-  DevBuf<StateOperand<T>> Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+  DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
+  DevBuf<StateOperand<T>> Hbuf(plan.fenwick ? 0 : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+  DevBuf<R> Hst(plan.fenwick ? size_t(c.ll->stored_levels() * r.H * c.dkp * c.dvp) : 0, s);  // live levels per segment
   GlaArgs<T> a = c.outer(in);
   std::optional<OutputTarget<T>> O;
   if (plan.normalize || p.o.defined()) {
@@ -381,13 +421,14 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     O->attach(a, p.o);
   }
   a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
-  gla_forward<T>(a, s);
+  if (plan.fenwick) ll_forward<T>(c.ll_args(a, Hst.get()), *c.ll, s);
+  else gla_forward<T>(a, s);
   if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
   c.write_states(p.final_state, in, Hf.get());
   a.o = nullptr;
   // cotangents of O' and of the final states
   DevBuf<T> dObuf;
-  if (!plan.normalize && in_place_ok<T>(p.d_o, r.B, r.T)) {
+  if (!plan.normalize && !plan.fenwick && !plan.delta && in_place_ok<T>(p.d_o, r.B, r.T)) {
     a.dO = static_cast<const T*>(p.d_o.data), a.dO_ld = p.d_o.stride[1], a.dO_hs = p.d_o.stride[2];
   } else {
     dObuf = DevBuf<T>(size_t(rowsV), s);
@@ -403,14 +444,14 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     HILA_LAUNCH(pack_sym<R>, c.NH * c.dkp * c.dkp, s, dSf.get(), Strided(p.d_final.S), c.NH, r.H, int(r.dk), c.dkp, true);
   }
   if (p.d_final.P.defined()) dPf = c.pack_dense(p.d_final.P);
-  if (p.d_final.H.defined()) dHf = c.pack_dense(p.d_final.H);
+  if (p.d_final.H.defined()) dHf = c.pack_H(p.d_final.H, true);
   // outer
-  PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s);
+  PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
   a.dht = dHf.get();
   go.attach(a);
   // a single primitive without GQA writes dq, dk, dv straight into 16-bit caller tensors
   bool direct[3] = {false, false, false};
-  if (kTensorCore<T> && !plan.has_S && !plan.has_P && c.rep == 1) {
+  if (kTensorCore<T> && !plan.has_S && !plan.has_P && !plan.fenwick && !plan.delta && c.rep == 1) {
     auto to = [&](const TensorView& t, float mult, GradOut<T>& g) {
       if (!in_place_ok<T>(t, r.B, r.T)) return false;
       g.p = static_cast<T*>(t.data), g.ld = t.stride[1], g.hs = t.stride[2], g.mult = mult;
@@ -420,7 +461,9 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     direct[1] = to(p.dk, 1.f, a.dk_out);
     direct[2] = !plan.normalize && to(p.dv, 1.f, a.dv_out);
   }
-  gla_backward<T>(a, s);
+  DevBuf<R> dlam(plan.fenwick ? size_t(r.H * c.Ttot * r.nL) : 0, s);
+  if (plan.fenwick) ll_backward<T>(c.ll_args(a, Hst.get(), dlam.get()), *c.ll, s);
+  else gla_backward<T>(a, s);
   R* dq = go.dq.get();
   DevBuf<R> dk_sum;  // with an inner S, dk collects the inner primitives' key (and value) gradients
   R* dk = go.dk.get();
@@ -478,8 +521,9 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), gs->dh0.get(), c.NH, r.H, int(r.dk), c.dkp, true);
   if (p.d_init.P.defined())
     HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), gp->dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
-  if (p.d_init.H.defined())
-    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.H), go.dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
+  if (p.d_init.H.defined()) c.unpack_H(p.d_init.H, go.dh0.get());
+  if (p.dlam.defined())
+    HILA_LAUNCH(unpack_lam<R>, r.H * c.Ttot * r.nL, s, Strided(p.dlam), dlam.get(), r.T, r.H, c.Ttot, int(r.nL));
 }
 
 template <template <class> class F, class... Args>
@@ -501,12 +545,16 @@ struct Bwd {
   static void run(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) { backward_impl<T>(r, p, s); }
 };
 
-size_t smem_need(DType dt, int dk, int dv) {
+template <class T>
+size_t smem_need_t(int dk, int dv, bool fenwick) {
+  return fenwick ? std::max(gla_smem_need<T>(dk, dv), ll_smem_need<T>(dk, dv)) : gla_smem_need<T>(dk, dv);
+}
+size_t smem_need(DType dt, int dk, int dv, bool fenwick) {
   switch (dt) {
-    case DType::bf16: return gla_smem_need<__nv_bfloat16>(dk, dv);
-    case DType::f16: return gla_smem_need<__half>(dk, dv);
-    case DType::f32: return gla_smem_need<float>(dk, dv);
-    default: return gla_smem_need<double>(dk, dv);
+    case DType::bf16: return smem_need_t<__nv_bfloat16>(dk, dv, fenwick);
+    case DType::f16: return smem_need_t<__half>(dk, dv, fenwick);
+    case DType::f32: return smem_need_t<float>(dk, dv, fenwick);
+    default: return smem_need_t<double>(dk, dv, fenwick);
   }
 }
 
@@ -517,9 +565,10 @@ size_t smem_need(DType dt, int dk, int dv) {
 namespace hila::detail {
 
 void cuda_check_supported(const Resolved& r, DType dt) {
-  if (r.traits.loglinear || r.traits.delta)
-    throw Error("op", std::string("expected gla, hla2, ahla or hla3 on a CUDA device (log-linear and "
-                                  "delta-rule operators run on the CPU backend so far), got ") + op_name(r.cfg.op));
+  if (r.traits.delta)
+    throw Error("op", std::string("expected gla, hla2, ahla, hla3 or a log-linear Mamba-2 operator on a CUDA "
+                                  "device (delta-rule operators run on the CPU backend so far), got ") +
+                          op_name(r.cfg.op));
   if (r.form != Form::chunk)
     throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
                                     "run on the CPU backend), got ") + form_name(r.form));
@@ -529,7 +578,7 @@ void cuda_check_supported(const Resolved& r, DType dt) {
   int dev = 0, optin = 0;
   HILA_CUDA_CHECK(cudaGetDevice(&dev));
   HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const size_t need = cuda::smem_need(dt, cuda::pad16(r.dk), cuda::pad16(r.dvp));
+  const size_t need = cuda::smem_need(dt, cuda::pad16(r.dk), cuda::pad16(r.dvp), r.traits.loglinear);
   if (need > size_t(optin))
     throw Error("dk", std::string("expected head dims whose tiles fit in shared memory (") +
                           std::to_string(optin) + " bytes per block on this device), got dk = " +

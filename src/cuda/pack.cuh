@@ -100,6 +100,54 @@ __global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, in
   }
 }
 
+// lam [B, T, H, L] (strided) -> [H][Ttot][L]; and back for dlam.
+template <class R>
+__global__ void pack_lam(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int L) {
+  const int64_t n = H * Ttot * L;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int l = int(e % L);
+    const int64_t r = (e / L) % Ttot, h = e / (int64_t(L) * Ttot), b = r / T, t = r % T;
+    out[e] = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + l * in.s[3]);
+  }
+}
+template <class R>
+__global__ void unpack_lam(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot, int L) {
+  const int64_t n = H * Ttot * L;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int l = int(e % L);
+    const int64_t r = (e / L) % Ttot, h = e / (int64_t(L) * Ttot), b = r / T, t = r % T;
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + l * out.s[3], in[e]);
+  }
+}
+
+// Fenwick state [N, H, Ls_in, dk, dv] (strided) -> packed [N][H][Ls][dkp][dvp] holding only the
+// slots live at pos[n] (the canonical slots, LOGLINEAR_SPEC §2.5; every other slot is zero).
+template <class R>
+__global__ void pack_levels(R* out, Strided in, const int64_t* pos, int64_t NH, int64_t H, int Ls_in, int Ls,
+                            int dk, int dv, int dkp, int dvp) {
+  const int64_t n = NH * Ls * dkp * dvp;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dvp), i = int((e / dvp) % dkp), l = int((e / (int64_t(dkp) * dvp)) % Ls);
+    const int64_t nh = e / (int64_t(Ls) * dkp * dvp), x = pos[nh / H];
+    const bool live = l >= 1 && l <= 63 && ((x >> (l - 1)) & 1);
+    out[e] = (live && l < Ls_in && i < dk && j < dv)
+                 ? ld<R>(in, (nh / H) * in.s[0] + (nh % H) * in.s[1] + l * in.s[2] + i * in.s[3] + j * in.s[4])
+                 : R(0);
+  }
+}
+// packed [N][H][Ls][dkp][dvp] -> [N, H, Ls_out, dk, dv] (strided); slots from Ls on are zero.
+template <class R>
+__global__ void unpack_levels(Strided out, const R* in, int64_t NH, int64_t H, int Ls_out, int Ls, int dk, int dv,
+                              int dkp, int dvp) {
+  const int64_t n = NH * Ls_out * dk * dv;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(e % dv), i = int((e / dv) % dk), l = int((e / (int64_t(dk) * dv)) % Ls_out);
+    const int64_t nh = e / (int64_t(Ls_out) * dk * dv);
+    const R x = l < Ls ? in[((nh * Ls + l) * dkp + i) * dvp + j] : R(0);
+    st<R>(out, (nh / H) * out.s[0] + (nh % H) * out.s[1] + l * out.s[2] + i * out.s[3] + j * out.s[4], x);
+  }
+}
+
 __device__ __forceinline__ int64_t packed_index(int i, int j, int d) { return int64_t(i) * d - int64_t(i) * (i - 1) / 2 + (j - i); }
 
 // packed symmetric S [N, H, dk(dk+1)/2] -> dense [N][H][dkp][dkp]; as a cotangent only the upper

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda_support.h"
+#include "problem.h"
 
 namespace hila::tools {
 namespace {

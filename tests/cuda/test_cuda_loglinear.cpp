@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA log-linear Mamba-2 and the log-linear HLA family (LOGLINEAR_SPEC §3-5, §7) against the CPU
+// float64 naive form (the oracle) on the same rounded inputs: o, final state, dq, dk, dv, dg, dlam,
+// d_init. Initial states sit at unaligned positions (n0 % 64 != 0, and past 2^17), sequences are
+// packed with empty ones, the caller's Fenwick capacity may exceed what a position needs.
+// Without a GPU every test is skipped with a printed reason.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "cuda_support.h"
+#include "problem.h"
+
+namespace hila::tools {
+namespace {
+
+struct LlCase {
+  Op op;
+  DType dtype;
+  int64_t B, T, G, H, dk, dv;
+  std::vector<int64_t> seqlens;   // varlen when non-empty
+  std::vector<int64_t> init_pos;  // no initial state when empty; else one position or one per sequence
+  double tol;
+  std::string name;
+  bool normalize = false, untied = false;
+  double ridge = 0;
+  bool extra = false;  // lam with extra levels, init / final states with extra Fenwick capacity
+};
+
+constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
+// 2^33 + 2^32 - 5: the first segment ends at 2^33 + 2^32, whose level-34 bucket starts 2^32 - 5
+// positions before it (distances past 2^31 in the segment arithmetic)
+constexpr int64_t kHuge = (int64_t(1) << 33) + (int64_t(1) << 32) - 5;
+
+std::vector<LlCase> cases() {
+  std::vector<LlCase> cs;
+  const Op ll = Op::loglinear;
+  auto name = [](Op op, const std::string& rest) { return std::string(op_name(op)) + "_" + rest; };
+  for (int64_t T : {1, 63, 64, 65, 1000})
+    cs.push_back({ll, DType::bf16, 2, T, 1, 4, 64, 64, {}, {}, 1e-2, name(ll, "bf16_d64_T" + std::to_string(T))});
+  cs.push_back({ll, DType::bf16, 1, 4096, 1, 2, 64, 64, {}, {}, 1e-2, name(ll, "bf16_d64_T4096")});
+  cs.push_back({ll, DType::bf16, 1, 300, 1, 2, 128, 128, {}, {200}, 1e-2, name(ll, "bf16_d128_init200")});
+  cs.push_back({ll, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, {13, 64, 200, kFar, 0, 63}, 1e-2,
+                name(ll, "bf16_varlen_init_mixed_pos")});
+  cs.push_back({ll, DType::bf16, 2, 300, 1, 4, 64, 40, {}, {13}, 1e-2, name(ll, "bf16_init13_gqa4_dv40"), false,
+                false, 0, true});
+  cs.push_back({ll, DType::f16, 2, 130, 1, 2, 64, 64, {}, {64}, 1e-2, name(ll, "f16_init64")});
+  cs.push_back({ll, DType::bf16, 1, 0, 1, 2, 64, 64, {70, 0, 130}, {kHuge, 3, kHuge + 64}, 1e-2,
+                name(ll, "bf16_varlen_init_past_2e33")});
+  for (int64_t T : {1, 63, 64, 65, 1000})
+    cs.push_back({ll, DType::f32, 2, T, 1, 2, 64, 64, {}, {}, 1e-4, name(ll, "f32_d64_T" + std::to_string(T))});
+  cs.push_back({ll, DType::f32, 1, 4096, 1, 1, 32, 32, {}, {}, 1e-4, name(ll, "f32_d32_T4096")});
+  cs.push_back({ll, DType::f32, 2, 300, 1, 4, 32, 32, {}, {kFar}, 1e-4, name(ll, "f32_init_far_gqa4"), false, false,
+                0, true});
+  cs.push_back({ll, DType::f32, 1, 0, 1, 2, 32, 48, {0, 100, 0, 64, 1, 257}, {13, 64, 200, kFar, 0, 63}, 1e-4,
+                name(ll, "f32_varlen_init_mixed_pos")});
+  for (int64_t T : {1, 63, 64, 65})
+    cs.push_back({ll, DType::f64, 1, T, 1, 2, 16, 16, {}, {}, 1e-10, name(ll, "f64_d16_T" + std::to_string(T))});
+  cs.push_back({ll, DType::f64, 1, 200, 1, 2, 32, 32, {}, {13}, 1e-10, name(ll, "f64_init13")});
+  cs.push_back({ll, DType::f64, 1, 150, 1, 1, 16, 16, {}, {kHuge}, 1e-10, name(ll, "f64_init_past_2e33")});
+  cs.push_back({ll, DType::f64, 1, 0, 1, 2, 16, 16, {0, 70, 0, 64, 1, 140}, {13, 64, 200, kFar, 0, 63}, 1e-10,
+                name(ll, "f64_varlen_init_mixed_pos"), false, false, 0, true});
+  // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
+  for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3}) {
+    const double ridge = op == Op::loglinear_hla2 ? 0.3 : 0.0;
+    for (int64_t T : {1, 65, 1000})
+      cs.push_back({op, DType::bf16, 2, T, 1, 4, 64, 64, {}, {}, 1e-2, name(op, "bf16_d64_T" + std::to_string(T))});
+    cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, {13, 64, 200, kFar, 0, 63}, 1e-2,
+                  name(op, "bf16_varlen_init")});
+    cs.push_back({op, DType::f32, 2, 300, 1, 4, 32, 32, {}, {13}, 1e-4, name(op, "f32_init13_gqa4_untied"), false,
+                  true});
+    cs.push_back({op, DType::f32, 2, 130, 2, 4, 32, 24, {}, {kFar}, 1e-4, name(op, "f32_normalize_init_far"), true,
+                  false, ridge, true});
+    cs.push_back({op, DType::f64, 1, 130, 1, 2, 16, 16, {}, {200}, 1e-10, name(op, "f64_untied_normalize_init200"),
+                  true, true, ridge});
+  }
+  return cs;
+}
+
+class CudaLogLinear : public ::testing::TestWithParam<LlCase> {};
+
+TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const LlCase c = GetParam();
+  const bool init = !c.init_pos.empty();
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.cfg.normalize = c.normalize;
+  s.cfg.gates = c.untied ? Gates::untied : Gates::tied;
+  s.cfg.ridge = c.ridge;
+  s.nonneg = c.normalize;  // keeps the denominators away from zero (HLA_SPEC §4)
+  s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
+  s.seqlens = c.seqlens;
+  s.gated = true;
+  s.init_state = init;
+  s.init_pos = c.init_pos;
+  s.init_extra_slots = c.extra ? 2 : 0;
+  s.extra_levels = c.extra ? 2 : 0;
+  if (c.name.find("gqa4") != std::string::npos) s.G = s.H / 4;
+  s.dtype = DType::f64;
+  s.seed = 23;
+  const Problem low = cast_problem(make_problem(s), c.dtype);
+  const Problem ref_in = cast_problem(low, DType::f64);
+  const Result ref = run_backward(ref_in, Form::naive);
+
+  DevTensor q(low.q), k(low.k), v(low.v), g(low.g), lam(low.lam), cu(low.cu_seqlens), dO(low.d_o);
+  DevTensor pos(low.init.pos), S0(low.init.S), P0(low.init.P), h0(low.init.H);
+  DevTensor dSt(low.d_final.S), dPt(low.d_final.P), dht(low.d_final.H);
+  BackwardParams p;
+  static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.cu_seqlens = cu.view();
+  p.init = {};
+  if (init) p.init.pos = pos.view(), p.init.S = S0.view(), p.init.P = P0.view(), p.init.H = h0.view();
+  p.d_o = dO.view();
+  p.d_final.S = dSt.view(), p.d_final.P = dPt.view(), p.d_final.H = dht.view();
+  const int64_t N = low.num_seqs();
+  // the final state, with 3 more Fenwick slots than needed when `extra` (they must come back zero)
+  const int64_t cap = c.extra ? 8 * low.max_final_pos() + 8 : low.max_final_pos();
+  const StateBuffers fin_host = make_state(s.cfg, N, s.H, s.dk, s.dv, cap, low.state_dtype());
+  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fS(fin_host.S, true), fP(fin_host.P, true),
+      fH(fin_host.H, true);
+  DevTensor dq(low.q, true), dk(low.k, true), dv(low.v, true), dg(low.g, true), dlam(low.lam, true);
+  DevTensor dS0(low.init.S, true), dP0(low.init.P, true), dh0(low.init.H, true);
+  p.o = o.view();
+  p.final_state.pos = fpos.view(), p.final_state.S = fS.view(), p.final_state.P = fP.view(), p.final_state.H = fH.view();
+  p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view(), p.dg = dg.view(), p.dlam = dlam.view();
+  p.d_init = {};
+  if (init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
+  p.cfg.check_values = true;
+  try {
+    backward(p);
+  } catch (const std::exception& e) {
+    FAIL() << "backward threw: " << e.what();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // dg_t = sum_{s>=t} dc_s cancels: judge it against the size of the q.dq and k.dk terms (it is
+  // exactly 0 at T = 1 without an initial state, where any rounding would read as "100%")
+  double floor_g = 0;
+  {
+    const int64_t rows = ref_in.q.numel() / s.dk;
+    for (int64_t r = 0; r < rows; ++r) {
+      double t = 0, u = 0;
+      for (int64_t j = 0; j < s.dk; ++j) {
+        t += std::abs(ref_in.q.get(r * s.dk + j) * ref.dq.get(r * s.dk + j));
+        u += std::abs(ref_in.k.get(r * s.dk + j) * ref.dk.get(r * s.dk + j));
+      }
+      floor_g = std::max({floor_g, t, u});
+    }
+  }
+  auto check = [&](const char* what, const Buffer& got, const Buffer& want, double fl = 0) {
+    const double e = rel_err(got, want, fl);
+    std::printf("  %-44s %-6s rel err %.2e\n", c.name.c_str(), what, e);
+    EXPECT_LE(e, c.tol) << what;
+  };
+  check("o", o.fetch(), ref.o);
+  if (!ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
+  if (!ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
+  check("H_T", fH.fetch(), with_slots(ref.final_state, fin_host.H.shape[2]).H);
+  check("dq", dq.fetch(), ref.dq);
+  check("dk", dk.fetch(), ref.dk);
+  check("dv", dv.fetch(), ref.dv);
+  check("dg", dg.fetch(), ref.dg, floor_g);
+  check("dlam", dlam.fetch(), ref.dlam);
+  if (init) {
+    if (!ref.d_init.S.empty()) check("dS0", dS0.fetch(), ref.d_init.S);
+    if (!ref.d_init.P.empty()) check("dP0", dP0.fetch(), ref.d_init.P);
+    check("dH0", dh0.fetch(), ref.d_init.H);
+  }
+  const Buffer fp = fpos.fetch();
+  for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp.get(i), ref.final_state.pos.get(i));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLogLinear, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Forward alone, with the outputs chunk-parallel from stored levels (the default when they fit)
+// and inside the sequential sweep (store budget 0), for the tensor-core and the FMA paths.
+struct FwdCase {
+  DType dtype;
+  int64_t dv;  // 128 in bf16: two value tiles in the sweep
+  double tol;
+  const char* budget;  // HILA_LOGLINEAR_STORE_BUDGET, nullptr: unset
+  std::string name;
+};
+class CudaLogLinearForward : public ::testing::TestWithParam<FwdCase> {};
+
+TEST_P(CudaLogLinearForward, ForwardOnlyMatchesNaive) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  const FwdCase c = GetParam();
+  ProblemSpec s;
+  s.cfg.op = Op::loglinear;
+  s.B = 2, s.T = 777, s.H = 2, s.dk = 64, s.dv = c.dv;
+  s.init_state = true;
+  s.init_pos = {kFar};
+  s.dtype = DType::f64;
+  s.seed = 5;
+  const Problem low = cast_problem(make_problem(s), c.dtype);
+  const Result ref = run_forward(cast_problem(low, DType::f64), Form::naive);
+  DevTensor q(low.q), k(low.k), v(low.v), g(low.g), lam(low.lam), pos(low.init.pos), h0(low.init.H);
+  ForwardParams p = low.forward_params(Form::chunk, 64);
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view();
+  p.init = {};
+  p.init.pos = pos.view(), p.init.H = h0.view();
+  const StateBuffers fin_host = make_state(s.cfg, 2, s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
+  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fH(fin_host.H, true);
+  p.o = o.view();
+  p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
+  if (c.budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", c.budget, 1);
+  else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  forward(p);
+  unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const double eo = rel_err(o.fetch(), ref.o), eh = rel_err(fH.fetch(), ref.final_state.H);
+  std::printf("  %-32s o rel err %.2e, H_T rel err %.2e\n", c.name.c_str(), eo, eh);
+  EXPECT_LE(eo, c.tol);
+  EXPECT_LE(eh, c.tol);
+}
+INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
+                         ::testing::Values(FwdCase{DType::bf16, 128, 1e-2, nullptr, "bf16_chunk_outputs"},
+                                           FwdCase{DType::bf16, 128, 1e-2, "0", "bf16_sweep_outputs"},
+                                           FwdCase{DType::f32, 64, 1e-4, nullptr, "f32_chunk_outputs"},
+                                           FwdCase{DType::f32, 64, 1e-4, "0", "f32_sweep_outputs"}),
+                         [](const auto& info) { return info.param.name; });
+
+// Too few lam levels is rejected before any launch on the CUDA path too (LOGLINEAR_SPEC §2.3).
+TEST(CudaLogLinear, TooFewLevelsIsAnError) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  ProblemSpec s;
+  s.cfg.op = Op::loglinear;
+  s.B = 1, s.T = 100, s.dk = 16, s.dv = 16;
+  s.dtype = DType::bf16;
+  const Problem pr = make_problem(s);  // lam has levels_needed(0, 100) = 8 columns
+  Buffer lam_short = Buffer(pr.lam.dtype, {1, 100, 1, 7});
+  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), lam(lam_short), o(pr.v, true);
+  ForwardParams p = pr.forward_params(Form::chunk, 64);
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.o = o.view();
+  try {
+    forward(p);
+    FAIL() << "expected hila::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "lam") << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace hila::tools
