@@ -10,6 +10,7 @@
 #include "core/host_mirror.h"
 #include "core/plan.h"
 #include "cuda/backend.h"
+#include "cuda/delta.cuh"
 #include "cuda/gla.cuh"
 #include "cuda/pack.cuh"
 #include "cuda/runtime.cuh"
@@ -172,6 +173,7 @@ void unpack_to(const TensorView& out, const P* in, const detail::Resolved& r, in
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
   const Call<T> c(r, p, s);
   const auto in = c.run_inner(false);
   DevBuf<T> O(size_t(r.H * c.Ttot * c.dvp), s);
@@ -188,6 +190,7 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
 template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
   const Call<T> c(r, p, s);
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
@@ -311,15 +314,17 @@ size_t smem_need(DType dt, int dk, int dv) {
 namespace hila::detail {
 
 void cuda_check_supported(const Resolved& r, DType dt) {
-  if (r.traits.loglinear || r.traits.delta)
-    throw Error("op", std::string("expected gla, hla2, ahla or hla3 on a CUDA device (log-linear and "
-                                  "delta-rule operators run on the CPU backend so far), got ") + op_name(r.cfg.op));
+  if (r.traits.loglinear && !r.traits.delta)
+    throw Error("op", std::string("expected gla, hla2, ahla, hla3, gdn or loglinear_gdn on a CUDA device "
+                                  "(log-linear Mamba-2 and the log-linear HLA family run on the CPU backend "
+                                  "so far), got ") + op_name(r.cfg.op));
   if (r.form != Form::chunk)
     throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
                                     "run on the CPU backend), got ") + form_name(r.form));
   if (r.chunk != cuda::kChunk)
     throw Error("chunk", "expected " + std::to_string(cuda::kChunk) + " on a CUDA device, got " +
                              std::to_string(r.chunk));
+  if (r.traits.delta) return;  // the delta sweeps keep their matrices in global scratch (cuda/delta.cu)
   int dev = 0, optin = 0;
   HILA_CUDA_CHECK(cudaGetDevice(&dev));
   HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

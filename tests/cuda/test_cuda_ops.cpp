@@ -8,44 +8,13 @@
 #include <cstdio>
 #include <string>
 
+#include "device_tensor.h"
 #include "problem.h"
 
 namespace hila::tools {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-// A device copy of a host buffer; poisoned (all bits set: NaN for every float dtype) on request.
-struct DevTensor {
-  void* p = nullptr;
-  Buffer host;
-  DevTensor() = default;
-  explicit DevTensor(const Buffer& b, bool poison = false) : host(b) {
-    if (b.empty()) return;
-    cudaMalloc(&p, std::max<size_t>(1, b.bytes.size()));
-    if (poison) cudaMemset(p, 0xff, b.bytes.size());
-    else cudaMemcpy(p, b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice);
-  }
-  ~DevTensor() { if (p) cudaFree(p); }
-  DevTensor(const DevTensor&) = delete;
-  TensorView view() const {
-    if (host.empty()) return {};
-    TensorView v = host.view();
-    v.data = p;
-    v.device = Device{DeviceType::cuda, 0};
-    return v;
-  }
-  Buffer fetch() const {
-    Buffer b = host;
-    if (!b.empty()) cudaMemcpy(b.bytes.data(), p, b.bytes.size(), cudaMemcpyDeviceToHost);
-    return b;
-  }
-};
 
 struct Case {
   Op op;
@@ -184,13 +153,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaOps, ::testing::ValuesIn(cases()),
 TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
   ProblemSpec s;
-  s.cfg.op = Op::gdn;
+  s.cfg.op = Op::loglinear_hla2;
   s.B = 1, s.T = 8, s.dk = 16, s.dv = 16;
   s.dtype = DType::bf16;
   const Problem pr = make_problem(s);
-  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), beta(pr.beta), o(pr.v, true);
+  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), lam(pr.lam), o(pr.v, true);
   ForwardParams p = pr.forward_params(Form::chunk, 64);
-  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.beta = beta.view(), p.o = o.view();
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.o = o.view();
   try {
     forward(p);
     FAIL() << "expected hila::Error";
