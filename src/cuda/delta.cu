@@ -61,7 +61,7 @@ template <class R>
 __device__ R block_sum(R x, R* red) {
   red[threadIdx.x] = x;
   __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {  // blockDim.x: a power of two <= kThreads
     if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
     __syncthreads();
   }
