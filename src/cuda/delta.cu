@@ -42,17 +42,65 @@ struct Scratch {
 };
 
 // C [M, N] (ldc) = alpha op(A) op(B) + beta C  (beta = 0: C is not read). A: [M, K] (lda) or,
-// with ta, stored [K, M]; B: [K, N] (ldb) or, with tb, stored [N, K]. Every thread of the block
-// calls it; ends with a barrier. Plain FMA in the compute type.
+// with ta, stored [K, M]; B: [K, N] (ldb) or, with tb, stored [N, K]; C never aliases A or B.
+// Every thread of the block calls it; ends with a barrier. FMA in the compute type: 64 x 64 tiles
+// of C, K in slabs of 16 staged in shared memory, 4 x 4 outputs per thread (kThreads = 256); any
+// other block size (the host emulation) takes the plain loop. Both sum k in increasing order.
+constexpr int kTile = 64, kSlab = 16;
 template <class R>
 __device__ void bgemm(R* C, int ldc, const R* A, int lda, bool ta, const R* B, int ldb, bool tb, int M, int N,
                       int K, R alpha, R beta) {
-  for (int e = threadIdx.x; e < M * N; e += blockDim.x) {
-    const int i = e / N, j = e % N;
-    R s = 0;
-    for (int k = 0; k < K; ++k) s += (ta ? A[k * lda + i] : A[i * lda + k]) * (tb ? B[j * ldb + k] : B[k * ldb + j]);
-    C[i * ldc + j] = alpha * s + (beta == R(0) ? R(0) : beta * C[i * ldc + j]);
+  if (blockDim.x != kThreads) {
+    for (int e = threadIdx.x; e < M * N; e += blockDim.x) {
+      const int i = e / N, j = e % N;
+      R s = 0;
+      for (int k = 0; k < K; ++k) s += (ta ? A[k * lda + i] : A[i * lda + k]) * (tb ? B[j * ldb + k] : B[k * ldb + j]);
+      C[i * ldc + j] = alpha * s + (beta == R(0) ? R(0) : beta * C[i * ldc + j]);
+    }
+    __syncthreads();
+    return;
   }
+  static_assert(kThreads == 256, "16 x 16 threads, 4 x 4 outputs each, cover a 64 x 64 tile");
+  __shared__ R sA[kSlab][kTile + 1], sB[kSlab][kTile + 1];  // [k][m], [k][n]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  for (int i0 = 0; i0 < M; i0 += kTile)
+    for (int j0 = 0; j0 < N; j0 += kTile) {
+      R acc[4][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[r][c] = 0;
+      for (int k0 = 0; k0 < K; k0 += kSlab) {
+        // stage op(A)[i0.., k0..] and op(B)[k0.., j0..], reading along the stored rows
+        for (int e = threadIdx.x; e < kTile * kSlab; e += kThreads) {
+          const int ai = ta ? e % kTile : e / kSlab, ak = ta ? e / kTile : e % kSlab;
+          const int i = i0 + ai, ka = k0 + ak;
+          sA[ak][ai] = (i < M && ka < K) ? (ta ? A[ka * lda + i] : A[i * lda + ka]) : R(0);
+          const int bj = tb ? e / kSlab : e % kTile, bk = tb ? e % kSlab : e / kTile;
+          const int j = j0 + bj, kb = k0 + bk;
+          sB[bk][bj] = (j < N && kb < K) ? (tb ? B[j * ldb + kb] : B[kb * ldb + j]) : R(0);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kSlab; ++kk) {
+          R a[4], b[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = sA[kk][ty + 16 * r], b[r] = sB[kk][tx + 16 * r];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
+        }
+        __syncthreads();
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int i = i0 + ty + 16 * r, j = j0 + tx + 16 * c;
+          if (i < M && j < N) C[i * ldc + j] = alpha * acc[r][c] + (beta == R(0) ? R(0) : beta * C[i * ldc + j]);
+        }
+    }
   __syncthreads();
 }
 
@@ -147,14 +195,15 @@ __device__ void seg_prepare(Ctx<T>& x) {
   __syncthreads();
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) S.bK[e] = S.beta[e / dk] * S.K[e];
   bgemm<R>(S.KK, kSeg, S.K, dk, false, S.K, dk, true, nr, nr, dk, R(1), R(0));  // [R,dk] x [dk,R]
-  // Tm = (I + N)^-1, N = tril_-1(diag(beta) KK): Tm[i,j] = delta_ij - sum_{j<=m<i} N[i,m] Tm[m,j]
+  // Tm = (I + N)^-1, N = tril_-1(diag(beta) KK): Tm[i,j] = delta_ij - sum_{j<=m<i} N[i,m] Tm[m,j],
+  // right-looking: once row m is final, every later row takes its term m (same order as the CPU)
   for (int e = threadIdx.x; e < nr * kSeg; e += blockDim.x) S.Tm[e] = (e / kSeg == e % kSeg) ? R(1) : R(0);
   __syncthreads();
-  for (int i = 1; i < nr; ++i) {
-    for (int j = threadIdx.x; j < i; j += blockDim.x) {
-      R s = 0;
-      for (int m = j; m < i; ++m) s += S.KK[i * kSeg + m] * S.Tm[m * kSeg + j];
-      S.Tm[i * kSeg + j] = -S.beta[i] * s;
+  for (int m = 0; m + 1 < nr; ++m) {
+    for (int e = threadIdx.x; e < (nr - 1 - m) * (m + 1); e += blockDim.x) {
+      const int i = m + 1 + e / (m + 1), j = e % (m + 1);
+      const R n = S.beta[i] * S.KK[i * kSeg + m];
+      S.Tm[i * kSeg + j] -= n * S.Tm[m * kSeg + j];
     }
     __syncthreads();
   }
