@@ -124,11 +124,24 @@ __device__ void fill(R* x, int64_t n, R v) {
 }
 
 // One segment of one (sequence, head): rows [row, row + nr) of the packed buffers, absolute
-// positions [s, e).
+// positions [s, e); hoff / dhoff: offsets (in matrices per head) of its stored levels at s / e.
 struct SegCtx {
-  int64_t row, s, e, hoff;
+  int64_t row, s, e, hoff, dhoff;
   int nr, h;
 };
+
+template <class T>
+__device__ SegCtx segment(const DeltaArgs<T>& a, int64_t sg, int h) {
+  SegCtx c;
+  c.row = a.seg_row[sg];
+  c.s = a.seg_pos[sg];
+  c.nr = int(a.seg_nr[sg]);
+  c.e = c.s + c.nr;
+  c.hoff = a.seg_hoff[sg];
+  c.dhoff = a.seg_dhoff[sg];
+  c.h = h;
+  return c;
+}
 
 template <class T>
 struct Ctx {
@@ -137,11 +150,18 @@ struct Ctx {
   Scratch<R>& S;
   const SegCtx& c;
   R B = 0;
-  __device__ R lam(int i, int l) const {
-    return a.grid.fenwick ? a.lam[(int64_t(c.h) * a.Ttot + c.row + i) * a.nL + l] : R(1);
-  }
+  __device__ int64_t mat() const { return int64_t(a.dk) * a.dv; }
+  // offset of the segment's row 0 in a per-head [H][Ttot][d] buffer
+  __device__ int64_t rows(int d) const { return (int64_t(c.h) * a.Ttot + c.row) * d; }
+  __device__ R lam(int i, int l) const { return a.grid.fenwick ? a.lam[rows(a.nL) + int64_t(i) * a.nL + l] : R(1); }
   // mixing mask M[i,j] = lam_i^{l(s+i, s+j)} e^{b_i - b_j}, j <= i (LOGLINEAR_SPEC §3.1)
   __device__ R mask(int i, int j) const { return lam(i, a.grid.level(c.s + i, c.s + j)) * exp(S.b[i] - S.b[j]); }
+  // read coefficient of stored level l at row i: lam_i^{l(s+i, sigma_l(s))} e^{b_i}
+  __device__ R read_coef(int i, int l) const { return lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(S.b[i]); }
+  // live level l of the state entering the segment, and the adjoint of level l of the state at e
+  // (compact stores: the live levels of a position in increasing order)
+  __device__ R* state_in(int l) const { return a.hbuf + ((c.hoff + a.grid.rank(c.s, l)) * a.H + c.h) * mat(); }
+  __device__ R* adj_out(int l) const { return a.dhbuf + ((c.dhoff + a.grid.rank(c.e, l)) * a.H + c.h) * mat(); }
   // levels l(e, s+j) of the segment's tokens in the state at e, as a bit set (< 64 levels)
   __device__ uint64_t token_levels(uint64_t* s_mask) const {
     if (threadIdx.x == 0) {
@@ -156,31 +176,40 @@ struct Ctx {
   }
 };
 
-// Seg<R> of the CPU: rows of q^ (l2-normalised and scaled), k (l2-normalised), v, beta, the gate
-// cumsum b, and bK = diag(beta) K, KK = K K^T, Tm, W = Tm bK.
+// Rows of the segment into scratch: beta and the gate cumsum b always; q^ (l2-normalised, scaled)
+// and k (l2-normalised) with `qk`; v with `v`; dO with `dO`.
 template <class T>
-__device__ void seg_prepare(Ctx<T>& x) {
+__device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
   const SegCtx& c = x.c;
   const int nr = c.nr, dk = a.dk, dv = a.dv;
   const int64_t hq = c.h / a.rep;
-  const T* q = a.q + (hq * a.Ttot + c.row) * dk;
-  const T* k = a.k + (hq * a.Ttot + c.row) * dk;
-  const T* v = a.v + (int64_t(c.h) * a.Ttot + c.row) * dv;
-  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) {
-    S.Q[e] = from<R>(q[e]);
-    S.K[e] = from<R>(k[e]);
+  if (qk) {
+    const T* q = a.q + (hq * a.Ttot + c.row) * dk;
+    const T* k = a.k + (hq * a.Ttot + c.row) * dk;
+    for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) {
+      S.Q[e] = from<R>(q[e]);
+      S.K[e] = from<R>(k[e]);
+    }
   }
-  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.V[e] = from<R>(v[e]);
-  for (int i = threadIdx.x; i < nr; i += blockDim.x) S.beta[i] = a.beta[int64_t(c.h) * a.Ttot + c.row + i];
+  if (v) {
+    const T* vp = a.v + x.rows(dv);
+    for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.V[e] = from<R>(vp[e]);
+  }
+  if (dO) {
+    const T* dp = a.dO + x.rows(dv);
+    for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.dO[e] = from<R>(dp[e]);
+  }
+  for (int i = threadIdx.x; i < nr; i += blockDim.x) S.beta[i] = a.beta[x.rows(1) + i];
   if (threadIdx.x == 0) {
     R acc = 0;
-    for (int i = 0; i < nr; ++i) S.b[i] = (acc += a.g ? a.g[int64_t(c.h) * a.Ttot + c.row + i] : R(0));
+    for (int i = 0; i < nr; ++i) S.b[i] = (acc += a.g ? a.g[x.rows(1) + i] : R(0));
   }
   __syncthreads();
   x.B = S.b[nr - 1];
+  if (!qk) return;
   for (int i = threadIdx.x; i < 2 * nr; i += blockDim.x) {  // row scaling: l2norm, then scale on q
     R* m = i < nr ? S.Q + i * dk : S.K + (i - nr) * dk;
     R f = i < nr ? a.scale : R(1);
@@ -193,6 +222,14 @@ __device__ void seg_prepare(Ctx<T>& x) {
       for (int cc = 0; cc < dk; ++cc) m[cc] *= f;
   }
   __syncthreads();
+}
+
+// The WY quantities of Seg<R> on the CPU: bK = diag(beta) K, KK = K K^T, Tm, W = Tm bK.
+template <class T>
+__device__ void seg_wy(Ctx<T>& x) {
+  using R = Acc<T>;
+  Scratch<R>& S = x.S;
+  const int nr = x.c.nr, dk = x.a.dk;
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) S.bK[e] = S.beta[e / dk] * S.K[e];
   bgemm<R>(S.KK, kSeg, S.K, dk, false, S.K, dk, true, nr, nr, dk, R(1), R(0));  // [R,dk] x [dk,R]
   // Tm = (I + N)^-1, N = tril_-1(diag(beta) KK): Tm[i,j] = delta_ij - sum_{j<=m<i} N[i,m] Tm[m,j],
@@ -232,9 +269,39 @@ __device__ void seg_scores(Ctx<T>& x) {
   bgemm<R>(S.Qt, dk, S.D, kSeg, false, S.bK, dk, false, nr, dk, nr, R(-1), R(1));  // [R,R] x [R,dk]
 }
 
-// seg_forward of the CPU, in place on the level workspace ws [Ls][dk][dv]: O rows (if a.o) and
-// the state at e. Re-key targets of moved levels are never live at s and the new-token targets
-// are added after the moves, so the in-place order below is exact (§2.4).
+template <class R>
+__device__ void copy(R* dst, const R* src, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) dst[e] = src[e];
+}
+
+// Phase 1, parallel over (segment, head): the segment's state-independent matrices, for the
+// sequential sweeps: W, Q~, K~ = Tm^T K, K (normalised), and the intra output (D o M) bV.
+template <class T>
+__global__ void __launch_bounds__(kThreads) delta_prep_kernel(DeltaArgs<T> a) {
+  using R = Acc<T>;
+  Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
+  const int dk = a.dk, dv = a.dv;
+  for (int64_t item = blockIdx.x; item < a.nseg * a.H; item += gridDim.x) {
+    const SegCtx c = segment(a, item / a.H, int(item % a.H));
+    Ctx<T> x{a, S, c};
+    const int nr = c.nr;
+    seg_load(x, true, true, false);
+    seg_wy(x);
+    seg_scores(x);
+    bgemm<Acc<T>>(S.Yr, dk, S.Tm, kSeg, true, S.K, dk, false, nr, dk, nr, R(1), R(0));  // K~  [R,R] x [R,dk]
+    if (a.Oi) bgemm<R>(S.O, dv, S.P, kSeg, false, S.bV, dv, false, nr, dv, nr, R(1), R(0));  // [R,R] x [R,dv]
+    copy(a.Wb + x.rows(dk), S.W, int64_t(nr) * dk);
+    copy(a.Qtb + x.rows(dk), S.Qt, int64_t(nr) * dk);
+    copy(a.Ktb + x.rows(dk), S.Yr, int64_t(nr) * dk);
+    copy(a.Kb + x.rows(dk), S.K, int64_t(nr) * dk);
+    if (a.Oi) copy(a.Oi + x.rows(dv), S.O, int64_t(nr) * dv);
+    __syncthreads();
+  }
+}
+
+// seg_forward of the CPU (phase 2, sequential), in place on the level workspace ws [Ls][dk][dv]:
+// O rows (if a.o) and the state at e. Re-key targets of moved levels are never live at s and
+// the new-token targets are added after the moves, so the in-place order below is exact (§2.4).
 template <class T>
 __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
   using R = Acc<T>;
@@ -242,30 +309,27 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
   Scratch<R>& S = x.S;
   const SegCtx& c = x.c;
   const int nr = c.nr, dk = a.dk, dv = a.dv;
-  const int64_t mat = int64_t(dk) * dv;
-  if (a.o) {
-    seg_scores(x);
-    bgemm<R>(S.O, dv, S.P, kSeg, false, S.bV, dv, false, nr, dv, nr, R(1), R(0));  // [R,R] x [R,dv]
+  const int64_t mat = x.mat();
+  const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Kt = a.Ktb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
+  if (a.o) {  // O = (D o M) bV + sum_live diag(lam e^b) Q~ H[l]
+    copy(S.O, a.Oi + x.rows(dv), int64_t(nr) * dv);
     for (int l = 0; l < a.Ls; ++l) {
       if (!a.grid.live(c.s, l)) continue;
-      bgemm<R>(S.T1, dv, S.Qt, dk, false, ws + l * mat, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
-      for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) {
-        const int i = e / dv;
-        S.O[e] += x.lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(S.b[i]) * S.T1[e];
-      }
+      bgemm<R>(S.T1, dv, Qt, dk, false, ws + l * mat, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
+      for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.O[e] += x.read_coef(e / dv, l) * S.T1[e];
       __syncthreads();
     }
-    T* o = a.o + (int64_t(c.h) * a.Ttot + c.row) * dv;
+    T* o = a.o + x.rows(dv);
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) o[e] = to<T>(S.O[e]);
   }
   const R eB = exp(x.B);
   for (int l = 0; l < a.Ls; ++l) {  // e^B (H - K^T (W H)) re-keyed to l(e, sigma_l(s))
     if (!a.grid.live(c.s, l)) continue;
     R* Hl = ws + l * mat;
-    bgemm<R>(S.E, dv, S.W, dk, false, Hl, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
-    for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) S.Hn[e] = Hl[e];
+    bgemm<R>(S.E, dv, W, dk, false, Hl, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
+    copy(S.Hn, Hl, mat);
     __syncthreads();
-    bgemm<R>(S.Hn, dv, S.K, dk, true, S.E, dv, false, dk, dv, nr, R(-1), R(1));  // [dk,R] x [R,dv]
+    bgemm<R>(S.Hn, dv, K, dk, true, S.E, dv, false, dk, dv, nr, R(-1), R(1));  // [dk,R] x [R,dv]
     const int tl = a.grid.read_level(c.e, c.s, l);
     R* Ht = ws + tl * mat;
     for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) {
@@ -279,7 +343,7 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
     __syncthreads();
   }
   const uint64_t groups = x.token_levels(s_mask);
-  for (int tl = 0; tl < 64; ++tl) {  // new tokens: K^T Tm diag(beta e^{B-b} 1_tl) V
+  for (int tl = 0; tl < 64; ++tl) {  // new tokens: K^T Tm diag(beta e^{B-b} 1_tl) V = K~^T (..) V
     if (!((groups >> tl) & 1)) continue;
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) {
       const int j = e / dv;
@@ -287,29 +351,11 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
       S.Y[e] = in ? S.beta[j] * exp(x.B - S.b[j]) * S.V[e] : R(0);
     }
     __syncthreads();
-    bgemm<R>(S.U, dv, S.Tm, kSeg, false, S.Y, dv, false, nr, dv, nr, R(1), R(0));       // [R,R] x [R,dv]
-    bgemm<R>(ws + tl * mat, dv, S.K, dk, true, S.U, dv, false, dk, dv, nr, R(1), R(1));  // [dk,R] x [R,dv]
+    bgemm<R>(ws + tl * mat, dv, Kt, dk, true, S.Y, dv, false, dk, dv, nr, R(1), R(1));  // [dk,R] x [R,dv]
   }
 }
 
-template <class T>
-__device__ SegCtx segment(const DeltaArgs<T>& a, int64_t sg, int h) {
-  SegCtx c;
-  c.row = a.seg_row[sg];
-  c.s = a.seg_pos[sg];
-  c.nr = int(a.seg_nr[sg]);
-  c.e = c.s + c.nr;
-  c.hoff = a.seg_hoff[sg];
-  c.h = h;
-  return c;
-}
-
-template <class T>
-__device__ Acc<T>* stored_level(const DeltaArgs<T>& a, const SegCtx& c, int l) {
-  return a.hbuf + ((c.hoff + a.grid.rank(c.s, l)) * a.H + c.h) * int64_t(a.dk) * a.dv;
-}
-
-// Forward sweep: each block takes (sequence, head) items; ws holds the item's level states.
+// Phase 2: forward sweep over the segments of each (sequence, head) item; ws holds its levels.
 template <class T>
 __global__ void __launch_bounds__(kThreads) delta_fwd_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
@@ -321,38 +367,70 @@ __global__ void __launch_bounds__(kThreads) delta_fwd_kernel(DeltaArgs<T> a) {
     R* ws = a.ws + item * a.Ls * mat;
     for (int64_t sg = a.seq_seg0[seq], end = sg + a.seq_nseg[seq]; sg < end; ++sg) {
       const SegCtx c = segment(a, sg, h);
-      if (a.hbuf)
-        for (int l = 0; l < a.Ls; ++l) {
-          if (!a.grid.live(c.s, l)) continue;
-          R* dst = stored_level(a, c, l);
-          for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) dst[e] = ws[l * mat + e];
-        }
       Ctx<T> x{a, S, c};
-      seg_prepare(x);
+      if (a.hbuf)
+        for (int l = 0; l < a.Ls; ++l)
+          if (a.grid.live(c.s, l)) copy(x.state_in(l), ws + l * mat, mat);
+      seg_load(x, false, true, false);
       seg_forward(x, ws, &s_mask);
     }
   }
 }
 
-// seg_backward of the CPU: gradients of the segment's rows, and the level adjoints dws [Ls][dk][dv]
-// moved in place from the state at e to the state at s.
+// Phase 3, sequential: the reverse sweep of the level adjoints (the dH lines of seg_backward on
+// the CPU). Stores the adjoint of the state at e, then moves dws [Ls][dk][dv] in place to s:
+//   dH[l] = e^B (dH'[t] - W^T (K dH'[t])) + Q~^T diag(lam e^b) dO,   t = l(e, sigma_l(s)).
+// Slot l is never the source of another level's move, so it is written as soon as it is formed.
 template <class T>
-__device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* red) {
+__global__ void __launch_bounds__(kThreads) delta_adj_kernel(DeltaArgs<T> a) {
+  using R = Acc<T>;
+  Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
+  const int dk = a.dk, dv = a.dv;
+  const int64_t mat = int64_t(dk) * dv;
+  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H; item += gridDim.x) {
+    const int seq = int(item / a.H), h = int(item % a.H);
+    R* dws = a.ws + item * a.Ls * mat;
+    for (int64_t sg = a.seq_seg0[seq] + a.seq_nseg[seq] - 1; sg >= a.seq_seg0[seq]; --sg) {
+      const SegCtx c = segment(a, sg, h);
+      Ctx<T> x{a, S, c};
+      const int nr = c.nr;
+      for (int l = 0; l < a.Ls; ++l)
+        if (a.grid.live(c.e, l)) copy(x.adj_out(l), dws + l * mat, mat);
+      seg_load(x, false, false, true);
+      const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
+      const R eB = exp(x.B);
+      for (int l = 0; l < a.Ls; ++l) {
+        if (!a.grid.live(c.s, l)) continue;
+        const R* Dout = dws + a.grid.read_level(c.e, c.s, l) * mat;
+        for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) S.dX[e] = eB * Dout[e];
+        for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.cdO[e] = x.read_coef(e / dv, l) * S.dO[e];
+        bgemm<R>(S.dE, dv, K, dk, false, Dout, dv, false, nr, dv, dk, R(1), R(0));      // [R,dk] x [dk,dv]
+        bgemm<R>(S.dX, dv, W, dk, true, S.dE, dv, false, dk, dv, nr, -eB, R(1));        // [dk,R] x [R,dv]
+        bgemm<R>(S.dX, dv, Qt, dk, true, S.cdO, dv, false, dk, dv, nr, R(1), R(1));     // [dk,R] x [R,dv]
+        copy(dws + l * mat, S.dX, mat);
+        __syncthreads();
+      }
+      for (int l = 0; l < a.Ls; ++l)  // adjoints of slots that exist at e only are consumed
+        if (a.grid.live(c.e, l) && !a.grid.live(c.s, l)) fill(dws + l * mat, mat, R(0));
+      __syncthreads();
+    }
+  }
+}
+
+// Phase 4, parallel over (segment, head): seg_backward of the CPU without the adjoint moves,
+// from the stored state entering the segment (hbuf) and the stored adjoint at its end (dhbuf).
+template <class T>
+__device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
   const SegCtx& c = x.c;
   const int nr = c.nr, dk = a.dk, dv = a.dv, nL = a.nL;
-  const int64_t mat = int64_t(dk) * dv;
+  const int64_t mat = x.mat();
   const bool fen = a.grid.fenwick;
   const int64_t rowbase = int64_t(c.h) * a.Ttot + c.row;
-  R* dlam = fen ? a.dlam + rowbase * nL : nullptr;
-  seg_scores(x);
-  const T* dO = a.dO + rowbase * dv;
-  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) {
-    S.dO[e] = from<R>(dO[e]);
-    S.dv[e] = 0;
-  }
+  R* dlam = fen ? a.dlam + x.rows(nL) : nullptr;
+  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.dv[e] = 0;
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) S.dQt[e] = S.dW[e] = S.dq[e] = S.dk[e] = 0;
   for (int e = threadIdx.x; e < nr * kSeg; e += blockDim.x) S.dTm[e] = 0;
   for (int i = threadIdx.x; i < nr; i += blockDim.x) S.db[i] = S.dbeta[i] = 0;
@@ -366,7 +444,7 @@ __device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* r
   const uint64_t groups = x.token_levels(s_mask);
   for (int tl = 0; tl < 64; ++tl) {
     if (!((groups >> tl) & 1)) continue;
-    const R* Dz = dws + tl * mat;
+    const R* Dz = x.adj_out(tl);
     for (int j = threadIdx.x; j < nr; j += blockDim.x)
       S.coef[j] = a.grid.level(c.e, c.s + j) == tl ? S.beta[j] * exp(x.B - S.b[j]) : R(0);
     __syncthreads();
@@ -398,13 +476,9 @@ __device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* r
   // transitions (decay, erase, re-key) and reads of the incoming live levels
   for (int l = 0; l < a.Ls; ++l) {
     if (!a.grid.live(c.s, l)) continue;
-    const R* H = stored_level(a, c, l);
-    const int tl = a.grid.read_level(c.e, c.s, l);
-    const R* Dout = dws + tl * mat;
-    for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) {
-      S.dX[e] = eB * Dout[e];
-      S.Hn[e] = H[e];
-    }
+    const R* H = x.state_in(l);
+    const R* Dout = x.adj_out(a.grid.read_level(c.e, c.s, l));
+    copy(S.Hn, H, mat);
     bgemm<R>(S.E, dv, S.W, dk, false, H, dv, false, nr, dv, dk, R(1), R(0));          // [R,dk] x [dk,dv]
     bgemm<R>(S.Hn, dv, S.K, dk, true, S.E, dv, false, dk, dv, nr, R(-1), R(1));       // [dk,R] x [R,dv]
     R part = 0;
@@ -413,7 +487,6 @@ __device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* r
     bgemm<R>(S.dk, dk, S.E, dv, false, Dout, dv, true, nr, dk, dv, -eB, R(1));        // [R,dv] x [dv,dk]
     bgemm<R>(S.dE, dv, S.K, dk, false, Dout, dv, false, nr, dv, dk, R(1), R(0));      // [R,dk] x [dk,dv]
     bgemm<R>(S.dW, dk, S.dE, dv, false, H, dv, true, nr, dk, dv, -eB, R(1));          // [R,dv] x [dv,dk]
-    bgemm<R>(S.dX, dv, S.W, dk, true, S.dE, dv, false, dk, dv, nr, -eB, R(1));        // [dk,R] x [R,dv]
     bgemm<R>(S.Yr, dk, S.dO, dv, false, H, dv, true, nr, dk, dv, R(1), R(0));         // [R,dv] x [dv,dk]
     for (int i = threadIdx.x; i < nr; i += blockDim.x) {
       const int lvl = a.grid.read_level(c.s + i, c.s, l);
@@ -426,20 +499,9 @@ __device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* r
       }
       if (fen) dlam[int64_t(i) * nL + lvl] += eb * qY;
       S.db[i] += cf * qY;
-      for (int cc = 0; cc < dv; ++cc) S.cdO[i * dv + cc] = cf * S.dO[i * dv + cc];
     }
     __syncthreads();
-    bgemm<R>(S.dX, dv, S.Qt, dk, true, S.cdO, dv, false, dk, dv, nr, R(1), R(1));     // [dk,R] x [R,dv]
-    // slot l is never the source of another level's move, and the token groups are done: write
-    R* dl = dws + l * mat;
-    for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) dl[e] = S.dX[e];
-    __syncthreads();
   }
-  for (int l = 0; l < a.Ls; ++l) {  // adjoints of slots that exist at e only are consumed
-    if (!a.grid.live(c.e, l) || a.grid.live(c.s, l)) continue;
-    fill(dws + l * mat, mat, R(0));
-  }
-  __syncthreads();
 
   // intra: O = (D o M) diag(beta) V
   bgemm<R>(S.dP, kSeg, S.dO, dv, false, S.bV, dv, true, nr, nr, dv, R(1), R(0));      // [R,dv] x [dv,R]
@@ -534,22 +596,20 @@ __device__ void seg_backward(Ctx<T>& x, Acc<T>* dws, uint64_t* s_mask, Acc<T>* r
   __syncthreads();
 }
 
-// Reverse sweep: each block takes (sequence, head) items; dws holds the item's level adjoints.
+
 template <class T>
-__global__ void __launch_bounds__(kThreads) delta_bwd_kernel(DeltaArgs<T> a) {
+__global__ void __launch_bounds__(kThreads) delta_grad_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
   __shared__ uint64_t s_mask;
   __shared__ R red[kThreads];
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
-  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H; item += gridDim.x) {
-    const int seq = int(item / a.H), h = int(item % a.H);
-    R* dws = a.ws + item * a.Ls * int64_t(a.dk) * a.dv;
-    for (int64_t sg = a.seq_seg0[seq] + a.seq_nseg[seq] - 1; sg >= a.seq_seg0[seq]; --sg) {
-      const SegCtx c = segment(a, sg, h);
-      Ctx<T> x{a, S, c};
-      seg_prepare(x);
-      seg_backward(x, dws, &s_mask, red);
-    }
+  for (int64_t item = blockIdx.x; item < a.nseg * a.H; item += gridDim.x) {
+    const SegCtx c = segment(a, item / a.H, int(item % a.H));
+    Ctx<T> x{a, S, c};
+    seg_load(x, true, true, true);
+    seg_wy(x);
+    seg_scores(x);
+    seg_grads(x, &s_mask, red);
   }
 }
 
@@ -592,11 +652,11 @@ struct DeltaCall {
   cudaStream_t s;
   LvlGrid grid;
   int dk, dv, Ls = 1, nL;
-  int64_t Ttot, N, NH, nseg = 0, nmat = 0;
+  int64_t Ttot, N, NH, nseg = 0, nmat = 0, ndmat = 0;
   DevBuf<T> q, k, v;
   DevBuf<R> g, beta, lam;
   DevBuf<int64_t> tab, pos0, posn;
-  int64_t off_seg0 = 0, off_nseg = 0, off_row = 0, off_pos = 0, off_nr = 0, off_hoff = 0;
+  int64_t off_seg0 = 0, off_nseg = 0, off_row = 0, off_pos = 0, off_nr = 0, off_hoff = 0, off_dhoff = 0;
   int blocks = 1;
   int64_t scratch_elems = 0;
 
@@ -605,7 +665,7 @@ struct DeltaCall {
         N(int64_t(r_.seqs.size())), NH(N * r_.H) {
     grid.fenwick = r.traits.loglinear;
     // segments [s, e) never cross a multiple of kSeg in absolute positions (§3.3)
-    std::vector<int64_t> seg0, nsg, row, pos, nr, hoff, p0, pn;
+    std::vector<int64_t> seg0, nsg, row, pos, nr, hoff, dhoff, p0, pn;
     for (const auto& q_ : r.seqs) {
       seg0.push_back(int64_t(row.size()));
       for (int64_t a = q_.n0, end = q_.n0 + q_.len; a < end;) {
@@ -615,6 +675,8 @@ struct DeltaCall {
         nr.push_back(e - a);
         hoff.push_back(nmat);
         nmat += grid.nlive(a);
+        dhoff.push_back(ndmat);
+        ndmat += grid.nlive(e);
         a = e;
       }
       nsg.push_back(int64_t(row.size()) - seg0.back());
@@ -630,7 +692,7 @@ struct DeltaCall {
       return o;
     };
     off_seg0 = put(seg0), off_nseg = put(nsg), off_row = put(row), off_pos = put(pos), off_nr = put(nr);
-    off_hoff = put(hoff);
+    off_hoff = put(hoff), off_dhoff = put(dhoff);
     tab = SeqTables::upload(all, s);
     pos0 = SeqTables::upload(p0, s);
     posn = SeqTables::upload(pn, s);
@@ -656,7 +718,8 @@ struct DeltaCall {
     int dev = 0, sms = 1;
     HILA_CUDA_CHECK(cudaGetDevice(&dev));
     HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    blocks = int(std::clamp<int64_t>(NH, 1, 2 * int64_t(sms)));
+    // resident blocks (each with its scratch): up to 4 per SM over the larger item count
+    blocks = int(std::clamp<int64_t>(std::max(NH, nseg * r.H), 1, 4 * int64_t(sms)));
     Scratch<R> probe(nullptr, dk, dv, &scratch_elems);
   }
 
@@ -671,7 +734,8 @@ struct DeltaCall {
     a.H = int(r.H), a.N = int(N), a.dk = dk, a.dv = dv, a.Ls = Ls, a.Ttot = Ttot;
     const int64_t* t = tab.get();
     a.seq_seg0 = t + off_seg0, a.seq_nseg = t + off_nseg, a.seg_row = t + off_row, a.seg_pos = t + off_pos;
-    a.seg_nr = t + off_nr, a.seg_hoff = t + off_hoff;
+    a.seg_nr = t + off_nr, a.seg_hoff = t + off_hoff, a.seg_dhoff = t + off_dhoff;
+    a.nseg = nseg;
     a.ws = ws;
     a.scratch = scratch;
     a.scratch_elems = scratch_elems;
@@ -693,9 +757,26 @@ struct DeltaCall {
     const int64_t Ls_out = grid.fenwick ? t.shape[2] : 1;
     HILA_LAUNCH(lvl_unpack_state<R>, NH * Ls_out * dk * dv, s, Strided(t), ws, NH, r.H, Ls, Ls_out, dk, dv, grid);
   }
+  int grid_of(int64_t items) const { return int(std::clamp<int64_t>(items, 1, blocks)); }
+  // Phase-1 buffers (rows of [H][Ttot][dk], and [H][Ttot][dv] for the intra output) and launch.
+  struct Prep {
+    DevBuf<R> W, Qt, Kt, K, Oi;
+  };
+  Prep prepare(DeltaArgs<T>& a, bool want_o) const {
+    Prep b;
+    const size_t nk = size_t(r.H * Ttot * dk);
+    b.W = DevBuf<R>(nk, s), b.Qt = DevBuf<R>(nk, s), b.Kt = DevBuf<R>(nk, s), b.K = DevBuf<R>(nk, s);
+    if (want_o) b.Oi = DevBuf<R>(size_t(r.H * Ttot * dv), s);
+    a.Wb = b.W.get(), a.Qtb = b.Qt.get(), a.Ktb = b.Kt.get(), a.Kb = b.K.get(), a.Oi = b.Oi.get();
+    if (nseg > 0) {
+      delta_prep_kernel<T><<<grid_of(nseg * r.H), kThreads, 0, s>>>(a);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
+    return b;
+  }
   void launch_forward(const DeltaArgs<T>& a) const {
     if (NH == 0) return;
-    delta_fwd_kernel<T><<<blocks, kThreads, 0, s>>>(a);
+    delta_fwd_kernel<T><<<grid_of(NH), kThreads, 0, s>>>(a);
     HILA_CUDA_CHECK_LAUNCH();
   }
   void write_final(const StateView& fin, const R* ws) const {
@@ -719,6 +800,7 @@ void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream
   DevBuf<R> scratch = c.scratch();
   DevBuf<T> O(size_t(r.H * c.Ttot * c.dv), s);
   DeltaArgs<T> a = c.args(ws.get(), scratch.get());
+  const auto prep = c.prepare(a, true);
   a.o = O.get();
   c.launch_forward(a);
   if (c.Ttot > 0)
@@ -737,6 +819,7 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   DevBuf<R> hbuf(size_t(c.nmat * H * dk * dv), s);
   DevBuf<T> O(p.o.defined() ? size_t(H * Ttot * dv) : 0, s);
   DeltaArgs<T> a = c.args(ws.get(), scratch.get());
+  const auto prep = c.prepare(a, p.o.defined());
   a.o = O.get(), a.hbuf = hbuf.get();
   c.launch_forward(a);
   if (p.o.defined() && Ttot > 0)
@@ -748,11 +831,17 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   if (Ttot > 0) HILA_LAUNCH(pack_rows<T>, H * Ttot * dv, s, dO.get(), Strided(p.d_o), r.T, H, Ttot, c.dv, c.dv, -1);
   DevBuf<R> dq(size_t(H * Ttot * dk), s), dkb(size_t(H * Ttot * dk), s), dvb(size_t(H * Ttot * dv), s);
   DevBuf<R> dg(size_t(H * Ttot), s), dbeta(size_t(H * Ttot), s), dlam(size_t(H * Ttot * c.nL), s);
-  DeltaArgs<T> b = c.args(dws.get(), scratch.get());
-  b.hbuf = hbuf.get(), b.dO = dO.get();
+  DevBuf<R> dhbuf(size_t(c.ndmat * H * dk * dv), s);
+  DeltaArgs<T> b = a;
+  b.ws = dws.get(), b.o = nullptr;
+  b.dhbuf = dhbuf.get(), b.dO = dO.get();
   b.dq = dq.get(), b.dk_ = dkb.get(), b.dv_ = dvb.get(), b.dg = dg.get(), b.dbeta = dbeta.get(), b.dlam = dlam.get();
   if (c.NH > 0) {
-    delta_bwd_kernel<T><<<c.blocks, kThreads, 0, s>>>(b);
+    delta_adj_kernel<T><<<c.grid_of(c.NH), kThreads, 0, s>>>(b);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
+  if (c.nseg > 0) {
+    delta_grad_kernel<T><<<c.grid_of(c.nseg * H), kThreads, 0, s>>>(b);
     HILA_CUDA_CHECK_LAUNCH();
   }
   if (Ttot > 0) {

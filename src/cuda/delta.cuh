@@ -10,15 +10,19 @@
 //   O  = (D o M) diag(beta) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^b) Q~ H[l]
 //   H'[l(e, sigma_l(s))] += e^B (H[l] - K^T (W H[l]))        (the erase acts on every live level)
 //   H'[l'] += K^T Tm diag(beta e^{B-b} 1[l(e, s+j) = l']) V  (new tokens, by target level)
-// Backward (§6.5): a states-only forward sweep stores the live levels entering every segment
-// (compactly: popcount(s) matrices, or one flat); a reverse sweep carries one adjoint per level.
+// Phases: (1) per (segment, head), in parallel: Tm, W, Q~, K~ = Tm^T K and the intra output;
+// (2) per (sequence, head), sequentially over its segments: the level states and the reads
+// (storing the live levels entering every segment for the backward: popcount(s) matrices, or one
+// flat); backward (§6.5): (3) the reverse sweep of one adjoint per level, storing the adjoints at
+// every segment end; (4) per (segment, head), in parallel: every gradient of the segment's rows.
 //
 // Layouts: q, k packed [G][Ttot][dk] (T), v, dO [H][Ttot][dv] (T), g, beta [H][Ttot], lam
 // [H][Ttot][nL] (compute type R = Acc<T>); level workspace [N*H][Ls][dk][dv] (R).
-// Grid: one block of kThreads per (sequence, head) item (grid-stride over items), sweeping the
-// segments of its sequence in order. Its per-segment matrices live in a per-block fp32 (fp64 for
-// fp64 inputs) scratch area in global memory (L1/L2 resident) and every GEMM is a plain block FMA
-// loop: correctness first, every product in the compute type (no bf16 rounding of Tm, W or states).
+// Grid: blocks of kThreads take items (segment x head for phases 1 and 4, sequence x head for the
+// sweeps 2 and 3) grid-stride. Per-segment matrices live in a per-block fp32 (fp64 for fp64
+// inputs) scratch area in global memory (L1/L2 resident); every GEMM is a shared-memory tiled FMA
+// block GEMM: correctness first, every product in the compute type (no bf16 rounding of Tm, W or
+// the states).
 #pragma once
 #include "core/problem.h"
 #include "cuda/pack_levels.cuh"
@@ -40,16 +44,21 @@ struct DeltaArgs {
   int H = 1, N = 1, dk = 1, dv = 1, Ls = 1;
   int64_t Ttot = 0;
   // segment tables (device): sequence -> [seg0, seg0 + nseg); segment -> packed row, position,
-  // rows, offset of its stored levels (in matrices per head)
+  // rows, offsets of its stored levels at s and at e (in matrices per head)
+  int64_t nseg = 0;
   const int64_t *seq_seg0 = nullptr, *seq_nseg = nullptr;
-  const int64_t *seg_row = nullptr, *seg_pos = nullptr, *seg_nr = nullptr, *seg_hoff = nullptr;
+  const int64_t *seg_row = nullptr, *seg_pos = nullptr, *seg_nr = nullptr, *seg_hoff = nullptr, *seg_dhoff = nullptr;
   R* ws = nullptr;       // forward: initial state in, final state out; backward: d_final in, d_init out
   R* scratch = nullptr;  // per resident block
   int64_t scratch_elems = 0;
+  // per-segment matrices of phase 1, rows of [H][Ttot][d]: W, Q~, K~ = Tm^T K, K (normalised);
+  // Oi = (D o M) diag(beta) V, the intra-segment output (only when o is wanted)
+  R *Wb = nullptr, *Qtb = nullptr, *Ktb = nullptr, *Kb = nullptr, *Oi = nullptr;
   // forward
   T* o = nullptr;        // [H][Ttot][dv], nullptr: states only
   R* hbuf = nullptr;     // [sum_seg nlive(s)][H][dk][dv]: live levels entering each segment
   // backward (hbuf from a forward with hbuf set)
+  R* dhbuf = nullptr;    // [sum_seg nlive(e)][H][dk][dv]: adjoints of the live levels at each end
   const T* dO = nullptr;                             // [H][Ttot][dv]
   R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;   // [H][Ttot][dk | dk | dv], w.r.t. q^ and k
   R *dg = nullptr, *dbeta = nullptr, *dlam = nullptr;  // [H][Ttot], [H][Ttot], [H][Ttot][nL]
