@@ -118,11 +118,6 @@ __device__ R block_sum(R x, R* red) {
   return r;
 }
 
-template <class R>
-__device__ void fill(R* x, int64_t n, R v) {
-  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) x[e] = v;
-}
-
 // One segment of one (sequence, head): rows [row, row + nr) of the packed buffers, absolute
 // positions [s, e); hoff / dhoff: offsets (in matrices per head) of its stored levels at s / e.
 struct SegCtx {
@@ -288,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) delta_prep_kernel(DeltaArgs<T> a) {
     seg_load(x, true, true, false);
     seg_wy(x);
     seg_scores(x);
-    bgemm<Acc<T>>(S.Yr, dk, S.Tm, kSeg, true, S.K, dk, false, nr, dk, nr, R(1), R(0));  // K~  [R,R] x [R,dk]
+    bgemm<R>(S.Yr, dk, S.Tm, kSeg, true, S.K, dk, false, nr, dk, nr, R(1), R(0));  // K~  [R,R] x [R,dk]
     if (a.Oi) bgemm<R>(S.O, dv, S.P, kSeg, false, S.bV, dv, false, nr, dv, nr, R(1), R(0));  // [R,R] x [R,dv]
     copy(a.Wb + x.rows(dk), S.W, int64_t(nr) * dk);
     copy(a.Qtb + x.rows(dk), S.Qt, int64_t(nr) * dk);
@@ -299,11 +294,20 @@ __global__ void __launch_bounds__(kThreads) delta_prep_kernel(DeltaArgs<T> a) {
   }
 }
 
-// seg_forward of the CPU (phase 2, sequential), in place on the level workspace ws [Ls][dk][dv]:
-// O rows (if a.o) and the state at e. Re-key targets of moved levels are never live at s and
-// the new-token targets are added after the moves, so the in-place order below is exact (§2.4).
+// The sweeps are column-separable in v: a block takes one tile of kVTile state columns [v0, v0+bv)
+// of a (sequence, head) item; scratch and state matrices keep their full leading dimension dv.
+constexpr int kVTile = 64;
+template <class F>
+__device__ void for_cols(int rows, int v0, int bv, F f) {  // f(row, column) over [rows] x [v0, v0+bv)
+  for (int e = threadIdx.x; e < rows * bv; e += blockDim.x) f(e / bv, v0 + e % bv);
+}
+
+// seg_forward of the CPU (phase 2, sequential), in place on the level workspace ws [Ls][dk][dv],
+// columns [v0, v0+bv): O rows (if a.o) and the state at e. Re-key targets of moved levels are never
+// live at s and the new-token targets are added after the moves, so the in-place order is exact
+// (§2.4).
 template <class T>
-__device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
+__device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int bv) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
@@ -312,73 +316,84 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask) {
   const int64_t mat = x.mat();
   const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Kt = a.Ktb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
   if (a.o) {  // O = (D o M) bV + sum_live diag(lam e^b) Q~ H[l]
-    copy(S.O, a.Oi + x.rows(dv), int64_t(nr) * dv);
+    const R* Oi = a.Oi + x.rows(dv);
+    for_cols(nr, v0, bv, [&](int i, int cc) { S.O[i * dv + cc] = Oi[i * dv + cc]; });
     for (int l = 0; l < a.Ls; ++l) {
       if (!a.grid.live(c.s, l)) continue;
-      bgemm<R>(S.T1, dv, Qt, dk, false, ws + l * mat, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
-      for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.O[e] += x.read_coef(e / dv, l) * S.T1[e];
+      bgemm<R>(S.T1 + v0, dv, Qt, dk, false, ws + l * mat + v0, dv, false, nr, bv, dk, R(1), R(0));  // [R,dk] x [dk,bv]
+      for_cols(nr, v0, bv, [&](int i, int cc) { S.O[i * dv + cc] += x.read_coef(i, l) * S.T1[i * dv + cc]; });
       __syncthreads();
     }
     T* o = a.o + x.rows(dv);
-    for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) o[e] = to<T>(S.O[e]);
+    for_cols(nr, v0, bv, [&](int i, int cc) { o[i * dv + cc] = to<T>(S.O[i * dv + cc]); });
   }
   const R eB = exp(x.B);
   for (int l = 0; l < a.Ls; ++l) {  // e^B (H - K^T (W H)) re-keyed to l(e, sigma_l(s))
     if (!a.grid.live(c.s, l)) continue;
     R* Hl = ws + l * mat;
-    bgemm<R>(S.E, dv, W, dk, false, Hl, dv, false, nr, dv, dk, R(1), R(0));  // [R,dk] x [dk,dv]
-    copy(S.Hn, Hl, mat);
+    bgemm<R>(S.E + v0, dv, W, dk, false, Hl + v0, dv, false, nr, bv, dk, R(1), R(0));  // [R,dk] x [dk,bv]
+    for_cols(dk, v0, bv, [&](int i, int cc) { S.Hn[i * dv + cc] = Hl[i * dv + cc]; });
     __syncthreads();
-    bgemm<R>(S.Hn, dv, K, dk, true, S.E, dv, false, dk, dv, nr, R(-1), R(1));  // [dk,R] x [R,dv]
+    bgemm<R>(S.Hn + v0, dv, K, dk, true, S.E + v0, dv, false, dk, bv, nr, R(-1), R(1));  // [dk,R] x [R,bv]
     const int tl = a.grid.read_level(c.e, c.s, l);
     R* Ht = ws + tl * mat;
-    for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) {
+    for_cols(dk, v0, bv, [&](int i, int cc) {
+      const int64_t e = int64_t(i) * dv + cc;
       if (tl == l) {
         Hl[e] = eB * S.Hn[e];
       } else {
         Ht[e] += eB * S.Hn[e];
         Hl[e] = 0;
       }
-    }
+    });
     __syncthreads();
   }
   const uint64_t groups = x.token_levels(s_mask);
   for (int tl = 0; tl < 64; ++tl) {  // new tokens: K^T Tm diag(beta e^{B-b} 1_tl) V = K~^T (..) V
     if (!((groups >> tl) & 1)) continue;
-    for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) {
-      const int j = e / dv;
+    for_cols(nr, v0, bv, [&](int j, int cc) {
       const bool in = a.grid.level(c.e, c.s + j) == tl;
-      S.Y[e] = in ? S.beta[j] * exp(x.B - S.b[j]) * S.V[e] : R(0);
-    }
+      S.Y[j * dv + cc] = in ? S.beta[j] * exp(x.B - S.b[j]) * S.V[j * dv + cc] : R(0);
+    });
     __syncthreads();
-    bgemm<R>(ws + tl * mat, dv, Kt, dk, true, S.Y, dv, false, dk, dv, nr, R(1), R(1));  // [dk,R] x [R,dv]
+    bgemm<R>(ws + tl * mat + v0, dv, Kt, dk, true, S.Y + v0, dv, false, dk, bv, nr, R(1), R(1));  // [dk,R] x [R,bv]
   }
 }
 
-// Phase 2: forward sweep over the segments of each (sequence, head) item; ws holds its levels.
+// Copy columns [v0, v0+bv) of a [dk][dv] level matrix.
+template <class R>
+__device__ void copy_cols(R* dst, const R* src, int dk, int dv, int v0, int bv) {
+  for_cols(dk, v0, bv, [&](int i, int cc) { dst[int64_t(i) * dv + cc] = src[int64_t(i) * dv + cc]; });
+}
+
+// Phase 2: forward sweep over the segments of each (sequence, head, value tile) item; ws holds the
+// item's levels.
 template <class T>
 __global__ void __launch_bounds__(kThreads) delta_fwd_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
   __shared__ uint64_t s_mask;
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
   const int64_t mat = int64_t(a.dk) * a.dv;
-  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H; item += gridDim.x) {
-    const int seq = int(item / a.H), h = int(item % a.H);
-    R* ws = a.ws + item * a.Ls * mat;
+  const int nvt = (a.dv + kVTile - 1) / kVTile;
+  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H * nvt; item += gridDim.x) {
+    const int64_t sh = item / nvt;
+    const int seq = int(sh / a.H), h = int(sh % a.H), v0 = int(item % nvt) * kVTile, bv = min(kVTile, a.dv - v0);
+    R* ws = a.ws + sh * a.Ls * mat;
     for (int64_t sg = a.seq_seg0[seq], end = sg + a.seq_nseg[seq]; sg < end; ++sg) {
       const SegCtx c = segment(a, sg, h);
       Ctx<T> x{a, S, c};
       if (a.hbuf)
         for (int l = 0; l < a.Ls; ++l)
-          if (a.grid.live(c.s, l)) copy(x.state_in(l), ws + l * mat, mat);
+          if (a.grid.live(c.s, l)) copy_cols(x.state_in(l), ws + l * mat, a.dk, a.dv, v0, bv);
       seg_load(x, false, true, false);
-      seg_forward(x, ws, &s_mask);
+      seg_forward(x, ws, &s_mask, v0, bv);
     }
   }
 }
 
 // Phase 3, sequential: the reverse sweep of the level adjoints (the dH lines of seg_backward on
-// the CPU). Stores the adjoint of the state at e, then moves dws [Ls][dk][dv] in place to s:
+// the CPU), per (sequence, head, value tile). Stores the adjoint of the state at e, then moves dws
+// [Ls][dk][dv] in place to s:
 //   dH[l] = e^B (dH'[t] - W^T (K dH'[t])) + Q~^T diag(lam e^b) dO,   t = l(e, sigma_l(s)).
 // Slot l is never the source of another level's move, so it is written as soon as it is formed.
 template <class T>
@@ -387,31 +402,34 @@ __global__ void __launch_bounds__(kThreads) delta_adj_kernel(DeltaArgs<T> a) {
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
   const int dk = a.dk, dv = a.dv;
   const int64_t mat = int64_t(dk) * dv;
-  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H; item += gridDim.x) {
-    const int seq = int(item / a.H), h = int(item % a.H);
-    R* dws = a.ws + item * a.Ls * mat;
+  const int nvt = (dv + kVTile - 1) / kVTile;
+  for (int64_t item = blockIdx.x; item < int64_t(a.N) * a.H * nvt; item += gridDim.x) {
+    const int64_t sh = item / nvt;
+    const int seq = int(sh / a.H), h = int(sh % a.H), v0 = int(item % nvt) * kVTile, bv = min(kVTile, dv - v0);
+    R* dws = a.ws + sh * a.Ls * mat;
     for (int64_t sg = a.seq_seg0[seq] + a.seq_nseg[seq] - 1; sg >= a.seq_seg0[seq]; --sg) {
       const SegCtx c = segment(a, sg, h);
       Ctx<T> x{a, S, c};
       const int nr = c.nr;
       for (int l = 0; l < a.Ls; ++l)
-        if (a.grid.live(c.e, l)) copy(x.adj_out(l), dws + l * mat, mat);
+        if (a.grid.live(c.e, l)) copy_cols(x.adj_out(l), dws + l * mat, dk, dv, v0, bv);
       seg_load(x, false, false, true);
       const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
       const R eB = exp(x.B);
       for (int l = 0; l < a.Ls; ++l) {
         if (!a.grid.live(c.s, l)) continue;
         const R* Dout = dws + a.grid.read_level(c.e, c.s, l) * mat;
-        for (int64_t e = threadIdx.x; e < mat; e += blockDim.x) S.dX[e] = eB * Dout[e];
-        for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.cdO[e] = x.read_coef(e / dv, l) * S.dO[e];
-        bgemm<R>(S.dE, dv, K, dk, false, Dout, dv, false, nr, dv, dk, R(1), R(0));      // [R,dk] x [dk,dv]
-        bgemm<R>(S.dX, dv, W, dk, true, S.dE, dv, false, dk, dv, nr, -eB, R(1));        // [dk,R] x [R,dv]
-        bgemm<R>(S.dX, dv, Qt, dk, true, S.cdO, dv, false, dk, dv, nr, R(1), R(1));     // [dk,R] x [R,dv]
-        copy(dws + l * mat, S.dX, mat);
+        for_cols(dk, v0, bv, [&](int i, int cc) { S.dX[i * dv + cc] = eB * Dout[int64_t(i) * dv + cc]; });
+        for_cols(nr, v0, bv, [&](int i, int cc) { S.cdO[i * dv + cc] = x.read_coef(i, l) * S.dO[i * dv + cc]; });
+        bgemm<R>(S.dE + v0, dv, K, dk, false, Dout + v0, dv, false, nr, bv, dk, R(1), R(0));     // [R,dk] x [dk,bv]
+        bgemm<R>(S.dX + v0, dv, W, dk, true, S.dE + v0, dv, false, dk, bv, nr, -eB, R(1));       // [dk,R] x [R,bv]
+        bgemm<R>(S.dX + v0, dv, Qt, dk, true, S.cdO + v0, dv, false, dk, bv, nr, R(1), R(1));    // [dk,R] x [R,bv]
+        copy_cols(dws + l * mat, S.dX, dk, dv, v0, bv);
         __syncthreads();
       }
       for (int l = 0; l < a.Ls; ++l)  // adjoints of slots that exist at e only are consumed
-        if (a.grid.live(c.e, l) && !a.grid.live(c.s, l)) fill(dws + l * mat, mat, R(0));
+        if (a.grid.live(c.e, l) && !a.grid.live(c.s, l))
+          for_cols(dk, v0, bv, [&](int i, int cc) { dws[l * mat + int64_t(i) * dv + cc] = 0; });
       __syncthreads();
     }
   }
@@ -719,7 +737,7 @@ struct DeltaCall {
     HILA_CUDA_CHECK(cudaGetDevice(&dev));
     HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     // resident blocks (each with its scratch): up to 4 per SM over the larger item count
-    blocks = int(std::clamp<int64_t>(std::max(NH, nseg * r.H), 1, 4 * int64_t(sms)));
+    blocks = int(std::clamp<int64_t>(std::max(sweep_items(), nseg * r.H), 1, 4 * int64_t(sms)));
     Scratch<R> probe(nullptr, dk, dv, &scratch_elems);
   }
 
@@ -774,9 +792,10 @@ struct DeltaCall {
     }
     return b;
   }
+  int64_t sweep_items() const { return NH * ((dv + kVTile - 1) / kVTile); }
   void launch_forward(const DeltaArgs<T>& a) const {
     if (NH == 0) return;
-    delta_fwd_kernel<T><<<grid_of(NH), kThreads, 0, s>>>(a);
+    delta_fwd_kernel<T><<<grid_of(sweep_items()), kThreads, 0, s>>>(a);
     HILA_CUDA_CHECK_LAUNCH();
   }
   void write_final(const StateView& fin, const R* ws) const {
@@ -837,7 +856,7 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   b.dhbuf = dhbuf.get(), b.dO = dO.get();
   b.dq = dq.get(), b.dk_ = dkb.get(), b.dv_ = dvb.get(), b.dg = dg.get(), b.dbeta = dbeta.get(), b.dlam = dlam.get();
   if (c.NH > 0) {
-    delta_adj_kernel<T><<<c.grid_of(c.NH), kThreads, 0, s>>>(b);
+    delta_adj_kernel<T><<<c.grid_of(c.sweep_items()), kThreads, 0, s>>>(b);
     HILA_CUDA_CHECK_LAUNCH();
   }
   if (c.nseg > 0) {
