@@ -45,6 +45,7 @@ std::vector<DeltaCase> cases() {
                   n + "_bf16_gqa4_init_l2norm", ll ? 2 : 0});
     cs.push_back({op, DType::bf16, 1, 200, 2, 4, 40, 72, {}, false, true, {200}, false, 1e-2,
                   n + "_bf16_dk40_dv72_ungated_gqa2_init200"});
+    cs.push_back({op, DType::f16, 2, 130, 1, 2, 64, 64, {}, true, true, {13}, true, 1e-2, n + "_f16_init13_l2norm"});
     for (int64_t T : {65, 1000})
       cs.push_back({op, DType::f32, 2, T, 2, 2, 64, 64, {}, true, false, {}, false, 1e-4,
                     n + "_f32_d64_T" + std::to_string(T)});
