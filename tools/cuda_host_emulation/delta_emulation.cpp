@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host emulation of src/cuda/delta.cu (see run.sh): the CUDA driver and kernels run on the CPU with
 // the stand-in headers of this folder, against the CPU naive float64 oracle, in float64 and float32.
-// EMU_QUICK=1 skips the T = 1000 cases; EMU_BIG=1 runs only the multi-tile head dims (dk 80, dv 130).
+// EMU_QUICK=1 skips the T = 1000 cases; EMU_BIG=1 runs only the multi-tile head dims (dk 80, dv 130);
+// EMU_F32_LONG=1 only float32 at T = 1000, d = 64 (chunk-form oracle).
 #include "delta_emu.inc"
 #include "problem.h"
 #include <cstdio>
@@ -11,10 +12,10 @@ using namespace hila;
 using namespace hila::tools;
 
 template <class T>
-double run_case(const char* name, ProblemSpec s, DType dt, double tol) {
+double run_case(const char* name, ProblemSpec s, DType dt, double tol, Form oracle = Form::naive) {
   const Problem low = cast_problem(make_problem(s), dt);
   const Problem ref_in = cast_problem(low, DType::f64);
-  const Result ref = run_backward(ref_in, Form::naive);
+  const Result ref = run_backward(ref_in, oracle);
   Result r;
   r.o = Buffer(dt, {s.B, low.spec.T, s.H, s.dv}); r.o.poison();
   r.final_state = make_state(s.cfg, low.num_seqs(), s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
@@ -55,6 +56,14 @@ double run_case(const char* name, ProblemSpec s, DType dt, double tol) {
 
 int main() {
   int fails = 0;
+  if (getenv("EMU_F32_LONG")) {  // the float32 T = 1000 shapes of tests/cuda/test_cuda_delta.cpp
+    for (Op op : {Op::gdn, Op::loglinear_gdn}) {
+      ProblemSpec s; s.cfg.op = op; s.B = 2; s.T = 1000; s.G = 2; s.H = 2; s.dk = 64; s.dv = 64; s.seed = 23;
+      fails += run_case<float>((std::string(op_name(op)) + " f32 d64 T1000").c_str(), s, DType::f32, 1e-4, Form::chunk) > 1e-4;
+    }
+    std::printf("%d failures\n", fails);
+    return fails != 0;
+  }
   if (getenv("EMU_BIG")) {
     for (Op op : {Op::gdn, Op::loglinear_gdn}) {
       ProblemSpec s; s.cfg.op = op; s.B = 1; s.T = 0; s.G = 1; s.H = 2; s.dk = 80; s.dv = 130; s.seed = 3;
