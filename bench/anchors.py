@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Anchors timed in the same run as hila: ceilings (bf16 GEMM, device-to-device copy), torch SDPA
-(flash and cuDNN backends, causal) and fla's chunk_simple_gla. CSV rows on stdout:
+(flash and cuDNN backends, causal) and fla's chunk_simple_gla, chunk_log_linear_attn and
+chunk_gated_delta_rule (sections fla, fla_loglinear, fla_gdn). CSV rows on stdout:
 impl,op,dtype,B,T,H,d,direction,ms   (ceilings: impl=ceiling, op=gemm_tflops|copy_tbps, ms=value).
 fla's gated backward is refused on Hopper with Triton < 3.7.1 (wrong gradients); when the installed
 Triton is older, the guard is lifted so that its *speed* can be measured, and the rows say so
@@ -49,13 +50,18 @@ def sdpa(shapes, H, d):
             torch.cuda.empty_cache()
 
 
-def fla_gla(shapes, H, d):
+def fla_impl():
+    """'fla', or 'fla_guard_lifted' after lifting fla's Hopper guard on Triton < 3.7.1 (speed only)."""
     import fla.ops.common.chunk_o as chunk_o
+    if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True):
+        return "fla"
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # see the module docstring
+    return "fla_guard_lifted"
+
+
+def fla_gla(shapes, H, d):
     from fla.ops.simple_gla import chunk_simple_gla
-    impl = "fla"
-    if not chunk_o.TRITON_ABOVE_3_7_1:
-        chunk_o.TRITON_ABOVE_3_7_1 = True  # speed only: see the module docstring
-        impl = "fla_guard_lifted"
+    impl = fla_impl()
     for B, T in shapes:
         q = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
         k = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
@@ -72,6 +78,51 @@ def fla_gla(shapes, H, d):
         row(impl, "gla", B, T, H, d, "fwdbwd", ms_of(fb))
 
 
+def _fla_fb(impl, op, B, T, H, d, fwd, leaves, out_like):
+    """Time fwd (no grad) and fwd+bwd of fla call `fwd` (returns (o, ...))."""
+    do = torch.randn_like(out_like)
+    with torch.no_grad():
+        row(impl, op, B, T, H, d, "fwd", ms_of(fwd))
+
+    def fb():
+        fwd()[0].backward(do)
+    for t in leaves:
+        t.requires_grad_()
+    row(impl, op, B, T, H, d, "fwdbwd", ms_of(fb))
+
+
+def fla_loglinear(shapes, H, d):
+    """fla chunk_log_linear_attn (one q/k group, as fla's kernels require), level_scales with the
+    levels the length needs; scale 1 as in fla."""
+    from fla.ops.log_linear_attn import chunk_log_linear_attn
+    for B, T in shapes:
+        L = max(1, (T - 1).bit_length() + 1)
+        q = torch.randn(B, T, 1, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        k = torch.randn(B, T, 1, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        v = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16)
+        g = torch.empty(B, T, H, device="cuda").uniform_(-0.105, 0.0)
+        lam = torch.rand(B, T, H, L, device="cuda", dtype=torch.bfloat16)
+        _fla_fb(fla_impl(), "loglinear", B, T, H, d, lambda: chunk_log_linear_attn(q, k, v, g, lam), (q, k, v, g, lam), v)
+        del q, k, v, g, lam
+        torch.cuda.empty_cache()
+
+
+def fla_gdn(shapes, H, d):
+    """fla chunk_gated_delta_rule (l2-normalised q, k in the kernel, beta in (0, 1))."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    for B, T in shapes:
+        q = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16)
+        g = torch.empty(B, T, H, device="cuda").uniform_(-0.105, 0.0)
+        beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+        _fla_fb(fla_impl(), "gdn", B, T, H, d,
+                lambda: chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, use_qk_l2norm_in_kernel=True),
+                (q, k, v, g, beta), v)
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="32:1024,8:4096,2:16384,1:65536")
@@ -84,6 +135,7 @@ if __name__ == "__main__":
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
     for s in a.sections:
         try:
-            {"ceil": ceilings, "sdpa": lambda: sdpa(shapes, a.H, a.d), "fla": lambda: fla_gla(shapes, a.H, a.d)}[s]()
+            {"ceil": ceilings, "sdpa": lambda: sdpa(shapes, a.H, a.d), "fla": lambda: fla_gla(shapes, a.H, a.d),
+             "fla_loglinear": lambda: fla_loglinear(shapes, a.H, a.d), "fla_gdn": lambda: fla_gdn(shapes, a.H, a.d)}[s]()
         except Exception as e:  # a missing anchor is reported, not fatal
             print(f"# section {s} failed: {e!r}"[:300], file=sys.stderr)

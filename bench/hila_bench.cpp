@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
@@ -82,6 +83,41 @@ double median_ms(F f, int warmup, int reps) {
   return t[t.size() / 2];
 }
 
+double wall_ms(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// First call of each op in this fresh process (B=1, T=256, bf16, forward; host wall time to
+// completion): what a user pays before anything is cached. CUDA context creation is timed
+// separately (direction "context").
+void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt19937& rng) {
+  using namespace hila;
+  auto t0 = std::chrono::steady_clock::now();
+  CK(cudaFree(nullptr));
+  std::printf("hila,cuda_context,bf16,1,0,0,0,context,%.4f\n", wall_ms(t0));
+  const int64_t B = 1, T = 256;
+  const size_t nq = size_t(B * T * H * d);
+  Dev q(nq * 2), k(nq * 2), v(nq * 2), o(nq * 2), g(size_t(B * T * H) * 4);
+  fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
+  fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
+  fill_bf16(v, rng, 1.f);
+  fill_gates(g, rng);
+  const Device dev{DeviceType::cuda, 0};
+  auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
+  for (Op op : ops) {
+    ForwardParams p;
+    p.cfg.op = op;
+    p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
+    p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
+    t0 = std::chrono::steady_clock::now();
+    forward(p);
+    CK(cudaDeviceSynchronize());
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,first_call,%.4f\n", op_name(op), (long long)B, (long long)T,
+                (long long)H, (long long)d, wall_ms(t0));
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,6 +129,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--reps") reps = std::stoi(v);
+    else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--H") H = std::stoll(v);
     else if (k == "--ops") {  // "gla,hla2"
       ops.clear();
@@ -117,6 +154,7 @@ int main(int argc, char** argv) {
   }
   std::printf("impl,op,dtype,B,T,H,d,direction,ms\n");
   std::mt19937 rng(0);
+  first_calls(ops, H, d, rng);
   for (auto [B, T] : shapes) {
     const size_t nq = size_t(B * T * H * d);
     Dev q(nq * 2), k(nq * 2), v(nq * 2), o(nq * 2), dO(nq * 2), dq(nq * 2), dk(nq * 2), dv(nq * 2);

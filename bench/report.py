@@ -20,6 +20,20 @@ def gla_flops(B, T, H, d, direction, C=64):
     return B * H * (fwd if direction == "fwd" else fwd + bwd)
 
 
+# GLA primitives per operator (HLA_SPEC §11: hla2 / ahla are two GLA passes, hla3 three).
+PRIMS = {"gla": 1, "hla2": 2, "ahla": 2, "hla3": 3}
+# The fla operator each hila operator is compared with (issue targets).
+FLA_ANCHOR = {"loglinear": "loglinear", "loglinear_hla2": "loglinear", "loglinear_ahla": "loglinear",
+              "loglinear_hla3": "loglinear", "gdn": "gdn", "loglinear_gdn": "gdn"}
+
+
+def min_bytes(B, T, H, d, direction):
+    """Compulsory HBM traffic in bf16: q, k, v read and o written (forward); plus dO read and
+    dq, dk, dv written (forward+backward, which reads q, k, v again)."""
+    n = B * T * H * d * 2
+    return n * (4 if direction == "fwd" else 11)
+
+
 def main(out_csv, out_png, out_md, *inputs):
     rows = load(inputs)
     with open(out_csv, "w", newline="") as f:
@@ -28,32 +42,51 @@ def main(out_csv, out_png, out_md, *inputs):
         w.writerows(rows)
     ceil = {r["op"]: float(r["ms"]) for r in rows if r["impl"] == "ceiling"}
     key = lambda r: (r["impl"], r["op"], int(r["B"]), int(r["T"]), r["direction"])
-    t = {key(r): float(r["ms"]) for r in rows if r["impl"] != "ceiling"}
-    shapes = sorted({(int(r["B"]), int(r["T"])) for r in rows if r["impl"] == "hila"}, key=lambda s: s[1])
-    fla = "fla" if any(k[0] == "fla" for k in t) else "fla_guard_lifted"
-    lines = ["| B | T | direction | hila gla ms | hila TFLOP/s | fla ms | hila / fla | SDPA flash ms | SDPA cuDNN ms | hila / cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for B, T in shapes:
-        for dirn in ("fwd", "fwdbwd"):
-            h = t.get(("hila", "gla", B, T, dirn))
-            fl = t.get((fla, "gla", B, T, dirn))
-            fa = t.get(("sdpa_flash", "softmax", B, T, dirn))
-            cu = t.get(("sdpa_cudnn", "softmax", B, T, dirn))
-            tf = gla_flops(B, T, 16, 128, dirn) / h / 1e9 if h else float("nan")
-            f = lambda x: f"{x:.3f}" if x else "—"
-            r = lambda a, b: f"{a / b:.1f}×" if a and b else "—"
-            lines.append(f"| {B} | {T} | {dirn} | {f(h)} | {tf:.1f} | {f(fl)} | {r(h, fl)} | {f(fa)} | {f(cu)} | {r(h, cu)} |")
-    head = [f"Ceilings measured in the same run: bf16 GEMM {ceil.get('gemm_tflops', float('nan')):.0f} TFLOP/s, "
-            f"device-to-device copy {ceil.get('copy_tbps', float('nan')):.2f} TB/s.", ""]
-    with open(out_md, "w") as f:
-        f.write("\n".join(head + lines) + "\n")
+    t = {key(r): float(r["ms"]) for r in rows if r["impl"] != "ceiling" and r["direction"] in ("fwd", "fwdbwd")}
+    shapes = sorted({(int(r["B"]), int(r["T"])) for r in rows if r["impl"] == "hila" and r["direction"] in ("fwd", "fwdbwd")},
+                    key=lambda s: s[1])
+    ops = sorted({k[1] for k in t if k[0] == "hila"}, key=lambda o: (o != "gla", o))
+    fla = "fla_guard_lifted" if any(k[0] == "fla_guard_lifted" for k in t) else "fla"
+    gemm, copy = ceil.get("gemm_tflops", float("nan")), ceil.get("copy_tbps", float("nan"))
+    lines = ["| op | B | T | direction | hila ms | TFLOP/s (% GEMM) | GB/s (% copy) | fla anchor ms | hila / fla | "
+             "SDPA flash ms | SDPA cuDNN ms | hila / cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x: f"{x:.3f}" if x else "—"
+    r = lambda a, b: f"{a / b:.2f}×" if a and b else "—"
+    for op in ops:
+        for B, T in shapes:
+            for dirn in ("fwd", "fwdbwd"):
+                h = t.get(("hila", op, B, T, dirn))
+                if not h:
+                    continue
+                anchor = FLA_ANCHOR.get(op, "gla")
+                fl = t.get((fla, anchor, B, T, dirn))
+                fa = t.get(("sdpa_flash", "softmax", B, T, dirn))
+                cu = t.get(("sdpa_cudnn", "softmax", B, T, dirn))
+                gbs = min_bytes(B, T, 16, 128, dirn) / h / 1e6
+                if op in PRIMS:
+                    tf = PRIMS[op] * gla_flops(B, T, 16, 128, dirn) / h / 1e9
+                    tfs = f"{tf:.1f} ({100 * tf / gemm:.0f}%)"
+                else:
+                    tfs = "—"
+                lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {tfs} | "
+                             f"{gbs:.0f} ({100 * gbs / (1000 * copy):.0f}%) | {anchor}: {f(fl)} | {r(h, fl)} | {f(fa)} | {f(cu)} | {r(h, cu)} |")
+    head = [f"Ceilings measured in the same run: bf16 GEMM {gemm:.0f} TFLOP/s, "
+            f"device-to-device copy {copy:.2f} TB/s.", ""]
+    extra = [r_ for r_ in rows if r_["impl"] == "hila" and r_["direction"] in ("first_call", "context")]
+    if extra:
+        lines += ["", "First call in a fresh process (host wall time, forward, B=1, T=256, bf16):", "",
+                  "| what | ms |", "|---|---|"]
+        lines += [f"| {r_['op']} {r_['direction']} | {float(r_['ms']):.1f} |" for r_ in extra]
+    with open(out_md, "w") as f_:
+        f_.write("\n".join(head + lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, dirn in zip(axes, ("fwd", "fwdbwd")):
-            for impl, op in (("hila", "gla"), (fla, "gla"), ("sdpa_flash", "softmax"), ("sdpa_cudnn", "softmax")):
+            for impl, op in ([("hila", o) for o in ops] + [(fla, "gla")] + [("sdpa_flash", "softmax"), ("sdpa_cudnn", "softmax")]):
                 xs = [T for B, T in shapes if (impl, op, B, T, dirn) in t]
                 ys = [t[(impl, op, B, T, dirn)] for B, T in shapes if (impl, op, B, T, dirn) in t]
                 if xs:

@@ -25,7 +25,7 @@ def state_from(inp, prefix):
 def state_to(out, prefix, st):
     for k, x in zip(STATE_KEYS, st if st is not None else ()):
         if x is not None:
-            out[f"{prefix}.{k}"] = np.asarray(x)
+            out[f"{prefix}.{k}"] = host(x)
 
 
 def call_kwargs(inp, convert=lambda x: x):
@@ -36,12 +36,17 @@ def call_kwargs(inp, convert=lambda x: x):
     return kw
 
 
+def host(x):
+    """A host numpy array of x (numpy, or a torch tensor on any device)."""
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
 def run_forward(p, inp, form, chunk, forward=hila.forward, convert=lambda x: x):
     """hila forward of oracle problem p; outputs named as the oracle's (o, ht.*)."""
     o, fin = forward(p.op, convert(inp["q"]), convert(inp["k"]), convert(inp["v"]),
                      convert(inp["g"]) if "g" in inp else None, output_final_state=True,
                      form=form, chunk=chunk or 64, **call_kwargs(inp, convert), **options(p))
-    out = {"o": np.asarray(o)}
+    out = {"o": host(o)}
     state_to(out, "ht", fin)
     return out
 

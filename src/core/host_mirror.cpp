@@ -7,9 +7,20 @@ namespace hila::detail {
 
 namespace {
 DeviceToHostFn g_copy = nullptr;
-}
+DeviceScanFn g_scan = nullptr;
+thread_local void* g_stream = nullptr;
+}  // namespace
 
 void register_device_to_host(DeviceToHostFn fn) { g_copy = fn; }
+void register_device_scan(DeviceScanFn fn) { g_scan = fn; }
+
+StreamScope::StreamScope(void* stream) : prev_(g_stream) { g_stream = stream; }
+StreamScope::~StreamScope() { g_stream = prev_; }
+
+int64_t device_scan(const TensorView& t, bool gates) {
+  if (!t.defined() || t.numel() == 0 || t.device.type == DeviceType::cpu || !g_scan) return -2;
+  return g_scan(t, gates, g_stream);
+}
 
 HostMirror::HostMirror(const TensorView& t) : view_(t) {
   if (!t.defined() || t.device.type == DeviceType::cpu || t.numel() == 0) return;
@@ -18,7 +29,7 @@ HostMirror::HostMirror(const TensorView& t) : view_(t) {
   int64_t span = 1;  // elements from the first to one past the last addressed element
   for (int i = 0; i < t.ndim; ++i) span += (t.shape[i] - 1) * t.stride[i];
   buf_.resize(static_cast<size_t>(span * dtype_size(t.dtype)));
-  g_copy(buf_.data(), t.data, buf_.size(), t.device.index);
+  g_copy(buf_.data(), t.data, buf_.size(), t.device.index, g_stream);
   view_.data = buf_.data();
   view_.device = Device{};
 }

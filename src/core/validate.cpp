@@ -108,27 +108,38 @@ std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
   return r + "]";
 }
 
-void check_finite(const std::string& name, const TensorView& dev_t) {
+// Value check of one tensor: every element finite (and, for log-gates, <= 0). Device tensors are
+// scanned on the device; only the first offending element is read back for the message.
+void check_elements(const std::string& name, const TensorView& dev_t, bool gates) {
+  const char* what = gates ? "expected finite log-gates <= 0 (value checks are on), got "
+                           : "expected finite values (value checks are on), got ";
+  auto bad = [&](double x) { return !std::isfinite(x) || (gates && x > 0); };
+  const int64_t first = device_scan(dev_t, gates);
+  if (first == -1) return;
+  if (first >= 0) {  // element `first` in row-major order: read just that one
+    std::array<int64_t, kMaxDims> idx{};
+    TensorView one = dev_t;
+    int64_t rem = first, off = 0;
+    for (int i = dev_t.ndim - 1; i >= 0; --i) {
+      idx[i] = rem % dev_t.shape[i];
+      rem /= dev_t.shape[i];
+      off += idx[i] * dev_t.stride[i];
+    }
+    one.data = static_cast<char*>(dev_t.data) + off * dtype_size(dev_t.dtype);
+    for (int i = 0; i < one.ndim; ++i) one.shape[i] = 1;
+    const HostMirror m(one);
+    fail(name, what + std::to_string(load(m.view(), 0)) + " at " + idx_str(idx, dev_t.ndim));
+  }
   const HostMirror m(dev_t);
   const TensorView& t = m.view();
   for_each(t, [&](int64_t off, const auto& idx) {
     const double x = load(t, off);
-    if (!std::isfinite(x))
-      fail(name, "expected finite values (value checks are on), got " + std::to_string(x) +
-                     " at " + idx_str(idx, t.ndim));
+    if (bad(x)) fail(name, what + std::to_string(x) + " at " + idx_str(idx, t.ndim));
   });
 }
 
-void check_gates(const std::string& name, const TensorView& dev_t) {
-  const HostMirror m(dev_t);
-  const TensorView& t = m.view();
-  for_each(t, [&](int64_t off, const auto& idx) {
-    const double x = load(t, off);
-    if (!std::isfinite(x) || x > 0)
-      fail(name, "expected finite log-gates <= 0 (value checks are on), got " + std::to_string(x) +
-                     " at " + idx_str(idx, t.ndim));
-  });
-}
+void check_finite(const std::string& name, const TensorView& t) { check_elements(name, t, false); }
+void check_gates(const std::string& name, const TensorView& t) { check_elements(name, t, true); }
 
 // Options that only some operators take.
 void check_config(const OpConfig& c) {
@@ -457,9 +468,13 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
   }
 }
 
-Resolved resolve_forward(const ForwardParams& p) { return resolve_common(p, true); }
+Resolved resolve_forward(const ForwardParams& p) {
+  const StreamScope scope(p.stream);
+  return resolve_common(p, true);
+}
 
 Resolved resolve_backward(const BackwardParams& p) {
+  const StreamScope scope(p.stream);
   if (static_cast<int>(p.form) >= 0 && static_cast<int>(p.form) <= 3 &&
       static_cast<int>(p.cfg.op) >= 0 && static_cast<int>(p.cfg.op) <= 9 &&
       !supports(p.cfg.op, p.form, true))
@@ -500,6 +515,7 @@ Resolved resolve_backward(const BackwardParams& p) {
 }
 
 Resolved resolve_step(const StepParams& p, const DecodeState& st) {
+  const StreamScope scope(p.stream);
   check_config(p.cfg);
   const OpConfig& sc = st.config();
   if (p.cfg.op != sc.op)

@@ -4,6 +4,10 @@
 // on the caller's stream, and unpacks outputs, states and gradients (summing dq/dk over the heads
 // of a GQA group). Temporary buffers are stream-ordered allocations.
 #include <algorithm>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,16 +30,149 @@ namespace hila::cuda {
 
 namespace {
 
-void d2h(void* dst, const void* src, size_t bytes, int device) {
-  int prev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&prev));
-  HILA_CUDA_CHECK(cudaSetDevice(device));
-  HILA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-  HILA_CUDA_CHECK(cudaSetDevice(prev));
-}
-const bool g_registered = (detail::register_device_to_host(&d2h), true);
+class PinnedRing {
+ public:
+  static constexpr size_t kBytes = size_t(4) << 20;
+  void upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!base_) HILA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&base_), kBytes));
+    const size_t need = (bytes + 255) & ~size_t(255);
+    if (need > kBytes) {  // larger than the ring: a plain (synchronizing) copy
+      HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+      HILA_CUDA_CHECK(cudaStreamSynchronize(s));
+      return;
+    }
+    if (head_ + need > kBytes) head_ = 0;
+    // wait for earlier uploads whose bytes overlap [head_, head_ + need)
+    while (!pending_.empty()) {
+      const Pending& p = pending_.front();
+      const bool overlap = p.off < head_ + need && head_ < p.off + p.len;
+      if (!overlap && pending_.size() < 256) break;
+      HILA_CUDA_CHECK(cudaEventSynchronize(p.done));
+      HILA_CUDA_CHECK(cudaEventDestroy(p.done));
+      pending_.pop_front();
+    }
+    std::memcpy(base_ + head_, src, bytes);
+    HILA_CUDA_CHECK(cudaMemcpyAsync(dst, base_ + head_, bytes, cudaMemcpyHostToDevice, s));
+    cudaEvent_t e;
+    HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    HILA_CUDA_CHECK(cudaEventRecord(e, s));
+    pending_.push_back({head_, need, e});
+    head_ += need;
+  }
 
-// One call's packed inputs, states and the composition over GLA primitives (core/plan.h).
+ private:
+  struct Pending {
+    size_t off, len;
+    cudaEvent_t done;
+  };
+  std::mutex mu_;
+  char* base_ = nullptr;
+  size_t head_ = 0;
+  std::deque<Pending> pending_;
+};
+
+void d2h(void* dst, const void* src, size_t bytes, int device, void* stream) {
+  DeviceScope scope(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+// first[0] = min row-major index of an element that is non-finite (or > 0 for gates).
+__global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_t s0, int64_t s1, int64_t s2,
+                            int64_t s3, int64_t s4, int64_t n, bool contiguous, bool gates) {
+  const int64_t shape[5] = {s0, s1, s2, s3, s4};
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    int64_t off = e;
+    if (!contiguous) {
+      off = 0;
+      int64_t rem = e;
+      for (int i = nd - 1; i >= 0; --i) {
+        off += (rem % shape[i]) * t.s[i];
+        rem /= shape[i];
+      }
+    }
+    const double x = ld<double>(t, off);
+    if (!isfinite(x) || (gates && x > 0)) atomicMin(first, static_cast<unsigned long long>(e));
+  }
+}
+
+int64_t device_scan(const TensorView& t, bool gates, void* stream) {
+  if (t.ndim > 5) return -2;
+  DeviceScope scope(t.device.index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  bool contiguous = true;
+  int64_t expect = 1, shape[5] = {1, 1, 1, 1, 1};
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    shape[i] = t.shape[i];
+    if (t.shape[i] != 1 && t.stride[i] != expect) contiguous = false;
+    expect *= t.shape[i];
+  }
+  DevBuf<unsigned long long> first(1, s);
+  HILA_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, sizeof(unsigned long long), s));
+  const int64_t n = t.numel();
+  HILA_LAUNCH(scan_kernel, n, s, first.get(), Strided(t), t.ndim, shape[0], shape[1], shape[2], shape[3], shape[4], n,
+              contiguous, gates);
+  unsigned long long host = 0;
+  HILA_CUDA_CHECK(cudaMemcpyAsync(&host, first.get(), sizeof(host), cudaMemcpyDeviceToHost, s));
+  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
+  return host == ~0ull ? -1 : static_cast<int64_t>(host);
+}
+
+const bool g_registered = (detail::register_device_to_host(&d2h), detail::register_device_scan(&device_scan), true);
+
+}  // namespace
+
+void keep_pool_cached() {
+  static std::once_flag done[64];
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::call_once(done[dev & 63], [dev] {
+    cudaMemPool_t pool;
+    HILA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    uint64_t keep = UINT64_MAX;
+    HILA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  });
+}
+
+void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+  static PinnedRing rings[64];  // per device ordinal
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  rings[dev & 63].upload(dst, src, bytes, s);
+}
+
+namespace {
+
+// An operand as the kernels read it: element (row r, head x, column c) at p + x*hs + r*ld + c;
+// ld = hs = 0 is the packed layout [heads][Ttot][d_pad].
+template <class T>
+struct Operand {
+  const T* p = nullptr;
+  int64_t ld = 0, hs = 0;
+};
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::bf16;
+  else if constexpr (std::is_same_v<T, __half>) return DType::f16;
+  else if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else return DType::f64;
+}
+
+// Whether the tensor-core kernels can read / write a caller's [B, T, X, d] tensor in place: same
+// dtype, d a multiple of 16 (no padding), unit column stride, 16-byte aligned rows, and (B, T)
+// merging into one row index.
+template <class T>
+bool in_place_ok(const TensorView& t, int64_t B, int64_t T_) {
+  if (!kTensorCore<T> || !t.defined() || t.dtype != dtype_of<T>() || t.ndim != 4) return false;
+  const int64_t d = t.shape[3];
+  return d % 16 == 0 && t.stride[3] == 1 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0 &&
+         (B == 1 || t.stride[0] == T_ * t.stride[1]) && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+}
+
+// One call's inputs, states and the composition over GLA primitives (core/plan.h).
 template <class T>
 struct Call {
   using R = Acc<T>;
@@ -44,24 +181,24 @@ struct Call {
   cudaStream_t s;
   int dkp, dvp, rep;
   int64_t Ttot, N, NH;
-  DevBuf<T> q, k, v;
-  DevBuf<R> g[3];
+  DevBuf<T> qbuf, kbuf, vbuf;  // packed copies, when the caller's layout cannot be read in place
+  Operand<T> q, k, v;
+  DevBuf<R> g[3], b[3];  // packed log-gates and their chunk-local cumsums, per gate column
   DevBuf<R> S0, P0, H0;  // packed initial states (dense)
   SeqTables seqs;
 
   Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
         rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk) {
-    q = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
-    k = DevBuf<T>(size_t(r.G * Ttot * dkp), s);
-    v = DevBuf<T>(size_t(r.H * Ttot * dvp), s);
-    HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dkp, s, q.get(), Strided(p.q), r.T, r.G, Ttot, int(r.dk), dkp, -1);
-    HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dkp, s, k.get(), Strided(p.k), r.T, r.G, Ttot, int(r.dk), dkp, -1);
-    HILA_LAUNCH(pack_rows<T>, r.H * Ttot * dvp, s, v.get(), Strided(p.v), r.T, r.H, Ttot, int(r.dv), dvp,
-                r.cfg.normalize ? int(r.dv) : -1);
+    q = operand(p.q, r.G, int(r.dk), dkp, -1, qbuf);
+    k = operand(p.k, r.G, int(r.dk), dkp, -1, kbuf);
+    v = operand(p.v, r.H, int(r.dv), dvp, r.cfg.normalize ? int(r.dv) : -1, vbuf);
     for (int c = 0; c < r.gate_cols; ++c) {  // tied: one column serves every primitive
       g[c] = DevBuf<R>(size_t(r.H * Ttot), s);
       HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g[c].get(), Strided(p.g), r.T, r.H, Ttot, c);
+      b[c] = DevBuf<R>(size_t(r.H * Ttot), s);
+      GlaArgs<T> a = args({}, 1, {}, 1, dvp, c);
+      gla_chunk_cumsum<T>(a, b[c].get(), s);
     }
     if (p.init.S.defined()) {
       S0 = DevBuf<R>(size_t(NH * dkp * dkp), s);
@@ -70,19 +207,30 @@ struct Call {
     if (p.init.P.defined()) P0 = pack_dense(p.init.P);
     if (p.init.H.defined()) H0 = pack_dense(p.init.H);
   }
+  // The caller's [B, T, X, d] tensor in place, or packed into `buf` ([X][Ttot][dp], a ones column at `ones`).
+  Operand<T> operand(const TensorView& t, int64_t X, int d, int dp, int ones, DevBuf<T>& buf) const {
+    if (ones < 0 && d == dp && in_place_ok<T>(t, r.B, r.T))
+      return {static_cast<const T*>(t.data), t.stride[1], t.stride[2]};
+    buf = DevBuf<T>(size_t(X * Ttot * dp), s);
+    HILA_LAUNCH(pack_rows<T>, X * Ttot * dp, s, buf.get(), Strided(t), r.T, X, Ttot, d, dp, ones);
+    return {buf.get(), 0, 0};
+  }
   DevBuf<R> pack_dense(const TensorView& t) const {
     DevBuf<R> b(size_t(NH * dkp * dvp), s);
     HILA_LAUNCH(pack_state<R>, NH * dkp * dvp, s, b.get(), Strided(t), NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
     return b;
   }
   const R* gate(int prim) const { return r.gate_cols == 0 ? nullptr : g[r.gate_cols == 1 ? 0 : prim].get(); }
+  const R* gate_cumsum(int prim) const { return r.gate_cols == 0 ? nullptr : b[r.gate_cols == 1 ? 0 : prim].get(); }
 
   // Base arguments of a primitive over (Q, key, value) with the given gate column.
-  GlaArgs<T> args(const T* key, int key_div, const T* val, int val_div, int dval, int prim) const {
+  GlaArgs<T> args(const Operand<T>& key, int key_div, const Operand<T>& val, int val_div, int dval, int prim) const {
     GlaArgs<T> a;
-    a.q = q.get(), a.k = key, a.v = val;
+    a.q = q.p, a.k = key.p, a.v = val.p;
+    a.q_ld = q.ld, a.q_hs = q.hs, a.k_ld = key.ld, a.k_hs = key.hs, a.v_ld = val.ld, a.v_hs = val.hs;
     a.q_div = rep, a.k_div = key_div, a.v_div = val_div;
     a.g = gate(prim);
+    a.b = gate_cumsum(prim);
     a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dkp, a.dv = dval;
     a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
     a.chunk_seq = seqs.d_chunk_seq.get();
@@ -90,13 +238,14 @@ struct Call {
     a.scale = R(r.scale);
     return a;
   }
-  GlaArgs<T> inner_S() const { return args(k.get(), rep, k.get(), rep, dkp, plan.gS); }
-  GlaArgs<T> inner_P() const { return args(k.get(), rep, v.get(), 1, dvp, plan.gP); }
+  GlaArgs<T> inner_S() const { return args(k, rep, k, rep, dkp, plan.gS); }
+  GlaArgs<T> inner_P() const { return args(k, rep, v, 1, dvp, plan.gP); }
 
   // Forward of the inner primitives: U (+ ridge) and Hh, with their final states / chunk states.
   struct Inner {
     DevBuf<T> U, Hh;
-    DevBuf<R> Sf, Pf, Sbuf, Pbuf;
+    DevBuf<R> Sf, Pf;
+    DevBuf<StateOperand<T>> Sbuf, Pbuf;
   };
   Inner run_inner(bool with_chunk_states) const {
     Inner in;
@@ -106,24 +255,25 @@ struct Call {
       in.Sf = DevBuf<R>(size_t(NH * dkp * dkp), s);
       GlaArgs<T> a = inner_S();
       a.o = in.U.get(), a.h0 = S0.get(), a.ht = in.Sf.get();
-      if (with_chunk_states) a.hbuf = (in.Sbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dkp), s)).get();
+      if (with_chunk_states) a.hbuf = (in.Sbuf = DevBuf<StateOperand<T>>(size_t(seqs.nchunks * r.H * dkp * dkp), s)).get();
       gla_forward<T>(a, s);
       if (plan.ridge != 0)
-        HILA_LAUNCH(add_ridge<T>, int64_t(rowsU), s, in.U.get(), q.get(), r.H, rep, Ttot * dkp, R(plan.ridge * r.scale));
+        HILA_LAUNCH(add_ridge<T>, int64_t(rowsU), s, in.U.get(), q.p, row_ld(q.ld, dkp), head_stride(q.hs, Ttot, dkp),
+                    r.H, rep, Ttot, dkp, R(plan.ridge * r.scale));
     }
     if (plan.has_P) {
       in.Hh = DevBuf<T>(rowsH, s);
       in.Pf = DevBuf<R>(size_t(NH * dkp * dvp), s);
       GlaArgs<T> a = inner_P();
       a.o = in.Hh.get(), a.h0 = P0.get(), a.ht = in.Pf.get();
-      if (with_chunk_states) a.hbuf = (in.Pbuf = DevBuf<R>(size_t(seqs.nchunks * r.H * dkp * dvp), s)).get();
+      if (with_chunk_states) a.hbuf = (in.Pbuf = DevBuf<StateOperand<T>>(size_t(seqs.nchunks * r.H * dkp * dvp), s)).get();
       gla_forward<T>(a, s);
     }
     return in;
   }
   GlaArgs<T> outer(const Inner& in) const {
-    return args(plan.has_S ? in.U.get() : k.get(), plan.has_S ? 1 : rep, plan.has_P ? in.Hh.get() : v.get(), 1, dvp,
-                plan.gO);
+    return args(plan.has_S ? Operand<T>{in.U.get()} : k, plan.has_S ? 1 : rep, plan.has_P ? Operand<T>{in.Hh.get()} : v,
+                1, dvp, plan.gO);
   }
 
   void write_output(const TensorView& o, const T* Oraw) const {
@@ -143,8 +293,7 @@ struct Call {
     if (fin.pos.defined()) {
       std::vector<int64_t> pos;
       for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-      HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
-      HILA_CUDA_CHECK(cudaStreamSynchronize(s));  // `pos` is a host temporary
+      upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
     }
   }
 };
@@ -153,7 +302,8 @@ struct Call {
 template <class T>
 struct PrimGradBufs {
   using R = Acc<T>;
-  DevBuf<R> dq, dk, dv, dg, dh0, dhbuf;
+  DevBuf<R> dq, dk, dv, dg, dh0;
+  DevBuf<StateOperand<T>> dhbuf;
   PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s)
       : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
         dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
@@ -167,8 +317,35 @@ struct PrimGradBufs {
 template <class P>
 void unpack_to(const TensorView& out, const P* in, const detail::Resolved& r, int64_t X, int rep, int d, int dp,
                Acc<P> mult, cudaStream_t s) {
-  HILA_LAUNCH(unpack_rows<P>, X * r.B * r.T * d, s, Strided(out), in, r.T, X, rep, r.B * r.T, d, dp, mult);
+  const int64_t Ttot = r.B * r.T;
+  const bool rows = out.ndim == 4 && d % 4 == 0 && out.stride[3] == 1 && (r.B == 1 || out.stride[0] == r.T * out.stride[1]) &&
+                    reinterpret_cast<uintptr_t>(out.data) % 8 == 0;
+  const int64_t n4 = X * Ttot * (d / 4);
+  auto vec = [&](auto* o) {
+    HILA_LAUNCH((unpack_rows4<P, std::remove_pointer_t<decltype(o)>>), n4, s, o, out.stride[1], out.stride[2], in, X, rep, Ttot,
+                d, dp, mult);
+  };
+  if (rows && out.dtype == DType::bf16) vec(static_cast<__nv_bfloat16*>(out.data));
+  else if (rows && out.dtype == DType::f16) vec(static_cast<__half*>(out.data));
+  else if (rows && out.dtype == DType::f32) vec(static_cast<float*>(out.data));
+  else HILA_LAUNCH(unpack_rows<P>, X * Ttot * d, s, Strided(out), in, r.T, X, rep, Ttot, d, dp, mult);
 }
+
+// Where the outer primitive writes O': the caller's o in place when possible, else a packed
+// buffer that write_output unpacks (and normalizes).
+template <class T>
+struct OutputTarget {
+  DevBuf<T> buf;
+  bool in_place = false;
+  OutputTarget(const Call<T>& c, const TensorView& o, bool need_packed) {
+    in_place = !need_packed && !c.plan.normalize && in_place_ok<T>(o, c.r.B, c.r.T);
+    if (!in_place) buf = DevBuf<T>(size_t(c.r.H * c.Ttot * c.dvp), c.s);
+  }
+  void attach(GlaArgs<T>& a, const TensorView& o) const {
+    if (in_place) a.o = static_cast<T*>(o.data), a.o_ld = o.stride[1], a.o_hs = o.stride[2];
+    else a.o = buf.get();
+  }
+};
 
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
@@ -176,17 +353,19 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
   const Call<T> c(r, p, s);
   const auto in = c.run_inner(false);
-  DevBuf<T> O(size_t(r.H * c.Ttot * c.dvp), s);
+  const OutputTarget<T> O(c, p.o, false);
   DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
-  a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get();
+  O.attach(a, p.o);
+  a.h0 = c.H0.get(), a.ht = Hf.get();
   gla_forward<T>(a, s);
-  c.write_output(p.o, O.get());
+  if (!O.in_place) c.write_output(p.o, O.buf.get());
   c.write_states(p.final_state, in, Hf.get());
 }
 
 // VJP of the composition (HLA_SPEC §7.2): outer primitive first, then the inner ones with the
-// outer key / value gradients as their output cotangents.
+// outer key / value gradients as their output cotangents. Gradients accumulate in fp32 buffers
+// that start as the primitives' own (no copies).
 template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
@@ -195,19 +374,32 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
   const auto in = c.run_inner(true);
-  // outer forward with its chunk states (and O' when normalizing or when o is asked for)
-  DevBuf<T> O(size_t(rowsV), s);
-  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s), Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+  // outer forward: its chunk states, and O' only when normalizing (the cotangent needs it) or when o is asked for
+  DevBuf<R> Hf(size_t(c.NH * c.dkp * c.dvp), s);
+  DevBuf<StateOperand<T>> Hbuf(size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
   GlaArgs<T> a = c.outer(in);
-  a.o = O.get(), a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
+  std::optional<OutputTarget<T>> O;
+  if (plan.normalize || p.o.defined()) {
+    O.emplace(c, p.o, plan.normalize);
+    O->attach(a, p.o);
+  }
+  a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
   gla_forward<T>(a, s);
-  if (p.o.defined()) c.write_output(p.o, O.get());
+  if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
   c.write_states(p.final_state, in, Hf.get());
+  a.o = nullptr;
   // cotangents of O' and of the final states
-  DevBuf<T> dO(size_t(rowsV), s);
-  HILA_LAUNCH(pack_rows<T>, rowsV, s, dO.get(), Strided(p.d_o), r.T, r.H, c.Ttot, int(r.dv), c.dvp, -1);
-  if (plan.normalize)
-    HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dO.get(), O.get(), r.H * c.Ttot, int(r.dv), c.dvp, R(plan.eps));
+  DevBuf<T> dObuf;
+  if (!plan.normalize && in_place_ok<T>(p.d_o, r.B, r.T)) {
+    a.dO = static_cast<const T*>(p.d_o.data), a.dO_ld = p.d_o.stride[1], a.dO_hs = p.d_o.stride[2];
+  } else {
+    dObuf = DevBuf<T>(size_t(rowsV), s);
+    HILA_LAUNCH(pack_rows<T>, rowsV, s, dObuf.get(), Strided(p.d_o), r.T, r.H, c.Ttot, int(r.dv), c.dvp, -1);
+    if (plan.normalize)
+      HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dObuf.get(), O->buf.get(), r.H * c.Ttot, int(r.dv), c.dvp,
+                  R(plan.eps));
+    a.dO = dObuf.get();
+  }
   DevBuf<R> dSf, dPf, dHf;
   if (p.d_final.S.defined()) {
     dSf = DevBuf<R>(size_t(c.NH * c.dkp * c.dkp), s);
@@ -217,64 +409,78 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   if (p.d_final.H.defined()) dHf = c.pack_dense(p.d_final.H);
   // outer
   PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s);
-  a.dO = dO.get(), a.dht = dHf.get();
+  a.dht = dHf.get();
   go.attach(a);
+  // a single primitive without GQA writes dq, dk, dv straight into 16-bit caller tensors
+  bool direct[3] = {false, false, false};
+  if (kTensorCore<T> && !plan.has_S && !plan.has_P && c.rep == 1) {
+    auto to = [&](const TensorView& t, float mult, GradOut<T>& g) {
+      if (!in_place_ok<T>(t, r.B, r.T)) return false;
+      g.p = static_cast<T*>(t.data), g.ld = t.stride[1], g.hs = t.stride[2], g.mult = mult;
+      return true;
+    };
+    direct[0] = to(p.dq, float(r.scale), a.dq_out);
+    direct[1] = to(p.dk, 1.f, a.dk_out);
+    direct[2] = !plan.normalize && to(p.dv, 1.f, a.dv_out);
+  }
   gla_backward<T>(a, s);
-  DevBuf<R> dq(size_t(rowsK), s), dk(size_t(rowsK), s), dv(size_t(rowsV), s), dg[3];
-  HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), go.dq.get(), rowsK, R(1), false);
-  if (!plan.has_S) HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), go.dk.get(), rowsK, R(1), false);
-  else HILA_CUDA_CHECK(cudaMemsetAsync(dk.get(), 0, size_t(rowsK) * sizeof(R), s));
-  if (!plan.has_P) HILA_LAUNCH((axpy_k<R, R>), rowsV, s, dv.get(), go.dv.get(), rowsV, R(1), false);
-  dg[plan.gO] = std::move(go.dg);
-  DevBuf<R> dP0, dS0;
+  R* dq = go.dq.get();
+  DevBuf<R> dk_sum;  // with an inner S, dk collects the inner primitives' key (and value) gradients
+  R* dk = go.dk.get();
+  R* dv = go.dv.get();
+  const R* dg[3] = {};
+  dg[plan.gO] = go.dg.get();
+  std::optional<PrimGradBufs<T>> gp, gs;
+  if (plan.has_S) {
+    dk_sum = DevBuf<R>(size_t(rowsK), s, true);
+    dk = dk_sum.get();
+  }
   if (plan.has_P) {  // Hh = GLA_gP(Q, K, V'): cotangent = outer value gradient
     DevBuf<T> dHh(size_t(rowsV), s);
     HILA_LAUNCH((axpy_k<T, R>), rowsV, s, dHh.get(), go.dv.get(), rowsV, R(1), false);
-    PrimGradBufs<T> gp(c, c.dvp, p.d_init.P.defined(), s);
+    gp.emplace(c, c.dvp, p.d_init.P.defined(), s);
     GlaArgs<T> b = c.inner_P();
     b.hbuf = in.Pbuf.get(), b.ht = in.Pf.get(), b.h0 = c.P0.get(), b.dO = dHh.get(), b.dht = dPf.get();
-    gp.attach(b);
+    gp->attach(b);
     gla_backward<T>(b, s);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), gp.dq.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gp.dk.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsV, s, dv.get(), gp.dv.get(), rowsV, R(1), false);
-    dg[plan.gP] = std::move(gp.dg);
-    dP0 = std::move(gp.dh0);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, gp->dq.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gp->dk.get(), rowsK, R(1), true);
+    dv = gp->dv.get();
+    dg[plan.gP] = gp->dg.get();
   }
   if (plan.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q^: cotangent = outer key gradient
     DevBuf<T> dU(size_t(rowsK), s);
     HILA_LAUNCH((axpy_k<T, R>), rowsK, s, dU.get(), go.dk.get(), rowsK, R(1), false);
     if (plan.ridge != 0)  // dq^ += ridge dU (the unpack multiplies by scale)
-      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), go.dk.get(), rowsK, R(plan.ridge), true);
-    PrimGradBufs<T> gs(c, c.dkp, p.d_init.S.defined(), s);
+      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, go.dk.get(), rowsK, R(plan.ridge), true);
+    gs.emplace(c, c.dkp, p.d_init.S.defined(), s);
     GlaArgs<T> b = c.inner_S();
     b.hbuf = in.Sbuf.get(), b.ht = in.Sf.get(), b.h0 = c.S0.get(), b.dO = dU.get(), b.dht = dSf.get();
-    gs.attach(b);
+    gs->attach(b);
     gla_backward<T>(b, s);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq.get(), gs.dq.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gs.dk.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk.get(), gs.dv.get(), rowsK, R(1), true);  // K is also the value
-    dg[plan.gS] = std::move(gs.dg);
-    dS0 = std::move(gs.dh0);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, gs->dq.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gs->dk.get(), rowsK, R(1), true);
+    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gs->dv.get(), rowsK, R(1), true);  // K is also the value
+    dg[plan.gS] = gs->dg.get();
   }
-  if (p.dq.defined()) unpack_to<R>(p.dq, dq.get(), r, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), s);
-  if (p.dk.defined()) unpack_to<R>(p.dk, dk.get(), r, r.G, c.rep, int(r.dk), c.dkp, R(1), s);
-  if (p.dv.defined()) unpack_to<R>(p.dv, dv.get(), r, r.H, 1, int(r.dv), c.dvp, R(1), s);
+  if (p.dq.defined() && !direct[0]) unpack_to<R>(p.dq, dq, r, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), s);
+  if (p.dk.defined() && !direct[1]) unpack_to<R>(p.dk, dk, r, r.G, c.rep, int(r.dk), c.dkp, R(1), s);
+  if (p.dv.defined() && !direct[2]) unpack_to<R>(p.dv, dv, r, r.H, 1, int(r.dv), c.dvp, R(1), s);
   if (p.dg.defined()) {
     const int prims = r.traits.num_primitives;
-    if (r.gate_cols == 1) {  // tied: sum over primitives
-      for (int i = 1; i < prims; ++i)
-        HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, dg[0].get(), dg[i].get(), r.H * c.Ttot, R(1), true);
-      HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[0].get(), r.T, r.H, c.Ttot, 0);
+    if (r.gate_cols == 1) {  // tied: sum over primitives (into the outer's buffer)
+      for (int i = 0; i < prims; ++i)
+        if (i != plan.gO) HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, go.dg.get(), dg[i], r.H * c.Ttot, R(1), true);
+      HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), go.dg.get(), r.T, r.H, c.Ttot, 0);
     } else {
       for (int i = 0; i < prims; ++i)
-        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i].get(), r.T, r.H, c.Ttot, i);
+        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i], r.T, r.H, c.Ttot, i);
     }
   }
   if (p.d_init.S.defined())
-    HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), dS0.get(), c.NH, r.H, int(r.dk), c.dkp, true);
+    HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), gs->dh0.get(), c.NH, r.H, int(r.dk), c.dkp, true);
   if (p.d_init.P.defined())
-    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), dP0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
+    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), gp->dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
   if (p.d_init.H.defined())
     HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.H), go.dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
 }

@@ -3,6 +3,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/gla.cuh"
+#include "cuda/runtime.cuh"
 
 namespace hila::cuda {
 
@@ -168,8 +169,8 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
   for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
     const int i = e / dv, j = e % dv;
-    s.Hp[i * s.ldv + j] = to<T>(a.hbuf[hidx + e]);
-    s.dH[i * s.ldv + j] = to<T>(a.dhbuf[hidx + e]);
+    s.Hp[i * s.ldv + j] = to<T>(from<R>(a.hbuf[hidx + e]));
+    s.dH[i * s.ldv + j] = to<T>(from<R>(a.dhbuf[hidx + e]));
   }
   chunk_cumsum(s.b, a.g ? a.g + int64_t(h) * a.Ttot : nullptr, r0, nr);
   const R B = s.b[kChunk - 1];
@@ -289,33 +290,64 @@ void set_smem(F* kernel, size_t bytes) {
 
 template <class T>
 size_t gla_smem_need(int dk, int dv) {
-  return std::max(fwd_bytes<T>(dk), bwd_bytes<T>(dk, dv));
+  if constexpr (kTensorCore<T>) return std::max(tc_output_smem(dk, dv, sizeof(T)), tc_bwd_smem(dk, dv));
+  else return std::max(fwd_bytes<T>(dk), bwd_bytes<T>(dk, dv));
 }
 
 template <class T>
 void gla_forward(const GlaArgs<T>& a, cudaStream_t stream) {
+  using R = Acc<T>;
   if (a.N == 0 || a.H == 0) return;
-  const size_t bytes = fwd_bytes<T>(a.dk);
-  set_smem(gla_fwd_kernel<T>, bytes);
-  dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
-  gla_fwd_kernel<T><<<grid, 256, bytes, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
+  if constexpr (kTensorCore<T>) {
+    GlaArgs<T> x = a;
+    DevBuf<R> b;
+    if (x.g && !x.b) {
+      b = DevBuf<R>(size_t(x.H * x.Ttot), stream);
+      gla_chunk_cumsum(x, b.get(), stream);
+      x.b = b.get();
+    }
+    DevBuf<T> hbuf;
+    if (x.o && !x.hbuf) {
+      hbuf = DevBuf<T>(size_t(x.nchunks * x.H * x.dk * x.dv), stream);
+      x.hbuf = hbuf.get();
+    }
+    tc_sweep(x, false, stream);
+    if (x.o) tc_output(x, stream);
+  } else {
+    const size_t bytes = fwd_bytes<T>(a.dk);
+    set_smem(gla_fwd_kernel<T>, bytes);
+    dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
+    gla_fwd_kernel<T><<<grid, 256, bytes, stream>>>(a);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <class T>
 void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.N == 0 || a.H == 0) return;
-  const size_t fb = fwd_bytes<T>(a.dk), bb = bwd_bytes<T>(a.dk, a.dv);
-  set_smem(gla_bwd_dh_kernel<T>, fb);
-  set_smem(gla_bwd_chunk_kernel<T>, bb);
-  dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
-  gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
-  if (a.nchunks > 0) {
-    gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
+  GlaArgs<T> x = a;
+  DevBuf<Acc<T>> b;
+  if constexpr (kTensorCore<T>) {
+    if (x.g && !x.b) {
+      b = DevBuf<Acc<T>>(size_t(x.H * x.Ttot), stream);
+      gla_chunk_cumsum(x, b.get(), stream);
+      x.b = b.get();
+    }
+    tc_sweep(x, true, stream);
+    tc_bwd_chunk(x, stream);
+  } else {
+    const size_t fb = fwd_bytes<T>(a.dk), bb = bwd_bytes<T>(a.dk, a.dv);
+    set_smem(gla_bwd_dh_kernel<T>, fb);
+    set_smem(gla_bwd_chunk_kernel<T>, bb);
+    dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
+    gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
     HILA_CUDA_CHECK_LAUNCH();
+    if (a.nchunks > 0) {
+      gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
-  gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(a);
+  gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(x);
   HILA_CUDA_CHECK_LAUNCH();
 }
 

@@ -17,12 +17,31 @@ namespace hila::cuda {
 
 constexpr int kBV = 64;     // value columns per block in the sequential sweeps
 
+// Per-chunk states stored for later kernels are GEMM operands only: 16-bit for the tensor-core
+// path, the accumulator type otherwise. The carries themselves stay in Acc<T>.
+template <class T>
+using StateOperand = std::conditional_t<kTensorCore<T>, T, Acc<T>>;
+
+// A gradient written straight into the caller's 16-bit tensor (tensor-core path, single primitive,
+// no GQA): head h at p + h*hs, rows of ld, values times mult.
+template <class T>
+struct GradOut {
+  T* p = nullptr;
+  int64_t ld = 0, hs = 0;
+  float mult = 1.f;
+};
+
 template <class T>
 struct GlaArgs {
   using R = Acc<T>;
   const T *q = nullptr, *k = nullptr, *v = nullptr;  // packed [heads][Ttot][d_pad]
   int q_div = 1, k_div = 1, v_div = 1;              // source head = h / div
+  // Row layouts of q, k, v, o, dO for the tensor-core path: element (row r, head x, column c) at
+  // x * hs + r * ld + c; 0 = packed (ld = d, hs = Ttot * d). The caller's [B, T, H, d] tensors are
+  // read and written in place when their strides allow (ld, hs multiples of 8, unit columns).
+  int64_t q_ld = 0, q_hs = 0, k_ld = 0, k_hs = 0, v_ld = 0, v_hs = 0, o_ld = 0, o_hs = 0, dO_ld = 0, dO_hs = 0;
   const R* g = nullptr;                             // [H][Ttot] log-gates, nullptr = 0
+  const R* b = nullptr;                             // [H][Ttot] chunk-local cumsum of g (gla_chunk_cumsum)
   int H = 1, N = 1;
   int64_t Ttot = 0;
   int dk = 16, dv = 16;                             // padded, multiples of 16
@@ -34,15 +53,34 @@ struct GlaArgs {
   T* o = nullptr;                                   // [H][Ttot][dv]
   const R* h0 = nullptr;                            // [N][H][dk][dv]
   R* ht = nullptr;                                  // [N][H][dk][dv]
-  R* hbuf = nullptr;                                // [nchunks][H][dk][dv]: state entering each chunk
+  StateOperand<T>* hbuf = nullptr;                                // [nchunks][H][dk][dv]: state entering each chunk
   // backward
   const T* dO = nullptr;                            // [H][Ttot][dv]
   const R* dht = nullptr;                           // [N][H][dk][dv]
   R* dh0 = nullptr;                                 // [N][H][dk][dv]
-  R* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
+  StateOperand<T>* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
   R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;  // per head [H][Ttot][d]
+  GradOut<T> dq_out, dk_out, dv_out;                // when set: written there instead
   R* dg = nullptr;                                  // [H][Ttot]
 };
+
+// b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot] (no-op without gates).
+template <class T>
+void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
+// Tensor-core path (bf16/fp16; gla_tc.cu): the state sweep (reverse = cotangent sweep) and the
+// chunk-parallel output kernel, which reads hbuf.
+template <class T>
+void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+template <class T>
+void tc_output(const GlaArgs<T>& a, cudaStream_t stream);
+template <class T>
+void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream);  // per-chunk dq, dk, dv, dc
+size_t tc_output_smem(int dk, int dv, size_t esize);
+size_t tc_bwd_smem(int dk, int dv);
+
+// Effective layout of an operand with d (padded) columns.
+__host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }
+__host__ __device__ inline int64_t head_stride(int64_t hs, int64_t Ttot, int d) { return hs ? hs : Ttot * d; }
 
 // Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
 template <class T>

@@ -38,6 +38,29 @@ __global__ void unpack_rows(Strided out, const P* in, int64_t T, int64_t X, int 
   }
 }
 
+// The same for the common layout: out [B, T, X, d] with unit column stride and (B, T) merged into
+// rows of stride ld (head stride hs), d % 4 == 0; four columns per thread, no per-element dtype switch.
+template <class P, class O>
+__global__ void unpack_rows4(O* out, int64_t ld, int64_t hs, const P* in, int64_t X, int rep, int64_t Ttot, int d,
+                             int dp, Acc<P> mult) {
+  using R = Acc<P>;
+  const int d4 = d / 4;
+  const int64_t n = X * Ttot * d4;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % d4) * 4;
+    const int64_t r = (e / d4) % Ttot, x = e / (int64_t(d4) * Ttot);
+    R acc[4] = {0, 0, 0, 0};
+    for (int j = 0; j < rep; ++j) {
+      const P* src = in + ((x * rep + j) * Ttot + r) * dp + c;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc[u] += from<R>(src[u]);
+    }
+    O* dst = out + x * hs + r * ld + c;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) dst[u] = to<O>(mult * acc[u]);
+  }
+}
+
 // gates [B, T, H(, P)] column p -> [H][Ttot]; and back for dg.
 template <class R>
 __global__ void pack_gates(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int p) {
@@ -120,13 +143,15 @@ __global__ void axpy_k(Y* y, const X* x, int64_t n, Acc<Y> a, bool accumulate) {
   }
 }
 
-// U [H][Ttot][dkp] += ridge * scale * q [H/rep][Ttot][dkp]   (u_j = (S_j + ridge I) q^_j)
+// U [H][Ttot][dkp] += c * q (u_j = (S_j + ridge I) q^_j, c = ridge * scale); q's head x = h / rep
+// at q + x*hs + row*ld.
 template <class T>
-__global__ void add_ridge(T* U, const T* q, int64_t H, int rep, int64_t rows_dkp, Acc<T> c) {
-  const int64_t n = H * rows_dkp;
+__global__ void add_ridge(T* U, const T* q, int64_t ld, int64_t hs, int64_t H, int rep, int64_t Ttot, int dkp, Acc<T> c) {
+  const int64_t n = H * Ttot * dkp;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t h = e / rows_dkp, rest = e % rows_dkp;
-    U[e] = to<T>(from<Acc<T>>(U[e]) + c * from<Acc<T>>(q[(h / rep) * rows_dkp + rest]));
+    const int col = int(e % dkp);
+    const int64_t row = (e / dkp) % Ttot, h = e / (int64_t(dkp) * Ttot);
+    U[e] = to<T>(from<Acc<T>>(U[e]) + c * from<Acc<T>>(q[(h / rep) * hs + row * ld + col]));
   }
 }
 

@@ -12,13 +12,19 @@
 
 namespace hila::cuda {
 
-// Stream-ordered device buffer.
+// Keep freed temporaries cached in the current device's default memory pool (its release
+// threshold is 0 by default, which hands the memory back at every synchronization and makes the
+// next call pay for fresh allocations). Once per device.
+void keep_pool_cached();
+
+// Stream-ordered device buffer (from the current device's default pool).
 template <class X>
 class DevBuf {
  public:
   DevBuf() = default;
   DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
     if (n == 0) return;
+    keep_pool_cached();
     HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
     if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
   }
@@ -81,6 +87,12 @@ inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
     HILA_CUDA_CHECK_LAUNCH();                                 \
   } while (0)
 
+// Host-to-device uploads of small per-call tables without a stream synchronization: the bytes
+// go through a pinned ring buffer (per device), and a slot is reused only after the copy that
+// read it has completed (an event per upload). A pageable cudaMemcpyAsync would instead wait for
+// all earlier work on the stream, leaving the GPU idle while the host prepares the next call.
+void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s);
+
 // Sequence tables on the device.
 struct SeqTables {
   std::vector<int64_t> row0, len, chunk0;
@@ -106,7 +118,7 @@ struct SeqTables {
   template <class X>
   static DevBuf<X> upload(const std::vector<X>& v, cudaStream_t s) {
     DevBuf<X> b(v.size(), s);
-    if (!v.empty()) HILA_CUDA_CHECK(cudaMemcpyAsync(b.get(), v.data(), v.size() * sizeof(X), cudaMemcpyHostToDevice, s));
+    if (!v.empty()) upload_async(b.get(), v.data(), v.size() * sizeof(X), s);
     return b;
   }
 };

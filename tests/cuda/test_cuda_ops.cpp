@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -165,6 +166,56 @@ TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
     FAIL() << "expected hila::Error";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "op") << e.what();
+  }
+}
+
+// Value checks of device tensors run on the device; the error names the argument and the index of
+// the first offending element, for contiguous and strided views alike.
+TEST(CudaOps, BadValuesOnDeviceAreFoundWithTheirIndex) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  ProblemSpec s;
+  s.cfg.op = Op::gla;
+  s.B = 2, s.T = 70, s.G = 2, s.H = 2, s.dk = 16, s.dv = 16;
+  s.dtype = DType::f32;
+  s.gated = true;
+  Problem pr = make_problem(s);
+  ASSERT_EQ(pr.q.shape, (std::vector<int64_t>{2, 70, 2, 16}));
+  auto expect_error = [&](Problem bad, const std::string& arg, const std::string& where) {
+    DevTensor q(bad.q), k(bad.k), v(bad.v), g(bad.g), o(bad.v, true);
+    ForwardParams p = bad.forward_params(Form::chunk, 64);
+    p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.o = o.view();
+    p.cfg.check_values = true;
+    try {
+      forward(p);
+      ADD_FAILURE() << "expected hila::Error for " << arg;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), arg) << e.what();
+      EXPECT_NE(std::string(e.what()).find(where), std::string::npos) << e.what();
+    }
+  };
+  Problem a = pr;  // q[1, 33, 0, 5] = NaN
+  a.q.set(((1 * 70 + 33) * 2 + 0) * 16 + 5, std::nan(""));
+  expect_error(a, "q", "[1, 33, 0, 5]");
+  Problem b = pr;  // g[0, 69, 1] = +0.5
+  b.g.set((0 * 70 + 69) * 2 + 1, 0.5);
+  expect_error(b, "g", "[0, 69, 1]");
+  // a strided view: v as every other head of a [B, T, 2H, dv] buffer
+  Problem c = pr;
+  Buffer wide(DType::f32, {2, 70, 4, 16});
+  for (int64_t i = 0; i < 2 * 70 * 4 * 16; ++i) wide.set(i, 0.25);
+  wide.set(((1 * 70 + 2) * 4 + 2) * 16 + 7, INFINITY);  // head 1 of the view
+  DevTensor q(c.q), k(c.k), wv(wide), g(c.g), o(c.v, true);
+  ForwardParams p = c.forward_params(Form::chunk, 64);
+  p.q = q.view(), p.k = k.view(), p.g = g.view(), p.o = o.view();
+  p.v = wv.view();
+  p.v.shape[2] = 2, p.v.stride[2] = 32;
+  p.cfg.check_values = true;
+  try {
+    forward(p);
+    ADD_FAILURE() << "expected hila::Error for v";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "v") << e.what();
+    EXPECT_NE(std::string(e.what()).find("[1, 2, 1, 7]"), std::string::npos) << e.what();
   }
 }
 

@@ -1,0 +1,552 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tensor-core fast path of the GLA primitive for bf16/fp16 operands (fp32 accumulation and fp32
+// state carries), split the way the work parallelises (HLA_SPEC §1, §7.1):
+//   sweep:  one block per (sequence x head, dk tile, dv tile) walks the chunks in order with its
+//           [64, 64] fp32 state tile in mma accumulators (registers), prefetching the next chunk's
+//           operands with cp.async. Forward: stores the state entering each chunk (as a 16-bit GEMM
+//           operand) and updates  H <- e^B H + (K o w)^T V,  w_i = e^{B - b_i}.
+//           Reverse (backward): stores the cotangent at each chunk end and updates
+//           dH <- e^B dH + (Q o w)^T dO,  w_i = scale e^{b_i}.
+//   output: one block per (chunk, dv tile, head), fully parallel:
+//           O = diag(scale e^b) Q H_c + (scale Gamma o Q K^T) V       [C,dk]x[dk,64], [C,C]x[C,64]
+//           with the causal score block kept in registers and fed back as the A operand.
+// b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
+#include "cuda/gla.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/tile.cuh"
+
+namespace hila::cuda {
+
+namespace {
+
+constexpr int kTile = 64;              // dk and dv tile of the sweep, dv tile of the output kernel
+constexpr int kLdTile = kTile + 8;     // padded smem row (16-bit elements): 144 bytes, ldmatrix conflict-free
+constexpr int kThreads = 128;          // 4 warps; warp w owns rows [16w, 16w+16) of its tile
+
+template <class R>
+__device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
+  return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&x)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
+}
+
+// acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
+//   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
+//   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
+template <class T, int NT, bool kA, bool kB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
+                                          int nt, int k_begin, int k_end) {
+  for (int k = k_begin; k < k_end; k += 16) {
+    uint32_t fa[4];
+    if constexpr (kA) tc::load_a_t(fa, A, lda, m0, k);
+    else tc::load_a(fa, A, lda, m0, k);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)
+      if (2 * jj < nt) {
+        uint32_t fb[4];
+        if constexpr (kB) tc::load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
+        else tc::load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
+        tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
+        tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+  }
+}
+
+// b[h][row] = chunk-local inclusive cumsum of g; grid (nchunks, H), one warp.
+template <class T>
+__global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
+  using R = Acc<T>;
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
+  const int nr = rows_in(a.len[seq], c);
+  const R* g = a.g + int64_t(h) * a.Ttot;
+  const int lane = threadIdx.x, i0 = 2 * lane, i1 = i0 + 1;
+  const R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
+  const R pair = x0 + x1;
+  R incl = pair;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const R y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  R* out = b + int64_t(h) * a.Ttot + r0;
+  if (i0 < nr) out[i0] = incl - pair + x0;
+  if (i1 < nr) out[i1] = incl;
+}
+
+// The sequential sweep; kRev selects the backward cotangent sweep (see the file comment).
+// Pipeline depth of the sweep: chunk i+2's operands (and gates) are in flight while chunk i is used.
+constexpr int kStages = 3;
+struct SweepStage {
+  static constexpr size_t kTileBytes = size_t(kChunk) * kLdTile * 2;  // one 16-bit [C, 64] tile
+  static constexpr size_t kBytes = 2 * kTileBytes + kChunk * sizeof(float);
+};
+
+// vtile: value columns per block (64, or 32 to double the blocks when there are few sequences x heads).
+template <class T, bool kRev>
+__global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile) {
+  using R = Acc<T>;
+  static_assert(std::is_same_v<R, float>, "the tensor-core sweep carries fp32 states");
+  extern __shared__ __align__(128) char smem[];
+  auto Ks = [&](int st) { return reinterpret_cast<T*>(smem + st * SweepStage::kBytes); };
+  auto Vs = [&](int st) { return reinterpret_cast<T*>(smem + st * SweepStage::kBytes + SweepStage::kTileBytes); };
+  auto bs = [&](int st) { return reinterpret_cast<float*>(smem + st * SweepStage::kBytes + 2 * SweepStage::kTileBytes); };
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int k0 = blockIdx.y * kTile, v0 = blockIdx.z * vtile;
+  const int bk = min(kTile, a.dk - k0), bv = min(vtile, a.dv - v0), nt = bv / 8;
+  const bool active = 16 * w < bk;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  // key [rows, dk] and value [rows, dv] of this head: (K, V) forward, (Q, dO) reverse
+  const T* key = kRev ? a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk)
+                      : a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const T* val = kRev ? a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv)
+                      : a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const int64_t key_ld = kRev ? row_ld(a.q_ld, a.dk) : row_ld(a.k_ld, a.dk);
+  const int64_t val_ld = kRev ? row_ld(a.dO_ld, a.dv) : row_ld(a.v_ld, a.dv);
+  const R* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
+  const R* init = kRev ? a.dht : a.h0;
+  R* fin = kRev ? a.dh0 : a.ht;
+  StateOperand<T>* store = kRev ? a.dhbuf : a.hbuf;
+
+  // state tile in registers: rows k0 + 16w + g (+8), columns v0 + 8j + 2t (+1)
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+      acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
+    }
+  const int nch = int((len + kChunk - 1) / kChunk);
+  auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
+  auto issue = [&](int i) {
+    const int c = chunk_of(i), st = i % kStages;
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int nr = rows_in(len, c);
+    tc::async_rows(Ks(st), kLdTile, key, key_ld, r0, nr, k0, bk, kChunk);
+    tc::async_rows(Vs(st), kLdTile, val, val_ld, r0, nr, v0, bv, kChunk);
+    if (threadIdx.x < kChunk) {
+      const bool in = b && int(threadIdx.x) < nr;
+      tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : key, in ? 4 : 0);
+    }
+    tc::cp_async_commit();
+  };
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < nch) issue(i);
+    else tc::cp_async_commit();
+  }
+  for (int i = 0; i < nch; ++i) {
+    // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
+    tc::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (i + kStages - 1 < nch) issue(i + kStages - 1);
+    else tc::cp_async_commit();
+    const int c = chunk_of(i), st = i % kStages;
+    const T* Kt = Ks(st);
+    const T* Vt = Vs(st);
+    const float* bt = bs(st);
+    if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
+      StateOperand<T>* dst = store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
+            *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+          }
+    }
+    const float B = bt[rows_in(len, c) - 1];
+    const float decay = __expf(B);
+    const float sc = float(a.scale);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+    if (active) {
+#pragma unroll
+      for (int kk = 0; kk < kChunk / 16; ++kk) {
+        uint32_t fa[4];
+        tc::load_a_t(fa, Kt, kLdTile, 16 * w, 16 * kk);
+        // token weights of the k index held by this thread: 16kk + 2t (+1), 16kk + 2t + 8 (+1)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int k = 16 * kk + 2 * t + 8 * hf;
+          const float b0 = bt[k], b1 = bt[k + 1];
+          const float w0 = kRev ? sc * __expf(b0) : __expf(B - b0);
+          const float w1 = kRev ? sc * __expf(b1) : __expf(B - b1);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {  // a[2hf + m]: rows g / g+8, tokens k, k+1
+            const float2 x = tc::unpack2<T>(fa[2 * hf + m]);
+            fa[2 * hf + m] = tc::pack2<T>(x.x * w0, x.y * w1);
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          if (2 * jj < nt) {
+            uint32_t fb[4];
+            tc::load_b_kn(fb, Vt, kLdTile, 16 * jj, 16 * kk);
+            tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
+            tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+          }
+      }
+    }
+  }
+  if (fin && active) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+          fin[sidx + int64_t(r) * a.dv + col] = R(acc[j][e]);
+        }
+  }
+}
+
+// Output of every chunk; grid (nchunks, dv tiles of kOutV, H), 8 warps. Warp w = (rb, ch):
+//   phase 1: P = scale Gamma o Q K^T for rows [16 rb, 16 rb + 16), key columns of half ch (causal
+//            part only), to smem as the 16-bit A operand;
+//   phase 2: O = diag(scale e^b) Q H_c + P V for the same rows, value columns [64 ch, 64 ch + 64).
+// Q and K are read once per chunk for up to kOutV value columns. Dynamic smem: Q, K [C, dk+8],
+// V [C, vt+8], H [dk, vt+8], P [C, C+8] (16-bit), b [C].
+constexpr int kOutV = 128;
+constexpr int kOutThreads = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a) {
+  extern __shared__ __align__(128) char smem[];
+  const int vt = min(kOutV, a.dv), ldq = a.dk + 8, ldv = vt + 8;
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* Ks = Qs + kChunk * ldq;
+  T* Vs = Ks + kChunk * ldq;
+  T* Hs = Vs + kChunk * ldv;
+  T* Ps = Hs + a.dk * ldv;
+  float* bs = reinterpret_cast<float*>(Ps + kChunk * kLdTile);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rb = w & 3, ch = w >> 2;
+  const int64_t cg = blockIdx.x;
+  const int v0 = blockIdx.y * kOutV, h = blockIdx.z;
+  const int seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
+  const int nr = rows_in(a.len[seq], c);
+  const int bv = min(vt, a.dv - v0);
+  tc::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
+                 a.dk, kChunk);
+  tc::async_rows(Ks, ldq, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
+                 a.dk, kChunk);
+  tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
+                 bv, kChunk);
+  tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
+  tc::cp_async_commit();
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  const float sc = float(a.scale);
+  const int i0 = 16 * rb + g, i1 = i0 + 8;  // rows of this thread
+  const float bi0 = bs[i0], bi1 = bs[i1];
+  {  // phase 1
+    const int n0 = 32 * ch;
+    float x[4][4];
+    zero(x);
+    if (n0 <= 16 * rb + 15) warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, n0, 4, 0, a.dk);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
+        const float bi = hf ? bi1 : bi0;
+        const float p0 = col <= i ? x[j][2 * hf] * sc * __expf(bi - bs[col]) : 0.f;
+        const float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * __expf(bi - bs[col + 1]) : 0.f;
+        *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
+      }
+  }
+  __syncthreads();
+  // phase 2
+  const int c0 = 64 * ch, nt = max(0, min(64, bv - c0)) / 8;
+  if (nt == 0) return;
+  float o[8][4];
+  zero(o);
+  warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
+  const float e0 = sc * __expf(bi0), e1 = sc * __expf(bi1);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
+  warp_gemm<T, 8, false, true>(o, Ps, kLdTile, 16 * rb, Vs, ldv, c0, nt, 0, 16 * rb + 16);
+  T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv);
+  const int64_t ldo = row_ld(a.o_ld, a.dv);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0;
+        if (i < nr)
+          *reinterpret_cast<uint32_t*>(out + (r0 + i) * ldo + v0 + c0 + 8 * j + 2 * t) =
+              tc::pack2<T>(o[j][2 * hf], o[j][2 * hf + 1]);
+      }
+}
+
+// Per-chunk gradients (HLA_SPEC §7.1); grid (nchunks, H), 8 warps. Warp w owns rows
+// [16 rb, 16 rb + 16) (rb = w % 4) and the column half ch = w / 4 of every [C, d] output.
+//   P  = scale Gamma o Q K^T,  dA = Gamma o dO V^T          (causal [C, C], 16-bit in smem)
+//   dQ^ = diag(e^b) dO Hp^T + dA K                           [C,dv]x[dv,dk], [C,C]x[C,dk]
+//   dK  = diag(w) V dH^T + scale dA^T Q                      w = e^{B - b}
+//   dV  = diag(w) K dH + P^T dO
+//   dc  = q^ . dq^ - k . dk   (dg is its reverse cumsum, gla_dg_kernel)
+// Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc.
+constexpr int kBwdThreads = 256;
+
+template <class T>
+struct BwdTiles {
+  T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
+  float *b, *dc;
+  int ldk, ldv;
+  __host__ __device__ BwdTiles(char* base, int dk, int dv, size_t* bytes = nullptr) {
+    ldk = dk + 8, ldv = dv + 8;
+    Carve c{base};
+    Q = c.take<T>(kChunk * ldk);
+    K = c.take<T>(kChunk * ldk);
+    V = c.take<T>(kChunk * ldv);
+    dO = c.take<T>(kChunk * ldv);
+    Hp = c.take<T>(dk * ldv);
+    dH = c.take<T>(dk * ldv);
+    P = c.take<T>(kChunk * kLdTile);
+    dA = c.take<T>(kChunk * kLdTile);
+    b = c.take<float>(kChunk);
+    dc = c.take<float>(2 * kChunk);
+    if (bytes) *bytes = c.used;
+  }
+};
+
+template <class T>
+__global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
+  extern __shared__ __align__(128) char smem[];
+  BwdTiles<T> s(smem, a.dk, a.dv);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rb = w & 3, ch = w >> 2;
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
+  const int nr = rows_in(a.len[seq], c);
+  const int dk = a.dk, dv = a.dv;
+  const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
+  tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
+                 kChunk);
+  tc::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
+                 kChunk);
+  tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
+                 kChunk);
+  tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
+  tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
+  tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
+  tc::cp_async_commit();
+  const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (threadIdx.x < kChunk) s.b[threadIdx.x] = gate_at(bg, r0, threadIdx.x, nr);
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  const float sc = float(a.scale), B = s.b[kChunk - 1];
+  const int i0 = 16 * rb + g, i1 = i0 + 8;
+  const float bi0 = s.b[i0], bi1 = s.b[i1];
+  // P and dA: this warp's rows, column tiles of half ch (32 columns) that reach the diagonal
+  {
+    const int n0 = 32 * ch;
+    if (n0 <= 16 * rb + 15) {
+      float x[4][4], y[4][4];
+      zero(x), zero(y);
+      warp_gemm<T, 4, false, false>(x, s.Q, s.ldk, 16 * rb, s.K, s.ldk, n0, 4, 0, dk);
+      warp_gemm<T, 4, false, false>(y, s.dO, s.ldv, 16 * rb, s.V, s.ldv, n0, 4, 0, dv);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
+          const float bi = hf ? bi1 : bi0;
+          const float g0 = col <= i ? __expf(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? __expf(bi - s.b[col + 1]) : 0.f;
+          *reinterpret_cast<uint32_t*>(s.P + i * kLdTile + col) = tc::pack2<T>(x[j][2 * hf] * sc * g0, x[j][2 * hf + 1] * sc * g1);
+          *reinterpret_cast<uint32_t*>(s.dA + i * kLdTile + col) = tc::pack2<T>(y[j][2 * hf] * g0, y[j][2 * hf + 1] * g1);
+        }
+    } else {  // above the diagonal: zeros
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(s.P + i * kLdTile + col) = 0u;
+          *reinterpret_cast<uint32_t*>(s.dA + i * kLdTile + col) = 0u;
+        }
+    }
+  }
+  __syncthreads();
+  const int64_t rowbase = int64_t(h) * a.Ttot + r0;
+  float dcp0 = 0.f, dcp1 = 0.f;  // this thread's partial dc of rows i0, i1
+  // writes acc (columns c0 + 8j + 2t) of rows < nr to out [rows][ld] (fp32)
+  // (or, with a 16-bit target `gt`, to the caller's tensor: head h at gt + h*hs, rows of ld, times mult)
+  auto store = [&](float* out, int ld, const GradOut<T>& gt, const float(&acc)[8][4], int c0, int nt) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = hf ? i1 : i0;
+          if (i >= nr) continue;
+          const int col = c0 + 8 * j + 2 * t;
+          if (gt.p)
+            *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + (r0 + i) * gt.ld + col) =
+                tc::pack2<T>(gt.mult * acc[j][2 * hf], gt.mult * acc[j][2 * hf + 1]);
+          else
+            *reinterpret_cast<float2*>(out + (rowbase + i) * ld + col) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+        }
+  };
+  // <acc, X> over this thread's entries, X a 16-bit smem tile [rows][ld]
+  auto dot_rows = [&](const float(&acc)[8][4], const T* X, int ld, int c0, int nt, float& d0, float& d1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt) {
+        const int col = c0 + 8 * j + 2 * t;
+        const float2 x0 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i0 * ld + col));
+        const float2 x1 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i1 * ld + col));
+        d0 += acc[j][0] * x0.x + acc[j][1] * x0.y;
+        d1 += acc[j][2] * x1.x + acc[j][3] * x1.y;
+      }
+  };
+  // column halves of dk / dv owned by this warp (multiples of 16 wide)
+  const int hk = ((dk / 16 + 1) / 2) * 16, hv = ((dv / 16 + 1) / 2) * 16;
+  const int ck0 = ch * hk, nkt = max(0, min(hk, dk - ck0)) / 8;
+  const int cv0 = ch * hv, nvt = max(0, min(hv, dv - cv0)) / 8;
+  const float e0 = __expf(bi0), e1 = __expf(bi1), w0 = __expf(B - bi0), w1 = __expf(B - bi1);
+  for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time
+    const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
+    float acc[8][4];
+    zero(acc);
+    warp_gemm<T, 8, false, false>(acc, s.dO, s.ldv, 16 * rb, s.Hp, s.ldv, cc, nt, 0, dv);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] *= e0, acc[j][1] *= e0, acc[j][2] *= e1, acc[j][3] *= e1;
+    warp_gemm<T, 8, false, true>(acc, s.dA, kLdTile, 16 * rb, s.K, s.ldk, cc, nt, 0, 16 * rb + 16);
+    store(a.dq, dk, a.dq_out, acc, cc, nt);
+    float d0 = 0.f, d1 = 0.f;
+    dot_rows(acc, s.Q, s.ldk, cc, nt, d0, d1);
+    dcp0 += sc * d0, dcp1 += sc * d1;
+  }
+  for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
+    const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
+    float acc[8][4], acc2[8][4];
+    zero(acc), zero(acc2);
+    warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
+    warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] = acc[j][0] * w0 + sc * acc2[j][0], acc[j][1] = acc[j][1] * w0 + sc * acc2[j][1];
+      acc[j][2] = acc[j][2] * w1 + sc * acc2[j][2], acc[j][3] = acc[j][3] * w1 + sc * acc2[j][3];
+    }
+    store(a.dk_, dk, a.dk_out, acc, cc, nt);
+    float d0 = 0.f, d1 = 0.f;
+    dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
+    dcp0 -= d0, dcp1 -= d1;
+  }
+  for (int cc = cv0; cc < cv0 + nvt * 8; cc += 64) {  // dV
+    const int nt = min(8, (cv0 + nvt * 8 - cc) / 8);
+    float acc[8][4], acc2[8][4];
+    zero(acc), zero(acc2);
+    warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
+    warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] = acc[j][0] * w0 + acc2[j][0], acc[j][1] = acc[j][1] * w0 + acc2[j][1];
+      acc[j][2] = acc[j][2] * w1 + acc2[j][2], acc[j][3] = acc[j][3] * w1 + acc2[j][3];
+    }
+    store(a.dv_, dv, a.dv_out, acc, cc, nt);
+  }
+  // dc: reduce over the 4 lanes of a row, then over the two column halves
+  dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 1), dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 2);
+  dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 1), dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 2);
+  if (t == 0) s.dc[ch * kChunk + i0] = dcp0, s.dc[ch * kChunk + i1] = dcp1;
+  __syncthreads();
+  if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
+}
+
+size_t bwd_smem(int dk, int dv, size_t esize) {
+  size_t bytes = 0;
+  if (esize == 2) BwdTiles<__nv_bfloat16>(nullptr, dk, dv, &bytes);
+  return bytes;
+}
+
+size_t output_smem(int dk, int dv, size_t esize) {
+  const size_t vt = size_t(std::min(kOutV, dv));
+  return (size_t(2) * kChunk * (dk + 8) + (size_t(kChunk) + dk) * (vt + 8) + size_t(kChunk) * kLdTile) * esize +
+         kChunk * sizeof(float);
+}
+
+}  // namespace
+
+template <class T>
+void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream) {
+  if (!a.g || a.nchunks == 0 || a.H == 0) return;
+  cumsum_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 32, 0, stream>>>(a, b);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    HILA_CUDA_CHECK(cudaGetDevice(&dev));
+    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  const int64_t ktiles = (a.dk + kTile - 1) / kTile;
+  // few (sequence x head) pairs: halve the value tile so that at least ~one block per SM sweeps
+  const int vtile = int64_t(a.N) * a.H * ktiles * ((a.dv + kTile - 1) / kTile) < sms && a.dv % 32 == 0 ? 32 : kTile;
+  const dim3 grid(unsigned(a.N * a.H), unsigned(ktiles), unsigned((a.dv + vtile - 1) / vtile));
+  const size_t bytes = kStages * SweepStage::kBytes;
+  auto launch = [&](auto kernel) {
+    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
+    HILA_CUDA_CHECK_LAUNCH();
+  };
+  if (reverse) launch(sweep_kernel<T, true>);
+  else launch(sweep_kernel<T, false>);
+}
+
+template <class T>
+void tc_output(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (a.nchunks == 0) return;
+  const size_t bytes = output_smem(a.dk, a.dv, sizeof(T));
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(output_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+size_t tc_output_smem(int dk, int dv, size_t esize) { return output_smem(dk, dv, esize); }
+size_t tc_bwd_smem(int dk, int dv) { return bwd_smem(dk, dv, 2); }
+
+template <class T>
+void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (a.nchunks == 0) return;
+  const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T));
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(bwd_chunk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template void gla_chunk_cumsum<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, float*, cudaStream_t);
+template void gla_chunk_cumsum<__half>(const GlaArgs<__half>&, float*, cudaStream_t);
+template void gla_chunk_cumsum<float>(const GlaArgs<float>&, float*, cudaStream_t);
+template void gla_chunk_cumsum<double>(const GlaArgs<double>&, double*, cudaStream_t);
+#define HILA_INSTANTIATE(T)                                                         \
+  template void tc_sweep<T>(const GlaArgs<T>&, bool, cudaStream_t);                 \
+  template void tc_output<T>(const GlaArgs<T>&, cudaStream_t);                \
+  template void tc_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t);
+HILA_INSTANTIATE(__nv_bfloat16)
+HILA_INSTANTIATE(__half)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cuda

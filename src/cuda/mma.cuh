@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: Apache-2.0
+// Warp-level tensor-core pieces of the fast (bf16/fp16) kernels: mma.sync m16n8k16 with fp32
+// accumulators, ldmatrix fragment loads from shared memory and cp.async copies. Runs on sm_80+
+// (and on sm_90a, where wgmma would be the next step).
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4), which the kernels rely on to
+// scale rows and columns in registers:
+//   A [16, 16]: a[0] = (g, 2t..2t+1)  a[1] = (g+8, 2t..)  a[2] = (g, 2t+8..)  a[3] = (g+8, 2t+8..)
+//   B [16,  8]: b[0] = (k 2t..2t+1, n g)  b[1] = (k 2t+8.., n g)
+//   C [16,  8]: c[0..1] = (g, 2t..2t+1)  c[2..3] = (g+8, 2t..2t+1)
+// An accumulator pair of n-tiles (2j, 2j+1) converted to 16-bit is the A fragment of k-tile j.
+#pragma once
+#include "cuda/common.cuh"
+
+namespace hila::cuda::tc {
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+  else return __half22float2(*reinterpret_cast<__half2*>(&x));
+}
+
+// d += a b  ([16,16] x [16,8], fp32 accumulate)
+template <class T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// Fragment loads from a 16-bit tile in shared memory with leading dimension ld (elements).
+// A = X[m0.., k0..] with X stored row-major [m][k].
+template <class T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* X, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(a, X + (m0 + (l & 15)) * ld + k0 + ((l >> 4) << 3));
+}
+// A = Xt^T with Xt stored row-major [k][m] (e.g. K^T from K [token][dk]).
+template <class T>
+__device__ __forceinline__ void load_a_t(uint32_t (&a)[4], const T* Xt, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(a, Xt + (k0 + (l & 7) + ((l >> 4) << 3)) * ld + m0 + (((l >> 3) & 1) << 3));
+}
+// B fragments of two n-tiles (n0..n0+7, n0+8..n0+15) over k0..k0+15, B = Y^T with Y stored
+// row-major [n][k] (e.g. B = K^T from K [token][dk] in Q K^T): b[0..1] tile n0, b[2..3] tile n0+8.
+template <class T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* Y, int ld, int n0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(b, Y + (n0 + (l & 7) + ((l >> 4) << 3)) * ld + k0 + (((l >> 3) & 1) << 3));
+}
+// Same, with B stored row-major [k][n] (e.g. V [token][dv] in P V).
+template <class T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* B, int ld, int n0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(b, B + (k0 + (l & 7) + (((l >> 3) & 1) << 3)) * ld + n0 + ((l >> 4) << 3));
+}
+
+// 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: all zero).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+// 4-byte global -> shared copy (src_bytes 0: zero).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Rows [r0, r0+nr) (columns [c0, c0+nc)) of a packed [Ttot][ldg] buffer into smem [rows][lds]
+// with cp.async; rows >= nr up to `rows` are zero-filled. nc is a multiple of 8 (16 bytes).
+template <class T>
+__device__ __forceinline__ void async_rows(T* s, int lds, const T* g, int64_t ldg, int64_t r0, int nr, int c0,
+                                           int nc, int rows) {
+  if (nc == 64) {  // the common full tile: 8 vectors per row, no runtime division
+    for (int e = threadIdx.x; e < rows * 8; e += blockDim.x) {
+      const int i = e >> 3, j = (e & 7) * 8;
+      const bool in = i < nr;
+      cp_async16(s + i * lds + j, g + (in ? (r0 + i) * ldg + c0 + j : 0), in ? 16 : 0);
+    }
+    return;
+  }
+  const int nv = nc / 8;
+  for (int e = threadIdx.x; e < rows * nv; e += blockDim.x) {
+    const int i = e / nv, j = (e % nv) * 8;
+    const bool in = i < nr;
+    cp_async16(s + i * lds + j, g + (in ? (r0 + i) * ldg + c0 + j : 0), in ? 16 : 0);
+  }
+}
+
+}  // namespace hila::cuda::tc
