@@ -57,6 +57,12 @@ void fill_bf16(Dev& d, std::mt19937& rng, float sd) {
   for (auto& x : h) x = bf16(n(rng));
   CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
 }
+void fill_bf16_uniform(Dev& d, std::mt19937& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<uint16_t> h(d.bytes / 2);
+  for (auto& x : h) x = bf16(u(rng));
+  CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
+}
 void fill_gates(Dev& d, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(std::log(0.9f), 0.f);
   std::vector<float> h(d.bytes / 4);
@@ -298,7 +304,7 @@ int main(int argc, char** argv) {
     fill_gates(g, rng);
     const int64_t L = levels_needed(0, T);  // Fenwick level weights of the log-linear ops
     Dev lam(size_t(B * T * H * L) * 2), dlam(size_t(B * T * H * L) * 2);
-    fill_bf16(lam, rng, 1.f);
+    fill_bf16_uniform(lam, rng, 0.25f, 1.5f);
     const Device dev{DeviceType::cuda, 0};
     auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
     auto view_lam = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, L}, dev); };
@@ -309,9 +315,17 @@ int main(int argc, char** argv) {
     p.form = Form::chunk;
     p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
-    if (op_traits(op).loglinear) p.lam = view_lam(lam);
+    // delta rule (gdn, loglinear_gdn): beta in [0, 1]; log-linear: lam with the levels T needs
+    const OpTraits tr = op_traits(op);
+    Dev beta(tr.delta ? size_t(B * T * H) * 2 : 1), dbeta(tr.delta ? size_t(B * T * H) * 2 : 1);
+    if (tr.delta) {
+      fill_bf16_uniform(beta, rng, 0.f, 1.f);
+      p.beta = TensorView::contiguous_view(beta.p, DType::bf16, {B, T, H}, dev);
+    }
+    if (tr.loglinear) p.lam = view_lam(lam);
     const double fwd = median_ms([&] { forward(p); }, warmup, reps);
     BackwardParams b = p;
+    if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, DType::bf16, {B, T, H}, dev);
     b.o = {};
     b.d_o = view4(dO);
     b.dq = view4(dq), b.dk = view4(dk), b.dv = view4(dv);

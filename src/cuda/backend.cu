@@ -14,6 +14,7 @@
 #include "core/host_mirror.h"
 #include "core/plan.h"
 #include "cuda/backend.h"
+#include "cuda/delta.cuh"
 #include "cuda/gla.cuh"
 #include "cuda/loglinear.cuh"
 #include "cuda/pack.cuh"
@@ -387,6 +388,7 @@ struct OutputTarget {
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
   const Call<T> c(r, p, s);
   const auto in = c.run_inner(false);
   const OutputTarget<T> O(c, p.o, false);
@@ -406,6 +408,7 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
 template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
   const Call<T> c(r, p, s);
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
@@ -565,16 +568,13 @@ size_t smem_need(DType dt, int dk, int dv, bool fenwick) {
 namespace hila::detail {
 
 void cuda_check_supported(const Resolved& r, DType dt) {
-  if (r.traits.delta)
-    throw Error("op", std::string("expected gla, hla2, ahla, hla3 or a log-linear Mamba-2 operator on a CUDA "
-                                  "device (delta-rule operators run on the CPU backend so far), got ") +
-                          op_name(r.cfg.op));
   if (r.form != Form::chunk)
     throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
                                     "run on the CPU backend), got ") + form_name(r.form));
   if (r.chunk != cuda::kChunk)
     throw Error("chunk", "expected " + std::to_string(cuda::kChunk) + " on a CUDA device, got " +
                              std::to_string(r.chunk));
+  if (r.traits.delta) return;  // the delta sweeps keep their matrices in global scratch (cuda/delta.cu)
   int dev = 0, optin = 0;
   HILA_CUDA_CHECK(cudaGetDevice(&dev));
   HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <tuple>
 
 #include "cuda_support.h"
 #include "problem.h"
@@ -151,21 +152,25 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaOps, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The CUDA backend runs the chunk form (C = 64) of every operator; other forms and chunk sizes are
+// clear errors naming the argument, never a silent fallback.
 TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
   ProblemSpec s;
-  s.cfg.op = Op::gdn;
+  s.cfg.op = Op::loglinear_hla2;
   s.B = 1, s.T = 8, s.dk = 16, s.dv = 16;
   s.dtype = DType::bf16;
   const Problem pr = make_problem(s);
-  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), beta(pr.beta), o(pr.v, true);
-  ForwardParams p = pr.forward_params(Form::chunk, 64);
-  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.beta = beta.view(), p.o = o.view();
-  try {
-    forward(p);
-    FAIL() << "expected hila::Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "op") << e.what();
+  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), lam(pr.lam), o(pr.v, true);
+  for (auto [form, chunk, arg] : {std::tuple{Form::serial, int64_t(64), "form"}, std::tuple{Form::chunk, int64_t(32), "chunk"}}) {
+    ForwardParams p = pr.forward_params(form, chunk);
+    p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.o = o.view();
+    try {
+      forward(p);
+      ADD_FAILURE() << "expected hila::Error for " << arg;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), arg) << e.what();
+    }
   }
 }
 

@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host stand-in for src/cuda/common.cuh (see run.sh): the CUDA keywords delta.cu uses, one OS thread
+// per CUDA thread with a std::barrier for __syncthreads (or one thread per block), blocks in sequence.
+// float / double only.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <stdexcept>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+struct Dim3Emu { unsigned x = 0, y = 0, z = 0; };
+#include <barrier>
+#include <thread>
+#include <vector>
+inline thread_local Dim3Emu threadIdx;
+inline Dim3Emu blockIdx, blockDim{1, 1, 1}, gridDim{1, 1, 1};
+inline std::barrier<>* emu_bar = nullptr;
+inline void __syncthreads() { if (emu_bar) emu_bar->arrive_and_wait(); }
+typedef void* cudaStream_t;
+typedef int cudaError_t;
+constexpr int cudaSuccess = 0;
+#define HILA_CUDA_CHECK(expr) (void)(expr)
+#define HILA_CUDA_CHECK_LAUNCH() do {} while (0)
+#include <algorithm>
+using std::min;
+using std::max;
+struct __nv_bfloat16 {};
+struct __half {};
+namespace hila::cuda {
+template <class T> using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <class T> inline T to(float x) { return static_cast<T>(x); }
+template <class T> inline T to(double x) { return static_cast<T>(x); }
+template <class A, class T> inline A from(T x) { return static_cast<A>(x); }
+}
