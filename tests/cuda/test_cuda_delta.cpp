@@ -148,11 +148,11 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp.get(i), ref.final_state.pos.get(i));
 
   // the forward entry point on its own (outputs poisoned again)
-  DevTensor o2(ref.o.cast(c.dtype), true), fH2(fin_host.H, true);
+  DevTensor o2(ref.o.cast(c.dtype), true), fH2(fin_host.H, true), fpos2(fin_host.pos, true);
   ForwardParams f = static_cast<const ForwardParams&>(p);
   f.o = o2.view();
   f.final_state = {};
-  f.final_state.H = fH2.view();
+  f.final_state.pos = fpos2.view(), f.final_state.H = fH2.view();
   try {
     forward(f);
   } catch (const std::exception& e) {
@@ -161,6 +161,8 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cudaGetErrorString(cudaGetLastError());
   check("fwd.o", o2.fetch(), ref.o);
   check("fwd.H_T", fH2.fetch(), ref.final_state.H);
+  const Buffer fp2 = fpos2.fetch();
+  for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp2.get(i), ref.final_state.pos.get(i));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDelta, ::testing::ValuesIn(cases()),
