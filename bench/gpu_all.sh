@@ -38,7 +38,7 @@ if has python; then
   (python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/hsite \
      -Ccmake.define.HILA_CUDA=ON -Cbuild-dir=/tmp/hbuild . >"$OUT/pybuild.log" 2>&1 &&
    PYTHONPATH=/tmp/hsite HILA_SPEC_DIR="$SPEC" HILA_TEST_DEVICES=cuda timeout 300 \
-     python3 -m pytest -q -x -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1)
+     python3 -m pytest -q --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1)
   rc=$?
   grep -E "^(E  |FAILED|ERROR)|Error|error:" "$OUT/pytest.log" | head -40
   tail -3 "$OUT/pytest.log"
@@ -58,9 +58,22 @@ if has ncu; then  # stall reasons and throughputs of the main kernels (one launc
     --shapes ${NCU_SHAPE:-8:4096} >"$OUT/ncu_detail.txt" 2>&1
   grep -E "^  [a-z_:]+.*(sweep|output|bwd_chunk)|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Shared Memory Config|Warp Cycles Per Issued|Stall|stall|L1/TEX Hit|L2 Hit|Block Limit" "$OUT/ncu_detail.txt" | head -90
 fi
-if has bench; then
-  timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "$OPS" --shapes "$SHAPES" ${BENCH_ARGS:-} >"$OUT/hila.csv" 2>"$OUT/hila_bench.err"
-  summary+=("bench rc=$?")
+if has bench; then  # BENCH_SETS: "ops@shapes;ops@shapes" (default: OPS@SHAPES)
+  IFS=';' read -ra sets <<<"${BENCH_SETS:-$OPS@$SHAPES}"
+  first=1
+  for set in "${sets[@]}"; do
+    timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "${set%@*}" --shapes "${set#*@}" ${BENCH_ARGS:-} \
+      >"$OUT/hila_part.csv" 2>>"$OUT/hila_bench.err"
+    summary+=("bench ${set%@*} rc=$?")
+    if [ $first = 1 ]; then cat "$OUT/hila_part.csv" >"$OUT/hila.csv"; first=0; else tail -n +2 "$OUT/hila_part.csv" >>"$OUT/hila.csv"; fi
+  done
+  rm -f "$OUT/hila_part.csv"
+fi
+if has decode; then
+  timeout 200 "$BIN/hila_bench" --decode --reps 20 --batches 1,16,256 --positions ${DECODE_POSITIONS:-4096,65536} \
+    >"$OUT/decode.csv" 2>"$OUT/decode.err"
+  summary+=("decode rc=$? $(grep -i copy "$OUT/decode.err" | tail -1)")
+  cat "$OUT/decode.csv"
 fi
 if has anchors; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site
@@ -74,4 +87,4 @@ if [ -s "$OUT/hila.csv" ]; then
 fi
 printf '%s\n' "== summary" "${summary[@]}"
 # at most 8 files come back: keep the report, pack the logs
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -vE '^(table.md|bench.csv|bench.png|logs.tgz)$') 2>/dev/null)
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -vE '^(table.md|bench.csv|bench.png|decode.csv|logs.tgz)$') 2>/dev/null)
