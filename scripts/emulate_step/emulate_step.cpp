@@ -127,8 +127,8 @@ void emu_step(const detail::Resolved& r, const StepParams& p, const StateView& s
   a.has_S = plan.has_S, a.has_P = plan.has_P, a.fenwick = plan.fenwick, a.delta = plan.delta;
   a.normalize = plan.normalize, a.l2 = r.cfg.qk_l2norm;
   a.scale = R(r.scale), a.ridge = R(plan.ridge), a.eps = R(plan.eps);
-  const bool one_tile = counters == nullptr && (plan.normalize || plan.has_S);
-  a.tiles = one_tile ? 1 : (int(plan.normalize ? r.dv : r.dvp) + kCols - 1) / kCols;
+  const bool one_tile = plan.normalize || (plan.has_S && counters == nullptr);
+  a.tiles = one_tile ? 1 : (a.dvp + kCols - 1) / kCols;
   if (counters) a.seq_count = counters, a.s_count = counters + a.N;
   const int rows = (a.dk + kWarps - 1) / kWarps;
   const unsigned gx = unsigned(a.N * a.tiles), gy = unsigned(a.H);

@@ -23,8 +23,7 @@
 //  - u = S q needs all of S. Every tile reads S; a per-(n, h) counter elects the last block to
 //    finish reading, which writes S back. Without counters (the functional step on a caller's
 //    state, which has nowhere to keep them) S ops run one tile of all dv' columns per block.
-//  - normalize divides by column dv of o': every tile also computes that column, and the last
-//    block to finish reading writes its updates (P and H column dv). Without counters: one tile.
+//  - normalize divides by column dv of o': one tile of all dv' columns per block.
 // pos advances once every block of a sequence is done: a per-sequence counter elects the last
 // block, or (without counters) a second tiny kernel follows in stream order.
 // Thread layout inside a column chunk: warp w = row group, lane = column, so each warp reads 32
@@ -194,33 +193,6 @@ __device__ void sym_sweep(R* S, int dk, R aS, const R* s_k, const R* s_q, bool a
   }
 }
 
-// The deferred update of the normalize denominator column c = dv (HLA family: mamba, v'_c = 1):
-// P[:, c] <- a_P P[:, c] + k;  every live slot H_l[:, c] <- a H_l[:, c], merged as in the kernel;
-// the target gets + key val_c, val_c = h_c (with P) or 1. Rows over the threads of the block.
-template <class T>
-__device__ void write_den_column(const StepArgs<T>& a, Acc<T>* P, Acc<T> aP, Acc<T>* Hh,
-                                              Acc<T> aO, int64_t t, int nlev, int rr, const Acc<T>* s_k,
-                                              const Acc<T>* s_key, Acc<T> val) {
-  using R = Acc<T>;
-  const int c = a.dv;
-  for (int r = threadIdx.x; r < a.dk; r += kThreads) {
-    if (a.has_P) P[r * a.Ps2 + c] = aP * P[r * a.Ps2 + c] + s_k[r];
-    R merged = 0;
-    for (int l = a.fenwick ? 1 : 0; l <= nlev; ++l) {
-      if (a.fenwick && !((t >> (l - 1)) & 1)) continue;
-      R* x = Hh + l * a.Hsl + r * a.Hs2 + c;
-      const R y = aO * *x;
-      if (!a.fenwick || l <= rr) {
-        merged += y;
-        if (a.fenwick) *x = R(0);
-      } else {
-        *x = y;
-      }
-    }
-    Hh[(a.fenwick ? rr + 1 : 0) * a.Hsl + r * a.Hs2 + c] = merged + s_key[r] * val;
-  }
-}
-
 // Resident blocks per SM the register budget is sized for: the step is memory bound, so more
 // loads in flight beat the few spills this costs (ptxas -v: <= 20 bytes at kRows = 16 in fp32).
 // kDepth > 1 (several Fenwick levels loaded at once, for grids too small to fill the device)
@@ -242,10 +214,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int n = blockIdx.x / a.tiles, tile = blockIdx.x % a.tiles, h = blockIdx.y;
   const int grp = h / a.rep, dk = a.dk, dvp = a.dvp;
-  // this block's columns of P, H and o' (with normalize and several tiles, the tiles cover the dv
-  // value columns and every tile also reads the denominator column dv, see below)
+  // this block's columns of P, H and o'
   const int cbeg = a.tiles == 1 ? 0 : tile * kCols;
-  const int cend = a.tiles == 1 ? dvp : min(a.normalize ? a.dv : dvp, cbeg + kCols);
+  const int cend = a.tiles == 1 ? dvp : min(dvp, cbeg + kCols);
   const int64_t t = a.pos[n * a.poss];
 
   // ---- inputs: q (scaled), k (l2-normalised for qk_l2norm), v' = [v | 1], gates, lam
@@ -276,26 +247,17 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
   };
   const R beta = a.delta ? ld<R>(a.beta, n * a.beta.s[0] + h * a.beta.s[1]) : R(1);
 
-  // Writes that several tiles of (n, h) would race on are deferred to the last block of (n, h) to
-  // finish reading (a counter per (n, h), see the end): S, which every tile reads whole, and with
-  // normalize the denominator column dv of P and H, which every tile reads for its o'[dv]. Both
-  // are recomputed there from the old values, which nobody has changed.
-  const bool shared_S = a.has_S && a.tiles > 1;
-  const bool shared_den = a.normalize && a.tiles > 1;
-  const int cden = a.dv;  // the denominator column (normalize)
-  // Column chunks of this block: [cbeg, cend) in kCols steps, then (shared_den) column dv alone.
-  const int nchunks = (cend - cbeg + kCols - 1) / kCols + (shared_den ? 1 : 0);
-  auto chunk_start = [&](int i) { return shared_den && i == nchunks - 1 ? cden : cbeg + i * kCols; };
-  auto chunk_end = [&](int i) { return shared_den && i == nchunks - 1 ? cden + 1 : min(cend, cbeg + (i + 1) * kCols); };
-
   // ---- inner S (packed symmetric): S <- a S + k k^T, u = S q + ridge q.
-  constexpr int kM = kRows * kWarps / 32;  // >= dk / 32
-  const R aS = a.has_S ? gate(0) : R(1);
-  R* S = a.has_S ? a.S + n * a.Ss0 + h * a.Ss1 : nullptr;
   if (a.has_S) {
+    const R aS = gate(0);
+    R* S = a.S + n * a.Ss0 + h * a.Ss1;
+    constexpr int kM = kRows * kWarps / 32;  // >= dk / 32
     R colacc[kM];
 #pragma unroll
     for (int m = 0; m < kM; ++m) colacc[m] = 0;
+    // With several column tiles every block of (n, h) needs all of S: each reads it, and the last
+    // block to finish reading (a counter per (n, h)) writes the update.
+    const bool shared_S = a.tiles > 1;
     sym_sweep<R, kM>(S, dk, aS, s_k, s_q, true, !shared_S, s_key, colacc);
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
@@ -308,19 +270,29 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
       for (int w = 0; w < kWarps; ++w) u += s_colpart[w * dk + j];
       s_key[j] = u + a.ridge * s_q[j];
     }
+    if (shared_S) {
+      __shared__ int s_last;
+      if (tid == 0) {
+        unsigned* cnt = a.s_count + int64_t(n) * a.H + h;
+        __threadfence();
+        s_last = atomicAdd(cnt, 1u) == unsigned(a.tiles - 1);
+        if (s_last) *cnt = 0;  // ready for the next step (stream order)
+      }
+      __syncthreads();
+      if (s_last) sym_sweep<R, kM>(S, dk, aS, s_k, s_q, false, true, s_key, colacc);
+    }
   } else {
     for (int c = tid; c < dk; c += kThreads) s_key[c] = s_k[c];
   }
   __syncthreads();
 
   // ---- inner P: P <- a P + k v'^T, h = P^T q (this block's columns)
-  const R aP = a.has_P ? gate(1) : R(1);
-  R* P = a.has_P ? a.P + n * a.Ps0 + h * a.Ps1 : nullptr;
   if (a.has_P) {
-    for (int i = 0; i < nchunks; ++i) {
-      const int c = chunk_start(i) + lane;
-      const bool active = c < chunk_end(i);
-      const bool wr = active && !(shared_den && c == cden);
+    const R aP = gate(1);
+    R* P = a.P + n * a.Ps0 + h * a.Ps1;
+    for (int c0 = cbeg; c0 < cend; c0 += kCols) {
+      const int c = c0 + lane;
+      const bool active = c < cend;
       R x[kRows];  // all loads first, then the stores
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
@@ -334,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
         const int r = warp + kWarps * j;
         if (active && r < dk) {
           const R y = aP * x[j] + s_k[r] * vc;
-          if (wr) P[r * a.Ps2 + c] = y;
+          P[r * a.Ps2 + c] = y;
           part += s_q[r] * y;
         }
       }
@@ -355,10 +327,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
   const int rr = a.fenwick ? __ffsll(static_cast<unsigned long long>(t + 1)) - 1 : 0;  // ctz(t+1)
   const int target = a.fenwick ? rr + 1 : 0;
   const int lfirst = a.fenwick ? 1 : 0;
-  for (int i = 0; i < nchunks; ++i) {
-    const int c = chunk_start(i) + lane;
-    const bool active = c < chunk_end(i);
-    const bool wr = active && !(shared_den && c == cden);
+  for (int c0 = cbeg; c0 < cend; c0 += kCols) {
+    const int c = c0 + lane;
+    const bool active = c < cend;
     R merged[kRows];
 #pragma unroll
     for (int j = 0; j < kRows; ++j) merged[j] = 0;
@@ -412,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
           if (r < dk) {
             opart += lw * s_q[r] * x[d][j];
             if (merge) merged[j] += x[d][j];
-            if (wr && (a.fenwick || !merge)) Hl[r * a.Hs2 + c] = merge ? R(0) : x[d][j];
+            if (active && (a.fenwick || !merge)) Hl[r * a.Hs2 + c] = merge ? R(0) : x[d][j];
           }
         }
       }
@@ -423,33 +394,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kDepth>)) step
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       const int r = warp + kWarps * j;
-      if (wr && r < dk) Ht[r * a.Hs2 + c] = merged[j] + s_key[r] * bv;
+      if (active && r < dk) Ht[r * a.Hs2 + c] = merged[j] + s_key[r] * bv;
     }
     opart = column_sum(opart, s_colred);
     if (active && warp == 0) s_oraw[c] = opart + diag * s_val[c];
   }
   __syncthreads();
 
-  // ---- the deferred writes, by the last block of (n, h) to finish reading
-  if (shared_S || shared_den) {
-    __shared__ int s_last;
-    if (tid == 0) {
-      unsigned* cnt = a.s_count + int64_t(n) * a.H + h;
-      __threadfence();
-      s_last = atomicAdd(cnt, 1u) == unsigned(a.tiles - 1);
-      if (s_last) *cnt = 0;  // ready for the next step (stream order)
-    }
-    __syncthreads();
-    if (s_last) {
-      if (shared_S) {
-        R colacc[kM] = {};
-        sym_sweep<R, kM>(S, dk, aS, s_k, s_q, false, true, s_key, colacc);
-      }
-      if (shared_den) write_den_column(a, P, aP, Hh, aO, t, nlev, rr, s_k, s_key, s_val[cden]);
-    }
-  }
-
-  // ---- output in v's dtype (normalize: every block has o'[dv], from its columns or the extra chunk)
+  // ---- output in v's dtype (normalize: the denominator column dv is in this block, tiles == 1)
   T* o = a.o + n * a.os0 + h * a.os1;
   const int oend = min(cend, a.dv);
   if (a.normalize) {
@@ -532,8 +484,8 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   a.scale = R(r.scale), a.ridge = R(plan.ridge), a.eps = R(plan.eps);
   // Column tiles: all of dv' in one block for normalize (the denominator column) and, without
   // the counters a DecodeState owns, for S (see the kernel); else kCols columns per block.
-  const bool one_tile = counters == nullptr && (plan.normalize || plan.has_S);
-  a.tiles = one_tile ? 1 : (int(plan.normalize ? r.dv : r.dvp) + kCols - 1) / kCols;
+  const bool one_tile = plan.normalize || (plan.has_S && counters == nullptr);
+  a.tiles = one_tile ? 1 : (a.dvp + kCols - 1) / kCols;
   if (counters) {
     a.seq_count = static_cast<unsigned*>(counters);
     a.s_count = a.seq_count + a.N;
