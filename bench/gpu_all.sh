@@ -4,87 +4,94 @@
 # benchmark with its anchors in the same run. Binaries are built on the development machine and
 # carried in $BIN (see docs/PERFORMANCE.md); fla wheels in $WHL; the spec oracles in $SPEC.
 #   STAGES="tests sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
-# Logs go to $OUT (default ./gpu-out); a short summary is printed last.
+# What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
+# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
+# report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
 set -uo pipefail
 BIN=${BIN:-.dev/bin}
 WHL=${WHL:-.dev/whl}
 SPEC=${SPEC:-.dev/spec}
 OUT=${OUT:-gpu-out}
+LOGS=${LOGS:-/tmp/hila-gpu-logs}
 STAGES=${STAGES:-tests sanitizer python bench anchors}
 SHAPES=${SHAPES:-32:1024,8:4096,2:16384,1:65536}
 OPS=${OPS:-gla,hla2,ahla,hla3}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$LOGS"
+OUT_ABS=$(cd "$OUT" && pwd)
 export LD_LIBRARY_PATH="${BIN}/lib:${LD_LIBRARY_PATH:-}"
-summary=()
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# one summary line per stage, kept in $OUT/summary.txt; the logs re-archived after each stage
+note() {
+  echo "$*" | tee -a "$OUT/summary.txt"
+  tar czf "$OUT_ABS/logs.tgz" -C "$LOGS" . 2>/dev/null || true
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/gpu.txt" >"$OUT/summary.txt"
 if has tests; then
   t0=$SECONDS
-  timeout 300 "$BIN/hila_cuda_tests" ${GTEST_ARGS:-} >"$OUT/tests.log" 2>&1
+  timeout 300 "$BIN/hila_cuda_tests" ${GTEST_ARGS:-} >"$LOGS/tests.log" 2>&1
   rc=$?
-  grep -E "^\[  FAILED  \]|Failure|rel err.*(NaN|nan)" "$OUT/tests.log" | head -60
-  summary+=("tests rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)")
+  grep -E "^\[  FAILED  \]|Failure|rel err.*(NaN|nan)" "$LOGS/tests.log" | head -60
+  note "tests rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$LOGS/tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
       --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init}" \
-      >"$OUT/sanitizer_$tool.log" 2>&1
-    summary+=("$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
+      >"$LOGS/sanitizer_$tool.log" 2>&1
+    note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done
 fi
 if has python; then
   t0=$SECONDS
   (python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/hsite \
-     -Ccmake.define.HILA_CUDA=ON -Cbuild-dir=/tmp/hbuild . >"$OUT/pybuild.log" 2>&1 &&
+     -Ccmake.define.HILA_CUDA=ON -Cbuild-dir=/tmp/hbuild . >"$LOGS/pybuild.log" 2>&1 &&
    PYTHONPATH=/tmp/hsite HILA_SPEC_DIR="$SPEC" HILA_TEST_DEVICES=cuda timeout 300 \
-     python3 -m pytest -q --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1)
+     python3 -m pytest -q --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$LOGS/pytest.log" 2>&1)
   rc=$?
-  grep -E "^(E  |FAILED|ERROR)|Error|error:" "$OUT/pytest.log" | head -40
-  tail -3 "$OUT/pytest.log"
-  summary+=("python(cuda) rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)")
+  grep -E "^(E  |FAILED|ERROR)|Error|error:" "$LOGS/pytest.log" | head -40
+  tail -3 "$LOGS/pytest.log"
+  note "python(cuda) rc=$rc $(tail -1 "$LOGS/pytest.log") ($((SECONDS - t0)) s)"
 fi
 if has profile; then  # per-kernel GPU time of one forward + backward (ncu), for the limiter analysis
   for shp in ${PROFILE_SHAPES:-8:4096 1:65536}; do
     timeout 200 ncu --csv --metrics gpu__time_duration.sum "$BIN/hila_bench" --reps 1 --warmup 0 --ops ${PROFILE_OPS:-gla} \
-      --shapes "$shp" >"$OUT/ncu_${shp/:/x}.csv" 2>"$OUT/ncu.err"
-    python3 bench/ncu_summary.py "$OUT/ncu_${shp/:/x}.csv" "$shp"
+      --shapes "$shp" >"$LOGS/ncu_${shp/:/x}.csv" 2>"$LOGS/ncu.err"
+    python3 bench/ncu_summary.py "$LOGS/ncu_${shp/:/x}.csv" "$shp"
   done
 fi
 if has ncu; then  # stall reasons and throughputs of the main kernels (one launch each)
   timeout 240 ncu --kernel-name regex:"${NCU_KERNELS:-sweep_kernel|output_kernel|bwd_chunk_kernel}" --launch-skip ${NCU_SKIP:-6} \
     --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section LaunchStats "$BIN/hila_bench" --reps 1 --warmup 1 --ops gla \
-    --shapes ${NCU_SHAPE:-8:4096} >"$OUT/ncu_detail.txt" 2>&1
-  grep -E "^  [a-z_:]+.*(sweep|output|bwd_chunk)|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Shared Memory Config|Warp Cycles Per Issued|Stall|stall|L1/TEX Hit|L2 Hit|Block Limit" "$OUT/ncu_detail.txt" | head -90
+    --shapes ${NCU_SHAPE:-8:4096} >"$LOGS/ncu_detail.txt" 2>&1
+  grep -E "^  [a-z_:]+.*(sweep|output|bwd_chunk)|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Shared Memory Config|Warp Cycles Per Issued|Stall|stall|L1/TEX Hit|L2 Hit|Block Limit" "$LOGS/ncu_detail.txt" | head -90
 fi
 if has bench; then  # BENCH_SETS: "ops@shapes;ops@shapes" (default: OPS@SHAPES)
   IFS=';' read -ra sets <<<"${BENCH_SETS:-$OPS@$SHAPES}"
   first=1
   for set in "${sets[@]}"; do
     timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "${set%@*}" --shapes "${set#*@}" ${BENCH_ARGS:-} \
-      >"$OUT/hila_part.csv" 2>>"$OUT/hila_bench.err"
-    summary+=("bench ${set%@*} rc=$?")
-    if [ $first = 1 ]; then cat "$OUT/hila_part.csv" >"$OUT/hila.csv"; first=0; else tail -n +2 "$OUT/hila_part.csv" >>"$OUT/hila.csv"; fi
+      >"$LOGS/hila_part.csv" 2>>"$LOGS/hila_bench.err"
+    note "bench ${set%@*} rc=$?"
+    if [ $first = 1 ]; then cat "$LOGS/hila_part.csv" >"$OUT/hila.csv"; first=0; else tail -n +2 "$LOGS/hila_part.csv" >>"$OUT/hila.csv"; fi
   done
-  rm -f "$OUT/hila_part.csv"
+  rm -f "$LOGS/hila_part.csv"
 fi
 if has decode; then
   timeout 200 "$BIN/hila_bench" --decode --reps 20 --batches 1,16,256 --positions ${DECODE_POSITIONS:-4096,65536} \
-    >"$OUT/decode.csv" 2>"$OUT/decode.err"
-  summary+=("decode rc=$? $(grep -i copy "$OUT/decode.err" | tail -1)")
+    >"$OUT/decode.csv" 2>"$LOGS/decode.err"
+  note "decode rc=$? $(grep -i copy "$LOGS/decode.err" | tail -1)"
   cat "$OUT/decode.csv"
 fi
 if has anchors; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site
-  timeout 300 python3 bench/anchors.py --shapes "$SHAPES" ${ANCHORS:-} >"$OUT/anchors.csv" 2>"$OUT/anchors.err"
-  summary+=("anchors rc=$? $(tail -1 "$OUT/anchors.err")")
+  timeout 300 python3 bench/anchors.py --shapes "$SHAPES" ${ANCHORS:-} >"$OUT/anchors.csv" 2>"$LOGS/anchors.err"
+  note "anchors rc=$? $(tail -1 "$LOGS/anchors.err")"
 fi
 if [ -s "$OUT/hila.csv" ]; then
   python3 bench/report.py "$OUT/bench.csv" "$OUT/bench.png" "$OUT/table.md" "$OUT/hila.csv" \
-    $( [ -s "$OUT/anchors.csv" ] && echo "$OUT/anchors.csv") >"$OUT/report.log" 2>&1 || tail -3 "$OUT/report.log"
+    $( [ -s "$OUT/anchors.csv" ] && echo "$OUT/anchors.csv") >"$LOGS/report.log" 2>&1 || tail -3 "$LOGS/report.log"
   cat "$OUT/table.md" 2>/dev/null || cat "$OUT/hila.csv"
 fi
-printf '%s\n' "== summary" "${summary[@]}"
-# at most 8 files come back: keep the report, pack the logs
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -vE '^(table.md|bench.csv|bench.png|decode.csv|logs.tgz)$') 2>/dev/null)
+note "done"
+echo "== summary"; cat "$OUT/summary.txt"

@@ -105,11 +105,15 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
   std::printf("hila,cuda_context,bf16,1,0,0,0,context,%.4f\n", wall_ms(t0));
   const int64_t B = 1, T = 256;
   const size_t nq = size_t(B * T * H * d);
+  const int64_t L = levels_needed(0, T);
   Dev q(nq * 2), k(nq * 2), v(nq * 2), o(nq * 2), g(size_t(B * T * H) * 4);
+  Dev lam(size_t(B * T * H * L) * 2), beta(size_t(B * T * H) * 2);
   fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
   fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
   fill_bf16(v, rng, 1.f);
   fill_gates(g, rng);
+  fill_bf16_uniform(lam, rng, 0.25f, 1.5f);
+  fill_bf16_uniform(beta, rng, 0.f, 1.f);
   const Device dev{DeviceType::cuda, 0};
   auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
   for (Op op : ops) {
@@ -117,6 +121,8 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
     p.cfg.op = op;
     p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
+    if (op_traits(op).loglinear) p.lam = TensorView::contiguous_view(lam.p, DType::bf16, {B, T, H, L}, dev);
+    if (op_traits(op).delta) p.beta = TensorView::contiguous_view(beta.p, DType::bf16, {B, T, H}, dev);
     t0 = std::chrono::steady_clock::now();
     forward(p);
     CK(cudaDeviceSynchronize());
