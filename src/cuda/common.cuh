@@ -23,6 +23,9 @@ namespace hila::cuda {
   } while (0)
 #define HILA_CUDA_CHECK_LAUNCH() HILA_CUDA_CHECK(cudaGetLastError())
 
+// Instantiates M(T) for every operand dtype the backend computes in.
+#define HILA_FOR_EACH_DTYPE(M) M(__nv_bfloat16) M(__half) M(float) M(double)
+
 // Accumulator / state type: fp64 for fp64 operands, fp32 otherwise (states never in bf16).
 template <class T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;

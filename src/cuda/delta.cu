@@ -884,10 +884,7 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
 #define HILA_INSTANTIATE(T)                                                                         \
   template void delta_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
   template void delta_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
-HILA_INSTANTIATE(__nv_bfloat16)
-HILA_INSTANTIATE(__half)
-HILA_INSTANTIATE(float)
-HILA_INSTANTIATE(double)
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 
 }  // namespace hila::cuda

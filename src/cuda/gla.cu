@@ -270,20 +270,11 @@ __global__ void __launch_bounds__(256) gla_dg_kernel(GlaArgs<T> a) {
 
 template <class T>
 size_t fwd_bytes(int dk) {
-  size_t b = 0;
-  FwdSmem<T> s(nullptr, dk, &b);
-  return b;
+  return layout_bytes<FwdSmem<T>>(dk);
 }
 template <class T>
 size_t bwd_bytes(int dk, int dv) {
-  size_t b = 0;
-  BwdSmem<T> s(nullptr, dk, dv, &b);
-  return b;
-}
-
-template <class F>
-void set_smem(F* kernel, size_t bytes) {
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return layout_bytes<BwdSmem<T>>(dk, dv);
 }
 
 }  // namespace
@@ -355,10 +346,7 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
   template void gla_forward<T>(const GlaArgs<T>&, cudaStream_t);     \
   template void gla_backward<T>(const GlaArgs<T>&, cudaStream_t);    \
   template size_t gla_smem_need<T>(int, int);
-HILA_INSTANTIATE(__nv_bfloat16)
-HILA_INSTANTIATE(__half)
-HILA_INSTANTIATE(float)
-HILA_INSTANTIATE(double)
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 
 }  // namespace hila::cuda

@@ -65,18 +65,12 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
   const int nr = rows_in(a.len[seq], c);
   const R* g = a.g + int64_t(h) * a.Ttot;
-  const int lane = threadIdx.x, i0 = 2 * lane, i1 = i0 + 1;
-  const R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
-  const R pair = x0 + x1;
-  R incl = pair;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const R y = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += y;
-  }
+  const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
+  R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
+  warp_pair_cumsum(x0, x1);
   R* out = b + int64_t(h) * a.Ttot + r0;
-  if (i0 < nr) out[i0] = incl - pair + x0;
-  if (i1 < nr) out[i1] = incl;
+  if (i0 < nr) out[i0] = x0;
+  if (i1 < nr) out[i1] = x1;
 }
 
 // The sequential sweep; kRev selects the backward cotangent sweep (see the file comment).
@@ -508,7 +502,7 @@ void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
   const dim3 grid(unsigned(a.N * a.H), unsigned(ktiles), unsigned((a.dv + vtile - 1) / vtile));
   const size_t bytes = kStages * SweepStage::kBytes;
   auto launch = [&](auto kernel) {
-    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    set_smem(kernel, bytes);
     kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
     HILA_CUDA_CHECK_LAUNCH();
   };
@@ -520,7 +514,7 @@ template <class T>
 void tc_output(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.nchunks == 0) return;
   const size_t bytes = output_smem(a.dk, a.dv, sizeof(T));
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(output_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  set_smem(output_kernel<T>, bytes);
   output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
   HILA_CUDA_CHECK_LAUNCH();
 }
@@ -532,7 +526,7 @@ template <class T>
 void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.nchunks == 0) return;
   const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T));
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(bwd_chunk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  set_smem(bwd_chunk_kernel<T>, bytes);
   bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a);
   HILA_CUDA_CHECK_LAUNCH();
 }

@@ -537,32 +537,19 @@ __global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
 
 template <class T>
 size_t fwd_bytes(int dk) {
-  size_t b = 0;
-  FwdSmem<T> s(nullptr, dk, kVT, true, &b);
-  return b;
+  return layout_bytes<FwdSmem<T>>(dk, kVT, true);
 }
 template <class T>
 size_t out_bytes(int dk, int dv) {
-  size_t b = 0;
-  FwdSmem<T> s(nullptr, dk, dv, false, &b);
-  return b;
+  return layout_bytes<FwdSmem<T>>(dk, dv, false);
 }
 template <class T>
 size_t rev_bytes(int dk) {
-  size_t b = 0;
-  RevSmem<T> s(nullptr, dk, &b);
-  return b;
+  return layout_bytes<RevSmem<T>>(dk);
 }
 template <class T>
 size_t grad_bytes(int dk, int dv) {
-  size_t b = 0;
-  GradSmem<T> s(nullptr, dk, dv, &b);
-  return b;
-}
-
-template <class F>
-void set_smem(F* kernel, size_t bytes) {
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return layout_bytes<GradSmem<T>>(dk, dv);
 }
 
 template <class T>
@@ -680,10 +667,7 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   template void ll_forward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);  \
   template void ll_backward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t); \
   template size_t ll_smem_need<T>(int, int);
-HILA_INSTANTIATE(__nv_bfloat16)
-HILA_INSTANTIATE(__half)
-HILA_INSTANTIATE(float)
-HILA_INSTANTIATE(double)
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 
 }  // namespace hila::cuda

@@ -61,23 +61,33 @@ __device__ __forceinline__ int rows_in(int64_t len, int64_t c) {
   return r < kChunk ? int(r) : kChunk;
 }
 
+// Inclusive prefix sums of a 64-element chunk held two per lane by one warp (lane l holds elements
+// 2l and 2l+1): returns them in x0, x1 (shuffle scan over the lane pairs).
+template <class R>
+__device__ __forceinline__ void warp_pair_cumsum(R& x0, R& x1) {
+  const int lane = threadIdx.x & 31;
+  const R pair = x0 + x1;
+  R incl = pair;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const R y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  x0 = incl - pair + x0;
+  x1 = incl;
+}
+
 // Chunk-local inclusive cumsum of the gates: b[i] for i < nr (b[i] = b[nr-1] beyond). One warp,
-// two gates per lane, shuffle scan.
+// two gates per lane.
 template <class R>
 __device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x, i0 = 2 * lane, i1 = i0 + 1;
-    const R x0 = (g && i0 < nr) ? g[r0 + i0] : R(0);
-    const R x1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
-    const R pair = x0 + x1;
-    R incl = pair;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const R y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    b[i0] = incl - pair + x0;
-    b[i1] = incl;
+    const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
+    R x0 = (g && i0 < nr) ? g[r0 + i0] : R(0);
+    R x1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
+    warp_pair_cumsum(x0, x1);
+    b[i0] = x0;
+    b[i1] = x1;
   }
   __syncthreads();
 }
@@ -96,6 +106,20 @@ __device__ void tile_store(R* g, int dv, int v0, const R* t, int ld, int rows, i
 template <class R>
 __device__ void tile_scale(R* t, int ld, int rows, int bv, R f) {
   for (int e = threadIdx.x; e < rows * bv; e += blockDim.x) t[(e / bv) * ld + e % bv] *= f;
+}
+
+// Bytes of a shared-memory layout L, built on a null base with its sizes and a byte counter.
+template <class L, class... A>
+size_t layout_bytes(A... sizes) {
+  size_t b = 0;
+  L(nullptr, sizes..., &b);
+  return b;
+}
+
+// Opts a kernel into `bytes` of dynamic shared memory.
+template <class F>
+void set_smem(F* kernel, size_t bytes) {
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace hila::cuda
