@@ -4,6 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+
+#include <algorithm>
 
 #include "problem.h"
 
@@ -43,6 +46,22 @@ struct DevTensor {
     return b;
   }
 };
+
+// Error floor for dg: dg_t = sum_{s>=t} (q^.dq^ - k.dk)_s cancels (it is exactly 0 at T = 1 without
+// an initial state), so it is judged against the largest per-row |q|.|dq| and |k|.|dk| terms of the
+// float64 reference instead of its own size.
+inline double dg_floor(const Buffer& q, const Buffer& dq, const Buffer& k, const Buffer& dk, int64_t d) {
+  double fl = 0;
+  for (int64_t r = 0; r < q.numel() / d; ++r) {
+    double t = 0, u = 0;
+    for (int64_t j = 0; j < d; ++j) {
+      t += std::abs(q.get(r * d + j) * dq.get(r * d + j));
+      u += std::abs(k.get(r * d + j) * dk.get(r * d + j));
+    }
+    fl = std::max({fl, t, u});
+  }
+  return fl;
+}
 
 // A device copy of a state (each part a DevTensor).
 struct DevState {

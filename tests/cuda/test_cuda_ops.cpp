@@ -111,22 +111,7 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   }
   CK(cudaDeviceSynchronize());
 
-  // dg_t = sum_{s>=t} (q^_s.dq^_s - k_s.dk_s) (+ <dH_T, H_T>) cancels: judge it against the size
-  // of those terms
-  // (it is exactly 0 at T = 1 without an initial state, where any rounding would be "100%").
-  double floor_g = 0;
-  {
-    const int64_t rows = ref_in.q.numel() / s.dk;
-    for (int64_t r = 0; r < rows; ++r) {
-      double t = 0;
-      double u = 0;
-      for (int64_t c = 0; c < s.dk; ++c) {
-        t += std::abs(ref_in.q.get(r * s.dk + c) * ref.dq.get(r * s.dk + c));
-        u += std::abs(ref_in.k.get(r * s.dk + c) * ref.dk.get(r * s.dk + c));
-      }
-      floor_g = std::max({floor_g, t, u});
-    }
-  }
+  const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
   auto check = [&](const char* name, const Buffer& got, const Buffer& want, double fl = 0) {
     const double e = rel_err(got, want, fl);
     std::printf("  %-26s %-6s rel err %.2e\n", c.name.c_str(), name, e);
