@@ -163,13 +163,14 @@ constexpr DType dtype_of() {
 }
 
 // Whether the tensor-core kernels can read / write a caller's [B, T, X, d] tensor in place: same
-// dtype, d a multiple of 16 (no padding), unit column stride, 16-byte aligned rows, and (B, T)
-// merging into one row index.
+// dtype, d a multiple of 16 (no padding), unit column stride, 16-byte aligned rows, positive row and
+// head strides (broadcast views go through the pack path), and (B, T) merging into one row index.
 template <class T>
 bool in_place_ok(const TensorView& t, int64_t B, int64_t T_) {
   if (!kTensorCore<T> || !t.defined() || t.dtype != dtype_of<T>() || t.ndim != 4) return false;
   const int64_t d = t.shape[3];
-  return d % 16 == 0 && t.stride[3] == 1 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0 &&
+  return d % 16 == 0 && t.stride[3] == 1 && t.stride[1] > 0 && t.stride[2] > 0 && t.stride[1] % 8 == 0 &&
+         t.stride[2] % 8 == 0 &&
          (B == 1 || t.stride[0] == T_ * t.stride[1]) && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
 }
 
