@@ -137,6 +137,63 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaOps, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// q, k, v (and dq, dk, dv) as interleaved views of one fused [B, T, 3, H, d] buffer, as a fused
+// qkv projection produces them: the tensor-core kernels read and write them in place (row stride
+// 3*H*d), with the same results as contiguous tensors against the float64 oracle.
+TEST(CudaOps, FusedQkvViewsInPlace) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  for (Op op : {Op::gla, Op::hla2}) {
+    ProblemSpec s;
+    s.cfg.op = op;
+    s.B = 2, s.T = 130, s.G = 4, s.H = 4, s.dk = 64, s.dv = 64;
+    s.gated = true;
+    s.dtype = DType::f64;
+    s.seed = 23;
+    const Problem low = cast_problem(make_problem(s), DType::bf16);
+    const Result ref = run_backward(cast_problem(low, DType::f64), Form::naive);
+    const int64_t B = s.B, T = s.T, H = s.H, d = s.dk, row = 3 * H * d;
+    Buffer fused(DType::bf16, {B, T, 3, H, d});
+    for (int64_t bt = 0; bt < B * T; ++bt)
+      for (int64_t i = 0; i < H * d; ++i) {
+        fused.set(bt * row + i, low.q.get(bt * H * d + i));
+        fused.set(bt * row + H * d + i, low.k.get(bt * H * d + i));
+        fused.set(bt * row + 2 * H * d + i, low.v.get(bt * H * d + i));
+      }
+    DevTensor x(fused), gx(fused, true), g(low.g), dO(low.d_o), o(ref.o.cast(DType::bf16), true), dg(low.g, true);
+    auto part = [&](const DevTensor& t, int which) {
+      TensorView v = TensorView::contiguous_view(static_cast<char*>(t.p) + which * H * d * 2, DType::bf16,
+                                                 {B, T, H, d}, Device{DeviceType::cuda, 0});
+      v.stride[0] = T * row, v.stride[1] = row;
+      return v;
+    };
+    BackwardParams p;
+    static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
+    p.q = part(x, 0), p.k = part(x, 1), p.v = part(x, 2), p.g = g.view(), p.o = o.view();
+    p.d_o = dO.view();
+    p.dq = part(gx, 0), p.dk = part(gx, 1), p.dv = part(gx, 2), p.dg = dg.view();
+    try {
+      backward(p);
+    } catch (const std::exception& e) {
+      FAIL() << op_name(op) << ": backward threw: " << e.what();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Buffer got = gx.fetch();
+    Buffer gq(DType::bf16, {B, T, H, d}), gk = gq, gv = gq;
+    for (int64_t bt = 0; bt < B * T; ++bt)
+      for (int64_t i = 0; i < H * d; ++i) {
+        gq.set(bt * H * d + i, got.get(bt * row + i));
+        gk.set(bt * H * d + i, got.get(bt * row + H * d + i));
+        gv.set(bt * H * d + i, got.get(bt * row + 2 * H * d + i));
+      }
+    for (auto [name, a, b] : {std::tuple{"o", o.fetch(), ref.o}, std::tuple{"dq", gq, ref.dq},
+                              std::tuple{"dk", gk, ref.dk}, std::tuple{"dv", gv, ref.dv}}) {
+      const double e = rel_err(a, b);
+      std::printf("  %-26s %-6s rel err %.2e\n", (std::string(op_name(op)) + "_fused_qkv").c_str(), name, e);
+      EXPECT_LE(e, 1e-2) << op_name(op) << " " << name;
+    }
+  }
+}
+
 // The CUDA backend runs the chunk form (C = 64) of every operator; other forms and chunk sizes are
 // clear errors naming the argument, never a silent fallback.
 TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
