@@ -44,6 +44,9 @@ std::vector<Case> cases() {
   add(DType::f32, 1e-4, 64, "f32_d64");
   add(DType::f64, 1e-10, 32, "f64_d32");
   cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 40, 72, {}, true, true, 1e-2, "gla_bf16_dk40_dv72_gqa4"});
+  // enough sequence x head blocks (>= one per SM) for the sweep's full 64-column value tiles
+  // (few blocks take half-width tiles; every case above does)
+  cs.push_back({Op::gla, DType::bf16, 1, 130, 160, 160, 64, 64, {}, true, true, 1e-2, "gla_bf16_d64_H160_wide_grid"});
   // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
   for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
     const std::string n = op_name(op);
