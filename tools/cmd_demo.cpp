@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "hila/error.h"
+#include "device.h"
 #include "problem.h"
 
 namespace hila::tools {
@@ -23,7 +24,7 @@ struct DemoOptions {
   int64_t T = 2048, decode = 64, H = 4, dk = 64, dv = 64, chunk = 64;
   int reps = 3;
   std::vector<std::string> ops;
-  std::string device = "cpu";
+  std::string device = "auto";
   bool check = true;
   uint64_t seed = 0;
 };
@@ -47,7 +48,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-DemoRow demo_op(Op op, const DemoOptions& o, Progress& progress, int done, int total) {
+// Host wall time of `f`, waiting for the device (if any) at the end.
+template <class F>
+double timed(Device dev, F f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  device_synchronize(dev);
+  return seconds_since(t0);
+}
+
+DemoRow demo_op(Op op, const DemoOptions& o, Device dev, Progress& progress, int done, int total) {
   const std::string name = op_name(op);
   ProblemSpec s;
   s.cfg.op = op;
@@ -62,33 +72,43 @@ DemoRow demo_op(Op op, const DemoOptions& o, Progress& progress, int done, int t
   progress.update(name + ": prefill", done, total);
   Result pre;
   row.prefill_ms = 1e300;
-  for (int r = 0; r < std::max(o.reps, 1); ++r) {
+  for (int r = 0; r < std::max(o.reps, 1); ++r) {  // on a GPU this includes the host <-> device copies
     const auto t0 = std::chrono::steady_clock::now();
-    pre = run_forward(prompt, Form::chunk, o.chunk);
+    pre = run_forward(prompt, Form::chunk, o.chunk, dev);
     row.prefill_ms = std::min(row.prefill_ms, 1e3 * seconds_since(t0));
   }
 
   progress.update(name + ": decode", done, total);
-  DecodeState ds(s.cfg, 1, s.H, s.dk, s.dv, DType::f32, parse_device(o.device));
-  ds.load(pre.final_state.view());
-  ds.reserve(o.T + o.decode);  // no reallocation inside the timed loop
+  DecodeState ds(s.cfg, 1, s.H, s.dk, s.dv, DType::f32, dev);
   Buffer o_dec(DType::f32, {1, o.decode, s.H, s.dv});
   o_dec.poison();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t m = 0; m < o.decode; ++m) {
-    const int64_t t = o.T + m;
-    StepParams sp;
-    sp.cfg = s.cfg;
-    sp.q = token_view(full.q, t);
-    sp.k = token_view(full.k, t);
-    sp.v = token_view(full.v, t);
-    sp.g = token_view(full.g, t);
-    sp.lam = token_view(full.lam, t);
-    sp.beta = token_view(full.beta, t);
-    sp.o = token_view(o_dec, m);
-    step(sp, ds);
+  // the decode inputs and outputs where the state lives: token t is a view into them
+  std::unique_ptr<DeviceMirror> mirror;
+  TensorView q = full.q.view(), k = full.k.view(), v = full.v.view(), g = full.g.view(), lam = full.lam.view(),
+             beta = full.beta.view(), out = o_dec.view();
+  if (dev.type == DeviceType::cuda) {
+    mirror = std::make_unique<DeviceMirror>(dev);
+    q = mirror->input(q), k = mirror->input(k), v = mirror->input(v), g = mirror->input(g);
+    lam = mirror->input(lam), beta = mirror->input(beta), out = mirror->output(out);
+    ds.load(mirror->input(pre.final_state.view()));
+  } else {
+    ds.load(pre.final_state.view());
   }
-  row.decode_us = o.decode ? 1e6 * seconds_since(t0) / double(o.decode) : 0;
+  ds.reserve(o.T + o.decode);  // no reallocation inside the timed loop
+  const double secs = timed(dev, [&] {
+    for (int64_t m = 0; m < o.decode; ++m) {
+      const int64_t t = o.T + m;
+      StepParams sp;
+      sp.cfg = s.cfg;
+      sp.cfg.check_values = dev.type == DeviceType::cpu;  // on a GPU a per-token check would sync
+      sp.q = token_of(q, t), sp.k = token_of(k, t), sp.v = token_of(v, t), sp.g = token_of(g, t);
+      sp.lam = token_of(lam, t), sp.beta = token_of(beta, t);
+      sp.o = token_of(out, m);
+      step(sp, ds);
+    }
+  });
+  if (mirror) mirror->finish();
+  row.decode_us = o.decode ? 1e6 * secs / double(o.decode) : 0;
   row.state_bytes = ds.bytes_per_sequence();
   row.state_bytes_1m = state_bytes(s.cfg, s.H, s.dk, s.dv, int64_t(1) << 20, DType::f32);
 
@@ -96,7 +116,7 @@ DemoRow demo_op(Op op, const DemoOptions& o, Progress& progress, int done, int t
     progress.update(name + ": naive float64 reference", done, total);
     const Result ref = run_forward(cast_problem(full, DType::f64), Form::naive);
     row.prefill_err = rel_err(pre.o, slice_time(ref.o, 0, o.T));
-    const StateBuffers dec_state = copy_state(ds.view());
+    const StateBuffers dec_state = fetch_state(ds.view());
     const int64_t slots = ref.final_state.H.shape.size() == 5 ? ref.final_state.H.shape[2] : 0;
     row.decode_err = std::max(rel_err(o_dec, slice_time(ref.o, o.T, o.decode)),
                               rel_err(with_slots(dec_state, slots), ref.final_state));
@@ -105,15 +125,16 @@ DemoRow demo_op(Op op, const DemoOptions& o, Progress& progress, int done, int t
 }
 
 int demo(const DemoOptions& o) {
-  parse_device(o.device);
+  const Device dev = parse_device(o.device);
   if (o.T < 1 || o.decode < 0) throw Error("T", "the prompt needs T >= 1 and --decode >= 0");
   std::vector<Op> ops;
   for (const std::string& n : o.ops) ops.push_back(parse_op(n));
   if (ops.empty()) ops = all_ops();
 
   const int64_t n_tok = o.T + o.decode;
-  std::printf("hila demo: 1 sequence, H=%lld heads, dk=%lld, dv=%lld, prompt %lld tokens + %lld decoded\n",
-              (long long)o.H, (long long)o.dk, (long long)o.dv, (long long)o.T, (long long)o.decode);
+  std::printf("hila demo on %s: 1 sequence, H=%lld heads, dk=%lld, dv=%lld, prompt %lld tokens + %lld decoded\n",
+              device_name(dev).c_str(), (long long)o.H, (long long)o.dk, (long long)o.dv, (long long)o.T,
+              (long long)o.decode);
   std::printf("prefill: chunk form (C=%lld), float32, best of %d; decode: DecodeState + step, float32;\n",
               (long long)o.chunk, std::max(o.reps, 1));
   std::printf("errors: max relative error against the naive form in float64 (decode: outputs and final state)\n\n");
@@ -125,7 +146,7 @@ int demo(const DemoOptions& o) {
   bool ok = true;
   Progress progress("demo");
   for (size_t i = 0; i < ops.size(); ++i) {
-    const DemoRow r = demo_op(ops[i], o, progress, int(i), int(ops.size()));
+    const DemoRow r = demo_op(ops[i], o, dev, progress, int(i), int(ops.size()));
     progress.finish();
     char pe[16] = "-", de[16] = "-";
     if (o.check) {

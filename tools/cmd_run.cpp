@@ -101,7 +101,7 @@ void put_state(Safetensors& f, const std::string& prefix, StateBuffers& s) {
 }
 
 int run(const RunOptions& o) {
-  parse_device(o.device);
+  const Device dev = parse_device(o.device);
   OpConfig cfg = o.cfg;
   cfg.op = parse_op(o.op);
   cfg.gates = o.gates == "untied" ? Gates::untied : Gates::tied;
@@ -114,7 +114,7 @@ int run(const RunOptions& o) {
     std::cerr << "hila: warning: ignoring tensor '" << name << "' in " << o.in
               << (name == "do" || name.rfind("dht.", 0) == 0 ? " (only read with --backward)" : "") << '\n';
 
-  Result r = o.backward ? run_backward(p, form, o.chunk) : run_forward(p, form, o.chunk);
+  Result r = o.backward ? run_backward(p, form, o.chunk, dev) : run_forward(p, form, o.chunk, dev);
 
   Safetensors out;
   out.metadata = {{"op", op_name(cfg.op)},

@@ -8,20 +8,19 @@
 #include <iostream>
 
 #include "commands.h"
+#include "device.h"
 #include "hila/error.h"
 #include "safetensors.h"
 
 namespace hila::tools {
 
 void add_device_option(CLI::App* sub, std::string& device) {
-  sub->add_option("--device", device, "where to run: cpu (the only device of this build of the CLI)")
+  sub->add_option("--device", device,
+                  "where to run: cpu, cuda, cuda:N, or auto (the first GPU when there is one, else the CPU)")
       ->capture_default_str();
 }
 
-Device parse_device(const std::string& name) {
-  if (name == "cpu") return Device{};
-  throw Error("device", "the CLI holds its tensors in host memory and runs on 'cpu' only, got '" + name + "'");
-}
+Device parse_device(const std::string& name) { return parse_device_name(name); }
 
 Progress::Progress(std::string title)
     : title_(std::move(title)), tty_(isatty(STDERR_FILENO) != 0),

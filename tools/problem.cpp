@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "problem.h"
 
+#include "device.h"
+
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -532,17 +534,17 @@ Result alloc_forward(const Problem& p) {
 
 }  // namespace
 
-Result run_forward(const Problem& p, Form form, int64_t chunk) {
+Result run_forward(const Problem& p, Form form, int64_t chunk, Device dev) {
   Result r = alloc_forward(p);
   ForwardParams fp = p.forward_params(form, chunk);
   fp.o = r.o.view();
   fp.final_state = r.final_state.view();
-  forward(fp);
+  forward_on(fp, dev);
   return r;
 }
 
-Result run_backward(const Problem& p, Form form, int64_t chunk) {
-  Result r = run_forward(p, form, chunk);
+Result run_backward(const Problem& p, Form form, int64_t chunk, Device dev) {
+  Result r = run_forward(p, form, chunk, dev);
   BackwardParams bp;
   static_cast<ForwardParams&>(bp) = p.forward_params(form, chunk);
   bp.o = r.o.view();
@@ -565,7 +567,7 @@ Result run_backward(const Problem& p, Form form, int64_t chunk) {
   bp.dlam = r.dlam.view();
   bp.dbeta = r.dbeta.view();
   bp.d_init = r.d_init.view();
-  backward(bp);
+  backward_on(bp, dev);
   return r;
 }
 

@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "device.h"
+
+#include <cstring>
+
+#ifdef HILA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "hila/error.h"
+
+namespace hila::tools {
+
+namespace {
+
+int64_t contiguous_bytes(const TensorView& t, const char* what) {
+  int64_t expect = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.stride[i] != expect)
+      throw Error("device", std::string(what) + ": expected a contiguous host tensor, got shape " + t.shape_str());
+    expect *= t.shape[i];
+  }
+  return t.numel() * dtype_size(t.dtype);
+}
+
+#ifdef HILA_WITH_CUDA
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error("device", std::string(what) + ": " + cudaGetErrorString(e));
+}
+#endif
+
+[[noreturn]] void no_cuda() {
+  throw Error("device", "expected cpu: this build of hila has no CUDA backend, so the CLI cannot use a GPU");
+}
+
+}  // namespace
+
+bool cuda_device_present() {
+#ifdef HILA_WITH_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
+
+Device parse_device_name(const std::string& name) {
+  if (name == "cpu") return Device{};
+  if (name == "auto") return cuda_device_present() ? Device{DeviceType::cuda, 0} : Device{};
+  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+#ifndef HILA_WITH_CUDA
+    no_cuda();
+#else
+    int index = 0;
+    if (name.size() > 5) {
+      try {
+        size_t used = 0;
+        index = std::stoi(name.substr(5), &used);
+        if (used != name.size() - 5 || index < 0) throw std::invalid_argument(name);
+      } catch (const std::exception&) {
+        throw Error("device", "expected cpu, auto, cuda or cuda:N, got '" + name + "'");
+      }
+    }
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
+      throw Error("device", "expected a CUDA device for '" + name + "', but this machine has none (use cpu or auto)");
+    if (index >= n)
+      throw Error("device", "expected a CUDA device index below " + std::to_string(n) + ", got '" + name + "'");
+    return Device{DeviceType::cuda, index};
+#endif
+  }
+  throw Error("device", "expected cpu, auto, cuda or cuda:N, got '" + name + "'");
+}
+
+struct DeviceMirror::Block {
+  void* dev = nullptr;
+  void* host = nullptr;  // the host view an output is copied back to (nullptr for inputs)
+  size_t bytes = 0;
+  ~Block() {
+#ifdef HILA_WITH_CUDA
+    if (dev) cudaFree(dev);
+#endif
+  }
+};
+
+DeviceMirror::DeviceMirror(Device dev) : dev_(dev) {
+  if (dev.type != DeviceType::cuda) throw Error("device", "DeviceMirror needs a CUDA device, got " + device_name(dev));
+#ifndef HILA_WITH_CUDA
+  no_cuda();
+#endif
+}
+
+DeviceMirror::~DeviceMirror() = default;
+
+TensorView DeviceMirror::input(const TensorView& host) {
+  if (!host.defined()) return host;
+  const int64_t bytes = contiguous_bytes(host, "input");
+  auto b = std::make_unique<Block>();
+  b->bytes = size_t(bytes);
+#ifdef HILA_WITH_CUDA
+  check(cudaSetDevice(dev_.index), "cudaSetDevice");
+  check(cudaMalloc(&b->dev, std::max<size_t>(b->bytes, 1)), "cudaMalloc");
+  if (bytes) check(cudaMemcpy(b->dev, host.data, b->bytes, cudaMemcpyHostToDevice), "cudaMemcpy to the device");
+#endif
+  TensorView v = host;
+  v.data = b->dev;
+  v.device = dev_;
+  blocks_.push_back(std::move(b));
+  return v;
+}
+
+TensorView DeviceMirror::output(const TensorView& host) {
+  if (!host.defined()) return host;
+  TensorView v = input(host);
+  Block& b = *blocks_.back();
+  b.host = host.data;
+#ifdef HILA_WITH_CUDA
+  if (b.bytes) check(cudaMemset(b.dev, 0xff, b.bytes), "cudaMemset");  // poison: every output must be written
+#endif
+  return v;
+}
+
+StateView DeviceMirror::input(const StateView& s) { return StateView{input(s.pos), input(s.S), input(s.P), input(s.H)}; }
+StateView DeviceMirror::output(const StateView& s) {
+  return StateView{output(s.pos), output(s.S), output(s.P), output(s.H)};
+}
+
+void DeviceMirror::finish() {
+#ifdef HILA_WITH_CUDA
+  check(cudaSetDevice(dev_.index), "cudaSetDevice");
+  check(cudaDeviceSynchronize(), "the device");
+  for (auto& b : blocks_)
+    if (b->host && b->bytes) {
+      check(cudaMemcpy(b->host, b->dev, b->bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to the host");
+      b->host = nullptr;
+    }
+#endif
+}
+
+void device_synchronize(Device dev) {
+  if (dev.type == DeviceType::cpu) return;
+#ifdef HILA_WITH_CUDA
+  check(cudaSetDevice(dev.index), "cudaSetDevice");
+  check(cudaDeviceSynchronize(), "the device");
+#else
+  no_cuda();
+#endif
+}
+
+StateBuffers fetch_state(const StateView& dev) {
+  auto one = [&](const TensorView& t) {
+    if (!t.defined()) return Buffer{};
+    Buffer b(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim));
+    const int64_t bytes = contiguous_bytes(t, "state");
+    if (t.device.type == DeviceType::cpu) {
+      if (bytes) std::memcpy(b.bytes.data(), t.data, size_t(bytes));
+      return b;
+    }
+#ifdef HILA_WITH_CUDA
+    check(cudaSetDevice(t.device.index), "cudaSetDevice");
+    check(cudaDeviceSynchronize(), "the device");
+    if (bytes) check(cudaMemcpy(b.bytes.data(), t.data, size_t(bytes), cudaMemcpyDeviceToHost), "cudaMemcpy to the host");
+#else
+    no_cuda();
+#endif
+    return b;
+  };
+  return StateBuffers{one(dev.pos), one(dev.S), one(dev.P), one(dev.H)};
+}
+
+namespace {
+// Maps every tensor of a forward call onto the device (inputs copied, outputs mirrored).
+void map_forward(ForwardParams& p, DeviceMirror& m) {
+  p.q = m.input(p.q), p.k = m.input(p.k), p.v = m.input(p.v), p.g = m.input(p.g);
+  p.lam = m.input(p.lam), p.beta = m.input(p.beta), p.cu_seqlens = m.input(p.cu_seqlens);
+  p.init = m.input(p.init);
+  p.o = m.output(p.o);
+  p.final_state = m.output(p.final_state);
+}
+}  // namespace
+
+void forward_on(const ForwardParams& p, Device dev) {
+  if (dev.type == DeviceType::cpu) return forward(p);
+  DeviceMirror m(dev);
+  ForwardParams d = p;
+  map_forward(d, m);
+  forward(d);
+  m.finish();
+}
+
+void backward_on(const BackwardParams& p, Device dev) {
+  if (dev.type == DeviceType::cpu) return backward(p);
+  DeviceMirror m(dev);
+  BackwardParams d = p;
+  map_forward(d, m);
+  d.d_o = m.input(d.d_o);
+  d.d_final = m.input(d.d_final);
+  d.dq = m.output(d.dq), d.dk = m.output(d.dk), d.dv = m.output(d.dv), d.dg = m.output(d.dg);
+  d.dlam = m.output(d.dlam), d.dbeta = m.output(d.dbeta);
+  d.d_init = m.output(d.d_init);
+  backward(d);
+  m.finish();
+}
+
+TensorView token_of(const TensorView& full, int64_t t) {
+  if (!full.defined()) return full;
+  if (full.ndim < 2 || full.shape[0] != 1 || t < 0 || t >= full.shape[1])
+    throw std::invalid_argument("token_of: needs a [1, T, ...] view and 0 <= t < T, got " + full.shape_str() +
+                                " and t = " + std::to_string(t));
+  TensorView v = full;
+  v.data = static_cast<char*>(full.data) + t * full.stride[1] * dtype_size(full.dtype);
+  v.ndim = full.ndim - 1;
+  for (int i = 1; i < v.ndim; ++i) v.shape[i] = full.shape[i + 1], v.stride[i] = full.stride[i + 1];
+  return v;
+}
+
+}  // namespace hila::tools
