@@ -3,7 +3,7 @@
 # One call on the GPU machine: CUDA tests, compute-sanitizer, the Python suite on CUDA, and the
 # benchmark with its anchors in the same run. Binaries are built on the development machine and
 # carried in $BIN (see docs/PERFORMANCE.md); fla wheels in $WHL; the spec oracles in $SPEC.
-#   STAGES="tests sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
+#   STAGES="tests demo sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
 # report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
@@ -32,6 +32,12 @@ if has tests; then
   rc=$?
   grep -E "^\[  FAILED  \]|Failure|rel err.*(NaN|nan)" "$LOGS/tests.log" | head -60
   note "tests rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$LOGS/tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
+fi
+if has demo; then  # the CLI's main job on the GPU (needs $BIN/hila, the CLI built with CUDA)
+  timeout 300 "$BIN/hila" demo --device cuda --T ${DEMO_T:-1024} --decode 16 >"$LOGS/demo.log" 2>&1
+  rc=$?
+  tail -14 "$LOGS/demo.log"
+  note "demo rc=$rc"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
