@@ -163,6 +163,7 @@ TEST(CudaOps, FusedQkvViewsInPlace) {
         fused.set(bt * row + 2 * H * d + i, low.v.get(bt * H * d + i));
       }
     DevTensor x(fused), gx(fused, true), g(low.g), dO(low.d_o), o(ref.o.cast(DType::bf16), true), dg(low.g, true);
+    DevTensor dSt(low.d_final.S), dPt(low.d_final.P), dht(low.d_final.H);  // the reference takes d_final too
     auto part = [&](const DevTensor& t, int which) {
       TensorView v = TensorView::contiguous_view(static_cast<char*>(t.p) + which * H * d * 2, DType::bf16,
                                                  {B, T, H, d}, Device{DeviceType::cuda, 0});
@@ -173,6 +174,7 @@ TEST(CudaOps, FusedQkvViewsInPlace) {
     static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
     p.q = part(x, 0), p.k = part(x, 1), p.v = part(x, 2), p.g = g.view(), p.o = o.view();
     p.d_o = dO.view();
+    p.d_final.S = dSt.view(), p.d_final.P = dPt.view(), p.d_final.H = dht.view();
     p.dq = part(gx, 0), p.dk = part(gx, 1), p.dv = part(gx, 2), p.dg = dg.view();
     try {
       backward(p);
