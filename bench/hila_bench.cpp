@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Times hila's CUDA operators with CUDA events (warm-up, then the median of --reps runs) and
-// prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms. Inputs are random (never zeros); each
+// prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms,dk,G (d = dv; --dk, --dv, --G: head dims and
+// q/k groups, defaults d, d, H). Inputs are random (never zeros); each
 // input tensor of the benchmark shapes exceeds the L2 cache, so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
 // training step pays.
@@ -102,7 +103,7 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
   using namespace hila;
   auto t0 = std::chrono::steady_clock::now();
   CK(cudaFree(nullptr));
-  std::printf("hila,cuda_context,bf16,1,0,0,0,context,%.4f\n", wall_ms(t0));
+  std::printf("hila,cuda_context,bf16,1,0,0,0,context,%.4f,0,0\n", wall_ms(t0));
   const int64_t B = 1, T = 256;
   const size_t nq = size_t(B * T * H * d);
   const int64_t L = levels_needed(0, T);
@@ -126,8 +127,8 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
     t0 = std::chrono::steady_clock::now();
     forward(p);
     CK(cudaDeviceSynchronize());
-    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,first_call,%.4f\n", op_name(op), (long long)B, (long long)T,
-                (long long)H, (long long)d, wall_ms(t0));
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,first_call,%.4f,%lld,%lld\n", op_name(op), (long long)B, (long long)T,
+                (long long)H, (long long)d, wall_ms(t0), (long long)d, (long long)H);
   }
   std::fflush(stdout);
 }
@@ -155,7 +156,7 @@ double step_state_bytes(const hila::OpConfig& cfg, int64_t dk, int64_t dv, int64
   return b;
 }
 
-void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps, int warmup,
+void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t dv, int reps, int warmup,
                 const std::vector<int64_t>& batches, const std::vector<int64_t>& positions) {
   using namespace hila;
   const Device dev{DeviceType::cuda, 0};
@@ -165,7 +166,7 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
     const double ms = median_ms([&] { CK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 2, 10);
     std::fprintf(stderr, "# cudaMemcpy device-to-device: %.1f GB/s (read + write)\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
   }
-  std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s\n");
+  std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s,H,dk,dv\n");
   std::mt19937 rng(0);
   for (Op op : ops) {
     const OpTraits tr = op_traits(op);
@@ -175,10 +176,10 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
         cfg.op = op;
         cfg.check_values = false;  // value checks copy inputs to the host
         const int64_t steps = warmup + reps, L = state_slots(T + steps);
-        DecodeState ds(cfg, N, H, d, d, DType::f32, dev);
+        DecodeState ds(cfg, N, H, dk, dv, DType::f32, dev);
         ds.reserve(T + steps);
         if (T > 0) {  // a zero state at position T
-          const StateShape sh = state_shape(cfg, N, H, d, d, T);
+          const StateShape sh = state_shape(cfg, N, H, dk, dv, T);
           auto zeros = [&](const std::vector<int64_t>& shape) {
             size_t n = 4;
             for (int64_t x : shape) n *= size_t(x);
@@ -197,18 +198,18 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
           src.H = TensorView::contiguous_view(zH->p, DType::f32, sh.H_shape.data(), int(sh.H_shape.size()), dev);
           ds.load(src);
         }
-        Dev q(size_t(N * H * d) * 2), k(size_t(N * H * d) * 2), v(size_t(N * H * d) * 2), o(size_t(N * H * d) * 2);
+        Dev q(size_t(N * H * dk) * 2), k(size_t(N * H * dk) * 2), v(size_t(N * H * dv) * 2), o(size_t(N * H * dv) * 2);
         Dev g(size_t(N * H) * 4), lam(size_t(N * H * L) * 2), beta(size_t(N * H) * 2);
-        fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
-        fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
+        fill_bf16(q, rng, 1.f / std::sqrt(float(dk)));
+        fill_bf16(k, rng, 1.f / std::sqrt(float(dk)));
         fill_bf16(v, rng, 1.f);
         fill_bf16(lam, rng, 0.5f);
         fill_bf16(beta, rng, 0.5f);
         fill_gates(g, rng);
         StepParams sp;
         sp.cfg = cfg;
-        auto v3 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {N, H, d}, dev); };
-        sp.q = v3(q), sp.k = v3(k), sp.v = v3(v), sp.o = v3(o);
+        auto v3 = [&](Dev& x, int64_t d) { return TensorView::contiguous_view(x.p, DType::bf16, {N, H, d}, dev); };
+        sp.q = v3(q, dk), sp.k = v3(k, dk), sp.v = v3(v, dv), sp.o = v3(o, dv);
         sp.g = TensorView::contiguous_view(g.p, DType::f32, {N, H}, dev);
         if (tr.loglinear) sp.lam = TensorView::contiguous_view(lam.p, DType::bf16, {N, H, L}, dev);
         if (tr.delta) sp.beta = TensorView::contiguous_view(beta.p, DType::bf16, {N, H}, dev);
@@ -220,7 +221,7 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
         std::vector<float> ms;
         double state_bytes = 0;
         for (int i = 0; i < reps; ++i) {
-          state_bytes += double(N * H) * step_state_bytes(cfg, d, d, ds.position(0));
+          state_bytes += double(N * H) * step_state_bytes(cfg, dk, dv, ds.position(0));
           CK(cudaEventRecord(a));
           step(sp, ds);
           CK(cudaEventRecord(b));
@@ -236,10 +237,10 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t d, int reps
         std::sort(ms.begin(), ms.end());
         state_bytes /= reps;
         // q, k, v, o in bf16, g f32, lam / beta bf16, pos read + written
-        const double io = double(N * H) * (4.0 * d * 2 + 4 + (tr.loglinear ? 2.0 * L : 0) + (tr.delta ? 2 : 0)) + 16.0 * N;
+        const double io = double(N * H) * ((2.0 * dk + 2.0 * dv) * 2 + 4 + (tr.loglinear ? 2.0 * L : 0) + (tr.delta ? 2 : 0)) + 16.0 * N;
         const double gbs = (state_bytes + io) / (total_ms / reps * 1e-3) / 1e9;
-        std::printf("%s,%lld,%lld,%.2f,%.0f,%.1f\n", op_name(op), (long long)N, (long long)T,
-                    ms[ms.size() / 2] * 1e3, state_bytes, gbs);
+        std::printf("%s,%lld,%lld,%.2f,%.0f,%.1f,%lld,%lld,%lld\n", op_name(op), (long long)N, (long long)T,
+                    ms[ms.size() / 2] * 1e3, state_bytes, gbs, (long long)H, (long long)dk, (long long)dv);
         std::fflush(stdout);
       }
     }
@@ -252,7 +253,7 @@ int main(int argc, char** argv) {
   using namespace hila;
   int reps = 10, warmup = 2;
   std::vector<Op> ops = {Op::gla};
-  int64_t H = 16, d = 128;
+  int64_t H = 16, d = 128, dk = 0, dv = 0, G = 0;  // dk, dv default to d; G (q/k groups) to H
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
   bool decode = false;
   bool ops_given = false;
@@ -280,6 +281,9 @@ int main(int argc, char** argv) {
       }
     }
     else if (k == "--d") d = std::stoll(v);
+    else if (k == "--dk") dk = std::stoll(v);
+    else if (k == "--dv") dv = std::stoll(v);
+    else if (k == "--G") G = std::stoll(v);
     else if (k == "--shapes") {  // "B:T,B:T"
       shapes.clear();
       size_t pos = 0;
@@ -292,19 +296,23 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (!dk) dk = d;
+  if (!dv) dv = d;
+  if (!G) G = H;
   if (decode) {
-    run_decode(ops_given ? ops : all_ops(), H, d, std::max(reps, 20), std::max(warmup, 3), batches, positions);
+    run_decode(ops_given ? ops : all_ops(), H, dk, dv, std::max(reps, 20), std::max(warmup, 3), batches, positions);
     return 0;
   }
-  std::printf("impl,op,dtype,B,T,H,d,direction,ms\n");
+  std::printf("impl,op,dtype,B,T,H,d,direction,ms,dk,G\n");
   std::mt19937 rng(0);
-  first_calls(ops, H, d, rng);
+  first_calls(ops, H, dk, rng);
   for (auto [B, T] : shapes) {
-    const size_t nq = size_t(B * T * H * d);
-    Dev q(nq * 2), k(nq * 2), v(nq * 2), o(nq * 2), dO(nq * 2), dq(nq * 2), dk(nq * 2), dv(nq * 2);
+    // q, k [B, T, G, dk] (G groups shared by H / G heads), v, o, dO [B, T, H, dv]
+    const size_t nk = size_t(B * T * G * dk), nv = size_t(B * T * H * dv);
+    Dev q(nk * 2), k(nk * 2), v(nv * 2), o(nv * 2), dO(nv * 2), dq(nk * 2), dk_(nk * 2), dv_(nv * 2);
     Dev g(size_t(B * T * H) * 4), dg(size_t(B * T * H) * 4);
-    fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
-    fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
+    fill_bf16(q, rng, 1.f / std::sqrt(float(dk)));
+    fill_bf16(k, rng, 1.f / std::sqrt(float(dk)));
     fill_bf16(v, rng, 1.f);
     fill_bf16(dO, rng, 1.f);
     fill_gates(g, rng);
@@ -312,14 +320,15 @@ int main(int argc, char** argv) {
     Dev lam(size_t(B * T * H * L) * 2), dlam(size_t(B * T * H * L) * 2);
     fill_bf16_uniform(lam, rng, 0.25f, 1.5f);
     const Device dev{DeviceType::cuda, 0};
-    auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
+    auto viewK = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, G, dk}, dev); };
+    auto viewV = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, dv}, dev); };
     auto view_lam = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, L}, dev); };
     for (Op op : ops) {
     BackwardParams p;
     p.cfg.op = op;
     p.cfg.check_values = false;  // value checks copy inputs to the host
     p.form = Form::chunk;
-    p.q = view4(q), p.k = view4(k), p.v = view4(v), p.o = view4(o);
+    p.q = viewK(q), p.k = viewK(k), p.v = viewV(v), p.o = viewV(o);
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
     // delta rule (gdn, loglinear_gdn): beta in [0, 1]; log-linear: lam with the levels T needs
     const OpTraits tr = op_traits(op);
@@ -333,15 +342,14 @@ int main(int argc, char** argv) {
     BackwardParams b = p;
     if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, DType::bf16, {B, T, H}, dev);
     b.o = {};
-    b.d_o = view4(dO);
-    b.dq = view4(dq), b.dk = view4(dk), b.dv = view4(dv);
+    b.d_o = viewV(dO);
+    b.dq = viewK(dq), b.dk = viewK(dk_), b.dv = viewV(dv_);
     b.dg = TensorView::contiguous_view(dg.p, DType::f32, {B, T, H}, dev);
     if (op_traits(op).loglinear) b.dlam = view_lam(dlam);
     const double bwd = median_ms([&] { backward(b); }, warmup, reps);
-    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,fwd,%.4f\n", op_name(op), (long long)B, (long long)T,
-                (long long)H, (long long)d, fwd);
-    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,fwdbwd,%.4f\n", op_name(op), (long long)B, (long long)T,
-                (long long)H, (long long)d, fwd + bwd);
+    for (auto [dir, ms] : {std::pair{"fwd", fwd}, std::pair{"fwdbwd", fwd + bwd}})
+      std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld\n", op_name(op), (long long)B, (long long)T,
+                  (long long)H, (long long)dv, dir, ms, (long long)dk, (long long)G);
     std::fflush(stdout);
     }
   }

@@ -14,9 +14,10 @@ def load(paths):
     return rows
 
 
-def gla_flops(B, T, H, d, direction, C=64):
-    fwd = T * (2 * C * d + 2 * C * d + 4 * d * d)
-    bwd = T * (6 * C * d + 4 * C * d + 10 * d * d)
+def gla_flops(B, T, H, d, direction, C=64, dv=None):
+    dv = d if dv is None else dv
+    fwd = T * (2 * C * d + 2 * C * dv + 4 * d * dv)
+    bwd = T * (6 * C * d + 4 * C * dv + 10 * d * dv)
     return B * H * (fwd if direction == "fwd" else fwd + bwd)
 
 
@@ -27,22 +28,28 @@ FLA_ANCHOR = {"loglinear": "loglinear", "loglinear_hla2": "loglinear", "loglinea
               "loglinear_hla3": "loglinear", "gdn": "gdn", "loglinear_gdn": "gdn"}
 
 
-def min_bytes(B, T, H, d, direction):
+def min_bytes(B, T, H, d, direction, dk=None, G=None):
     """Compulsory HBM traffic in bf16: q, k, v read and o written (forward); plus dO read and
-    dq, dk, dv written (forward+backward, which reads q, k, v again)."""
-    n = B * T * H * d * 2
-    return n * (4 if direction == "fwd" else 11)
+    dq, dk, dv written (forward+backward, which reads q, k, v again). q, k have G groups of dk."""
+    dk = d if dk is None else dk
+    G = H if G is None else G
+    nk, nv = B * T * G * dk * 2, B * T * H * d * 2
+    return 2 * nk + 2 * nv if direction == "fwd" else 6 * nk + 5 * nv
 
 
 def main(out_csv, out_png, out_md, *inputs):
     rows = load(inputs)
     with open(out_csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        names = list(dict.fromkeys(k for r_ in rows for k in r_))  # older CSVs lack dk, G
+        w = csv.DictWriter(f, fieldnames=names, restval="")
         w.writeheader()
         w.writerows(rows)
     ceil = {r["op"]: float(r["ms"]) for r in rows if r["impl"] == "ceiling"}
     key = lambda r: (r["impl"], r["op"], int(r["B"]), int(r["T"]), r["direction"])
     t = {key(r): float(r["ms"]) for r in rows if r["impl"] != "ceiling" and r["direction"] in ("fwd", "fwdbwd")}
+    # head counts and dims of hila's rows (H, dv, dk, G); older CSVs: dk = d, G = H
+    dims = {key(r): (int(r["H"]), int(r["d"]), int(r.get("dk") or r["d"]), int(r.get("G") or r["H"]))
+            for r in rows if r["impl"] == "hila" and r["direction"] in ("fwd", "fwdbwd")}
     shapes = sorted({(int(r["B"]), int(r["T"])) for r in rows if r["impl"] == "hila" and r["direction"] in ("fwd", "fwdbwd")},
                     key=lambda s: s[1])
     ops = sorted({k[1] for k in t if k[0] == "hila"}, key=lambda o: (o != "gla", o))
@@ -63,9 +70,10 @@ def main(out_csv, out_png, out_md, *inputs):
                 fl = t.get((fla, anchor, B, T, dirn))
                 fa = t.get(("sdpa_flash", "softmax", B, T, dirn))
                 cu = t.get(("sdpa_cudnn", "softmax", B, T, dirn))
-                gbs = min_bytes(B, T, 16, 128, dirn) / h / 1e6
+                H, dv, dk, G = dims[("hila", op, B, T, dirn)]
+                gbs = min_bytes(B, T, H, dv, dirn, dk, G) / h / 1e6
                 if op in PRIMS:
-                    tf = PRIMS[op] * gla_flops(B, T, 16, 128, dirn) / h / 1e9
+                    tf = PRIMS[op] * gla_flops(B, T, H, dk, dirn, dv=dv) / h / 1e9
                     tfs = f"{tf:.1f} ({100 * tf / gemm:.0f}%)"
                 else:
                     tfs = "—"
@@ -86,16 +94,19 @@ def main(out_csv, out_png, out_md, *inputs):
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, dirn in zip(axes, ("fwd", "fwdbwd")):
-            for impl, op in ([("hila", o) for o in ops] + [(fla, "gla")] + [("sdpa_flash", "softmax"), ("sdpa_cudnn", "softmax")]):
+            anchors = sorted({FLA_ANCHOR.get(o, "gla") for o in ops})
+            for impl, op in ([("hila", o) for o in ops] + [(fla, a_) for a_ in anchors] +
+                             [("sdpa_flash", "softmax"), ("sdpa_cudnn", "softmax")]):
                 xs = [T for B, T in shapes if (impl, op, B, T, dirn) in t]
                 ys = [t[(impl, op, B, T, dirn)] for B, T in shapes if (impl, op, B, T, dirn) in t]
                 if xs:
                     ax.plot(xs, ys, marker="o", label=f"{impl} {op}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            H, dv, dk, G = next(iter(dims.values()))
             ax.set_xlabel("T (B·T = 32K tokens; last point B=1, T=64K)")
             ax.set_ylabel("ms")
-            ax.set_title(f"{dirn}, H=16, d=128, bf16")
+            ax.set_title(f"{dirn}, H={H}, dk={dk}, dv={dv}" + (f", G={G}" if G != H else "") + ", bf16")
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out_png, dpi=110)
