@@ -597,6 +597,38 @@ TEST(Errors, Chunk) {
   }
 }
 
+// workspace and workspace_bytes come together; on the CPU the size is 0 and a workspace is ignored.
+TEST(Errors, Workspace) {
+  {
+    Call c(base_spec(Op::hla2));
+    c.fp.workspace_bytes = 1024;
+    expect_error("bytes without a pointer", [&] { c.run(); }, "workspace", {"1024", "nullptr"});
+    EXPECT_TRUE(c.o_untouched());
+  }
+  {
+    Call c(base_spec(Op::hla2));
+    char ws[64];
+    c.fp.workspace = ws;
+    expect_error("pointer without bytes", [&] { c.run(); }, "workspace_bytes", {"0"});
+  }
+  for (Op op : {Op::gla, Op::hla3, Op::loglinear, Op::loglinear_gdn}) {
+    Call c(base_spec(op, true));
+    EXPECT_EQ(hila::workspace_size(c.fp), 0u) << hila::op_name(op);
+    hila::BackwardParams b;
+    static_cast<hila::ForwardParams&>(b) = c.fp;
+    b.d_o = c.p.d_o.view();
+    EXPECT_EQ(hila::workspace_size(b), 0u) << hila::op_name(op);
+    char ws[64];
+    c.fp.workspace = ws, c.fp.workspace_bytes = sizeof(ws);
+    expect_ok(std::string("cpu ignores the workspace: ") + hila::op_name(op), [&] { c.run(); });
+  }
+  {  // the size query validates like the call
+    Call c(base_spec(Op::gla));
+    c.fp.chunk = 3;
+    expect_error("size query", [&] { (void)hila::workspace_size(c.fp); }, "chunk", {"3"});
+  }
+}
+
 TEST(Errors, ValueChecks) {
   for (Op op : hila::all_ops()) {
     const std::string on = op_tag(op);

@@ -120,6 +120,19 @@ TensorView DeviceMirror::output(const TensorView& host) {
   return v;
 }
 
+void* DeviceMirror::scratch(size_t bytes) {
+  auto b = std::make_unique<Block>();
+  b->bytes = bytes;
+#ifdef HILA_WITH_CUDA
+  check(cudaSetDevice(dev_.index), "cudaSetDevice");
+  check(cudaMalloc(&b->dev, std::max<size_t>(bytes, 1)), "cudaMalloc");
+  if (bytes) check(cudaMemset(b->dev, 0xff, bytes), "cudaMemset");
+#endif
+  void* p = b->dev;
+  blocks_.push_back(std::move(b));
+  return p;
+}
+
 StateView DeviceMirror::input(const StateView& s) { return StateView{input(s.pos), input(s.S), input(s.P), input(s.H)}; }
 StateView DeviceMirror::output(const StateView& s) {
   return StateView{output(s.pos), output(s.S), output(s.P), output(s.H)};
@@ -177,18 +190,28 @@ void map_forward(ForwardParams& p, DeviceMirror& m) {
   p.o = m.output(p.o);
   p.final_state = m.output(p.final_state);
 }
+
+
+// An exactly sized, poisoned workspace for the call (Temporaries::workspace).
+template <class P>
+void give_workspace(P& d, DeviceMirror& m, Temporaries tmp) {
+  if (tmp != Temporaries::workspace) return;
+  d.workspace_bytes = workspace_size(d);
+  d.workspace = d.workspace_bytes ? m.scratch(d.workspace_bytes) : nullptr;
+}
 }  // namespace
 
-void forward_on(const ForwardParams& p, Device dev) {
+void forward_on(const ForwardParams& p, Device dev, Temporaries tmp) {
   if (dev.type == DeviceType::cpu) return forward(p);
   DeviceMirror m(dev);
   ForwardParams d = p;
   map_forward(d, m);
+  give_workspace(d, m, tmp);
   forward(d);
   m.finish();
 }
 
-void backward_on(const BackwardParams& p, Device dev) {
+void backward_on(const BackwardParams& p, Device dev, Temporaries tmp) {
   if (dev.type == DeviceType::cpu) return backward(p);
   DeviceMirror m(dev);
   BackwardParams d = p;
@@ -198,6 +221,7 @@ void backward_on(const BackwardParams& p, Device dev) {
   d.dq = m.output(d.dq), d.dk = m.output(d.dk), d.dv = m.output(d.dv), d.dg = m.output(d.dg);
   d.dlam = m.output(d.dlam), d.dbeta = m.output(d.dbeta);
   d.d_init = m.output(d.d_init);
+  give_workspace(d, m, tmp);
   backward(d);
   m.finish();
 }

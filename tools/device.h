@@ -31,6 +31,8 @@ class DeviceMirror {
   // A poisoned device buffer for a contiguous host view, copied back to it by finish().
   TensorView output(const TensorView& host);
   StateView output(const StateView& host);
+  // A poisoned device buffer of `bytes` (a workspace), freed with the mirror.
+  void* scratch(size_t bytes);
   // Waits for the device, copies every output back to its host view. Idempotent.
   void finish();
 
@@ -46,9 +48,10 @@ void device_synchronize(Device dev);
 // Host copy of a contiguous device state (e.g. DecodeState::view() of a CUDA state).
 StateBuffers fetch_state(const StateView& dev);
 
-// hila::forward / hila::backward with host-memory params run on `dev` (the CPU: called as they are).
-void forward_on(const ForwardParams& p, Device dev);
-void backward_on(const BackwardParams& p, Device dev);
+// hila::forward / hila::backward with host-memory params run on `dev` (the CPU: called as they are),
+// their temporaries from `tmp` (problem.h).
+void forward_on(const ForwardParams& p, Device dev, Temporaries tmp = Temporaries::pool);
+void backward_on(const BackwardParams& p, Device dev, Temporaries tmp = Temporaries::pool);
 
 // The view of token t of a [1, T, ...] view (any device): the T axis dropped.
 TensorView token_of(const TensorView& full, int64_t t);

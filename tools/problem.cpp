@@ -534,17 +534,17 @@ Result alloc_forward(const Problem& p) {
 
 }  // namespace
 
-Result run_forward(const Problem& p, Form form, int64_t chunk, Device dev) {
+Result run_forward(const Problem& p, Form form, int64_t chunk, Device dev, Temporaries tmp) {
   Result r = alloc_forward(p);
   ForwardParams fp = p.forward_params(form, chunk);
   fp.o = r.o.view();
   fp.final_state = r.final_state.view();
-  forward_on(fp, dev);
+  forward_on(fp, dev, tmp);
   return r;
 }
 
-Result run_backward(const Problem& p, Form form, int64_t chunk, Device dev) {
-  Result r = run_forward(p, form, chunk, dev);
+Result run_backward(const Problem& p, Form form, int64_t chunk, Device dev, Temporaries tmp) {
+  Result r = run_forward(p, form, chunk, dev, tmp);
   BackwardParams bp;
   static_cast<ForwardParams&>(bp) = p.forward_params(form, chunk);
   bp.o = r.o.view();
@@ -567,7 +567,7 @@ Result run_backward(const Problem& p, Form form, int64_t chunk, Device dev) {
   bp.dlam = r.dlam.view();
   bp.dbeta = r.dbeta.view();
   bp.d_init = r.d_init.view();
-  backward_on(bp, dev);
+  backward_on(bp, dev, tmp);
   return r;
 }
 

@@ -130,12 +130,18 @@ struct Result {
   Buffer o, dq, dk, dv, dg, dlam, dbeta;
   StateBuffers final_state, d_init;
 };
+// Where a CUDA call's temporaries come from: the device's stream-ordered pool, or a device
+// workspace of exactly hila::workspace_size bytes, poisoned (all bits set) before the call.
+enum class Temporaries { pool, workspace };
+
 // Outputs are allocated and poisoned, then hila::forward fills them. The problem's tensors live in
 // host memory; with a CUDA `dev` the call runs there on device copies (tools/device.h).
-Result run_forward(const Problem& p, Form form, int64_t chunk = 64, Device dev = {});
+Result run_forward(const Problem& p, Form form, int64_t chunk = 64, Device dev = {},
+                   Temporaries tmp = Temporaries::pool);
 // hila::forward, then hila::backward with p.d_o and p.d_final; fills every gradient of a present
 // input (dq, dk, dv; dg if gated; dlam if log-linear; dbeta if delta; d_init if init_state).
-Result run_backward(const Problem& p, Form form, int64_t chunk = 64, Device dev = {});
+Result run_backward(const Problem& p, Form form, int64_t chunk = 64, Device dev = {},
+                    Temporaries tmp = Temporaries::pool);
 
 // max |a-b| / max(max|b|, floor, tiny). +inf if a or b holds NaN/Inf or the shapes differ; 0 if
 // both absent. floor keeps a tensor that is exactly zero in exact arithmetic (rounding noise only,

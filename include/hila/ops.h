@@ -105,6 +105,12 @@ struct ForwardParams {
   TensorView o;        // output [B, T, H, dv], dtype of v
   StateView final_state;  // optional output
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr: the default stream)
+  // Optional device memory for the call's temporaries (CUDA): workspace_size(p) bytes or more, on
+  // the device of q, any alignment, not used by other work until the call's kernels are done (it
+  // is stream-ordered like the call). Without it temporaries come from the device's
+  // stream-ordered pool (cudaMallocAsync). Ignored on the CPU.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // Backward also runs the forward: when `o` or `final_state` are given they are written too.
@@ -118,6 +124,12 @@ struct BackwardParams : ForwardParams {
 
 void forward(const ForwardParams& p);
 void backward(const BackwardParams& p);
+
+// Device bytes forward(p) / backward(p) take from p.workspace: exact for these params (shapes,
+// options, dtypes, cu_seqlens, initial positions and which optional outputs are asked for; the
+// data itself does not matter). 0 on the CPU. A host-side dry run of the call: no kernel runs.
+size_t workspace_size(const ForwardParams& p);
+size_t workspace_size(const BackwardParams& p);
 
 // ---------------------------------------------------------------------------------------------
 // Decode: an owning state for N sequences x H heads, stepped one token at a time (serial form).

@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The single place that turns a validated call into a backend call.
+#include <string>
+
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
@@ -19,9 +21,20 @@ bool on_cuda(Device d) {
   throw Error("device", "expected cpu (this build of hila has no CUDA backend), got " + device_name(d));
 #endif
 }
+
+
+// workspace and workspace_bytes come together.
+void check_workspace(const ForwardParams& p) {
+  if (p.workspace_bytes > 0 && !p.workspace)
+    throw Error("workspace", "expected a device pointer with workspace_bytes = " + std::to_string(p.workspace_bytes) +
+                                 ", got nullptr");
+  if (p.workspace && p.workspace_bytes == 0)
+    throw Error("workspace_bytes", "expected the size of workspace in bytes (hila::workspace_size), got 0");
+}
 }  // namespace
 
 void forward(const ForwardParams& p) {
+  check_workspace(p);
   const detail::Resolved r = detail::resolve_forward(p);
   if (on_cuda(p.q.device)) {
 #ifdef HILA_WITH_CUDA
@@ -33,6 +46,7 @@ void forward(const ForwardParams& p) {
 }
 
 void backward(const BackwardParams& p) {
+  check_workspace(p);
   const detail::Resolved r = detail::resolve_backward(p);
   if (on_cuda(p.q.device)) {
 #ifdef HILA_WITH_CUDA
@@ -41,6 +55,37 @@ void backward(const BackwardParams& p) {
     return;
   }
   detail::cpu_backward(r, p);
+}
+
+// The size query validates like the call (without the value scans) and dry-runs the backend.
+template <class P>
+P for_sizing(const P& p) {
+  P q = p;
+  q.cfg.check_values = false;
+  q.workspace = nullptr, q.workspace_bytes = 0;
+  return q;
+}
+
+size_t workspace_size(const ForwardParams& p) {
+  const ForwardParams q = for_sizing(p);
+  const detail::Resolved r = detail::resolve_forward(q);
+  if (!on_cuda(q.q.device)) return 0;
+#ifdef HILA_WITH_CUDA
+  return detail::cuda_workspace_size(r, q);
+#else
+  return 0;
+#endif
+}
+
+size_t workspace_size(const BackwardParams& p) {
+  const BackwardParams q = for_sizing(p);
+  const detail::Resolved r = detail::resolve_backward(q);
+  if (!on_cuda(q.q.device)) return 0;
+#ifdef HILA_WITH_CUDA
+  return detail::cuda_workspace_size(r, q);
+#else
+  return 0;
+#endif
 }
 
 namespace detail {

@@ -138,11 +138,50 @@ void keep_pool_cached() {
 }
 
 void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+  if (dry_run()) return;
   static PinnedRing rings[64];  // per device ordinal
   int dev = 0;
   HILA_CUDA_CHECK(cudaGetDevice(&dev));
   rings[dev & 63].upload(dst, src, bytes, s);
 }
+
+namespace {
+thread_local Arena* t_arena = nullptr;
+constexpr size_t kAlign = 256;
+}  // namespace
+
+Arena::Arena(void* base, size_t bytes) {
+  if (!base) return;  // measuring: placeholder addresses from kAlign up
+  base_ = (reinterpret_cast<uintptr_t>(base) + kAlign - 1) & ~uintptr_t(kAlign - 1);
+  const size_t skip = base_ - reinterpret_cast<uintptr_t>(base);
+  cap_ = bytes > skip ? bytes - skip : 0;
+}
+
+void* Arena::take(size_t bytes) {
+  const size_t off = top_, end = off + ((bytes + kAlign - 1) & ~(kAlign - 1));
+  if (!measuring() && end > cap_)  // workspace_size() measured this call's peak: only a changed call gets here
+    throw Error("workspace_bytes", "the workspace is too small for this call: it needs more than " +
+                                       std::to_string(cap_) + " bytes (query hila::workspace_size with the same params)");
+  blocks_.push_back({off, end, true});
+  top_ = end;
+  peak_ = std::max(peak_, top_);
+  return reinterpret_cast<void*>((measuring() ? kAlign : base_) + off);
+}
+
+void Arena::give(void* p) {
+  const size_t off = reinterpret_cast<uintptr_t>(p) - (measuring() ? kAlign : base_);
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+    if (it->off == off && it->live) {
+      it->live = false;
+      break;
+    }
+  while (!blocks_.empty() && !blocks_.back().live) blocks_.pop_back();
+  top_ = blocks_.empty() ? 0 : blocks_.back().end;
+}
+
+Arena* current_arena() { return t_arena; }
+ArenaScope::ArenaScope(Arena* a) : prev_(t_arena) { t_arena = a; }
+ArenaScope::~ArenaScope() { t_arena = prev_; }
 
 namespace {
 
@@ -587,16 +626,47 @@ void cuda_check_supported(const Resolved& r, DType dt) {
                           ", which needs " + std::to_string(need) + "; use bfloat16/float16 or smaller head dims");
 }
 
-void cuda_forward(const Resolved& r, const ForwardParams& p) {
+namespace {
+// Runs Impl (Fwd / Bwd) on the caller's workspace when there is one (after checking its size and
+// device), else on the pool.
+template <template <class> class Impl, class P>
+void run_call(const Resolved& r, const P& p) {
   cuda::DeviceScope scope(p.q.device.index);
   cuda_check_supported(r, p.q.dtype);
-  cuda::by_dtype<cuda::Fwd>(p.q.dtype, r, p, static_cast<cudaStream_t>(p.stream));
+  const auto s = static_cast<cudaStream_t>(p.stream);
+  if (!p.workspace) return cuda::by_dtype<Impl>(p.q.dtype, r, p, s);
+  cudaPointerAttributes at{};
+  HILA_CUDA_CHECK(cudaPointerGetAttributes(&at, p.workspace));
+  if ((at.type != cudaMemoryTypeDevice && at.type != cudaMemoryTypeManaged) || at.device != p.q.device.index)
+    throw Error("workspace", "expected device memory on " + device_name(p.q.device) + " (like q), got " +
+                                 (at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged
+                                      ? "memory of cuda:" + std::to_string(at.device)
+                                      : std::string("host memory")));
+  const size_t need = cuda_workspace_size(r, p);
+  if (p.workspace_bytes < need)
+    throw Error("workspace_bytes", "expected at least " + std::to_string(need) +
+                                       " bytes for this call (hila::workspace_size), got " + std::to_string(p.workspace_bytes));
+  cuda::Arena arena(p.workspace, p.workspace_bytes);
+  const cuda::ArenaScope in(&arena);
+  cuda::by_dtype<Impl>(p.q.dtype, r, p, s);
 }
 
-void cuda_backward(const Resolved& r, const BackwardParams& p) {
+template <template <class> class Impl, class P>
+size_t measure(const Resolved& r, const P& p) {
   cuda::DeviceScope scope(p.q.device.index);
   cuda_check_supported(r, p.q.dtype);
-  cuda::by_dtype<cuda::Bwd>(p.q.dtype, r, p, static_cast<cudaStream_t>(p.stream));
+  cuda::Arena arena(nullptr, 0);
+  {
+    const cuda::ArenaScope in(&arena);
+    cuda::by_dtype<Impl>(p.q.dtype, r, p, static_cast<cudaStream_t>(p.stream));
+  }
+  return arena.peak() ? arena.peak() + 256 : 0;  // + the slack of aligning the caller's pointer
 }
+}  // namespace
+
+void cuda_forward(const Resolved& r, const ForwardParams& p) { run_call<cuda::Fwd>(r, p); }
+void cuda_backward(const Resolved& r, const BackwardParams& p) { run_call<cuda::Bwd>(r, p); }
+size_t cuda_workspace_size(const Resolved& r, const ForwardParams& p) { return measure<cuda::Fwd>(r, p); }
+size_t cuda_workspace_size(const Resolved& r, const BackwardParams& p) { return measure<cuda::Bwd>(r, p); }
 
 }  // namespace hila::detail

@@ -787,20 +787,24 @@ struct DeltaCall {
     if (want_o) b.Oi = DevBuf<R>(size_t(r.H * Ttot * dv), s);
     a.Wb = b.W.get(), a.Qtb = b.Qt.get(), a.Ktb = b.Kt.get(), a.Kb = b.K.get(), a.Oi = b.Oi.get();
     if (nseg > 0) {
-      delta_prep_kernel<T><<<grid_of(nseg * r.H), kThreads, 0, s>>>(a);
-      HILA_CUDA_CHECK_LAUNCH();
+      if (!dry_run()) {  // dry run: workspace_size
+        delta_prep_kernel<T><<<grid_of(nseg * r.H), kThreads, 0, s>>>(a);
+        HILA_CUDA_CHECK_LAUNCH();
+      }
     }
     return b;
   }
   int64_t sweep_items() const { return NH * ((dv + kVTile - 1) / kVTile); }
   void launch_forward(const DeltaArgs<T>& a) const {
     if (NH == 0) return;
-    delta_fwd_kernel<T><<<grid_of(sweep_items()), kThreads, 0, s>>>(a);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      delta_fwd_kernel<T><<<grid_of(sweep_items()), kThreads, 0, s>>>(a);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
   void write_final(const StateView& fin, const R* ws) const {
     unpack_levels(fin.H, ws);
-    if (fin.pos.defined()) {
+    if (fin.pos.defined() && !dry_run()) {
       std::vector<int64_t> pos;
       for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
       HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
@@ -856,12 +860,16 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   b.dhbuf = dhbuf.get(), b.dO = dO.get();
   b.dq = dq.get(), b.dk_ = dkb.get(), b.dv_ = dvb.get(), b.dg = dg.get(), b.dbeta = dbeta.get(), b.dlam = dlam.get();
   if (c.NH > 0) {
-    delta_adj_kernel<T><<<c.grid_of(c.sweep_items()), kThreads, 0, s>>>(b);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      delta_adj_kernel<T><<<c.grid_of(c.sweep_items()), kThreads, 0, s>>>(b);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
   if (c.nseg > 0) {
-    delta_grad_kernel<T><<<c.grid_of(c.nseg * H), kThreads, 0, s>>>(b);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      delta_grad_kernel<T><<<c.grid_of(c.nseg * H), kThreads, 0, s>>>(b);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
   if (Ttot > 0) {
     const int64_t rows = r.G * Ttot;

@@ -308,8 +308,10 @@ void gla_forward(const GlaArgs<T>& a, cudaStream_t stream) {
     const size_t bytes = fwd_bytes<T>(a.dk);
     set_smem(gla_fwd_kernel<T>, bytes);
     dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
-    gla_fwd_kernel<T><<<grid, 256, bytes, stream>>>(a);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      gla_fwd_kernel<T><<<grid, 256, bytes, stream>>>(a);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 
@@ -331,15 +333,21 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
     set_smem(gla_bwd_dh_kernel<T>, fb);
     set_smem(gla_bwd_chunk_kernel<T>, bb);
     dim3 grid((a.dv + kBV - 1) / kBV, a.N * a.H);
-    gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
-    HILA_CUDA_CHECK_LAUNCH();
-    if (a.nchunks > 0) {
-      gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
+    if (!dry_run()) {  // dry run: workspace_size
+      gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
       HILA_CUDA_CHECK_LAUNCH();
     }
+    if (a.nchunks > 0) {
+      if (!dry_run()) {  // dry run: workspace_size
+        gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
+        HILA_CUDA_CHECK_LAUNCH();
+      }
+    }
   }
-  gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(x);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(x);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 #define HILA_INSTANTIATE(T)                                          \

@@ -13,6 +13,7 @@
 // b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
 #include "cuda/gla.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/runtime.cuh"
 #include "cuda/tile.cuh"
 
 namespace hila::cuda {
@@ -484,8 +485,10 @@ size_t output_smem(int dk, int dv, size_t esize) {
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream) {
   if (!a.g || a.nchunks == 0 || a.H == 0) return;
-  cumsum_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 32, 0, stream>>>(a, b);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    cumsum_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 32, 0, stream>>>(a, b);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <class T>
@@ -503,8 +506,10 @@ void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
   const size_t bytes = kStages * SweepStage::kBytes;
   auto launch = [&](auto kernel) {
     set_smem(kernel, bytes);
-    kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   };
   if (reverse) launch(sweep_kernel<T, true>);
   else launch(sweep_kernel<T, false>);
@@ -515,8 +520,10 @@ void tc_output(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.nchunks == 0) return;
   const size_t bytes = output_smem(a.dk, a.dv, sizeof(T));
   set_smem(output_kernel<T>, bytes);
-  output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 size_t tc_output_smem(int dk, int dv, size_t esize) { return output_smem(dk, dv, esize); }
@@ -527,8 +534,10 @@ void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream) {
   if (a.nchunks == 0) return;
   const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T));
   set_smem(bwd_chunk_kernel<T>, bytes);
-  bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template void gla_chunk_cumsum<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, float*, cudaStream_t);

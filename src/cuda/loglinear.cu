@@ -556,8 +556,10 @@ template <class T>
 void launch_sweep_fwd(const LlArgs<T>& a, cudaStream_t stream) {
   const size_t bytes = fwd_bytes<T>(a.p.dk);
   set_smem(ll_fwd_kernel<T>, bytes);
-  ll_fwd_kernel<T><<<dim3((a.p.dv + kVT - 1) / kVT, a.p.N * a.p.H), 256, bytes, stream>>>(a);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    ll_fwd_kernel<T><<<dim3((a.p.dv + kVT - 1) / kVT, a.p.N * a.p.H), 256, bytes, stream>>>(a);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace
@@ -631,8 +633,10 @@ void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   launch_sweep_fwd(b, stream);
   b.p.o = a.p.o;
   set_smem(ll_out_kernel<T>, ob);
-  ll_out_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, ob, stream>>>(b);
-  HILA_CUDA_CHECK_LAUNCH();
+  if (!dry_run()) {  // dry run: workspace_size
+    ll_out_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, ob, stream>>>(b);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <class T>
@@ -652,14 +656,18 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   }
   const size_t rb = rev_bytes<T>(a.p.dk);
   set_smem(ll_bwd_dh_kernel<T>, rb);
-  ll_bwd_dh_kernel<T><<<dim3(ntiles, a.p.N * a.p.H), 256, rb, stream>>>(b);
-  HILA_CUDA_CHECK_LAUNCH();
-  HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(R), stream));
+  if (!dry_run()) {  // dry run: workspace_size
+    ll_bwd_dh_kernel<T><<<dim3(ntiles, a.p.N * a.p.H), 256, rb, stream>>>(b);
+    HILA_CUDA_CHECK_LAUNCH();
+  }
+  if (!dry_run()) HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(R), stream));
   if (t.nseg > 0) {
     const size_t gb = grad_bytes<T>(a.p.dk, a.p.dv);
     set_smem(ll_bwd_chunk_kernel<T>, gb);
-    ll_bwd_chunk_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, gb, stream>>>(b);
-    HILA_CUDA_CHECK_LAUNCH();
+    if (!dry_run()) {  // dry run: workspace_size
+      ll_bwd_chunk_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, gb, stream>>>(b);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 // and the device scope of a call.
 #pragma once
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "core/problem.h"
@@ -17,25 +18,75 @@ namespace hila::cuda {
 // next call pay for fresh allocations). Once per device.
 void keep_pool_cached();
 
-// Stream-ordered device buffer (from the current device's default pool).
+// Where one call's temporaries come from: a caller's workspace (ForwardParams::workspace) or, when
+// none is installed on this thread, the stream-ordered pool. Blocks are 256-byte aligned and
+// bump-allocated; a block is handed back when it and every block above it are released, so the
+// peak follows the call's scopes. A measuring arena (no base) hands out placeholder addresses and
+// records the peak: with it installed the call is a dry run (no launches, copies or memsets; see
+// dry_run()) that sizes the workspace with the very code that will use it.
+class Arena {
+ public:
+  Arena(void* base, size_t bytes);  // base == nullptr: measuring
+  void* take(size_t bytes);
+  void give(void* p);
+  bool measuring() const { return base_ == 0; }
+  size_t peak() const { return peak_; }
+
+ private:
+  uintptr_t base_ = 0;
+  size_t cap_ = 0, top_ = 0, peak_ = 0;
+  struct Block {
+    size_t off, end;
+    bool live;
+  };
+  std::vector<Block> blocks_;
+};
+
+// The arena installed on this thread for the duration of a scope (nullptr: the pool).
+Arena* current_arena();
+class ArenaScope {
+ public:
+  explicit ArenaScope(Arena* a);
+  ~ArenaScope();
+  ArenaScope(const ArenaScope&) = delete;
+  ArenaScope& operator=(const ArenaScope&) = delete;
+
+ private:
+  Arena* prev_;
+};
+// True while a measuring arena is installed: launches, copies and memsets are skipped.
+inline bool dry_run() {
+  const Arena* a = current_arena();
+  return a && a->measuring();
+}
+
+// Stream-ordered device buffer (the current arena, else the current device's default pool).
 template <class X>
 class DevBuf {
  public:
   DevBuf() = default;
   DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
     if (n == 0) return;
+    if ((arena_ = current_arena())) {
+      p_ = static_cast<X*>(arena_->take(n * sizeof(X)));
+      if (zero && !arena_->measuring()) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
+      return;
+    }
     keep_pool_cached();
     HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
     if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
   }
   ~DevBuf() {
-    if (p_) cudaFreeAsync(p_, s_);
+    if (!p_) return;
+    if (arena_) arena_->give(p_);
+    else cudaFreeAsync(p_, s_);
   }
-  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_), s_(o.s_) { o.p_ = nullptr; }
+  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_), s_(o.s_), arena_(o.arena_) { o.p_ = nullptr; }
   DevBuf& operator=(DevBuf&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);
     std::swap(s_, o.s_);
+    std::swap(arena_, o.arena_);
     return *this;
   }
   X* get() const { return p_; }
@@ -44,6 +95,7 @@ class DevBuf {
   X* p_ = nullptr;
   size_t n_ = 0;
   cudaStream_t s_ = nullptr;
+  Arena* arena_ = nullptr;
 };
 
 // A strided tensor as kernels see it: up to 5 dims, runtime dtype.
@@ -83,6 +135,7 @@ inline unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 2
 inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
 #define HILA_LAUNCH(kernel, n, s, ...)                        \
   do {                                                        \
+    if (::hila::cuda::dry_run()) break;                       \
     kernel<<<grid_for(n), 256, 0, s>>>(__VA_ARGS__);          \
     HILA_CUDA_CHECK_LAUNCH();                                 \
   } while (0)

@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+// Caller workspaces (ForwardParams::workspace): hila::workspace_size reports the bytes a call takes,
+// a call given exactly that many (poisoned) bytes takes nothing from the stream-ordered pool and
+// gives the pool path's results, and a workspace that is too small or not device memory is a clear
+// error before any work. Without a GPU every test is skipped with a printed reason.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cuda_support.h"
+#include "device.h"
+#include "problem.h"
+
+namespace hila::tools {
+namespace {
+
+struct WsCase {
+  Op op;
+  DType dtype;
+  int64_t B, T, G, H, dk, dv;
+  std::vector<int64_t> seqlens;
+  bool init, normalize;
+  std::string name;
+};
+
+std::vector<WsCase> ws_cases() {
+  const std::vector<int64_t> varlen = {0, 100, 0, 64, 1, 257};
+  return {
+      {Op::gla, DType::bf16, 2, 300, 4, 4, 64, 64, {}, true, false, "gla_bf16_in_place"},
+      {Op::gla, DType::f32, 1, 0, 1, 4, 32, 32, varlen, true, false, "gla_f32_varlen"},
+      {Op::hla2, DType::bf16, 1, 0, 1, 4, 64, 64, varlen, true, true, "hla2_bf16_varlen_normalize"},
+      {Op::ahla, DType::bf16, 2, 130, 1, 4, 64, 64, {}, true, false, "ahla_bf16_gqa4"},
+      {Op::hla3, DType::f32, 2, 200, 2, 4, 32, 24, {}, true, false, "hla3_f32"},
+      {Op::loglinear, DType::bf16, 2, 1000, 1, 4, 64, 64, {}, true, false, "loglinear_bf16"},
+      {Op::loglinear_hla2, DType::f32, 1, 0, 1, 2, 32, 32, varlen, true, false, "loglinear_hla2_f32_varlen"},
+      {Op::gdn, DType::f32, 2, 300, 2, 2, 32, 32, {}, true, false, "gdn_f32"},
+      {Op::loglinear_gdn, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false, "loglinear_gdn_bf16"},
+  };
+}
+
+Problem ws_problem(const WsCase& c) {
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.cfg.normalize = c.normalize;
+  s.cfg.check_values = false;  // the value scans take 8 bytes of the pool (outside the workspace)
+  s.nonneg = c.normalize;
+  s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
+  s.seqlens = c.seqlens;
+  s.init_state = c.init;
+  s.dtype = DType::f64;
+  s.seed = 29;
+  return cast_problem(make_problem(s), c.dtype);
+}
+
+class CudaWorkspace : public ::testing::TestWithParam<WsCase> {};
+
+TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const WsCase c = GetParam();
+  const Problem low = ws_problem(c);
+  const Result pooled = run_backward(low, Form::chunk, 64, cuda0());
+
+  cudaMemPool_t pool;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  uint64_t before = 0, zero = 0, high = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &before), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
+  Result ws;
+  try {
+    ws = run_backward(low, Form::chunk, 64, cuda0(), Temporaries::workspace);
+  } catch (const std::exception& e) {
+    FAIL() << c.name << ": the call with a workspace threw: " << e.what();
+  }
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
+  EXPECT_LE(high, before) << c.name << ": the call took pool memory besides its workspace";
+
+  for (const auto& [name, e] : compare(ws, pooled)) {
+    std::printf("  %-28s %-10s rel err (workspace vs pool) %.2e\n", c.name.c_str(), name.c_str(), e);
+    EXPECT_LE(e, 1e-5) << c.name << " " << name;
+  }
+}
+
+// The sizes: positive on the device, larger for backward than for forward, growing with T, and
+// independent of the data.
+TEST_P(CudaWorkspace, SizeQuery) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const WsCase c = GetParam();
+  const Problem low = ws_problem(c);
+  DeviceMirror m(cuda0());
+  Buffer o(low.v.dtype, std::vector<int64_t>(low.v.shape));
+  BackwardParams p;
+  static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
+  p.q = m.input(p.q), p.k = m.input(p.k), p.v = m.input(p.v), p.g = m.input(p.g), p.lam = m.input(p.lam);
+  p.beta = m.input(p.beta), p.cu_seqlens = m.input(p.cu_seqlens), p.init = m.input(p.init);
+  p.o = m.output(o.view());
+  const size_t fwd = workspace_size(static_cast<const ForwardParams&>(p));
+  p.d_o = m.input(low.d_o.view());
+  p.dq = m.input(low.q.view()), p.dk = m.input(low.k.view()), p.dv = m.input(low.v.view());  // sizes only
+  const size_t bwd = workspace_size(p);
+  std::printf("  %-28s workspace: forward %zu bytes, backward %zu bytes\n", c.name.c_str(), fwd, bwd);
+  EXPECT_GT(fwd, 0u);
+  EXPECT_GT(bwd, fwd);
+  EXPECT_EQ(workspace_size(p), bwd) << "the size query is deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaWorkspace, ::testing::ValuesIn(ws_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(CudaWorkspaceErrors, TooSmallOrNotDeviceMemory) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const Problem low = ws_problem(ws_cases()[2]);  // hla2: inner and outer temporaries
+  DeviceMirror m(cuda0());
+  Buffer o(low.v.dtype, std::vector<int64_t>(low.v.shape));
+  o.poison();
+  ForwardParams p = low.forward_params(Form::chunk, 64);
+  p.q = m.input(p.q), p.k = m.input(p.k), p.v = m.input(p.v), p.g = m.input(p.g), p.cu_seqlens = m.input(p.cu_seqlens);
+  p.init = m.input(p.init);
+  p.o = m.output(o.view());
+  const size_t need = workspace_size(p);
+  ASSERT_GT(need, 0u);
+  auto expect_error = [&](const char* ctx, const char* arg) {
+    try {
+      forward(p);
+      ADD_FAILURE() << ctx << ": expected hila::Error for '" << arg << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), arg) << ctx << ": " << e.what();
+      std::printf("  %s: %s\n", ctx, e.what());
+    }
+  };
+  p.workspace = m.scratch(need);
+  p.workspace_bytes = need - 1;
+  expect_error("one byte short", "workspace_bytes");
+  std::vector<char> host(need);
+  p.workspace = host.data(), p.workspace_bytes = need;
+  expect_error("host memory", "workspace");
+  m.finish();
+  for (int64_t i = 0; i < o.numel(); ++i) ASSERT_TRUE(std::isnan(o.get(i))) << "o written before the error at " << i;
+  // exactly `need` bytes at an odd offset into a larger block: accepted (the base is aligned inside)
+  char* big = static_cast<char*>(m.scratch(need + 512));
+  p.workspace = big + 3, p.workspace_bytes = need;
+  try {
+    forward(p);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "a workspace at an unaligned address threw: " << e.what();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace hila::tools
