@@ -151,6 +151,7 @@ class HilaLM(nn.Module):
         out = self(torch.cat(rows).to(device).unsqueeze(0), cache=None, use_cache=True,
                    cu_seqlens=cu, max_seqlen=max(lens))
         logits, cache = out.logits[0, cu[1:] - 1], out.cache                          # [N, vocab]
+        cache.in_place = True  # generate owns this cache: decode steps advance it in place
         tokens, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
         for i in range(max_new_tokens):
             nxt = self._sample(logits, temperature, top_k, generator)
