@@ -414,6 +414,13 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
     st = _state(state)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state to advance), got None", "state")
+    for name, x in zip(State._fields, st):
+        if x is None:
+            continue
+        if getattr(getattr(x, "flags", None), "writeable", True) is False or _Family(x).immutable:
+            raise HilaError(f"hila: argument 'state.{name}': expected a writable array (step_ "
+                            f"updates the state in place), got a read-only {type(x).__name__}",
+                            f"state.{name}")
     fam = _Family(q)
     o = fam.zeros(tuple(v.shape), _dtype_name(v))
     _C.step_inplace(cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
