@@ -295,8 +295,8 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
     log-linear H with ``bitlen(pos + 1) + 1`` slots or more for every sequence: see
     :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
-    Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable
-    (autograd refuses the mutation of a tensor that requires grad): use :func:`step` for training.
+    Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
+    backward through it raises: no autograd formula is registered): use :func:`step` for training.
     Returns o [N, H, dv].
     """
     if state is None or len(state) != 4 or state[0] is None or state[3] is None:
