@@ -101,7 +101,8 @@ class _Call:
                 o, self.recurrent = _step(layer.op, **tok, state=rec, **options)
             else:  # the fused kernel, in place: on the cache itself, or on a copy (module docstring)
                 if not self.in_place:
-                    rec = State(*(None if x is None else x.clone() for x in rec))
+                    rec = State(*(None if x is None else x.clone(memory_format=torch.contiguous_format)
+                                  for x in rec))
                 o = _step_(layer.op, **tok, state=rec, **options)
                 self.recurrent = rec
             return o.unsqueeze(1)
