@@ -266,8 +266,8 @@ def test_decode_state_on_device(op, device):
     _, st0 = ht.forward(op, **{k: v[:, :T0] for k, v in x.items()}, output_final_state=True,
                         chunk=chunk_for(device, 8))
     dec = hila.DecodeState.from_state(op, st0)  # the device of st0
-    on = torch.device(device)
-    assert dec.device == ("cpu" if on.type == "cpu" else f"cuda:{on.index or 0}") and dec.dtype == "float64"
+    on = x["q"].device  # with its index: torch.device('cuda') != torch.device('cuda:0')
+    assert dec.device == ("cpu" if on.type == "cpu" else f"cuda:{on.index}") and dec.dtype == "float64"
     blank = hila.DecodeState(op, 3, 2, 5, 3, dtype=torch.float64, device=on)
     assert blank.device == dec.device and blank.positions.tolist() == [0, 0, 0]
     for t in range(T0, T):
