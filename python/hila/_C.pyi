@@ -57,16 +57,26 @@ def step(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Opt
     [N, H, P], lam [N, H, L], beta [N, H]; writes o [N, H, dv] and state_out (shaped as state; a
     log-linear H with the slots of the new positions)."""
 
-class DecodeState:
-    """hila::DecodeState: an owning host-memory decode state for N sequences x H heads."""
+def step_inplace(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
+                 beta: Optional[Array], state: StateIn, *, o: Array, stream: int = 0) -> None:
+    """hila::step(StepParams, StateView): one fused decode token on a caller-owned state, advanced
+    in place (pos, S, P, H; writable arrays on q's device, a log-linear H with bitlen(pos + 1) + 1
+    slots or more): q, k [N, G, dk], v [N, H, dv], g [N, H] or [N, H, P], lam [N, H, L],
+    beta [N, H]; writes o [N, H, dv]. Errors name q, ..., o, state.pos, state.S, state.P, state.H."""
 
-    def __init__(self, cfg: Config, N: int, H: int, dk: int, dv: int, dtype: str = "float32") -> None: ...
+class DecodeState:
+    """hila::DecodeState: an owning decode state for N sequences x H heads, in host memory or on a
+    CUDA device (DLPack device type 1: CPU, 2: CUDA)."""
+
+    def __init__(self, cfg: Config, N: int, H: int, dk: int, dv: int, dtype: str = "float32", *,
+                 device_type: int = 1, device_id: int = 0) -> None: ...
     def step(self, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
              beta: Optional[Array], *, o: Array, stream: int = 0) -> None:
         """One token for every sequence; writes o [N, H, dv]."""
     def load(self, state: StateIn) -> None: ...
     def view(self) -> Tuple[Any, Optional[Any], Optional[Any], Any]:
-        """(pos, S, P, H) as numpy arrays aliasing the state; valid until the next step/load/reserve."""
+        """(pos, S, P, H) aliasing the state: numpy arrays in host memory, DLPack ndarrays (for
+        torch.from_dlpack) on CUDA; valid until the next step/load/reserve."""
     def reserve(self, max_pos: int) -> None: ...
     def position(self, seq: int) -> int: ...
     @property
@@ -85,6 +95,9 @@ class DecodeState:
     def dtype(self) -> str: ...
     @property
     def bytes_per_sequence(self) -> int: ...
+    @property
+    def device(self) -> Tuple[int, int]:
+        """The DLPack device (type, id): (1, 0) for the CPU, (2, index) for CUDA."""
 
 def op_names() -> list[str]: ...
 def form_names() -> list[str]: ...

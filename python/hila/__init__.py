@@ -24,6 +24,7 @@ from .ops import (
     state_shape,
     state_slots,
     step,
+    step_,
     supports,
 )
 
@@ -32,5 +33,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMS", "OPS", "DecodeState", "Grads", "HilaError", "State", "backward", "config", "forward",
     "levels_needed", "op_traits", "state_part_shapes", "state_shape", "state_slots", "step",
-    "supports", "__version__",
+    "step_", "supports", "__version__",
 ]

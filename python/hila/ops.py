@@ -2,8 +2,9 @@
 """Functional API of hila over any DLPack array: numpy, torch, cupy, jax, ...
 
 Mirrors the C++ API (docs/API.md): one :func:`forward` and one :func:`backward` for every operator
-and form, a decode state (:class:`DecodeState`, or the stateless :func:`step`), and the size
-helpers. Layouts are sequence-first, as in FlashAttention and fla::
+and form, a decode state (:class:`DecodeState`, the stateless :func:`step`, or :func:`step_`, the
+fused step in place on a caller-owned state), and the size helpers. Layouts are sequence-first, as
+in FlashAttention and fla::
 
     q, k        [B, T, G, dk]     G query/key groups
     v           [B, T, H, dv]     H value heads, H % G == 0; head h reads group h // (H // G)
@@ -381,37 +382,149 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
     return fam.finish(o), _finish_state(fam, State(*out))
 
 
+def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, state: State,
+          lam: Optional[Array] = None, beta: Optional[Array] = None, scale: Optional[float] = None,
+          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
+          check_values: bool = True, stream: Optional[int] = None) -> Array:
+    """One fused decode step for N sequences, updating a caller-owned state IN PLACE.
+
+    The library's decode kernel (``hila::step`` on a ``StateView``), on the device of the arrays
+    (CPU, or CUDA with the CUDA backend): unlike :func:`step`, which returns a new state, it
+    overwrites ``state``'s arrays (``pos`` included: every position advances by one).
+
+    Args:
+        q, k: [N, G, dk]; v: [N, H, dv]; g: optional [N, H] or [N, H, P] (untied).
+        lam: [N, H, L] with L >= bitlen(pos) + 1 for every sequence (log-linear operators).
+        beta: [N, H] (gdn, loglinear_gdn).
+        state: the :class:`State` before the token, writable arrays of one array library on
+            q's device: pos int64 [N]; S [N, H, dk(dk+1)/2]; P [N, H, dk, dv']; H [N, H, dk, dv']
+            or, log-linear, [N, H, Ls, dk, dv'] with Ls >= bitlen(pos + 1) + 1 for every sequence
+            (never grown here: allocate the slots of the longest sequence to come, or use
+            :class:`DecodeState`). Float parts all float32 or all float64 (on CUDA: float64
+            exactly for float64 inputs). Immutable arrays (jax) cannot be stepped in place.
+        Other options as in :func:`forward`; ``check_values`` covers the step inputs, not the state.
+
+    Returns:
+        o [N, H, dv] with the dtype of v, allocated by the array library of q. The state now
+        holds the state after the token.
+    """
+    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                 check_values=check_values)
+    q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+    st = _state(state)
+    if st is None:
+        raise HilaError("hila: argument 'state': is required (the state to advance), got None", "state")
+    for name, x in zip(State._fields, st):
+        if x is None:
+            continue
+        if getattr(getattr(x, "flags", None), "writeable", True) is False or _Family(x).immutable:
+            raise HilaError(f"hila: argument 'state.{name}': expected a writable array (step_ "
+                            f"updates the state in place), got a read-only {type(x).__name__}",
+                            f"state.{name}")
+    fam = _Family(q)
+    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    _C.step_inplace(cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
+    return fam.finish(o)
+
+
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+
+
+def _device(device: Any) -> Tuple[int, int]:
+    """A DLPack device (type, id) from 'cpu', 'cuda', 'cuda:N', a torch.device, an int (CUDA
+    index), a DLPack (type, id) pair or an array (its __dlpack_device__)."""
+    if device is None:
+        return (_DLPACK_CPU, 0)
+    if hasattr(device, "__dlpack_device__"):
+        device = device.__dlpack_device__()
+    if isinstance(device, tuple) and len(device) == 2:
+        t, i = int(device[0]), int(device[1])
+        return (_DLPACK_CPU, 0) if t == 3 else (t, i)  # kDLCUDAHost is host memory
+    if isinstance(device, int) and not isinstance(device, bool):
+        return (_DLPACK_CUDA, device)
+    text = str(device)  # torch.device('cuda', 1) -> 'cuda:1'
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and not index:
+        return (_DLPACK_CPU, 0)
+    if kind == "cuda":
+        if not index:
+            try:  # torch's current device, as torch.zeros(device='cuda') would use
+                import sys
+                torch = sys.modules.get("torch")
+                return (_DLPACK_CUDA, torch.cuda.current_device() if torch is not None and
+                        torch.cuda.is_available() else 0)
+            except Exception:  # pragma: no cover - depends on the machine
+                return (_DLPACK_CUDA, 0)
+        if index.isdigit():
+            return (_DLPACK_CUDA, int(index))
+    raise HilaError(f"hila: argument 'device': expected 'cpu', 'cuda', 'cuda:N', a torch.device or "
+                    f"a DLPack (type, id) pair, got {device!r}", "device")
+
+
+def _device_copy(x: Any) -> Array:
+    """A copy of a DLPack array in device memory, made by the array library that can (torch, then
+    cupy)."""
+    try:
+        import torch
+        return torch.from_dlpack(x).clone()
+    except ImportError:
+        pass
+    try:
+        import cupy
+        return cupy.from_dlpack(x).copy()
+    except ImportError:
+        raise HilaError("hila: argument 'device': copying a CUDA decode state needs torch or cupy; "
+                        "use DecodeState.view() for DLPack arrays aliasing it", "device") from None
+
+
 class DecodeState:
     """An owning decode state (``hila::DecodeState``) for N sequences x H heads, stepped one token
-    at a time. Its memory is host memory managed by hila; log-linear states grow one Fenwick slot
-    per doubling of the position.
+    at a time with the library's fused step. Its memory is managed by hila on its ``device``: host
+    memory (``device='cpu'``, the default) or a CUDA device (``'cuda'``, ``'cuda:N'``, a
+    ``torch.device``; needs the CUDA backend). Log-linear states grow one Fenwick slot per
+    doubling of the position (:meth:`reserve` grows them ahead).
 
     Example::
 
         o, fin = hila.forward("hla2", q, k, v, g, output_final_state=True)   # prefill
-        st = hila.DecodeState.from_state("hla2", fin)
+        st = hila.DecodeState.from_state("hla2", fin)                        # on fin's device
         o_t = st.step(q_t, k_t, v_t, g_t)                                    # [N, H, dv]
+
+    On CUDA, step inputs live on the state's device and run on ``stream`` (a ``cudaStream_t`` as
+    an int; hila.torch callers pass ``torch.cuda.current_stream().cuda_stream``); :meth:`state`
+    returns torch tensors (cupy arrays without torch) on that device, :meth:`view` DLPack arrays
+    aliasing the state.
     """
 
     def __init__(self, op: str, batch: int, heads: int, dk: int, dv: int, *, dtype: str = "float32",
-                 scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
-                 ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True):
+                 device: Any = "cpu", scale: Optional[float] = None, normalize: bool = False,
+                 eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
+                 check_values: bool = True):
         """A zero state at position 0. ``dtype``: 'float32' or 'float64', the compute type of the
-        inputs to come (float64 inputs need a float64 state)."""
+        inputs to come (float64 inputs need a float64 state). ``device``: 'cpu', 'cuda',
+        'cuda:N', a torch.device, a DLPack (type, id) pair or an array whose device to take."""
         self._cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
                            qk_l2norm=qk_l2norm, check_values=check_values)
-        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype)
+        dtype = str(dtype).rsplit(".", 1)[-1]  # also torch.float64 / np.float64
+        dev_type, dev_id = _device(device)
+        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type,
+                                  device_id=dev_id)
 
     @classmethod
-    def from_state(cls, op: str, state: State, **config_kwargs) -> "DecodeState":
+    def from_state(cls, op: str, state: State, *, device: Any = None,
+                   **config_kwargs) -> "DecodeState":
         """A decode state loaded from ``state`` (e.g. a prefill's final state); sizes and dtype
-        are read from ``state.H``. ``config_kwargs`` as in :func:`forward` (scale, normalize, ...)."""
+        are read from ``state.H``, the device too unless ``device`` is given (the state must then
+        already live there). ``config_kwargs`` as in :func:`forward` (scale, normalize, ...)."""
         H = _arr(state.H)
         if H is None or len(H.shape) < 4:
             raise HilaError("hila: argument 'state.H': expected [N, H, (Ls,) dk, dv'], got "
                             f"{None if H is None else tuple(H.shape)}", "state.H")
         dv = H.shape[-1] - (1 if config_kwargs.get("normalize") else 0)
-        self = cls(op, H.shape[0], H.shape[1], H.shape[-2], dv, dtype=_dtype_name(H), **config_kwargs)
+        if device is None:
+            device = H.__dlpack_device__() if hasattr(H, "__dlpack_device__") else "cpu"
+        self = cls(op, H.shape[0], H.shape[1], H.shape[-2], dv, dtype=_dtype_name(H), device=device,
+                   **config_kwargs)
         self.load(state)
         return self
 
@@ -419,7 +532,8 @@ class DecodeState:
              lam: Optional[Array] = None, beta: Optional[Array] = None,
              stream: Optional[int] = None) -> Array:
         """One token for every sequence and head: q, k [N, G, dk], v [N, H, dv], g [N, H] or
-        [N, H, P], lam [N, H, L], beta [N, H]. Returns o [N, H, dv] (dtype of v); updates the state."""
+        [N, H, P], lam [N, H, L], beta [N, H], all on the state's device. Returns o [N, H, dv]
+        (dtype of v, allocated by q's array library); updates the state."""
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.zeros(tuple(v.shape), _dtype_name(v))
@@ -427,11 +541,20 @@ class DecodeState:
         return fam.finish(o)
 
     def load(self, state: State) -> None:
-        """Copies ``state`` in (validated like an initial state; host arrays)."""
+        """Copies ``state`` in (validated like an initial state; arrays on the state's device)."""
         self._st.load(_state(state))
 
+    def view(self) -> State:
+        """The current state as arrays aliasing hila's memory (numpy on the CPU, DLPack arrays for
+        ``torch.from_dlpack`` on CUDA); valid until the next step, load or reserve. Write the
+        state through :meth:`load`, not through these arrays."""
+        return State(*self._st.view())
+
     def state(self) -> State:
-        """A copy of the current state as numpy arrays (log-linear H at the current capacity)."""
+        """A copy of the current state (log-linear H at the current capacity): numpy arrays on the
+        CPU; on CUDA, torch tensors on the state's device (cupy arrays without torch)."""
+        if self.on_cuda:
+            return State(*(None if x is None else _device_copy(x) for x in self._st.view()))
         return State(*(None if x is None else np.array(x, copy=True) for x in self._st.view()))
 
     def reserve(self, max_pos: int) -> None:
@@ -444,8 +567,20 @@ class DecodeState:
 
     @property
     def positions(self) -> np.ndarray:
-        """int64 [N] tokens consumed per sequence."""
+        """int64 [N] tokens consumed per sequence (a host copy, also for a CUDA state)."""
+        if self.on_cuda:
+            return np.array([self._st.position(i) for i in range(self.batch)], dtype=np.int64)
         return np.array(self._st.view()[0], copy=True)
+
+    @property
+    def device(self) -> str:
+        """'cpu' or 'cuda:N'."""
+        t, i = self._st.device
+        return f"cuda:{i}" if t == _DLPACK_CUDA else "cpu"
+
+    @property
+    def on_cuda(self) -> bool:
+        return self._st.device[0] == _DLPACK_CUDA
 
     @property
     def op(self) -> str:
@@ -483,4 +618,4 @@ class DecodeState:
 
     def __repr__(self) -> str:
         return (f"DecodeState(op='{self.op}', batch={self.batch}, heads={self.heads}, dk={self.dk}, "
-                f"dv={self.dv}, dtype='{self.dtype}', slots={self.slots})")
+                f"dv={self.dv}, dtype='{self.dtype}', device='{self.device}', slots={self.slots})")

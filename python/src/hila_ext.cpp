@@ -262,6 +262,29 @@ void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, cons
   }
 }
 
+// One fused decode step in place on a caller-owned state (pos, S, P, H): hila::step(StepParams,
+// StateView), the library's decode kernel on every backend. The state (pos included) is advanced
+// in its own memory; a log-linear H needs bitlen(pos + 1) + 1 slots (never grown here). Arguments
+// are named as the Python caller names them (q, ..., o, state.pos, state.S, state.P, state.H).
+void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
+                  const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
+                  uintptr_t stream) {
+  const hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+  const StateView s = state_of("state", std::optional<StateOut>(state));
+  if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
+  if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
+  nb::gil_scoped_release nogil;
+  try {
+    hila::step(p, s);
+  } catch (const Error& e) {
+    // The library names the state's parts state.* already; an initial-state check reports init.*.
+    const std::string& arg = e.argument();
+    if (arg.rfind("init.", 0) != 0) throw;
+    const std::string what = std::string(e.what()).substr(std::string("hila: argument '" + arg + "': ").size());
+    throw Error("state" + arg.substr(4), what);
+  }
+}
+
 // ---------------------------------------------------------------------------------- DecodeState
 
 DType state_dtype(const std::string& name) {
@@ -270,18 +293,35 @@ DType state_dtype(const std::string& name) {
   throw Error("dtype", "expected 'float32' or 'float64' for a decode state, got '" + name + "'");
 }
 
-nb::ndarray<nb::numpy> host_array(const TensorView& t, nb::handle owner) {
+// A state part as an array aliasing the DecodeState (kept alive by `owner`): a numpy array in host
+// memory; on a CUDA device a framework-neutral nanobind ndarray carrying the DLPack device (cuda,
+// index), which torch.from_dlpack / cupy.from_dlpack take without a copy.
+nb::object state_array(const TensorView& t, nb::handle owner) {
   size_t shape[hila::kMaxDims];
   for (int i = 0; i < t.ndim; ++i) shape[i] = static_cast<size_t>(t.shape[i]);
   nb::dlpack::dtype dt = t.dtype == DType::i64   ? nb::dtype<int64_t>()
                          : t.dtype == DType::f64 ? nb::dtype<double>()
                                                  : nb::dtype<float>();
-  return nb::ndarray<nb::numpy>(t.data, static_cast<size_t>(t.ndim), shape, owner, nullptr, dt,
-                                nb::device::cpu::value);
+  if (t.device.type == hila::DeviceType::cpu)
+    return nb::cast(nb::ndarray<nb::numpy>(t.data, static_cast<size_t>(t.ndim), shape, owner,
+                                           nullptr, dt, nb::device::cpu::value));
+  return nb::cast(nb::ndarray<>(t.data, static_cast<size_t>(t.ndim), shape, owner, nullptr, dt,
+                                nb::device::cuda::value, t.device.index));
 }
 
 nb::object part_or_none(const TensorView& t, nb::handle owner) {
-  return t.defined() ? nb::cast(host_array(t, owner)) : nb::none();
+  return t.defined() ? state_array(t, owner) : nb::none();
+}
+
+// hila::Device from a DLPack device (type code, id): kDLCPU (1) or kDLCUDA (2).
+hila::Device dlpack_device(int type, int id) {
+  if (type == nb::device::cpu::value) return {};
+  if (type == nb::device::cuda::value) {
+    if (id < 0) throw Error("device", "expected a CUDA device index >= 0, got " + std::to_string(id));
+    return {hila::DeviceType::cuda, id};
+  }
+  throw Error("device", "expected a CPU (DLPack type 1) or CUDA (DLPack type 2) device, got DLPack "
+                        "device type " + std::to_string(type));
 }
 
 nb::dict traits_dict(const std::string& op) {
@@ -361,14 +401,23 @@ NB_MODULE(_C, m) {
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "state_out"_a, "stream"_a = 0,
         "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
 
+  m.def("step_inplace", &step_inplace, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
+        "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "stream"_a = 0,
+        "hila::step(StepParams, StateView): one fused decode step on a caller-owned state "
+        "(pos, S, P, H), updated in place; writes o.");
+
   nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
       .def(
           "__init__",
           [](hila::DecodeState* self, const OpConfig& cfg, int64_t N, int64_t H, int64_t dk,
-             int64_t dv, const std::string& dtype) {
-            new (self) hila::DecodeState(cfg, N, H, dk, dv, state_dtype(dtype));
+             int64_t dv, const std::string& dtype, int device_type, int device_id) {
+            const DType dt = state_dtype(dtype);
+            const hila::Device dev = dlpack_device(device_type, device_id);
+            nb::gil_scoped_release nogil;  // a CUDA state allocates and zeroes device memory
+            new (self) hila::DecodeState(cfg, N, H, dk, dv, dt, dev);
           },
-          "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "dtype"_a = "float32")
+          "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "dtype"_a = "float32", nb::kw_only(),
+          "device_type"_a = static_cast<int>(nb::device::cpu::value), "device_id"_a = 0)
       .def(
           "step",
           [](hila::DecodeState& s, const In& q, const In& k, const In& v, const OptIn& g,
@@ -395,8 +444,15 @@ NB_MODULE(_C, m) {
             return nb::make_tuple(part_or_none(v.pos, self), part_or_none(v.S, self),
                                   part_or_none(v.P, self), part_or_none(v.H, self));
           },
-          "(pos, S, P, H) as numpy arrays aliasing the state; valid until the next step/load/reserve.")
-      .def("reserve", &hila::DecodeState::reserve, "max_pos"_a)
+          "(pos, S, P, H) aliasing the state (numpy in host memory, DLPack ndarrays on a CUDA "
+          "device); valid until the next step/load/reserve.")
+      .def(
+          "reserve",
+          [](hila::DecodeState& s, int64_t max_pos) {
+            nb::gil_scoped_release nogil;
+            s.reserve(max_pos);
+          },
+          "max_pos"_a)
       .def("position", &hila::DecodeState::position, "seq"_a)
       .def_prop_ro("config", &hila::DecodeState::config)
       .def_prop_ro("batch", &hila::DecodeState::batch)
@@ -405,6 +461,15 @@ NB_MODULE(_C, m) {
       .def_prop_ro("dv", &hila::DecodeState::dv)
       .def_prop_ro("slots", &hila::DecodeState::slots)
       .def_prop_ro("dtype", [](const hila::DecodeState& s) { return std::string(hila::dtype_name(s.dtype())); })
+      .def_prop_ro(
+          "device",
+          [](const hila::DecodeState& s) {
+            const hila::Device d = s.device();
+            return d.type == hila::DeviceType::cuda
+                       ? std::make_tuple(static_cast<int>(nb::device::cuda::value), d.index)
+                       : std::make_tuple(static_cast<int>(nb::device::cpu::value), 0);
+          },
+          "The state's DLPack device (type, id): (1, 0) for the CPU, (2, index) for CUDA.")
       .def_prop_ro("bytes_per_sequence", &hila::DecodeState::bytes_per_sequence);
 
   m.def("op_names", [] {

@@ -186,6 +186,28 @@ def test_decode_state_continues_prefill(op):
         np.testing.assert_allclose(b[:, :, :n] if n else b, c, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_step_inplace_continues_prefill(op):
+    """hila.step_ on numpy arrays: the fused step advances the caller's state arrays in place
+    (pos included); outputs and final state equal one forward over the whole sequence."""
+    x = _decode_inputs(op)
+    T, T0 = x["q"].shape[1], 9
+    full, fin = hila.forward(op, **x, output_final_state=True, form="naive")
+    _, st = hila.forward(op, **_at(x, slice(0, T0)), output_final_state=True, final_slots=hila.state_slots(T))
+    arrays = [id(a) for a in st]
+    for t in range(T0, T):
+        o = hila.step_(op, **_at(x, t), state=st)
+        assert isinstance(o, np.ndarray) and o.shape == x["v"][:, t].shape
+        np.testing.assert_allclose(o, full[:, t], rtol=0, atol=1e-12)
+    assert [id(a) for a in st] == arrays and list(st.pos) == [T] * 3
+    for a, c in zip(st, fin):
+        if c is None:
+            assert a is None
+            continue
+        n = c.shape[2] if c.ndim == 5 else None
+        np.testing.assert_allclose(a[:, :, :n] if n else a, c, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("op", ("hla3", "loglinear_hla2", "loglinear_gdn"))
 def test_decode_after_varlen_prefill(op):
     """a packed prefill of sequences of different lengths leaves each at its own position; one
@@ -309,6 +331,14 @@ def _bad_calls():
         ("step with too few levels", "lam", lambda: hila.step("loglinear", **{
             **_at(x, 0), "lam": lam[:, 0, :, :2]}, state=st)),
         ("step q of 4 dims", "q", lambda: hila.step("loglinear", **{**_at(x, 0), "q": q}, state=st)),
+        ("step_ state of another op", "state.S", lambda: hila.step_("hla2", **_at(y, 0), state=st)),
+        ("step_ state with too few slots", "state.H", lambda: hila.step_("loglinear", **_at(x, 0), state=st._replace(
+            pos=np.array([8, 9]), H=st.H[:, :, :4].copy()))),
+        ("step_ without state", "state", lambda: hila.step_("loglinear", **_at(x, 0), state=None)),
+        ("step_ read-only state", "state.H", lambda: hila.step_("loglinear", **_at(x, 0), state=st._replace(
+            H=np.broadcast_to(st.H, st.H.shape)))),
+        ("step_ q of 4 dims", "q", lambda: hila.step_("loglinear", **{**_at(x, 0), "q": q}, state=st)),
+        ("decode state device", "device", lambda: hila.DecodeState("gla", 1, 1, 2, 2, device="npu:0")),
         ("decode state dtype", "dtype", lambda: hila.DecodeState("gla", 1, 1, 2, 2, dtype="float16")),
         ("decode state sizes", "N/H/dk/dv", lambda: hila.DecodeState("gla", 0, 1, 2, 2)),
         ("decode step shapes", "q", lambda: hila.DecodeState("gla", 3, 2, 5, 3).step(**{

@@ -12,6 +12,12 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
 * ``mode='chunk'`` runs the chunk form (training, prefill); ``mode='recurrent'`` the serial form.
 * ``use_cache=True`` returns a :class:`LayerState`; passing it back continues the sequences: a
   one-token call (T == 1, no cu_seqlens) is a decode step, a longer call a chunked prefill.
+* A decode step that needs no gradient (``torch.no_grad()``, or nothing requiring grad) runs the
+  fused step kernel (``torch.ops.hila.step_``): by default on a copy of the state, so the cache
+  passed in is left as it was; on the cache itself when its ``in_place`` flag is set (and
+  ``use_cache=True``), which then returns that same, advanced, LayerState (see
+  :mod:`hila.torch.cache`). A step that needs a gradient runs the differentiable
+  ``torch.ops.hila.step``.
 * ``check_values=False`` skips the operator's O(size) scan for non-finite inputs and positive
   gates (on CUDA it copies the inputs to the host): turn it off in GPU training loops.
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
@@ -30,10 +36,12 @@ from torch import Tensor, nn
 
 from .. import ops as _ops
 from .._errors import HilaError
+from ..ops import State
 from .cache import LayerState
 from .modules import DecayGate, GatedRMSNorm, LevelWeights, ShortConvolution, at_least_f32
 from .ops import forward as _forward
 from .ops import step as _step
+from .ops import step_ as _step_
 
 __all__ = ["HLAAttention", "LogLinearMamba2", "LogLinearGatedDeltaNet"]
 
@@ -87,9 +95,16 @@ class _Call:
         options.setdefault("check_values", layer.check_values)
         if self.decode:
             first = lambda t: None if t is None else t[:, 0]  # noqa: E731
-            o, self.recurrent = _step(layer.op, first(q), first(k), first(v), first(g),
-                                      state=self.state.recurrent, lam=first(lam), beta=first(beta),
-                                      **options)
+            tok = dict(q=first(q), k=first(k), v=first(v), g=first(g), lam=first(lam), beta=first(beta))
+            rec = self.state.recurrent
+            if _needs_grad(*tok.values(), *rec):
+                o, self.recurrent = _step(layer.op, **tok, state=rec, **options)
+            else:  # the fused kernel, in place: on the cache itself, or on a copy (module docstring)
+                if not self.in_place:
+                    rec = State(*(None if x is None else x.clone(memory_format=torch.contiguous_format)
+                                  for x in rec))
+                o = _step_(layer.op, **tok, state=rec, **options)
+                self.recurrent = rec
             return o.unsqueeze(1)
         o, self.recurrent = _forward(
             layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu,
@@ -98,11 +113,25 @@ class _Call:
             chunk=layer.chunk_size, **options)
         return o
 
+    @property
+    def in_place(self) -> bool:
+        """Whether a no-grad decode step advances the given cache itself."""
+        return self.decode and self.use_cache and self.state.in_place
+
     def result(self, y: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
         if not self.use_cache:
             return y, None
         end = self.end if self.end is not None else (self.state.max_position if self.state else 0)
-        return y, LayerState(self.recurrent, tuple(self.conv_caches), end)
+        flag = self.state.in_place if self.state is not None else False
+        if self.in_place and self.recurrent is self.state.recurrent:  # advanced in place
+            self.state.conv, self.state.max_position = tuple(self.conv_caches), end
+            return y, self.state
+        return y, LayerState(self.recurrent, tuple(self.conv_caches), end, flag)
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a call on these tensors (grad mode on and one requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _Mixer(nn.Module):

@@ -136,7 +136,8 @@ class HilaLM(nn.Module):
         ``prompts``: a [B, T] tensor or a list of 1-D token tensors of any lengths (>= 1): they are
         prefilled together as packed sequences (cu_seqlens) and decoded in one batch, each at its
         own position. ``temperature=0``: greedy. Returns the new tokens of each prompt (stopping
-        after ``eos_token_id``).
+        after ``eos_token_id``). The cache of the prefill is generate's own: it is decoded in
+        place (``Cache.in_place``, the fused step kernel, no state copy per token).
         """
         rows = list(prompts) if not isinstance(prompts, Tensor) or prompts.dim() == 2 else [prompts]
         if not rows or any(r.dim() != 1 or r.numel() == 0 for r in rows):
@@ -151,6 +152,7 @@ class HilaLM(nn.Module):
         out = self(torch.cat(rows).to(device).unsqueeze(0), cache=None, use_cache=True,
                    cu_seqlens=cu, max_seqlen=max(lens))
         logits, cache = out.logits[0, cu[1:] - 1], out.cache                          # [N, vocab]
+        cache.in_place = True  # generate owns this cache: decode steps advance it in place
         tokens, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
         for i in range(max_new_tokens):
             nxt = self._sample(logits, temperature, top_k, generator)

@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """hila's operators as PyTorch custom ops, differentiable and traceable by torch.compile.
 
-Three ops are registered with ``torch.library.custom_op`` (each with ``register_fake`` and, for the
-first and last, ``register_autograd``)::
+Four ops are registered with ``torch.library.custom_op`` (each with ``register_fake``; forward
+and step with ``register_autograd``)::
 
     torch.ops.hila.forward    o and the final state of a whole call (any op, any form)
     torch.ops.hila.backward   every gradient of a call (naive, chunk, or serial for gla/hla2/ahla/hla3)
-    torch.ops.hila.step       one decode token on a state tensor tuple (functional)
+    torch.ops.hila.step       one decode token on a state tensor tuple (functional, differentiable)
+    torch.ops.hila.step_      one decode token, the fused step kernel advancing the state tensors
+                              in place (mutates pos, S, P, H; inference)
 
-Use them through :func:`forward` and :func:`step`, which take and return :class:`hila.State`
+Use them through :func:`forward`, :func:`step` and :func:`step_`, which take :class:`hila.State`
 tuples. Gradients flow to q, k, v, g, lam, beta and the S, P, H parts of the initial state (also
 through :func:`step`). Forms without a backward (scan, and serial for the log-linear and delta
 operators) are differentiated with the chunk backward, which computes the same function.
@@ -27,7 +29,7 @@ from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
 
-__all__ = ["forward", "step", "zero_state"]
+__all__ = ["forward", "step", "step_", "zero_state"]
 
 _Out5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads9 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -190,6 +192,26 @@ def _step_backward(ctx, do, dpos, dS, dP, dH):
 _step_op.register_autograd(_step_backward, setup_context=_step_setup)
 
 
+# ----------------------------------------------------------------------------- hila::step_
+
+@torch.library.custom_op("hila::step_", mutates_args=("pos", "S", "P", "H"))
+def _step_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
+                     beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
+                     H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
+                     qk_l2norm: bool, check_values: bool) -> Tensor:
+    h = _host
+    # The state is handed over as it is (detach() shares the storage): it is written in place.
+    st = State(*(None if x is None else x.detach() for x in (pos, S, P, H)))
+    return _ops.step_(op, h(q), h(k), h(v), h(g), state=st, lam=h(lam), beta=h(beta),
+                      scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge,
+                      qk_l2norm=qk_l2norm, check_values=check_values, stream=_stream(q))
+
+
+@_step_inplace_op.register_fake
+def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_l2norm, check_values):
+    return v.new_empty(v.shape)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
@@ -262,6 +284,26 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
         q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize, float(eps), float(ridge),
         qk_l2norm, check_values)
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
+
+
+def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
+          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
+          check_values: bool = True) -> Tensor:
+    """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
+
+    Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
+    log-linear H with ``bitlen(pos + 1) + 1`` slots or more for every sequence: see
+    :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
+    Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
+    backward through it raises: no autograd formula is registered): use :func:`step` for training.
+    Returns o [N, H, dv].
+    """
+    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+        raise HilaError("hila: argument 'state': expected a State with pos and H, got "
+                        f"{type(state).__name__}", "state")
+    return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize,
+                                float(eps), float(ridge), qk_l2norm, check_values)
 
 
 def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: int = 1,
