@@ -52,13 +52,20 @@ def sdpa(shapes, H, d):
             torch.cuda.empty_cache()
 
 
+_FLA_IMPL = []
+
+
 def fla_impl():
-    """'fla', or 'fla_guard_lifted' after lifting fla's Hopper guard on Triton < 3.7.1 (speed only)."""
-    import fla.ops.common.chunk_o as chunk_o
-    if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True):
-        return "fla"
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # see the module docstring
-    return "fla_guard_lifted"
+    """'fla', or 'fla_guard_lifted' after lifting fla's Hopper guard on Triton < 3.7.1 (speed only).
+    Decided once per process: every fla row of a run carries the same label."""
+    if not _FLA_IMPL:
+        import fla.ops.common.chunk_o as chunk_o
+        if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True):
+            _FLA_IMPL.append("fla")
+        else:
+            chunk_o.TRITON_ABOVE_3_7_1 = True  # see the module docstring
+            _FLA_IMPL.append("fla_guard_lifted")
+    return _FLA_IMPL[0]
 
 
 def fla_gla(shapes, H, d):

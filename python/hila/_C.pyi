@@ -9,7 +9,7 @@ beta [B, T, H]; cu_seqlens [N + 1]; per-token calls drop T. A state is a tuple
 absent parts. ``stream`` is a cudaStream_t as an int (0: the default stream). Errors raise
 hila.HilaError (a ValueError) naming the argument.
 """
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 Array = Any
 StateIn = Tuple[Optional[Array], Optional[Array], Optional[Array], Optional[Array]]
@@ -37,8 +37,9 @@ class Config:
 def forward(cfg: Config, form: str, chunk: int, q: Array, k: Array, v: Array, g: Optional[Array],
             lam: Optional[Array], beta: Optional[Array], cu_seqlens: Optional[Array],
             init: Optional[StateIn], *, o: Array, final_state: Optional[StateIn] = None,
-            stream: int = 0) -> None:
-    """hila::forward: writes o [B, T, H, dv] and, when given, final_state."""
+            stream: int = 0, workspace: Optional[Callable[[int], Array]] = None) -> None:
+    """hila::forward: writes o [B, T, H, dv] and, when given, final_state. workspace(nbytes): a
+    byte array on the call's device for its temporaries (None: the device's stream-ordered pool)."""
 
 def backward(cfg: Config, form: str, chunk: int, q: Array, k: Array, v: Array, g: Optional[Array],
              lam: Optional[Array], beta: Optional[Array], cu_seqlens: Optional[Array],
@@ -46,9 +47,10 @@ def backward(cfg: Config, form: str, chunk: int, q: Array, k: Array, v: Array, g
              dq: Optional[Array] = None, dk: Optional[Array] = None, dv: Optional[Array] = None,
              dg: Optional[Array] = None, dlam: Optional[Array] = None, dbeta: Optional[Array] = None,
              d_init: Optional[StateIn] = None, o: Optional[Array] = None,
-             final_state: Optional[StateIn] = None, stream: int = 0) -> None:
+             final_state: Optional[StateIn] = None, stream: int = 0,
+             workspace: Optional[Callable[[int], Array]] = None) -> None:
     """hila::backward: writes the given gradient outputs (shaped as their inputs), o (required)
-    and final_state."""
+    and final_state. workspace: as in forward."""
 
 def step(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
          beta: Optional[Array], state: StateIn, *, o: Array, state_out: StateIn,

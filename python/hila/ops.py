@@ -174,6 +174,19 @@ class _Family:
             return self.xp.zeros(tuple(shape), dtype=getattr(self.xp, dtype))
         return np.zeros(tuple(shape), dtype=np.dtype(dtype))
 
+    def workspace(self, stream: int):
+        """The allocator of a call's device temporaries (``_C.forward(workspace=...)``): torch's
+        caching allocator when the call runs on torch's current stream of a CUDA device (so the
+        memory is torch's, counted by torch.cuda.memory_allocated and reused in that stream's
+        order); else None, and hila takes them from the device's stream-ordered pool."""
+        if not self.torch or self.like.device.type != "cuda":
+            return None
+        import torch
+        dev = self.like.device
+        if stream != torch.cuda.current_stream(dev).cuda_stream:
+            return None
+        return lambda n: torch.empty(n, dtype=torch.uint8, device=dev)
+
     def finish(self, x: Optional[Array]) -> Optional[Array]:
         """Outputs as arrays of the caller's library (jax: numpy -> jax)."""
         return self.xp.asarray(x) if (self.immutable and x is not None) else x
@@ -301,8 +314,9 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
         if final_slots is None:
             final_slots = state_slots(_max_final_position(T, B, cu_seqlens, None if init is None else init[0]))
         final = _allocate_state(fam, op, N, H, dk, dv, normalize, final_slots, _state_dtype(q))
+    st = _stream(stream)
     _C.forward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o, final_state=final,
-               stream=_stream(stream))
+               stream=st, workspace=fam.workspace(st))
     return fam.finish(o), _finish_state(fam, final)
 
 
@@ -334,8 +348,10 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     zeros_like = lambda x: None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x))  # noqa: E731
     dq, dk, dv, dg, dlam, dbeta = map(zeros_like, (q, k, v, g, lam, beta))
     d_init = _like_state(fam, init)
+    st = _stream(stream)
     _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
-                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=_stream(stream))
+                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=st,
+                workspace=fam.workspace(st))
     f = fam.finish
     return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
 

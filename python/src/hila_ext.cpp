@@ -139,6 +139,32 @@ OpConfig make_config(const std::string& op, double scale, bool normalize, double
 
 // ---------------------------------------------------------------------------------- calls
 
+// The caller's framework provides the call's device temporaries: `alloc(nbytes)` returns a byte
+// array on the call's device (or None: the device's stream-ordered pool). Asked only when the call
+// needs a workspace (CUDA); the array is held in `keep` until the call has been enqueued, and the
+// framework's allocator orders its reuse on the call's stream.
+using Alloc = std::optional<nb::callable>;
+template <class P>
+void attach_workspace(P& p, const Alloc& alloc, nb::object& keep) {
+  if (!alloc || p.q.device.type == hila::DeviceType::cpu) return;
+  size_t bytes = 0;
+  {
+    nb::gil_scoped_release nogil;
+    bytes = hila::workspace_size(p);
+  }
+  if (bytes == 0) return;
+  keep = (*alloc)(bytes);
+  if (keep.is_none()) return;
+  const Out ws = nb::cast<Out>(keep);
+  const TensorView v = view_of("workspace", ws);
+  if (v.device.type != p.q.device.type || v.device.index != p.q.device.index || v.numel() * hila::dtype_size(v.dtype) < int64_t(bytes))
+    throw Error("workspace", "expected " + std::to_string(bytes) + " bytes on " + hila::device_name(p.q.device) +
+                                 " from the allocator, got " + std::to_string(v.numel() * hila::dtype_size(v.dtype)) +
+                                 " bytes on " + hila::device_name(v.device));
+  p.workspace = v.data;
+  p.workspace_bytes = size_t(v.numel() * hila::dtype_size(v.dtype));
+}
+
 // The inputs forward and backward share (BackwardParams extends ForwardParams).
 void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& form, int64_t chunk,
                 const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
@@ -163,9 +189,11 @@ void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& 
 void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q, const In& k,
              const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
              const OptIn& cu_seqlens, const std::optional<StateIn>& init, const Out& o,
-             const std::optional<StateOut>& final_state, uintptr_t stream) {
+             const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace) {
   hila::ForwardParams p;
   set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
+  nb::object keep;
+  attach_workspace(p, workspace, keep);
   nb::gil_scoped_release nogil;
   hila::forward(p);
 }
@@ -176,7 +204,7 @@ void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const
               const std::optional<StateIn>& d_final, const OptOut& dq, const OptOut& dk,
               const OptOut& dv, const OptOut& dg, const OptOut& dlam, const OptOut& dbeta,
               const std::optional<StateOut>& d_init, const OptOut& o,
-              const std::optional<StateOut>& final_state, uintptr_t stream) {
+              const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace) {
   hila::BackwardParams p;
   set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
   p.d_o = view_of("d_o", d_o);
@@ -188,6 +216,8 @@ void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const
   p.dlam = view_of("dlam", dlam);
   p.dbeta = view_of("dbeta", dbeta);
   p.d_init = state_of("d_init", d_init);
+  nb::object keep;
+  attach_workspace(p, workspace, keep);
   nb::gil_scoped_release nogil;
   hila::backward(p);
 }
@@ -388,15 +418,17 @@ NB_MODULE(_C, m) {
 
   m.def("forward", &forward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
         "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), nb::kw_only(),
-        "o"_a, "final_state"_a.none() = nb::none(), "stream"_a = 0,
-        "hila::forward: writes o (and final_state) in place.");
+        "o"_a, "final_state"_a.none() = nb::none(), "stream"_a = 0, "workspace"_a.none() = nb::none(),
+        "hila::forward: writes o (and final_state) in place. workspace: optional alloc(nbytes) -> byte "
+        "array on the call's device for its temporaries (None: the device's stream-ordered pool).");
   m.def("backward", &backward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
         "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), "d_o"_a,
         "d_final"_a.none(), nb::kw_only(), "dq"_a.none() = nb::none(), "dk"_a.none() = nb::none(),
         "dv"_a.none() = nb::none(), "dg"_a.none() = nb::none(), "dlam"_a.none() = nb::none(),
         "dbeta"_a.none() = nb::none(), "d_init"_a.none() = nb::none(), "o"_a.none() = nb::none(),
-        "final_state"_a.none() = nb::none(), "stream"_a = 0,
-        "hila::backward: writes the requested gradients (and o, final_state) in place.");
+        "final_state"_a.none() = nb::none(), "stream"_a = 0, "workspace"_a.none() = nb::none(),
+        "hila::backward: writes the requested gradients (and o, final_state) in place. workspace: as "
+        "in forward.");
   m.def("step", &step_state, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "state_out"_a, "stream"_a = 0,
         "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
