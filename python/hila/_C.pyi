@@ -59,6 +59,9 @@ def step(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Opt
     [N, H, P], lam [N, H, L], beta [N, H]; writes o [N, H, dv] and state_out (shaped as state; a
     log-linear H with the slots of the new positions)."""
 
+def _workspace_span(a: Array) -> Tuple[str, int]:
+    """Internal (tests): how a workspace array from an allocator is read: (device, bytes)."""
+
 def step_inplace(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
                  beta: Optional[Array], state: StateIn, *, o: Array, stream: int = 0) -> None:
     """hila::step(StepParams, StateView): one fused decode token on a caller-owned state, advanced

@@ -26,6 +26,7 @@ from .ops import (
     step,
     step_,
     supports,
+    use_framework_workspace,
 )
 
 __version__ = "0.1.0"
@@ -33,5 +34,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMS", "OPS", "DecodeState", "Grads", "HilaError", "State", "backward", "config", "forward",
     "levels_needed", "op_traits", "state_part_shapes", "state_shape", "state_slots", "step",
-    "step_", "supports", "__version__",
+    "step_", "supports", "use_framework_workspace", "__version__",
 ]

@@ -28,6 +28,7 @@ caller's current CUDA stream.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -153,6 +154,20 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
 
 # ----------------------------------------------------------------------------- array families
 
+_FRAMEWORK_WORKSPACE = [os.environ.get("HILA_FRAMEWORK_WORKSPACE", "0") == "1"]
+
+
+def use_framework_workspace(on: bool = True) -> bool:
+    """Whether CUDA calls on torch tensors take their device temporaries from torch's caching
+    allocator (on) or from the device's stream-ordered pool (off, the default for now; the
+    environment variable ``HILA_FRAMEWORK_WORKSPACE=1`` turns it on at import). With it on, the
+    temporaries count in ``torch.cuda.memory_allocated()`` and nothing stays cached outside torch.
+    Returns the previous setting."""
+    prev = _FRAMEWORK_WORKSPACE[0]
+    _FRAMEWORK_WORKSPACE[0] = bool(on)
+    return prev
+
+
 class _Family:
     """Allocates outputs with the array library of a reference array."""
 
@@ -179,7 +194,7 @@ class _Family:
         caching allocator when the call runs on torch's current stream of a CUDA device (so the
         memory is torch's, counted by torch.cuda.memory_allocated and reused in that stream's
         order); else None, and hila takes them from the device's stream-ordered pool."""
-        if not self.torch or self.like.device.type != "cuda":
+        if not _FRAMEWORK_WORKSPACE[0] or not self.torch or self.like.device.type != "cuda":
             return None
         import torch
         dev = self.like.device

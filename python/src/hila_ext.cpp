@@ -144,6 +144,28 @@ OpConfig make_config(const std::string& op, double scale, bool normalize, double
 // needs a workspace (CUDA); the array is held in `keep` until the call has been enqueued, and the
 // framework's allocator orders its reuse on the call's stream.
 using Alloc = std::optional<nb::callable>;
+
+// A workspace array as (device, data, bytes): any dtype and shape, contiguous, writable.
+struct Span {
+  hila::Device device;
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+Span span_of(const nb::object& obj) {
+  Out a;
+  if (!nb::try_cast(obj, a))
+    throw Error("workspace", "expected a writable DLPack array from the allocator, got " +
+                                 std::string(nb::str(nb::type_name(obj.type())).c_str()));
+  int64_t expect = 1;  // strides in elements, innermost first
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect)
+      throw Error("workspace", "expected a contiguous array from the allocator, got stride " +
+                                   std::to_string(a.stride(i)) + " in dimension " + std::to_string(i));
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  return Span{device_of("workspace", a.device_type(), a.device_id()), a.data(), a.nbytes()};
+}
+
 template <class P>
 void attach_workspace(P& p, const Alloc& alloc, nb::object& keep) {
   if (!alloc || p.q.device.type == hila::DeviceType::cpu) return;
@@ -155,14 +177,13 @@ void attach_workspace(P& p, const Alloc& alloc, nb::object& keep) {
   if (bytes == 0) return;
   keep = (*alloc)(bytes);
   if (keep.is_none()) return;
-  const Out ws = nb::cast<Out>(keep);
-  const TensorView v = view_of("workspace", ws);
-  if (v.device.type != p.q.device.type || v.device.index != p.q.device.index || v.numel() * hila::dtype_size(v.dtype) < int64_t(bytes))
+  const Span ws = span_of(keep);
+  if (ws.device.type != p.q.device.type || ws.device.index != p.q.device.index || ws.bytes < bytes)
     throw Error("workspace", "expected " + std::to_string(bytes) + " bytes on " + hila::device_name(p.q.device) +
-                                 " from the allocator, got " + std::to_string(v.numel() * hila::dtype_size(v.dtype)) +
-                                 " bytes on " + hila::device_name(v.device));
-  p.workspace = v.data;
-  p.workspace_bytes = size_t(v.numel() * hila::dtype_size(v.dtype));
+                                 " from the allocator, got " + std::to_string(ws.bytes) + " bytes on " +
+                                 hila::device_name(ws.device));
+  p.workspace = ws.data;
+  p.workspace_bytes = ws.bytes;
 }
 
 // The inputs forward and backward share (BackwardParams extends ForwardParams).
@@ -433,6 +454,13 @@ NB_MODULE(_C, m) {
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "state_out"_a, "stream"_a = 0,
         "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
 
+  m.def(
+      "_workspace_span",
+      [](const nb::object& a) {
+        const Span s = span_of(a);
+        return std::make_tuple(std::string(hila::device_name(s.device)), s.bytes);
+      },
+      "a"_a, "Internal (tests): how a workspace array from an allocator is read: (device, bytes).");
   m.def("step_inplace", &step_inplace, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "stream"_a = 0,
         "hila::step(StepParams, StateView): one fused decode step on a caller-owned state "

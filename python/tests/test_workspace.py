@@ -77,7 +77,7 @@ def test_allocator_returning_none_uses_the_pool(device):
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
 
 
-def test_torch_tensors_take_their_temporaries_from_torch(device):
+def test_torch_tensors_take_their_temporaries_from_torch(device, request):
     """hila.forward on CUDA torch tensors (what hila.torch's ops call): torch's allocator serves
     the output and the workspace, so torch's peak grows by more than the output (the existing
     torch-op tests check the results of this path against the oracles)."""
@@ -85,6 +85,8 @@ def test_torch_tensors_take_their_temporaries_from_torch(device):
     if device == "cpu":
         pytest.skip("the CPU backend never asks for a workspace")
     q, k, v, gate = _inputs(device, torch.bfloat16, B=2, T=300, H=4, d=64)
+    prev = hila.use_framework_workspace(True)
+    request.addfinalizer(lambda: hila.use_framework_workspace(prev))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -94,6 +96,33 @@ def test_torch_tensors_take_their_temporaries_from_torch(device):
     assert grew > o.numel() * o.element_size() + 65536, f"torch's peak grew by {grew} bytes only"
     want = _call(q, k, v, gate, None)[0]
     torch.testing.assert_close(o, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_allocator_arrays_are_read_as_bytes(device, dtype):
+    """The binding reads what an allocator returns as (device, bytes), whatever its dtype."""
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    a = torch.empty(1000, dtype=dtype, device=device)
+    dev, n = _C._workspace_span(a)
+    assert n == 1000 * a.element_size()
+    assert dev == ("cpu" if device == "cpu" else f"cuda:{a.device.index or 0}")
+    with pytest.raises(hila.HilaError) as e:
+        _C._workspace_span(torch.empty(10, 10, dtype=dtype, device=device).t())
+    assert e.value.argument == "workspace"
+    with pytest.raises(hila.HilaError) as e:
+        _C._workspace_span("not an array")
+    assert e.value.argument == "workspace"
+    assert _C._workspace_span(np.empty(64, dtype=np.uint8)) == ("cpu", 64)
+
+
+def test_framework_workspace_switch():
+    prev = hila.use_framework_workspace(True)
+    try:
+        assert hila.use_framework_workspace(False) is True
+        assert hila.use_framework_workspace(prev) is False
+    finally:
+        hila.use_framework_workspace(prev)
 
 
 def test_numpy_calls_need_no_workspace():

@@ -59,16 +59,11 @@ void backward(const BackwardParams& p) {
 
 // The size query validates like the call (without the value scans) and dry-runs the backend.
 template <class P>
-P for_sizing(const P& p) {
+size_t measure(const P& p, detail::Resolved (*resolve)(const P&)) {
   P q = p;
   q.cfg.check_values = false;
   q.workspace = nullptr, q.workspace_bytes = 0;
-  return q;
-}
-
-size_t workspace_size(const ForwardParams& p) {
-  const ForwardParams q = for_sizing(p);
-  const detail::Resolved r = detail::resolve_forward(q);
+  const detail::Resolved r = resolve(q);
   if (!on_cuda(q.q.device)) return 0;
 #ifdef HILA_WITH_CUDA
   return detail::cuda_workspace_size(r, q);
@@ -77,16 +72,8 @@ size_t workspace_size(const ForwardParams& p) {
 #endif
 }
 
-size_t workspace_size(const BackwardParams& p) {
-  const BackwardParams q = for_sizing(p);
-  const detail::Resolved r = detail::resolve_backward(q);
-  if (!on_cuda(q.q.device)) return 0;
-#ifdef HILA_WITH_CUDA
-  return detail::cuda_workspace_size(r, q);
-#else
-  return 0;
-#endif
-}
+size_t workspace_size(const ForwardParams& p) { return measure(p, &detail::resolve_forward); }
+size_t workspace_size(const BackwardParams& p) { return measure(p, &detail::resolve_backward); }
 
 namespace detail {
 void run_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters) {
