@@ -189,7 +189,10 @@ void step(const StepParams& p, DecodeState& state);
 // Validated: the state's layout (as an initial state's) and device (q's), its float parts all
 // float32 or all float64 (on CUDA: float64 exactly for float64 inputs), and log-linear H with
 // bitlen(pos + 1) + 1 slots for every sequence (the slot the step merges into; never grown here).
-// As for a DecodeState, check_values covers the step inputs, not the state's values.
+// As for a DecodeState, check_values covers the step inputs, not the state's values. The host
+// reads the positions (one device synchronization) only for log-linear operators, whose slot
+// capacity and λ levels depend on them; on CUDA the other operators' steps do not synchronize
+// when check_values is off.
 void step(const StepParams& p, const StateView& state);
 
 }  // namespace hila

@@ -591,15 +591,28 @@ Resolved resolve_step(const StepParams& p, const StateView& s) {
   check_config(p.cfg);
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
   const OpTraits t = op_traits(p.cfg.op);
-  // layout, dtypes and device first (values later, once the positions are known)
-  check_state("state", s, p.cfg, d.B, d.H, d.dk, d.dv, nullptr, true, false, d.dev);
+  // The host needs the positions only for a log-linear state (slot capacity, λ levels) and for the
+  // CPU backend. Elsewhere the step kernel reads and advances them on the device, so they are not
+  // read back: a CUDA step of gla / hla2 / ahla / hla3 / gdn does not synchronize (and does not
+  // check that its positions are >= 0; they do not enter those operators).
+  const bool host_pos = t.loglinear || d.dev.type == DeviceType::cpu;
+  std::vector<int64_t> pos(static_cast<size_t>(d.B), 0);
+  // layout, dtypes and device first (positions passed as zeros: nothing is read here)
+  check_state("state", s, p.cfg, d.B, d.H, d.dk, d.dv, &pos, true, false, d.dev);
+  if (host_pos) {  // read once; the slots they need are checked below
+    pos = read_positions(s.pos);
+    for (int64_t i = 0; i < d.B; ++i)
+      if (pos[i] < 0)
+        fail("state.pos", "expected positions >= 0, got " + std::to_string(pos[i]) + " for sequence " +
+                              std::to_string(i));
+  }
   DType dt = s.H.dtype;
   for (const auto& [name, part] : {std::pair<const char*, const TensorView*>{"state.S", &s.S},
                                    {"state.P", &s.P}})
     if (part->defined() && part->dtype != dt)
       fail(name, std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " +
                      dtype_name(part->dtype));
-  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, read_positions(s.pos)};
+  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, pos};
   if (t.loglinear) {
     const int64_t Ls = s.H.shape[2];
     for (int64_t i = 0; i < d.B; ++i) {
