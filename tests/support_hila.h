@@ -164,7 +164,7 @@ inline Buffer concat_time(const std::vector<Buffer>& parts) {
   Buffer out(parts[0].dtype, shape);
   size_t off = 0;
   for (const Buffer& p : parts) {
-    std::memcpy(out.bytes.data() + off, p.bytes.data(), p.bytes.size());
+    if (!p.bytes.empty()) std::memcpy(out.bytes.data() + off, p.bytes.data(), p.bytes.size());
     off += p.bytes.size();
   }
   return out;

@@ -73,6 +73,7 @@ inline void store_int(const TensorView& t, int64_t off, int64_t x) {
 // Rows of n elements at `off` (innermost stride 1, as validation guarantees), converted to R.
 template <class R>
 inline void load_row(const TensorView& t, int64_t off, R* dst, int64_t n) {
+  if (n <= 0) return;  // an empty row may have no data pointer
   if (t.dtype == DType::f32 && sizeof(R) == 4) {
     std::memcpy(dst, static_cast<const float*>(t.data) + off, n * sizeof(R));
   } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
@@ -84,6 +85,7 @@ inline void load_row(const TensorView& t, int64_t off, R* dst, int64_t n) {
 
 template <class R>
 inline void store_row(const TensorView& t, int64_t off, const R* src, int64_t n) {
+  if (n <= 0) return;
   if (t.dtype == DType::f32 && sizeof(R) == 4) {
     std::memcpy(static_cast<float*>(t.data) + off, src, n * sizeof(R));
   } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
