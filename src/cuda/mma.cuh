@@ -30,6 +30,12 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   else return __half22float2(*reinterpret_cast<__half2*>(&x));
 }
 
+#ifdef HILA_CUDA_EMU  // host emulator (tools/cuda_emu): warp-cooperative versions in its shim
+template <class T>
+inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { emu::mma_m16n8k16<T>(d, a, b0, b1); }
+inline void ldsm_x4(uint32_t (&r)[4], const void* p) { emu::ldmatrix_x4(r, p, false); }
+inline void ldsm_x4_t(uint32_t (&r)[4], const void* p) { emu::ldmatrix_x4(r, p, true); }
+#else
 // d += a b  ([16,16] x [16,8], fp32 accumulate)
 template <class T>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -61,6 +67,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
+#endif  // HILA_CUDA_EMU
 
 // Fragment loads from a 16-bit tile in shared memory with leading dimension ld (elements).
 // A = X[m0.., k0..] with X stored row-major [m][k].
@@ -89,6 +96,13 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* B, int ld, 
   ldsm_x4_t(b, B + (k0 + (l & 7) + (((l >> 3) & 1) << 3)) * ld + n0 + ((l >> 4) << 3));
 }
 
+#ifdef HILA_CUDA_EMU  // host emulator: copies queued per thread, landing at wait_group
+inline void cp_async16(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 16, src_bytes); }
+inline void cp_async4(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 4, src_bytes); }
+inline void cp_async_commit() { emu::cp_commit(); }
+template <int N>
+inline void cp_async_wait() { emu::cp_wait(N); }
+#else
 // 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: all zero).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
@@ -100,6 +114,7 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_by
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif  // HILA_CUDA_EMU
 
 // Rows [r0, r0+nr) (columns [c0, c0+nc)) of a packed [Ttot][ldg] buffer into smem [rows][lds]
 // with cp.async; rows >= nr up to `rows` are zero-filled. nc is a multiple of 8 (16 bytes).

@@ -1,7 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-# Turns src/cuda/*.cu into host C++ for the emulator (see run.sh): shared-memory declarations
-# become static (one block runs at a time), kernel launches become emu::launch calls, and
-# HILA_LAUNCH runs grid-stride kernels sequentially.
+# Turns src/cuda/*.cu into host C++ for the emulator (see run.sh):
+#   - `extern __shared__ [__align__(n)] TYPE name[];` becomes a pointer to the emulator's dynamic
+#     shared-memory buffer, other `__shared__` variables become function statics (one block runs at
+#     a time);
+#   - every launch `kernel<<<grid, block[, smem[, stream]]>>>(args);` (any grid / block expression,
+#     inside lambdas or guards) becomes emu::launch("kernel", kernel, dim3(grid), dim3(block), smem,
+#     args) and HILA_LAUNCH runs grid-stride kernels sequentially (skipped in dry runs as on the GPU).
+# Anything it cannot rewrite stops it with the file and line.
 import pathlib
 import re
 import sys
@@ -9,20 +14,102 @@ import sys
 root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 HEAD = '''#include "cuda/runtime.cuh"
 #undef HILA_LAUNCH
-#define HILA_LAUNCH(kernel, n, s, ...) emu::launch_seq(kernel, dim3(grid_for(n)), __VA_ARGS__)
+#define HILA_LAUNCH(kernel, n, s, ...)                                       \\
+  do {                                                                       \\
+    if (::hila::cuda::dry_run()) break;                                      \\
+    emu::launch_seq(kernel, dim3(::hila::cuda::grid_for(n)), __VA_ARGS__);   \\
+  } while (0)
 '''
-SMEM = 'namespace hila::cuda { namespace { alignas(128) char smem[1 << 21]; } }\n'
-LAUNCH = re.compile(r'([\w:]+(?:<[^;<>]*>)?)<<<(.*?),\s*256,\s*[^,]*,\s*stream>>>\((\w+)\);')
+EXTERN = re.compile(r'extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w:]*(?:\s+[A-Za-z_][\w:]*)*)\s+(\w+)\s*\[\s*\]\s*;')
+# kernel name: identifier or qualified id with optional template arguments, or a parenthesised expression
+NAME = re.compile(r'(\([^;{}()]*\)|[A-Za-z_][\w:]*(?:<[^;{}()]*?>)?)\s*$')
 
 
-def kernels(path):
-    t = path.read_text().replace('extern __shared__', 'extern').replace('__shared__', 'static')
-    t = LAUNCH.sub(r'emu::launch(\1, dim3(\2), \3);', t)
+def die(path, t, pos, msg):
+    line = t.count('\n', 0, pos) + 1
+    sys.exit(f'gen.py: {path}:{line}: {msg}')
+
+
+def split_top(s):
+    parts, depth, cur = [], 0, ''
+    for c in s:
+        if c in '([{':
+            depth += 1
+        elif c in ')]}':
+            depth -= 1
+        if c == ',' and depth == 0:
+            parts.append(cur.strip())
+            cur = ''
+        else:
+            cur += c
+    parts.append(cur.strip())
+    return parts
+
+
+def balanced(t, i, path):  # t[i] == '(' -> index after the matching ')'
+    depth = 0
+    for j in range(i, len(t)):
+        if t[j] == '(':
+            depth += 1
+        elif t[j] == ')':
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    die(path, t, i, 'unbalanced parentheses in a launch')
+
+
+def launches(t, path):
+    res, i, n = [], 0, 0
+    while (j := t.find('<<<', i)) >= 0:
+        line_start = t.rfind('\n', 0, j) + 1
+        m = NAME.search(t[line_start:j])
+        if not m:
+            die(path, t, j, 'cannot find the kernel name of a launch')
+        kstart = line_start + m.start()
+        kernel = m.group(1).strip()
+        e = t.find('>>>', j)
+        if e < 0:
+            die(path, t, j, 'launch without >>>')
+        cfg = split_top(t[j + 3:e])
+        if not 2 <= len(cfg) <= 4 or not all(cfg):
+            die(path, t, j, f'launch configuration <<<{t[j + 3:e]}>>> is not grid, block[, smem[, stream]]')
+        p = e + 3
+        while t[p].isspace():
+            p += 1
+        if t[p] != '(':
+            die(path, t, p, 'launch arguments not found after >>>')
+        q = balanced(t, p, path)
+        args = t[p + 1:q - 1].strip()
+        r = q
+        while t[r].isspace():
+            r += 1
+        if t[r] != ';':
+            die(path, t, r, 'a launch must be a statement of its own (kernel<<<...>>>(...);)')
+        smem = cfg[2] if len(cfg) > 2 else '0'
+        name = kernel.strip('()').split('<')[0].strip()
+        call = f'emu::launch("{name}", {kernel}, dim3({cfg[0]}), dim3({cfg[1]}), size_t({smem})' + (f', {args}' if args else '') + ');'
+        res.append(t[i:kstart] + call)
+        i, n = r + 1, n + 1
+    res.append(t[i:])
+    return ''.join(res), n
+
+
+def convert(path):
+    t = path.read_text()
+    t = EXTERN.sub(lambda m: f'{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(::emu::dyn_smem);', t)
+    if 'extern __shared__' in t or re.search(r'extern\s+__shared__', t):
+        die(path, t, re.search(r'extern\s+__shared__', t).start(), 'dynamic shared memory declaration not of the form extern __shared__ [__align__(n)] TYPE name[];')
+    t = re.sub(r'\b__shared__\b', 'static', t)
+    t, n = launches(t, path)
     if '<<<' in t:
-        sys.exit(f'gen.py: a launch in {path} does not have the form kernel<<<grid, 256, smem, stream>>>(args)')
-    return t
+        die(path, t, t.index('<<<'), 'launch left unrewritten')
+    return t, n
 
 
 for cu in sorted((root / 'src/cuda').glob('*.cu')):
-    body = cu.read_text() if cu.name == 'backend.cu' else SMEM + kernels(cu)
-    (out / f'emu_{cu.stem}.cpp').write_text(HEAD + body)
+    body, n = convert(cu)
+    dst = out / f'emu_{cu.stem}.cpp'
+    text = HEAD + f'#line 1 "{cu}"\n' + body
+    if not dst.exists() or dst.read_text() != text:  # unchanged sources keep their objects (run.sh is incremental)
+        dst.write_text(text)
+    print(f'gen.py: {cu.relative_to(root)}: {n} launches rewritten')
