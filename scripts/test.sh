@@ -8,6 +8,25 @@ bash scripts/setup.sh python
 bash scripts/build.sh
 (cd build && ctest --output-on-failure -j"$(nproc)" "$@")
 
+# The CUDA backend's kernels (tensor-core path included) on the host emulator, no GPU needed: a
+# smoke set of the GPU tests that checks indexing, barriers and the backend's wiring on every run
+# (tools/cuda_emu; docs/DEVELOPING.md). The whole GPU suite runs on the GPU machine.
+EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f32_d64_T65:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T65:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/ahla_f32_normalize_init:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_f64_untied_normalize:'\
+'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T65:'\
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_f64_d32_init13_T1:'\
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_f64_d32_init13_T1:'\
+'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/gla_f16_d64:'\
+'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/hla2_f16_d64:'\
+'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/loglinear_f16_d64:'\
+'AllOps/CudaStep.FunctionalStepInPlace/gla_bf16_d64_gqa:'\
+'Ops/CudaWorkspace.*/gla_bf16_in_place:CudaWorkspaceErrors.*:CudaStepErrors.*:'\
+'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex'
+OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
+
 PY=${PYTHON:-python3}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_ROOT_USER_ACTION=ignore
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation ./ 2>/dev/null ||
