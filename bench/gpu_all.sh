@@ -70,7 +70,7 @@ fi
 if has ncu; then  # stall reasons and throughputs of the main kernels (one launch each)
   timeout 240 ncu --kernel-name regex:"${NCU_KERNELS:-sweep_kernel|output_kernel|bwd_chunk_kernel}" --launch-skip ${NCU_SKIP:-6} \
     --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section LaunchStats "$BIN/hila_bench" --reps 1 --warmup 1 --ops gla \
+    --section MemoryWorkloadAnalysis --section LaunchStats "$BIN/hila_bench" --reps 1 --warmup 1 --ops ${NCU_OPS:-gla} \
     --shapes ${NCU_SHAPE:-8:4096} >"$LOGS/ncu_detail.txt" 2>&1
   grep -E "^  [a-z_:]+.*(sweep|output|bwd_chunk)|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Shared Memory Config|Warp Cycles Per Issued|Stall|stall|L1/TEX Hit|L2 Hit|Block Limit" "$LOGS/ncu_detail.txt" | head -90
 fi
