@@ -431,17 +431,22 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
     dot_rows(acc, s.Q, s.ldk, cc, nt, d0, d1);
     dcp0 += sc * d0, dcp1 += sc * d1;
   }
+  // dK, dV rows: acc <- diag(e^{B-b}) acc + f acc2, the inter-chunk part (through dH, from the
+  // chunk end) plus the intra-chunk part (f = scale for dK, 1 for dV); rows i0 (w0) and i1 (w1)
+  auto combine = [&](float(&acc)[8][4], const float(&acc2)[8][4], float f) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] = acc[j][0] * w0 + f * acc2[j][0], acc[j][1] = acc[j][1] * w0 + f * acc2[j][1];
+      acc[j][2] = acc[j][2] * w1 + f * acc2[j][2], acc[j][3] = acc[j][3] * w1 + f * acc2[j][3];
+    }
+  };
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
     zero(acc), zero(acc2);
     warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      acc[j][0] = acc[j][0] * w0 + sc * acc2[j][0], acc[j][1] = acc[j][1] * w0 + sc * acc2[j][1];
-      acc[j][2] = acc[j][2] * w1 + sc * acc2[j][2], acc[j][3] = acc[j][3] * w1 + sc * acc2[j][3];
-    }
+    combine(acc, acc2, sc);
     store(a.dk_, dk, a.dk_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
@@ -453,11 +458,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
     zero(acc), zero(acc2);
     warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
     warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      acc[j][0] = acc[j][0] * w0 + acc2[j][0], acc[j][1] = acc[j][1] * w0 + acc2[j][1];
-      acc[j][2] = acc[j][2] * w1 + acc2[j][2], acc[j][3] = acc[j][3] * w1 + acc2[j][3];
-    }
+    combine(acc, acc2, 1.f);
     store(a.dv_, dv, a.dv_out, acc, cc, nt);
   }
   // dc: reduce over the 4 lanes of a row, then over the two column halves
