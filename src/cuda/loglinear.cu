@@ -602,12 +602,14 @@ size_t ll_smem_need(int dk, int dv) {
 
 // Bytes of stored live levels (hst) a forward-only call may allocate to run its outputs
 // chunk-parallel: a quarter of the free device memory, or HILA_LOGLINEAR_STORE_BUDGET (bytes; 0
-// keeps the outputs in the sweep, which the tests use to cover both paths).
+// keeps the outputs in the sweep, which the tests use to cover both paths). With a caller's
+// workspace (and in its size query) a quarter of the total: the choice, hence the size, must not
+// depend on what is free at the moment (the workspace itself takes memory between the two).
 size_t hst_budget() {
   if (const char* env = std::getenv("HILA_LOGLINEAR_STORE_BUDGET")) return size_t(std::strtoull(env, nullptr, 10));
   size_t free = 0, total = 0;
   HILA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return free / 4;
+  return (current_arena() ? total : free) / 4;
 }
 
 template <class T>
