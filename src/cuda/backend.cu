@@ -151,7 +151,7 @@ constexpr size_t kAlign = 256;
 }  // namespace
 
 Arena::Arena(void* base, size_t bytes) {
-  if (!base) return;  // measuring: placeholder addresses from kAlign up
+  if (!base) return;  // measuring: stand-in addresses from kAlign up, never dereferenced
   base_ = (reinterpret_cast<uintptr_t>(base) + kAlign - 1) & ~uintptr_t(kAlign - 1);
   const size_t skip = base_ - reinterpret_cast<uintptr_t>(base);
   cap_ = bytes > skip ? bytes - skip : 0;

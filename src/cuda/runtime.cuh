@@ -21,7 +21,7 @@ void keep_pool_cached();
 // Where one call's temporaries come from: a caller's workspace (ForwardParams::workspace) or, when
 // none is installed on this thread, the stream-ordered pool. Blocks are 256-byte aligned and
 // bump-allocated; a block is handed back when it and every block above it are released, so the
-// peak follows the call's scopes. A measuring arena (no base) hands out placeholder addresses and
+// peak follows the call's scopes. A measuring arena (no base) hands out stand-in addresses and
 // records the peak: with it installed the call is a dry run (no launches, copies or memsets; see
 // dry_run()) that sizes the workspace with the very code that will use it.
 class Arena {
