@@ -229,10 +229,16 @@ struct Call {
   SeqTables seqs;
   std::optional<LlTables> ll;  // log-linear outer primitive: segments, n0, Fenwick slots
   DevBuf<R> lam;               // [H][Ttot][nL]
+  // log-linear outer primitive in the chunk-parallel tree form (ll_tree.cuh): every sequence from
+  // position 0 and no Fenwick state in or out (bwd_states: the backward's d_final.H / d_init.H)
+  const bool tree;
 
-  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
+  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool bwd_states = false)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
-        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk) {
+        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk),
+        tree(plan.fenwick && !bwd_states && !p.init.H.defined() && !p.final_state.H.defined() &&
+             std::all_of(r_.seqs.begin(), r_.seqs.end(), [](const auto& x) { return x.n0 == 0; }) &&
+             ll_tree_usable<T>(dkp, dvp)) {
     q = operand(p.q, r.G, int(r.dk), dkp, -1, qbuf);
     k = operand(p.k, r.G, int(r.dk), dkp, -1, kbuf);
     v = operand(p.v, r.H, int(r.dv), dvp, r.cfg.normalize ? int(r.dv) : -1, vbuf);
@@ -276,6 +282,7 @@ struct Call {
   // Arguments of the log-linear outer primitive; hst holds the live levels stored per segment.
   LlArgs<T> ll_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr) const {
     LlArgs<T> a;
+    a.tree = tree;
     a.p = base;
     a.p.hbuf = nullptr;
     a.hst = hst;
@@ -287,11 +294,20 @@ struct Call {
   }
   // The caller's [B, T, X, d] tensor in place, or packed into `buf` ([X][Ttot][dp], a ones column at `ones`).
   Operand<T> operand(const TensorView& t, int64_t X, int d, int dp, int ones, DevBuf<T>& buf) const {
-    if (ones < 0 && d == dp && !plan.fenwick && !plan.delta && in_place_ok<T>(t, r.B, r.T))
+    if (ones < 0 && d == dp && (!plan.fenwick || tree) && !plan.delta && in_place_ok<T>(t, r.B, r.T))
       return {static_cast<const T*>(t.data), t.stride[1], t.stride[2]};
     buf = DevBuf<T>(size_t(X * Ttot * dp), s);
-    HILA_LAUNCH(pack_rows<T>, X * Ttot * dp, s, buf.get(), Strided(t), r.T, X, Ttot, d, dp, ones);
+    pack(buf.get(), t, X, d, dp, ones);
     return {buf.get(), 0, 0};
+  }
+  // [B, T, X, d] -> packed [X][Ttot][dp] (a ones column at `ones`); 16 bytes per thread when the
+  // caller's layout is one the tensor-core kernels could read in place
+  void pack(T* out, const TensorView& t, int64_t X, int d, int dp, int ones) const {
+    if (ones < 0 && d == dp && in_place_ok<T>(t, r.B, r.T))
+      HILA_LAUNCH(pack_rows8<T>, X * Ttot * dp / 8, s, out, static_cast<const T*>(t.data), t.stride[1], t.stride[2], X,
+                  Ttot, d);
+    else
+      HILA_LAUNCH(pack_rows<T>, X * Ttot * dp, s, out, Strided(t), r.T, X, Ttot, d, dp, ones);
   }
   DevBuf<R> pack_dense(const TensorView& t) const {
     DevBuf<R> b(size_t(NH * dkp * dvp), s);
@@ -416,7 +432,8 @@ struct OutputTarget {
   DevBuf<T> buf;
   bool in_place = false;
   OutputTarget(const Call<T>& c, const TensorView& o, bool need_packed) {
-    in_place = !need_packed && !c.plan.normalize && !c.plan.fenwick && !c.plan.delta && in_place_ok<T>(o, c.r.B, c.r.T);
+    in_place = !need_packed && !c.plan.normalize && (!c.plan.fenwick || c.tree) && !c.plan.delta &&
+               in_place_ok<T>(o, c.r.B, c.r.T);
     if (!in_place) buf = DevBuf<T>(size_t(c.r.H * c.Ttot * c.dvp), c.s);
   }
   void attach(GlaArgs<T>& a, const TensorView& o) const {
@@ -449,33 +466,38 @@ template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
   if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  const Call<T> c(r, p, s);
+  const Call<T> c(r, p, s, p.d_final.H.defined() || p.d_init.H.defined());
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
   const auto in = c.run_inner(true);
   // outer forward: its chunk states, and O' only when normalizing (the cotangent needs it) or when o is asked for
   DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
   DevBuf<StateOperand<T>> Hbuf(plan.fenwick ? 0 : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
-  DevBuf<R> Hst(plan.fenwick ? size_t(c.ll->stored_levels() * r.H * c.dkp * c.dvp) : 0, s);  // live levels per segment
   GlaArgs<T> a = c.outer(in);
+  // log-linear: the tree form (no stored levels) or the sweep (the live levels entering each segment)
+  const bool tree = c.tree;
+  DevBuf<R> Hst(plan.fenwick && !tree ? size_t(c.ll->stored_levels() * r.H * c.dkp * c.dvp) : 0, s);
   std::optional<OutputTarget<T>> O;
   if (plan.normalize || p.o.defined()) {
     O.emplace(c, p.o, plan.normalize);
     O->attach(a, p.o);
   }
   a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
-  if (plan.fenwick) ll_forward<T>(c.ll_args(a, Hst.get()), *c.ll, s);
-  else gla_forward<T>(a, s);
+  if (plan.fenwick) {
+    if (!tree || a.o) ll_forward<T>(c.ll_args(a, Hst.get()), *c.ll, s);
+  } else {
+    gla_forward<T>(a, s);
+  }
   if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
   c.write_states(p.final_state, in, Hf.get());
   a.o = nullptr;
   // cotangents of O' and of the final states
   DevBuf<T> dObuf;
-  if (!plan.normalize && !plan.fenwick && !plan.delta && in_place_ok<T>(p.d_o, r.B, r.T)) {
+  if (!plan.normalize && (!plan.fenwick || tree) && !plan.delta && in_place_ok<T>(p.d_o, r.B, r.T)) {
     a.dO = static_cast<const T*>(p.d_o.data), a.dO_ld = p.d_o.stride[1], a.dO_hs = p.d_o.stride[2];
   } else {
     dObuf = DevBuf<T>(size_t(rowsV), s);
-    HILA_LAUNCH(pack_rows<T>, rowsV, s, dObuf.get(), Strided(p.d_o), r.T, r.H, c.Ttot, int(r.dv), c.dvp, -1);
+    c.pack(dObuf.get(), p.d_o, r.H, int(r.dv), c.dvp, -1);
     if (plan.normalize)
       HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dObuf.get(), O->buf.get(), r.H * c.Ttot, int(r.dv), c.dvp,
                   R(plan.eps));
@@ -494,7 +516,7 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   go.attach(a);
   // a single primitive without GQA writes dq, dk, dv straight into 16-bit caller tensors
   bool direct[3] = {false, false, false};
-  if (kTensorCore<T> && !plan.has_S && !plan.has_P && !plan.fenwick && !plan.delta && c.rep == 1) {
+  if (kTensorCore<T> && !plan.has_S && !plan.has_P && (!plan.fenwick || tree) && !plan.delta && c.rep == 1) {
     auto to = [&](const TensorView& t, float mult, GradOut<T>& g) {
       if (!in_place_ok<T>(t, r.B, r.T)) return false;
       g.p = static_cast<T*>(t.data), g.ld = t.stride[1], g.hs = t.stride[2], g.mult = mult;

@@ -344,15 +344,20 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
       }
     }
   }
-  if (!dry_run()) {  // dry run: workspace_size
-    gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(x);
-    HILA_CUDA_CHECK_LAUNCH();
-  }
+  gla_dg(x, stream);
+}
+
+template <class T>
+void gla_dg(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (a.N == 0 || a.H == 0 || dry_run()) return;  // dry run: workspace_size
+  gla_dg_kernel<T><<<a.N * a.H, 256, 0, stream>>>(a);
+  HILA_CUDA_CHECK_LAUNCH();
 }
 
 #define HILA_INSTANTIATE(T)                                          \
   template void gla_forward<T>(const GlaArgs<T>&, cudaStream_t);     \
   template void gla_backward<T>(const GlaArgs<T>&, cudaStream_t);    \
+  template void gla_dg<T>(const GlaArgs<T>&, cudaStream_t);          \
   template size_t gla_smem_need<T>(int, int);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE

@@ -71,12 +71,27 @@ void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
 // chunk-parallel output kernel, which reads hbuf.
 template <class T>
 void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+// The log-linear tree built by the sweep (ll_tree.cuh; needs ta.beta, writes ta.node16): one block
+// per (sequence x head, 64 x 64 state tile), tc_sweep_blocks of them, with a per-block fp32 level
+// stack of lstk levels (tc_tree_sweep_stack floats).
+struct TreeArgs;
 template <class T>
-void tc_output(const GlaArgs<T>& a, cudaStream_t stream);
+void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
 template <class T>
-void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream);  // per-chunk dq, dk, dv, dc
+int64_t tc_sweep_blocks(const GlaArgs<T>& a);
+template <class T>
+size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
+// With `tree` (log-linear tree form, ll_tree.cuh) the state terms read the tree nodes instead of
+// hbuf / dhbuf and the intra block carries lam.
+template <class T>
+void tc_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
+template <class T>
+void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);  // per-chunk dq, dk, dv, dc
 size_t tc_output_smem(int dk, int dv, size_t esize);
-size_t tc_bwd_smem(int dk, int dv);
+size_t tc_bwd_smem(int dk, int dv, bool tree = false);
+// dg: reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus <dht, ht> at the last token).
+template <class T>
+void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
 
 // Effective layout of an operand with d (padded) columns.
 __host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }

@@ -12,6 +12,7 @@
 //           with the causal score block kept in registers and fed back as the A operand.
 // b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
 #include "cuda/gla.cuh"
+#include "cuda/ll_tree.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tile.cuh"
@@ -27,34 +28,6 @@ constexpr int kThreads = 128;          // 4 warps; warp w owns rows [16w, 16w+16
 template <class R>
 __device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
   return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
-}
-
-template <int NT>
-__device__ __forceinline__ void zero(float (&x)[NT][4]) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
-}
-
-// acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
-//   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
-//   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
-template <class T, int NT, bool kA, bool kB>
-__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
-                                          int nt, int k_begin, int k_end) {
-  for (int k = k_begin; k < k_end; k += 16) {
-    uint32_t fa[4];
-    if constexpr (kA) tc::load_a_t(fa, A, lda, m0, k);
-    else tc::load_a(fa, A, lda, m0, k);
-#pragma unroll
-    for (int jj = 0; jj < NT / 2; ++jj)
-      if (2 * jj < nt) {
-        uint32_t fb[4];
-        if constexpr (kB) tc::load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
-        else tc::load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
-        tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
-        tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
-      }
-  }
 }
 
 // b[h][row] = chunk-local inclusive cumsum of g; grid (nchunks, H), one warp.
@@ -75,6 +48,12 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
 }
 
 // The sequential sweep; kRev selects the backward cotangent sweep (see the file comment).
+// kTree: the log-linear tree (ll_tree.cuh) instead of a carried state: per chunk c the register
+// tile is Z_c = K^T diag(e^{B-b}) V; while its node index i (from c, level m = 1) is odd it closes
+// its parent, acc <- e^{beta_m[i]} stk[m] + acc (i >>= 1, m += 1); a node with even i is one the
+// chunks read (16-bit copy to ta.node16) and waits on stk[m] for its sibling. stk holds the
+// thread's own accumulator elements per level in fp32 (`stack`, lstk levels per block), so it
+// needs no barriers.
 // Pipeline depth of the sweep: chunk i+2's operands (and gates) are in flight while chunk i is used.
 constexpr int kStages = 3;
 struct SweepStage {
@@ -83,8 +62,8 @@ struct SweepStage {
 };
 
 // vtile: value columns per block (64, or 32 to double the blocks when there are few sequences x heads).
-template <class T, bool kRev>
-__global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile) {
+template <class T, bool kRev, bool kTree = false>
+__global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile, TreeArgs ta, float* stack, int lstk) {
   using R = Acc<T>;
   static_assert(std::is_same_v<R, float>, "the tensor-core sweep carries fp32 states");
   extern __shared__ __align__(128) char smem[];
@@ -148,6 +127,42 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
     const float* bt = bs(st);
+    if constexpr (kTree) {
+      const float B = bt[rows_in(len, c) - 1];
+      tc::zero(acc);
+      if (active)  // Z_c   [64 (dk), C] x [C, 64 (dv)]
+        tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk,
+                                        [&](int k) { return __expf(B - bt[k]); });
+      const int64_t nc = nch;
+      float4* stk = reinterpret_cast<float4*>(stack) +
+                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
+      int m = 1;
+      int64_t i = c;
+      while (i & 1) {  // acc = node_m[i] closes node_{m+1}[i >> 1] with its left sibling
+        const float f = __expf(ta.beta[node_slot(a.chunk0[seq], nc, m, i) * a.H + h]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
+          acc[j][0] += f * x.x, acc[j][1] += f * x.y, acc[j][2] += f * x.z, acc[j][3] += f * x.w;
+        }
+        i >>= 1, ++m;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+      if (active) {  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
+        T* dst = static_cast<T*>(const_cast<void*>(ta.node16)) +
+                 (node_slot(a.chunk0[seq], nc, m, i) * a.H + h) * int64_t(a.dk) * a.dv;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j < nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+              const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
+              *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+            }
+      }
+      continue;
+    }
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
       StateOperand<T>* dst = store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
 #pragma unroll
@@ -166,36 +181,12 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
-    if (active) {
-#pragma unroll
-      for (int kk = 0; kk < kChunk / 16; ++kk) {
-        uint32_t fa[4];
-        tc::load_a_t(fa, Kt, kLdTile, 16 * w, 16 * kk);
-        // token weights of the k index held by this thread: 16kk + 2t (+1), 16kk + 2t + 8 (+1)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int k = 16 * kk + 2 * t + 8 * hf;
-          const float b0 = bt[k], b1 = bt[k + 1];
-          const float w0 = kRev ? sc * __expf(b0) : __expf(B - b0);
-          const float w1 = kRev ? sc * __expf(b1) : __expf(B - b1);
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {  // a[2hf + m]: rows g / g+8, tokens k, k+1
-            const float2 x = tc::unpack2<T>(fa[2 * hf + m]);
-            fa[2 * hf + m] = tc::pack2<T>(x.x * w0, x.y * w1);
-          }
-        }
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-          if (2 * jj < nt) {
-            uint32_t fb[4];
-            tc::load_b_kn(fb, Vt, kLdTile, 16 * jj, 16 * kk);
-            tc::mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
-            tc::mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
-          }
-      }
-    }
+    if (active)
+      tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk, [&](int k) {
+        return kRev ? sc * __expf(bt[k]) : __expf(B - bt[k]);
+      });
   }
-  if (fin && active) {
+  if (!kTree && fin && active) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nt)
@@ -216,8 +207,11 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
 constexpr int kOutV = 128;
 constexpr int kOutThreads = 256;
 
-template <class T>
-__global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a) {
+// kTree (log-linear tree form, ll_tree.cuh): P also carries lam^{LUT[i,j]}, and the state term
+// is the sum over the levels the chunk reads, their 16-bit node copies loaded into H in turn (the
+// first one with Q, K, V).
+template <class T, bool kTree>
+__global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeArgs ta) {
   extern __shared__ __align__(128) char smem[];
   const int vt = min(kOutV, a.dv), ldq = a.dk + 8, ldv = vt + 8;
   T* Qs = reinterpret_cast<T*>(smem);
@@ -240,7 +234,9 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a) {
                  a.dk, kChunk);
   tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
                  bv, kChunk);
-  tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
+  const int64_t nc = (a.len[seq] + kChunk - 1) / kChunk;
+  if constexpr (!kTree) tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
+  else if (c > 0) async_node(Hs, ldv, ta, first_read_slot(a.chunk0[seq], nc, c), h, a.H, a.dk, a.dv, v0, bv);
   tc::cp_async_commit();
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
@@ -249,33 +245,62 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a) {
   const float sc = float(a.scale);
   const int i0 = 16 * rb + g, i1 = i0 + 8;  // rows of this thread
   const float bi0 = bs[i0], bi1 = bs[i1];
+  const float* lam0 = kTree ? ta.lam + (int64_t(h) * a.Ttot + r0 + min(i0, nr - 1)) * ta.nL : nullptr;
+  const float* lam1 = kTree ? ta.lam + (int64_t(h) * a.Ttot + r0 + min(i1, nr - 1)) * ta.nL : nullptr;
   {  // phase 1
     const int n0 = 32 * ch;
     float x[4][4];
-    zero(x);
-    if (n0 <= 16 * rb + 15) warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, n0, 4, 0, a.dk);
+    tc::zero(x);
+    if (n0 <= 16 * rb + 15) tc::warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, n0, 4, 0, a.dk);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
         const float bi = hf ? bi1 : bi0;
-        const float p0 = col <= i ? x[j][2 * hf] * sc * __expf(bi - bs[col]) : 0.f;
-        const float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * __expf(bi - bs[col + 1]) : 0.f;
+        float p0 = col <= i ? x[j][2 * hf] * sc * __expf(bi - bs[col]) : 0.f;
+        float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * __expf(bi - bs[col + 1]) : 0.f;
+        if constexpr (kTree) {  // lam_i^{bitlen(i xor j)} (aligned chunks, §2.6)
+          const float* lr = hf ? lam1 : lam0;
+          if (col <= i) p0 *= lr[32 - __clz(i ^ col)];
+          if (col + 1 <= i) p1 *= lr[32 - __clz(i ^ (col + 1))];
+        }
         *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
       }
   }
   __syncthreads();
   // phase 2
   const int c0 = 64 * ch, nt = max(0, min(64, bv - c0)) / 8;
-  if (nt == 0) return;
   float o[8][4];
-  zero(o);
-  warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
-  const float e0 = sc * __expf(bi0), e1 = sc * __expf(bi1);
+  tc::zero(o);
+  if constexpr (kTree) {  // sum_m diag(scale lam^{p+m} e^{b+gap}) Q node_m      [C,dk]x[dk,64] per level
+    bool first = true;
+    for_each_read(ta, a.chunk0[seq], nc, c, h, a.H, [&](int m, int64_t slot, float gap) {
+      if (!first) {
+        __syncthreads();  // the previous level's H is consumed
+        async_node(Hs, ldv, ta, slot, h, a.H, a.dk, a.dv, v0, bv);
+        tc::cp_async_commit();
+        tc::cp_async_wait<0>();
+        __syncthreads();
+      }
+      first = false;
+      if (nt == 0) return;
+      float y[8][4];
+      tc::zero(y);
+      tc::warp_gemm<T, 8, false, true>(y, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
+      const float e0 = sc * lam0[kLogChunk + m] * __expf(bi0 + gap), e1 = sc * lam1[kLogChunk + m] * __expf(bi1 + gap);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
-  warp_gemm<T, 8, false, true>(o, Ps, kLdTile, 16 * rb, Vs, ldv, c0, nt, 0, 16 * rb + 16);
+      for (int j = 0; j < 8; ++j) o[j][0] += e0 * y[j][0], o[j][1] += e0 * y[j][1], o[j][2] += e1 * y[j][2], o[j][3] += e1 * y[j][3];
+    });
+    if (nt == 0) return;
+  } else {
+    if (nt == 0) return;
+    tc::warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
+    const float e0 = sc * __expf(bi0), e1 = sc * __expf(bi1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
+  }
+  tc::warp_gemm<T, 8, false, true>(o, Ps, kLdTile, 16 * rb, Vs, ldv, c0, nt, 0, 16 * rb + 16);
   T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv);
   const int64_t ldo = row_ld(a.o_ld, a.dv);
 #pragma unroll
@@ -303,9 +328,11 @@ constexpr int kBwdThreads = 256;
 template <class T>
 struct BwdTiles {
   T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
-  float *b, *dc;
+  T* Hp2 = nullptr;                              // tree only: second node buffer (the next level in flight)
+  float *b, *dc, *Tl = nullptr, *red = nullptr;  // tree only: dP o (scale Gamma o Q K^T) [C, C+4]; [2][C] row sums
   int ldk, ldv;
-  __host__ __device__ BwdTiles(char* base, int dk, int dv, size_t* bytes = nullptr) {
+  static constexpr int kLdT = kChunk + 4;
+  __host__ __device__ BwdTiles(char* base, int dk, int dv, bool tree, size_t* bytes = nullptr) {
     ldk = dk + 8, ldv = dv + 8;
     Carve c{base};
     Q = c.take<T>(kChunk * ldk);
@@ -318,14 +345,18 @@ struct BwdTiles {
     dA = c.take<T>(kChunk * kLdTile);
     b = c.take<float>(kChunk);
     dc = c.take<float>(2 * kChunk);
+    if (tree) Tl = c.take<float>(kChunk * kLdT), red = c.take<float>(2 * kChunk), Hp2 = c.take<T>(dk * ldv);
     if (bytes) *bytes = c.used;
   }
 };
 
-template <class T>
-__global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
+// kTree (log-linear tree form, ll_tree.cuh): P and dA carry lam^{LUT[i,j]} (dlam of the in-chunk
+// levels from Tl), the state-read term sums over the levels the chunk reads (dlam of those levels),
+// and dH is the chunk's dZ = dnode_1[N] (16-bit copies; the first level read comes with the inputs).
+template <class T, bool kTree>
+__global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, TreeArgs ta) {
   extern __shared__ __align__(128) char smem[];
-  BwdTiles<T> s(smem, a.dk, a.dv);
+  BwdTiles<T> s(smem, a.dk, a.dv, kTree);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rb = w & 3, ch = w >> 2;
   const int64_t cg = blockIdx.x;
@@ -341,8 +372,14 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
                  kChunk);
   tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
-  tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
-  tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
+  const int64_t nc = (a.len[seq] + kChunk - 1) / kChunk;
+  if constexpr (kTree) {
+    tc::async_rows(s.dH, s.ldv, static_cast<const T*>(ta.dz16) + hidx, dv, 0, dk, 0, dv, dk);
+    if (c > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(a.chunk0[seq], nc, c), h, a.H, dk, dv, 0, dv);
+  } else {
+    tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
+    tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
+  }
   tc::cp_async_commit();
   const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) s.b[threadIdx.x] = gate_at(bg, r0, threadIdx.x, nr);
@@ -351,14 +388,17 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   const float sc = float(a.scale), B = s.b[kChunk - 1];
   const int i0 = 16 * rb + g, i1 = i0 + 8;
   const float bi0 = s.b[i0], bi1 = s.b[i1];
+  const int64_t lrow = int64_t(h) * a.Ttot + r0;  // lam / dlam row of chunk row 0 (times nL)
+  const float* lam0 = kTree ? ta.lam + (lrow + min(i0, nr - 1)) * ta.nL : nullptr;
+  const float* lam1 = kTree ? ta.lam + (lrow + min(i1, nr - 1)) * ta.nL : nullptr;
   // P and dA: this warp's rows, column tiles of half ch (32 columns) that reach the diagonal
   {
     const int n0 = 32 * ch;
     if (n0 <= 16 * rb + 15) {
       float x[4][4], y[4][4];
-      zero(x), zero(y);
-      warp_gemm<T, 4, false, false>(x, s.Q, s.ldk, 16 * rb, s.K, s.ldk, n0, 4, 0, dk);
-      warp_gemm<T, 4, false, false>(y, s.dO, s.ldv, 16 * rb, s.V, s.ldv, n0, 4, 0, dv);
+      tc::zero(x), tc::zero(y);
+      tc::warp_gemm<T, 4, false, false>(x, s.Q, s.ldk, 16 * rb, s.K, s.ldk, n0, 4, 0, dk);
+      tc::warp_gemm<T, 4, false, false>(y, s.dO, s.ldv, 16 * rb, s.V, s.ldv, n0, 4, 0, dv);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -366,8 +406,17 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           const float bi = hf ? bi1 : bi0;
           const float g0 = col <= i ? __expf(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? __expf(bi - s.b[col + 1]) : 0.f;
-          *reinterpret_cast<uint32_t*>(s.P + i * kLdTile + col) = tc::pack2<T>(x[j][2 * hf] * sc * g0, x[j][2 * hf + 1] * sc * g1);
-          *reinterpret_cast<uint32_t*>(s.dA + i * kLdTile + col) = tc::pack2<T>(y[j][2 * hf] * g0, y[j][2 * hf + 1] * g1);
+          float l0 = 1.f, l1 = 1.f;
+          if constexpr (kTree) {  // lam_i^{bitlen(i xor j)}; Tl = dP o (scale Gamma o Q K^T) for dlam
+            const float* lr = hf ? lam1 : lam0;
+            l0 = col <= i ? lr[32 - __clz(i ^ col)] : 0.f;
+            l1 = col + 1 <= i ? lr[32 - __clz(i ^ (col + 1))] : 0.f;
+            *reinterpret_cast<float2*>(s.Tl + i * s.kLdT + col) =
+                make_float2(y[j][2 * hf] * x[j][2 * hf] * sc * g0, y[j][2 * hf + 1] * x[j][2 * hf + 1] * sc * g1);
+          }
+          *reinterpret_cast<uint32_t*>(s.P + i * kLdTile + col) =
+              tc::pack2<T>(x[j][2 * hf] * sc * g0 * l0, x[j][2 * hf + 1] * sc * g1 * l1);
+          *reinterpret_cast<uint32_t*>(s.dA + i * kLdTile + col) = tc::pack2<T>(y[j][2 * hf] * g0 * l0, y[j][2 * hf + 1] * g1 * l1);
         }
     } else {  // above the diagonal: zeros
 #pragma unroll
@@ -377,10 +426,21 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           *reinterpret_cast<uint32_t*>(s.P + i * kLdTile + col) = 0u;
           *reinterpret_cast<uint32_t*>(s.dA + i * kLdTile + col) = 0u;
+          if constexpr (kTree) *reinterpret_cast<float2*>(s.Tl + i * s.kLdT + col) = make_float2(0.f, 0.f);
         }
     }
   }
   __syncthreads();
+  if constexpr (kTree) {  // dlam of the in-chunk levels: row i, level l sums Tl over its bucket (§2.2)
+    for (int e = threadIdx.x; e < nr * (kLogChunk + 1); e += blockDim.x) {
+      const int i = e / (kLogChunk + 1), l = e % (kLogChunk + 1);
+      if (l > 0 && !((i >> (l - 1)) & 1)) continue;  // empty bucket: never read, stays 0
+      const int j0 = l == 0 ? i : (i >> l) << l, j1 = l == 0 ? i + 1 : j0 + (1 << (l - 1));
+      float acc = 0.f;
+      for (int j = j0; j < j1; ++j) acc += s.Tl[i * s.kLdT + j];
+      ta.dlam[(lrow + i) * ta.nL + l] = acc;
+    }
+  }
   const int64_t rowbase = int64_t(h) * a.Ttot + r0;
   float dcp0 = 0.f, dcp1 = 0.f;  // this thread's partial dc of rows i0, i1
   // writes acc (columns c0 + 8j + 2t) of rows < nr to out [rows][ld] (fp32)
@@ -418,14 +478,47 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   const int ck0 = ch * hk, nkt = max(0, min(hk, dk - ck0)) / 8;
   const int cv0 = ch * hv, nvt = max(0, min(hv, dv - cv0)) / 8;
   const float e0 = __expf(bi0), e1 = __expf(bi1), w0 = __expf(B - bi0), w1 = __expf(B - bi1);
-  for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time
+  for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time (one pass for kTree: dk <= 128)
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4];
-    zero(acc);
-    warp_gemm<T, 8, false, false>(acc, s.dO, s.ldv, 16 * rb, s.Hp, s.ldv, cc, nt, 0, dv);
+    tc::zero(acc);
+    if constexpr (kTree) {  // sum_m diag(lam^{p+m} e^{b+gap}) Y_m, Y_m = dO node_m^T   [C,dv]x[dv,dk] per level
+      // level k in Hp / Hp2 (k even / odd), level k + 1 loading into the other one meanwhile
+      int k = 0;
+      for_each_read(ta, a.chunk0[seq], nc, c, h, a.H, [&](int m, int64_t, float gap) {
+        T* cur = (k & 1) ? s.Hp2 : s.Hp;
+        if (const uint64_t above = uint64_t(c) >> m) {  // the next level read: the next set bit of c
+          const int m2 = m + 1 + ctz64u(above);
+          async_node((k & 1) ? s.Hp : s.Hp2, s.ldv, ta, node_slot(a.chunk0[seq], nc, m2, (c >> (m2 - 1)) - 1), h, a.H,
+                     dk, dv, 0, dv);
+        }
+        tc::cp_async_commit();
+        tc::cp_async_wait<1>();
+        __syncthreads();  // level k has landed; the previous level's red is consumed
+        ++k;
+        float y[8][4];
+        tc::zero(y);
+        tc::warp_gemm<T, 8, false, false>(y, s.dO, s.ldv, 16 * rb, cur, s.ldv, cc, nt, 0, dv);
+        const float f0 = __expf(bi0 + gap), f1 = __expf(bi1 + gap);
+        const float c0 = lam0[kLogChunk + m] * f0, c1 = lam1[kLogChunk + m] * f1;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] *= e0, acc[j][1] *= e0, acc[j][2] *= e1, acc[j][3] *= e1;
-    warp_gemm<T, 8, false, true>(acc, s.dA, kLdTile, 16 * rb, s.K, s.ldk, cc, nt, 0, 16 * rb + 16);
+        for (int j = 0; j < 8; ++j)
+          acc[j][0] += c0 * y[j][0], acc[j][1] += c0 * y[j][1], acc[j][2] += c1 * y[j][2], acc[j][3] += c1 * y[j][3];
+        float d0 = 0.f, d1 = 0.f;  // q^_i . Y_i over this warp's columns
+        dot_rows(y, s.Q, s.ldk, cc, nt, d0, d1);
+        d0 += __shfl_xor_sync(0xffffffffu, d0, 1), d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
+        d1 += __shfl_xor_sync(0xffffffffu, d1, 1), d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
+        if (t == 0) s.red[ch * kChunk + i0] = sc * f0 * d0, s.red[ch * kChunk + i1] = sc * f1 * d1;
+        __syncthreads();
+        if (threadIdx.x < nr)
+          ta.dlam[(lrow + threadIdx.x) * ta.nL + kLogChunk + m] = s.red[threadIdx.x] + s.red[kChunk + threadIdx.x];
+      });
+    } else {
+      tc::warp_gemm<T, 8, false, false>(acc, s.dO, s.ldv, 16 * rb, s.Hp, s.ldv, cc, nt, 0, dv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j][0] *= e0, acc[j][1] *= e0, acc[j][2] *= e1, acc[j][3] *= e1;
+    }
+    tc::warp_gemm<T, 8, false, true>(acc, s.dA, kLdTile, 16 * rb, s.K, s.ldk, cc, nt, 0, 16 * rb + 16);
     store(a.dq, dk, a.dq_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.Q, s.ldk, cc, nt, d0, d1);
@@ -443,9 +536,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
-    zero(acc), zero(acc2);
-    warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
-    warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
+    tc::zero(acc), tc::zero(acc2);
+    tc::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
+    tc::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, sc);
     store(a.dk_, dk, a.dk_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
@@ -455,9 +548,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   for (int cc = cv0; cc < cv0 + nvt * 8; cc += 64) {  // dV
     const int nt = min(8, (cv0 + nvt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
-    zero(acc), zero(acc2);
-    warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
-    warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
+    tc::zero(acc), tc::zero(acc2);
+    tc::warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
+    tc::warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, 1.f);
     store(a.dv_, dv, a.dv_out, acc, cc, nt);
   }
@@ -469,9 +562,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a) {
   if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
 }
 
-size_t bwd_smem(int dk, int dv, size_t esize) {
+size_t bwd_smem(int dk, int dv, size_t esize, bool tree = false) {
   size_t bytes = 0;
-  if (esize == 2) BwdTiles<__nv_bfloat16>(nullptr, dk, dv, &bytes);
+  if (esize == 2) BwdTiles<__nv_bfloat16>(nullptr, dk, dv, tree, &bytes);
   return bytes;
 }
 
@@ -508,7 +601,7 @@ void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
   auto launch = [&](auto kernel) {
     set_smem(kernel, bytes);
     if (!dry_run()) {  // dry run: workspace_size
-      kernel<<<grid, kThreads, bytes, stream>>>(a, vtile);
+      kernel<<<grid, kThreads, bytes, stream>>>(a, vtile, TreeArgs{}, nullptr, 0);
       HILA_CUDA_CHECK_LAUNCH();
     }
   };
@@ -517,28 +610,57 @@ void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
 }
 
 template <class T>
-void tc_output(const GlaArgs<T>& a, cudaStream_t stream) {
+int64_t tc_sweep_blocks(const GlaArgs<T>& a) {
+  return int64_t(a.N) * a.H * ((a.dk + kTile - 1) / kTile) * ((a.dv + kTile - 1) / kTile);
+}
+
+template <class T>
+size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk) {
+  return size_t(tc_sweep_blocks(a)) * lstk * 8 * kThreads * 4;  // floats
+}
+
+template <class T>
+void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
+  const dim3 grid(unsigned(a.N * a.H), unsigned((a.dk + kTile - 1) / kTile), unsigned((a.dv + kTile - 1) / kTile));
+  const size_t bytes = kStages * SweepStage::kBytes;
+  set_smem(sweep_kernel<T, false, true>, bytes);
+  if (dry_run()) return;  // dry run: workspace_size
+  sweep_kernel<T, false, true><<<grid, kThreads, bytes, stream>>>(a, kTile, ta, stack, lstk);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void tc_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
   if (a.nchunks == 0) return;
   const size_t bytes = output_smem(a.dk, a.dv, sizeof(T));
-  set_smem(output_kernel<T>, bytes);
-  if (!dry_run()) {  // dry run: workspace_size
-    output_kernel<T><<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(a);
-    HILA_CUDA_CHECK_LAUNCH();
-  }
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, bytes);
+    if (!dry_run()) {  // dry run: workspace_size
+      kernel<<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(
+          a, tree ? *tree : TreeArgs{});
+      HILA_CUDA_CHECK_LAUNCH();
+    }
+  };
+  if (tree) launch(output_kernel<T, true>);
+  else launch(output_kernel<T, false>);
 }
 
 size_t tc_output_smem(int dk, int dv, size_t esize) { return output_smem(dk, dv, esize); }
-size_t tc_bwd_smem(int dk, int dv) { return bwd_smem(dk, dv, 2); }
+size_t tc_bwd_smem(int dk, int dv, bool tree) { return bwd_smem(dk, dv, 2, tree); }
 
 template <class T>
-void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream) {
+void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
   if (a.nchunks == 0) return;
-  const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T));
-  set_smem(bwd_chunk_kernel<T>, bytes);
-  if (!dry_run()) {  // dry run: workspace_size
-    bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a);
-    HILA_CUDA_CHECK_LAUNCH();
-  }
+  const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T), tree != nullptr);
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, bytes);
+    if (!dry_run()) {  // dry run: workspace_size
+      kernel<<<dim3(unsigned(a.nchunks), a.H), kBwdThreads, bytes, stream>>>(a, tree ? *tree : TreeArgs{});
+      HILA_CUDA_CHECK_LAUNCH();
+    }
+  };
+  if (tree) launch(bwd_chunk_kernel<T, true>);
+  else launch(bwd_chunk_kernel<T, false>);
 }
 
 template void gla_chunk_cumsum<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, float*, cudaStream_t);
@@ -547,8 +669,11 @@ template void gla_chunk_cumsum<float>(const GlaArgs<float>&, float*, cudaStream_
 template void gla_chunk_cumsum<double>(const GlaArgs<double>&, double*, cudaStream_t);
 #define HILA_INSTANTIATE(T)                                                         \
   template void tc_sweep<T>(const GlaArgs<T>&, bool, cudaStream_t);                 \
-  template void tc_output<T>(const GlaArgs<T>&, cudaStream_t);                \
-  template void tc_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t);
+  template void tc_tree_sweep<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, cudaStream_t); \
+  template int64_t tc_sweep_blocks<T>(const GlaArgs<T>&);                          \
+  template size_t tc_tree_sweep_stack<T>(const GlaArgs<T>&, int);                  \
+  template void tc_output<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*); \
+  template void tc_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)
 #undef HILA_INSTANTIATE

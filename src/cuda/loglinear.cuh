@@ -13,6 +13,8 @@
 //   When the live levels entering each segment are stored (always in the backward; in a forward
 //   when they fit a quarter of the free memory) the sweep carries the states alone and the outputs
 //   run chunk-parallel, one block per (segment, head) over all dv columns.
+// Training calls (every sequence from position 0, no state in or out, 16-bit operands) take the
+//   chunk-parallel tree form instead (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
 // Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
 //   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
 //   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
@@ -46,8 +48,8 @@ struct LlTables {
 
 // Arguments: `p` carries the GLA fields with the same meaning (q, k, v, g, sizes, sequence rows,
 // scale, o, dO, dq, dk_, dv_, dg) except that p.h0, p.ht, p.dht, p.dh0 are Fenwick states
-// [N][H][Ls][dk][dv]. p.ht is required by the forward (it is the working state); p.dh0 is
-// required by the backward (the working adjoint).
+// [N][H][Ls][dk][dv]. Unless `tree`, p.ht is required by the forward (it is the working state) and
+// p.dh0 by the backward (the working adjoint).
 template <class T>
 struct LlArgs {
   using R = Acc<T>;
@@ -62,6 +64,7 @@ struct LlArgs {
   R* dst = nullptr;                  // [goff[nseg]][H][dk][dv] adjoints of each segment's token levels
   R* dBpart = nullptr;               // [nseg][H][dv / 64] re-key part of dB per value tile
   R* dlam = nullptr;                 // [H][Ttot][nL]
+  bool tree = false;                 // the chunk-parallel tree form (below); p.ht, p.dh0, hst unused
 };
 
 // Forward: writes p.o (if set), p.ht (final canonical state) and hst (if set).
@@ -72,6 +75,17 @@ void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // otherwise recomputes it. Allocates dst and dBpart on the stream.
 template <class T>
 void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
+// Chunk-parallel tree form (ll_tree.cuh, loglinear_tree.cu), taken by ll_forward / ll_backward
+// when a.tree. The caller sets it for calls with every sequence from position 0 and no Fenwick
+// state in or out (no h0, ht, dht, dh0) where ll_tree_usable: 16-bit operands, 32 <= dk <= 128,
+// dv <= 128, and HILA_LOGLINEAR_TREE is not 0. Unlike the sweep it reads q, k, v, dO and writes o,
+// dq, dk, dv in the callers' row layouts (GlaArgs::*_ld, *_hs).
+template <class T>
+bool ll_tree_usable(int dk, int dv);
+template <class T>
+void ll_tree_forward(const LlArgs<T>& a, cudaStream_t stream);
+template <class T>
+void ll_tree_backward(const LlArgs<T>& a, cudaStream_t stream);
 // Shared memory the kernels need for these head dims (bytes).
 template <class T>
 size_t ll_smem_need(int dk, int dv);

@@ -96,6 +96,66 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* B, int ld, 
   ldsm_x4_t(b, B + (k0 + (l & 7) + (((l >> 3) & 1) << 3)) * ld + n0 + ((l >> 4) << 3));
 }
 
+template <int NT>
+__device__ __forceinline__ void zero(float (&x)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
+}
+
+// acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
+//   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
+//   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
+template <class T, int NT, bool kA, bool kB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
+                                          int nt, int k_begin, int k_end) {
+  for (int k = k_begin; k < k_end; k += 16) {
+    uint32_t fa[4];
+    if constexpr (kA) load_a_t(fa, A, lda, m0, k);
+    else load_a(fa, A, lda, m0, k);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)
+      if (2 * jj < nt) {
+        uint32_t fb[4];
+        if constexpr (kB) load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
+        else load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
+        mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
+        mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+  }
+}
+
+// acc[16 x 8*NT] += Xt^T diag(w) Y over the `rows` tokens of a chunk: rows m0.. of Xt^T (Xt
+// [token][m], e.g. K), Y [token][n] (e.g. V), columns 8j, j < nt; w(token) is the token weight
+// (e^{B-b} for a state update). The weights scale the A fragments in registers.
+template <class T, int NT, class W>
+__device__ __forceinline__ void warp_gemm_tn_weighted(float (&acc)[NT][4], const T* Xt, int ldx, int m0, const T* Y,
+                                                      int ldy, int nt, int rows, W w) {
+  const int t = threadIdx.x & 3;
+  for (int kk = 0; kk < rows / 16; ++kk) {
+    uint32_t fa[4];
+    load_a_t(fa, Xt, ldx, m0, 16 * kk);
+    // token weights of the k index held by this thread: 16kk + 2t (+1), 16kk + 2t + 8 (+1)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int k = 16 * kk + 2 * t + 8 * hf;
+      const float w0 = w(k), w1 = w(k + 1);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {  // a[2hf + m]: rows g / g+8, tokens k, k+1
+        const float2 x = unpack2<T>(fa[2 * hf + m]);
+        fa[2 * hf + m] = pack2<T>(x.x * w0, x.y * w1);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)
+      if (2 * jj < nt) {
+        uint32_t fb[4];
+        load_b_kn(fb, Y, ldy, 16 * jj, 16 * kk);
+        mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
+        mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+  }
+}
+
 #ifdef HILA_CUDA_EMU  // host emulator: copies queued per thread, landing at wait_group
 inline void cp_async16(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 16, src_bytes); }
 inline void cp_async4(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 4, src_bytes); }

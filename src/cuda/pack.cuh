@@ -22,6 +22,19 @@ __global__ void pack_rows(P* out, Strided in, int64_t T, int64_t X, int64_t Ttot
   }
 }
 
+// The same for a 16-bit tensor of the packed dtype with unit column stride, (B, T) merged into rows
+// of stride ld (head stride hs), 16-byte aligned rows and d = dp, d % 8 == 0: 16 bytes per thread.
+template <class P>
+__global__ void pack_rows8(P* out, const P* in, int64_t ld, int64_t hs, int64_t X, int64_t Ttot, int d) {
+  const int d8 = d / 8;
+  const int64_t n = X * Ttot * d8;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % d8) * 8;
+    const int64_t r = (e / d8) % Ttot, x = e / (int64_t(d8) * Ttot);
+    *reinterpret_cast<uint4*>(out + (x * Ttot + r) * d + c) = *reinterpret_cast<const uint4*>(in + x * hs + r * ld + c);
+  }
+}
+
 // packed [X*rep][Ttot][dp] (P) -> [B, T, X, d] (strided): out = mult * sum over rep heads.
 template <class P>
 __global__ void unpack_rows(Strided out, const P* in, int64_t T, int64_t X, int rep, int64_t Ttot,
