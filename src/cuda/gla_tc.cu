@@ -117,6 +117,17 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     if (i < nch) issue(i);
     else tc::cp_async_commit();
   }
+  // the register tile as 16-bit GEMM operand into a [dk][dv] matrix at dst
+  auto store16 = [&](T* dst) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+        }
+  };
   for (int i = 0; i < nch; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
     tc::cp_async_wait<kStages - 2>();
@@ -149,31 +160,13 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-      if (active) {  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
-        T* dst = static_cast<T*>(const_cast<void*>(ta.node16)) +
-                 (node_slot(a.chunk0[seq], nc, m, i) * a.H + h) * int64_t(a.dk) * a.dv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (j < nt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-              const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
-              *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
-            }
-      }
+      if (active)  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
+        store16(static_cast<T*>(const_cast<void*>(ta.node16)) +
+                (node_slot(a.chunk0[seq], nc, m, i) * a.H + h) * int64_t(a.dk) * a.dv);
       continue;
     }
-    if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
-      StateOperand<T>* dst = store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (j < nt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
-            *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
-          }
-    }
+    if (store && active)  // state entering chunk c (forward) / cotangent at its end (reverse)
+      store16(store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv);
     const float B = bt[rows_in(len, c) - 1];
     const float decay = __expf(B);
     const float sc = float(a.scale);

@@ -31,6 +31,9 @@ struct LlCase {
   // no final state asked for and no final-state cotangent, as a training step calls it: with 16-bit
   // operands (and no initial state) this is the chunk-parallel tree form (ll_tree.cuh)
   bool stateless = false;
+  // HILA_LOGLINEAR_TREE_SWEEP for the call: "1" builds the tree with the sweep kernel, "0"
+  // chunk-parallel (the default picks by the number of blocks: the small cases here take "0")
+  const char* tree_sweep = nullptr;
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
@@ -68,9 +71,10 @@ std::vector<LlCase> cases() {
                 name(ll, "f64_varlen_init_mixed_pos"), false, false, 0, true});
   // the tree form: T around chunk multiples and powers of two, varlen with empty sequences, GQA, dv 40
   auto tree = [&](Op op, DType dt, int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv, std::vector<int64_t> lens,
-                  const std::string& tag) {
-    LlCase x{op, dt, B, T, 1, H, dk, dv, std::move(lens), {}, 1e-2, name(op, tag + "_tree")};
+                  const std::string& tag, const char* sweep = nullptr) {
+    LlCase x{op, dt, B, T, 1, H, dk, dv, std::move(lens), {}, 1e-2, name(op, tag + (sweep ? "_tree_sweep" : "_tree"))};
     x.stateless = true;
+    x.tree_sweep = sweep;
     cs.push_back(x);
   };
   for (int64_t T : {1, 63, 64, 65, 130, 1000})
@@ -82,6 +86,9 @@ std::vector<LlCase> cases() {
   tree(ll, DType::bf16, 1, 300, 2, 128, 128, {}, "bf16_d128_T300");
   tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40");
   tree(ll, DType::f16, 2, 200, 2, 64, 64, {}, "f16_T200");
+  tree(ll, DType::bf16, 2, 1000, 4, 64, 64, {}, "bf16_d64_T1000", "1");
+  tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40", "1");
+  tree(ll, DType::bf16, 1, 300, 2, 128, 128, {}, "bf16_d128_T300", "1");
   for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3})
     tree(op, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300");
   // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
@@ -156,11 +163,14 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
+  if (c.tree_sweep) setenv("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, 1);
   try {
     backward(p);
   } catch (const std::exception& e) {
+    unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
     FAIL() << "backward threw: " << e.what();
   }
+  unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
