@@ -6,6 +6,7 @@
 #   STAGES="tests demo sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
+# Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
 # report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
@@ -44,7 +45,7 @@ fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
-      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init}" \
+      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13}" \
       >"$LOGS/sanitizer_$tool.log" 2>&1
     note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done

@@ -5,6 +5,10 @@
 // input tensor of the benchmark shapes exceeds the L2 cache, so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
 // training step pays.
+// --prefill: also times, per op and shape, a forward that writes the final state (direction
+// "prefill", from position 0) and a forward from a (zero) initial state at position T to 2T with
+// the final state (direction "continue"; lam with the levels 2T needs): what serving a prompt and
+// a chunked prefill pay.
 // --decode: one hila::step on a CUDA DecodeState (bf16 inputs, fp32 state) per timed run, for each
 // op at batch N (--batches, default 1,16,256) and, for log-linear ops, start positions --positions
 // (default 4096,65536,1048576; the state is a loaded zero state at that position). Prints
@@ -247,6 +251,52 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
   }
 }
 
+// --prefill rows (see the top): p is a forward over [B, T] from position 0.
+void time_prefill(const hila::ForwardParams& p, int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv, int64_t G,
+                  int warmup, int reps, std::mt19937& rng) {
+  using namespace hila;
+  const Device dev{DeviceType::cuda, 0};
+  auto state = [&](int64_t pos, std::vector<std::unique_ptr<Dev>>& keep) {  // a zero state of B sequences at pos
+    const StateShape sh = state_shape(p.cfg, B, H, dk, dv, pos);
+    auto zeros = [&](const std::vector<int64_t>& shape, DType dt) {
+      size_t n = dt == DType::i64 ? 8 : 4;
+      for (int64_t x : shape) n *= size_t(x);
+      keep.push_back(std::make_unique<Dev>(n));
+      CK(cudaMemset(keep.back()->p, 0, n));
+      return TensorView::contiguous_view(keep.back()->p, dt, shape.data(), int(shape.size()), dev);
+    };
+    StateView st;
+    st.pos = zeros({B}, DType::i64);
+    std::vector<int64_t> pos_host(size_t(B), pos);
+    CK(cudaMemcpy(keep.back()->p, pos_host.data(), size_t(B) * 8, cudaMemcpyHostToDevice));
+    if (sh.S) st.S = zeros(sh.S_shape, DType::f32);
+    if (sh.P) st.P = zeros(sh.P_shape, DType::f32);
+    if (sh.H) st.H = zeros(sh.H_shape, DType::f32);
+    return st;
+  };
+  auto row = [&](const char* dir, double ms) {
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld\n", op_name(p.cfg.op), (long long)B, (long long)T,
+                (long long)H, (long long)dv, dir, ms, (long long)dk, (long long)G);
+  };
+  std::vector<std::unique_ptr<Dev>> keep;
+  ForwardParams f = p;
+  f.final_state = state(T, keep);
+  row("prefill", median_ms([&] { forward(f); }, warmup, reps));
+  // continuation from position T: the states at T and 2T, lam with the levels of 2T
+  ForwardParams c = p;
+  c.init = state(T, keep);
+  c.final_state = state(2 * T, keep);
+  std::unique_ptr<Dev> lam;
+  if (op_traits(p.cfg.op).loglinear) {
+    const int64_t L = levels_needed(T, T);
+    lam = std::make_unique<Dev>(size_t(B * T * H * L) * 2);
+    fill_bf16_uniform(*lam, rng, 0.25f, 1.5f);
+    c.lam = TensorView::contiguous_view(lam->p, DType::bf16, {B, T, H, L}, dev);
+  }
+  row("continue", median_ms([&] { forward(c); }, warmup, reps));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,14 +305,17 @@ int main(int argc, char** argv) {
   std::vector<Op> ops = {Op::gla};
   int64_t H = 16, d = 128, dk = 0, dv = 0, G = 0;  // dk, dv default to d; G (q/k groups) to H
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
-  bool decode = false;
+  bool decode = false, prefill = false;
   bool ops_given = false;
   std::vector<int64_t> batches = {1, 16, 256}, positions = {4096, 65536, 1048576};
-  for (int i = 1; i < argc; ++i)
+  auto is_flag = [](const std::string& a) { return a == "--decode" || a == "--prefill"; };
+  for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--decode") decode = true;
+    if (std::string(argv[i]) == "--prefill") prefill = true;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--decode") {
+    if (is_flag(k)) {
       --i;  // a flag without a value
       continue;
     }
@@ -339,6 +392,7 @@ int main(int argc, char** argv) {
     }
     if (tr.loglinear) p.lam = view_lam(lam);
     const double fwd = median_ms([&] { forward(p); }, warmup, reps);
+    if (prefill) time_prefill(p, B, T, H, dk, dv, G, warmup, reps, rng);
     BackwardParams b = p;
     if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, DType::bf16, {B, T, H}, dev);
     b.o = {};

@@ -86,6 +86,13 @@ def main(out_csv, out_png, out_md, *inputs):
         lines += ["", "First call in a fresh process (host wall time, forward, B=1, T=256, bf16):", "",
                   "| what | ms |", "|---|---|"]
         lines += [f"| {r_['op']} {r_['direction']} | {float(r_['ms']):.1f} |" for r_ in extra]
+    serve = {key(r_): float(r_["ms"]) for r_ in rows if r_["impl"] == "hila" and r_["direction"] in ("prefill", "continue")}
+    if serve:  # hila_bench --prefill
+        lines += ["", "Forward with the final state (prefill: from position 0; continue: from a state at T to 2T), ms:",
+                  "", "| op | B | T | prefill | continue | forward alone |", "|---|---|---|---|---|---|"]
+        for _, op, B, T in sorted({k[:4] for k in serve}, key=lambda k: (k[1], k[3])):
+            cell = lambda d: f(serve.get(("hila", op, B, T, d)) or t.get(("hila", op, B, T, d)))
+            lines.append(f"| {op} | {B} | {T} | {cell('prefill')} | {cell('continue')} | {cell('fwd')} |")
     with open(out_md, "w") as f_:
         f_.write("\n".join(head + lines) + "\n")
     try:

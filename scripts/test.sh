@@ -19,6 +19,8 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T65:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep:'\
+'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree_final:'\
+'Shapes/CudaLogLinearContinue.ForwardFromStateMatchesNaive/loglinear_bf16_T300_at13:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_f64_d32_init13_T1:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_f64_d32_init13_T1:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/gla_f16_d64:'\

@@ -229,16 +229,21 @@ struct Call {
   SeqTables seqs;
   std::optional<LlTables> ll;  // log-linear outer primitive: segments, n0, Fenwick slots
   DevBuf<R> lam;               // [H][Ttot][nL]
-  // log-linear outer primitive in the chunk-parallel tree form (ll_tree.cuh): every sequence from
-  // position 0 and no Fenwick state in or out (bwd_states: the backward's d_final.H / d_init.H)
+  // log-linear outer primitive in the chunk-parallel tree form (ll_tree.cuh): every sequence from a
+  // chunk-aligned position (with its initial state when n0 > 0), any final state out, and in a
+  // backward no final-state cotangent (d_final_H)
   const bool tree;
+  static bool tree_form(const detail::Resolved& r, const ForwardParams& p, bool d_final_H) {
+    if (!detail::OpPlan::make(r.cfg).fenwick || d_final_H) return false;
+    return std::all_of(r.seqs.begin(), r.seqs.end(),
+                       [&](const auto& x) { return x.n0 % kChunk == 0 && (x.n0 == 0 || p.init.H.defined()); }) &&
+           ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
+  }
 
-  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool bwd_states = false)
+  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool d_final_H = false)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
         rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk),
-        tree(plan.fenwick && !bwd_states && !p.init.H.defined() && !p.final_state.H.defined() &&
-             std::all_of(r_.seqs.begin(), r_.seqs.end(), [](const auto& x) { return x.n0 == 0; }) &&
-             ll_tree_usable<T>(dkp, dvp)) {
+        tree(tree_form(r_, p, d_final_H)) {
     q = operand(p.q, r.G, int(r.dk), dkp, -1, qbuf);
     k = operand(p.k, r.G, int(r.dk), dkp, -1, kbuf);
     v = operand(p.v, r.H, int(r.dv), dvp, r.cfg.normalize ? int(r.dv) : -1, vbuf);
@@ -280,9 +285,9 @@ struct Call {
       HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
   }
   // Arguments of the log-linear outer primitive; hst holds the live levels stored per segment.
-  LlArgs<T> ll_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr) const {
+  LlArgs<T> ll_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr, bool want_final = false) const {
     LlArgs<T> a;
-    a.tree = tree;
+    a.tree = tree, a.want_final = want_final;
     a.p = base;
     a.p.hbuf = nullptr;
     a.hst = hst;
@@ -397,11 +402,12 @@ struct PrimGradBufs {
   using R = Acc<T>;
   DevBuf<R> dq, dk, dv, dg, dh0;
   DevBuf<StateOperand<T>> dhbuf;
-  // fenwick: the log-linear outer primitive (dh0 holds Fenwick slots and is always needed)
+  // fenwick: the log-linear outer primitive (dh0 holds Fenwick slots; the segment sweep always
+  // needs it as its working adjoint, the tree form only when asked for)
   PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s, bool fenwick = false)
       : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
         dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
-        dh0(want_dh0 || fenwick ? size_t(c.NH * (fenwick ? c.slots() : 1) * c.dkp * dval) : 0, s),
+        dh0(want_dh0 || (fenwick && !c.tree) ? size_t(c.NH * (fenwick ? c.slots() : 1) * c.dkp * dval) : 0, s),
         dhbuf(fenwick ? 0 : size_t(c.seqs.nchunks * c.r.H * c.dkp * dval), s) {}
   void attach(GlaArgs<T>& a) const {
     a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
@@ -442,10 +448,96 @@ struct OutputTarget {
   }
 };
 
+// rows [row0[i], row0[i] + len[i]) of every head of src -> dst, both [B, T, H, d] (row = b T + t)
+template <class P>
+__global__ void copy_seq_rows(Strided dst, Strided src, const int64_t* row0, const int64_t* len, int64_t N,
+                              int64_t maxlen, int64_t T, int64_t H, int d) {
+  const int64_t n = N * maxlen * H * d;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(e % d);
+    const int64_t x = (e / d) % H, j = (e / (d * H)) % maxlen, i = e / (d * H * maxlen);
+    if (j >= len[i]) continue;
+    const int64_t r = row0[i] + j, b = r / T, t = r % T;
+    st<Acc<P>>(dst, b * dst.s[0] + t * dst.s[1] + x * dst.s[2] + c * dst.s[3],
+               ld<Acc<P>>(src, b * src.s[0] + t * src.s[1] + x * src.s[2] + c * src.s[3]));
+  }
+}
+
+template <class T>
+void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s);
+
+// A log-linear forward from initial states at positions that are not all multiples of the chunk
+// (a prefill after some decode steps): the first segment of every sequence, up to its next multiple
+// of the chunk (at most 63 rows), runs the segment sweep into a state at that aligned position;
+// the rest runs the tree form from it. Consecutive calls that pass the state along equal one call
+// (LOGLINEAR_SPEC §3.4). Taken when the rest can run the tree form.
+template <class T>
+bool split_unaligned_head(const detail::Resolved& r, const ForwardParams& p) {
+  if (!detail::OpPlan::make(r.cfg).fenwick || !p.init.H.defined() ||
+      std::all_of(r.seqs.begin(), r.seqs.end(), [](const auto& x) { return x.n0 % kChunk == 0; }))
+    return false;
+  return ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
+}
+
+template <class T>
+void forward_split_head(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+  using R = Acc<T>;
+  detail::Resolved head = r, rest = r;
+  const int64_t N = int64_t(r.seqs.size());
+  std::vector<int64_t> row0(static_cast<size_t>(N)), len(static_cast<size_t>(N));
+  int64_t mid_max = 0, maxlen = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const detail::SeqInfo& x = r.seqs[size_t(i)];
+    const int64_t h = std::min(x.len, (kChunk - x.n0 % kChunk) % kChunk);
+    head.seqs[size_t(i)].len = h;
+    rest.seqs[size_t(i)].row0 += h, rest.seqs[size_t(i)].len -= h, rest.seqs[size_t(i)].n0 += h;
+    row0[size_t(i)] = x.b * r.T + x.row0, len[size_t(i)] = h;
+    mid_max = std::max(mid_max, x.n0 + h), maxlen = std::max(maxlen, h);
+  }
+  // the state at the end of the heads, in the public layout (fp32; written by the first call)
+  const Device dev = p.q.device;
+  const StateShape sh = state_shape(r.cfg, N, r.H, r.dk, r.dv, mid_max);
+  auto numel = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    return n;
+  };
+  DevBuf<R> S(sh.S ? size_t(numel(sh.S_shape)) : 0, s), P(sh.P ? size_t(numel(sh.P_shape)) : 0, s),
+      H(size_t(numel(sh.H_shape)), s);
+  DevBuf<int64_t> pos(size_t(N), s);
+  constexpr DType kR = sizeof(R) == 8 ? DType::f64 : DType::f32;
+  StateView mid;
+  mid.pos = TensorView::contiguous_view(pos.get(), DType::i64, {N}, dev);
+  if (sh.S) mid.S = TensorView::contiguous_view(S.get(), kR, sh.S_shape.data(), int(sh.S_shape.size()), dev);
+  if (sh.P) mid.P = TensorView::contiguous_view(P.get(), kR, sh.P_shape.data(), int(sh.P_shape.size()), dev);
+  mid.H = TensorView::contiguous_view(H.get(), kR, sh.H_shape.data(), int(sh.H_shape.size()), dev);
+  // the heads' outputs go to a scratch copy of o (the first call writes whole tensors), then their rows to o
+  DevBuf<T> o1(p.o.defined() ? size_t(r.B * r.T * r.H * r.dv) : 0, s);
+  ForwardParams p1 = p;
+  p1.final_state = mid;
+  if (p.o.defined()) p1.o = TensorView::contiguous_view(o1.get(), p.o.dtype, {r.B, r.T, r.H, r.dv}, dev);
+  forward_call<T>(head, p1, s);
+  ForwardParams p2 = p;
+  p2.init = mid;
+  forward_call<T>(rest, p2, s);
+  if (p.o.defined() && maxlen > 0) {
+    const DevBuf<int64_t> d_row0 = SeqTables::upload(row0, s), d_len = SeqTables::upload(len, s);
+    HILA_LAUNCH(copy_seq_rows<T>, N * maxlen * r.H * r.dv, s, Strided(p.o), Strided(p1.o), d_row0.get(), d_len.get(), N,
+                maxlen, r.T, r.H, int(r.dv));
+  }
+}
+
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
-  using R = Acc<T>;
   if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
+  if (split_unaligned_head<T>(r, p)) return forward_split_head<T>(r, p, s);
+  forward_call<T>(r, p, s);
+}
+
+// One forward of the composition (HLA_SPEC §11): the inner primitives, then the outer one.
+template <class T>
+void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+  using R = Acc<T>;
   const Call<T> c(r, p, s);
   const auto in = c.run_inner(false);
   const OutputTarget<T> O(c, p.o, false);
@@ -453,7 +545,7 @@ void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   GlaArgs<T> a = c.outer(in);
   O.attach(a, p.o);
   a.h0 = c.H0.get(), a.ht = Hf.get();
-  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a, nullptr), *c.ll, s);
+  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a, nullptr, nullptr, p.final_state.H.defined()), *c.ll, s);
   else gla_forward<T>(a, s);
   if (!O.in_place) c.write_output(p.o, O.buf.get());
   c.write_states(p.final_state, in, Hf.get());
@@ -466,7 +558,7 @@ template <class T>
 void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
   if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  const Call<T> c(r, p, s, p.d_final.H.defined() || p.d_init.H.defined());
+  const Call<T> c(r, p, s, p.d_final.H.defined());
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
   const auto in = c.run_inner(true);
@@ -484,7 +576,8 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   }
   a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
   if (plan.fenwick) {
-    if (!tree || a.o) ll_forward<T>(c.ll_args(a, Hst.get()), *c.ll, s);
+    if (!tree || a.o || p.final_state.H.defined())
+      ll_forward<T>(c.ll_args(a, Hst.get(), nullptr, p.final_state.H.defined()), *c.ll, s);
   } else {
     gla_forward<T>(a, s);
   }

@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
 // its parent, acc <- e^{beta_m[i]} stk[m] + acc (i >>= 1, m += 1); a node with even i is one the
 // chunks read (16-bit copy to ta.node16) and waits on stk[m] for its sibling. stk holds the
 // thread's own accumulator elements per level in fp32 (`stack`, lstk levels per block), so it
-// needs no barriers.
+// needs no barriers. Only full chunks enter the tree (a partial last chunk is read by no chunk);
+// with ta.pend the pending nodes at the end go there (the final state's levels above the chunk).
 // Pipeline depth of the sweep: chunk i+2's operands (and gates) are in flight while chunk i is used.
 constexpr int kStages = 3;
 struct SweepStage {
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   const int64_t val_ld = kRev ? row_ld(a.dO_ld, a.dv) : row_ld(a.v_ld, a.dv);
   const R* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
-  const R* init = kRev ? a.dht : a.h0;
+  const R* init = kTree ? nullptr : kRev ? a.dht : a.h0;  // kTree: a.h0 is Fenwick (ta.h0 seeds the tree)
   R* fin = kRev ? a.dh0 : a.ht;
   StateOperand<T>* store = kRev ? a.dhbuf : a.hbuf;
 
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int(kTree ? len / kChunk : (len + kChunk - 1) / kChunk);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
@@ -128,6 +129,30 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
           *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
   };
+  [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
+  if constexpr (kTree) {
+    sn = seq_nodes(ta, a.chunk0, seq, (len + kChunk - 1) / kChunk);
+    if (sn.nc > 0) {  // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
+      float4* stk = reinterpret_cast<float4*>(stack) +
+                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
+      for (int m = 1; m < lstk && (sn.a0 >> (m - 1)); ++m) {
+        if (!((sn.a0 >> (m - 1)) & 1)) continue;
+        const float* src = ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls0 + kLogChunk + m) * a.dk * a.dv;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+            acc[j][e] = (active && j < nt) ? src[int64_t(r) * a.dv + col] : 0.f;
+          }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        if (active)
+          store16(static_cast<T*>(const_cast<void*>(ta.node16)) +
+                  (sn.slot(m, (sn.a0 >> (m - 1)) - 1) * a.H + h) * int64_t(a.dk) * a.dv);
+      }
+    }
+  }
   for (int i = 0; i < nch; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
     tc::cp_async_wait<kStages - 2>();
@@ -144,13 +169,12 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       if (active)  // Z_c   [64 (dk), C] x [C, 64 (dv)]
         tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk,
                                         [&](int k) { return __expf(B - bt[k]); });
-      const int64_t nc = nch;
       float4* stk = reinterpret_cast<float4*>(stack) +
                     ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
       int m = 1;
-      int64_t i = c;
+      int64_t i = sn.a0 + c;
       while (i & 1) {  // acc = node_m[i] closes node_{m+1}[i >> 1] with its left sibling
-        const float f = __expf(ta.beta[node_slot(a.chunk0[seq], nc, m, i) * a.H + h]);
+        const float f = __expf(ta.beta[sn.slot(m, i) * a.H + h]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
@@ -161,8 +185,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
 #pragma unroll
       for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
       if (active)  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
-        store16(static_cast<T*>(const_cast<void*>(ta.node16)) +
-                (node_slot(a.chunk0[seq], nc, m, i) * a.H + h) * int64_t(a.dk) * a.dv);
+        store16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, i) * a.H + h) * int64_t(a.dk) * a.dv);
       continue;
     }
     if (store && active)  // state entering chunk c (forward) / cotangent at its end (reverse)
@@ -178,6 +201,24 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk, [&](int k) {
         return kRev ? sc * __expf(bt[k]) : __expf(B - bt[k]);
       });
+  }
+  if constexpr (kTree) {
+    if (ta.pend && active) {  // the pending nodes: level m for each set bit m-1 of a0 + the full chunks
+      const float4* stk = reinterpret_cast<const float4*>(stack) +
+                          ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
+      for (int m = 1; m < lstk; ++m) {
+        if (!(((sn.a0 + nch) >> (m - 1)) & 1)) continue;
+        float* dst = ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j < nt) {
+            const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
+            const int r = k0 + 16 * w + g, col = v0 + 8 * j + 2 * t;
+            *reinterpret_cast<float2*>(dst + int64_t(r) * a.dv + col) = make_float2(x.x, x.y);
+            *reinterpret_cast<float2*>(dst + int64_t(r + 8) * a.dv + col) = make_float2(x.z, x.w);
+          }
+      }
+    }
   }
   if (!kTree && fin && active) {
 #pragma unroll
@@ -227,9 +268,11 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
                  a.dk, kChunk);
   tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
                  bv, kChunk);
-  const int64_t nc = (a.len[seq] + kChunk - 1) / kChunk;
+  // kTree: the chunk's absolute index n reads the nodes of the set bits of n
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const int64_t n = sn.a0 + c;
   if constexpr (!kTree) tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
-  else if (c > 0) async_node(Hs, ldv, ta, first_read_slot(a.chunk0[seq], nc, c), h, a.H, a.dk, a.dv, v0, bv);
+  else if (n > 0) async_node(Hs, ldv, ta, first_read_slot(sn, n), h, a.H, a.dk, a.dv, v0, bv);
   tc::cp_async_commit();
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
@@ -268,7 +311,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   tc::zero(o);
   if constexpr (kTree) {  // sum_m diag(scale lam^{p+m} e^{b+gap}) Q node_m      [C,dk]x[dk,64] per level
     bool first = true;
-    for_each_read(ta, a.chunk0[seq], nc, c, h, a.H, [&](int m, int64_t slot, float gap) {
+    for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t slot, float gap) {
       if (!first) {
         __syncthreads();  // the previous level's H is consumed
         async_node(Hs, ldv, ta, slot, h, a.H, a.dk, a.dv, v0, bv);
@@ -365,10 +408,12 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
                  kChunk);
   tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
-  const int64_t nc = (a.len[seq] + kChunk - 1) / kChunk;
+  // kTree: the chunk's absolute index n reads the nodes of the set bits of n
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const int64_t n = sn.a0 + c;
   if constexpr (kTree) {
     tc::async_rows(s.dH, s.ldv, static_cast<const T*>(ta.dz16) + hidx, dv, 0, dk, 0, dv, dk);
-    if (c > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(a.chunk0[seq], nc, c), h, a.H, dk, dv, 0, dv);
+    if (n > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(sn, n), h, a.H, dk, dv, 0, dv);
   } else {
     tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
     tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
@@ -478,12 +523,11 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     if constexpr (kTree) {  // sum_m diag(lam^{p+m} e^{b+gap}) Y_m, Y_m = dO node_m^T   [C,dv]x[dv,dk] per level
       // level k in Hp / Hp2 (k even / odd), level k + 1 loading into the other one meanwhile
       int k = 0;
-      for_each_read(ta, a.chunk0[seq], nc, c, h, a.H, [&](int m, int64_t, float gap) {
+      for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t, float gap) {
         T* cur = (k & 1) ? s.Hp2 : s.Hp;
-        if (const uint64_t above = uint64_t(c) >> m) {  // the next level read: the next set bit of c
+        if (const uint64_t above = uint64_t(n) >> m) {  // the next level read: the next set bit of n
           const int m2 = m + 1 + ctz64u(above);
-          async_node((k & 1) ? s.Hp : s.Hp2, s.ldv, ta, node_slot(a.chunk0[seq], nc, m2, (c >> (m2 - 1)) - 1), h, a.H,
-                     dk, dv, 0, dv);
+          async_node((k & 1) ? s.Hp : s.Hp2, s.ldv, ta, sn.slot(m2, (n >> (m2 - 1)) - 1), h, a.H, dk, dv, 0, dv);
         }
         tc::cp_async_commit();
         tc::cp_async_wait<1>();

@@ -616,7 +616,7 @@ template <class T>
 void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
-  if (a.tree) return ll_tree_forward(a, stream);
+  if (a.tree) return ll_tree_forward(a, t, stream);
   // The sweep is parallel over (value tile, sequence x head) only. When the live levels entering
   // each segment are (or may be) stored, it carries the states alone and the outputs run in one
   // block per (segment, head).
@@ -646,7 +646,7 @@ template <class T>
 void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   using R = Acc<T>;
   if (a.p.N == 0 || a.p.H == 0) return;
-  if (a.tree) return ll_tree_backward(a, stream);
+  if (a.tree) return ll_tree_backward(a, t, stream);
   const int64_t tile = int64_t(a.p.dk) * a.p.dv;
   const int ntiles = (a.p.dv + kVT - 1) / kVT;
   DevBuf<R> ht, hst, dst(size_t(t.goff.back() * a.p.H * tile), stream), dBpart(size_t(t.nseg * a.p.H * ntiles), stream);

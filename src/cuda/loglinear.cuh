@@ -13,8 +13,10 @@
 //   When the live levels entering each segment are stored (always in the backward; in a forward
 //   when they fit a quarter of the free memory) the sweep carries the states alone and the outputs
 //   run chunk-parallel, one block per (segment, head) over all dv columns.
-// Training calls (every sequence from position 0, no state in or out, 16-bit operands) take the
-//   chunk-parallel tree form instead (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
+// Calls from chunk-aligned positions (training from 0 or from a state, prefill, continuation;
+//   a forward from an unaligned position first sweeps the rows up to the next aligned one,
+//   backend.cu) with 16-bit operands and no final-state cotangent take the chunk-parallel tree
+//   form instead (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
 // Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
 //   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
 //   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
@@ -64,7 +66,8 @@ struct LlArgs {
   R* dst = nullptr;                  // [goff[nseg]][H][dk][dv] adjoints of each segment's token levels
   R* dBpart = nullptr;               // [nseg][H][dv / 64] re-key part of dB per value tile
   R* dlam = nullptr;                 // [H][Ttot][nL]
-  bool tree = false;                 // the chunk-parallel tree form (below); p.ht, p.dh0, hst unused
+  bool tree = false;                 // the chunk-parallel tree form (below); hst unused, p.dh0 optional
+  bool want_final = false;           // tree: write the final state p.ht (the sweep always does)
 };
 
 // Forward: writes p.o (if set), p.ht (final canonical state) and hst (if set).
@@ -76,16 +79,18 @@ void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 template <class T>
 void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Chunk-parallel tree form (ll_tree.cuh, loglinear_tree.cu), taken by ll_forward / ll_backward
-// when a.tree. The caller sets it for calls with every sequence from position 0 and no Fenwick
-// state in or out (no h0, ht, dht, dh0) where ll_tree_usable: 16-bit operands, 32 <= dk <= 128,
-// dv <= 128, and HILA_LOGLINEAR_TREE is not 0. Unlike the sweep it reads q, k, v, dO and writes o,
-// dq, dk, dv in the callers' row layouts (GlaArgs::*_ld, *_hs).
+// when a.tree, where ll_tree_usable: 16-bit operands, 32 <= dk <= 128, dv <= 128, and
+// HILA_LOGLINEAR_TREE is not 0. The caller sets it when every sequence starts at a chunk-aligned
+// position (n0 % kChunk == 0; the initial state p.h0 when n0 > 0) and, in a backward, there is no
+// final-state cotangent (p.dht); the forward writes the final state p.ht when want_final, the
+// backward dH0 into p.dh0 when set. Unlike the sweep it reads q, k, v, dO and writes o, dq, dk, dv
+// in the callers' row layouts (GlaArgs::*_ld, *_hs).
 template <class T>
 bool ll_tree_usable(int dk, int dv);
 template <class T>
-void ll_tree_forward(const LlArgs<T>& a, cudaStream_t stream);
+void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 template <class T>
-void ll_tree_backward(const LlArgs<T>& a, cudaStream_t stream);
+void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Shared memory the kernels need for these head dims (bytes).
 template <class T>
 size_t ll_smem_need(int dk, int dv);

@@ -29,20 +29,25 @@ __device__ __forceinline__ int64_t chunks_of(const int64_t* len, int seq) {
   return (len[seq] + kChunk - 1) / kChunk;
 }
 
-// beta of every node (ll_tree.cuh): one block per (sequence, head); level by level.
+// beta of every node (ll_tree.cuh): one block per (sequence, head); level by level. The chunks
+// before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0.
 template <class T>
-__global__ void __launch_bounds__(256) ll_beta_kernel(GlaArgs<T> a, float* beta) {
+__global__ void __launch_bounds__(256) ll_beta_kernel(GlaArgs<T> a, TreeArgs ta, float* beta) {
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
-  const int64_t len = a.len[seq], nc = (len + kChunk - 1) / kChunk, base = 2 * a.chunk0[seq];
+  const int64_t len = a.len[seq], nc = (len + kChunk - 1) / kChunk;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot + a.row0[seq] : nullptr;
-  for (int64_t j = threadIdx.x; j < nc; j += blockDim.x)  // beta_1[j] = B_j (chunk-local cumsum at its last row)
-    beta[(base + j) * a.H + h] = b ? b[j * kChunk + rows_in(len, j) - 1] : 0.f;
-  int64_t off = 0;
-  for (int m = 1; (nc >> m) > 0; ++m) {
+  int64_t off = sn.base;
+  for (int64_t j = sn.lo(1) + threadIdx.x; j < sn.hi(1); j += blockDim.x) {  // beta_1[j] = B_j (local cumsum at the last row)
+    const int64_t c = j - sn.a0;
+    beta[(off + j - sn.lo(1)) * a.H + h] = c >= 0 && b ? b[c * kChunk + rows_in(len, c) - 1] : 0.f;
+  }
+  for (int m = 1, top = sn.top(); m < top; ++m) {
     __syncthreads();
-    const int64_t next = off + (nc >> (m - 1));
-    for (int64_t j = threadIdx.x; j < (nc >> m); j += blockDim.x)
-      beta[(base + next + j) * a.H + h] = beta[(base + off + 2 * j) * a.H + h] + beta[(base + off + 2 * j + 1) * a.H + h];
+    const int64_t next = off + sn.count(m), lo = sn.lo(m);
+    auto child = [&](int64_t i) { return i >= lo ? beta[(off + i - lo) * a.H + h] : 0.f; };  // below lo: pure prefix
+    for (int64_t j = sn.lo(m + 1) + threadIdx.x; j < sn.hi(m + 1); j += blockDim.x)
+      beta[(next + j - sn.lo(m + 1)) * a.H + h] = child(2 * j) + child(2 * j + 1);
     off = next;
   }
 }
@@ -51,7 +56,7 @@ __global__ void __launch_bounds__(256) ll_beta_kernel(GlaArgs<T> a, float* beta)
 // grid (items, H, dk tiles x dv tiles of 64), 4 warps, warp w rows [16w, 16w+16) of the dk tile.
 //   kZ (one chunk per item):  X = K, Y = V, w = e^{B-b}, slot = node_1 of the chunk; also to out16
 //     (the 16-bit GEMM-operand copy of node level 1).
-//   kRead (the read cotangent R of node (m, j) < split levels, one node slot per item):  X = Q, Y = dO
+//   kRead (backward, a0 = 0; the read cotangent R of node (m, j) < split levels, one node slot per item):  X = Q, Y = dO
 //     over the chunks that read the node (j even: [(j+1) 2^{m-1}, (j+2) 2^{m-1}); j odd: none, R = 0
 //     and the slot is left unwritten),
 //     w = scale lam^{p+m} e^{b + gap}, gap the sum of the totals of the range's earlier chunks.
@@ -76,18 +81,20 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
   int64_t c_begin, c_end, slot;
   if constexpr (kMode == kRead) {
     slot = blockIdx.x;
-    seq = a.chunk_seq[slot >> 1];
-    const int64_t nc = chunks_of(a.len, seq);
-    int64_t u = slot - 2 * a.chunk0[seq];
-    for (;; ++m) {  // node (m, u) of the sequence
-      const int64_t cnt = nc >> (m - 1);
+    seq = ta.slot_seq ? ta.slot_seq[slot] : a.chunk_seq[slot >> 1];
+    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
+    int64_t u = slot - sn.base;
+    for (;; ++m) {  // node (m, lo_m + u) of the sequence
+      const int64_t cnt = sn.count(m);
       if (cnt == 0 || m >= split) return;  // a spare slot, or a level summed in parts
       if (u < cnt) break;
       u -= cnt;
     }
-    if (u & 1) return;  // read by the chunks N with N >> (m-1) = u + 1 and bit m-1 set: none (R = 0)
-    c_begin = (u + 1) << (m - 1);
-    c_end = min((u + 2) << (m - 1), nc);
+    const int64_t j = sn.lo(m) + u;
+    if (j & 1) return;  // read by the chunks N with N >> (m-1) = j + 1 and bit m-1 set: none (R = 0)
+    // the reading chunks of the call (relative): [(j+1) 2^{m-1}, (j+2) 2^{m-1}) from a0 on
+    c_begin = max(int64_t((j + 1) << (m - 1)), sn.a0) - sn.a0;
+    c_end = min(int64_t((j + 2) << (m - 1)), sn.a0 + sn.nc) - sn.a0;
   } else if constexpr (kMode == kPart) {
     slot = blockIdx.x;
     seq = a.chunk_seq[slot];
@@ -100,7 +107,8 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
     const int64_t cg = blockIdx.x;
     seq = a.chunk_seq[cg];
     c_begin = cg - a.chunk0[seq], c_end = c_begin + 1;
-    slot = 2 * a.chunk0[seq] + c_begin;
+    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
+    slot = sn.slot(1, sn.a0 + c_begin);
   }
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const T* X = kQdO ? a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk)
@@ -166,8 +174,9 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
 // The tree, elementwise in fp32, along the chunks of a sequence in order; grid (element blocks,
 // N x H), four elements per thread, per-level registers in `stk` (a binary counter).
 //   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
-//         `node`); writes the 16-bit copies n16 of the nodes the chunks read (levels >= 2, even i;
-//         level 1 comes from the Z kernel).
+//         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
+//         (levels >= 2, even i; level 1 comes from the Z kernel), and with `pend` the nodes
+//         pending at the end (TreeArgs::pend).
 //   down: D_m[i] = R_m[i] + c D_{m+1}[i/2], c = e^{beta_m[i+1]} (i even) or 1 (i odd), with R the
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
@@ -176,63 +185,88 @@ constexpr int kMaxLevels = 64;
 
 template <class T, bool kDown>
 __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
-                                                      const float* beta, const float* node, T* n16,
-                                                      const float* parts = nullptr, int split = kMaxLevels) {
+                                                      TreeArgs ta, const float* node, T* n16, const float* parts,
+                                                      int split) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
-  const int64_t nc = (lens[seq] + kChunk - 1) / kChunk, base = 2 * chunk0[seq];
+  const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
+  const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
+  const int64_t base = sn.base, a0 = sn.a0;
   const int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   if (nc == 0 || e >= tile) return;
-  const int top = bitlen64u(uint64_t(nc));  // levels 1..top hold nc >> (m-1) >= 1 nodes
-  int64_t off[kMaxLevels + 1];              // node_off(nc, m)
+  const int top = sn.top();           // levels 1..top hold nodes
+  int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
   off[1] = 0;
-  for (int m = 2; m <= top; ++m) off[m] = off[m - 1] + (nc >> (m - 2));
-  auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + ((base + slot) * H + h) * tile + e); };
-  auto put = [&](int64_t idx, float4 x) {
+  for (int m = 1; m <= top; ++m) {
+    lo[m] = sn.lo(m);
+    if (m < top) off[m + 1] = off[m] + sn.count(m);
+  }
+  auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
+  auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + (slot * H + h) * tile + e); };
+  auto put = [&](int64_t slot, float4 x) {
     uint2 u;
     u.x = tc::pack2<T>(x.x, x.y), u.y = tc::pack2<T>(x.z, x.w);
-    *reinterpret_cast<uint2*>(n16 + (idx * H + h) * tile + e) = u;
+    *reinterpret_cast<uint2*>(n16 + (slot * H + h) * tile + e) = u;
   };
   auto axpy = [](float4& y, float f, const float4& x) { y.x += f * x.x, y.y += f * x.y, y.z += f * x.z, y.w += f * x.w; };
-  auto decay = [&](int m, int64_t i) { return __expf(beta[(base + off[m] + i) * H + h]); };
+  auto decay = [&](int m, int64_t i) { return __expf(ta.beta[idx(m, i) * H + h]); };
   float4 stk[kMaxLevels + 1];
   if constexpr (!kDown) {
-    for (int64_t j = 0; j < nc; ++j) {
-      float4 cur = load(j);  // Z_j = node_1[j]
+    // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
+    for (int m = 1; m <= top && (a0 >> (m - 1)); ++m)
+      if ((a0 >> (m - 1)) & 1) {
+        stk[m] = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls0 + kLogChunk + m) * tile + e);
+        put(idx(m, (a0 >> (m - 1)) - 1), stk[m]);
+      }
+    const int64_t nf = lens[seq] / kChunk;  // full chunks
+    for (int64_t j = a0; j < a0 + nf; ++j) {
+      float4 cur = load(idx(1, j));  // Z_j = node_1[j]
       int m = 1;
       int64_t i = j;
       while (i & 1) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
         axpy(cur, decay(m, i), stk[m]);
         i >>= 1, ++m;
-        if (!(i & 1)) put(base + off[m] + i, cur);
+        if (!(i & 1)) put(idx(m, i), cur);
       }
       stk[m] = cur;  // a left child (i even), pending its sibling
     }
-  } else {
+    if (ta.pend)
+      for (int m = 1; m < ta.lpend; ++m)
+        if (((a0 + nf) >> (m - 1)) & 1)
+          *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
+  } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
     for (int64_t j = 0; j < nc; ++j) {
-      // the ancestors of leaf j that differ from those of leaf j - 1: levels 1 .. ctz(j) + 1
-      const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(j)) + 1);
+      // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
+      const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1);
       for (int m = mtop; m >= 1; --m) {
-        const int64_t i = j >> (m - 1);
+        const int64_t i = (a0 + j) >> (m - 1);
         float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < (nc >> (m - 1))) {
+        if (i < sn.hi(m)) {  // a complete node (pending ones get no cotangent: no final-state cotangent)
           if (m < split) {
-            if (!(i & 1)) d = load(off[m] + i);  // odd nodes are never read: R = 0
+            if (!(i & 1)) d = load(idx(m, i));  // odd nodes are never read: R = 0
           } else if (!(i & 1) && ((i + 1) << (m - 1)) < nc) {  // R from the parts of its reading range
             const int64_t nb = (nc + kSplit - 1) / kSplit, c1 = min((i + 2) << (m - 1), nc);
             float gap = 0.f;
             for (int64_t b = ((i + 1) << (m - 1)) / kSplit; b * kSplit < c1; ++b) {
               axpy(d, __expf(gap), *reinterpret_cast<const float4*>(
                                        parts + ((chunk0[seq] + (m - split) * nb + b) * H + h) * tile + e));
-              if ((b + 1) * kSplit < c1) gap += beta[(base + off[kSplitBetaLevel] + b) * H + h];
+              if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
             }
           }
-          if (m < top && (i >> 1) < (nc >> m)) {
+          if (m < top && (i >> 1) < sn.hi(m + 1)) {
             const float c = (i & 1) ? 1.f : decay(m, i + 1);
             axpy(d, c, stk[m + 1]);
           }
         }
         stk[m] = d;
       }
+      if (j == 0 && ta.dh0)  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
+        for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
+          if (!((a0 >> (m - 1)) & 1)) continue;
+          const int64_t i0 = (a0 >> (m - 1)) - 1;
+          float4 d = load(idx(m, i0));  // its reads (R)
+          if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
+          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls0 + kLogChunk + m) * tile + e) = d;
+        }
       put(chunk0[seq] + j, stk[1]);
     }
   }
@@ -243,20 +277,117 @@ size_t wkv_smem() {
   return kStages * (2 * size_t(kChunk) * kLdTile * sizeof(T) + kChunk * sizeof(float));
 }
 
-// The tree of a call: beta [2 nchunks][H] and the 16-bit node copies [2 nchunks][H][dk][dv].
-// Built by the tree sweep (gla_tc.cu) when it has enough blocks to fill the GPU (sequences x
-// heads x 64 x 64 tiles >= half the SMs); otherwise chunk-parallel: Z (fp32 and 16-bit, one block
-// per chunk) and the up pass over the levels.
+// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (ll_tree.cuh:
+// 2 nchunks slots when every sequence starts at position 0, else the SeqNodes totals with their
+// bases in ta.nbase). Built by the tree sweep (gla_tc.cu) when it has enough blocks to fill the GPU
+// (sequences x heads x 64 x 64 tiles >= half the SMs); otherwise chunk-parallel: Z (fp32 and 16-bit,
+// one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
+// sequence, the depth of the up pass's stacks.
 template <class T>
 struct Tree {
+  int64_t slots = 0;
+  int lstk = 1;
+  bool shifted = false;  // some sequence starts at n0 > 0
+  DevBuf<int64_t> a0, nbase;
+  DevBuf<int> slot_seq;
   DevBuf<float> beta;
   DevBuf<T> node16;
   TreeArgs ta;
-  Tree(const LlArgs<T>& a, cudaStream_t s)
-      : beta(size_t(2 * a.p.nchunks * a.p.H), s), node16(size_t(2 * a.p.nchunks * a.p.H * a.p.dk * a.p.dv), s) {
+  Tree(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
+    std::vector<int64_t> va0, vbase;
+    std::vector<int> vseq;
+    for (size_t i = 0; i < t.n0.size(); ++i) {
+      SeqNodes sn;
+      sn.a0 = t.n0[i] / kChunk, sn.nc = (t.nend[i] - t.n0[i] + kChunk - 1) / kChunk, sn.base = slots;
+      shifted = shifted || sn.a0 > 0;
+      va0.push_back(sn.a0), vbase.push_back(sn.base);
+      slots += sn.total();
+      vseq.resize(size_t(slots), int(i));
+      lstk = std::max(lstk, sn.top() + 1);
+    }
+    if (shifted) {
+      a0 = SeqTables::upload(va0, s), nbase = SeqTables::upload(vbase, s), slot_seq = SeqTables::upload(vseq, s);
+      ta.a0 = a0.get(), ta.nbase = nbase.get(), ta.slot_seq = slot_seq.get(), ta.h0 = a.p.h0, ta.Ls0 = a.Ls;
+    } else {
+      slots = 2 * a.p.nchunks;  // base = 2 chunk0
+    }
+    beta = DevBuf<float>(size_t(slots * a.p.H), s);
+    node16 = DevBuf<T>(size_t(slots * a.p.H * a.p.dk * a.p.dv), s);
     ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.node16 = node16.get(), ta.beta = beta.get();
   }
 };
+
+// The final canonical state of a tree-form forward (§2.5, §3.4) at n = n0 + len = (a0 + nf) C + r,
+// into ht [N][H][Ls][dk][dv] (every slot written); grid (N x H, 1, dk tiles x dv tiles of 64), 4 warps:
+//   levels l <= p live in r:  K^T diag(e^{B_r - b} 1[bucket l of r]) V over the partial chunk's rows
+//   levels p + m, bit m-1 of a0 + nf set:  e^{gap_m(a0 + nf) + B_r} X_m   (B_r: the partial chunk's
+//     total), X_m = pend[m], or H0[p + m] when no full chunk of the call reached that node
+//     ((a0 + nf) >> (m-1) == a0 >> (m-1): the re-key of the initial level is the identity)
+//   all other slots zero.
+template <class T>
+__global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht, int Ls) {
+  __shared__ __align__(128) T Ks[kChunk * kLdTile];
+  __shared__ __align__(128) T Vs[kChunk * kLdTile];
+  __shared__ float bs[kChunk];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, nvt = (a.dv + kTile - 1) / kTile;
+  const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
+  const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
+  const bool active = 16 * w < bk;
+  const int64_t len = a.len[seq], nf = len / kChunk, nc = (len + kChunk - 1) / kChunk, r0 = a.row0[seq] + nf * kChunk;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int64_t n = sn.a0 + nf;  // absolute chunk of the end position
+  const int r = int(len - nf * kChunk);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (r > 0) {
+    tc::async_rows(Ks, kLdTile, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, r, k0,
+                   bk, kChunk);
+    tc::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, r, v0,
+                   bv, kChunk);
+  }
+  tc::cp_async_commit();
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = (b && int(threadIdx.x) < r) ? b[r0 + threadIdx.x] : 0.f;
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  const float Br = r > 0 ? bs[r - 1] : 0.f;
+  for (int l = 0; l < Ls; ++l) {
+    float acc[8][4];
+    tc::zero(acc);
+    if (l >= 1 && l <= kLogChunk && ((r >> (l - 1)) & 1)) {
+      const int lo = (r >> l) << l, hi = lo + (1 << (l - 1));
+      if (active)  // [64 (dk), C] x [C, 64 (dv)] over the bucket's rows
+        tc::warp_gemm_tn_weighted<T, 8>(acc, Ks, kLdTile, 16 * w, Vs, kLdTile, nt, kChunk,
+                                        [&](int k) { return k >= lo && k < hi ? __expf(Br - bs[k]) : 0.f; });
+    } else if (l > kLogChunk && ((n >> (l - kLogChunk - 1)) & 1)) {
+      const int m = l - kLogChunk;
+      float gap = 0.f;  // nf = 0: every node below is an initial level (beta = 0)
+      if (nf > 0)
+        for_each_read(ta, sn, n, h, a.H, [&](int mm, int64_t, float gm) {
+          if (mm == m) gap = gm;
+        });
+      const float f = __expf(gap + Br);
+      const bool initial = (n >> (m - 1)) == (sn.a0 >> (m - 1));
+      const float* src = initial ? ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls0 + l) * int64_t(a.dk) * a.dv
+                                 : ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (active && j < nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const float2 x = *reinterpret_cast<const float2*>(src + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t);
+            acc[j][2 * hf] = f * x.x, acc[j][2 * hf + 1] = f * x.y;
+          }
+    }
+    float* dst = ht + ((int64_t(seq) * a.H + h) * Ls + l) * int64_t(a.dk) * a.dv;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (active && j < nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<float2*>(dst + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t) =
+              make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+  }
+}
 
 int sm_count() {
   static const int n = [] {
@@ -269,8 +400,9 @@ int sm_count() {
 }
 
 template <class T, WkvMode kMode>
-void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, int split, cudaStream_t s) {
-  const unsigned items = unsigned(kMode == kRead ? 2 * p.nchunks : p.nchunks);
+void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, int split, cudaStream_t s,
+                int64_t slots = 0) {
+  const unsigned items = unsigned(kMode == kRead ? slots : p.nchunks);
   const dim3 grid(items, p.H, unsigned(((p.dk + kTile - 1) / kTile) * ((p.dv + kTile - 1) / kTile)));
   set_smem(ll_wkv_kernel<T, kMode>, wkv_smem<T>());
   if (dry_run()) return;  // dry run: workspace_size
@@ -279,32 +411,30 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
 }
 
 template <class T, bool kDown>
-void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const float* beta,
+void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
                  const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels) {
   if (dry_run()) return;  // dry run: workspace_size
   ll_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
-      len, chunk0, H, tile, beta, node, n16, parts, split);
+      len, chunk0, H, tile, ta, node, n16, parts, split);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
-// beta, Z into node level 1, and the upper node levels.
+// beta, Z into node level 1, and the upper node levels (and tr.ta.pend when set, lstk levels).
 template <class T>
-void build_tree(const GlaArgs<T>& p, Tree<T>& tr, cudaStream_t s) {
+void build_tree(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
   if (!dry_run()) {  // dry run: workspace_size
-    ll_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.beta.get());
+    ll_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
     HILA_CUDA_CHECK_LAUNCH();
   }
   const char* env = std::getenv("HILA_LOGLINEAR_TREE_SWEEP");  // 0 / 1: force the choice (tests)
   const bool sweep = env ? std::strcmp(env, "0") != 0 : 2 * tc_sweep_blocks(p) >= sm_count();
   if (sweep) {
-    const int lstk = bitlen64u(uint64_t((p.Ttot + kChunk - 1) / kChunk)) + 1;  // levels of the longest sequence
     DevBuf<float> stack(tc_tree_sweep_stack(p, lstk), s);
     tc_tree_sweep(p, tr.ta, stack.get(), lstk, s);
   } else {
-    DevBuf<float> z(size_t(2 * p.nchunks * p.H * p.dk * p.dv), s);
+    DevBuf<float> z(size_t(tr.slots * p.H * p.dk * p.dv), s);
     launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
-    launch_tree<T, false>(p.len, p.chunk0, p.N * p.H, p.H, int64_t(p.dk) * p.dv, tr.beta.get(), z.get(),
-                          tr.node16.get(), s);
+    launch_tree<T, false>(p.len, p.chunk0, p.N * p.H, p.H, int64_t(p.dk) * p.dv, tr.ta, z.get(), tr.node16.get(), s);
   }
 }
 
@@ -326,34 +456,49 @@ bool ll_tree_usable(int dk, int dv) {
 }
 
 template <class T>
-void ll_tree_forward(const LlArgs<T>& a, cudaStream_t s) {
+void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
-    if (!a.p.o || a.p.N == 0 || a.p.H == 0 || a.p.nchunks == 0) return;
-    Tree<T> tr(a, s);
-    build_tree(a.p, tr, s);
-    tc_output(a.p, s, &tr.ta);
+    if ((!a.p.o && !a.want_final) || a.p.N == 0 || a.p.H == 0) return;
+    Tree<T> tr(a, t, s);
+    const int lstk = tr.lstk;
+    DevBuf<float> pend(a.want_final ? size_t(int64_t(a.p.N) * a.p.H * lstk * a.p.dk * a.p.dv) : 0, s);
+    tr.ta.pend = pend.get(), tr.ta.lpend = a.want_final ? lstk : 0;
+    if (a.p.nchunks > 0) build_tree(a.p, tr, lstk, s);
+    if (a.p.o && a.p.nchunks > 0) tc_output(a.p, s, &tr.ta);
+    if (a.want_final && !dry_run()) {  // dry run: workspace_size
+      ll_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+                           128, 0, s>>>(a.p, tr.ta, a.p.ht, a.Ls);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 
 template <class T>
-void ll_tree_backward(const LlArgs<T>& a, cudaStream_t s) {
+void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     if (a.p.N == 0 || a.p.H == 0) return;
     if (!dry_run())  // dry run: workspace_size
       HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(float), s));
     if (a.p.nchunks == 0) return;
-    Tree<T> tr(a, s);
-    build_tree(a.p, tr, s);
+    Tree<T> tr(a, t, s);
+    build_tree(a.p, tr, tr.lstk, s);
     const int64_t tile = int64_t(a.p.dk) * a.p.dv;
-    DevBuf<float> dnode(size_t(2 * a.p.nchunks * a.p.H * tile), s);
+    if (a.p.dh0) {  // dH0: the initial levels' cotangents from the push-down, zero elsewhere
+      if (!dry_run())  // dry run: workspace_size
+        HILA_CUDA_CHECK(cudaMemsetAsync(a.p.dh0, 0, size_t(a.p.N) * a.p.H * a.Ls * tile * sizeof(float), s));
+      tr.ta.dh0 = a.p.dh0;
+    }
+    DevBuf<float> dnode(size_t(tr.slots * a.p.H * tile), s);
     DevBuf<T> dz16(size_t(a.p.nchunks * a.p.H * tile), s);
     // parts of the long reading ranges: (top - 5) ceil(nc / 16) <= nc slots per sequence while every
-    // sequence has at most 2^20 chunks; beyond that the ranges are summed whole
-    const int split = a.p.Ttot / kChunk + a.p.N <= (int64_t(1) << 20) ? kSplitLevel : kMaxLevels;
+    // sequence starts at 0 and has at most 2^20 chunks; otherwise the ranges are summed whole (from
+    // n0 > 0 a range within the call has at most nc chunks, the length of the tree sweep)
+    const int split =
+        !tr.shifted && a.p.Ttot / kChunk + a.p.N <= (int64_t(1) << 20) ? kSplitLevel : kMaxLevels;
     DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
-    launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s);
+    launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
-    launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.beta.get(), dnode.get(), dz16.get(), s,
+    launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
                          parts.get(), split);
     tr.ta.dz16 = dz16.get();
     tc_bwd_chunk(a.p, s, &tr.ta);
@@ -365,8 +510,8 @@ void ll_tree_backward(const LlArgs<T>& a, cudaStream_t s) {
 
 #define HILA_INSTANTIATE(T)                                                          \
   template bool ll_tree_usable<T>(int, int);                                         \
-  template void ll_tree_forward<T>(const LlArgs<T>&, cudaStream_t);                   \
-  template void ll_tree_backward<T>(const LlArgs<T>&, cudaStream_t);
+  template void ll_tree_forward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);  \
+  template void ll_tree_backward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -34,12 +34,29 @@ struct LlCase {
   // HILA_LOGLINEAR_TREE_SWEEP for the call: "1" builds the tree with the sweep kernel, "0"
   // chunk-parallel (the default picks by the number of blocks: the small cases here take "0")
   const char* tree_sweep = nullptr;
+  // with stateless: the final state is asked for (a prefill), still no final-state cotangent
+  bool final_state = false;
+  bool d_init = true;  // with init_pos: d_init is asked for
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
 // 2^33 + 2^32 - 5: the first segment ends at 2^33 + 2^32, whose level-34 bucket starts 2^32 - 5
 // positions before it (distances past 2^31 in the segment arithmetic)
 constexpr int64_t kHuge = (int64_t(1) << 33) + (int64_t(1) << 32) - 5;
+
+// Runs f with HILA_LOGLINEAR_TREE_SWEEP = sweep (unset when nullptr); returns what it threw, or "".
+template <class F>
+std::string with_tree_sweep(const char* sweep, F f) {
+  if (sweep) setenv("HILA_LOGLINEAR_TREE_SWEEP", sweep, 1);
+  std::string err;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
+  return err;
+}
 
 std::vector<LlCase> cases() {
   std::vector<LlCase> cs;
@@ -71,10 +88,14 @@ std::vector<LlCase> cases() {
                 name(ll, "f64_varlen_init_mixed_pos"), false, false, 0, true});
   // the tree form: T around chunk multiples and powers of two, varlen with empty sequences, GQA, dv 40
   auto tree = [&](Op op, DType dt, int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv, std::vector<int64_t> lens,
-                  const std::string& tag, const char* sweep = nullptr) {
-    LlCase x{op, dt, B, T, 1, H, dk, dv, std::move(lens), {}, 1e-2, name(op, tag + (sweep ? "_tree_sweep" : "_tree"))};
+                  const std::string& tag, const char* sweep = nullptr, bool fin = false, std::vector<int64_t> init = {},
+                  bool d_init = true) {
+    LlCase x{op, dt, B, T, 1, H, dk, dv, std::move(lens), std::move(init), 1e-2,
+             name(op, tag + (sweep ? "_tree_sweep" : "_tree") + (fin ? "_final" : ""))};
     x.stateless = true;
     x.tree_sweep = sweep;
+    x.final_state = fin;
+    x.d_init = d_init;
     cs.push_back(x);
   };
   for (int64_t T : {1, 63, 64, 65, 130, 1000})
@@ -89,8 +110,30 @@ std::vector<LlCase> cases() {
   tree(ll, DType::bf16, 2, 1000, 4, 64, 64, {}, "bf16_d64_T1000", "1");
   tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40", "1");
   tree(ll, DType::bf16, 1, 300, 2, 128, 128, {}, "bf16_d128_T300", "1");
+  // prefill: the final state from the tree (levels above the chunk from the pending nodes, the
+  // partial chunk's levels by bucket), both tree builds
+  for (int64_t T : {1, 63, 64, 65, 130, 1000})
+    tree(ll, DType::bf16, 2, T, 4, 64, 64, {}, "bf16_d64_T" + std::to_string(T), nullptr, true);
+  tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40", nullptr, true);
+  tree(ll, DType::bf16, 2, 1000, 4, 64, 64, {}, "bf16_d64_T1000", "1", true);
+  tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40", "1", true);
+  tree(ll, DType::bf16, 1, 0, 2, 64, 64, {0, 3100, 1, 4500}, "bf16_varlen_long", nullptr, true);
+  tree(Op::loglinear_hla2, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300", nullptr, true);
   for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3})
     tree(op, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300");
+  // training from a state at chunk-aligned positions (the initial levels seed the tree; dH0 from
+  // the push-down), with and without d_init, both tree builds
+  const int64_t far64 = (int64_t(1) << 17) + 3 * 64;
+  for (int64_t n0 : {64, 192, 4096 + 320})
+    tree(ll, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300_init" + std::to_string(n0), nullptr, false, {n0});
+  tree(ll, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300_init192_no_dinit", nullptr, false, {192}, false);
+  tree(ll, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300_init192", nullptr, true, {192});
+  tree(ll, DType::bf16, 2, 1000, 2, 64, 64, {}, "bf16_d64_T1000_init1984", "1", false, {1984});
+  tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40_init",
+       nullptr, false, {64, 0, 384, far64, 192, 448, 0});
+  tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40_init", "1",
+       false, {64, 0, 384, far64, 192, 448, 0});
+  tree(Op::loglinear_hla2, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300_init128", nullptr, false, {128});
   // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
   for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3}) {
     const double ridge = op == Op::loglinear_hla2 ? 0.3 : 0.0;
@@ -158,19 +201,14 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   DevTensor dS0(low.init.S, true), dP0(low.init.P, true), dh0(low.init.H, true);
   p.o = o.view();
   p.final_state.pos = fpos.view(), p.final_state.S = fS.view(), p.final_state.P = fP.view(), p.final_state.H = fH.view();
-  if (c.stateless) p.final_state = {}, p.d_final = {};
+  if (c.stateless) p.d_final = {};
+  if (c.stateless && !c.final_state) p.final_state = {};
   p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view(), p.dg = dg.view(), p.dlam = dlam.view();
   p.d_init = {};
-  if (init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
+  if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  if (c.tree_sweep) setenv("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, 1);
-  try {
-    backward(p);
-  } catch (const std::exception& e) {
-    unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
-    FAIL() << "backward threw: " << e.what();
-  }
-  unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
+  const std::string err = with_tree_sweep(c.tree_sweep, [&] { backward(p); });
+  ASSERT_EQ(err, "") << "backward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
@@ -180,20 +218,21 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
     EXPECT_LE(e, c.tol) << what;
   };
   check("o", o.fetch(), ref.o);
-  if (!c.stateless && !ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
-  if (!c.stateless && !ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
-  if (!c.stateless) check("H_T", fH.fetch(), with_slots(ref.final_state, fin_host.H.shape[2]).H);
+  const bool fin = !c.stateless || c.final_state;
+  if (fin && !ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
+  if (fin && !ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
+  if (fin) check("H_T", fH.fetch(), with_slots(ref.final_state, fin_host.H.shape[2]).H);
   check("dq", dq.fetch(), ref.dq);
   check("dk", dk.fetch(), ref.dk);
   check("dv", dv.fetch(), ref.dv);
   check("dg", dg.fetch(), ref.dg, floor_g);
   check("dlam", dlam.fetch(), ref.dlam);
-  if (init) {
+  if (init && c.d_init) {
     if (!ref.d_init.S.empty()) check("dS0", dS0.fetch(), ref.d_init.S);
     if (!ref.d_init.P.empty()) check("dP0", dP0.fetch(), ref.d_init.P);
     check("dH0", dh0.fetch(), ref.d_init.H);
   }
-  if (c.stateless) return;
+  if (!fin) return;
   const Buffer fp = fpos.fetch();
   for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp.get(i), ref.final_state.pos.get(i));
 }
@@ -248,6 +287,105 @@ INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
                                            FwdCase{DType::bf16, 128, 1e-2, "0", "bf16_sweep_outputs"},
                                            FwdCase{DType::f32, 64, 1e-4, nullptr, "f32_chunk_outputs"},
                                            FwdCase{DType::f32, 64, 1e-4, "0", "f32_sweep_outputs"}),
+                         [](const auto& info) { return info.param.name; });
+
+// Prefill continuation: a forward from an initial Fenwick state, asking for the final state. With
+// 16-bit operands this is the tree form seeded with the initial levels (ll_tree.cuh), after the
+// segment sweep over the rows before the first multiple of 64 when a position is unaligned.
+struct ContCase {
+  Op op;
+  DType dtype;
+  int64_t B, T, H, dk, dv;
+  std::vector<int64_t> seqlens, init_pos;
+  bool gqa4 = false;
+  const char* tree_sweep = nullptr;  // HILA_LOGLINEAR_TREE_SWEEP
+  std::string name;
+};
+void PrintTo(const ContCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<ContCase> cont_cases() {
+  const Op ll = Op::loglinear;
+  const int64_t far = (int64_t(1) << 17) + 3 * 64;  // past 2^17, aligned
+  std::vector<ContCase> cs;
+  for (int64_t n0 : {64, 128, 192, 448, 4096 + 320})
+    cs.push_back({ll, DType::bf16, 2, 300, 2, 64, 64, {}, {n0}, false, nullptr, "bf16_T300_at" + std::to_string(n0)});
+  cs.push_back({ll, DType::bf16, 1, 300, 2, 64, 64, {}, {far}, false, nullptr, "bf16_T300_far"});
+  cs.push_back({ll, DType::bf16, 2, 1, 2, 64, 64, {}, {192}, false, nullptr, "bf16_T1_at192"});
+  cs.push_back({ll, DType::bf16, 2, 63, 2, 64, 64, {}, {320}, false, nullptr, "bf16_T63_at320"});
+  cs.push_back({ll, DType::bf16, 2, 64, 2, 64, 64, {}, {448}, false, nullptr, "bf16_T64_at448"});
+  cs.push_back({ll, DType::bf16, 2, 1000, 2, 64, 64, {}, {1984}, false, nullptr, "bf16_T1000_at1984"});
+  cs.push_back({ll, DType::bf16, 2, 1000, 2, 64, 64, {}, {1984}, false, "1", "bf16_T1000_at1984_sweep"});
+  cs.push_back({ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, {64, 0, 384, far, 192, 448, 0}, true,
+                nullptr, "bf16_varlen_gqa4_dv40"});
+  cs.push_back({ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, {64, 0, 384, far, 192, 448, 0}, true,
+                "1", "bf16_varlen_gqa4_dv40_sweep"});
+  cs.push_back({ll, DType::bf16, 1, 300, 2, 128, 128, {}, {640}, false, nullptr, "bf16_d128_T300_at640"});
+  cs.push_back({ll, DType::f16, 2, 200, 2, 64, 64, {}, {256}, false, nullptr, "f16_T200_at256"});
+  // unaligned positions (a prefill after decode steps): each sequence's rows up to its next multiple
+  // of 64 take the segment sweep into a state there, the rest the tree form from it
+  for (int64_t n0 : {13, 63, 100, 4096 + 65})
+    cs.push_back({ll, DType::bf16, 2, 300, 2, 64, 64, {}, {n0}, false, nullptr, "bf16_T300_at" + std::to_string(n0)});
+  cs.push_back({ll, DType::bf16, 2, 10, 2, 64, 64, {}, {13}, false, nullptr, "bf16_T10_at13"});  // the head only
+  cs.push_back({ll, DType::bf16, 1, 0, 2, 64, 64, {100, 70}, {64, 13}, false, nullptr, "bf16_varlen_unaligned"});
+  cs.push_back({ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513, 20}, {5, 0, 384, far + 7, 191, 449, 1, 40},
+                true, nullptr, "bf16_varlen_unaligned_gqa4_dv40"});
+  cs.push_back({ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513, 20}, {5, 0, 384, far + 7, 191, 449, 1, 40},
+                true, "1", "bf16_varlen_unaligned_gqa4_dv40_sweep"});
+  cs.push_back({ll, DType::f16, 2, 200, 2, 64, 64, {}, {250}, false, nullptr, "f16_T200_at250"});
+  for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3}) {
+    cs.push_back({op, DType::bf16, 2, 300, 2, 64, 64, {}, {192}, false, nullptr, "bf16_T300_at192"});
+    cs.push_back({op, DType::bf16, 2, 300, 2, 64, 64, {}, {77}, false, nullptr, "bf16_T300_at77"});
+  }
+  for (auto& c : cs) c.name = std::string(op_name(c.op)) + "_" + c.name;
+  return cs;
+}
+
+class CudaLogLinearContinue : public ::testing::TestWithParam<ContCase> {};
+
+TEST_P(CudaLogLinearContinue, ForwardFromStateMatchesNaive) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  const ContCase c = GetParam();
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.B = c.B, s.T = c.T, s.H = c.H, s.G = c.gqa4 ? c.H / 4 : c.H, s.dk = c.dk, s.dv = c.dv;
+  s.seqlens = c.seqlens;
+  s.gated = true;
+  s.init_state = true;
+  s.init_pos = c.init_pos;
+  s.dtype = DType::f64;
+  s.seed = 31;
+  const Problem low = cast_problem(make_problem(s), c.dtype);
+  const Result ref = run_forward(cast_problem(low, DType::f64), Form::naive);
+  DevTensor q(low.q), k(low.k), v(low.v), g(low.g), lam(low.lam), cu(low.cu_seqlens);
+  DevTensor pos(low.init.pos), S0(low.init.S), P0(low.init.P), h0(low.init.H);
+  ForwardParams p = low.forward_params(Form::chunk, 64);
+  p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.cu_seqlens = cu.view();
+  p.init = {};
+  p.init.pos = pos.view(), p.init.S = S0.view(), p.init.P = P0.view(), p.init.H = h0.view();
+  const int64_t N = low.num_seqs();
+  const StateBuffers fin_host = make_state(s.cfg, N, s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
+  DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fS(fin_host.S, true), fP(fin_host.P, true),
+      fH(fin_host.H, true);
+  p.o = o.view();
+  p.final_state.pos = fpos.view(), p.final_state.S = fS.view(), p.final_state.P = fP.view(), p.final_state.H = fH.view();
+  p.cfg.check_values = true;
+  const std::string err = with_tree_sweep(c.tree_sweep, [&] { forward(p); });
+  ASSERT_EQ(err, "") << "forward threw";
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const double tol = 1e-2;  // 16-bit operands
+  auto check = [&](const char* what, const Buffer& got, const Buffer& want) {
+    const double e = rel_err(got, want);
+    std::printf("  %-44s %-6s rel err %.2e\n", c.name.c_str(), what, e);
+    EXPECT_LE(e, tol) << what;
+  };
+  check("o", o.fetch(), ref.o);
+  if (!ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
+  if (!ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
+  check("H_T", fH.fetch(), ref.final_state.H);
+  const Buffer fp = fpos.fetch();
+  for (int64_t i = 0; i < N; ++i) EXPECT_EQ(fp.get(i), ref.final_state.pos.get(i)) << "final pos of sequence " << i;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLogLinearContinue, ::testing::ValuesIn(cont_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // Too few lam levels is rejected before any launch on the CUDA path too (LOGLINEAR_SPEC §2.3).

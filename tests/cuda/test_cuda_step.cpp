@@ -251,18 +251,13 @@ void expect_error(const std::string& ctx, F&& f, const std::string& arg, const s
 
 // Prefill(n) on the GPU (chunk form, final state written on the device), then decode(m) on the GPU
 // from that state, equals one full forward, for every n in 0..300 (n = 64 * 2^k and 64 * 2^k +- 1
-// included; LOGLINEAR_SPEC §3.5). Small heads, float32: one naive float64 reference per operator.
-class CudaPrefillDecode : public ::testing::TestWithParam<Op> {};
-
-TEST_P(CudaPrefillDecode, EveryPrefillLengthUpTo300) {
-  if (!have_gpu()) GTEST_SKIP() << kNoGpu;
-  const Op op = GetParam();
-  constexpr int64_t kMaxN = 300, kM = 3;
-  StepCase c{std::string(op_tag(op)) + "_prefill_sweep", op, DType::f32, 2, 1, 2, 16, 16, {0}, kM};
-  const Problem low = cast_problem(make_problem(spec_of(c, kMaxN + kM)), DType::f32);
+// included; LOGLINEAR_SPEC §3.5). One naive float64 reference per case.
+void prefill_then_decode(const StepCase& c) {
+  constexpr int64_t kMaxN = 300;
+  const Problem low = cast_problem(make_problem(spec_of(c, kMaxN + c.m)), c.dtype);
   const Problem ref_in = cast_problem(low, DType::f64);
   const Result ref = hila::tools::run_forward(ref_in, Form::naive);
-  const DType sdt = DType::f32;
+  const DType sdt = hila::tools::state_dtype(c.dtype);
   double worst = 0;
   int64_t worst_n = -1;
   for (int64_t n = 0; n <= kMaxN; ++n) {
@@ -278,19 +273,41 @@ TEST_P(CudaPrefillDecode, EveryPrefillLengthUpTo300) {
       hila::forward(f);
       ds.load(fin.view());
     }
-    for (int64_t j = 0; j < kM; ++j) {
+    for (int64_t j = 0; j < c.m; ++j) {
       const std::vector<int64_t> t(size_t(c.N), n + j);
       const double e = rel_err(device_step(low, t, &ds, nullptr), gather_tokens(ref.o, t));
       if (!(e <= worst)) worst = e, worst_n = n;
     }
-    for (int64_t i = 0; i < c.N; ++i) ASSERT_EQ(ds.position(i), n + kM) << c.name << " n=" << n;
+    for (int64_t i = 0; i < c.N; ++i) ASSERT_EQ(ds.position(i), n + c.m) << c.name << " n=" << n;
   }
   std::printf("  %-44s %-6s rel err %.2e (worst at n = %lld)\n", c.name.c_str(), "o", worst,
               static_cast<long long>(worst_n));
-  EXPECT_LE(worst, tol_of(DType::f32)) << c.name << ": worst at prefill n = " << worst_n;
+  EXPECT_LE(worst, tol_of(c.dtype)) << c.name << ": worst at prefill n = " << worst_n;
+}
+
+// float32, small heads: the generic chunk paths of every operator.
+class CudaPrefillDecode : public ::testing::TestWithParam<Op> {};
+
+TEST_P(CudaPrefillDecode, EveryPrefillLengthUpTo300) {
+  if (!have_gpu()) GTEST_SKIP() << kNoGpu;
+  const Op op = GetParam();
+  prefill_then_decode({std::string(op_tag(op)) + "_prefill_sweep", op, DType::f32, 2, 1, 2, 16, 16, {0}, 3});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOps, CudaPrefillDecode, ::testing::ValuesIn(hila::all_ops()),
+                         [](const auto& info) { return std::string(op_tag(info.param)); });
+
+// bf16, dk = dv = 32: the log-linear prefill runs the chunk-parallel tree form, whose final state
+// comes from the pending tree nodes and the last partial chunk (docs/API.md).
+class CudaPrefillDecodeTree : public ::testing::TestWithParam<Op> {};
+
+TEST_P(CudaPrefillDecodeTree, EveryPrefillLengthUpTo300) {
+  if (!have_gpu()) GTEST_SKIP() << kNoGpu;
+  const Op op = GetParam();
+  prefill_then_decode({std::string(op_tag(op)) + "_prefill_tree", op, DType::bf16, 2, 1, 2, 32, 32, {0}, 2});
+}
+
+INSTANTIATE_TEST_SUITE_P(LogLinear, CudaPrefillDecodeTree, ::testing::Values(Op::loglinear, Op::loglinear_hla2),
                          [](const auto& info) { return std::string(op_tag(info.param)); });
 
 TEST(CudaStepErrors, BadStatesAreClearErrors) {

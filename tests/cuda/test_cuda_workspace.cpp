@@ -26,6 +26,7 @@ struct WsCase {
   std::vector<int64_t> seqlens;
   bool init, normalize;
   std::string name;
+  std::vector<int64_t> init_pos = {};  // empty: the problem's default
 };
 
 std::vector<WsCase> ws_cases() {
@@ -52,6 +53,7 @@ Problem ws_problem(const WsCase& c) {
   s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.seqlens = c.seqlens;
   s.init_state = c.init;
+  s.init_pos = c.init_pos;
   s.dtype = DType::f64;
   s.seed = 29;
   return cast_problem(make_problem(s), c.dtype);
@@ -111,6 +113,46 @@ TEST_P(CudaWorkspace, SizeQuery) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaWorkspace, ::testing::ValuesIn(ws_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// Forwards alone: the log-linear tree form from initial states (aligned positions seed the tree;
+// unaligned ones first sweep their rows up to the next multiple of 64 into a state in the
+// workspace), with exactly the reported workspace, against the pool.
+class CudaWorkspaceForward : public ::testing::TestWithParam<WsCase> {};
+
+TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const WsCase c = GetParam();
+  const Problem low = ws_problem(c);
+  const Result pooled = run_forward(low, Form::chunk, 64, cuda0());
+  cudaMemPool_t pool;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  uint64_t before = 0, zero = 0, high = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &before), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
+  Result ws;
+  try {
+    ws = run_forward(low, Form::chunk, 64, cuda0(), Temporaries::workspace);
+  } catch (const std::exception& e) {
+    FAIL() << c.name << ": the call with a workspace threw: " << e.what();
+  }
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
+  EXPECT_LE(high, before) << c.name << ": the call took pool memory besides its workspace";
+  for (const auto& [name, e] : compare(ws, pooled)) {
+    std::printf("  %-28s %-10s rel err (workspace vs pool) %.2e\n", c.name.c_str(), name.c_str(), e);
+    EXPECT_LE(e, 1e-5) << c.name << " " << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    LogLinear, CudaWorkspaceForward,
+    ::testing::Values(WsCase{Op::loglinear, DType::bf16, 2, 300, 2, 2, 64, 64, {}, false, false, "loglinear_prefill"},
+                      WsCase{Op::loglinear, DType::bf16, 2, 300, 2, 2, 64, 64, {}, true, false, "loglinear_at192", {192}},
+                      WsCase{Op::loglinear, DType::bf16, 1, 0, 1, 2, 64, 64, {0, 100, 0, 64, 1, 257}, true, false,
+                             "loglinear_varlen_unaligned", {77, 0, 5, 128, 63, 1000}},
+                      WsCase{Op::loglinear_hla2, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false,
+                             "loglinear_hla2_at77", {77}}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(CudaWorkspaceErrors, TooSmallOrNotDeviceMemory) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
