@@ -818,6 +818,7 @@ struct DeltaCall {
 template <class T>
 void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (gdn_tc_usable<T>(r)) return gdn_tc_forward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   DevBuf<R> ws = c.pack_levels(p.init.H, c.pos0);
   DevBuf<R> scratch = c.scratch();

@@ -64,6 +64,14 @@ struct DeltaArgs {
   R *dg = nullptr, *dbeta = nullptr, *dlam = nullptr;  // [H][Ttot], [H][Ttot], [H][Ttot][nL]
 };
 
+// Plain gdn forward on tensor cores (gdn_tc.cu: the fla-form WY chunks, a state sweep and the GLA
+// output kernel), taken by delta_forward for bf16/fp16 with dk <= 128 and dv <= 256 unless
+// HILA_GDN_TC=0.
+template <class T>
+bool gdn_tc_usable(const detail::Resolved& r);
+template <class T>
+void gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t stream);
+
 // Host entry points used by backend.cu for gdn / loglinear_gdn: pack the caller's tensors, run the
 // sweeps on `stream` and write outputs, states and gradients.
 template <class T>

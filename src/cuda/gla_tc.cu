@@ -25,11 +25,6 @@ constexpr int kTile = 64;              // dk and dv tile of the sweep, dv tile o
 constexpr int kLdTile = kTile + 8;     // padded smem row (16-bit elements): 144 bytes, ldmatrix conflict-free
 constexpr int kThreads = 128;          // 4 warps; warp w owns rows [16w, 16w+16) of its tile
 
-template <class R>
-__device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
-  return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
-}
-
 // b[h][row] = chunk-local inclusive cumsum of g; grid (nchunks, H), one warp.
 template <class T>
 __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {

@@ -61,6 +61,13 @@ __device__ __forceinline__ int rows_in(int64_t len, int64_t c) {
   return r < kChunk ? int(r) : kChunk;
 }
 
+// Chunk-local cumsum b at row i of the chunk starting at row r0 with nr valid rows (rows past the
+// end repeat the last; no gates: 0).
+template <class R>
+__device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
+  return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
+}
+
 // Inclusive prefix sums of a 64-element chunk held two per lane by one warp (lane l holds elements
 // 2l and 2l+1): returns them in x0, x1 (shuffle scan over the lane pairs).
 template <class R>

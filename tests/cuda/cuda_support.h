@@ -5,12 +5,28 @@
 
 #include <algorithm>
 #include <cmath>
-
-#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <string>
 
 #include "problem.h"
 
 namespace hila::tools {
+
+// Runs f with the environment variable `name` set to `value` (left unset when nullptr), unsetting
+// it afterwards; returns what f threw, or "".
+template <class F>
+std::string with_env(const char* name, const char* value, F f) {
+  if (value) setenv(name, value, 1);
+  std::string err;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  unsetenv(name);
+  return err;
+}
 
 inline bool have_gpu() {
   int n = 0;

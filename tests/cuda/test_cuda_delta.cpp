@@ -155,5 +155,46 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDelta, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The forward alone at longer lengths: plain gdn in 16 bits runs the tensor-core path (gdn_tc.cu),
+// against the float64 chunk oracle; HILA_GDN_TC=0 runs the FMA segment sweep on the same inputs.
+struct DeltaFwdCase {
+  int64_t B, T, H, dk, dv;
+  std::vector<int64_t> seqlens;
+  const char* tc;  // HILA_GDN_TC
+  std::string name;
+};
+void PrintTo(const DeltaFwdCase& c, std::ostream* os) { *os << c.name; }
+class CudaDeltaForward : public ::testing::TestWithParam<DeltaFwdCase> {};
+
+TEST_P(CudaDeltaForward, GdnForwardMatchesFloat64Oracle) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const DeltaFwdCase c = GetParam();
+  ProblemSpec s;
+  s.cfg.op = Op::gdn;
+  s.cfg.qk_l2norm = true;
+  s.B = c.B, s.T = c.T, s.G = c.H, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
+  s.seqlens = c.seqlens;
+  s.gated = true;
+  s.init_state = true;
+  s.dtype = DType::f64;
+  s.seed = 41;
+  const Problem low = cast_problem(make_problem(s), DType::bf16);
+  const Result ref = run_forward(cast_problem(low, DType::f64), Form::chunk);
+  Result got;
+  const std::string err = with_env("HILA_GDN_TC", c.tc, [&] { got = run_forward(low, Form::chunk, 64, cuda0()); });
+  ASSERT_EQ(err, "") << "forward threw";
+  for (const auto& [name, e] : compare(got, ref)) {
+    std::printf("  %-32s %-10s rel err %.2e\n", c.name.c_str(), name.c_str(), e);
+    EXPECT_LE(e, 1e-2) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, CudaDeltaForward,
+                         ::testing::Values(DeltaFwdCase{1, 4096, 2, 128, 128, {}, "1", "gdn_bf16_T4096_tc"},
+                                           DeltaFwdCase{1, 4096, 2, 128, 128, {}, "0", "gdn_bf16_T4096_fma"},
+                                           DeltaFwdCase{1, 0, 2, 64, 64, {0, 2000, 1, 0, 3001, 64}, "1",
+                                                        "gdn_bf16_varlen_tc"}),
+                         [](const auto& info) { return info.param.name; });
+
 }  // namespace
 }  // namespace hila::tools

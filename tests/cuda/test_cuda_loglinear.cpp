@@ -44,20 +44,6 @@ constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18,
 // positions before it (distances past 2^31 in the segment arithmetic)
 constexpr int64_t kHuge = (int64_t(1) << 33) + (int64_t(1) << 32) - 5;
 
-// Runs f with HILA_LOGLINEAR_TREE_SWEEP = sweep (unset when nullptr); returns what it threw, or "".
-template <class F>
-std::string with_tree_sweep(const char* sweep, F f) {
-  if (sweep) setenv("HILA_LOGLINEAR_TREE_SWEEP", sweep, 1);
-  std::string err;
-  try {
-    f();
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  unsetenv("HILA_LOGLINEAR_TREE_SWEEP");
-  return err;
-}
-
 std::vector<LlCase> cases() {
   std::vector<LlCase> cs;
   const Op ll = Op::loglinear;
@@ -207,7 +193,7 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  const std::string err = with_tree_sweep(c.tree_sweep, [&] { backward(p); });
+  const std::string err = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
   ASSERT_EQ(err, "") << "backward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -369,7 +355,7 @@ TEST_P(CudaLogLinearContinue, ForwardFromStateMatchesNaive) {
   p.o = o.view();
   p.final_state.pos = fpos.view(), p.final_state.S = fS.view(), p.final_state.P = fP.view(), p.final_state.H = fH.view();
   p.cfg.check_values = true;
-  const std::string err = with_tree_sweep(c.tree_sweep, [&] { forward(p); });
+  const std::string err = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { forward(p); });
   ASSERT_EQ(err, "") << "forward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double tol = 1e-2;  // 16-bit operands

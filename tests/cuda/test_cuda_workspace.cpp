@@ -116,7 +116,7 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaWorkspace, ::testing::ValuesIn(ws_cases()),
 
 // Forwards alone: the log-linear tree form from initial states (aligned positions seed the tree;
 // unaligned ones first sweep their rows up to the next multiple of 64 into a state in the
-// workspace), with exactly the reported workspace, against the pool.
+// workspace) and the gdn tensor-core forward, with exactly the reported workspace, against the pool.
 class CudaWorkspaceForward : public ::testing::TestWithParam<WsCase> {};
 
 TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
@@ -151,7 +151,9 @@ INSTANTIATE_TEST_SUITE_P(
                       WsCase{Op::loglinear, DType::bf16, 1, 0, 1, 2, 64, 64, {0, 100, 0, 64, 1, 257}, true, false,
                              "loglinear_varlen_unaligned", {77, 0, 5, 128, 63, 1000}},
                       WsCase{Op::loglinear_hla2, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false,
-                             "loglinear_hla2_at77", {77}}),
+                             "loglinear_hla2_at77", {77}},
+                      WsCase{Op::gdn, DType::bf16, 1, 0, 2, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, false,
+                             "gdn_bf16_varlen"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(CudaWorkspaceErrors, TooSmallOrNotDeviceMemory) {
