@@ -230,20 +230,19 @@ struct Call {
   std::optional<LlTables> ll;  // log-linear outer primitive: segments, n0, Fenwick slots
   DevBuf<R> lam;               // [H][Ttot][nL]
   // log-linear outer primitive in the chunk-parallel tree form (ll_tree.cuh): every sequence from a
-  // chunk-aligned position (with its initial state when n0 > 0), any final state out, and in a
-  // backward no final-state cotangent (d_final_H)
+  // chunk-aligned position (with its initial state when n0 > 0)
   const bool tree;
-  static bool tree_form(const detail::Resolved& r, const ForwardParams& p, bool d_final_H) {
-    if (!detail::OpPlan::make(r.cfg).fenwick || d_final_H) return false;
+  static bool tree_form(const detail::Resolved& r, const ForwardParams& p) {
+    if (!detail::OpPlan::make(r.cfg).fenwick) return false;
     return std::all_of(r.seqs.begin(), r.seqs.end(),
                        [&](const auto& x) { return x.n0 % kChunk == 0 && (x.n0 == 0 || p.init.H.defined()); }) &&
            ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
   }
 
-  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool d_final_H = false)
+  Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
         rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk),
-        tree(tree_form(r_, p, d_final_H)) {
+        tree(tree_form(r_, p)) {
     q = operand(p.q, r.G, int(r.dk), dkp, -1, qbuf);
     k = operand(p.k, r.G, int(r.dk), dkp, -1, kbuf);
     v = operand(p.v, r.H, int(r.dv), dvp, r.cfg.normalize ? int(r.dv) : -1, vbuf);
@@ -448,89 +447,135 @@ struct OutputTarget {
   }
 };
 
-// rows [row0[i], row0[i] + len[i]) of every head of src -> dst, both [B, T, H, d] (row = b T + t)
-template <class P>
+// rows [row0[i], row0[i] + len[i]) of src -> dst, both [B, T, X, d] or [B, T, X] (d = 1; row = b T + t)
 __global__ void copy_seq_rows(Strided dst, Strided src, const int64_t* row0, const int64_t* len, int64_t N,
-                              int64_t maxlen, int64_t T, int64_t H, int d) {
-  const int64_t n = N * maxlen * H * d;
+                              int64_t maxlen, int64_t T, int64_t X, int d) {
+  const int64_t n = N * maxlen * X * d;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int c = int(e % d);
-    const int64_t x = (e / d) % H, j = (e / (d * H)) % maxlen, i = e / (d * H * maxlen);
+    const int64_t x = (e / d) % X, j = (e / (d * X)) % maxlen, i = e / (d * X * maxlen);
     if (j >= len[i]) continue;
     const int64_t r = row0[i] + j, b = r / T, t = r % T;
-    st<Acc<P>>(dst, b * dst.s[0] + t * dst.s[1] + x * dst.s[2] + c * dst.s[3],
-               ld<Acc<P>>(src, b * src.s[0] + t * src.s[1] + x * src.s[2] + c * src.s[3]));
+    st<float>(dst, b * dst.s[0] + t * dst.s[1] + x * dst.s[2] + c * dst.s[3],
+              ld<float>(src, b * src.s[0] + t * src.s[1] + x * src.s[2] + c * src.s[3]));
   }
 }
 
 template <class T>
 void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s);
-
-// A log-linear forward from initial states at positions that are not all multiples of the chunk
-// (a prefill after some decode steps): the first segment of every sequence, up to its next multiple
-// of the chunk (at most 63 rows), runs the segment sweep into a state at that aligned position;
-// the rest runs the tree form from it. Consecutive calls that pass the state along equal one call
-// (LOGLINEAR_SPEC §3.4). Taken when the rest can run the tree form.
 template <class T>
-bool split_unaligned_head(const detail::Resolved& r, const ForwardParams& p) {
-  if (!detail::OpPlan::make(r.cfg).fenwick || !p.init.H.defined() ||
-      std::all_of(r.seqs.begin(), r.seqs.end(), [](const auto& x) { return x.n0 % kChunk == 0; }))
-    return false;
-  return ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
-}
+void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s);
 
+// A log-linear call whose initial positions are not all multiples of the chunk (a prefill after
+// some decode steps, a training segment that starts there), split in two calls that pass the state
+// along, which equal one call (LOGLINEAR_SPEC §3.4): `head` holds every sequence's rows up to its
+// next multiple of the chunk (at most 63; the segment sweep), `rest` the others from there (the tree
+// form). Taken when the rest can run the tree form. Owns the state at the end of the heads (mid,
+// and its cotangent dmid for a backward) in the public layout, and scratch tensors for the head
+// call's row outputs, whose head rows are copied into the caller's tensors at the end.
 template <class T>
-void forward_split_head(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+struct HeadSplit {
   using R = Acc<T>;
-  detail::Resolved head = r, rest = r;
-  const int64_t N = int64_t(r.seqs.size());
-  std::vector<int64_t> row0(static_cast<size_t>(N)), len(static_cast<size_t>(N));
-  int64_t mid_max = 0, maxlen = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const detail::SeqInfo& x = r.seqs[size_t(i)];
-    const int64_t h = std::min(x.len, (kChunk - x.n0 % kChunk) % kChunk);
-    head.seqs[size_t(i)].len = h;
-    rest.seqs[size_t(i)].row0 += h, rest.seqs[size_t(i)].len -= h, rest.seqs[size_t(i)].n0 += h;
-    row0[size_t(i)] = x.b * r.T + x.row0, len[size_t(i)] = h;
-    mid_max = std::max(mid_max, x.n0 + h), maxlen = std::max(maxlen, h);
+  static bool wanted(const detail::Resolved& r, const ForwardParams& p) {
+    if (!detail::OpPlan::make(r.cfg).fenwick || !p.init.H.defined() ||
+        std::all_of(r.seqs.begin(), r.seqs.end(), [](const auto& x) { return x.n0 % kChunk == 0; }))
+      return false;
+    return ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
   }
-  // the state at the end of the heads, in the public layout (fp32; written by the first call)
-  const Device dev = p.q.device;
-  const StateShape sh = state_shape(r.cfg, N, r.H, r.dk, r.dv, mid_max);
-  auto numel = [](const std::vector<int64_t>& shape) {
+  const detail::Resolved& r;
+  detail::Resolved head, rest;
+  cudaStream_t s;
+  Device dev;
+  int64_t N = 0, maxlen = 0, mid_max = 0;
+  std::vector<int64_t> row0, len;  // per sequence: its first row (b T + t) and head rows
+  std::deque<DevBuf<char>> bufs;   // the mid states and scratch tensors
+
+  HeadSplit(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
+      : r(r_), head(r_), rest(r_), s(s_), dev(p.q.device), N(int64_t(r_.seqs.size())) {
+    for (int64_t i = 0; i < N; ++i) {
+      const detail::SeqInfo& x = r.seqs[size_t(i)];
+      const int64_t h = std::min(x.len, (kChunk - x.n0 % kChunk) % kChunk);
+      head.seqs[size_t(i)].len = h;
+      rest.seqs[size_t(i)].row0 += h, rest.seqs[size_t(i)].len -= h, rest.seqs[size_t(i)].n0 += h;
+      row0.push_back(x.b * r.T + x.row0), len.push_back(h);
+      mid_max = std::max(mid_max, x.n0 + h), maxlen = std::max(maxlen, h);
+    }
+  }
+  TensorView alloc(DType dt, const std::vector<int64_t>& shape) {
     int64_t n = 1;
     for (int64_t x : shape) n *= x;
-    return n;
-  };
-  DevBuf<R> S(sh.S ? size_t(numel(sh.S_shape)) : 0, s), P(sh.P ? size_t(numel(sh.P_shape)) : 0, s),
-      H(size_t(numel(sh.H_shape)), s);
-  DevBuf<int64_t> pos(size_t(N), s);
-  constexpr DType kR = sizeof(R) == 8 ? DType::f64 : DType::f32;
-  StateView mid;
-  mid.pos = TensorView::contiguous_view(pos.get(), DType::i64, {N}, dev);
-  if (sh.S) mid.S = TensorView::contiguous_view(S.get(), kR, sh.S_shape.data(), int(sh.S_shape.size()), dev);
-  if (sh.P) mid.P = TensorView::contiguous_view(P.get(), kR, sh.P_shape.data(), int(sh.P_shape.size()), dev);
-  mid.H = TensorView::contiguous_view(H.get(), kR, sh.H_shape.data(), int(sh.H_shape.size()), dev);
-  // the heads' outputs go to a scratch copy of o (the first call writes whole tensors), then their rows to o
-  DevBuf<T> o1(p.o.defined() ? size_t(r.B * r.T * r.H * r.dv) : 0, s);
-  ForwardParams p1 = p;
-  p1.final_state = mid;
-  if (p.o.defined()) p1.o = TensorView::contiguous_view(o1.get(), p.o.dtype, {r.B, r.T, r.H, r.dv}, dev);
-  forward_call<T>(head, p1, s);
-  ForwardParams p2 = p;
-  p2.init = mid;
-  forward_call<T>(rest, p2, s);
-  if (p.o.defined() && maxlen > 0) {
-    const DevBuf<int64_t> d_row0 = SeqTables::upload(row0, s), d_len = SeqTables::upload(len, s);
-    HILA_LAUNCH(copy_seq_rows<T>, N * maxlen * r.H * r.dv, s, Strided(p.o), Strided(p1.o), d_row0.get(), d_len.get(), N,
-                maxlen, r.T, r.H, int(r.dv));
+    bufs.emplace_back(size_t(n * dtype_size(dt)), s);
+    return TensorView::contiguous_view(bufs.back().get(), dt, shape.data(), int(shape.size()), dev);
   }
+  // A state at the end of the heads (fp32, fp64 for fp64 inputs), the parts the op has.
+  StateView state() {
+    const StateShape sh = state_shape(r.cfg, N, r.H, r.dk, r.dv, mid_max);
+    constexpr DType kR = sizeof(R) == 8 ? DType::f64 : DType::f32;
+    StateView st;
+    st.pos = alloc(DType::i64, {N});
+    if (sh.S) st.S = alloc(kR, sh.S_shape);
+    if (sh.P) st.P = alloc(kR, sh.P_shape);
+    st.H = alloc(kR, sh.H_shape);
+    return st;
+  }
+  TensorView scratch_like(const TensorView& t) {
+    return t.defined() ? alloc(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim)) : TensorView{};
+  }
+  // The head rows of src (a scratch tensor of the head call) into dst.
+  void copy_head_rows(const TensorView& dst, const TensorView& src) const {
+    if (!dst.defined() || maxlen == 0) return;
+    const int64_t X = dst.shape[2];
+    const int d = dst.ndim > 3 ? int(dst.shape[3]) : 1;
+    const DevBuf<int64_t> d_row0 = SeqTables::upload(row0, s), d_len = SeqTables::upload(len, s);
+    HILA_LAUNCH(copy_seq_rows, N * maxlen * X * d, s, Strided(dst), Strided(src), d_row0.get(), d_len.get(), N, maxlen,
+                r.T, X, d);
+  }
+};
+
+// Forward: the heads (final state: mid; o rows to scratch), then the rest from mid.
+template <class T>
+void forward_split_head(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+  HeadSplit<T> sp(r, p, s);
+  ForwardParams p1 = p;
+  p1.final_state = sp.state();
+  p1.o = sp.scratch_like(p.o);
+  forward_call<T>(sp.head, p1, s);
+  ForwardParams p2 = p;
+  p2.init = p1.final_state;
+  forward_call<T>(sp.rest, p2, s);
+  sp.copy_head_rows(p.o, p1.o);
+}
+
+// Backward: the heads' forward (mid, o rows), the rest's backward from mid (d_init: dmid; the
+// caller's d_final, final state and gradient rows), then the heads' backward with dmid as their
+// final-state cotangent (the caller's d_init; gradient rows to scratch).
+template <class T>
+void backward_split_head(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+  HeadSplit<T> sp(r, p, s);
+  ForwardParams f = p;
+  f.final_state = sp.state();
+  f.o = sp.scratch_like(p.o);
+  forward_call<T>(sp.head, f, s);
+  BackwardParams b2 = p;
+  b2.init = f.final_state;
+  b2.d_init = sp.state();
+  b2.d_init.pos = {};
+  backward_call<T>(sp.rest, b2, s);
+  BackwardParams b1 = p;
+  b1.final_state = {}, b1.o = {};
+  b1.d_final = b2.d_init;
+  b1.dq = sp.scratch_like(p.dq), b1.dk = sp.scratch_like(p.dk), b1.dv = sp.scratch_like(p.dv);
+  b1.dg = sp.scratch_like(p.dg), b1.dlam = sp.scratch_like(p.dlam);
+  backward_call<T>(sp.head, b1, s);
+  sp.copy_head_rows(p.o, f.o);
+  sp.copy_head_rows(p.dq, b1.dq), sp.copy_head_rows(p.dk, b1.dk), sp.copy_head_rows(p.dv, b1.dv);
+  sp.copy_head_rows(p.dg, b1.dg), sp.copy_head_rows(p.dlam, b1.dlam);
 }
 
 template <class T>
 void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  if (split_unaligned_head<T>(r, p)) return forward_split_head<T>(r, p, s);
+  if (HeadSplit<T>::wanted(r, p)) return forward_split_head<T>(r, p, s);
   forward_call<T>(r, p, s);
 }
 
@@ -551,14 +596,20 @@ void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   c.write_states(p.final_state, in, Hf.get());
 }
 
+template <class T>
+void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+  if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
+  if (HeadSplit<T>::wanted(r, p)) return backward_split_head<T>(r, p, s);
+  backward_call<T>(r, p, s);
+}
+
 // VJP of the composition (HLA_SPEC §7.2): outer primitive first, then the inner ones with the
 // outer key / value gradients as their output cotangents. Gradients accumulate in fp32 buffers
 // that start as the primitives' own (no copies).
 template <class T>
-void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  const Call<T> c(r, p, s, p.d_final.H.defined());
+  const Call<T> c(r, p, s);
   const auto& plan = c.plan;
   const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
   const auto in = c.run_inner(true);

@@ -565,6 +565,23 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
       acc[j][2] = acc[j][2] * w1 + f * acc2[j][2], acc[j][3] = acc[j][3] * w1 + f * acc2[j][3];
     }
   };
+  // kTree with a final-state cotangent: the last partial chunk's rows gain fin [C][d] (fp32, per
+  // (sequence, head); ll_final_bwd_kernel): its levels <= p of the final state
+  const bool fin_rows = kTree && ta.fin_dk && nr < kChunk;
+  auto add_fin = [&](float(&acc)[8][4], const float* fin, int d, int c0, int nt) {
+    const float* base = fin + (int64_t(seq) * a.H + h) * kChunk * d;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = hf ? i1 : i0;
+          if (i < nr) {
+            const float2 x = *reinterpret_cast<const float2*>(base + int64_t(i) * d + c0 + 8 * j + 2 * t);
+            acc[j][2 * hf] += x.x, acc[j][2 * hf + 1] += x.y;
+          }
+        }
+  };
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
@@ -572,6 +589,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     tc::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     tc::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, sc);
+    if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt);
     store(a.dk_, dk, a.dk_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
@@ -584,6 +602,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     tc::warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
     tc::warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, 1.f);
+    if (fin_rows) add_fin(acc, ta.fin_dv, dv, cc, nt);
     store(a.dv_, dv, a.dv_out, acc, cc, nt);
   }
   // dc: reduce over the 4 lanes of a row, then over the two column halves

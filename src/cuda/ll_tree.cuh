@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Chunk-parallel tree form of log-linear Mamba-2 (LOGLINEAR_SPEC §3.3 "tree", §5.3), the
 // tensor-core path for calls whose sequences start at chunk-aligned positions n0 = a0 C (a
-// backward: no final-state cotangent). With C = 2^p and chunks numbered by absolute position,
+// backward too). With C = 2^p and chunks numbered by absolute position,
 // chunk N reads, for every set bit m-1 of N, the tree node
 //   node_m[j],  j = (N >> (m-1)) - 1:  the tokens of chunks [j 2^{m-1}, (j+1) 2^{m-1}) decayed to
 //   the end of that block, at level p + m, with the decay of the chunks in between as
@@ -21,6 +21,10 @@
 //   dlam[i, p+m] = e^{b_i+gap} q^_i.(dO node_m^T)_i, dlam[i, LUT] from the intra block, dc = q^.dq^ - k.dk
 //   (the initial levels' reads enter q^.dq^ like any other, so dg needs no extra term), and
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
+//   A final-state cotangent dHT (final state as in ll_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
+//   the pending node of level m before the push-down, w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
+//   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}), and <dHT, HT> to dg at the
+//   last row (the GLA identity dg = revcumsum(q.dq - k.dk) + <dHT, HT>).
 //   The parts of long reading ranges (ll_wkv_kernel kPart) need a0 = 0.
 // All nodes, their cotangents and beta are fp32.
 //
@@ -97,6 +101,12 @@ struct TreeArgs {
   // set bits m-1 of a0 + len / C), fp32 [N][H][lpend][dk][dv] at level m, written by the tree build
   float* pend = nullptr;
   int lpend = 0;
+  // backward with a final-state cotangent dht (Fenwick [N][H][Ls][dk][dv] fp32): the pending node
+  // at level m gains fcoef[seq][h][m] dht[p + m] in the push-down ([N][H][lpend]); the last partial
+  // chunk's rows gain fin_dk [N][H][C][dk], fin_dv [N][H][C][dv] in dk, dv (ll_final_bwd_kernel)
+  const float* dht = nullptr;
+  const float *fcoef = nullptr, *fin_dk = nullptr, *fin_dv = nullptr;
+  int Lht = 0;
 };
 
 __device__ __forceinline__ SeqNodes seq_nodes(const TreeArgs& ta, const int64_t* chunk0, int seq, int64_t nc) {

@@ -14,9 +14,9 @@
 //   when they fit a quarter of the free memory) the sweep carries the states alone and the outputs
 //   run chunk-parallel, one block per (segment, head) over all dv columns.
 // Calls from chunk-aligned positions (training from 0 or from a state, prefill, continuation;
-//   a forward from an unaligned position first sweeps the rows up to the next aligned one,
-//   backend.cu) with 16-bit operands and no final-state cotangent take the chunk-parallel tree
-//   form instead (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
+//   a call from an unaligned position is split by backend.cu into the rows up to the next aligned
+//   one, swept, and the rest) with 16-bit operands take the chunk-parallel tree form instead
+//   (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
 // Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
 //   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
 //   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
@@ -81,10 +81,10 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
 // Chunk-parallel tree form (ll_tree.cuh, loglinear_tree.cu), taken by ll_forward / ll_backward
 // when a.tree, where ll_tree_usable: 16-bit operands, 32 <= dk <= 128, dv <= 128, and
 // HILA_LOGLINEAR_TREE is not 0. The caller sets it when every sequence starts at a chunk-aligned
-// position (n0 % kChunk == 0; the initial state p.h0 when n0 > 0) and, in a backward, there is no
-// final-state cotangent (p.dht); the forward writes the final state p.ht when want_final, the
-// backward dH0 into p.dh0 when set. Unlike the sweep it reads q, k, v, dO and writes o, dq, dk, dv
-// in the callers' row layouts (GlaArgs::*_ld, *_hs).
+// position (n0 % kChunk == 0; the initial state p.h0 when n0 > 0); the forward writes the final
+// state p.ht when want_final, the backward takes the final-state cotangent p.dht when set and
+// writes dH0 into p.dh0 when set. Unlike the sweep it reads q, k, v, dO and writes o, dq, dk, dv in
+// the callers' row layouts (GlaArgs::*_ld, *_hs).
 template <class T>
 bool ll_tree_usable(int dk, int dv);
 template <class T>

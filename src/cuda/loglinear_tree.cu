@@ -234,6 +234,13 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
         if (((a0 + nf) >> (m - 1)) & 1)
           *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
   } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
+    // the final-state cotangent of the pending node (m, i): fcoef dHT[p + m] (TreeArgs::dht)
+    const int64_t nend = a0 + lens[seq] / kChunk;
+    auto add_final = [&](float4& d, int m, int64_t i) {
+      if (ta.dht && m < ta.lpend && ((nend >> (m - 1)) & 1) && i == (nend >> (m - 1)) - 1)
+        axpy(d, ta.fcoef[(int64_t(seq) * H + h) * ta.lpend + m],
+             *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Lht + kLogChunk + m) * tile + e));
+    };
     for (int64_t j = 0; j < nc; ++j) {
       // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
       const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1);
@@ -252,6 +259,7 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
               if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
             }
           }
+          add_final(d, m, i);
           if (m < top && (i >> 1) < sn.hi(m + 1)) {
             const float c = (i & 1) ? 1.f : decay(m, i + 1);
             axpy(d, c, stk[m + 1]);
@@ -263,7 +271,8 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
         for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
           if (!((a0 >> (m - 1)) & 1)) continue;
           const int64_t i0 = (a0 >> (m - 1)) - 1;
-          float4 d = load(idx(m, i0));  // its reads (R)
+          float4 d = load(idx(m, i0));  // its reads (R), and dHT when no full chunk of the call reached it
+          add_final(d, m, i0);
           if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
           *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls0 + kLogChunk + m) * tile + e) = d;
         }
@@ -389,6 +398,57 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
   }
 }
 
+// The final-state cotangent dHT = ta.dht in a tree backward (ll_tree.cuh); grid N x H, 256 threads:
+//   fcoef[m] = e^{gap_m(n) + B_r} for the pending node of each set bit m-1 of n = a0 + nf (the
+//     push-down adds fcoef[m] dHT[p + m] to it; B_r: the partial chunk's total, 0 without one);
+//   the partial chunk's rows s < r (level l = bitlen(r xor s), w = e^{B_r - b_s}), fp32:
+//     fin_dk[s] = w dHT[l] v_s   [dk, dv] x [dv]      fin_dv[s] = w dHT[l]^T k_s   [dv, dk] x [dk]
+//   an empty sequence: dH0 = dHT (its final state is its initial one) when dh0 is set.
+template <class T>
+__global__ void __launch_bounds__(256) ll_final_bwd_kernel(GlaArgs<T> a, TreeArgs ta, float* fcoef, float* fin_dk,
+                                                           float* fin_dv, float* dh0) {
+  __shared__ float bs[kChunk];
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int64_t len = a.len[seq], nf = len / kChunk, nc = (len + kChunk - 1) / kChunk;
+  const int r = int(len - nf * kChunk);
+  const int64_t tile = int64_t(a.dk) * a.dv, sh = int64_t(seq) * a.H + h;
+  const float* dht = ta.dht + sh * ta.Lht * tile;
+  if (len == 0) {
+    if (dh0)
+      for (int64_t e = threadIdx.x; e < ta.Lht * tile; e += blockDim.x) dh0[sh * ta.Lht * tile + e] = dht[e];
+    return;
+  }
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int64_t n = sn.a0 + nf, r0 = a.row0[seq] + nf * kChunk;
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = b && int(threadIdx.x) < r ? b[r0 + threadIdx.x] : 0.f;
+  __syncthreads();
+  const float Br = r > 0 ? bs[r - 1] : 0.f;
+  if (threadIdx.x == 0)
+    for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t, float gap) {
+      if (m < ta.lpend) fcoef[sh * ta.lpend + m] = __expf(gap + Br);
+    });
+  const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const int64_t ldv = row_ld(a.v_ld, a.dv), ldk = row_ld(a.k_ld, a.dk);
+  for (int64_t e = threadIdx.x; e < int64_t(r) * a.dk; e += blockDim.x) {  // fin_dk
+    const int i = int(e / a.dk), c = int(e % a.dk), l = 32 - __clz(r ^ i);
+    const float* M = dht + int64_t(l) * tile + int64_t(c) * a.dv;
+    const T* vr = v + (r0 + i) * ldv;
+    float x = 0.f;
+    for (int j = 0; j < a.dv; ++j) x += M[j] * float(vr[j]);
+    fin_dk[(sh * kChunk + i) * a.dk + c] = __expf(Br - bs[i]) * x;
+  }
+  for (int64_t e = threadIdx.x; e < int64_t(r) * a.dv; e += blockDim.x) {  // fin_dv
+    const int i = int(e / a.dv), c = int(e % a.dv), l = 32 - __clz(r ^ i);
+    const float* M = dht + int64_t(l) * tile + c;
+    const T* kr = k + (r0 + i) * ldk;
+    float x = 0.f;
+    for (int j = 0; j < a.dk; ++j) x += M[int64_t(j) * a.dv] * float(kr[j]);
+    fin_dv[(sh * kChunk + i) * a.dv + c] = __expf(Br - bs[i]) * x;
+  }
+}
+
 int sm_count() {
   static const int n = [] {
     int dev = 0, x = 0;
@@ -477,17 +537,35 @@ template <class T>
 void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     if (a.p.N == 0 || a.p.H == 0) return;
-    if (!dry_run())  // dry run: workspace_size
+    const int64_t tile = int64_t(a.p.dk) * a.p.dv, NH = int64_t(a.p.N) * a.p.H;
+    if (!dry_run()) {  // dry run: workspace_size
       HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(float), s));
-    if (a.p.nchunks == 0) return;
-    Tree<T> tr(a, t, s);
-    build_tree(a.p, tr, tr.lstk, s);
-    const int64_t tile = int64_t(a.p.dk) * a.p.dv;
-    if (a.p.dh0) {  // dH0: the initial levels' cotangents from the push-down, zero elsewhere
-      if (!dry_run())  // dry run: workspace_size
-        HILA_CUDA_CHECK(cudaMemsetAsync(a.p.dh0, 0, size_t(a.p.N) * a.p.H * a.Ls * tile * sizeof(float), s));
-      tr.ta.dh0 = a.p.dh0;
+      // dH0: the initial levels' cotangents from the push-down (dHT for empty sequences), zero elsewhere
+      if (a.p.dh0) HILA_CUDA_CHECK(cudaMemsetAsync(a.p.dh0, 0, size_t(NH * a.Ls * tile) * sizeof(float), s));
     }
+    Tree<T> tr(a, t, s);
+    tr.ta.dh0 = a.p.dh0;
+    // a final-state cotangent: the pending nodes (for HT, the dg term) and the ll_final_bwd_kernel terms
+    const bool fin = a.p.dht != nullptr;
+    DevBuf<float> pend(fin ? size_t(NH * tr.lstk * tile) : 0, s), HT(fin ? size_t(NH * a.Ls * tile) : 0, s);
+    DevBuf<float> fcoef(fin ? size_t(NH * tr.lstk) : 0, s);
+    DevBuf<float> fin_dk(fin ? size_t(NH * kChunk * a.p.dk) : 0, s), fin_dv(fin ? size_t(NH * kChunk * a.p.dv) : 0, s);
+    if (fin) {
+      tr.ta.pend = pend.get(), tr.ta.lpend = tr.lstk;
+      tr.ta.dht = a.p.dht, tr.ta.Lht = a.Ls, tr.ta.fcoef = fcoef.get();
+      tr.ta.fin_dk = fin_dk.get(), tr.ta.fin_dv = fin_dv.get();
+    }
+    if (a.p.nchunks > 0) build_tree(a.p, tr, tr.lstk, s);
+    if (fin && !dry_run()) {  // dry run: workspace_size
+      ll_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
+      HILA_CUDA_CHECK_LAUNCH();
+      if (a.p.nchunks > 0) {
+        ll_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+                             128, 0, s>>>(a.p, tr.ta, HT.get(), a.Ls);
+        HILA_CUDA_CHECK_LAUNCH();
+      }
+    }
+    if (a.p.nchunks == 0) return;
     DevBuf<float> dnode(size_t(tr.slots * a.p.H * tile), s);
     DevBuf<T> dz16(size_t(a.p.nchunks * a.p.H * tile), s);
     // parts of the long reading ranges: (top - 5) ceil(nc / 16) <= nc slots per sequence while every
@@ -502,8 +580,10 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
                          parts.get(), split);
     tr.ta.dz16 = dz16.get();
     tc_bwd_chunk(a.p, s, &tr.ta);
+    // dg = reverse cumsum of q.dq - k.dk, plus <dHT, HT> at the last row: gla_dg reduces its
+    // [N][H][dk][dv] states, so the Fenwick [N][H][Ls][dk][dv] ones pass as dk' = Ls dk rows
     GlaArgs<T> p = a.p;
-    p.dht = nullptr;
+    p.dht = fin ? a.p.dht : nullptr, p.ht = HT.get(), p.dk = a.Ls * a.p.dk;
     gla_dg(p, s);
   }
 }

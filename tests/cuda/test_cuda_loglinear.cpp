@@ -57,6 +57,13 @@ std::vector<LlCase> cases() {
   cs.push_back({ll, DType::bf16, 2, 300, 1, 4, 64, 40, {}, {13}, 1e-2, name(ll, "bf16_init13_gqa4_dv40"), false,
                 false, 0, true});
   cs.push_back({ll, DType::f16, 2, 130, 1, 2, 64, 64, {}, {64}, 1e-2, name(ll, "f16_init64")});
+  // 16-bit from chunk-aligned states with a final-state cotangent: the tree form end to end (empty
+  // sequences: dH0 = dHT)
+  cs.push_back({ll, DType::bf16, 1, 0, 1, 4, 64, 40, {0, 100, 0, 64, 1, 257, 63}, {64, 0, 128, kFar + 187, 192, 448, 320},
+                1e-2, name(ll, "bf16_varlen_init_aligned_dv40")});
+  cs.push_back({ll, DType::bf16, 2, 130, 1, 2, 64, 64, {}, {192}, 1e-2, name(ll, "bf16_T130_init192")});
+  cs.push_back({Op::loglinear_hla2, DType::bf16, 2, 130, 1, 2, 64, 64, {}, {128}, 1e-2,
+                name(Op::loglinear_hla2, "bf16_T130_init128")});
   cs.push_back({ll, DType::bf16, 1, 0, 1, 2, 64, 64, {70, 0, 130}, {kHuge, 3, kHuge + 64}, 1e-2,
                 name(ll, "bf16_varlen_init_past_2e33")});
   for (int64_t T : {1, 63, 64, 65, 1000})

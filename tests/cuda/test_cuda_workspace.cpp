@@ -38,6 +38,9 @@ std::vector<WsCase> ws_cases() {
       {Op::ahla, DType::bf16, 2, 130, 1, 4, 64, 64, {}, true, false, "ahla_bf16_gqa4"},
       {Op::hla3, DType::f32, 2, 200, 2, 4, 32, 24, {}, true, false, "hla3_f32"},
       {Op::loglinear, DType::bf16, 2, 1000, 1, 4, 64, 64, {}, true, false, "loglinear_bf16"},
+      // the tree backward from states: aligned (seeded), and unaligned (head rows swept first)
+      {Op::loglinear, DType::bf16, 1, 0, 1, 2, 64, 64, varlen, true, false, "loglinear_bf16_varlen_at128", {128}},
+      {Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, true, false, "loglinear_bf16_at77", {77}},
       {Op::loglinear_hla2, DType::f32, 1, 0, 1, 2, 32, 32, varlen, true, false, "loglinear_hla2_f32_varlen"},
       {Op::gdn, DType::f32, 2, 300, 2, 2, 32, 32, {}, true, false, "gdn_f32"},
       {Op::loglinear_gdn, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false, "loglinear_gdn_bf16"},
