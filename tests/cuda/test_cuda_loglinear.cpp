@@ -140,6 +140,13 @@ std::vector<LlCase> cases() {
                   false, ridge, true});
     cs.push_back({op, DType::f64, 1, 130, 1, 2, 16, 16, {}, {200}, 1e-10, name(op, "f64_untied_normalize_init200"),
                   true, true, ridge});
+    // 16-bit with normalize and untied gates: the tree form from an aligned state, and the head split.
+    // 2e-2: the normalized output divides by a denominator built from the bf16-rounded inner
+    // outputs, and its gradients (dq, dlam, dS0) come out at 1.3-1.5e-2 on the segment sweep too
+    cs.push_back({op, DType::bf16, 2, 130, 1, 2, 64, 64, {}, {64}, 2e-2, name(op, "bf16_untied_normalize_init64"), true,
+                  true, ridge});
+    cs.push_back({op, DType::bf16, 1, 0, 1, 2, 64, 48, {0, 70, 1, 130}, {5, 77, 128, 0}, 2e-2,
+                  name(op, "bf16_normalize_varlen_init_unaligned"), true, false, ridge});
   }
   return cs;
 }
