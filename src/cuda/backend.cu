@@ -521,6 +521,15 @@ struct HeadSplit {
   TensorView scratch_like(const TensorView& t) {
     return t.defined() ? alloc(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim)) : TensorView{};
   }
+  // The heads' forward from the caller's initial state: the final state into a new `mid` state,
+  // o into scratch (copy_head_rows moves its head rows). Returns the params it ran with.
+  ForwardParams head_forward(const ForwardParams& p) {
+    ForwardParams f = p;
+    f.final_state = state();
+    f.o = scratch_like(p.o);
+    forward_call<T>(head, f, s);
+    return f;
+  }
   // The head rows of src (a scratch tensor of the head call) into dst.
   void copy_head_rows(const TensorView& dst, const TensorView& src) const {
     if (!dst.defined() || maxlen == 0) return;
@@ -536,14 +545,11 @@ struct HeadSplit {
 template <class T>
 void forward_split_head(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   HeadSplit<T> sp(r, p, s);
-  ForwardParams p1 = p;
-  p1.final_state = sp.state();
-  p1.o = sp.scratch_like(p.o);
-  forward_call<T>(sp.head, p1, s);
+  const ForwardParams f = sp.head_forward(p);
   ForwardParams p2 = p;
-  p2.init = p1.final_state;
+  p2.init = f.final_state;
   forward_call<T>(sp.rest, p2, s);
-  sp.copy_head_rows(p.o, p1.o);
+  sp.copy_head_rows(p.o, f.o);
 }
 
 // Backward: the heads' forward (mid, o rows), the rest's backward from mid (d_init: dmid; the
@@ -552,10 +558,7 @@ void forward_split_head(const detail::Resolved& r, const ForwardParams& p, cudaS
 template <class T>
 void backward_split_head(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   HeadSplit<T> sp(r, p, s);
-  ForwardParams f = p;
-  f.final_state = sp.state();
-  f.o = sp.scratch_like(p.o);
-  forward_call<T>(sp.head, f, s);
+  const ForwardParams f = sp.head_forward(p);
   BackwardParams b2 = p;
   b2.init = f.final_state;
   b2.d_init = sp.state();

@@ -62,14 +62,11 @@ Problem ws_problem(const WsCase& c) {
   return cast_problem(make_problem(s), c.dtype);
 }
 
-class CudaWorkspace : public ::testing::TestWithParam<WsCase> {};
-
-TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
-  const WsCase c = GetParam();
-  const Problem low = ws_problem(c);
-  const Result pooled = run_backward(low, Form::chunk, 64, cuda0());
-
+// run(tmp) on the pool, then with a workspace of exactly workspace_size bytes: the second takes
+// no pool memory and gives the same results.
+template <class Run>
+void expect_exact_workspace(const WsCase& c, Run run) {
+  const Result pooled = run(Temporaries::pool);
   cudaMemPool_t pool;
   ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -78,7 +75,7 @@ TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
   Result ws;
   try {
-    ws = run_backward(low, Form::chunk, 64, cuda0(), Temporaries::workspace);
+    ws = run(Temporaries::workspace);
   } catch (const std::exception& e) {
     FAIL() << c.name << ": the call with a workspace threw: " << e.what();
   }
@@ -89,6 +86,15 @@ TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
     std::printf("  %-28s %-10s rel err (workspace vs pool) %.2e\n", c.name.c_str(), name.c_str(), e);
     EXPECT_LE(e, 1e-5) << c.name << " " << name;
   }
+}
+
+class CudaWorkspace : public ::testing::TestWithParam<WsCase> {};
+
+TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  const WsCase c = GetParam();
+  const Problem low = ws_problem(c);
+  expect_exact_workspace(c, [&](Temporaries tmp) { return run_backward(low, Form::chunk, 64, cuda0(), tmp); });
 }
 
 // The sizes: positive on the device, larger for backward than for forward, growing with T, and
@@ -126,25 +132,7 @@ TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
-  const Result pooled = run_forward(low, Form::chunk, 64, cuda0());
-  cudaMemPool_t pool;
-  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  uint64_t before = 0, zero = 0, high = 0;
-  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &before), cudaSuccess);
-  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
-  Result ws;
-  try {
-    ws = run_forward(low, Form::chunk, 64, cuda0(), Temporaries::workspace);
-  } catch (const std::exception& e) {
-    FAIL() << c.name << ": the call with a workspace threw: " << e.what();
-  }
-  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
-  EXPECT_LE(high, before) << c.name << ": the call took pool memory besides its workspace";
-  for (const auto& [name, e] : compare(ws, pooled)) {
-    std::printf("  %-28s %-10s rel err (workspace vs pool) %.2e\n", c.name.c_str(), name.c_str(), e);
-    EXPECT_LE(e, 1e-5) << c.name << " " << name;
-  }
+  expect_exact_workspace(c, [&](Temporaries tmp) { return run_forward(low, Form::chunk, 64, cuda0(), tmp); });
 }
 
 INSTANTIATE_TEST_SUITE_P(
