@@ -129,7 +129,7 @@ inline void cp_wait(int pending) {
 template <class T>
 inline float half_of(uint32_t r, int hi) {
   const uint16_t b = uint16_t(hi ? r >> 16 : r & 0xffffu);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return float(__nv_bfloat16{b});
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return float(__nv_bfloat16::from_bits(b));
   else {
     __half h;
     std::memcpy(&h.x, &b, 2);
