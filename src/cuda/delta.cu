@@ -15,7 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSeg = 64;    // rows per segment at most: the chunk (a power of two, §2.6)
-constexpr double kL2Eps = 1e-6;  // LOGLINEAR_SPEC §6.1
 
 // Per-block scratch matrices (row-major, leading dimension = column count). Rows <= kSeg.
 template <class R>

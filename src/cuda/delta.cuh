@@ -29,6 +29,8 @@
 
 namespace hila::cuda {
 
+constexpr double kL2Eps = 1e-6;  // qk_l2norm: x / sqrt(|x|^2 + eps) (LOGLINEAR_SPEC §6.1)
+
 template <class T>
 struct DeltaArgs {
   using R = Acc<T>;

@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) delta_sweep_kernel(GlaArgs<T> a, con
   }
 }
 
-// q^ or k rows of [X][Ttot][dp] (first d columns) -> x / sqrt(|x|^2 + 1e-6) (LOGLINEAR_SPEC §6.1), in place.
+// q^ or k rows of [X][Ttot][dp] (first d columns) -> x / sqrt(|x|^2 + kL2Eps) (LOGLINEAR_SPEC §6.1), in place.
 template <class T>
 __global__ void l2norm_rows(T* x, int64_t rows, int d, int dp) {
   const int lane = threadIdx.x & 31;
@@ -305,7 +305,7 @@ __global__ void l2norm_rows(T* x, int64_t rows, int d, int dp) {
     float ss = 0.f;
     for (int j = lane; j < d; j += 32) ss += float(row[j]) * float(row[j]);
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = 1.f / sqrtf(ss + 1e-6f);
+    const float inv = 1.f / sqrtf(ss + float(kL2Eps));
     for (int j = lane; j < d; j += 32) row[j] = to<T>(float(row[j]) * inv);
   }
 }

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
                     ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
       for (int m = 1; m < lstk && (sn.a0 >> (m - 1)); ++m) {
         if (!((sn.a0 >> (m - 1)) & 1)) continue;
-        const float* src = ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls0 + kLogChunk + m) * a.dk * a.dv;
+        const float* src = ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + kLogChunk + m) * a.dk * a.dv;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll

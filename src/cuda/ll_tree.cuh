@@ -90,13 +90,13 @@ struct TreeArgs {
   const float* beta = nullptr;   // [slots][H]
   // sequences from chunk-aligned n0 > 0: a0 = n0 / C and the node bases per
   // sequence (device, [N]); nullptr: a0 = 0 and base = 2 chunk0. h0: the initial Fenwick state
-  // [N][H][Ls0][dk][dv] fp32 (nullptr: none)
+  // [N][H][Ls][dk][dv] fp32 (nullptr: none)
   const int64_t* a0 = nullptr;
   const int64_t* nbase = nullptr;
   const int* slot_seq = nullptr;  // [slots]: the sequence of each node slot (nullptr: chunk_seq[slot / 2])
   const float* h0 = nullptr;
   float* dh0 = nullptr;           // backward: the initial state's adjoint, same layout (nullptr: not wanted)
-  int Ls0 = 0;
+  int Ls = 0;  // Fenwick slots of h0, dh0 and dht (LlArgs::Ls)
   // forward with a final state: the nodes pending after the full chunks of each sequence (the
   // set bits m-1 of a0 + len / C), fp32 [N][H][lpend][dk][dv] at level m, written by the tree build
   float* pend = nullptr;
@@ -106,7 +106,6 @@ struct TreeArgs {
   // chunk's rows gain fin_dk [N][H][C][dk], fin_dv [N][H][C][dv] in dk, dv (ll_final_bwd_kernel)
   const float* dht = nullptr;
   const float *fcoef = nullptr, *fin_dk = nullptr, *fin_dv = nullptr;
-  int Lht = 0;
 };
 
 __device__ __forceinline__ SeqNodes seq_nodes(const TreeArgs& ta, const int64_t* chunk0, int seq, int64_t nc) {

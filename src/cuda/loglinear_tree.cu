@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
     // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
     for (int m = 1; m <= top && (a0 >> (m - 1)); ++m)
       if ((a0 >> (m - 1)) & 1) {
-        stk[m] = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls0 + kLogChunk + m) * tile + e);
+        stk[m] = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e);
         put(idx(m, (a0 >> (m - 1)) - 1), stk[m]);
       }
     const int64_t nf = lens[seq] / kChunk;  // full chunks
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
     auto add_final = [&](float4& d, int m, int64_t i) {
       if (ta.dht && m < ta.lpend && ((nend >> (m - 1)) & 1) && i == (nend >> (m - 1)) - 1)
         axpy(d, ta.fcoef[(int64_t(seq) * H + h) * ta.lpend + m],
-             *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Lht + kLogChunk + m) * tile + e));
+             *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e));
     };
     for (int64_t j = 0; j < nc; ++j) {
       // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
           float4 d = load(idx(m, i0));  // its reads (R), and dHT when no full chunk of the call reached it
           add_final(d, m, i0);
           if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
-          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls0 + kLogChunk + m) * tile + e) = d;
+          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
         }
       put(chunk0[seq] + j, stk[1]);
     }
@@ -316,13 +316,13 @@ struct Tree {
     }
     if (shifted) {
       a0 = SeqTables::upload(va0, s), nbase = SeqTables::upload(vbase, s), slot_seq = SeqTables::upload(vseq, s);
-      ta.a0 = a0.get(), ta.nbase = nbase.get(), ta.slot_seq = slot_seq.get(), ta.h0 = a.p.h0, ta.Ls0 = a.Ls;
+      ta.a0 = a0.get(), ta.nbase = nbase.get(), ta.slot_seq = slot_seq.get(), ta.h0 = a.p.h0;
     } else {
       slots = 2 * a.p.nchunks;  // base = 2 chunk0
     }
     beta = DevBuf<float>(size_t(slots * a.p.H), s);
     node16 = DevBuf<T>(size_t(slots * a.p.H * a.p.dk * a.p.dv), s);
-    ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.node16 = node16.get(), ta.beta = beta.get();
+    ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.Ls = a.Ls, ta.node16 = node16.get(), ta.beta = beta.get();
   }
 };
 
@@ -334,7 +334,7 @@ struct Tree {
 //     ((a0 + nf) >> (m-1) == a0 >> (m-1): the re-key of the initial level is the identity)
 //   all other slots zero.
 template <class T>
-__global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht, int Ls) {
+__global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht) {
   __shared__ __align__(128) T Ks[kChunk * kLdTile];
   __shared__ __align__(128) T Vs[kChunk * kLdTile];
   __shared__ float bs[kChunk];
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
   tc::cp_async_wait<0>();
   __syncthreads();
   const float Br = r > 0 ? bs[r - 1] : 0.f;
-  for (int l = 0; l < Ls; ++l) {
+  for (int l = 0; l < ta.Ls; ++l) {
     float acc[8][4];
     tc::zero(acc);
     if (l >= 1 && l <= kLogChunk && ((r >> (l - 1)) & 1)) {
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
         });
       const float f = __expf(gap + Br);
       const bool initial = (n >> (m - 1)) == (sn.a0 >> (m - 1));
-      const float* src = initial ? ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls0 + l) * int64_t(a.dk) * a.dv
+      const float* src = initial ? ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + l) * int64_t(a.dk) * a.dv
                                  : ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
             acc[j][2 * hf] = f * x.x, acc[j][2 * hf + 1] = f * x.y;
           }
     }
-    float* dst = ht + ((int64_t(seq) * a.H + h) * Ls + l) * int64_t(a.dk) * a.dv;
+    float* dst = ht + ((int64_t(seq) * a.H + h) * ta.Ls + l) * int64_t(a.dk) * a.dv;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (active && j < nt)
@@ -412,10 +412,10 @@ __global__ void __launch_bounds__(256) ll_final_bwd_kernel(GlaArgs<T> a, TreeArg
   const int64_t len = a.len[seq], nf = len / kChunk, nc = (len + kChunk - 1) / kChunk;
   const int r = int(len - nf * kChunk);
   const int64_t tile = int64_t(a.dk) * a.dv, sh = int64_t(seq) * a.H + h;
-  const float* dht = ta.dht + sh * ta.Lht * tile;
+  const float* dht = ta.dht + sh * ta.Ls * tile;
   if (len == 0) {
     if (dh0)
-      for (int64_t e = threadIdx.x; e < ta.Lht * tile; e += blockDim.x) dh0[sh * ta.Lht * tile + e] = dht[e];
+      for (int64_t e = threadIdx.x; e < ta.Ls * tile; e += blockDim.x) dh0[sh * ta.Ls * tile + e] = dht[e];
     return;
   }
   const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
@@ -527,7 +527,7 @@ void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     if (a.p.o && a.p.nchunks > 0) tc_output(a.p, s, &tr.ta);
     if (a.want_final && !dry_run()) {  // dry run: workspace_size
       ll_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
-                           128, 0, s>>>(a.p, tr.ta, a.p.ht, a.Ls);
+                           128, 0, s>>>(a.p, tr.ta, a.p.ht);
       HILA_CUDA_CHECK_LAUNCH();
     }
   }
@@ -552,7 +552,7 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     DevBuf<float> fin_dk(fin ? size_t(NH * kChunk * a.p.dk) : 0, s), fin_dv(fin ? size_t(NH * kChunk * a.p.dv) : 0, s);
     if (fin) {
       tr.ta.pend = pend.get(), tr.ta.lpend = tr.lstk;
-      tr.ta.dht = a.p.dht, tr.ta.Lht = a.Ls, tr.ta.fcoef = fcoef.get();
+      tr.ta.dht = a.p.dht, tr.ta.fcoef = fcoef.get();
       tr.ta.fin_dk = fin_dk.get(), tr.ta.fin_dv = fin_dv.get();
     }
     if (a.p.nchunks > 0) build_tree(a.p, tr, tr.lstk, s);
@@ -561,7 +561,7 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
       HILA_CUDA_CHECK_LAUNCH();
       if (a.p.nchunks > 0) {
         ll_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
-                             128, 0, s>>>(a.p, tr.ta, HT.get(), a.Ls);
+                             128, 0, s>>>(a.p, tr.ta, HT.get());
         HILA_CUDA_CHECK_LAUNCH();
       }
     }
