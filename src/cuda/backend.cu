@@ -193,26 +193,6 @@ struct Operand {
   int64_t ld = 0, hs = 0;
 };
 
-template <class T>
-constexpr DType dtype_of() {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::bf16;
-  else if constexpr (std::is_same_v<T, __half>) return DType::f16;
-  else if constexpr (std::is_same_v<T, float>) return DType::f32;
-  else return DType::f64;
-}
-
-// Whether the tensor-core kernels can read / write a caller's [B, T, X, d] tensor in place: same
-// dtype, d a multiple of 16 (no padding), unit column stride, 16-byte aligned rows, positive row and
-// head strides (broadcast views go through the pack path), and (B, T) merging into one row index.
-template <class T>
-bool in_place_ok(const TensorView& t, int64_t B, int64_t T_) {
-  if (!kTensorCore<T> || !t.defined() || t.dtype != dtype_of<T>() || t.ndim != 4) return false;
-  const int64_t d = t.shape[3];
-  return d % 16 == 0 && t.stride[3] == 1 && t.stride[1] > 0 && t.stride[2] > 0 && t.stride[1] % 8 == 0 &&
-         t.stride[2] % 8 == 0 &&
-         (B == 1 || t.stride[0] == T_ * t.stride[1]) && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
-}
-
 // One call's inputs, states and the composition over GLA primitives (core/plan.h).
 template <class T>
 struct Call {
@@ -307,11 +287,7 @@ struct Call {
   // [B, T, X, d] -> packed [X][Ttot][dp] (a ones column at `ones`); 16 bytes per thread when the
   // caller's layout is one the tensor-core kernels could read in place
   void pack(T* out, const TensorView& t, int64_t X, int d, int dp, int ones) const {
-    if (ones < 0 && d == dp && in_place_ok<T>(t, r.B, r.T))
-      HILA_LAUNCH(pack_rows8<T>, X * Ttot * dp / 8, s, out, static_cast<const T*>(t.data), t.stride[1], t.stride[2], X,
-                  Ttot, d);
-    else
-      HILA_LAUNCH(pack_rows<T>, X * Ttot * dp, s, out, Strided(t), r.T, X, Ttot, d, dp, ones);
+    pack_to<T>(out, t, r, X, d, dp, ones, s);
   }
   DevBuf<R> pack_dense(const TensorView& t) const {
     DevBuf<R> b(size_t(NH * dkp * dvp), s);
@@ -412,23 +388,6 @@ struct PrimGradBufs {
     a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
   }
 };
-
-template <class P>
-void unpack_to(const TensorView& out, const P* in, const detail::Resolved& r, int64_t X, int rep, int d, int dp,
-               Acc<P> mult, cudaStream_t s) {
-  const int64_t Ttot = r.B * r.T;
-  const bool rows = out.ndim == 4 && d % 4 == 0 && out.stride[3] == 1 && (r.B == 1 || out.stride[0] == r.T * out.stride[1]) &&
-                    reinterpret_cast<uintptr_t>(out.data) % 8 == 0;
-  const int64_t n4 = X * Ttot * (d / 4);
-  auto vec = [&](auto* o) {
-    HILA_LAUNCH((unpack_rows4<P, std::remove_pointer_t<decltype(o)>>), n4, s, o, out.stride[1], out.stride[2], in, X, rep, Ttot,
-                d, dp, mult);
-  };
-  if (rows && out.dtype == DType::bf16) vec(static_cast<__nv_bfloat16*>(out.data));
-  else if (rows && out.dtype == DType::f16) vec(static_cast<__half*>(out.data));
-  else if (rows && out.dtype == DType::f32) vec(static_cast<float*>(out.data));
-  else HILA_LAUNCH(unpack_rows<P>, X * Ttot * d, s, Strided(out), in, r.T, X, rep, Ttot, d, dp, mult);
-}
 
 // Where the outer primitive writes O': the caller's o in place when possible, else a packed
 // buffer that write_output unpacks (and normalizes).

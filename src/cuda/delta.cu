@@ -630,35 +630,6 @@ __global__ void __launch_bounds__(kThreads) delta_grad_kernel(DeltaArgs<T> a) {
   }
 }
 
-// dq or dk per group: mult * sum over the group's heads of the per-head gradient, then through
-// the l2 normalisation: dx = (dy - y (y.dy)) / sqrt(|x|^2 + eps) (LOGLINEAR_SPEC §6.1). One
-// thread per (group, row); x is the packed raw input.
-template <class T>
-__global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const T* x, int64_t T_, int64_t G, int rep,
-                                int64_t Ttot, int dk, Acc<T> mult, bool l2) {
-  using R = Acc<T>;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < G * Ttot; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t g = e / Ttot, r = e % Ttot, b = r / T_, t = r % T_;
-    auto dy = [&](int cc) {
-      R s = 0;
-      for (int j = 0; j < rep; ++j) s += dx[((g * rep + j) * Ttot + r) * dk + cc];
-      return mult * s;
-    };
-    const T* xr = x + (g * Ttot + r) * dk;
-    R inv = 1, ydy = 0;
-    if (l2) {
-      R ss = 0;
-      for (int cc = 0; cc < dk; ++cc) ss += from<R>(xr[cc]) * from<R>(xr[cc]);
-      inv = R(1) / sqrt(ss + R(kL2Eps));
-      for (int cc = 0; cc < dk; ++cc) ydy += from<R>(xr[cc]) * inv * dy(cc);
-    }
-    for (int cc = 0; cc < dk; ++cc) {
-      const R d = l2 ? (dy(cc) - from<R>(xr[cc]) * inv * ydy) * inv : dy(cc);
-      st<R>(out, b * out.s[0] + t * out.s[1] + g * out.s[2] + cc * out.s[3], d);
-    }
-  }
-}
-
 // ---- host driver ------------------------------------------------------------------------------
 
 // One call's packed inputs and segment tables.
@@ -815,9 +786,19 @@ struct DeltaCall {
 }  // namespace
 
 template <class T>
+void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r, int dk, int dkp,
+                      Acc<T> mult, cudaStream_t s) {
+  const int64_t rows = r.G * r.B * r.T;
+  if (rows == 0 || dry_run()) return;  // dry run: workspace_size
+  delta_unpack_qk<T><<<grid_for(rows * 32), 256, 0, s>>>(Strided(out), dx, dx2, x, r.T, r.G, int(r.H / r.G), r.B * r.T,
+                                                         dk, dkp, mult, r.cfg.qk_l2norm);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
 void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  if (gdn_tc_usable<T>(r)) return gdn_tc_forward<T>(r, p, s);
+  if (gdn_tc_usable<T>(r, false)) return gdn_tc_forward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   DevBuf<R> ws = c.pack_levels(p.init.H, c.pos0);
   DevBuf<R> scratch = c.scratch();
@@ -834,6 +815,7 @@ void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream
 template <class T>
 void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
+  if (gdn_tc_usable<T>(r, true)) return gdn_tc_backward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   const int64_t Ttot = c.Ttot, H = r.H, dk = c.dk, dv = c.dv;
   DevBuf<R> scratch = c.scratch();
@@ -872,13 +854,8 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
     }
   }
   if (Ttot > 0) {
-    const int64_t rows = r.G * Ttot;
-    if (p.dq.defined())
-      HILA_LAUNCH(delta_unpack_qk<T>, rows, s, Strided(p.dq), dq.get(), c.q.get(), r.T, r.G, int(H / r.G), Ttot, c.dk,
-                  R(r.scale), r.cfg.qk_l2norm);
-    if (p.dk.defined())
-      HILA_LAUNCH(delta_unpack_qk<T>, rows, s, Strided(p.dk), dkb.get(), c.k.get(), r.T, r.G, int(H / r.G), Ttot, c.dk,
-                  R(1), r.cfg.qk_l2norm);
+    if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq.get(), nullptr, c.q.get(), r, c.dk, c.dk, R(r.scale), s);
+    if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dkb.get(), nullptr, c.k.get(), r, c.dk, c.dk, R(1), s);
     if (p.dv.defined())
       HILA_LAUNCH(unpack_rows<R>, H * Ttot * dv, s, Strided(p.dv), dvb.get(), r.T, H, 1, Ttot, c.dv, c.dv, R(1));
     if (p.dg.defined()) HILA_LAUNCH(unpack_gates<R>, H * Ttot, s, Strided(p.dg), dg.get(), r.T, H, Ttot, 0);
@@ -890,6 +867,8 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
 }
 
 #define HILA_INSTANTIATE(T)                                                                         \
+  template void launch_unpack_qk<T>(const TensorView&, const Acc<T>*, const Acc<T>*, const T*, const detail::Resolved&, int, int, \
+                                    Acc<T>, cudaStream_t);                                          \
   template void delta_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
   template void delta_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)

@@ -25,6 +25,7 @@
 // the states).
 #pragma once
 #include "core/problem.h"
+#include "cuda/pack.cuh"
 #include "cuda/pack_levels.cuh"
 
 namespace hila::cuda {
@@ -66,13 +67,86 @@ struct DeltaArgs {
   R *dg = nullptr, *dbeta = nullptr, *dlam = nullptr;  // [H][Ttot], [H][Ttot], [H][Ttot][nL]
 };
 
-// Plain gdn forward on tensor cores (gdn_tc.cu: the fla-form WY chunks, a state sweep and the GLA
-// output kernel), taken by delta_forward for bf16/fp16 with dk <= 128 and dv <= 256 unless
-// HILA_GDN_TC=0.
+// dq or dk per group: mult * sum over the group's heads of the per-head gradient (dx, plus dx2 when
+// given), then through the l2 normalisation: dx = (dy - y (y.dy)) / sqrt(|x|^2 + eps)
+// (LOGLINEAR_SPEC §6.1). One warp per (group, row), lanes over the columns; x is the packed raw
+// input. dx and x rows have dkp >= dk columns (the padding of x is zero); the first dk are written.
+constexpr int kHeld = 8;  // delta_unpack_qk: columns per lane held in registers (dk <= 256)
 template <class T>
-bool gdn_tc_usable(const detail::Resolved& r);
+__global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, int64_t T_, int64_t G, int rep,
+                                int64_t Ttot, int dk, int dkp, Acc<T> mult, bool l2) {
+  using R = Acc<T>;
+  const int lane = threadIdx.x & 31;
+  for (int64_t e = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; e < G * Ttot;
+       e += int64_t(gridDim.x) * blockDim.x / 32) {
+    const int64_t g = e / Ttot, r = e % Ttot, b = r / T_, t = r % T_;
+    auto dy = [&](int cc) {
+      R s = 0;
+      for (int j = 0; j < rep; ++j) {
+        const int64_t o = ((g * rep + j) * Ttot + r) * dkp + cc;
+        s += dx2 ? dx[o] + dx2[o] : dx[o];
+      }
+      return mult * s;
+    };
+    const T* xr = x + (g * Ttot + r) * dkp;
+    auto put = [&](int cc, R d) { st<R>(out, b * out.s[0] + t * out.s[1] + g * out.s[2] + cc * out.s[3], d); };
+    if (dk <= 32 * kHeld) {  // one read of each column, held in registers
+      R yv[kHeld], xv[kHeld], ss = 0, xdy = 0;
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int cc = lane + 32 * k;
+        yv[k] = cc < dk ? dy(cc) : R(0);
+        xv[k] = cc < dk ? from<R>(xr[cc]) : R(0);
+        ss += xv[k] * xv[k], xdy += xv[k] * yv[k];
+      }
+      R inv = 1, ydy = 0;
+      if (l2) {
+        for (int o = 16; o > 0; o >>= 1) {
+          ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
+        }
+        inv = R(1) / sqrt(ss + R(kL2Eps));
+        ydy = xdy * inv;
+      }
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int cc = lane + 32 * k;
+        if (cc < dk) put(cc, l2 ? (yv[k] - xv[k] * inv * ydy) * inv : yv[k]);
+      }
+      continue;
+    }
+    R inv = 1, ydy = 0;
+    if (l2) {
+      R ss = 0, xdy = 0;
+      for (int cc = lane; cc < dk; cc += 32) {
+        const R xv = from<R>(xr[cc]);
+        ss += xv * xv;
+        xdy += xv * dy(cc);
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
+      }
+      inv = R(1) / sqrt(ss + R(kL2Eps));
+      ydy = xdy * inv;
+    }
+    for (int cc = lane; cc < dk; cc += 32) put(cc, l2 ? (dy(cc) - from<R>(xr[cc]) * inv * ydy) * inv : dy(cc));
+  }
+}
+// Launches delta_unpack_qk over the rows of a call (delta.cu).
+template <class T>
+void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r, int dk, int dkp,
+                      Acc<T> mult, cudaStream_t s);
+
+// Plain gdn on tensor cores (gdn_tc.cu: the fla-form WY chunks, state sweeps and the GLA output
+// and chunk-gradient kernels), taken by delta_forward / delta_backward for bf16/fp16 with dk <= 128
+// and dv <= 256 (the backward: while its kernels' shared memory fits) unless HILA_GDN_TC=0.
+template <class T>
+bool gdn_tc_usable(const detail::Resolved& r, bool backward);
 template <class T>
 void gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t stream);
+template <class T>
+void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t stream);
 
 // Host entry points used by backend.cu for gdn / loglinear_gdn: pack the caller's tensors, run the
 // sweeps on `stream` and write outputs, states and gradients.

@@ -58,6 +58,9 @@ std::vector<DeltaCase> cases() {
     cs.push_back({op, DType::f64, 1, 0, 1, 2, 16, 24, {0, 37, 0, 64, 65, 1, 130, 0}, true, true,
                   {5, 64, 13, 200, 0, 127, 9, 3}, true, 1e-10, n + "_f64_varlen_init_l2norm"});
   }
+  // plain gdn in 16 bits at a longer length: the tensor-core forward and backward (gdn_tc.cu)
+  cs.push_back({Op::gdn, DType::bf16, 1, 4096, 1, 2, 128, 128, {}, true, true, {0}, true, 1e-2,
+                "gdn_bf16_T4096_init_l2norm"});
   return cs;
 }
 

@@ -43,6 +43,7 @@ std::vector<WsCase> ws_cases() {
       {Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, true, false, "loglinear_bf16_at77", {77}},
       {Op::loglinear_hla2, DType::f32, 1, 0, 1, 2, 32, 32, varlen, true, false, "loglinear_hla2_f32_varlen"},
       {Op::gdn, DType::f32, 2, 300, 2, 2, 32, 32, {}, true, false, "gdn_f32"},
+      {Op::gdn, DType::bf16, 1, 0, 2, 4, 64, 64, varlen, true, false, "gdn_bf16_varlen_tc"},
       {Op::loglinear_gdn, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false, "loglinear_gdn_bf16"},
   };
 }
