@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
   if (bwd) {
     tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr,
                    0, a.dk, kChunk);
-    tc::async_rows(s.dO, s.ldv, a.dO + int64_t(h) * a.Ttot * a.dv, a.dv, r0, nr, 0, a.dv, kChunk);
+    tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv), row_ld(a.dO_ld, a.dv), r0, nr, 0, a.dv,
+                   kChunk);
   }
   tc::cp_async_commit();
   if (threadIdx.x < kChunk) {
@@ -435,7 +436,8 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
   const int64_t qld = row_ld(a.q_ld, a.dk), kld = row_ld(a.k_ld, a.dk);
   const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
-  const T* dOh = a.dO + int64_t(h) * a.Ttot * a.dv;
+  const T* dOh = a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv);
+  const int64_t dold = row_ld(a.dO_ld, a.dv);
   const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
@@ -449,7 +451,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     tc::async_rows(s.Q(st), s.ldk, Qh, qld, r0, nr, 0, a.dk, kChunk);
     tc::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
     tc::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.dO(st), kLd, dOh, a.dv, r0, nr, v0, bv, kChunk);
+    tc::async_rows(s.dO(st), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
     for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {  // dvi [C, bv] fp32, rows >= nr zero
       const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
       const bool in = i < nr;
@@ -835,7 +837,7 @@ struct GdnTc {
         Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
     const bool l2 = r.cfg.qk_l2norm && Ttot > 0;
     const size_t nqk = size_t(r.G * Ttot * dk);
-    q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s), v = DevBuf<T>(size_t(r.H * Ttot * dv), s);
+    q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
     T* qp = q.get();
     T* kp = k.get();
     if (l2 && keep_raw) {  // pack into the raw copies, normalise into q, k
@@ -844,7 +846,7 @@ struct GdnTc {
     }
     pack_to<T>(qp, p.q, r, r.G, int(r.dk), dk, -1, s);
     pack_to<T>(kp, p.k, r, r.G, int(r.dk), dk, -1, s);
-    pack_to<T>(v.get(), p.v, r, r.H, int(r.dv), dv, -1, s);
+    a.v = operand(p.v, r.H, int(r.dv), dv, v, a.v_ld, a.v_hs);
     if (l2 && !dry_run()) {  // one warp per row (dry run: workspace_size)
       l2norm_rows<T><<<grid_for(r.G * Ttot * 32), 256, 0, s>>>(qp, q.get(), r.G * Ttot, int(r.dk), dk);
       HILA_CUDA_CHECK_LAUNCH();
@@ -857,7 +859,7 @@ struct GdnTc {
     }
     beta = DevBuf<R>(size_t(r.H * Ttot), s);
     HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, beta.get(), Strided(p.beta), r.T, r.H, Ttot, 0);
-    a.q = q.get(), a.k = k.get(), a.v = v.get(), a.q_div = a.k_div = rep, a.v_div = 1;
+    a.q = q.get(), a.k = k.get(), a.q_div = a.k_div = rep, a.v_div = 1;
     a.g = g.get(), a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dk, a.dv = dv;
     a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
     a.chunk_seq = seqs.d_chunk_seq.get(), a.nchunks = seqs.nchunks;
@@ -875,6 +877,17 @@ struct GdnTc {
     a.h0 = h0.get(), a.ht = ht.get();
   }
 
+  // The caller's [B, T, X, d] tensor read in place (ld, hs set), or packed into buf [X][Ttot][dp].
+  const T* operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld, int64_t& hs) const {
+    if (d == dp && in_place_ok<T>(t, r.B, r.T)) {
+      ld = t.stride[1], hs = t.stride[2];
+      return static_cast<const T*>(t.data);
+    }
+    buf = DevBuf<T>(size_t(X * Ttot * dp), s);
+    pack_to<T>(buf.get(), t, r, X, d, dp, -1, s);
+    ld = hs = 0;
+    return buf.get();
+  }
   // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.
   void wy(T* tg = nullptr, float* dvi = nullptr) {
     W = DevBuf<T>(size_t(r.H * Ttot * dk), s);
@@ -900,14 +913,17 @@ struct GdnTc {
         a, W.get(), U.get(), Vn.get());
     HILA_CUDA_CHECK_LAUNCH();
   }
-  // o = the GLA output with the values Vn.
+  // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
   void output(const TensorView& o) {
     if (seqs.nchunks == 0 || !o.defined()) return;
-    DevBuf<T> O(size_t(r.H * Ttot * dv), s);
+    const bool direct = int(r.dv) == dv && in_place_ok<T>(o, r.B, r.T);
+    DevBuf<T> O(direct ? 0 : size_t(r.H * Ttot * dv), s);
     GlaArgs<T> b = a;
-    b.v = Vn.get(), b.o = O.get();
+    b.v = Vn.get(), b.v_ld = b.v_hs = 0;
+    b.o = direct ? static_cast<T*>(o.data) : O.get();
+    if (direct) b.o_ld = o.stride[1], b.o_hs = o.stride[2];
     tc_output(b, s);
-    unpack_to<T>(o, O.get(), r, r.H, 1, int(r.dv), dv, R(1), s);
+    if (!direct) unpack_to<T>(o, O.get(), r, r.H, 1, int(r.dv), dv, R(1), s);
   }
   void write_final(const StateView& fin) {
     if (fin.H.defined())
@@ -959,10 +975,9 @@ void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStr
     using R = Acc<T>;
     GdnTc<T> x(r, p, s, true);
     const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
-    DevBuf<T> dO(size_t(H * Ttot * dv), s), tg(size_t(nch * H * kChunk * kChunk), s);
-    pack_to<T>(dO.get(), p.d_o, r, H, int(r.dv), int(dv), -1, s);
+    DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
+    x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
     DevBuf<float> dvi(size_t(H * Ttot * dv), s);
-    x.a.dO = dO.get();
     x.wy(tg.get(), dvi.get());
     x.sweep();
     x.output(p.o);
@@ -991,7 +1006,7 @@ void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStr
     DevBuf<R> dq(size_t(H * Ttot * dk), s), dk_gla(size_t(H * Ttot * dk), s), dk_wy(size_t(H * Ttot * dk), s);
     DevBuf<R> dg(size_t(H * Ttot), s), dvb(size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
     DevBuf<T> dvn(size_t(H * Ttot * dv), s);
-    a.v = x.Vn.get();
+    a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
     a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get();
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
     tc_bwd_chunk(a, s);
