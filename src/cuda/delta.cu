@@ -689,9 +689,9 @@ struct DeltaCall {
     k = DevBuf<T>(size_t(r.G * Ttot * dk), s);
     v = DevBuf<T>(size_t(r.H * Ttot * dv), s);
     if (Ttot > 0) {
-      HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dk, s, q.get(), Strided(p.q), r.T, r.G, Ttot, dk, dk, -1);
-      HILA_LAUNCH(pack_rows<T>, r.G * Ttot * dk, s, k.get(), Strided(p.k), r.T, r.G, Ttot, dk, dk, -1);
-      HILA_LAUNCH(pack_rows<T>, r.H * Ttot * dv, s, v.get(), Strided(p.v), r.T, r.H, Ttot, dv, dv, -1);
+      pack_to<T>(q.get(), p.q, r, r.G, dk, dk, -1, s);
+      pack_to<T>(k.get(), p.k, r, r.G, dk, dk, -1, s);
+      pack_to<T>(v.get(), p.v, r, r.H, dv, dv, -1, s);
       if (r.gate_cols > 0) {
         g = DevBuf<R>(size_t(r.H * Ttot), s);
         HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
@@ -808,7 +808,7 @@ void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream
   a.o = O.get();
   c.launch_forward(a);
   if (c.Ttot > 0)
-    HILA_LAUNCH(unpack_rows<T>, r.H * c.Ttot * c.dv, s, Strided(p.o), O.get(), r.T, r.H, 1, c.Ttot, c.dv, c.dv, R(1));
+    unpack_to<T>(p.o, O.get(), r, r.H, 1, c.dv, c.dv, R(1), s);
   c.write_final(p.final_state, ws.get());
 }
 
@@ -828,12 +828,12 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   a.o = O.get(), a.hbuf = hbuf.get();
   c.launch_forward(a);
   if (p.o.defined() && Ttot > 0)
-    HILA_LAUNCH(unpack_rows<T>, H * Ttot * dv, s, Strided(p.o), O.get(), r.T, H, 1, Ttot, c.dv, c.dv, R(1));
+    unpack_to<T>(p.o, O.get(), r, H, 1, c.dv, c.dv, R(1), s);
   c.write_final(p.final_state, ws.get());
   // reverse sweep from the final-state cotangent
   DevBuf<R> dws = c.pack_levels(p.d_final.H, c.posn);
   DevBuf<T> dO(size_t(H * Ttot * dv), s);
-  if (Ttot > 0) HILA_LAUNCH(pack_rows<T>, H * Ttot * dv, s, dO.get(), Strided(p.d_o), r.T, H, Ttot, c.dv, c.dv, -1);
+  if (Ttot > 0) pack_to<T>(dO.get(), p.d_o, r, H, c.dv, c.dv, -1, s);
   DevBuf<R> dq(size_t(H * Ttot * dk), s), dkb(size_t(H * Ttot * dk), s), dvb(size_t(H * Ttot * dv), s);
   DevBuf<R> dg(size_t(H * Ttot), s), dbeta(size_t(H * Ttot), s), dlam(size_t(H * Ttot * c.nL), s);
   DevBuf<R> dhbuf(size_t(c.ndmat * H * dk * dv), s);
@@ -857,7 +857,7 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
     if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq.get(), nullptr, c.q.get(), r, c.dk, c.dk, R(r.scale), s);
     if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dkb.get(), nullptr, c.k.get(), r, c.dk, c.dk, R(1), s);
     if (p.dv.defined())
-      HILA_LAUNCH(unpack_rows<R>, H * Ttot * dv, s, Strided(p.dv), dvb.get(), r.T, H, 1, Ttot, c.dv, c.dv, R(1));
+      unpack_to<R>(p.dv, dvb.get(), r, H, 1, c.dv, c.dv, R(1), s);
     if (p.dg.defined()) HILA_LAUNCH(unpack_gates<R>, H * Ttot, s, Strided(p.dg), dg.get(), r.T, H, Ttot, 0);
     if (p.dbeta.defined()) HILA_LAUNCH(unpack_gates<R>, H * Ttot, s, Strided(p.dbeta), dbeta.get(), r.T, H, Ttot, 0);
     if (p.dlam.defined())

@@ -71,7 +71,6 @@ struct DeltaArgs {
 // given), then through the l2 normalisation: dx = (dy - y (y.dy)) / sqrt(|x|^2 + eps)
 // (LOGLINEAR_SPEC §6.1). One warp per (group, row), lanes over the columns; x is the packed raw
 // input. dx and x rows have dkp >= dk columns (the padding of x is zero); the first dk are written.
-constexpr int kHeld = 8;  // delta_unpack_qk: columns per lane held in registers (dk <= 256)
 template <class T>
 __global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, int64_t T_, int64_t G, int rep,
                                 int64_t Ttot, int dk, int dkp, Acc<T> mult, bool l2) {
@@ -90,31 +89,6 @@ __global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2
     };
     const T* xr = x + (g * Ttot + r) * dkp;
     auto put = [&](int cc, R d) { st<R>(out, b * out.s[0] + t * out.s[1] + g * out.s[2] + cc * out.s[3], d); };
-    if (dk <= 32 * kHeld) {  // one read of each column, held in registers
-      R yv[kHeld], xv[kHeld], ss = 0, xdy = 0;
-#pragma unroll
-      for (int k = 0; k < kHeld; ++k) {
-        const int cc = lane + 32 * k;
-        yv[k] = cc < dk ? dy(cc) : R(0);
-        xv[k] = cc < dk ? from<R>(xr[cc]) : R(0);
-        ss += xv[k] * xv[k], xdy += xv[k] * yv[k];
-      }
-      R inv = 1, ydy = 0;
-      if (l2) {
-        for (int o = 16; o > 0; o >>= 1) {
-          ss += __shfl_xor_sync(0xffffffffu, ss, o);
-          xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
-        }
-        inv = R(1) / sqrt(ss + R(kL2Eps));
-        ydy = xdy * inv;
-      }
-#pragma unroll
-      for (int k = 0; k < kHeld; ++k) {
-        const int cc = lane + 32 * k;
-        if (cc < dk) put(cc, l2 ? (yv[k] - xv[k] * inv * ydy) * inv : yv[k]);
-      }
-      continue;
-    }
     R inv = 1, ydy = 0;
     if (l2) {
       R ss = 0, xdy = 0;

@@ -2,8 +2,10 @@
 // CUDA gdn / loglinear_gdn (LOGLINEAR_SPEC §6) against the CPU float64 oracle on the same rounded
 // inputs: forward output and final state, and every gradient (dq, dk, dv, dg, dbeta, dlam, d_init).
 // The oracle is the naive masked-matrix form (O(T^3) for the delta rule) up to T = 300 and the
-// float64 chunk form beyond (itself checked against the naive form by hila_tests). Without a GPU
-// every test is skipped with a printed reason, so CI still compiles this file.
+// float64 chunk form beyond (itself checked against the naive form by hila_tests). Plain gdn in
+// bf16/fp16 runs the tensor-core path (gdn_tc.cu) in both directions, the other cases the FMA
+// segment sweep (delta.cu). Without a GPU every test is skipped with a printed reason, so CI still
+// compiles this file.
 #include <gtest/gtest.h>
 
 #include <cmath>
