@@ -9,6 +9,8 @@
 // "prefill", from position 0) and a forward from a (zero) initial state at position T to 2T with
 // the final state (direction "continue"; lam with the levels 2T needs): what serving a prompt and
 // a chunked prefill pay.
+// --l2norm: the delta-rule ops (gdn, loglinear_gdn) with qk_l2norm on, as fla's
+// chunk_gated_delta_rule anchor runs (use_qk_l2norm_in_kernel=True).
 // --decode: one hila::step on a CUDA DecodeState (bf16 inputs, fp32 state) per timed run, for each
 // op at batch N (--batches, default 1,16,256) and, for log-linear ops, start positions --positions
 // (default 4096,65536,1048576; the state is a loaded zero state at that position). Prints
@@ -305,13 +307,14 @@ int main(int argc, char** argv) {
   std::vector<Op> ops = {Op::gla};
   int64_t H = 16, d = 128, dk = 0, dv = 0, G = 0;  // dk, dv default to d; G (q/k groups) to H
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
-  bool decode = false, prefill = false;
+  bool decode = false, prefill = false, l2norm = false;
   bool ops_given = false;
   std::vector<int64_t> batches = {1, 16, 256}, positions = {4096, 65536, 1048576};
-  auto is_flag = [](const std::string& a) { return a == "--decode" || a == "--prefill"; };
+  auto is_flag = [](const std::string& a) { return a == "--decode" || a == "--prefill" || a == "--l2norm"; };
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--decode") decode = true;
     if (std::string(argv[i]) == "--prefill") prefill = true;
+    if (std::string(argv[i]) == "--l2norm") l2norm = true;
   }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -385,6 +388,7 @@ int main(int argc, char** argv) {
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
     // delta rule (gdn, loglinear_gdn): beta in [0, 1]; log-linear: lam with the levels T needs
     const OpTraits tr = op_traits(op);
+    p.cfg.qk_l2norm = l2norm && tr.delta;
     Dev beta(tr.delta ? size_t(B * T * H) * 2 : 1), dbeta(tr.delta ? size_t(B * T * H) * 2 : 1);
     if (tr.delta) {
       fill_bf16_uniform(beta, rng, 0.f, 1.f);

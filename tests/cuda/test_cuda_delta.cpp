@@ -63,6 +63,9 @@ std::vector<DeltaCase> cases() {
   // plain gdn in 16 bits at a longer length: the tensor-core forward and backward (gdn_tc.cu)
   cs.push_back({Op::gdn, DType::bf16, 1, 4096, 1, 2, 128, 128, {}, true, true, {0}, true, 1e-2,
                 "gdn_bf16_T4096_init_l2norm"});
+  // dv = 256 (four value tiles per sweep; the backward's kernels fit shared memory with dk <= 64)
+  cs.push_back({Op::gdn, DType::bf16, 1, 130, 1, 2, 64, 256, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_dk64_dv256_T130_init"});
   return cs;
 }
 
