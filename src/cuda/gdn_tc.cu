@@ -237,6 +237,21 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
 //   (3) S = e^B S + K^T diag(e^{B-b}) Vns
 constexpr int kSweepStages = 2;
 
+// The (sequence, head, 64 value columns) a sweep block takes: grid (N x H, 1, dv tiles of 64).
+struct SweepItem {
+  int seq, h, v0, bv, nt, nch;
+  int64_t len, row0;
+  bool active;  // this warp's 16 state rows are < dk
+  template <class A>
+  __device__ explicit SweepItem(const A& a) {
+    seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+    v0 = blockIdx.z * kVT, bv = min(kVT, a.dv - v0), nt = bv / 8;
+    active = 16 * int(threadIdx.x >> 5) < a.dk;
+    len = a.len[seq], row0 = a.row0[seq];
+    nch = int((len + kChunk - 1) / kChunk);
+  }
+};
+
 // A sweep's fp32 state tile in registers (warp w: rows 16w + g (+8), columns 8j + 2t (+1), j < bv/8)
 // as a 16-bit GEMM operand: to Ss [dk][kLd] and, when out is set, to columns [v0, v0+bv) of out
 // [dk][dv]. Columns bv..63 of Ss are zeroed, so that products over the tile read no stale values.
@@ -308,11 +323,10 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
-  const int v0 = blockIdx.z * kVT, bv = min(kVT, a.dv - v0), nt = bv / 8;
-  const bool active = 16 * w < a.dk;
-  const int64_t len = a.len[seq], row0 = a.row0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const SweepItem it(a);
+  const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
+  const bool active = it.active;
+  const int64_t len = it.len, row0 = it.row0;
   const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
   const float* Uh = U + int64_t(h) * a.Ttot * a.dv;
   const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
@@ -427,11 +441,10 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
-  const int v0 = blockIdx.z * kVT, bv = min(kVT, a.dv - v0), nt = bv / 8;
-  const bool active = 16 * w < a.dk;
-  const int64_t len = a.len[seq], row0 = a.row0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const SweepItem it(a);
+  const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
+  const bool active = it.active;
+  const int64_t len = it.len, row0 = it.row0;
   const T* Qh = a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk);
   const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
   const int64_t qld = row_ld(a.q_ld, a.dk), kld = row_ld(a.k_ld, a.dk);
@@ -621,20 +634,12 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
   tc::cp_async_wait<0>();
   __syncthreads();
   const int i0 = 16 * rb + g, i1 = i0 + 8;
-  // column halves of the [C, dk] / [C, dv] products owned by this warp (multiples of 16 wide)
-  const int hk = ((dk / 16 + 1) / 2) * 16, ck0 = ch * hk, nkt = max(0, min(hk, dk - ck0)) / 8;  // nkt <= 8
-  const int hv = ((dv / 16 + 1) / 2) * 16, cv0 = ch * hv, nvt = max(0, min(hv, dv - cv0)) / 8;
-  // <acc, X> over this thread's entries of rows i0, i1, X a 16-bit smem tile [rows][ld]
+  // column halves of the [C, dk] / [C, dv] products owned by this warp (nkt <= 8: dk <= 128)
+  int ck0, nkt, cv0, nvt;
+  tc::col_half(dk, ch, ck0, nkt);
+  tc::col_half(dv, ch, cv0, nvt);
   auto dot_rows = [&](const float(&acc)[8][4], const T* X, int ld, int c0, int nt, float& d0, float& d1) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < nt) {
-        const int col = c0 + 8 * j + 2 * t;
-        const float2 x0 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i0 * ld + col));
-        const float2 x1 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i1 * ld + col));
-        d0 += acc[j][0] * x0.x + acc[j][1] * x0.y;
-        d1 += acc[j][2] * x1.x + acc[j][3] * x1.y;
-      }
+    tc::dot_rows<T, 8>(acc, X, ld, i0, i1, c0, nt, d0, d1);
   };
   {  // 1, 2: dW = -dVn Hp^T   [C,dv]x[dv,dk] (16-bit, over Hp once every warp has read it)
     float acc[8][4];

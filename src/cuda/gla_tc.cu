@@ -494,22 +494,13 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
             *reinterpret_cast<float2*>(out + (rowbase + i) * ld + col) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
   };
-  // <acc, X> over this thread's entries, X a 16-bit smem tile [rows][ld]
   auto dot_rows = [&](const float(&acc)[8][4], const T* X, int ld, int c0, int nt, float& d0, float& d1) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < nt) {
-        const int col = c0 + 8 * j + 2 * t;
-        const float2 x0 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i0 * ld + col));
-        const float2 x1 = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i1 * ld + col));
-        d0 += acc[j][0] * x0.x + acc[j][1] * x0.y;
-        d1 += acc[j][2] * x1.x + acc[j][3] * x1.y;
-      }
+    tc::dot_rows<T, 8>(acc, X, ld, i0, i1, c0, nt, d0, d1);
   };
   // column halves of dk / dv owned by this warp (multiples of 16 wide)
-  const int hk = ((dk / 16 + 1) / 2) * 16, hv = ((dv / 16 + 1) / 2) * 16;
-  const int ck0 = ch * hk, nkt = max(0, min(hk, dk - ck0)) / 8;
-  const int cv0 = ch * hv, nvt = max(0, min(hv, dv - cv0)) / 8;
+  int ck0, nkt, cv0, nvt;
+  tc::col_half(dk, ch, ck0, nkt);
+  tc::col_half(dv, ch, cv0, nvt);
   const float e0 = __expf(bi0), e1 = __expf(bi1), w0 = __expf(B - bi0), w1 = __expf(B - bi1);
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time (one pass for kTree: dk <= 128)
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);

@@ -156,6 +156,31 @@ __device__ __forceinline__ void warp_gemm_tn_weighted(float (&acc)[NT][4], const
   }
 }
 
+// <acc, X> over this thread's accumulator entries of rows i0 (acc[j][0..1]) and i1 (acc[j][2..3]),
+// columns c0 + 8j + 2t (+1), j < nt; X a 16-bit smem tile [rows][ld]. Added to d0, d1.
+template <class T, int NT>
+__device__ __forceinline__ void dot_rows(const float (&acc)[NT][4], const T* X, int ld, int i0, int i1, int c0, int nt,
+                                         float& d0, float& d1) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    if (j < nt) {
+      const int col = c0 + 8 * j + 2 * t;
+      const float2 x0 = unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i0 * ld + col));
+      const float2 x1 = unpack2<T>(*reinterpret_cast<const uint32_t*>(X + i1 * ld + col));
+      d0 += acc[j][0] * x0.x + acc[j][1] * x0.y;
+      d1 += acc[j][2] * x1.x + acc[j][3] * x1.y;
+    }
+}
+
+// Column half ch (0 or 1) of d columns (d a multiple of 16) in the chunk kernels that split a
+// [C, d] product between two warps per row block: columns [c0, c0 + 8 nt), halves 16-aligned.
+__host__ __device__ inline void col_half(int d, int ch, int& c0, int& nt) {
+  const int half = ((d / 16 + 1) / 2) * 16;
+  c0 = ch * half;
+  nt = (d - c0 < half ? (d - c0 > 0 ? d - c0 : 0) : half) / 8;
+}
+
 #ifdef HILA_CUDA_EMU  // host emulator: copies queued per thread, landing at wait_group
 inline void cp_async16(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 16, src_bytes); }
 inline void cp_async4(void* dst, const void* src, int src_bytes) { emu::cp_async(dst, src, 4, src_bytes); }
