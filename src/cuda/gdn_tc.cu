@@ -18,7 +18,7 @@
 //   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
 //   the chunk's last row; dg is its reverse cumsum inside the chunk.
-// Kernels: wy_kernel (chunk-parallel: Tg by forward substitution in fp32, W and U by mma; for the
+// Kernels: wy_kernel (chunk-parallel: Tg in fp32 by 16 x 16 blocks, W and U by mma; for the
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
 // backward: delta_rsweep_kernel (the reverse sweep of dS, fp32 in registers), GLA's chunk-gradient
