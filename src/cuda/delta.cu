@@ -743,7 +743,8 @@ struct DeltaCall {
   void unpack_levels(const TensorView& t, const R* ws) const {
     if (!t.defined()) return;
     const int64_t Ls_out = grid.fenwick ? t.shape[2] : 1;
-    HILA_LAUNCH(lvl_unpack_state<R>, NH * Ls_out * dk * dv, s, Strided(t), ws, NH, r.H, Ls, Ls_out, dk, dv, grid);
+    HILA_LAUNCH(lvl_unpack_state<R>, NH * Ls_out * dk * dv, s, Strided(t), ws, NH, r.H, Ls, Ls_out, dk, dv, dk, dv,
+                grid);
   }
   int grid_of(int64_t items) const { return int(std::clamp<int64_t>(items, 1, blocks)); }
   // Phase-1 buffers (rows of [H][Ttot][dk], and [H][Ttot][dv] for the intra output) and launch.
@@ -799,6 +800,7 @@ template <class T>
 void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
   if (gdn_tc_usable<T>(r, false)) return gdn_tc_forward<T>(r, p, s);
+  if (ll_gdn_tc_usable<T>(r, false)) return ll_gdn_tc_forward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   DevBuf<R> ws = c.pack_levels(p.init.H, c.pos0);
   DevBuf<R> scratch = c.scratch();
@@ -816,6 +818,7 @@ template <class T>
 void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
   if (gdn_tc_usable<T>(r, true)) return gdn_tc_backward<T>(r, p, s);
+  if (!p.d_final.H.defined() && ll_gdn_tc_usable<T>(r, true)) return ll_gdn_tc_backward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   const int64_t Ttot = c.Ttot, H = r.H, dk = c.dk, dv = c.dv;
   DevBuf<R> scratch = c.scratch();

@@ -121,6 +121,17 @@ template <class T>
 void gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t stream);
 template <class T>
 void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t stream);
+// loglinear_gdn's forward on tensor cores (gdn_tc.cu: the WY chunks with Qeff and the lambda-masked
+// intra block, then one launch of level sweeps per chunk level), for bf16/fp16 calls whose
+// sequences all start at position 0 without an initial state (a final state may be asked for),
+// dk <= 128, dv <= 256, unless HILA_GDN_TC=0.
+// The backward also needs no final-state cotangent and dv <= 128 (shared memory).
+template <class T>
+bool ll_gdn_tc_usable(const detail::Resolved& r, bool backward);
+template <class T>
+void ll_gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t stream);
+template <class T>
+void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t stream);
 
 // Host entry points used by backend.cu for gdn / loglinear_gdn: pack the caller's tensors, run the
 // sweeps on `stream` and write outputs, states and gradients.

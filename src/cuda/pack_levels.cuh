@@ -72,17 +72,17 @@ __global__ void lvl_pack_state(R* ws, Strided in, int64_t NH, int64_t H, int Ls,
   }
 }
 
-// ws [NH][Ls][dk][dv] -> caller state with Ls_out slots (zero beyond Ls; the workspace already holds
-// zeros at dead slots).
+// ws [NH][Ls][dkp][dvp] (dkp >= dk, dvp >= dv: padded) -> caller state [.., dk, dv] with Ls_out slots
+// (zero beyond Ls; the workspace already holds zeros at dead slots).
 template <class R>
 __global__ void lvl_unpack_state(Strided out, const R* ws, int64_t NH, int64_t H, int Ls, int64_t Ls_out, int dk,
-                                 int dv, LvlGrid grid) {
+                                 int dv, int dkp, int dvp, LvlGrid grid) {
   const int64_t n = NH * Ls_out * dk * dv;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int j = int(e % dv), i = int((e / dv) % dk);
     const int64_t l = (e / (int64_t(dk) * dv)) % Ls_out;
     const int64_t nh = e / (Ls_out * dk * dv), seq = nh / H, h = nh % H;
-    const R x = l < Ls ? ws[((nh * Ls + l) * dk + i) * dv + j] : R(0);
+    const R x = l < Ls ? ws[((nh * Ls + l) * dkp + i) * dvp + j] : R(0);
     if (grid.fenwick) st<R>(out, seq * out.s[0] + h * out.s[1] + l * out.s[2] + i * out.s[3] + j * out.s[4], x);
     else st<R>(out, seq * out.s[0] + h * out.s[1] + i * out.s[2] + j * out.s[3], x);
   }

@@ -3,9 +3,11 @@
 // inputs: forward output and final state, and every gradient (dq, dk, dv, dg, dbeta, dlam, d_init).
 // The oracle is the naive masked-matrix form (O(T^3) for the delta rule) up to T = 300 and the
 // float64 chunk form beyond (itself checked against the naive form by hila_tests). Plain gdn in
-// bf16/fp16 runs the tensor-core path (gdn_tc.cu) in both directions, the other cases the FMA
-// segment sweep (delta.cu). Without a GPU every test is skipped with a printed reason, so CI still
-// compiles this file.
+// bf16/fp16 runs the tensor-core path (gdn_tc.cu) in both directions; loglinear_gdn in bf16/fp16
+// from position 0 without an initial state runs its tensor-core forward (ll_gdn_tc.cu), and its
+// tensor-core backward without a final-state cotangent (the *_train_tc cases); the other cases run
+// the FMA segment sweep (delta.cu). Without a GPU every test is skipped with a printed reason, so CI
+// still compiles this file.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -29,6 +31,7 @@ struct DeltaCase {
   double tol;
   std::string name;
   int64_t extra_slots = 0;        // log-linear init state capacity beyond its position
+  bool d_final = true;            // a final-state cotangent (false: the training call)
 };
 
 std::vector<DeltaCase> cases() {
@@ -66,6 +69,30 @@ std::vector<DeltaCase> cases() {
   // dv = 256 (four value tiles per sweep; the backward's kernels fit shared memory with dk <= 64)
   cs.push_back({Op::gdn, DType::bf16, 1, 130, 1, 2, 64, 256, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_dk64_dv256_T130_init"});
+  // loglinear_gdn in 16 bits from position 0 without an initial state: the tensor-core forward
+  // (wy_kernel with Qeff, the level sweeps; the final state from both), checked by the forward
+  // entry point below (the backward runs the segment sweep). Lengths around chunk-level edges.
+  const Op lg = Op::loglinear_gdn;
+  cs.push_back({lg, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257, 128, 192, 129}, true, false, {}, false,
+                1e-2, "loglinear_gdn_bf16_varlen_tc"});
+  cs.push_back({lg, DType::bf16, 2, 300, 1, 4, 64, 64, {}, true, false, {}, true, 1e-2, "loglinear_gdn_bf16_gqa4_l2norm_tc"});
+  cs.push_back({lg, DType::bf16, 1, 200, 2, 4, 40, 72, {}, false, false, {}, false, 1e-2,
+                "loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_tc"});
+  cs.push_back({lg, DType::f16, 2, 130, 1, 2, 64, 64, {}, true, false, {}, true, 1e-2, "loglinear_gdn_f16_l2norm_tc"});
+  cs.push_back({lg, DType::bf16, 1, 256, 1, 2, 64, 256, {}, true, false, {}, false, 1e-2, "loglinear_gdn_bf16_dv256_T256_tc"});
+  // ... and without a final-state cotangent: the tensor-core backward too (level sweeps reversed,
+  // ll_grad_kernel, ll_intra_bwd_kernel, the WY backward)
+  for (int64_t T : {1, 63, 64, 65, 129, 300, 1000})
+    cs.push_back({lg, DType::bf16, 2, T, 2, 2, 128, 128, {}, true, false, {}, false, 1e-2,
+                  "loglinear_gdn_bf16_d128_T" + std::to_string(T) + "_train_tc", 0, false});
+  cs.push_back({lg, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257, 128, 192, 129}, true, false, {}, false,
+                1e-2, "loglinear_gdn_bf16_varlen_train_tc", 0, false});
+  cs.push_back({lg, DType::bf16, 2, 300, 1, 4, 64, 64, {}, true, false, {}, true, 1e-2,
+                "loglinear_gdn_bf16_gqa4_l2norm_train_tc", 0, false});
+  cs.push_back({lg, DType::bf16, 1, 200, 2, 4, 40, 72, {}, false, false, {}, false, 1e-2,
+                "loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc", 0, false});
+  cs.push_back({lg, DType::f16, 2, 130, 1, 2, 64, 64, {}, true, false, {}, true, 1e-2, "loglinear_gdn_f16_l2norm_train_tc",
+                0, false});
   return cs;
 }
 
@@ -86,7 +113,8 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   s.dtype = DType::f64;
   s.seed = 23;
   // the reference: float64 on the inputs rounded to the tested dtype
-  const Problem low = cast_problem(make_problem(s), c.dtype);
+  Problem low = cast_problem(make_problem(s), c.dtype);
+  if (!c.d_final) low.d_final = {};
   const Problem ref_in = cast_problem(low, DType::f64);
   int64_t longest = 0;
   for (int64_t i = 0; i < low.num_seqs(); ++i) longest = std::max(longest, low.seq_len(i));
@@ -103,7 +131,7 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   if (c.init) p.init.pos = pos.view(), p.init.H = h0.view();
   p.d_o = dO.view();
   p.d_final = {};
-  p.d_final.H = dht.view();
+  if (c.d_final) p.d_final.H = dht.view();
   const int64_t N = low.num_seqs();
   const StateBuffers fin_host = make_state(s.cfg, N, s.H, s.dk, s.dv, low.max_final_pos(), low.state_dtype());
   DevTensor o(ref.o.cast(c.dtype), true), fpos(fin_host.pos, true), fH(fin_host.H, true);
@@ -163,9 +191,11 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDelta, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
-// The forward alone at longer lengths: plain gdn in 16 bits runs the tensor-core path (gdn_tc.cu),
-// against the float64 chunk oracle; HILA_GDN_TC=0 runs the FMA segment sweep on the same inputs.
+// The forward alone at longer lengths: gdn (with an initial state) and loglinear_gdn (from position
+// 0, no initial state) in 16 bits run the tensor-core path (gdn_tc.cu), against the float64 chunk
+// oracle; HILA_GDN_TC=0 runs the FMA segment sweep on the same inputs.
 struct DeltaFwdCase {
+  Op op;
   int64_t B, T, H, dk, dv;
   std::vector<int64_t> seqlens;
   const char* tc;  // HILA_GDN_TC
@@ -178,12 +208,12 @@ TEST_P(CudaDeltaForward, GdnForwardMatchesFloat64Oracle) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
   const DeltaFwdCase c = GetParam();
   ProblemSpec s;
-  s.cfg.op = Op::gdn;
+  s.cfg.op = c.op;
   s.cfg.qk_l2norm = true;
   s.B = c.B, s.T = c.T, s.G = c.H, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.seqlens = c.seqlens;
   s.gated = true;
-  s.init_state = true;
+  s.init_state = c.op == Op::gdn;
   s.dtype = DType::f64;
   s.seed = 41;
   const Problem low = cast_problem(make_problem(s), DType::bf16);
@@ -198,10 +228,17 @@ TEST_P(CudaDeltaForward, GdnForwardMatchesFloat64Oracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Lengths, CudaDeltaForward,
-                         ::testing::Values(DeltaFwdCase{1, 4096, 2, 128, 128, {}, "1", "gdn_bf16_T4096_tc"},
-                                           DeltaFwdCase{1, 4096, 2, 128, 128, {}, "0", "gdn_bf16_T4096_fma"},
-                                           DeltaFwdCase{1, 0, 2, 64, 64, {0, 2000, 1, 0, 3001, 64}, "1",
-                                                        "gdn_bf16_varlen_tc"}),
+                         ::testing::Values(DeltaFwdCase{Op::gdn, 1, 4096, 2, 128, 128, {}, "1", "gdn_bf16_T4096_tc"},
+                                           DeltaFwdCase{Op::gdn, 1, 4096, 2, 128, 128, {}, "0", "gdn_bf16_T4096_fma"},
+                                           DeltaFwdCase{Op::gdn, 1, 0, 2, 64, 64, {0, 2000, 1, 0, 3001, 64}, "1",
+                                                        "gdn_bf16_varlen_tc"},
+                                           DeltaFwdCase{Op::loglinear_gdn, 1, 4096, 2, 128, 128, {}, "1",
+                                                        "loglinear_gdn_bf16_T4096_tc"},
+                                           DeltaFwdCase{Op::loglinear_gdn, 1, 4096, 2, 128, 128, {}, "0",
+                                                        "loglinear_gdn_bf16_T4096_fma"},
+                                           DeltaFwdCase{Op::loglinear_gdn, 1, 0, 2, 64, 64,
+                                                        {0, 2000, 1, 0, 3001, 64, 1024, 1025}, "1",
+                                                        "loglinear_gdn_bf16_varlen_tc"}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace

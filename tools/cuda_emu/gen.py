@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-# Turns src/cuda/*.cu into host C++ for the emulator (see run.sh):
+# Turns src/cuda/*.cu into host C++ for the emulator (see run.sh), and the headers of src/cuda that
+# hold kernels with dynamic shared memory into copies under OUT/cuda/, which the generated sources
+# find first (a quoted include looks in the including file's directory before -I):
 #   - `extern __shared__ [__align__(n)] TYPE name[];` becomes a pointer to the emulator's dynamic
 #     shared-memory buffer, other `__shared__` variables become function statics (one block runs at
 #     a time);
@@ -106,10 +108,20 @@ def convert(path):
     return t, n
 
 
-for cu in sorted((root / 'src/cuda').glob('*.cu')):
-    body, n = convert(cu)
-    dst = out / f'emu_{cu.stem}.cpp'
-    text = HEAD + f'#line 1 "{cu}"\n' + body
+def emit(dst, text):
     if not dst.exists() or dst.read_text() != text:  # unchanged sources keep their objects (run.sh is incremental)
         dst.write_text(text)
+
+
+for cu in sorted((root / 'src/cuda').glob('*.cu')):
+    body, n = convert(cu)
+    emit(out / f'emu_{cu.stem}.cpp', HEAD + f'#line 1 "{cu}"\n' + body)
     print(f'gen.py: {cu.relative_to(root)}: {n} launches rewritten')
+(out / 'cuda').mkdir(exist_ok=True)
+for h in sorted((root / 'src/cuda').glob('*.cuh')):
+    if not re.search(r'extern\s+__shared__', h.read_text()):
+        (out / 'cuda' / h.name).unlink(missing_ok=True)  # a stale copy would shadow the header
+        continue
+    body, n = convert(h)
+    emit(out / 'cuda' / h.name, f'#line 1 "{h}"\n' + body)
+    print(f'gen.py: {h.relative_to(root)}: {n} launches rewritten (header)')
