@@ -546,8 +546,8 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rb = w & 3, ch = w >> 2, m0 = 16 * rb, n0 = 32 * ch, i0 = m0 + g, i1 = i0 + 8;
   const ChunkItem it(a);
-  const int64_t cg = it.cg, c = it.c, r0 = it.r0, rowbase = it.rowbase;
-  const int h = it.h, seq = it.seq, nr = it.nr;
+  const int64_t cg = it.cg, r0 = it.r0, rowbase = it.rowbase;
+  const int h = it.h, nr = it.nr;
   int ck0, nkt, cv0, nvt;
   tc::col_half(dk, ch, ck0, nkt);
   tc::col_half(dv, ch, cv0, nvt);

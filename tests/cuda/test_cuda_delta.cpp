@@ -238,7 +238,10 @@ INSTANTIATE_TEST_SUITE_P(Lengths, CudaDeltaForward,
                                                         "loglinear_gdn_bf16_T4096_fma"},
                                            DeltaFwdCase{Op::loglinear_gdn, 1, 0, 2, 64, 64,
                                                         {0, 2000, 1, 0, 3001, 64, 1024, 1025}, "1",
-                                                        "loglinear_gdn_bf16_varlen_tc"}),
+                                                        "loglinear_gdn_bf16_varlen_tc"},
+                                           // past 2^17 (18 chunk levels of sweeps; the final state has 19 slots)
+                                           DeltaFwdCase{Op::loglinear_gdn, 1, (int64_t(1) << 17) + 65, 1, 64, 64, {}, "1",
+                                                        "loglinear_gdn_bf16_T2p17p65_tc"}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
