@@ -893,7 +893,7 @@ void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cuda
     DevBuf<float> dqeff(size_t(H * Ttot * dk), s), dka(size_t(H * Ttot * dk), s), db(size_t(H * Ttot), s);
     DevBuf<float> dq(size_t(H * Ttot * dk), s), dkw(size_t(H * Ttot * dk), s), dvb(size_t(H * Ttot * dv), s);
     DevBuf<float> dbeta(size_t(H * Ttot), s), dlam(size_t(H * Ttot * nL), s, true);
-    DevBuf<float> dg(size_t(H * Ttot), s), dtgu(size_t(nch * H * kChunk * kChunk), s);
+    DevBuf<float> dtgu(size_t(nch * H * kChunk * kChunk), s);  // db becomes dg in place (wy_bwd_kernel)
     DevBuf<T> dW(size_t(H * Ttot * dk), s), dU(size_t(H * Ttot * dv), s);
     if (nch > 0 && !dry_run()) {
       const dim3 grid{unsigned(nch), unsigned(H)};
