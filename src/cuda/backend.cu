@@ -743,11 +743,9 @@ void cuda_check_supported(const Resolved& r, DType dt) {
     throw Error("chunk", "expected " + std::to_string(cuda::kChunk) + " on a CUDA device, got " +
                              std::to_string(r.chunk));
   if (r.traits.delta) return;  // the delta sweeps keep their matrices in global scratch (cuda/delta.cu)
-  int dev = 0, optin = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t optin = cuda::smem_optin();
   const size_t need = cuda::smem_need(dt, cuda::pad16(r.dk), cuda::pad16(r.dvp), r.traits.loglinear);
-  if (need > size_t(optin))
+  if (need > optin)
     throw Error("dk", std::string("expected head dims whose tiles fit in shared memory (") +
                           std::to_string(optin) + " bytes per block on this device), got dk = " +
                           std::to_string(r.dk) + ", dv = " + std::to_string(r.dv) + " in " + dtype_name(dt) +

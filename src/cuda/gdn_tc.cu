@@ -60,18 +60,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   float acc[8][4];  // rows 16w + g (+8), columns v0 + 8j + 2t (+1)
   load_state(acc, active, a.h0 ? a.h0 + sidx : nullptr, a.dv, v0, bv);
-  auto issue = [&](int c) {
-    const int st = c % kSweepStages;
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
-    tc::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
-    if (threadIdx.x < kChunk) {
-      const bool in = b && int(threadIdx.x) < nr;
-      tc::cp_async4(s.b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : Wh, in ? 4 : 0);
-    }
-    tc::cp_async_commit();
-  };
+  auto issue = [&](int64_t c) { s.issue(c, Wh, Kh, kld, b, row0, len, a.dk); };  // W, K, b of chunk c
   auto issue_u = [&](int c) {  // U [C, bv] fp32, rows >= nr zero
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
@@ -276,12 +265,10 @@ bool gdn_tc_usable(const detail::Resolved& r, bool backward) {
     if (const char* env = std::getenv("HILA_GDN_TC"); env && std::strcmp(env, "0") == 0) return false;
     const int dk = pad16(r.dk), dv = pad16(r.dv);
     if (dk > kMaxD || dv > 256) return false;
-    int dev = 0, optin = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const size_t optin = smem_optin();
     size_t need = std::max({wy_smem(dk, dv, backward), sweep_smem(dk), tc_output_smem(dk, dv, sizeof(T))});
     if (backward) need = std::max({need, rsweep_smem(dk), tc_bwd_smem(dk, dv), wy_bwd_smem(dk, dv)});
-    return need <= size_t(optin);
+    return need <= optin;
   }
 }
 

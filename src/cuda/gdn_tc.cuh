@@ -432,6 +432,21 @@ struct SweepTiles {
   __device__ T* W(int st) const { return reinterpret_cast<T*>(base + st * stage_bytes); }
   __device__ T* K(int st) const { return W(st) + kChunk * ldk; }
   __device__ float* b(int st) const { return reinterpret_cast<float*>(K(st) + kChunk * ldk); }
+  // W, K [C, dk] and the gates b of chunk c (rows [row0 + c C, ..), len rows in the sequence) into
+  // stage c % kSweepStages by cp.async, one commit group; Wh, Kh, b: the head's rows (b may be nullptr)
+  __device__ void issue(int64_t c, const T* Wh, const T* Kh, int64_t kld, const float* b, int64_t row0, int64_t len,
+                        int dk) const {
+    const int st = int(c % kSweepStages);
+    const int64_t r0 = row0 + c * kChunk;
+    const int nr = rows_in(len, c);
+    tc::async_rows(W(st), ldk, Wh, dk, r0, nr, 0, dk, kChunk);
+    tc::async_rows(K(st), ldk, Kh, kld, r0, nr, 0, dk, kChunk);
+    if (threadIdx.x < kChunk) {
+      const bool in = b && int(threadIdx.x) < nr;
+      tc::cp_async4(this->b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : Wh, in ? 4 : 0);
+    }
+    tc::cp_async_commit();
+  }
   // the level sweep's Qeff [C, dk] (16-bit), in U's place (C kLdU floats >= C ldk 16-bit elements)
   __device__ T* Qe() const { return reinterpret_cast<T*>(U); }
 };

@@ -70,18 +70,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
   const int64_t kld = row_ld(a.k_ld, a.dk);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];
-  auto issue = [&](int64_t c) {  // W, K, b of chunk c
-    const int sg = int(c % kSweepStages);
-    const int64_t r0 = row0 + c * kChunk;
-    const int nr = rows_in(len, c);
-    tc::async_rows(s.W(sg), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.K(sg), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
-    if (threadIdx.x < kChunk) {
-      const bool in = b && int(threadIdx.x) < nr;
-      tc::cp_async4(s.b(sg) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : Wh, in ? 4 : 0);
-    }
-    tc::cp_async_commit();
-  };
+  auto issue = [&](int64_t c) { s.issue(c, Wh, Kh, kld, b, row0, len, a.dk); };  // W, K, b of chunk c
   auto issue_q = [&](int64_t c) {  // Qeff of chunk c and lam^{p+m} of its rows (when o is wanted)
     if (!x.o) return;
     const int64_t r0 = row0 + c * kChunk;
@@ -778,13 +767,11 @@ bool ll_gdn_tc_usable(const detail::Resolved& r, bool backward) {
       if (q.n0 != 0) return false;
     const int dk = pad16(r.dk), dv = pad16(r.dv);
     if (dk > kMaxD || dv > 256) return false;
-    int dev = 0, optin = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const size_t optin = smem_optin();
     size_t need = std::max(wy_smem(dk, dv, false, true), sweep_smem(dk, true));
     if (backward)
       need = std::max({need, rsweep_smem(dk), ll_grad_smem(dk, dv), ll_intra_smem(dk, dv), wy_bwd_smem(dk, dv)});
-    return need <= size_t(optin);
+    return need <= optin;
   }
 }
 

@@ -620,12 +620,10 @@ void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
   // The sweep is parallel over (value tile, sequence x head) only. When the live levels entering
   // each segment are (or may be) stored, it carries the states alone and the outputs run in one
   // block per (segment, head).
-  int dev = 0, optin = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t optin = smem_optin();
   const size_t ob = out_bytes<T>(a.p.dk, a.p.dv);
   const size_t hst_bytes = size_t(t.stored_levels()) * a.p.H * a.p.dk * a.p.dv * sizeof(R);
-  if (!a.p.o || t.nseg == 0 || ob > size_t(optin) || (!a.hst && hst_bytes > hst_budget())) {
+  if (!a.p.o || t.nseg == 0 || ob > optin || (!a.hst && hst_bytes > hst_budget())) {
     launch_sweep_fwd(a, stream);
     return;
   }

@@ -508,10 +508,8 @@ bool ll_tree_usable(int dk, int dv) {
     if (const char* env = std::getenv("HILA_LOGLINEAR_TREE"); env && std::strcmp(env, "0") == 0) return false;
     // one dQ pass per warp (dk <= 128) that every warp takes part in (dk >= 32); dv tiles of the output
     if (dk < 32 || dk > 128 || dv > 128) return false;
-    int dev = 0, optin = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return std::max({tc_bwd_smem(dk, dv, true), tc_output_smem(dk, dv, sizeof(T)), wkv_smem<T>()}) <= size_t(optin);
+    const size_t optin = smem_optin();
+    return std::max({tc_bwd_smem(dk, dv, true), tc_output_smem(dk, dv, sizeof(T)), wkv_smem<T>()}) <= optin;
   }
 }
 

@@ -123,6 +123,14 @@ size_t layout_bytes(A... sizes) {
   return b;
 }
 
+// Dynamic shared memory one block may opt into on the current device (bytes).
+inline size_t smem_optin() {
+  int dev = 0, optin = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return size_t(optin);
+}
+
 // Opts a kernel into `bytes` of dynamic shared memory.
 template <class F>
 void set_smem(F* kernel, size_t bytes) {
