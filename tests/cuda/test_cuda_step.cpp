@@ -194,8 +194,7 @@ std::vector<StepCase> step_cases() {
     cs.push_back({on + "_bf16_d128", op, DType::bf16, 2, 1, 2, 128, 128, {65}, 2});
     cs.push_back({on + "_f32_dk256_dv200", op, DType::f32, 1, 1, 2, 256, 200, {33}, 2});
     cs.push_back({on + "_f16_d64", op, DType::f16, 1, 1, 2, 64, 64, {65}, 2});
-    // a grid of >= 4 blocks per SM: log-linear ops then take the one-level-at-a-time kernel
-    // (smaller grids take the batched-levels one)
+    // a wide grid: 64 sequences
     if (t.loglinear) cs.push_back({on + "_bf16_wide_grid", op, DType::bf16, 64, 1, 4, 64, 128, {65}, 2});
     // extras: normalize + untied gates (+ ridge for hla2) for the HLA family, qk_l2norm for delta
     if (t.hla_family) {

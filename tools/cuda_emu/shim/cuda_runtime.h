@@ -29,9 +29,10 @@ struct cudaPointerAttributes {
   void* hostPointer = nullptr;
 };
 constexpr unsigned cudaEventDisableTiming = 2;
-struct float2 { float x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) double2 { double x, y; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
-struct float4 { float x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
