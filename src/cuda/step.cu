@@ -36,6 +36,8 @@
 // of a step, are in flight during the block's whole prologue and between its dependent phases.
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -174,7 +176,7 @@ __device__ __forceinline__ int64_t sym_row(int i, int dk) {
 // colacc[m] (j = lane + 32 m), which the caller sums over warps. Warp w takes rows w, w + kWarps,
 // ..., kB rows at a time with all their loads issued first.
 template <class R, int kM>
-__device__ void sym_sweep(const R* Sin, R* S, int dk, R aS, const R* s_k, const R* s_q, bool accumulate, bool store,
+__device__ void sym_sweep(R* S, int dk, R aS, const R* s_k, const R* s_q, bool accumulate, bool store,
                           R* s_row, R (&colacc)[kM]) {
   constexpr int kB = kM >= 8 ? 2 : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -183,7 +185,7 @@ __device__ void sym_sweep(const R* Sin, R* S, int dk, R aS, const R* s_k, const 
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int i = i0 + kWarps * b;
-      const R* row = Sin + sym_row(i, dk);
+      const R* row = S + sym_row(i, dk);
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         const int j = lane + 32 * m;
@@ -330,13 +332,20 @@ __device__ void ring_issue(R* ring, int stages, int dk, const Items<R>& it, int 
   tc::cp_async_commit();
 }
 
+// cp.async.wait_group with a runtime count n in [0, kMaxStages]: at most n groups pending.
+__device__ __forceinline__ void cp_async_wait_upto(int n) {
+  static_assert(kMaxStages == 3, "one case per count");
+  if (n >= 3) tc::cp_async_wait<3>();
+  else if (n == 2) tc::cp_async_wait<2>();
+  else if (n == 1) tc::cp_async_wait<1>();
+  else tc::cp_async_wait<0>();
+}
+
 // Waits for item i (issued i + stages - 1 groups ago by every thread) and makes it visible to the
 // block; returns its stage.
 template <class R>
 __device__ const R* ring_wait(const R* ring, int stages, int dk, int i) {
-  if (stages >= 3) tc::cp_async_wait<2>();
-  else if (stages == 2) tc::cp_async_wait<1>();
-  else tc::cp_async_wait<0>();
+  cp_async_wait_upto(stages - 1);
   __syncthreads();
   return ring + (i % stages) * dk * kCols;
 }
@@ -459,9 +468,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kFenwick>)) st
     if (a.s_smem) {
       // u = aS (S q) + k (k.q) + ridge q from the copy (the oldest cp.async group: at most the
       // `stages` ring groups are still pending); the update is written from the same copy.
-      if (a.stages >= 3) tc::cp_async_wait<3>();
-      else if (a.stages == 2) tc::cp_async_wait<2>();
-      else tc::cp_async_wait<1>();
+      cp_async_wait_upto(a.stages);
       __syncthreads();
       R kq = 0;
       for (int c = tid; c < dk; c += kThreads) kq += s_k[c] * s_q[c];
@@ -470,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kFenwick>)) st
       __syncthreads();
       for (int j = tid; j < dk; j += kThreads) s_key[j] = aS * s_key[j] + kq * s_k[j] + a.ridge * s_q[j];
     } else {
-      sym_sweep<R, kM>(S, S, dk, aS, s_k, s_q, true, !shared_S, s_key, colacc);
+      sym_sweep<R, kM>(S, dk, aS, s_k, s_q, true, !shared_S, s_key, colacc);
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
         const int j = lane + 32 * m;
@@ -496,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kFenwick>)) st
       last = s_last;
     }
     if (last && a.s_smem) sym_update(s_S, S, dk, aS, s_k);
-    else if (last && shared_S) sym_sweep<R, kM>(S, S, dk, aS, s_k, s_q, false, true, s_key, colacc);
+    else if (last && shared_S) sym_sweep<R, kM>(S, dk, aS, s_k, s_q, false, true, s_key, colacc);
   } else {
     for (int c = tid; c < dk; c += kThreads) s_key[c] = s_k[c];
   }
@@ -663,6 +670,25 @@ void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s) {
   else pick(std::false_type{});
 }
 
+// SM count and opt-in shared memory per block of the current device, queried once per device
+// (a step is on the decode hot path).
+struct DeviceLimits {
+  int sms;
+  size_t optin;
+};
+DeviceLimits device_limits() {
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::map<int, DeviceLimits> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  DeviceLimits lim{0, smem_optin()};
+  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, dev));
+  return cache.emplace(dev, lim).first->second;
+}
+
 template <class T>
 void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& sv, void* counters,
                cudaStream_t s) {
@@ -699,10 +725,8 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   // without the counters a DecodeState owns (see the kernel), or when there are enough
   // (sequence, head) blocks to fill the device (then each S is read once, not once per tile);
   // else kCols columns per block.
-  int dev = 0, sms = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const bool one_tile = plan.normalize || (plan.has_S && (counters == nullptr || int64_t(a.N) * a.H >= 4 * sms));
+  const DeviceLimits lim = device_limits();
+  const bool one_tile = plan.normalize || (plan.has_S && (counters == nullptr || int64_t(a.N) * a.H >= 4 * int64_t(lim.sms)));
   a.tiles = one_tile ? 1 : (a.dvp + kCols - 1) / kCols;
   if (counters) {
     a.seq_count = static_cast<unsigned*>(counters);
@@ -716,7 +740,7 @@ void step_impl(const detail::Resolved& r, const StepParams& p, const StateView& 
   const int64_t max_items = (plan.has_P ? nchunk : 0) + int64_t(nchunk) * (plan.fenwick ? kMaxStages : 1);
   const int item_bytes = a.dk * kCols * int(sizeof(R));
   a.stages = int(std::max<int64_t>(1, std::min<int64_t>({kMaxStages, max_items, kRingBytes / item_bytes})));
-  const size_t optin = smem_optin();
+  const size_t optin = lim.optin;
   auto smem_of = [&](int stages) {
     return size_t(Smem(a.dk, a.dvp, a.has_S, stages, a.s_smem).total) * sizeof(R);
   };
