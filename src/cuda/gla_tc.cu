@@ -96,13 +96,14 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     }
   const int nch = int(kTree ? len / kChunk : (len + kChunk - 1) / kChunk);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  const tc::TileStream<T, kThreads, kChunk> key_rows(key, key_ld, k0, bk, kLdTile), val_rows(val, val_ld, v0, bv, kLdTile);
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
     const int c = chunk_of(i), st = i % kStages;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
-    tc::async_rows(Ks(st), kLdTile, key, key_ld, r0, nr, k0, bk, kChunk);
-    tc::async_rows(Vs(st), kLdTile, val, val_ld, r0, nr, v0, bv, kChunk);
+    key_rows.issue(Ks(st), r0, nr, kLdTile);
+    val_rows.issue(Vs(st), r0, nr, kLdTile);
     if (threadIdx.x < kChunk) {
       const bool in = b && int(threadIdx.x) < nr;
       tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : key, in ? 4 : 0);
@@ -123,6 +124,27 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
           const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
           *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
+  };
+  // acc += Kt^T diag(wt) Vt  [64 (dk), C] x [C, vtile]; full tiles (all of dk's 64 rows, 64 or 32
+  // columns) pass a literal column count, so that the fragment loads carry no guards
+  const bool full = bk == kTile && nt == 8, half = bk == kTile && nt == 4;
+  auto update = [&](float(&x)[8][4], const T* Kt, const T* Vt, auto wt) {
+    if (full) tc::warp_gemm_tn_weighted<T, 8>(x, Kt, kLdTile, 16 * w, Vt, kLdTile, 8, kChunk, wt);
+    else if (half) tc::warp_gemm_tn_weighted<T, 8>(x, Kt, kLdTile, 16 * w, Vt, kLdTile, 4, kChunk, wt);
+    else if (active) tc::warp_gemm_tn_weighted<T, 8>(x, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk, wt);
+  };
+  // the state-tile store for a full tile, from a precomputed row pointer
+  const float sc = float(a.scale);
+  const int64_t chunk0 = a.chunk0[seq], store_cstride = int64_t(a.H) * a.dk * a.dv;
+  T* const store_base = store ? store + (chunk0 * a.H + h) * int64_t(a.dk) * a.dv + int64_t(k0 + 16 * w + g) * a.dv +
+                                    v0 + 2 * t
+                              : nullptr;
+  auto store_full = [&](T* dst) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      *reinterpret_cast<uint32_t*>(dst + 8 * j) = tc::pack2<T>(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(dst + 8 * a.dv + 8 * j) = tc::pack2<T>(acc[j][2], acc[j][3]);
+    }
   };
   [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
   if constexpr (kTree) {
@@ -161,15 +183,13 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     if constexpr (kTree) {
       const float B = bt[rows_in(len, c) - 1];
       tc::zero(acc);
-      if (active)  // Z_c   [64 (dk), C] x [C, 64 (dv)]
-        tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk,
-                                        [&](int k) { return __expf(B - bt[k]); });
+      update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });  // Z_c
       float4* stk = reinterpret_cast<float4*>(stack) +
                     ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
       int m = 1;
       int64_t i = sn.a0 + c;
       while (i & 1) {  // acc = node_m[i] closes node_{m+1}[i >> 1] with its left sibling
-        const float f = __expf(ta.beta[sn.slot(m, i) * a.H + h]);
+        const float f = tc::fexp(ta.beta[sn.slot(m, i) * a.H + h]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
@@ -183,19 +203,19 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
         store16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, i) * a.H + h) * int64_t(a.dk) * a.dv);
       continue;
     }
-    if (store && active)  // state entering chunk c (forward) / cotangent at its end (reverse)
-      store16(store + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv);
+    if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
+      if (full) store_full(store_base + c * store_cstride);
+      else store16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv);
+    }
     const float B = bt[rows_in(len, c) - 1];
-    const float decay = __expf(B);
-    const float sc = float(a.scale);
+    const float decay = tc::fexp(B);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
-    if (active)
-      tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, kLdTile, 16 * w, Vt, kLdTile, nt, kChunk, [&](int k) {
-        return kRev ? sc * __expf(bt[k]) : __expf(B - bt[k]);
-      });
+    auto wt = [&](int k) { return kRev ? sc * tc::fexp(bt[k]) : tc::fexp(B - bt[k]); };
+    // full tiles with a literal column count, so that the fragment loads carry no guards
+    update(acc, Kt, Vt, wt);
   }
   if constexpr (kTree) {
     if (ta.pend && active) {  // the pending nodes: level m for each set bit m-1 of a0 + the full chunks
@@ -289,8 +309,8 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
       for (int hf = 0; hf < 2; ++hf) {
         const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
         const float bi = hf ? bi1 : bi0;
-        float p0 = col <= i ? x[j][2 * hf] * sc * __expf(bi - bs[col]) : 0.f;
-        float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * __expf(bi - bs[col + 1]) : 0.f;
+        float p0 = col <= i ? x[j][2 * hf] * sc * tc::fexp(bi - bs[col]) : 0.f;
+        float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * tc::fexp(bi - bs[col + 1]) : 0.f;
         if constexpr (kTree) {  // lam_i^{bitlen(i xor j)} (aligned chunks, §2.6)
           const float* lr = hf ? lam1 : lam0;
           if (col <= i) p0 *= lr[32 - __clz(i ^ col)];
@@ -319,7 +339,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
       float y[8][4];
       tc::zero(y);
       tc::warp_gemm<T, 8, false, true>(y, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
-      const float e0 = sc * lam0[kLogChunk + m] * __expf(bi0 + gap), e1 = sc * lam1[kLogChunk + m] * __expf(bi1 + gap);
+      const float e0 = sc * lam0[kLogChunk + m] * tc::fexp(bi0 + gap), e1 = sc * lam1[kLogChunk + m] * tc::fexp(bi1 + gap);
 #pragma unroll
       for (int j = 0; j < 8; ++j) o[j][0] += e0 * y[j][0], o[j][1] += e0 * y[j][1], o[j][2] += e1 * y[j][2], o[j][3] += e1 * y[j][3];
     });
@@ -327,7 +347,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   } else {
     if (nt == 0) return;
     tc::warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
-    const float e0 = sc * __expf(bi0), e1 = sc * __expf(bi1);
+    const float e0 = sc * tc::fexp(bi0), e1 = sc * tc::fexp(bi1);
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
   }
@@ -438,7 +458,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           const float bi = hf ? bi1 : bi0;
-          const float g0 = col <= i ? __expf(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? __expf(bi - s.b[col + 1]) : 0.f;
+          const float g0 = col <= i ? tc::fexp(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? tc::fexp(bi - s.b[col + 1]) : 0.f;
           float l0 = 1.f, l1 = 1.f;
           if constexpr (kTree) {  // lam_i^{bitlen(i xor j)}; Tl = dP o (scale Gamma o Q K^T) for dlam
             const float* lr = hf ? lam1 : lam0;
@@ -501,7 +521,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   int ck0, nkt, cv0, nvt;
   tc::col_half(dk, ch, ck0, nkt);
   tc::col_half(dv, ch, cv0, nvt);
-  const float e0 = __expf(bi0), e1 = __expf(bi1), w0 = __expf(B - bi0), w1 = __expf(B - bi1);
+  const float e0 = tc::fexp(bi0), e1 = tc::fexp(bi1), w0 = tc::fexp(B - bi0), w1 = tc::fexp(B - bi1);
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time (one pass for kTree: dk <= 128)
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4];
@@ -522,7 +542,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         float y[8][4];
         tc::zero(y);
         tc::warp_gemm<T, 8, false, false>(y, s.dO, s.ldv, 16 * rb, cur, s.ldv, cc, nt, 0, dv);
-        const float f0 = __expf(bi0 + gap), f1 = __expf(bi1 + gap);
+        const float f0 = tc::fexp(bi0 + gap), f1 = tc::fexp(bi1 + gap);
         const float c0 = lam0[kLogChunk + m] * f0, c1 = lam1[kLogChunk + m] * f1;
 #pragma unroll
         for (int j = 0; j < 8; ++j)

@@ -30,6 +30,18 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   else return __half22float2(*reinterpret_cast<__half2*>(&x));
 }
 
+// e^x on the special-function unit with denormals flushed: one FMUL and one MUFU.EX2 (__expf
+// adds a range fix-up for results below 2^-126, which the gate weights never need).
+#ifdef HILA_CUDA_EMU
+inline float fexp(float x) { return __expf(x); }
+#else
+__device__ __forceinline__ float fexp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+#endif
+
 #ifdef HILA_CUDA_EMU  // host emulator (tools/cuda_emu): warp-cooperative versions in its shim
 template <class T>
 inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { emu::mma_m16n8k16<T>(d, a, b0, b1); }
@@ -105,23 +117,34 @@ __device__ __forceinline__ void zero(float (&x)[NT][4]) {
 // acc[16 x 8*NT] += A B over k in [0, K) for column tiles n0 + 8j, j < nt (nt even).
 //   A rows m0.. of X [m][k] (kA = false) or of Xt^T, Xt [k][m] (kA = true);
 //   B = Y^T, Y [n][k] (kB = false) or B [k][n] (kB = true).
+// The fragment loads of a k step are issued together before its mma, so that they pipeline.
 template <class T, int NT, bool kA, bool kB>
-__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
-                                          int nt, int k_begin, int k_end) {
+__device__ __forceinline__ void warp_gemm_cols(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb,
+                                               int n0, int nt, int k_begin, int k_end) {
   for (int k = k_begin; k < k_end; k += 16) {
-    uint32_t fa[4];
+    uint32_t fa[4], fb[NT / 2][4];
     if constexpr (kA) load_a_t(fa, A, lda, m0, k);
     else load_a(fa, A, lda, m0, k);
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj)
       if (2 * jj < nt) {
-        uint32_t fb[4];
-        if constexpr (kB) load_b_kn(fb, B, ldb, n0 + 16 * jj, k);
-        else load_b_nk(fb, B, ldb, n0 + 16 * jj, k);
-        mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
-        mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+        if constexpr (kB) load_b_kn(fb[jj], B, ldb, n0 + 16 * jj, k);
+        else load_b_nk(fb[jj], B, ldb, n0 + 16 * jj, k);
+      }
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)
+      if (2 * jj < nt) {
+        mma<T>(acc[2 * jj], fa, fb[jj][0], fb[jj][1]);
+        mma<T>(acc[2 * jj + 1], fa, fb[jj][2], fb[jj][3]);
       }
   }
+}
+// All NT column tiles (the common case) get a literal count: no guards between the loads.
+template <class T, int NT, bool kA, bool kB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], const T* A, int lda, int m0, const T* B, int ldb, int n0,
+                                          int nt, int k_begin, int k_end) {
+  if (nt == NT) warp_gemm_cols<T, NT, kA, kB>(acc, A, lda, m0, B, ldb, n0, NT, k_begin, k_end);
+  else warp_gemm_cols<T, NT, kA, kB>(acc, A, lda, m0, B, ldb, n0, nt, k_begin, k_end);
 }
 
 // acc[16 x 8*NT] += Xt^T diag(w) Y over the `rows` tokens of a chunk: rows m0.. of Xt^T (Xt
@@ -132,8 +155,11 @@ __device__ __forceinline__ void warp_gemm_tn_weighted(float (&acc)[NT][4], const
                                                       int ldy, int nt, int rows, W w) {
   const int t = threadIdx.x & 3;
   for (int kk = 0; kk < rows / 16; ++kk) {
-    uint32_t fa[4];
+    uint32_t fa[4], fb[NT / 2][4];
     load_a_t(fa, Xt, ldx, m0, 16 * kk);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj)  // all B fragments first: the loads overlap the scaling below
+      if (2 * jj < nt) load_b_kn(fb[jj], Y, ldy, 16 * jj, 16 * kk);
     // token weights of the k index held by this thread: 16kk + 2t (+1), 16kk + 2t + 8 (+1)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -148,10 +174,8 @@ __device__ __forceinline__ void warp_gemm_tn_weighted(float (&acc)[NT][4], const
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj)
       if (2 * jj < nt) {
-        uint32_t fb[4];
-        load_b_kn(fb, Y, ldy, 16 * jj, 16 * kk);
-        mma<T>(acc[2 * jj], fa, fb[0], fb[1]);
-        mma<T>(acc[2 * jj + 1], fa, fb[2], fb[3]);
+        mma<T>(acc[2 * jj], fa, fb[jj][0], fb[jj][1]);
+        mma<T>(acc[2 * jj + 1], fa, fb[jj][2], fb[jj][3]);
       }
   }
 }
@@ -201,6 +225,41 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif  // HILA_CUDA_EMU
 
+// Per-thread cp.async plan for [kRows, nc] 16-bit tiles (nc <= 64, a multiple of 8) taken from
+// row blocks of a row-major source with row stride ld: thread e copies 16-byte vector e % 8 of rows
+// e / 8 + (kThreads / 8) p, p < kPasses. Built once per block, so that issuing a tile costs one
+// 64-bit multiply and a few adds per vector instead of the index arithmetic of async_rows.
+template <class T, int kThreads, int kRows>
+struct TileStream {
+  static constexpr int kStep = kThreads / 8, kPasses = kRows / kStep;
+  static_assert(kThreads % 8 == 0 && kRows % kStep == 0, "whole passes of 8 vectors per row");
+  const T* src;   // this thread's row and column of row block 0
+  const T* safe;  // an address inside the source (row 0, this column): the dummy of zero-filled rows
+  int64_t ld, ld_step;
+  int soff, row;  // offset in the smem tile; first row of this thread
+  bool on;        // this thread's vector lies inside the nc columns
+  __device__ TileStream(const T* base, int64_t ld_, int c0, int nc, int lds) {
+    row = int(threadIdx.x) >> 3;
+    const int j = (int(threadIdx.x) & 7) * 8;
+    on = j < nc;
+    safe = base + c0 + j;
+    src = safe + int64_t(row) * ld_;
+    ld = ld_, ld_step = int64_t(kStep) * ld_;
+    soff = row * lds + j;
+  }
+  // source rows [r0, r0 + nr) into tile s (leading dimension lds); rows >= nr zero-filled
+  __device__ __forceinline__ void issue(T* s, int64_t r0, int nr, int lds) const {
+    if (!on) return;
+    const T* p = src + r0 * ld;
+#pragma unroll
+    for (int q = 0; q < kPasses; ++q) {
+      const bool in = row + q * kStep < nr;
+      cp_async16(s + soff + q * kStep * lds, in ? p : safe, in ? 16 : 0);
+      p += ld_step;
+    }
+  }
+};
+
 // Rows [r0, r0+nr) (columns [c0, c0+nc)) of a packed [Ttot][ldg] buffer into smem [rows][lds]
 // with cp.async; rows >= nr up to `rows` are zero-filled. nc is a multiple of 8 (16 bytes).
 template <class T>
@@ -215,6 +274,15 @@ __device__ __forceinline__ void async_rows(T* s, int lds, const T* g, int64_t ld
     return;
   }
   const int nv = nc / 8;
+  if ((nv & (nv - 1)) == 0) {  // a power-of-two count of vectors per row (dk, dv = 128, 256): shifts
+    const int lg = __ffs(nv) - 1;
+    for (int e = threadIdx.x; e < rows * nv; e += blockDim.x) {
+      const int i = e >> lg, j = (e & (nv - 1)) * 8;
+      const bool in = i < nr;
+      cp_async16(s + i * lds + j, g + (in ? (r0 + i) * ldg + c0 + j : 0), in ? 16 : 0);
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < rows * nv; e += blockDim.x) {
     const int i = e / nv, j = (e % nv) * 8;
     const bool in = i < nr;

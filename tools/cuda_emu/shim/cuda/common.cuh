@@ -230,6 +230,7 @@ inline int __clz(int x) { return x ? __builtin_clz(unsigned(x)) : 32; }
 inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float __expf(float x) { return std::exp(x); }
 using std::exp;
 using std::isfinite;
