@@ -281,6 +281,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
                  a.dk, kChunk);
   tc::async_rows(Ks, ldq, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
+  tc::cp_async_commit();  // group A: Q, K (phase 1); group B: V, H (phase 2), landing during phase 1
   tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
                  bv, kChunk);
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
@@ -291,7 +292,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   tc::cp_async_commit();
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
-  tc::cp_async_wait<0>();
+  tc::cp_async_wait<1>();
   __syncthreads();
   const float sc = float(a.scale);
   const int i0 = 16 * rb + g, i1 = i0 + 8;  // rows of this thread
@@ -319,6 +320,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
         *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
       }
   }
+  tc::cp_async_wait<0>();
   __syncthreads();
   // phase 2
   const int c0 = 64 * ch, nt = max(0, min(64, bv - c0)) / 8;
@@ -423,20 +425,23 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
                  kChunk);
   tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
+  tc::cp_async_commit();  // group A: Q, K, V, dO (P and dA); B: Hp (dQ^); C: dH (dK, dV); B, C land meanwhile
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
   const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
   const int64_t n = sn.a0 + c;
   if constexpr (kTree) {
-    tc::async_rows(s.dH, s.ldv, static_cast<const T*>(ta.dz16) + hidx, dv, 0, dk, 0, dv, dk);
     if (n > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(sn, n), h, a.H, dk, dv, 0, dv);
+    tc::cp_async_commit();
+    tc::async_rows(s.dH, s.ldv, static_cast<const T*>(ta.dz16) + hidx, dv, 0, dk, 0, dv, dk);
   } else {
     tc::async_rows(s.Hp, s.ldv, a.hbuf + hidx, dv, 0, dk, 0, dv, dk);
+    tc::cp_async_commit();
     tc::async_rows(s.dH, s.ldv, a.dhbuf + hidx, dv, 0, dk, 0, dv, dk);
   }
   tc::cp_async_commit();
   const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) s.b[threadIdx.x] = gate_at(bg, r0, threadIdx.x, nr);
-  tc::cp_async_wait<0>();
+  tc::cp_async_wait<2>();
   __syncthreads();
   const float sc = float(a.scale), B = s.b[kChunk - 1];
   const int i0 = 16 * rb + g, i1 = i0 + 8;
@@ -483,6 +488,10 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         }
     }
   }
+  // Hp landed (kTree: the tree loop below commits further groups and waits with wait<1>, so dH
+  // must be complete too)
+  if constexpr (kTree) tc::cp_async_wait<0>();
+  else tc::cp_async_wait<1>();
   __syncthreads();
   if constexpr (kTree) {  // dlam of the in-chunk levels: row i, level l sums Tl over its bucket (§2.2)
     for (int e = threadIdx.x; e < nr * (kLogChunk + 1); e += blockDim.x) {
@@ -593,6 +602,10 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
           }
         }
   };
+  if constexpr (!kTree) {  // dH landed
+    tc::cp_async_wait<0>();
+    __syncthreads();
+  }
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
