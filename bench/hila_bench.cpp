@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Times hila's CUDA operators with CUDA events (warm-up, then the median of --reps runs) and
-// prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms,dk,G (d = dv; --dk, --dv, --G: head dims and
-// q/k groups, defaults d, d, H). Inputs are random (never zeros); each
+// Times hila's CUDA operators with CUDA events (warm-up, then the median of --reps runs, timed as
+// the anchors are: see bench_ms) and prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms
+// (d = dv; --dk, --dv, --G: head dims and q/k groups, defaults d, d, H). Inputs are random (never zeros); each
 // input tensor of the benchmark shapes exceeds the L2 cache, so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
 // training step pays.
@@ -96,6 +96,42 @@ double median_ms(F f, int warmup, int reps) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// The anchors' method (triton.testing.do_bench, bench/anchors.py): per run, a 256 MB memset
+// clears the L2 cache, then events around the call; runs are issued back to back without
+// synchronization, so the host work of a call overlaps the GPU work before it, as in a training
+// loop. `ms` is the median of those; `sync_ms` the median with a synchronization after every call
+// (the latency of one isolated call, host overhead included).
+struct Timing {
+  double ms, sync_ms;
+  Timing operator+(const Timing& o) const { return {ms + o.ms, sync_ms + o.sync_ms}; }
+};
+template <class F>
+Timing bench_ms(F f, int warmup, int reps) {
+  static Dev flush(size_t(256) << 20);
+  for (int i = 0; i < warmup; ++i) f();
+  CK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> a(reps), b(reps);
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventCreate(&a[i]));
+    CK(cudaEventCreate(&b[i]));
+  }
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaMemsetAsync(flush.p, 0, flush.bytes));
+    CK(cudaEventRecord(a[i]));
+    f();
+    CK(cudaEventRecord(b[i]));
+  }
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t(reps);
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventElapsedTime(&t[i], a[i], b[i]));
+    CK(cudaEventDestroy(a[i]));
+    CK(cudaEventDestroy(b[i]));
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], median_ms(f, 0, reps)};
 }
 
 double wall_ms(std::chrono::steady_clock::time_point t0) {
@@ -276,14 +312,14 @@ void time_prefill(const hila::ForwardParams& p, int64_t B, int64_t T, int64_t H,
     if (sh.H) st.H = zeros(sh.H_shape, DType::f32);
     return st;
   };
-  auto row = [&](const char* dir, double ms) {
-    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld\n", op_name(p.cfg.op), (long long)B, (long long)T,
-                (long long)H, (long long)dv, dir, ms, (long long)dk, (long long)G);
+  auto row = [&](const char* dir, Timing tm) {
+    std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld,%.4f\n", op_name(p.cfg.op), (long long)B,
+                (long long)T, (long long)H, (long long)dv, dir, tm.ms, (long long)dk, (long long)G, tm.sync_ms);
   };
   std::vector<std::unique_ptr<Dev>> keep;
   ForwardParams f = p;
   f.final_state = state(T, keep);
-  row("prefill", median_ms([&] { forward(f); }, warmup, reps));
+  row("prefill", bench_ms([&] { forward(f); }, warmup, reps));
   // continuation from position T: the states at T and 2T, lam with the levels of 2T
   ForwardParams c = p;
   c.init = state(T, keep);
@@ -295,7 +331,7 @@ void time_prefill(const hila::ForwardParams& p, int64_t B, int64_t T, int64_t H,
     fill_bf16_uniform(*lam, rng, 0.25f, 1.5f);
     c.lam = TensorView::contiguous_view(lam->p, DType::bf16, {B, T, H, L}, dev);
   }
-  row("continue", median_ms([&] { forward(c); }, warmup, reps));
+  row("continue", bench_ms([&] { forward(c); }, warmup, reps));
   std::fflush(stdout);
 }
 
@@ -359,7 +395,7 @@ int main(int argc, char** argv) {
     run_decode(ops_given ? ops : all_ops(), H, dk, dv, std::max(reps, 20), std::max(warmup, 3), batches, positions);
     return 0;
   }
-  std::printf("impl,op,dtype,B,T,H,d,direction,ms,dk,G\n");
+  std::printf("impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms\n");
   std::mt19937 rng(0);
   first_calls(ops, H, dk, rng);
   for (auto [B, T] : shapes) {
@@ -395,7 +431,7 @@ int main(int argc, char** argv) {
       p.beta = TensorView::contiguous_view(beta.p, DType::bf16, {B, T, H}, dev);
     }
     if (tr.loglinear) p.lam = view_lam(lam);
-    const double fwd = median_ms([&] { forward(p); }, warmup, reps);
+    const Timing fwd = bench_ms([&] { forward(p); }, warmup, reps);
     if (prefill) time_prefill(p, B, T, H, dk, dv, G, warmup, reps, rng);
     BackwardParams b = p;
     if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, DType::bf16, {B, T, H}, dev);
@@ -404,10 +440,10 @@ int main(int argc, char** argv) {
     b.dq = viewK(dq), b.dk = viewK(dk_), b.dv = viewV(dv_);
     b.dg = TensorView::contiguous_view(dg.p, DType::f32, {B, T, H}, dev);
     if (op_traits(op).loglinear) b.dlam = view_lam(dlam);
-    const double bwd = median_ms([&] { backward(b); }, warmup, reps);
-    for (auto [dir, ms] : {std::pair{"fwd", fwd}, std::pair{"fwdbwd", fwd + bwd}})
-      std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld\n", op_name(op), (long long)B, (long long)T,
-                  (long long)H, (long long)dv, dir, ms, (long long)dk, (long long)G);
+    const Timing bwd = bench_ms([&] { backward(b); }, warmup, reps);
+    for (auto [dir, tm] : {std::pair{"fwd", fwd}, std::pair{"fwdbwd", fwd + bwd}})
+      std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld,%.4f\n", op_name(op), (long long)B, (long long)T,
+                  (long long)H, (long long)dv, dir, tm.ms, (long long)dk, (long long)G, tm.sync_ms);
     std::fflush(stdout);
     }
   }
