@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
     auto wt = [&](int k) { return kRev ? sc * tc::fexp(bt[k]) : tc::fexp(B - bt[k]); };
-    // full tiles with a literal column count, so that the fragment loads carry no guards
+    // forward S <- e^B S + K^T diag(e^{B-b}) V; reverse dS <- e^B dS + scale Q^T diag(e^b) dO (§7.1)
     update(acc, Kt, Vt, wt);
   }
   if constexpr (kTree) {
