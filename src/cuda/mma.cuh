@@ -227,8 +227,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Per-thread cp.async plan for [kRows, nc] 16-bit tiles (nc <= 64, a multiple of 8) taken from
 // row blocks of a row-major source with row stride ld: thread e copies 16-byte vector e % 8 of rows
-// e / 8 + (kThreads / 8) p, p < kPasses. Built once per block, so that issuing a tile costs one
-// 64-bit multiply and a few adds per vector instead of the index arithmetic of async_rows.
+// e / 8 + (kThreads / 8) p, p < kPasses. Built once per block and unrolled over a compile-time
+// pass count, so that a sweep issuing one tile per chunk pays one 64-bit multiply and a few adds
+// per vector; async_rows (below) does the same stepping but sets it up on every call.
 template <class T, int kThreads, int kRows>
 struct TileStream {
   static constexpr int kStep = kThreads / 8, kPasses = kRows / kStep;
