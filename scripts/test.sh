@@ -17,6 +17,8 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/ahla_f32_normalize_init:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_f64_untied_normalize:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T65:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_varlen_init_fused:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_fused:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree_final:'\

@@ -297,6 +297,7 @@ void gla_forward(const GlaArgs<T>& a, cudaStream_t stream) {
       gla_chunk_cumsum(x, b.get(), stream);
       x.b = b.get();
     }
+    if (tc_fused_forward_wanted(x)) return tc_fused_forward(x, stream);
     DevBuf<T> hbuf;
     if (x.o && !x.hbuf) {
       hbuf = DevBuf<T>(size_t(x.nchunks * x.H * x.dk * x.dv), stream);

@@ -85,6 +85,13 @@ size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
 // hbuf / dhbuf and the intra block carries lam.
 template <class T>
 void tc_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
+// The forward in one kernel (state in registers, no per-chunk states through global memory unless
+// a.hbuf is set): for dk <= 128 and dv a multiple of 64, chosen when its (sequence x head x
+// 64-column value tile) blocks fill the GPU (HILA_GLA_FUSED=0/1 forces the choice).
+template <class T>
+bool tc_fused_forward_wanted(const GlaArgs<T>& a);
+template <class T>
+void tc_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
 void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);  // per-chunk dq, dk, dv, dc
 size_t tc_output_smem(int dk, int dv, size_t esize);

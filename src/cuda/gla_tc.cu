@@ -11,6 +11,9 @@
 //           O = diag(scale e^b) Q H_c + (scale Gamma o Q K^T) V       [C,dk]x[dk,64], [C,C]x[C,64]
 //           with the causal score block kept in registers and fed back as the A operand.
 // b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/gla.cuh"
 #include "cuda/ll_tree.cuh"
 #include "cuda/mma.cuh"
@@ -247,6 +250,34 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   }
 }
 
+// The causal score block P = scale Gamma o Q K^T of one warp from x = Q K^T (rows [16 rb, 16 rb + 16),
+// key columns [n0, n0 + 32): x[j] columns n0 + 8j + 2t (+1), rows g / g + 8), 16-bit into Ps [C][kLdTile],
+// zeros above the diagonal and in rows >= nr; bs [C] the chunk-local gate cumsum.
+// kTree: times lam_i^{bitlen(i xor j)} (aligned chunks, LOGLINEAR_SPEC §2.6), lam rows lam0 / lam1.
+template <class T, bool kTree>
+__device__ __forceinline__ void score_store(T* Ps, const float (&x)[4][4], const float* bs, int rb, int n0, int nr,
+                                            float sc, const float* lam0, const float* lam1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int i0 = 16 * rb + g, i1 = i0 + 8;
+  const float bi0 = bs[i0], bi1 = bs[i1];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
+      const float bi = hf ? bi1 : bi0;
+      const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
+      float p0 = in0 ? x[j][2 * hf] * sc * tc::fexp(bi - bs[col]) : 0.f;
+      float p1 = in1 ? x[j][2 * hf + 1] * sc * tc::fexp(bi - bs[col + 1]) : 0.f;
+      if constexpr (kTree) {
+        const float* lr = hf ? lam1 : lam0;
+        if (in0) p0 *= lr[32 - __clz(i ^ col)];
+        if (in1) p1 *= lr[32 - __clz(i ^ (col + 1))];
+      }
+      *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
+    }
+}
+
 // Output of every chunk; grid (nchunks, dv tiles of kOutV, H), 8 warps. Warp w = (rb, ch):
 //   phase 1: P = scale Gamma o Q K^T for rows [16 rb, 16 rb + 16), key columns of half ch (causal
 //            part only), to smem as the 16-bit A operand;
@@ -299,26 +330,11 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   const float bi0 = bs[i0], bi1 = bs[i1];
   const float* lam0 = kTree ? ta.lam + (int64_t(h) * a.Ttot + r0 + min(i0, nr - 1)) * ta.nL : nullptr;
   const float* lam1 = kTree ? ta.lam + (int64_t(h) * a.Ttot + r0 + min(i1, nr - 1)) * ta.nL : nullptr;
-  {  // phase 1
-    const int n0 = 32 * ch;
+  {  // phase 1: P for rows 16 rb.., key columns 32 ch.. (the causal part)     [16, dk] x [dk, 32]
     float x[4][4];
     tc::zero(x);
-    if (n0 <= 16 * rb + 15) tc::warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, n0, 4, 0, a.dk);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
-        const float bi = hf ? bi1 : bi0;
-        float p0 = col <= i ? x[j][2 * hf] * sc * tc::fexp(bi - bs[col]) : 0.f;
-        float p1 = col + 1 <= i ? x[j][2 * hf + 1] * sc * tc::fexp(bi - bs[col + 1]) : 0.f;
-        if constexpr (kTree) {  // lam_i^{bitlen(i xor j)} (aligned chunks, §2.6)
-          const float* lr = hf ? lam1 : lam0;
-          if (col <= i) p0 *= lr[32 - __clz(i ^ col)];
-          if (col + 1 <= i) p1 *= lr[32 - __clz(i ^ (col + 1))];
-        }
-        *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = tc::pack2<T>(p0, p1);
-      }
+    if (32 * ch <= 16 * rb + 15) tc::warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, 32 * ch, 4, 0, a.dk);
+    score_store<T, kTree>(Ps, x, bs, rb, 32 * ch, nr, sc, lam0, lam1);
   }
   tc::cp_async_wait<0>();
   __syncthreads();
@@ -366,6 +382,154 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
           *reinterpret_cast<uint32_t*>(out + (r0 + i) * ldo + v0 + c0 + 8 * j + 2 * t) =
               tc::pack2<T>(o[j][2 * hf], o[j][2 * hf + 1]);
       }
+}
+
+// The forward in one pass (the sweep and the output kernel fused; HLA_SPEC §1, §7.1): one block per
+// (sequence x head, value tile of 64 columns), 8 warps, walking the chunks in order with the
+// [dk, 64] fp32 state H in registers (warp w: rows [16w, 16w + 16)) and its 16-bit copy in smem,
+// the operand of Q H (double-buffered: the copy entering chunk i + 1 is written while chunk i reads
+// the one entering i). Per chunk:
+//   P  = scale Gamma o Q K^T             warp (rb, ch): rows 16 rb.., keys 32 ch..   [16,dk]x[dk,32]
+//   H' = e^B H + K^T diag(e^{B-b}) V     warp w: state rows 16 w..                    [16,C]x[C,64]
+//   O  = diag(scale e^b) Q H + P V       warp (rb, ch): rows 16 rb.., values 32 ch..  [16,dk]x[dk,32], [16,C]x[C,32]
+// with chunks i + 1 and i + 2 loading meanwhile (cp.async, kFusedStages deep). The per-chunk states
+// never go through global memory, except into a.hbuf when the caller asks for them (a backward's
+// recompute). Q and K are read once per value tile: worth it while there are enough (sequence x
+// head x value tile) blocks to fill the GPU (tc_fused_forward_wanted).
+// Dynamic smem: kFusedStages x {Q, K [C, dk+8], V [C, 72] (16-bit), b [C]}, H [2][dk, 72], P [C, 72].
+constexpr int kFusedV = 64, kFusedThreads = 256, kFusedStages = 3, kFusedLdv = kFusedV + 8;
+
+__host__ __device__ inline size_t fused_stage_bytes(int dk) {
+  return (size_t(2) * kChunk * (dk + 8) + size_t(kChunk) * kFusedLdv) * 2 + kChunk * sizeof(float);
+}
+size_t fused_smem(int dk) {
+  return kFusedStages * fused_stage_bytes(dk) + (size_t(2) * dk * kFusedLdv + size_t(kChunk) * kLdTile) * 2;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs<T> a) {
+  extern __shared__ __align__(128) char smem[];
+  const int dk = a.dk, ldq = dk + 8, ldv = kFusedLdv;
+  const size_t stage_bytes = fused_stage_bytes(dk);
+  auto Qs = [&](int st) { return reinterpret_cast<T*>(smem + st * stage_bytes); };
+  auto Ks = [&](int st) { return Qs(st) + kChunk * ldq; };
+  auto Vs = [&](int st) { return Ks(st) + kChunk * ldq; };
+  auto bs = [&](int st) { return reinterpret_cast<float*>(Vs(st) + kChunk * ldv); };
+  T* const Hs = reinterpret_cast<T*>(smem + kFusedStages * stage_bytes);  // [2][dk][ldv]
+  T* const Ps = Hs + 2 * dk * ldv;                                         // [C][kLdTile]
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int rb = w & 3, ch = w >> 2;
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * kFusedV;
+  const bool active = 16 * w < dk;  // this warp owns state rows
+  const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
+  const int nch = int((len + kChunk - 1) / kChunk);
+  const T* q = a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk);
+  const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk);
+  const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const int64_t q_ld = row_ld(a.q_ld, dk), k_ld = row_ld(a.k_ld, dk), v_ld = row_ld(a.v_ld, a.dv);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  // chunk i -> stage i % kFusedStages: Q, K, V tiles and the gates (rows >= nr zero-filled)
+  auto issue = [&](int i) {
+    const int st = i % kFusedStages, nr = rows_in(len, i);
+    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    tc::async_rows(Qs(st), ldq, q, q_ld, r0, nr, 0, dk, kChunk);
+    tc::async_rows(Ks(st), ldq, k, k_ld, r0, nr, 0, dk, kChunk);
+    tc::async_rows(Vs(st), ldv, v, v_ld, r0, nr, v0, kFusedV, kChunk);
+    if (threadIdx.x < kChunk) {
+      const bool in = b && int(threadIdx.x) < nr;
+      tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : k, in ? 4 : 0);
+    }
+    tc::cp_async_commit();
+  };
+  for (int i = 0; i < kFusedStages - 1; ++i) {
+    if (i < nch) issue(i);
+    else tc::cp_async_commit();
+  }
+  // state tile: rows 16w + g (+8), columns v0 + 8j + 2t (+1)
+  const int64_t sidx = (int64_t(seq) * a.H + h) * dk * a.dv;
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+      acc[j][e] = (a.h0 && active) ? a.h0[sidx + int64_t(r) * a.dv + col] : 0.f;
+    }
+  // the state entering chunk i as a 16-bit operand: into smem buffer i % 2 (and a.hbuf if set)
+  auto put_state = [&](int i) {
+    if (!active) return;
+    T* dst = Hs + (i & 1) * dk * ldv;
+    T* hb = a.hbuf ? a.hbuf + ((chunk0 + i) * a.H + h) * int64_t(dk) * a.dv + v0 : nullptr;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+        const uint32_t x = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(dst + r * ldv + col) = x;
+        if (hb) *reinterpret_cast<uint32_t*>(hb + int64_t(r) * a.dv + col) = x;
+      }
+  };
+  if (nch > 0) put_state(0);
+  const float sc = float(a.scale);
+  const int i0 = 16 * rb + g, i1 = i0 + 8;  // output rows of this thread
+  T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv) + v0 + 32 * ch + 2 * t;
+  const int64_t ldo = row_ld(a.o_ld, a.dv);
+  for (int i = 0; i < nch; ++i) {
+    // chunk i has landed; the barrier also retires chunk i-1's reads of P, of H buffer (i+1) % 2
+    // and of the stage refilled next
+    tc::cp_async_wait<kFusedStages - 2>();
+    __syncthreads();
+    if (i + kFusedStages - 1 < nch) issue(i + kFusedStages - 1);
+    else tc::cp_async_commit();
+    const int st = i % kFusedStages, nr = rows_in(len, i);
+    const T* Qt = Qs(st);
+    const T* Kt = Ks(st);
+    const T* Vt = Vs(st);
+    const float* bt = bs(st);
+    {  // P: keys 32 ch.. (the causal part)                                   [16, dk] x [dk, 32]
+      float x[4][4];
+      tc::zero(x);
+      if (32 * ch <= 16 * rb + 15) tc::warp_gemm<T, 4, false, false>(x, Qt, ldq, 16 * rb, Kt, ldq, 32 * ch, 4, 0, dk);
+      score_store<T, false>(Ps, x, bt, rb, 32 * ch, nr, sc, nullptr, nullptr);
+    }
+    if (active) {  // H <- e^B H + K^T diag(e^{B-b}) V      [16 (dk), C] x [C, 64]
+      const float B = bt[nr - 1], decay = tc::fexp(B);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+      tc::warp_gemm_tn_weighted<T, 8>(acc, Kt, ldq, 16 * w, Vt, ldv, 8, kChunk, [&](int kk) { return tc::fexp(B - bt[kk]); });
+    }
+    if (i + 1 < nch) put_state(i + 1);
+    __syncthreads();  // P complete
+    // O = diag(scale e^b) Q H + P V: values 32 ch..                 [16, dk] x [dk, 32], [16, C] x [C, 32]
+    float o[4][4];
+    tc::zero(o);
+    tc::warp_gemm<T, 4, false, true>(o, Qt, ldq, 16 * rb, Hs + (i & 1) * dk * ldv, ldv, 32 * ch, 4, 0, dk);
+    const float e0 = sc * tc::fexp(bt[i0]), e1 = sc * tc::fexp(bt[i1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
+    tc::warp_gemm<T, 4, false, true>(o, Ps, kLdTile, 16 * rb, Vt, ldv, 32 * ch, 4, 0, 16 * rb + 16);
+    const int64_t r0 = row0 + int64_t(i) * kChunk;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = hf ? i1 : i0;
+        if (r < nr) *reinterpret_cast<uint32_t*>(out + (r0 + r) * ldo + 8 * j) = tc::pack2<T>(o[j][2 * hf], o[j][2 * hf + 1]);
+      }
+  }
+  tc::cp_async_wait<0>();
+  if (a.ht && active) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+        a.ht[sidx + int64_t(r) * a.dv + col] = acc[j][e];
+      }
+  }
 }
 
 // Per-chunk gradients (HLA_SPEC §7.1); grid (nchunks, H), 8 warps. Warp w owns rows
@@ -662,12 +826,7 @@ void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream) {
 
 template <class T>
 void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
+  const int sms = sm_count();
   const int64_t ktiles = (a.dk + kTile - 1) / kTile;
   // few (sequence x head) pairs: halve the value tile so that at least ~one block per SM sweeps
   const int vtile = int64_t(a.N) * a.H * ktiles * ((a.dv + kTile - 1) / kTile) < sms && a.dv % 32 == 0 ? 32 : kTile;
@@ -701,6 +860,25 @@ void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int ls
   set_smem(sweep_kernel<T, false, true>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
   sweep_kernel<T, false, true><<<grid, kThreads, bytes, stream>>>(a, kTile, ta, stack, lstk);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+bool tc_fused_forward_wanted(const GlaArgs<T>& a) {
+  if (!a.o || a.dk > 128 || a.dv % kFusedV != 0) return false;
+  if (const char* env = std::getenv("HILA_GLA_FUSED")) return std::strcmp(env, "0") != 0;  // 0 / 1: force (tests)
+  // one block per (sequence x head, value tile) walks all of its chunks: fused while the blocks
+  // fill about the GPU (H200, H = 16, dv = 128: 0.82x the split form's time at 128 blocks on 132
+  // SMs, 1.46x at 64), the sweep + chunk-parallel output kernel otherwise (few long sequences)
+  return 4 * int64_t(a.N) * a.H * (a.dv / kFusedV) >= 3 * int64_t(sm_count());
+}
+
+template <class T>
+void tc_fused_forward(const GlaArgs<T>& a, cudaStream_t stream) {
+  const size_t bytes = fused_smem(a.dk);
+  set_smem(fused_forward_kernel<T>, bytes);
+  if (dry_run()) return;  // dry run: workspace_size
+  fused_forward_kernel<T><<<dim3(unsigned(a.N * a.H), unsigned(a.dv / kFusedV)), kFusedThreads, bytes, stream>>>(a);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -748,6 +926,8 @@ template void gla_chunk_cumsum<double>(const GlaArgs<double>&, double*, cudaStre
   template int64_t tc_sweep_blocks<T>(const GlaArgs<T>&);                          \
   template size_t tc_tree_sweep_stack<T>(const GlaArgs<T>&, int);                  \
   template void tc_output<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*); \
+  template bool tc_fused_forward_wanted<T>(const GlaArgs<T>&);                     \
+  template void tc_fused_forward<T>(const GlaArgs<T>&, cudaStream_t);              \
   template void tc_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)

@@ -449,16 +449,6 @@ __global__ void __launch_bounds__(256) ll_final_bwd_kernel(GlaArgs<T> a, TreeArg
   }
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, x = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&x, cudaDevAttrMultiProcessorCount, dev));
-    return x;
-  }();
-  return n;
-}
-
 template <class T, WkvMode kMode>
 void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, int split, cudaStream_t s,
                 int64_t slots = 0) {

@@ -190,4 +190,15 @@ class DeviceScope {
 };
 
 
+// Multiprocessors of the current device (read once per process).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, x = 0;
+    HILA_CUDA_CHECK(cudaGetDevice(&dev));
+    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&x, cudaDevAttrMultiProcessorCount, dev));
+    return x;
+  }();
+  return n;
+}
+
 }  // namespace hila::cuda

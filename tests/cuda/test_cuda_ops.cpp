@@ -28,6 +28,7 @@ struct Case {
   std::string name;
   bool normalize = false, untied = false;
   double ridge = 0;
+  const char* fused = nullptr;  // HILA_GLA_FUSED for the calls: "1" / "0" forces the one-kernel GLA forward on / off
 };
 
 std::vector<Case> cases() {
@@ -47,6 +48,21 @@ std::vector<Case> cases() {
   // enough sequence x head blocks (>= one per SM) for the sweep's full 64-column value tiles
   // (few blocks take half-width tiles; every case above does)
   cs.push_back({Op::gla, DType::bf16, 1, 130, 160, 160, 64, 64, {}, true, true, 1e-2, "gla_bf16_d64_H160_wide_grid"});
+  // the one-kernel GLA forward (tc_fused_forward), forced on: T = 1, partial and full chunks,
+  // varlen with empty sequences, GQA, initial state, dk < 64 and dv = 2 value tiles; the HLA
+  // compositions call it for their inner and outer forwards (and with hbuf in the backward)
+  for (int64_t T : {1, 63, 65, 1000})
+    cs.push_back({Op::gla, DType::bf16, 2, T, 1, 4, 128, 128, {}, true, T == 65, 1e-2,
+                  "gla_bf16_d128_T" + std::to_string(T) + "_fused", false, false, 0, "1"});
+  cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "gla_f16_varlen_init_fused", false, false, 0, "1"});
+  cs.push_back({Op::gla, DType::bf16, 2, 300, 1, 4, 48, 64, {}, false, true, 1e-2, "gla_bf16_dk48_ungated_init_gqa4_fused",
+                false, false, 0, "1"});
+  cs.push_back({Op::gla, DType::bf16, 1, 130, 160, 160, 64, 64, {}, true, true, 1e-2, "gla_bf16_d64_H160_wide_grid_split",
+                false, false, 0, "0"});
+  for (Op op : {Op::hla2, Op::ahla, Op::hla3})
+    cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                  std::string(op_name(op)) + "_bf16_varlen_init_fused", false, false, 0, "1"});
   // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
   for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
     const std::string n = op_name(op);
@@ -107,11 +123,16 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (c.init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  try {
-    backward(p);
-  } catch (const std::exception& e) {
-    FAIL() << "backward threw: " << e.what();
-  }
+  const std::string err = with_env("HILA_GLA_FUSED", c.fused, [&] { backward(p); });
+  ASSERT_EQ(err, "") << "backward threw";
+  // the forward alone (no per-chunk states kept), into fresh poisoned outputs
+  ForwardParams fw = p;
+  DevTensor o2(ref.o.cast(c.dtype), true), fpos2(fin_host.pos, true), fS2(fin_host.S, true), fP2(fin_host.P, true),
+      fH2(fin_host.H, true);
+  fw.o = o2.view();
+  fw.final_state.pos = fpos2.view(), fw.final_state.S = fS2.view(), fw.final_state.P = fP2.view();
+  fw.final_state.H = fH2.view();
+  ASSERT_EQ(with_env("HILA_GLA_FUSED", c.fused, [&] { forward(fw); }), "") << "forward threw";
   CK(cudaDeviceSynchronize());
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
@@ -124,6 +145,8 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   if (!ref.final_state.S.empty()) check("S_T", fS.fetch(), ref.final_state.S);
   if (!ref.final_state.P.empty()) check("P_T", fP.fetch(), ref.final_state.P);
   check("H_T", fH.fetch(), ref.final_state.H);
+  check("o fwd", o2.fetch(), ref.o);
+  check("H_T fwd", fH2.fetch(), ref.final_state.H);
   check("dq", dq.fetch(), ref.dq);
   check("dk", dk.fetch(), ref.dk);
   check("dv", dv.fetch(), ref.dv);
