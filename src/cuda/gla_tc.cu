@@ -10,6 +10,8 @@
 //   output: one block per (chunk, dv tile, head), fully parallel:
 //           O = diag(scale e^b) Q H_c + (scale Gamma o Q K^T) V       [C,dk]x[dk,64], [C,C]x[C,64]
 //           with the causal score block kept in registers and fed back as the A operand.
+//   fused forward: the sweep and the output in one kernel when there are enough (sequence x
+//           head x value tile) blocks (fused_forward_kernel below; no per-chunk states in memory).
 // b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +45,23 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   R* out = b + int64_t(h) * a.Ttot + r0;
   if (i0 < nr) out[i0] = x0;
   if (i1 < nr) out[i1] = x1;
+}
+
+// The gate cumsums b[r0, r0 + nr) of a chunk into dst [C] with cp.async (threads < C; zeros past
+// nr and without gates; `dummy` is any valid global address, the source of the zero-fill).
+__device__ __forceinline__ void async_gates(float* dst, const float* b, int64_t r0, int nr, const void* dummy) {
+  if (threadIdx.x < kChunk) {
+    const bool in = b && int(threadIdx.x) < nr;
+    tc::cp_async4(dst + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dummy, in ? 4 : 0);
+  }
+}
+// The first kS - 1 chunks of a kS-stage cp.async pipeline (an empty group for each missing chunk).
+template <int kS, class F>
+__device__ __forceinline__ void pipeline_prologue(int nch, F&& issue) {
+  for (int i = 0; i < kS - 1; ++i) {
+    if (i < nch) issue(i);
+    else tc::cp_async_commit();
+  }
 }
 
 // The sequential sweep; kRev selects the backward cotangent sweep (see the file comment).
@@ -107,16 +126,10 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const int nr = rows_in(len, c);
     key_rows.issue(Ks(st), r0, nr, kLdTile);
     val_rows.issue(Vs(st), r0, nr, kLdTile);
-    if (threadIdx.x < kChunk) {
-      const bool in = b && int(threadIdx.x) < nr;
-      tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : key, in ? 4 : 0);
-    }
+    async_gates(bs(st), b, r0, nr, key);
     tc::cp_async_commit();
   };
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < nch) issue(i);
-    else tc::cp_async_commit();
-  }
+  pipeline_prologue<kStages>(nch, issue);
   // the register tile as 16-bit GEMM operand into a [dk][dv] matrix at dst
   auto store16 = [&](T* dst) {
 #pragma unroll
@@ -435,16 +448,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     tc::async_rows(Qs(st), ldq, q, q_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Ks(st), ldq, k, k_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Vs(st), ldv, v, v_ld, r0, nr, v0, kFusedV, kChunk);
-    if (threadIdx.x < kChunk) {
-      const bool in = b && int(threadIdx.x) < nr;
-      tc::cp_async4(bs(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : k, in ? 4 : 0);
-    }
+    async_gates(bs(st), b, r0, nr, k);
     tc::cp_async_commit();
   };
-  for (int i = 0; i < kFusedStages - 1; ++i) {
-    if (i < nch) issue(i);
-    else tc::cp_async_commit();
-  }
+  pipeline_prologue<kFusedStages>(nch, issue);
   // state tile: rows 16w + g (+8), columns v0 + 8j + 2t (+1)
   const int64_t sidx = (int64_t(seq) * a.H + h) * dk * a.dv;
   float acc[8][4];
