@@ -86,8 +86,9 @@ size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
 template <class T>
 void tc_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 // The forward in one kernel (state in registers, no per-chunk states through global memory unless
-// a.hbuf is set): for dk <= 128 and dv a multiple of 64, chosen when its (sequence x head x
-// 64-column value tile) blocks fill the GPU (HILA_GLA_FUSED=0/1 forces the choice).
+// a.hbuf is set): for dk <= 128, dv a multiple of 64 and enough opt-in shared memory, chosen when
+// its (sequence x head x 64-column value tile) blocks fill the GPU (HILA_GLA_FUSED=0/1 forces the
+// choice among the calls it can run).
 template <class T>
 bool tc_fused_forward_wanted(const GlaArgs<T>& a);
 template <class T>

@@ -872,11 +872,12 @@ void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int ls
 
 template <class T>
 bool tc_fused_forward_wanted(const GlaArgs<T>& a) {
-  if (!a.o || a.dk > 128 || a.dv % kFusedV != 0) return false;
+  // 175 KB of shared memory at dk = 128: past the opt-in of sm_80 (163 KB) and of consumer parts
+  if (!a.o || a.dk > 128 || a.dv % kFusedV != 0 || fused_smem(a.dk) > smem_optin()) return false;
   if (const char* env = std::getenv("HILA_GLA_FUSED")) return std::strcmp(env, "0") != 0;  // 0 / 1: force (tests)
   // one block per (sequence x head, value tile) walks all of its chunks: fused while the blocks
   // fill about the GPU (H200, H = 16, dv = 128: 0.82x the split form's time at 128 blocks on 132
-  // SMs, 1.46x at 64), the sweep + chunk-parallel output kernel otherwise (few long sequences)
+  // SMs, 1.45x at 64), the sweep + chunk-parallel output kernel otherwise (few long sequences)
   return 4 * int64_t(a.N) * a.H * (a.dv / kFusedV) >= 3 * int64_t(sm_count());
 }
 
