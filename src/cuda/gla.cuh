@@ -95,6 +95,14 @@ template <class T>
 void tc_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
 void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);  // per-chunk dq, dk, dv, dc
+// The same on Hopper (gla_sm90.cu: TMA + wgmma) for dk, dv in {64, 128}: false (nothing launched)
+// where it does not apply (not an sm_90a device or build, other head dims, layouts TMA cannot
+// describe, HILA_GLA_SM90=0), and tc_bwd_chunk then runs the portable kernel.
+template <class T>
+bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
+// The state sweep on Hopper (gla_sm90.cu) for dk, dv multiples of 64; false as above.
+template <class T>
+bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
 size_t tc_output_smem(int dk, int dv, size_t esize);
 size_t tc_bwd_smem(int dk, int dv, bool tree = false);
 // dg: reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus <dht, ht> at the last token).

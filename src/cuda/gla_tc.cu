@@ -13,6 +13,8 @@
 //   fused forward: the sweep and the output in one kernel when there are enough (sequence x
 //           head x value tile) blocks (fused_forward_kernel below; no per-chunk states in memory).
 // b is the chunk-local inclusive cumsum of the log-gates, precomputed once per call.
+// On sm_90a, tc_sweep and tc_bwd_chunk hand over to the TMA + wgmma kernels of gla_sm90.cu where
+// those apply.
 #include <cstdlib>
 #include <cstring>
 
@@ -47,14 +49,6 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   if (i1 < nr) out[i1] = x1;
 }
 
-// The gate cumsums b[r0, r0 + nr) of a chunk into dst [C] with cp.async (threads < C; zeros past
-// nr and without gates; `dummy` is any valid global address, the source of the zero-fill).
-__device__ __forceinline__ void async_gates(float* dst, const float* b, int64_t r0, int nr, const void* dummy) {
-  if (threadIdx.x < kChunk) {
-    const bool in = b && int(threadIdx.x) < nr;
-    tc::cp_async4(dst + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dummy, in ? 4 : 0);
-  }
-}
 // The first kS - 1 chunks of a kS-stage cp.async pipeline (an empty group for each missing chunk).
 template <int kS, class F>
 __device__ __forceinline__ void pipeline_prologue(int nch, F&& issue) {
@@ -126,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const int nr = rows_in(len, c);
     key_rows.issue(Ks(st), r0, nr, kLdTile);
     val_rows.issue(Vs(st), r0, nr, kLdTile);
-    async_gates(bs(st), b, r0, nr, key);
+    tc::async_gates<kChunk>(bs(st), b, r0, nr, key);
     tc::cp_async_commit();
   };
   pipeline_prologue<kStages>(nch, issue);
@@ -448,7 +442,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     tc::async_rows(Qs(st), ldq, q, q_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Ks(st), ldq, k, k_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Vs(st), ldv, v, v_ld, r0, nr, v0, kFusedV, kChunk);
-    async_gates(bs(st), b, r0, nr, k);
+    tc::async_gates<kChunk>(bs(st), b, r0, nr, k);
     tc::cp_async_commit();
   };
   pipeline_prologue<kFusedStages>(nch, issue);
@@ -833,6 +827,7 @@ void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream) {
 
 template <class T>
 void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
+  if (tc_sweep_sm90(a, reverse, stream)) return;
   const int sms = sm_count();
   const int64_t ktiles = (a.dk + kTile - 1) / kTile;
   // few (sequence x head) pairs: halve the value tile so that at least ~one block per SM sweeps
@@ -912,6 +907,7 @@ size_t tc_bwd_smem(int dk, int dv, bool tree) { return bwd_smem(dk, dv, 2, tree)
 template <class T>
 void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
   if (a.nchunks == 0) return;
+  if (!tree && tc_bwd_chunk_sm90(a, stream)) return;
   const size_t bytes = bwd_smem(a.dk, a.dv, sizeof(T), tree != nullptr);
   auto launch = [&](auto kernel) {
     set_smem(kernel, bytes);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Warp-level tensor-core pieces of the fast (bf16/fp16) kernels: mma.sync m16n8k16 with fp32
-// accumulators, ldmatrix fragment loads from shared memory and cp.async copies. Runs on sm_80+
-// (and on sm_90a, where wgmma would be the next step).
+// accumulators, ldmatrix fragment loads from shared memory and cp.async copies. Runs on sm_80+;
+// on sm_90a the GLA sweeps and backward chunk kernel use wgmma and TMA instead (sm90.cuh).
 //
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4), which the kernels rely on to
 // scale rows and columns in registers:
@@ -288,6 +288,17 @@ __device__ __forceinline__ void async_rows(T* s, int lds, const T* g, int64_t ld
     const int i = e / nv, j = (e % nv) * 8;
     const bool in = i < nr;
     cp_async16(s + i * lds + j, g + (in ? (r0 + i) * ldg + c0 + j : 0), in ? 16 : 0);
+  }
+}
+
+// The gate cumsums b[r0, r0 + nr) of a chunk (kChunk rows) into dst [kChunk] with cp.async
+// (threads < kChunk; zeros past nr and without gates; `dummy` is any valid global address, the
+// source of the zero-fill).
+template <int kRows>
+__device__ __forceinline__ void async_gates(float* dst, const float* b, int64_t r0, int nr, const void* dummy) {
+  if (threadIdx.x < kRows) {
+    const bool in = b && int(threadIdx.x) < nr;
+    cp_async4(dst + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dummy, in ? 4 : 0);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -29,6 +30,9 @@ struct Case {
   bool normalize = false, untied = false;
   double ridge = 0;
   const char* fused = nullptr;  // HILA_GLA_FUSED for the calls: "1" / "0" forces the one-kernel GLA forward on / off
+  // HILA_GLA_SM90 for the calls: on Hopper "0" keeps the portable sweep and backward kernels, "1"
+  // takes the sm_90a ones wherever they apply (the sweep's block-count threshold skipped)
+  const char* sm90 = nullptr;
 };
 
 std::vector<Case> cases() {
@@ -63,6 +67,33 @@ std::vector<Case> cases() {
   for (Op op : {Op::hla2, Op::ahla, Op::hla3})
     cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                   std::string(op_name(op)) + "_bf16_varlen_init_fused", false, false, 0, "1"});
+  // on Hopper the cases above run the TMA + wgmma state sweeps (dk, dv multiples of 64) and backward
+  // chunk kernel (dk, dv of 64 or 128) of gla_sm90.cu; mixed head dims for them, and the portable
+  // kernels forced there
+  cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 128, 64, {}, true, true, 1e-2, "gla_bf16_dk128_dv64_gqa4"});
+  cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "gla_f16_dk64_dv128_varlen_init"});
+  for (int64_t T : {65, 1000}) {
+    cs.push_back({Op::gla, DType::bf16, 2, T, 1, 4, 128, 128, {}, true, true, 1e-2,
+                  "gla_bf16_d128_T" + std::to_string(T) + "_portable_bwd", false, false, 0, nullptr, "0"});
+    cs.push_back({Op::gla, DType::bf16, 2, T, 1, 4, 128, 128, {}, true, true, 1e-2,
+                  "gla_bf16_d128_T" + std::to_string(T) + "_init_sm90", false, false, 0, "0", "1"});
+  }
+  // the sm_90a sweeps forced on (small grids), with the split forward: partial chunks, varlen
+  // with empty sequences, GQA, initial states, mixed head dims, strided value tiles (dv = 128)
+  cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 128, 64, {}, true, true, 1e-2, "gla_bf16_dk128_dv64_gqa4_sm90",
+                false, false, 0, "0", "1"});
+  cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "gla_f16_dk64_dv128_varlen_init_sm90", false, false, 0, "0", "1"});
+  cs.push_back({Op::gla, DType::bf16, 2, 300, 1, 4, 64, 64, {}, false, true, 1e-2, "gla_bf16_d64_ungated_init_gqa4_sm90",
+                false, false, 0, "0", "1"});
+  for (Op op : {Op::hla2, Op::hla3})
+    cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                  std::string(op_name(op)) + "_bf16_varlen_init_sm90", false, false, 0, "0", "1"});
+  cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "gla_f16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
+  cs.push_back({Op::hla2, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "hla2_bf16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
   // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
   for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
     const std::string n = op_name(op);
@@ -123,7 +154,13 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (c.init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  const std::string err = with_env("HILA_GLA_FUSED", c.fused, [&] { backward(p); });
+  auto with_paths = [&](auto f) {  // the case's HILA_GLA_FUSED and HILA_GLA_SM90
+    return with_env("HILA_GLA_SM90", c.sm90, [&] {
+      const std::string e = with_env("HILA_GLA_FUSED", c.fused, f);
+      if (!e.empty()) throw std::runtime_error(e);
+    });
+  };
+  const std::string err = with_paths([&] { backward(p); });
   ASSERT_EQ(err, "") << "backward threw";
   // the forward alone (no per-chunk states kept), into fresh poisoned outputs
   ForwardParams fw = p;
@@ -132,7 +169,7 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   fw.o = o2.view();
   fw.final_state.pos = fpos2.view(), fw.final_state.S = fS2.view(), fw.final_state.P = fP2.view();
   fw.final_state.H = fH2.view();
-  ASSERT_EQ(with_env("HILA_GLA_FUSED", c.fused, [&] { forward(fw); }), "") << "forward threw";
+  ASSERT_EQ(with_paths([&] { forward(fw); }), "") << "forward threw";
   CK(cudaDeviceSynchronize());
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
