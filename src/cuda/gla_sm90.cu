@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The GLA backward chunk kernel on Hopper (sm_90a): TMA loads and wgmma (sm90.cuh). Same math as
-// gla_tc.cu's bwd_chunk_kernel (gla.cuh, HLA_SPEC §7.1), one warpgroup per (chunk, head):
+// GLA kernels on Hopper (sm_90a): TMA loads and wgmma (sm90.cuh), in place of gla_tc.cu's
+// portable ones where they apply: the state sweeps (sweep_sm90_kernel, below) and the backward
+// chunk kernel. The latter has the math of gla_tc.cu's bwd_chunk_kernel (gla.cuh, HLA_SPEC §7.1),
+// one warpgroup per (chunk, head):
 //   P  = scale (Gamma o Q K^T)            dA = Gamma o (dO V^T)            [C,dk]x[dk,C], [C,dv]x[dv,C]
 //   dQ^ = diag(e^b) dO Hp^T + dA K                                          [C,dv]x[dv,dk] + [C,C]x[C,dk]
 //   dK = diag(w) V dH^T + scale dA^T Q^                                     [C,dv]x[dv,dk] + [C,C]x[C,dk]
@@ -41,17 +43,15 @@ namespace {
 
 constexpr int kSm90Threads = 128;  // one warpgroup
 
-// A chunk's rows r0.. of head x, columns c0..c0+63, of an input tensor map (see InputMap): one
-// swizzled [C][64] block at dst.
 #if HILA_SM90A
+// A chunk's rows r0.. of head x, columns c0..c0+63, of an input tensor map (see input_map): one
+// swizzled [C][64] block at dst.
 __device__ __forceinline__ void load_rows(char* dst, const CUtensorMap* map, uint64_t* bar, bool swapped, int c0,
                                           int64_t r0, int x) {
   if (swapped) sm90::tma_load_3d(dst, map, bar, c0, x, int(r0));
   else sm90::tma_load_3d(dst, map, bar, c0, int(r0), x);
 }
-#endif
 
-#if HILA_SM90A
 // acc = A1 B1 over k1 steps of 16 and acc2 = A2 B2 over the chunk (C / 16 steps), issued together
 // and waited for. Operands are 16-bit swizzled tiles at shared addresses (rows: the tile's rows),
 // read K-major or, with TA / TB = 1, MN-major (sm90.cuh).

@@ -200,7 +200,8 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 bool encode_tile_map(CUtensorMap* map, bool f16, const void* base, int rank, const uint64_t* dims,
                      const uint64_t* strides, const uint32_t* box);
 
-// True when the current device runs this build's sm_90a code for `kernel` (binary and PTX 9.0).
+// True when the current device runs this build's sm_90a code (binary and PTX version 9.0 of
+// `kernel`; the answer is kept per device, for every kernel of the sm_90a sources).
 bool runs_sm90a(const void* kernel);
 
 }  // namespace hila::cuda::sm90
