@@ -17,22 +17,6 @@
 
 #include "cuda/gla.cuh"
 
-#if defined(HILA_CUDA_EMU)  // the host emulator has no TMA or wgmma: the portable kernel runs
-namespace hila::cuda {
-template <class T>
-bool tc_bwd_chunk_sm90(const GlaArgs<T>&, cudaStream_t) {
-  return false;
-}
-template bool tc_bwd_chunk_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t);
-template bool tc_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
-template <class T>
-bool tc_sweep_sm90(const GlaArgs<T>&, bool, cudaStream_t) {
-  return false;
-}
-template bool tc_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, bool, cudaStream_t);
-template bool tc_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
-}  // namespace hila::cuda
-#else
 #include "cuda/mma.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/sm90.cuh"
@@ -526,4 +510,3 @@ template bool tc_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, bool, 
 template bool tc_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
 
 }  // namespace hila::cuda
-#endif  // HILA_CUDA_EMU

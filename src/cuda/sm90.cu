@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host side of the Hopper building blocks (sm90.cuh): tensor maps through the driver entry point
 // (no link against libcuda) and the check that a kernel runs as sm_90a code.
-#if !defined(HILA_CUDA_EMU)  // the host emulator has no TMA
+#include <cstdlib>
+#include <cstring>
+#if !defined(HILA_CUDA_EMU)
 #include <cudaTypedefs.h>
+#endif
 
 #include <mutex>
 
@@ -11,6 +14,27 @@
 
 namespace hila::cuda::sm90 {
 
+#if defined(HILA_CUDA_EMU)  // host emulator: its own tensor map (cuda/sm90_emu.h), sm_90a on request
+bool encode_tile_map(CUtensorMap* map, bool, const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
+                     const uint32_t* box) {
+  if (rank < 2 || rank > 3 || reinterpret_cast<uintptr_t>(base) % 16) return false;
+  detail::Tmap m{static_cast<const unsigned char*>(base), rank, {1, 1, 1}, {0, 0}, {uint32_t(kBlockCols), 1, 1}};
+  for (int i = 0; i < rank; ++i) m.dims[i] = dims[i];
+  for (int i = 1; i < rank; ++i) m.box[i] = box[i];
+  for (int i = 0; i + 1 < rank; ++i) {
+    m.strides[i] = strides[i] * 2;
+    if (m.strides[i] % 16 || (i && m.strides[i] < m.strides[i - 1])) return false;
+  }
+  std::memset(map, 0, sizeof(CUtensorMap));
+  std::memcpy(map, &m, sizeof m);
+  return true;
+}
+// HILA_EMU_SM90=1 runs the sm_90a kernels on the emulator (the portable ones otherwise)
+bool runs_sm90a(const void*) {
+  const char* env = std::getenv("HILA_EMU_SM90");
+  return env && std::strcmp(env, "1") == 0;
+}
+#else
 namespace {
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -60,6 +84,6 @@ bool runs_sm90a(const void* kernel) {
   }
   return known[dev] == 1;
 }
+#endif  // HILA_CUDA_EMU
 
 }  // namespace hila::cuda::sm90
-#endif  // HILA_CUDA_EMU

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// HILA_SM90A: the sm_90a device pass, or the host emulator (tools/cuda_emu), whose shim provides
+// host versions of the PTX pieces below (cuda/sm90_emu.h).
+#if (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)) || defined(HILA_CUDA_EMU)
 #define HILA_SM90A 1
 #else
 #define HILA_SM90A 0
@@ -31,25 +33,30 @@ __host__ __device__ constexpr uint32_t swz(int rows, int r, int c) {
   return uint32_t((c >> 6) * rows * 128 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1));
 }
 
-#if HILA_SM90A
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // Matrix descriptor (PTX ISA, "matrix descriptor format"): start address, leading and stride byte
 // offsets (16-byte units), 128-byte swizzle (layout type 1 in bits 62-63).
-__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+__host__ __device__ inline uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t((lbo >> 4) & 0x3FFF) << 16 | uint64_t((sbo >> 4) & 0x3FFF) << 32 |
          uint64_t(1) << 62;
 }
 // K-major operand: tile [rows = M or N][K] at `base`; k16 step kk (32 bytes into the row, or the
 // next column block every 4 steps). Groups of 8 rows are 1024 bytes apart (SBO); LBO is unused.
-__device__ __forceinline__ uint64_t desc_k(uint32_t base, int rows, int kk) {
+__host__ __device__ inline uint64_t desc_k(uint32_t base, int rows, int kk) {
   return desc(base + uint32_t((kk >> 2) * rows * 128 + (kk & 3) * 32), 16, 1024);
 }
 // MN-major operand: tile [rows = K][MN] at `base`; k16 step kk is rows 16kk..16kk+15 (8-row groups
 // 1024 bytes apart: SBO), the next 64 MN columns are the next column block (LBO = rows * 128).
-__device__ __forceinline__ uint64_t desc_mn(uint32_t base, int rows, int kk) {
+__host__ __device__ inline uint64_t desc_mn(uint32_t base, int rows, int kk) {
   return desc(base + uint32_t(kk * 2048), uint32_t(rows * 128), 1024);
 }
+
+#if defined(HILA_CUDA_EMU)
+}  // namespace hila::cuda::sm90
+#include "cuda/sm90_emu.h"
+namespace hila::cuda::sm90 {
+#elif HILA_SM90A
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -141,16 +148,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #undef HILA_WG_R32
 #undef HILA_WG_D8
 
-// D (+)= sum over k16 steps kk < ksteps of A(kk) B(kk) (the first step overwrites D): tiles at
-// shared addresses a, b with ra, rb rows, read K-major (TA / TB = 0: desc_k) or MN-major (desc_mn).
-template <class T, int N, int TA, int TB>
-__device__ __forceinline__ void wgmma_chain(float (&d)[N / 2], uint32_t a, int ra, uint32_t b, int rb, int ksteps) {
-#pragma unroll
-  for (int kk = 0; kk < ksteps; ++kk)
-    wgmma<T, N, TA, TB>(d, TA ? desc_mn(a, ra, kk) : desc_k(a, ra, kk), TB ? desc_mn(b, rb, kk) : desc_k(b, rb, kk),
-                        kk > 0);
-}
-
 // mbarriers (one phase per use here: parity 0 for the first completion)
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -191,7 +188,20 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
-#endif  // HILA_SM90A
+#endif  // HILA_CUDA_EMU / HILA_SM90A
+
+#if HILA_SM90A
+// D (+)= sum over k16 steps kk < ksteps of A(kk) B(kk) (the first step overwrites D): tiles at
+// shared addresses a, b with ra, rb rows, read K-major (TA / TB = 0: desc_k) or MN-major (desc_mn).
+template <class T, int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_chain(float (&d)[N / 2], uint32_t a, int ra, uint32_t b, int rb, int ksteps) {
+#pragma unroll
+  for (int kk = 0; kk < ksteps; ++kk)
+    wgmma<T, N, TA, TB>(d, TA ? desc_mn(a, ra, kk) : desc_k(a, ra, kk), TB ? desc_mn(b, rb, kk) : desc_k(b, rb, kk),
+                        kk > 0);
+}
+
+#endif
 
 // Host: a tensor map over 16-bit elements, dims[0] contiguous (2 or 3 dims; strides of dims 1..
 // in elements, multiples of 8, increasing), box {64, box[1], box[2]}, 128-byte swizzle, elements

@@ -7,7 +7,8 @@
 #        bash tools/cuda_emu/run.sh '' --gtest_list_tests        (build, then list the tests)
 # Env: OUT (build dir, default build-emu), JOBS (parallel compiles, default 2), CXX (g++), SHIM
 #      (shim directory, default tools/cuda_emu/shim: a modified copy for fault injection),
-#      HILA_EMU_CP_ASYNC=eager (cp.async lands at issue rather than at wait_group).
+#      HILA_EMU_CP_ASYNC=eager (cp.async lands at issue rather than at wait_group); at run time
+#      HILA_EMU_SM90=1 runs the sm_90a kernels (TMA + wgmma, shim/cuda/sm90_emu.h).
 # Each CUDA thread is a std::thread (one block at a time, __syncthreads = std::barrier); warps run
 # their 32 lanes in lock-step at warp operations (per-warp barrier + scratch), which emulates
 # __shfl*_sync / __ballot_sync, mma.sync m16n8k16 (bf16, f16; fp32 accumulators) and ldmatrix x4

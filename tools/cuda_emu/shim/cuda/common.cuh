@@ -35,6 +35,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __align__(n)
 // __shared__ is left undefined on purpose: gen.py rewrites it in src/cuda/*.cu; anywhere else it
 // is a compile error rather than a silently thread-private variable.
@@ -183,6 +184,7 @@ inline void __syncthreads() {
 }
 inline void __syncwarp(unsigned m = 0xffffffffu) { emu::full_mask(m), emu::warp_sync(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+[[noreturn]] inline void __trap() { emu::die("__trap"); }
 template <class X>
 X __shfl_sync(unsigned m, X v, int src, int width = 32) {
   emu::full_mask(m);
