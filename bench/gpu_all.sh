@@ -7,6 +7,8 @@
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
+# Stage `ab`: the same binary under several settings (AB_ENVS, default the sm_90a kernels off /
+# backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting.
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
 # report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
@@ -89,6 +91,27 @@ if has bench; then  # BENCH_SETS: "ops@shapes;ops@shapes" (default: OPS@SHAPES)
     if [ $first = 1 ]; then cat "$LOGS/hila_part.csv" >"$OUT/hila.csv"; first=0; else tail -n +2 "$LOGS/hila_part.csv" >>"$OUT/hila.csv"; fi
   done
   rm -f "$LOGS/hila_part.csv"
+fi
+if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ..." per setting, ";"-separated)
+  IFS=';' read -ra envs <<<"${AB_ENVS:-HILA_GLA_SM90=0;HILA_GLA_SM90=bwd;HILA_GLA_SM90=1}"
+  first=1
+  for e in "${envs[@]}"; do
+    env $e timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
+      >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
+    note "ab [$e] rc=$?"
+    if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi
+    tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${e// /+},/" >>"$OUT/ab.csv"
+  done
+  python3 - "$OUT/ab.csv" <<'PY'  # ms per (op, B, T, direction), one column per setting
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+envs = list(dict.fromkeys(r["env"] for r in rows))
+key = lambda r: (r["op"], r["B"], r["T"], r["direction"])
+cells = {(key(r), r["env"]): r["ms"] for r in rows}
+print("op,B,T,direction," + ",".join(envs))
+for k in dict.fromkeys(key(r) for r in rows if r["direction"] in ("fwd", "fwdbwd")):
+    print(",".join(k) + "," + ",".join("%.3f" % float(cells[(k, e)]) if (k, e) in cells else "-" for e in envs))
+PY
 fi
 if has decode; then
   timeout 200 "$BIN/hila_bench" --decode --reps 20 --batches 1,16,256 --positions ${DECODE_POSITIONS:-4096,65536} \
