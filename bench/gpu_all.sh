@@ -92,15 +92,17 @@ if has bench; then  # BENCH_SETS: "ops@shapes;ops@shapes" (default: OPS@SHAPES)
   done
   rm -f "$LOGS/hila_part.csv"
 fi
-if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ..." per setting, ";"-separated)
+if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ..." per setting, ";"-separated; "default" = none)
   IFS=';' read -ra envs <<<"${AB_ENVS:-HILA_GLA_SM90=0;HILA_GLA_SM90=bwd;HILA_GLA_SM90=1}"
   first=1
   for e in "${envs[@]}"; do
+    [ "$e" = default ] && e=""  # "default": no setting
     env $e timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
       >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
     note "ab [$e] rc=$?"
     if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi
-    tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${e// /+},/" >>"$OUT/ab.csv"
+    lbl=${e:-default}; lbl=${lbl// /+}; lbl=${lbl//,/|}  # one CSV field: "default" for the empty setting
+    tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${lbl},/" >>"$OUT/ab.csv"
   done
   python3 - "$OUT/ab.csv" <<'PY'  # ms per (op, B, T, direction), one column per setting
 import csv, sys

@@ -4,6 +4,7 @@
 // on the caller's stream, and unpacks outputs, states and gradients (summing dq/dk over the heads
 // of a GQA group). Temporary buffers are stream-ordered allocations.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -177,6 +178,49 @@ void Arena::give(void* p) {
     }
   while (!blocks_.empty() && !blocks_.back().live) blocks_.pop_back();
   top_ = blocks_.empty() ? 0 : blocks_.back().end;
+}
+
+namespace {
+// an event that has captured `from`'s work so far, waited for by `to`
+void link(cudaStream_t from, cudaStream_t to) {
+  cudaEvent_t e;
+  HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  HILA_CUDA_CHECK(cudaEventRecord(e, from));
+  HILA_CUDA_CHECK(cudaStreamWaitEvent(to, e, 0));
+  HILA_CUDA_CHECK(cudaEventDestroy(e));  // released once the wait is satisfied
+}
+}  // namespace
+
+SideStream::SideStream(cudaStream_t main) : main_(main), side_(main) {
+  static const bool off = [] {
+    const char* e = std::getenv("HILA_SIDE_STREAM");
+    return e && std::strcmp(e, "0") == 0;
+  }();
+  if (off || dry_run()) return;
+  // one non-blocking stream per (host thread, device), kept for the thread's lifetime
+  thread_local std::vector<cudaStream_t> streams;
+  int dev = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (streams.size() <= size_t(dev)) streams.resize(size_t(dev) + 1, nullptr);
+  if (!streams[size_t(dev)]) HILA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(dev)], cudaStreamNonBlocking));
+  side_ = streams[size_t(dev)];
+  link(main_, side_);
+}
+
+void SideStream::join() {
+  if (joined_ || side_ == main_) return;
+  joined_ = true;
+  link(side_, main_);
+}
+
+SideStream::~SideStream() {
+  if (joined_ || side_ == main_) return;
+  // an exception between fork and join: still order main after the side's work (no throw here)
+  cudaEvent_t e;
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess) {
+    if (cudaEventRecord(e, side_) == cudaSuccess) cudaStreamWaitEvent(main_, e, 0);
+    cudaEventDestroy(e);
+  }
 }
 
 Arena* current_arena() { return t_arena; }
@@ -375,17 +419,49 @@ struct Call {
 template <class T>
 struct PrimGradBufs {
   using R = Acc<T>;
-  DevBuf<R> dq, dk, dv, dg, dh0;
+  DevBuf<R> dg, dh0;
   DevBuf<StateOperand<T>> dhbuf;
   // fenwick: the log-linear outer primitive (dh0 holds Fenwick slots; the segment sweep always
   // needs it as its working adjoint, the tree form only when asked for)
   PrimGradBufs(const Call<T>& c, int dval, bool want_dh0, cudaStream_t s, bool fenwick = false)
-      : dq(size_t(c.r.H * c.Ttot * c.dkp), s), dk(size_t(c.r.H * c.Ttot * c.dkp), s),
-        dv(size_t(c.r.H * c.Ttot * dval), s), dg(size_t(c.r.H * c.Ttot), s),
+      : dg(size_t(c.r.H * c.Ttot), s),
         dh0(want_dh0 || (fenwick && !c.tree) ? size_t(c.NH * (fenwick ? c.slots() : 1) * c.dkp * dval) : 0, s),
         dhbuf(fenwick ? 0 : size_t(c.seqs.nchunks * c.r.H * c.dkp * dval), s) {}
-  void attach(GlaArgs<T>& a) const {
-    a.dq = dq.get(), a.dk_ = dk.get(), a.dv_ = dv.get(), a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
+  void attach(GlaArgs<T>& a) const { a.dg = dg.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get(); }
+};
+
+// One caller gradient (dq, dk or dv) of a composition (HLA_SPEC §7.2): the primitives' chunk
+// kernels add their contributions into one fp32 per-head buffer [H][Ttot][dp] in place
+// (GradOut::add), and the last one writes the caller's 16-bit tensor directly where its layout,
+// the padding and GQA allow (no fp32 pass); otherwise finish() unpacks the buffer.
+template <class T>
+struct GradSum {
+  using R = Acc<T>;
+  const Call<T>& c;
+  const TensorView& dst;
+  int64_t X;  // heads of dst: G for dq, dk (rep q-heads each), H for dv
+  int rep, d, dp;
+  R mult;
+  int left;  // contributions still to come
+  DevBuf<R> buf;
+  bool direct = false;
+  GradSum(const Call<T>& c, const TensorView& dst, int64_t X, int rep, int d, int dp, R mult, int contributions)
+      : c(c), dst(dst), X(X), rep(rep), d(d), dp(dp), mult(mult), left(contributions) {}
+  // the next contribution's targets (out: the args' fp32 pointer); gradout: its kernels honor GradOut::p
+  void route(R*& out, GradOut<T>& gt, bool gradout) {
+    gt = GradOut<T>{};
+    gt.add = buf.get();
+    if (--left == 0 && gradout && rep == 1 && d == dp && in_place_ok<T>(dst, c.r.B, c.r.T)) {
+      gt.p = static_cast<T*>(dst.data), gt.ld = dst.stride[1], gt.hs = dst.stride[2], gt.mult = float(mult);
+      out = nullptr, direct = true;
+      return;
+    }
+    if (!buf.get()) buf = DevBuf<R>(size_t(c.r.H * c.Ttot * dp), c.s);
+    out = buf.get();
+  }
+  R* sum() const { return buf.get(); }
+  void finish() const {
+    if (dst.defined() && !direct) unpack_to<R>(dst, buf.get(), c.r, X, rep, d, dp, mult, c.s);
   }
 };
 
@@ -566,8 +642,8 @@ void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStrea
 }
 
 // VJP of the composition (HLA_SPEC §7.2): outer primitive first, then the inner ones with the
-// outer key / value gradients as their output cotangents. Gradients accumulate in fp32 buffers
-// that start as the primitives' own (no copies).
+// outer key / value gradients as their output cotangents. dq, dk, dv accumulate in the chunk
+// kernels (GradSum), the last contribution writing the caller's tensor where it can.
 template <class T>
 void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
@@ -588,14 +664,21 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     O->attach(a, p.o);
   }
   a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
+  // GLA outer without normalize: dO does not depend on O', so the forward runs inside
+  // gla_backward, beside the reverse sweep (the outputs it feeds are written after)
+  const GlaArgs<T> fwd = a;
+  const bool beside = !plan.fenwick && !plan.normalize;
   if (plan.fenwick) {
     if (!tree || a.o || p.final_state.H.defined())
       ll_forward<T>(c.ll_args(a, Hst.get(), nullptr, p.final_state.H.defined()), *c.ll, s);
-  } else {
+  } else if (!beside) {
     gla_forward<T>(a, s);
   }
-  if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
-  c.write_states(p.final_state, in, Hf.get());
+  auto forward_outputs = [&] {
+    if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
+    c.write_states(p.final_state, in, Hf.get());
+  };
+  if (!beside) forward_outputs();
   a.o = nullptr;
   // cotangents of O' and of the final states
   DevBuf<T> dObuf;
@@ -616,67 +699,74 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   }
   if (p.d_final.P.defined()) dPf = c.pack_dense(p.d_final.P);
   if (p.d_final.H.defined()) dHf = c.pack_H(p.d_final.H, true);
-  // outer
+  // outer, then the inner primitives with the outer key / value gradients as their output
+  // cotangents; dq, dk, dv collect in GradSums (the outer's kernels honor GradOut where they are
+  // the tensor-core GLA kernels or the tree form; the inner ones are GLA primitives)
+  const bool outer_gradout = kTensorCore<T> && (!plan.fenwick || tree) && !plan.delta;
+  GradSum<T> gq(c, p.dq, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), 1 + plan.has_P + plan.has_S);
+  GradSum<T> gk(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? 2 : 1) + plan.has_P);
+  GradSum<T> gv(c, p.dv, r.H, 1, int(r.dv), c.dvp, R(1), 1);
   PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
   a.dht = dHf.get();
   go.attach(a);
-  // a single primitive without GQA writes dq, dk, dv straight into 16-bit caller tensors
-  bool direct[3] = {false, false, false};
-  if (kTensorCore<T> && !plan.has_S && !plan.has_P && (!plan.fenwick || tree) && !plan.delta && c.rep == 1) {
-    auto to = [&](const TensorView& t, float mult, GradOut<T>& g) {
-      if (!in_place_ok<T>(t, r.B, r.T)) return false;
-      g.p = static_cast<T*>(t.data), g.ld = t.stride[1], g.hs = t.stride[2], g.mult = mult;
-      return true;
-    };
-    direct[0] = to(p.dq, float(r.scale), a.dq_out);
-    direct[1] = to(p.dk, 1.f, a.dk_out);
-    direct[2] = !plan.normalize && to(p.dv, 1.f, a.dv_out);
-  }
+  gq.route(a.dq, a.dq_out, outer_gradout);
+  // the outer key gradient dU (has_S) and value gradient dHh (has_P) are 16-bit GEMM operands of
+  // the inner backwards: written so directly where the outer honors GradOut (and dU is not also
+  // needed in fp32 for the ridge), else through an fp32 buffer
+  DevBuf<T> dU, dHh;
+  DevBuf<R> dU32, dHh32;
+  auto cotangent = [&](DevBuf<T>& d16, DevBuf<R>& d32, R*& out, GradOut<T>& gt, int dp, bool direct) {
+    d16 = DevBuf<T>(size_t(r.H * c.Ttot * dp), s);
+    if (direct) {
+      gt = GradOut<T>{d16.get(), dp, c.Ttot * dp, 1.f};
+    } else {
+      d32 = DevBuf<R>(size_t(r.H * c.Ttot * dp), s);
+      out = d32.get();
+    }
+  };
+  if (plan.has_S) cotangent(dU, dU32, a.dk_, a.dk_out, c.dkp, outer_gradout && plan.ridge == 0);
+  else gk.route(a.dk_, a.dk_out, outer_gradout);
+  if (plan.has_P) cotangent(dHh, dHh32, a.dv_, a.dv_out, c.dvp, outer_gradout);
+  else gv.route(a.dv_, a.dv_out, outer_gradout);
   DevBuf<R> dlam(plan.fenwick ? size_t(r.H * c.Ttot * r.nL) : 0, s);
   if (plan.fenwick) ll_backward<T>(c.ll_args(a, Hst.get(), dlam.get()), *c.ll, s);
-  else gla_backward<T>(a, s);
-  R* dq = go.dq.get();
-  DevBuf<R> dk_sum;  // with an inner S, dk collects the inner primitives' key (and value) gradients
-  R* dk = go.dk.get();
-  R* dv = go.dv.get();
+  else gla_backward<T>(a, s, beside ? &fwd : nullptr);
+  if (beside) forward_outputs();
+  auto to16 = [&](DevBuf<T>& d16, const DevBuf<R>& d32, int64_t n) {
+    if (d32.get()) HILA_LAUNCH((axpy_k<T, R>), n, s, d16.get(), d32.get(), n, R(1), false);
+  };
   const R* dg[3] = {};
   dg[plan.gO] = go.dg.get();
   std::optional<PrimGradBufs<T>> gp, gs;
-  if (plan.has_S) {
-    dk_sum = DevBuf<R>(size_t(rowsK), s, true);
-    dk = dk_sum.get();
-  }
   if (plan.has_P) {  // Hh = GLA_gP(Q, K, V'): cotangent = outer value gradient
-    DevBuf<T> dHh(size_t(rowsV), s);
-    HILA_LAUNCH((axpy_k<T, R>), rowsV, s, dHh.get(), go.dv.get(), rowsV, R(1), false);
+    to16(dHh, dHh32, rowsV);
     gp.emplace(c, c.dvp, p.d_init.P.defined(), s);
     GlaArgs<T> b = c.inner_P();
     b.hbuf = in.Pbuf.get(), b.ht = in.Pf.get(), b.h0 = c.P0.get(), b.dO = dHh.get(), b.dht = dPf.get();
     gp->attach(b);
+    gq.route(b.dq, b.dq_out, kTensorCore<T>);
+    gk.route(b.dk_, b.dk_out, kTensorCore<T>);
+    gv.route(b.dv_, b.dv_out, kTensorCore<T>);
     gla_backward<T>(b, s);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, gp->dq.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gp->dk.get(), rowsK, R(1), true);
-    dv = gp->dv.get();
     dg[plan.gP] = gp->dg.get();
   }
   if (plan.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q^: cotangent = outer key gradient
-    DevBuf<T> dU(size_t(rowsK), s);
-    HILA_LAUNCH((axpy_k<T, R>), rowsK, s, dU.get(), go.dk.get(), rowsK, R(1), false);
+    to16(dU, dU32, rowsK);
     if (plan.ridge != 0)  // dq^ += ridge dU (the unpack multiplies by scale)
-      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, go.dk.get(), rowsK, R(plan.ridge), true);
+      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, gq.sum(), dU32.get(), rowsK, R(plan.ridge), true);
     gs.emplace(c, c.dkp, p.d_init.S.defined(), s);
     GlaArgs<T> b = c.inner_S();
     b.hbuf = in.Sbuf.get(), b.ht = in.Sf.get(), b.h0 = c.S0.get(), b.dO = dU.get(), b.dht = dSf.get();
     gs->attach(b);
+    gq.route(b.dq, b.dq_out, kTensorCore<T>);
+    // K is also the value: the kernels write dk, then add it to dv's target in place (the same
+    // threads own the same elements of both, dk = dv here)
+    gk.route(b.dk_, b.dk_out, kTensorCore<T>);
+    gk.route(b.dv_, b.dv_out, kTensorCore<T>);
     gla_backward<T>(b, s);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dq, gs->dq.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gs->dk.get(), rowsK, R(1), true);
-    HILA_LAUNCH((axpy_k<R, R>), rowsK, s, dk, gs->dv.get(), rowsK, R(1), true);  // K is also the value
     dg[plan.gS] = gs->dg.get();
   }
-  if (p.dq.defined() && !direct[0]) unpack_to<R>(p.dq, dq, r, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), s);
-  if (p.dk.defined() && !direct[1]) unpack_to<R>(p.dk, dk, r, r.G, c.rep, int(r.dk), c.dkp, R(1), s);
-  if (p.dv.defined() && !direct[2]) unpack_to<R>(p.dv, dv, r, r.H, 1, int(r.dv), c.dvp, R(1), s);
+  gq.finish(), gk.finish(), gv.finish();
   if (p.dg.defined()) {
     const int prims = r.traits.num_primitives;
     if (r.gate_cols == 1) {  // tied: sum over primitives (into the outer's buffer)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Kernels of the GLA primitive; see gla.cuh for the math and the grid mapping.
 #include <cub/block/block_scan.cuh>
+#include <optional>
 
 #include "cuda/gla.cuh"
 #include "cuda/runtime.cuh"
@@ -194,6 +195,13 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   }
   __syncthreads();
   const int64_t rowbase = int64_t(h) * a.Ttot;
+  // X's rows < nr ([C, d]) to out [H][Ttot][d], plus add there when set (GradOut::add)
+  auto store = [&](R* out, const R* add, int d) {
+    for (int e = threadIdx.x; e < nr * d; e += blockDim.x) {
+      const int64_t idx = (rowbase + r0 + e / d) * d + e % d;
+      out[idx] = s.X[(e / d) * s.ldx + e % d] + (add ? add[idx] : R(0));
+    }
+  };
   // dQ^ = diag(e^b) dO Hp^T + dA K
   smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hp, s.ldv, kChunk, dk, dv, false);
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(s.b[e / dk]);
@@ -205,8 +213,7 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
     for (int j = 0; j < dk; ++j) acc += from<R>(s.Q[i * s.ldk + j]) * s.X[i * s.ldx + j];
     s.dc[i] = acc;
   }
-  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
-    a.dq[(rowbase + r0 + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
+  store(a.dq, a.dq_out.add, dk);
   __syncthreads();
   // dK = diag(w) V dH^T + dA^T Q^
   smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.dH, s.ldv, kChunk, dk, dv, false);
@@ -219,16 +226,14 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
     for (int j = 0; j < dk; ++j) acc += from<R>(s.K[i * s.ldk + j]) * s.X[i * s.ldx + j];
     s.dc[i] -= acc;
   }
-  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
-    a.dk_[(rowbase + r0 + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
+  store(a.dk_, a.dk_out.add, dk);
   __syncthreads();
   // dV = diag(w) K dH + P^T dO
   smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.dH, s.ldv, kChunk, dv, dk, false);
   for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) s.X[(e / dv) * s.ldx + e % dv] *= exp(B - s.b[e / dv]);
   __syncthreads();
   smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);
-  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x)
-    a.dv_[(rowbase + r0 + e / dv) * dv + e % dv] = s.X[(e / dv) * s.ldx + e % dv];
+  store(a.dv_, a.dv_out.add, dv);
   for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
 }
 
@@ -317,17 +322,25 @@ void gla_forward(const GlaArgs<T>& a, cudaStream_t stream) {
 }
 
 template <class T>
-void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
+void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* recompute) {
   if (a.N == 0 || a.H == 0) return;
   GlaArgs<T> x = a;
   DevBuf<Acc<T>> b;
+  if (kTensorCore<T> && x.g && !x.b) {
+    b = DevBuf<Acc<T>>(size_t(x.H * x.Ttot), stream);
+    gla_chunk_cumsum(x, b.get(), stream);
+    x.b = b.get();
+  }
+  // the recomputed forward (hbuf) beside the reverse sweep (dhbuf), which reads none of its
+  // outputs: few long sequences leave both latency-bound sweeps far from filling the GPU
+  std::optional<SideStream> side;
+  if (recompute) {
+    side.emplace(stream);
+    gla_forward(*recompute, side->side());
+  }
   if constexpr (kTensorCore<T>) {
-    if (x.g && !x.b) {
-      b = DevBuf<Acc<T>>(size_t(x.H * x.Ttot), stream);
-      gla_chunk_cumsum(x, b.get(), stream);
-      x.b = b.get();
-    }
     tc_sweep(x, true, stream);
+    if (side) side->join();
     tc_bwd_chunk(x, stream);
   } else {
     const size_t fb = fwd_bytes<T>(a.dk), bb = bwd_bytes<T>(a.dk, a.dv);
@@ -338,6 +351,7 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream) {
       gla_bwd_dh_kernel<T><<<grid, 256, fb, stream>>>(a);
       HILA_CUDA_CHECK_LAUNCH();
     }
+    if (side) side->join();
     if (a.nchunks > 0) {
       if (!dry_run()) {  // dry run: workspace_size
         gla_bwd_chunk_kernel<T><<<dim3(unsigned(a.nchunks), a.H), 256, bb, stream>>>(a);
@@ -357,7 +371,7 @@ void gla_dg(const GlaArgs<T>& a, cudaStream_t stream) {
 
 #define HILA_INSTANTIATE(T)                                          \
   template void gla_forward<T>(const GlaArgs<T>&, cudaStream_t);     \
-  template void gla_backward<T>(const GlaArgs<T>&, cudaStream_t);    \
+  template void gla_backward<T>(const GlaArgs<T>&, cudaStream_t, const GlaArgs<T>*); \
   template void gla_dg<T>(const GlaArgs<T>&, cudaStream_t);          \
   template size_t gla_smem_need<T>(int, int);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)

@@ -11,6 +11,7 @@
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
 // and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
 #pragma once
+#include "cuda/mma.cuh"
 #include "cuda/tile.cuh"
 
 namespace hila::cuda {
@@ -22,13 +23,17 @@ constexpr int kBV = 64;     // value columns per block in the sequential sweeps
 template <class T>
 using StateOperand = std::conditional_t<kTensorCore<T>, T, Acc<T>>;
 
-// A gradient written straight into the caller's 16-bit tensor (tensor-core path, single primitive,
-// no GQA): head h at p + h*hs, rows of ld, values times mult.
+// Where a chunk kernel puts one gradient (dq, dk or dv). By default the fp32 per-head buffer
+// (a.dq, a.dk_, a.dv_: [H][Ttot][d]); with p set (tensor-core path, no GQA) the caller's 16-bit
+// tensor instead: head h at p + h*hs, rows of ld, values times mult. With add set, add[h][row][c]
+// (fp32, the buffer's layout; it may be the buffer itself) is added first: the contributions of
+// the primitives before this one in a composition (HLA_SPEC §7.2).
 template <class T>
 struct GradOut {
   T* p = nullptr;
   int64_t ld = 0, hs = 0;
   float mult = 1.f;
+  const Acc<T>* add = nullptr;
 };
 
 template <class T>
@@ -103,6 +108,9 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 // The state sweep on Hopper (gla_sm90.cu) for dk, dv multiples of 64; false as above.
 template <class T>
 bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+// The one-kernel forward on Hopper (gla_sm90.cu) for dk of 64 or 128, dv a multiple of 64; false as above.
+template <class T>
+bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 size_t tc_output_smem(int dk, int dv, size_t esize);
 size_t tc_bwd_smem(int dk, int dv, bool tree = false);
 // dg: reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus <dht, ht> at the last token).
@@ -113,12 +121,29 @@ void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
 __host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }
 __host__ __device__ inline int64_t head_stride(int64_t hs, int64_t Ttot, int d) { return hs ? hs : Ttot * d; }
 
+// The tensor-core chunk kernels' gradient store: values (v0, v1) of row r (prow = h Ttot + r in
+// the fp32 buffers [H][Ttot][ld]) and columns col, col + 1, plus gt.add, to gt.p or out.
+template <class T>
+__device__ __forceinline__ void store_grad2(float* out, int ld, const GradOut<T>& gt, int h, int64_t r, int64_t prow,
+                                            int col, float v0, float v1) {
+  if (gt.add) {
+    const float2 x = *reinterpret_cast<const float2*>(gt.add + prow * ld + col);
+    v0 += x.x, v1 += x.y;
+  }
+  if (gt.p)
+    *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + r * gt.ld + col) = tc::pack2<T>(gt.mult * v0, gt.mult * v1);
+  else
+    *reinterpret_cast<float2*>(out + prow * ld + col) = make_float2(v0, v1);
+}
+
 // Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
 template <class T>
 void gla_forward(const GlaArgs<T>& a, cudaStream_t stream);
 // Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg.
+// With `recompute`, that forward (its b and hbuf given: it allocates nothing) runs first, on a
+// side stream beside the reverse sweep.
 template <class T>
-void gla_backward(const GlaArgs<T>& a, cudaStream_t stream);
+void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* recompute = nullptr);
 // Shared memory the kernels need for these head dims (bytes); 0 if they do not fit the device.
 template <class T>
 size_t gla_smem_need(int dk, int dv);

@@ -53,12 +53,20 @@ __device__ __forceinline__ void wgmma_pair(float (&acc)[N / 2], uint32_t a1, int
 #endif
 
 // Which sm_90a kernels may run: HILA_GLA_SM90 unset = all, where they are expected to be faster;
-// 1 = all, wherever they apply; 0 = none (the portable kernels); "bwd" / "sweep" = only that one
-// (for measurements and tests).
+// 1 = all, wherever they apply; 0 = none (the portable kernels); a comma-separated list of
+// "bwd", "sweep", "fwd" = only those (for measurements and tests).
 bool sm90_enabled(const char* which) {
   const char* env = std::getenv("HILA_GLA_SM90");
   if (!env || std::strcmp(env, "1") == 0) return true;
-  return std::strcmp(env, which) == 0;
+  const size_t n = std::strlen(which);
+  for (const char* p = env; *p;) {  // a comma-separated list of kernels
+    const char* e = std::strchr(p, ',');
+    const size_t len = e ? size_t(e - p) : std::strlen(p);
+    if (len == n && std::strncmp(p, which, n) == 0) return true;
+    if (!e) break;
+    p = e + 1;
+  }
+  return false;
 }
 bool sm90_forced() {
   const char* env = std::getenv("HILA_GLA_SM90");
@@ -180,22 +188,17 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     __syncthreads();
   }
   const int64_t rowbase = int64_t(h) * a.Ttot + r0;
-  // acc (N columns, the wgmma fragment) of rows < nr to the fp32 per-head buffer out [H][Ttot][N],
-  // or (16-bit target) to the caller's tensor: head h at gt.p + h*hs, rows of ld, times mult
+  // acc (N columns, the wgmma fragment) of rows < nr to the fp32 per-head buffer out [H][Ttot][N]
+  // or the caller's tensor (GradOut; store_grad2)
   auto store = [&](float* out, const GradOut<T>& gt, const auto& acc) {
     constexpr int N = int(sizeof(acc) / sizeof(float)) * 2;
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
-        if (i >= nr) continue;
-        if (gt.p)
-          *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + (r0 + i) * gt.ld + col) =
-              tc::pack2<T>(gt.mult * acc[4 * j + 2 * hf], gt.mult * acc[4 * j + 2 * hf + 1]);
-        else
-          *reinterpret_cast<float2*>(out + (rowbase + i) * N + col) =
-              make_float2(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+        const int i = hf ? i1 : i0;
+        if (i < nr)
+          store_grad2(out, N, gt, h, r0 + i, rowbase + i, 8 * j + 2 * t, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
       }
   };
   // sum over this thread's columns of acc o X for rows i0 (d0) and i1 (d1); X a swizzled [C][N] tile
@@ -273,6 +276,31 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 // cp.async, into a ring of S stages: while chunk i's wgmmas run, chunk i+1's fragments are
 // formed (two fragment sets) and chunks up to i+S-1 are in flight.
 constexpr uint32_t kSweepTile = kChunk * 64 * 2;  // one swizzled [C, 64] 16-bit block
+
+// One m64 slab of a [dk][dv] fp32 state as a wgmma accumulator fragment of N columns: this
+// thread's rows r, r + 8 (r = slab row 16w + g plus the slab's first row) and columns
+// c0 + 8j + 2t (+1), at acc[4j + 2hf + e], stored to the state whose row 0, column 0 is st ([.][ld]).
+// (The kernels' loads of a state stay inline: through a helper like this one they compiled to
+// different machine code, and this build's GPU runs checked the inline form.)
+template <int N>
+__device__ __forceinline__ void store_state_frag(const float (&acc)[N / 2], float* st, int64_t ld, int r, int c0, int t) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      *reinterpret_cast<float2*>(st + int64_t(r + 8 * hf) * ld + c0 + 8 * j + 2 * t) =
+          make_float2(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+}
+#if HILA_SM90A
+// The mbarriers of an n-stage TMA ring, initialised by one thread and visible to the block.
+__device__ __forceinline__ void init_ring(uint64_t* full, int n, int tid) {
+  if (tid == 0) {
+    for (int st = 0; st < n; ++st) sm90::mbar_init(&full[st], 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+}
+#endif
 // a stage: the key block and NV/64 value blocks; the stages' gates [S][C] fp32 and mbarriers follow
 constexpr uint32_t sweep_stage(int nv) { return (1 + nv / 64) * kSweepTile; }
 constexpr uint32_t sweep_bytes(int stages, int nv) { return stages * (sweep_stage(nv) + kChunk * 4 + 8); }
@@ -310,11 +338,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       acc[4 * j + e] = init ? init[sidx + int64_t(r_lo + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
   const int nch = int((len + kChunk - 1) / kChunk);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
-  if (tid == 0) {
-    for (int st = 0; st < S; ++st) mbar_init(&full[st], 1);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_ring(full, S, tid);
   // chunk i -> stage i % S (every thread commits one cp.async group per call)
   auto issue = [&](int i) {
     if (i >= nch) return tc::cp_async_commit();
@@ -405,17 +429,231 @@ __global__ void __launch_bounds__(kSm90Threads)
     step(i, fa0, d0, fa1, d1);
     if (i + 1 < nch) step(i + 1, fa1, d1, fa0, d0);
   }
-  if (fin) {
-#pragma unroll
-    for (int j = 0; j < NV / 8; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<float2*>(fin + sidx + int64_t(r_lo + 8 * hf) * a.dv + v0 + 8 * j + 2 * t) =
-            make_float2(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-  }
+  if (fin) store_state_frag<NV>(acc, fin + sidx, a.dv, r_lo, v0, t);
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
+}
+
+
+// The GLA forward in one kernel on Hopper (same math and grid as gla_tc.cu's fused_forward_kernel,
+// HLA_SPEC §1): one warpgroup per (sequence x head, 64 value columns) walks the chunks with the
+// [dk, 64] fp32 state H in wgmma accumulators (dk / 64 slabs of m64). Per chunk i:
+//   S  = Q K^T                                   SS, [C,dk]x[dk,C]
+//   Oq = Q H_i                                   SS, [C,dk]x[dk,64]; H_i's 16-bit copy in smem (MN-major)
+//   H  <- e^B H + (K o w)^T V,  w = e^{B-b}      RS per slab, [64,C]x[C,64]
+//   P  = scale Gamma o S  (registers: the accumulator fragment is the A fragment of the next wgmma)
+//   O  = diag(scale e^b) Oq + P V                RS, [C,C]x[C,64]
+// Q, K, V tiles by TMA, two stages (chunk i+1 lands while chunk i computes), the gates by
+// cp.async; the 16-bit copy of the state entering chunk i+1 goes to the other of two buffers
+// (and to a.hbuf when the caller asks for the per-chunk states).
+// Shared memory at dk = 128: 2 x 40 KB stages + 2 x 16 KB state copies = 112.5 KB, 2 blocks per SM.
+constexpr int kFwdStages = 2;
+template <int DK>
+struct FwdSm90Layout {
+  static constexpr uint32_t kQ = 0, kK = kChunk * DK * 2, kV = 2 * kChunk * DK * 2, kStage = kV + kChunk * 64 * 2,
+                            kH = kFwdStages * kStage,                                     // [2][DK][64]
+      kB = kH + 2 * DK * 64 * 2, kBar = kB + kFwdStages * kChunk * 4, kBytes = kBar + 8 * kFwdStages;
+};
+
+template <class T, int DK>
+__global__ void __launch_bounds__(kSm90Threads, 2)
+    fused_forward_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                              const __grid_constant__ CUtensorMap mv, unsigned order, GlaArgs<T> a) {
+  using L = FwdSm90Layout<DK>;
+  static_assert(L::kQ == 0 && L::kK % 1024 == 0 && L::kStage % 1024 == 0, "1024-aligned swizzled tiles");
+#if HILA_SM90A
+  using namespace sm90;
+  constexpr int kSlabs = DK / 64;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  float* gates = reinterpret_cast<float*>(smem + L::kB);     // [stages][C]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);  // [stages]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * 64;
+  const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
+  const int nch = int((len + kChunk - 1) / kChunk);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * DK * a.dv;  // [N][H][dk][dv]
+  // state: slab m, rows 64m + 16w + g (+8), columns v0 + 8j + 2t (+1): acc[m][4j + 2hf + e]
+  float acc[kSlabs][32];
+#pragma unroll
+  for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[m][4 * j + e] =
+            a.h0 ? a.h0[sidx + int64_t(64 * m + 16 * w + g + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
+  init_ring(full, kFwdStages, tid);
+  // chunk i -> stage i % 2 (every thread commits one cp.async group per call)
+  auto issue = [&](int i) {
+    if (i >= nch) return tc::cp_async_commit();
+    const int st = i % kFwdStages;
+    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    char* base = smem + st * L::kStage;
+    if (tid == 0) {
+      fence_async_smem();  // this stage's earlier generic accesses before the async-proxy refill
+      mbar_expect_tx(&full[st], L::kStage);
+      for (int cb = 0; cb < kSlabs; ++cb) {
+        load_rows(base + L::kQ + cb * kSweepTile, &mq, &full[st], order & 1, 64 * cb, r0, h / a.q_div);
+        load_rows(base + L::kK + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, h / a.k_div);
+      }
+      load_rows(base + L::kV, &mv, &full[st], (order >> 2) & 1, v0, r0, h / a.v_div);
+    }
+    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i), a.row0);
+    tc::cp_async_commit();
+  };
+  // the state entering chunk i, 16-bit: into buffer i % 2 ([DK][64], swizzled) and a.hbuf if set
+  auto put_state = [&](int i) {
+    char* dst = smem + L::kH + (i & 1) * DK * 128;
+    T* hb = a.hbuf ? a.hbuf + ((chunk0 + i) * a.H + h) * int64_t(DK) * a.dv + v0 : nullptr;
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = 64 * m + 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+          const uint32_t x = tc::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
+          *reinterpret_cast<uint32_t*>(dst + swz(DK, r, col)) = x;
+          if (hb) *reinterpret_cast<uint32_t*>(hb + int64_t(r) * a.dv + col) = x;
+        }
+    fence_async_smem();  // read by the next chunk's wgmma after the loop-head barrier
+  };
+  if (nch > 0) {
+    issue(0);
+    put_state(0);
+  }
+  const float sc = float(a.scale);
+  const int i0 = 16 * w + g, i1 = i0 + 8;  // output rows of this thread
+  T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv) + v0 + 2 * t;
+  const int64_t ldo = row_ld(a.o_ld, a.dv);
+  for (int i = 0; i < nch; ++i) {
+    const int st = i % kFwdStages, nr = rows_in(len, i);
+    tc::cp_async_wait<0>();
+    mbar_wait(&full[st], (i / kFwdStages) & 1);
+    __syncthreads();  // chunk i's gates; chunk i-1 is done with the stage refilled next; H copy i written
+    issue(i + 1);
+    const uint32_t base = s0 + st * L::kStage;
+    const float* bt = gates + st * kChunk;
+    if (nr < kChunk) {  // value rows past the sequence (the next one's, or TMA's zeros): zero
+      for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
+        *reinterpret_cast<uint4*>(smem + st * L::kStage + L::kV + (nr + e / 8) * 128 + (e % 8) * 16) =
+            make_uint4(0, 0, 0, 0);
+      fence_async_smem();
+      __syncthreads();
+    }
+    float sacc[32], oq[32], opv[32];
+    wg_fence();
+    wgmma_chain<T, 64, 0, 0>(sacc, base + L::kQ, kChunk, base + L::kK, kChunk, DK / 16);  // S = Q K^T
+    wg_commit();
+    wgmma_chain<T, 64, 0, 1>(oq, base + L::kQ, kChunk, s0 + L::kH + (i & 1) * DK * 128, DK, DK / 16);  // Q H_i
+    wg_commit();
+    // H <- e^B H + (K o w)^T V: slab m = key columns 64m.., (K o w)^T fragments by ldmatrix.trans
+    const float B = bt[nr - 1], decay = tc::fexp(B);
+    uint32_t fa[kSlabs][4][4];
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int row = 16 * kk + (lane & 7) + ((lane >> 4) << 3), col = 16 * w + (((lane >> 3) & 1) << 3);
+        tc::ldsm_x4_t(fa[m][kk], smem + st * L::kStage + L::kK + m * kSweepTile + swz(kChunk, row, col));
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int k = 16 * kk + 2 * t + 8 * hf;
+          const float w0 = tc::fexp(B - bt[k]), w1 = tc::fexp(B - bt[k + 1]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float2 x = tc::unpack2<T>(fa[m][kk][2 * hf + e]);
+            fa[m][kk][2 * hf + e] = tc::pack2<T>(k < nr ? x.x * w0 : 0.f, k + 1 < nr ? x.y * w1 : 0.f);
+          }
+        }
+      }
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
+    }
+    wg_fence();
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, 64, 1>(acc[m], fa[m][kk], desc_mn(base + L::kV, kChunk, kk), true);
+    wg_commit();
+    wg_wait<2>();  // S
+    fence_regs(sacc);
+    // P = scale Gamma o S (rows i0, i1; columns 8j + 2t) packed as the A fragments of P V
+    uint32_t pa[4][4];
+    const float bi0 = bt[i0], bi1 = bt[i1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
+        const float bi = hf ? bi1 : bi0;
+        const float p0 = col <= i && i < nr ? sacc[4 * j + 2 * hf] * sc * tc::fexp(bi - bt[col]) : 0.f;
+        const float p1 = col + 1 <= i && i < nr ? sacc[4 * j + 2 * hf + 1] * sc * tc::fexp(bi - bt[col + 1]) : 0.f;
+        pa[j >> 1][2 * (j & 1) + hf] = tc::pack2<T>(p0, p1);  // k step j/2: a0/a1 (k 2t..), a2/a3 (k 2t+8..)
+      }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, 64, 1>(opv, pa[kk], desc_mn(base + L::kV, kChunk, kk), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(oq), fence_regs(opv);
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m) {
+      fence_regs(acc[m]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) fence_regs(fa[m][kk]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) fence_regs(pa[kk]);
+    // O = diag(scale e^b) Q H + P V, rows < nr
+    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const float e0 = sc * tc::fexp(bi0), e1 = sc * tc::fexp(bi1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = hf ? i1 : i0;
+        const float f = hf ? e1 : e0;
+        if (r < nr)
+          *reinterpret_cast<uint32_t*>(out + (r0 + r) * ldo + 8 * j) =
+              tc::pack2<T>(f * oq[4 * j + 2 * hf] + opv[4 * j + 2 * hf], f * oq[4 * j + 2 * hf + 1] + opv[4 * j + 2 * hf + 1]);
+      }
+    if (i + 1 < nch) put_state(i + 1);
+  }
+  if (a.ht)
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m) store_state_frag<64>(acc[m], a.ht + sidx, a.dv, 64 * m + 16 * w + g, v0, t);
+#else
+  __trap();  // launched only where runs_sm90a() holds
+#endif
+}
+
+// An sm_90a kernel readied for launch with `bytes` of shared memory and the max-shared carveout;
+// false where this device does not run the build's sm_90a code.
+template <class K>
+bool ready_sm90(K kernel, size_t bytes) {
+  if (!sm90::runs_sm90a(reinterpret_cast<const void*>(kernel))) return false;
+  set_smem(kernel, bytes);
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       int(cudaSharedmemCarveoutMaxShared)));
+  return true;
+}
+// Tensor maps m[0..2] of q, k, v (input_map) and their swapped bits 0..2 in `order`.
+template <class T>
+bool qkv_maps(const GlaArgs<T>& a, CUtensorMap* m, unsigned& order) {
+  bool sw[3];
+  if (!input_map(&m[0], sw[0], a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
+      !input_map(&m[1], sw[1], a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+      !input_map(&m[2], sw[2], a.v, a.v_ld, a.v_hs, a.dv, src_heads(a, a.v_div), a.Ttot))
+    return false;
+  order = unsigned(sw[0]) | unsigned(sw[1]) << 1 | unsigned(sw[2]) << 2;
+  return true;
 }
 
 }  // namespace
@@ -428,26 +666,21 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
   // TMA coordinates are 32-bit
   if (a.Ttot + kChunk >= (int64_t(1) << 31) || (a.nchunks * a.H + 1) * dk >= (int64_t(1) << 31)) return false;
   auto pick = [&](auto kernel, size_t bytes) -> bool {
-    if (!sm90::runs_sm90a(reinterpret_cast<const void*>(kernel))) return false;
-    set_smem(kernel, bytes);
-    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         int(cudaSharedmemCarveoutMaxShared)));
+    if (!ready_sm90(kernel, bytes)) return false;
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
     // q, k, v, dO: input_map; hbuf, dhbuf: [nchunks*H*dk][dv], box {64, dk}
     CUtensorMap m[6];
-    bool sw[4];
+    unsigned order = 0;
+    bool sw_do = false;
     auto state_map = [&](CUtensorMap* map, const T* p) {
       const uint64_t dims[2] = {uint64_t(dv), uint64_t(a.nchunks * a.H * dk)}, strides[1] = {uint64_t(dv)};
       const uint32_t box[2] = {64, uint32_t(dk)};
       return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
     };
-    if (!input_map(&m[0], sw[0], a.q, a.q_ld, a.q_hs, dk, src_heads(a, a.q_div), a.Ttot) ||
-        !input_map(&m[1], sw[1], a.k, a.k_ld, a.k_hs, dk, src_heads(a, a.k_div), a.Ttot) ||
-        !input_map(&m[2], sw[2], a.v, a.v_ld, a.v_hs, dv, src_heads(a, a.v_div), a.Ttot) ||
-        !input_map(&m[3], sw[3], a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) || !state_map(&m[4], a.hbuf) ||
-        !state_map(&m[5], a.dhbuf))
+    if (!qkv_maps(a, m, order) || !input_map(&m[3], sw_do, a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) ||
+        !state_map(&m[4], a.hbuf) || !state_map(&m[5], a.dhbuf))
       return false;
-    const unsigned order = unsigned(sw[0]) | unsigned(sw[1]) << 1 | unsigned(sw[2]) << 2 | unsigned(sw[3]) << 3;
+    order |= unsigned(sw_do) << 3;
     kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
                                                                                        m[5], order, a);
     HILA_CUDA_CHECK_LAUNCH();
@@ -508,5 +741,27 @@ bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
 
 template bool tc_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, bool, cudaStream_t);
 template bool tc_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
+
+template <class T>
+bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (!sm90_enabled("fwd") || (a.dk != 64 && a.dk != 128) || a.dv % 64 || !a.o ||
+      a.Ttot + kChunk >= (int64_t(1) << 31))
+    return false;
+  auto run = [&](auto kernel, size_t bytes) -> bool {
+    if (!ready_sm90(kernel, bytes)) return false;
+    if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
+    CUtensorMap m[3];
+    unsigned order = 0;
+    if (!qkv_maps(a, m, order)) return false;
+    kernel<<<dim3(unsigned(a.N * a.H), unsigned(a.dv / 64)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], order, a);
+    HILA_CUDA_CHECK_LAUNCH();
+    return true;
+  };
+  return a.dk == 128 ? run(fused_forward_sm90_kernel<T, 128>, FwdSm90Layout<128>::kBytes)
+                     : run(fused_forward_sm90_kernel<T, 64>, FwdSm90Layout<64>::kBytes);
+}
+
+template bool tc_fused_forward_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t);
+template bool tc_fused_forward_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
 
 }  // namespace hila::cuda

@@ -670,8 +670,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   }
   const int64_t rowbase = int64_t(h) * a.Ttot + r0;
   float dcp0 = 0.f, dcp1 = 0.f;  // this thread's partial dc of rows i0, i1
-  // writes acc (columns c0 + 8j + 2t) of rows < nr to out [rows][ld] (fp32)
-  // (or, with a 16-bit target `gt`, to the caller's tensor: head h at gt + h*hs, rows of ld, times mult)
+  // writes acc (columns c0 + 8j + 2t) of rows < nr to out [H][Ttot][ld] (fp32) or the caller's
+  // tensor (GradOut; store_grad2)
   auto store = [&](float* out, int ld, const GradOut<T>& gt, const float(&acc)[8][4], int c0, int nt) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -679,13 +679,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0;
-          if (i >= nr) continue;
-          const int col = c0 + 8 * j + 2 * t;
-          if (gt.p)
-            *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + (r0 + i) * gt.ld + col) =
-                tc::pack2<T>(gt.mult * acc[j][2 * hf], gt.mult * acc[j][2 * hf + 1]);
-          else
-            *reinterpret_cast<float2*>(out + (rowbase + i) * ld + col) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+          if (i < nr) store_grad2(out, ld, gt, h, r0 + i, rowbase + i, c0 + 8 * j + 2 * t, acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
   };
   auto dot_rows = [&](const float(&acc)[8][4], const T* X, int ld, int c0, int nt, float& d0, float& d1) {
@@ -878,6 +872,7 @@ bool tc_fused_forward_wanted(const GlaArgs<T>& a) {
 
 template <class T>
 void tc_fused_forward(const GlaArgs<T>& a, cudaStream_t stream) {
+  if (tc_fused_forward_sm90(a, stream)) return;
   const size_t bytes = fused_smem(a.dk);
   set_smem(fused_forward_kernel<T>, bytes);
   if (dry_run()) return;  // dry run: workspace_size

@@ -90,6 +90,14 @@ std::vector<Case> cases() {
   for (Op op : {Op::hla2, Op::hla3})
     cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                   std::string(op_name(op)) + "_bf16_varlen_init_sm90", false, false, 0, "0", "1"});
+  // the fused forward: on Hopper the "_fused" cases above run the sm_90a one (dk 64 or 128); the
+  // portable one forced there
+  cs.push_back({Op::gla, DType::bf16, 2, 1000, 1, 4, 128, 128, {}, true, true, 1e-2, "gla_bf16_d128_T1000_fused_portable",
+                false, false, 0, "1", "0"});
+  cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                "gla_f16_dk64_dv128_varlen_init_fused", false, false, 0, "1"});
+  cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 128, 64, {}, true, true, 1e-2, "gla_bf16_dk128_dv64_gqa4_fused",
+                false, false, 0, "1"});
   cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                 "gla_f16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
   cs.push_back({Op::hla2, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
@@ -104,6 +112,19 @@ std::vector<Case> cases() {
     cs.push_back({op, DType::f32, 2, 130, 2, 4, 32, 24, {}, true, true, 1e-4, n + "_f32_normalize_init", true, false,
                   op == Op::hla2 ? 0.3 : 0.0});
     cs.push_back({op, DType::f64, 1, 130, 1, 2, 16, 16, {}, true, true, 1e-10, n + "_f64_untied_normalize", true, true,
+                  op == Op::hla2 ? 0.3 : 0.0});
+    // one head per q/k group (no GQA): the last primitive writes dq, dk (and the inner value
+    // primitive dv) straight into the caller's 16-bit tensors, adding the earlier ones' sums
+    // (GradSum); d = 128 for the sm_90a kernels; normalize (dv padded for the ones column) and the
+    // hla2 ridge (dU also in fp32) take the fp32 routes for dv and dU
+    cs.push_back({op, DType::bf16, 2, 200, 4, 4, 64, 64, {}, true, true, 1e-2, n + "_bf16_d64_T200_mha"});
+    cs.push_back({op, DType::bf16, 1, 0, 4, 4, 128, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                  n + "_bf16_d128_varlen_init_mha"});
+    // 3e-2: with normalize the denominator is built from the bf16-rounded inner outputs, and on the
+    // emulator dq came out at 0.8-1.9e-2 here, the same before the gradients were fused into the
+    // chunk kernels (the log-linear family's bf16 normalize cases allow 2e-2 for the same reason);
+    // a misrouted contribution is an O(1) error
+    cs.push_back({op, DType::bf16, 2, 130, 2, 2, 64, 64, {}, true, false, 3e-2, n + "_bf16_mha_untied_normalize", true, true,
                   op == Op::hla2 ? 0.3 : 0.0});
   }
   return cs;

@@ -110,6 +110,10 @@ inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithF
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 inline cudaError_t cudaEventDestroy(cudaEvent_t e) { delete reinterpret_cast<char*>(e); return cudaSuccess; }
+// streams: the emulator runs every launch at once, in issue order, so a second stream is only a name
+constexpr unsigned cudaStreamNonBlocking = 1;
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned) { *st = reinterpret_cast<cudaStream_t>(new char); return cudaSuccess; }
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
 inline cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* p, int) { *p = reinterpret_cast<cudaMemPool_t>(&emu::registry()); return cudaSuccess; }
 inline cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr a, void* v) {
   auto& r = emu::registry();
