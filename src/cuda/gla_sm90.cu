@@ -136,6 +136,12 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       in(L::kV, &mv, 2, cb, h / a.v_div), in(L::kdO, &mdo, 3, cb, h);
       tma_load_2d(smem + L::kS + cb * DK * 128, &mh, &bar[0], 64 * cb, srow);
     }
+    // the fp32 rows the epilogue adds (GradOut::add: the earlier primitives' dq, dk of a
+    // composition), into L2 now rather than one dependent load per element at the end; dv's add
+    // written by this block's own dk is not ready yet
+    const int64_t prow = int64_t(h) * a.Ttot + r0;
+    if (a.dq_out.add) prefetch_l2(a.dq_out.add + prow * DK, uint32_t(nr * DK * 4));
+    if (a.dk_out.add) prefetch_l2(a.dk_out.add + prow * DK, uint32_t(nr * DK * 4));
   }
   const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (tid < kChunk) bs[tid] = gate_at(bg, r0, tid, nr);

@@ -36,6 +36,7 @@ template <class R, int K>
 inline void fence_regs(R (&)[K]) {}
 inline void fence_barrier_init() {}
 inline void fence_async_smem() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void prefetch_l2(const void*, uint32_t) {}
 
 namespace detail {
 struct WgIn {
