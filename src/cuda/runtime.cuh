@@ -192,8 +192,8 @@ class DeviceScope {
 
 // Work enqueued beside the caller's stream: side() is a stream of this host thread and device
 // that first waits for everything enqueued on `main` so far; join() (or the destructor) makes
-// `main` wait for the work enqueued on side() since. Both waits are events, so the pair also
-// works under CUDA graph capture of `main`. In a dry run (workspace_size), and with
+// `main` wait for the work enqueued on side() since. Both waits are events (the fork / join
+// pattern graph capture accepts; not tested under capture). In a dry run (workspace_size), and with
 // HILA_SIDE_STREAM=0 (everything on the caller's stream, in order), side() is `main`. Work put on
 // side() must not allocate: a caller's workspace is reused in the order of `main`.
 class SideStream {
