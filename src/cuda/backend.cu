@@ -182,12 +182,14 @@ void Arena::give(void* p) {
 
 namespace {
 // an event that has captured `from`'s work so far, waited for by `to`
-void link(cudaStream_t from, cudaStream_t to) {
+cudaError_t link(cudaStream_t from, cudaStream_t to) {
   cudaEvent_t e;
-  HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  HILA_CUDA_CHECK(cudaEventRecord(e, from));
-  HILA_CUDA_CHECK(cudaStreamWaitEvent(to, e, 0));
-  HILA_CUDA_CHECK(cudaEventDestroy(e));  // released once the wait is satisfied
+  cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  if (err != cudaSuccess) return err;
+  err = cudaEventRecord(e, from);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(to, e, 0);
+  const cudaError_t d = cudaEventDestroy(e);  // released once the wait is satisfied
+  return err != cudaSuccess ? err : d;
 }
 }  // namespace
 
@@ -204,23 +206,18 @@ SideStream::SideStream(cudaStream_t main) : main_(main), side_(main) {
   if (streams.size() <= size_t(dev)) streams.resize(size_t(dev) + 1, nullptr);
   if (!streams[size_t(dev)]) HILA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(dev)], cudaStreamNonBlocking));
   side_ = streams[size_t(dev)];
-  link(main_, side_);
+  HILA_CUDA_CHECK(link(main_, side_));
 }
 
 void SideStream::join() {
   if (joined_ || side_ == main_) return;
   joined_ = true;
-  link(side_, main_);
+  HILA_CUDA_CHECK(link(side_, main_));
 }
 
+// an exception between fork and join: still order main after the side's work (no throw here)
 SideStream::~SideStream() {
-  if (joined_ || side_ == main_) return;
-  // an exception between fork and join: still order main after the side's work (no throw here)
-  cudaEvent_t e;
-  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess) {
-    if (cudaEventRecord(e, side_) == cudaSuccess) cudaStreamWaitEvent(main_, e, 0);
-    cudaEventDestroy(e);
-  }
+  if (!joined_ && side_ != main_) link(side_, main_);
 }
 
 Arena* current_arena() { return t_arena; }
