@@ -551,14 +551,21 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       fence_async_smem();
       __syncthreads();
     }
+    // H <- e^B H first: the state's registers are read before any wgmma of this chunk is in flight
+    // (read with S and Q H in flight, ptxas injected a warpgroup.wait there: C7517)
+    const float B = bt[nr - 1], decay = tc::fexp(B);
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
+    }
     float sacc[32], oq[32], opv[32];
     wg_fence();
     wgmma_chain<T, 64, 0, 0>(sacc, base + L::kQ, kChunk, base + L::kK, kChunk, DK / 16);  // S = Q K^T
     wg_commit();
     wgmma_chain<T, 64, 0, 1>(oq, base + L::kQ, kChunk, s0 + L::kH + (i & 1) * DK * 128, DK, DK / 16);  // Q H_i
     wg_commit();
-    // H <- e^B H + (K o w)^T V: slab m = key columns 64m.., (K o w)^T fragments by ldmatrix.trans
-    const float B = bt[nr - 1], decay = tc::fexp(B);
+    // H += (K o w)^T V: slab m = key columns 64m.., (K o w)^T fragments by ldmatrix.trans
     uint32_t fa[kSlabs][4][4];
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
@@ -577,11 +584,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
           }
         }
       }
-#pragma unroll
-    for (int m = 0; m < kSlabs; ++m) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
-    }
     wg_fence();
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
