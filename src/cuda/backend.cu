@@ -701,7 +701,10 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   // the tensor-core GLA kernels or the tree form; the inner ones are GLA primitives)
   const bool outer_gradout = kTensorCore<T> && (!plan.fenwick || tree) && !plan.delta;
   GradSum<T> gq(c, p.dq, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), 1 + plan.has_P + plan.has_S);
-  GradSum<T> gk(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? 2 : 1) + plan.has_P);
+  // the inner S primitive's value is its key: the tensor-core kernels fold dv into dk
+  // (GlaArgs::value_is_key), one contribution; elsewhere two
+  constexpr bool fold_S = kTensorCore<T>;
+  GradSum<T> gk(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? (fold_S ? 1 : 2) : 1) + plan.has_P);
   GradSum<T> gv(c, p.dv, r.H, 1, int(r.dv), c.dvp, R(1), 1);
   PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
   a.dht = dHf.get();
@@ -756,10 +759,13 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
     b.hbuf = in.Sbuf.get(), b.ht = in.Sf.get(), b.h0 = c.S0.get(), b.dO = dU.get(), b.dht = dSf.get();
     gs->attach(b);
     gq.route(b.dq, b.dq_out, kTensorCore<T>);
-    // K is also the value: the kernels write dk, then add it to dv's target in place (the same
-    // threads own the same elements of both, dk = dv here)
     gk.route(b.dk_, b.dk_out, kTensorCore<T>);
-    gk.route(b.dv_, b.dv_out, kTensorCore<T>);
+    if (fold_S) {
+      b.value_is_key = true;
+    } else {  // the kernel writes dk, then adds it to dv's target in place (the same threads own
+              // the same elements of both, dk = dv here)
+      gk.route(b.dv_, b.dv_out, kTensorCore<T>);
+    }
     gla_backward<T>(b, s);
     dg[plan.gS] = gs->dg.get();
   }

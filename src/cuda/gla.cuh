@@ -66,6 +66,9 @@ struct GlaArgs {
   StateOperand<T>* dhbuf = nullptr;                               // [nchunks][H][dk][dv]: cotangent at each chunk end
   R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;  // per head [H][Ttot][d]
   GradOut<T> dq_out, dk_out, dv_out;                // when set: written there instead
+  // the value is the key (the inner S primitive of the HLA family, dk = dv): the tensor-core
+  // kernels add the value-role gradient into the key's and write dk only (dv_, dv_out unused)
+  bool value_is_key = false;
   R* dg = nullptr;                                  // [H][Ttot]
 };
 

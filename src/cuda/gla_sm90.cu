@@ -100,7 +100,7 @@ struct BwdSm90Layout {
                             kBar = kB + kChunk * 4, kBytes = kBar + 16;
 };
 
-template <class T, int DK, int DV>
+template <class T, int DK, int DV, bool kFold = false>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     bwd_chunk_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                           const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mdo,
@@ -244,17 +244,30 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     dc0 += sc * d0, dc1 += sc * d1;
   }
   const float w0 = tc::fexp(B - bi0), w1 = tc::fexp(B - bi1);
+  constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
+  static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
   mbar_wait(&bar[1], 0);
   {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
     combine(acc, acc2, w0, w1, sc);
-    store(a.dk_, a.dk_out, acc);
     float d0 = 0.f, d1 = 0.f;
-    dot_rows(acc, L::kK, d0, d1);
+    dot_rows(acc, L::kK, d0, d1);  // dc reads the key-role gradient alone
     dc0 -= d0, dc1 -= d1;
+    if constexpr (fold) {  // dK + dV, dV = diag(w) K dH + P^T dO: P^T dO added into acc in place
+      wg_fence();
+      wgmma_chain<T, DK, 0, 1>(acc2, s0 + L::kK, kChunk, s0 + L::kS, DK, DK / 16);
+      wgmma_chain<T, DK, 1, 1>(acc, s0 + L::kP, kChunk, s0 + L::kdO, kChunk, kChunk / 16, true);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(acc), fence_regs(acc2);
+      combine(acc2, acc, w0, w1, 1.f);
+      store(a.dk_, a.dk_out, acc2);
+    } else {
+      store(a.dk_, a.dk_out, acc);
+    }
   }
-  {  // dV = diag(w) K dH + P^T dO: dH read MN-major ([dk][dv], dv contiguous); P and dO MN-major
+  if constexpr (!fold) {  // dV = diag(w) K dH + P^T dO: dH read MN-major ([dk][dv], dv contiguous); P and dO MN-major
     float acc[DV / 2], acc2[DV / 2];
     wgmma_pair<T, DV, 0, 1, 1, 1>(acc, s0 + L::kK, kChunk, s0 + L::kS, DK, DK / 16, acc2, s0 + L::kP, s0 + L::kdO);
     combine(acc, acc2, w0, w1, 1.f);
@@ -694,6 +707,9 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
     HILA_CUDA_CHECK_LAUNCH();
     return true;
   };
+  if (a.value_is_key)  // dk = dv
+    return dk == 128 ? pick(bwd_chunk_sm90_kernel<T, 128, 128, true>, BwdSm90Layout<128, 128>::kBytes)
+                     : pick(bwd_chunk_sm90_kernel<T, 64, 64, true>, BwdSm90Layout<64, 64>::kBytes);
   if (dk == 128 && dv == 128) return pick(bwd_chunk_sm90_kernel<T, 128, 128>, BwdSm90Layout<128, 128>::kBytes);
   if (dk == 128) return pick(bwd_chunk_sm90_kernel<T, 128, 64>, BwdSm90Layout<128, 64>::kBytes);
   if (dv == 128) return pick(bwd_chunk_sm90_kernel<T, 64, 128>, BwdSm90Layout<64, 128>::kBytes);

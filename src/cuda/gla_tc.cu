@@ -765,6 +765,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     tc::cp_async_wait<0>();
     __syncthreads();
   }
+  const bool fold = !kTree && a.value_is_key && dk == dv;  // the value is the key: dk gains dv
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
@@ -773,12 +774,21 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     tc::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, sc);
     if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt);
-    store(a.dk_, dk, a.dk_out, acc, cc, nt);
     float d0 = 0.f, d1 = 0.f;
-    dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
+    dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);  // dc reads the key-role gradient alone
     dcp0 -= d0, dcp1 -= d1;
+    if (fold) {  // the value is the key: dK + dV, dV = diag(w) K dH + P^T dO, on the same columns
+      tc::zero(acc2);
+      tc::warp_gemm<T, 8, false, true>(acc2, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
+      tc::warp_gemm<T, 8, true, true>(acc, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        acc[j][0] += w0 * acc2[j][0], acc[j][1] += w0 * acc2[j][1], acc[j][2] += w1 * acc2[j][2],
+            acc[j][3] += w1 * acc2[j][3];
+    }
+    store(a.dk_, dk, a.dk_out, acc, cc, nt);
   }
-  for (int cc = cv0; cc < cv0 + nvt * 8; cc += 64) {  // dV
+  for (int cc = cv0; !fold && cc < cv0 + nvt * 8; cc += 64) {  // dV
     const int nt = min(8, (cv0 + nvt * 8 - cc) / 8);
     float acc[8][4], acc2[8][4];
     tc::zero(acc), tc::zero(acc2);

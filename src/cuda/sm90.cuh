@@ -196,14 +196,16 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 #endif  // HILA_CUDA_EMU / HILA_SM90A
 
 #if HILA_SM90A
-// D (+)= sum over k16 steps kk < ksteps of A(kk) B(kk) (the first step overwrites D): tiles at
-// shared addresses a, b with ra, rb rows, read K-major (TA / TB = 0: desc_k) or MN-major (desc_mn).
+// D (+)= sum over k16 steps kk < ksteps of A(kk) B(kk) (the first step overwrites D unless add):
+// tiles at shared addresses a, b with ra, rb rows, read K-major (TA / TB = 0: desc_k) or MN-major
+// (desc_mn).
 template <class T, int N, int TA, int TB>
-__device__ __forceinline__ void wgmma_chain(float (&d)[N / 2], uint32_t a, int ra, uint32_t b, int rb, int ksteps) {
+__device__ __forceinline__ void wgmma_chain(float (&d)[N / 2], uint32_t a, int ra, uint32_t b, int rb, int ksteps,
+                                            bool add = false) {
 #pragma unroll
   for (int kk = 0; kk < ksteps; ++kk)
     wgmma<T, N, TA, TB>(d, TA ? desc_mn(a, ra, kk) : desc_k(a, ra, kk), TB ? desc_mn(b, rb, kk) : desc_k(b, rb, kk),
-                        kk > 0);
+                        add || kk > 0);
 }
 
 #endif
