@@ -703,7 +703,12 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
   GradSum<T> gq(c, p.dq, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), 1 + plan.has_P + plan.has_S);
   // the inner S primitive's value is its key: the tensor-core kernels fold dv into dk
   // (GlaArgs::value_is_key), one contribution; elsewhere two
-  constexpr bool fold_S = kTensorCore<T>;
+  // (HILA_FOLD_S=0: two, for A/B)
+  static const bool fold_env = [] {
+    const char* e = std::getenv("HILA_FOLD_S");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  const bool fold_S = kTensorCore<T> && fold_env;
   GradSum<T> gk(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? (fold_S ? 1 : 2) : 1) + plan.has_P);
   GradSum<T> gv(c, p.dv, r.H, 1, int(r.dv), c.dvp, R(1), 1);
   PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
