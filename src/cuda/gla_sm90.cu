@@ -464,8 +464,10 @@ __global__ void __launch_bounds__(kSm90Threads)
 //   P  = scale Gamma o S  (registers: the accumulator fragment is the A fragment of the next wgmma)
 //   O  = diag(scale e^b) Oq + P V                RS, [C,C]x[C,64]
 // Q, K, V tiles by TMA, two stages (chunk i+1 lands while chunk i computes), the gates by
-// cp.async; the 16-bit copy of the state entering chunk i+1 goes to the other of two buffers
-// (and to a.hbuf when the caller asks for the per-chunk states).
+// cp.async; the 16-bit copy of the state entering chunk i+1 goes to the other of two buffers.
+// When the caller asks for the per-chunk states (a.hbuf), one TMA store per chunk copies the
+// buffer there (tensor map mh, as the backward chunk kernel's) once the loop head's barrier has
+// seen it written; the head of the next chunk waits for that store to have read it.
 // Shared memory at dk = 128: 2 x 40 KB stages + 2 x 16 KB state copies = 112.5 KB, 2 blocks per SM.
 constexpr int kFwdStages = 2;
 template <int DK>
@@ -478,7 +480,8 @@ struct FwdSm90Layout {
 template <class T, int DK>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     fused_forward_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
-                              const __grid_constant__ CUtensorMap mv, unsigned order, GlaArgs<T> a) {
+                              const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mh,
+                              unsigned order, GlaArgs<T> a) {
   using L = FwdSm90Layout<DK>;
   static_assert(L::kQ == 0 && L::kK % 1024 == 0 && L::kStage % 1024 == 0, "1024-aligned swizzled tiles");
 #if HILA_SM90A
@@ -524,10 +527,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i), a.row0);
     tc::cp_async_commit();
   };
-  // the state entering chunk i, 16-bit: into buffer i % 2 ([DK][64], swizzled) and a.hbuf if set
+  // the state entering chunk i, 16-bit: into buffer i % 2 ([DK][64], swizzled)
   auto put_state = [&](int i) {
     char* dst = smem + L::kH + (i & 1) * DK * 128;
-    T* hb = a.hbuf ? a.hbuf + ((chunk0 + i) * a.H + h) * int64_t(DK) * a.dv + v0 : nullptr;
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
@@ -535,9 +537,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int r = 64 * m + 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
-          const uint32_t x = tc::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
-          *reinterpret_cast<uint32_t*>(dst + swz(DK, r, col)) = x;
-          if (hb) *reinterpret_cast<uint32_t*>(hb + int64_t(r) * a.dv + col) = x;
+          *reinterpret_cast<uint32_t*>(dst + swz(DK, r, col)) =
+              tc::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
         }
     fence_async_smem();  // read by the next chunk's wgmma after the loop-head barrier
   };
@@ -553,7 +554,12 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     const int st = i % kFwdStages, nr = rows_in(len, i);
     tc::cp_async_wait<0>();
     mbar_wait(&full[st], (i / kFwdStages) & 1);
+    if (a.hbuf && tid == 0) bulk_wait_read<0>();  // H copy i-1 stored: its buffer is copy i+1's
     __syncthreads();  // chunk i's gates; chunk i-1 is done with the stage refilled next; H copy i written
+    if (a.hbuf && tid == 0) {  // H copy i -> a.hbuf (rows of chunk i, head h: [DK] x columns v0..)
+      tma_store_2d(&mh, smem + L::kH + (i & 1) * DK * 128, v0, int(((chunk0 + i) * a.H + h) * DK));
+      bulk_commit();
+    }
     issue(i + 1);
     const uint32_t base = s0 + st * L::kStage;
     const float* bt = gates + st * kChunk;
@@ -647,6 +653,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       }
     if (i + 1 < nch) put_state(i + 1);
   }
+  if (a.hbuf && tid == 0) bulk_wait<0>();  // the state stores complete before the block exits
   if (a.ht)
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m) store_state_frag<64>(acc[m], a.ht + sidx, a.dv, 64 * m + 16 * w + g, v0, t);
@@ -677,6 +684,15 @@ bool qkv_maps(const GlaArgs<T>& a, CUtensorMap* m, unsigned& order) {
   return true;
 }
 
+// Per-chunk 16-bit states (hbuf, dhbuf: [nchunks][H][dk][dv]) as a 2-d tensor map [nchunks*H*dk][dv],
+// box {64 columns, dk rows}: one chunk's and head's rows, 64 columns.
+template <class T>
+bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p) {
+  const uint64_t dims[2] = {uint64_t(a.dv), uint64_t(a.nchunks * a.H * a.dk)}, strides[1] = {uint64_t(a.dv)};
+  const uint32_t box[2] = {64, uint32_t(a.dk)};
+  return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
+}
+
 }  // namespace
 
 template <class T>
@@ -689,17 +705,12 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
   auto pick = [&](auto kernel, size_t bytes) -> bool {
     if (!ready_sm90(kernel, bytes)) return false;
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
-    // q, k, v, dO: input_map; hbuf, dhbuf: [nchunks*H*dk][dv], box {64, dk}
+    // q, k, v, dO: input_map; hbuf, dhbuf: state_map
     CUtensorMap m[6];
     unsigned order = 0;
     bool sw_do = false;
-    auto state_map = [&](CUtensorMap* map, const T* p) {
-      const uint64_t dims[2] = {uint64_t(dv), uint64_t(a.nchunks * a.H * dk)}, strides[1] = {uint64_t(dv)};
-      const uint32_t box[2] = {64, uint32_t(dk)};
-      return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
-    };
     if (!qkv_maps(a, m, order) || !input_map(&m[3], sw_do, a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) ||
-        !state_map(&m[4], a.hbuf) || !state_map(&m[5], a.dhbuf))
+        !state_map(&m[4], a, a.hbuf) || !state_map(&m[5], a, a.dhbuf))
       return false;
     order |= unsigned(sw_do) << 3;
     kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
@@ -769,15 +780,16 @@ template bool tc_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
 template <class T>
 bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
   if (!sm90_enabled("fwd") || (a.dk != 64 && a.dk != 128) || a.dv % 64 || !a.o ||
-      a.Ttot + kChunk >= (int64_t(1) << 31))
-    return false;
+      a.Ttot + kChunk >= (int64_t(1) << 31) || (a.hbuf && (a.nchunks * a.H + 1) * a.dk >= (int64_t(1) << 31)))
+    return false;  // TMA coordinates are 32-bit
   auto run = [&](auto kernel, size_t bytes) -> bool {
     if (!ready_sm90(kernel, bytes)) return false;
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
-    CUtensorMap m[3];
+    CUtensorMap m[4] = {};  // q, k, v; the chunk states when asked for (state_map)
     unsigned order = 0;
-    if (!qkv_maps(a, m, order)) return false;
-    kernel<<<dim3(unsigned(a.N * a.H), unsigned(a.dv / 64)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], order, a);
+    if (!qkv_maps(a, m, order) || (a.hbuf && !state_map(&m[3], a, a.hbuf))) return false;
+    kernel<<<dim3(unsigned(a.N * a.H), unsigned(a.dv / 64)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3],
+                                                                                             order, a);
     HILA_CUDA_CHECK_LAUNCH();
     return true;
   };

@@ -151,6 +151,24 @@ inline void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, const int
       }
   mbar_progress(bar, 0, -int64_t(m.box[0]) * b1 * b2 * 2);
 }
+// the store: the box at crd from the swizzled tile at src, elements past the dims not written
+inline void tma_store(const CUtensorMap* map, const void* src, const int* crd) {
+  Tmap m;
+  std::memcpy(&m, map, sizeof m);
+  const auto* in = static_cast<const unsigned char*>(src);
+  if (smem_u32(in) % 1024) emu::die("sm90 emu: TMA source not 1024-byte aligned (128-byte swizzle)");
+  auto* base = const_cast<unsigned char*>(m.base);
+  const uint32_t b1 = m.rank > 1 ? m.box[1] : 1;
+  if (m.rank > 2) emu::die("sm90 emu: TMA store of rank 3 not emulated");
+  for (uint32_t c1 = 0; c1 < b1; ++c1)
+    for (uint32_t c0 = 0; c0 < m.box[0]; ++c0) {
+      const int64_t x0 = int64_t(crd[0]) + c0, x1 = m.rank > 1 ? int64_t(crd[1]) + c1 : 0;
+      if (x0 < 0 || x1 < 0 || uint64_t(x0) >= m.dims[0] || (m.rank > 1 && uint64_t(x1) >= m.dims[1])) continue;
+      const uint32_t L = (c1 * m.box[0] + c0) * 2, row = L / 128, wb = L % 128;
+      std::memcpy(base + x0 * 2 + x1 * int64_t(m.strides[0]), in + row * 128 + (((wb >> 4) ^ (row & 7)) << 4) + (wb & 15),
+                  2);
+    }
+}
 }  // namespace detail
 
 template <class T, int N, int TA, int TB>
@@ -179,5 +197,15 @@ inline void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0
   const int crd[3] = {c0, c1, c2};
   detail::tma_load(dst, map, bar, crd);
 }
+// stores complete at once here: the bulk-group waits have nothing to wait for
+inline void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  const int crd[3] = {c0, c1, 0};
+  detail::tma_store(map, src, crd);
+}
+inline void bulk_commit() {}
+template <int N>
+inline void bulk_wait_read() {}
+template <int N>
+inline void bulk_wait() {}
 
 }  // namespace hila::cuda::sm90
