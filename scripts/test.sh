@@ -38,12 +38,14 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
 # The Hopper kernels (TMA + wgmma, src/cuda/gla_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
-# fused forward, with strided views, varlen and the HLA gradient sums.
+# fused forward (with its TMA stores of the chunk states), with strided views, varlen and the HLA
+# gradient sums.
 EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_fused:'\
-'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T200_mha:CudaOps.FusedQkvViewsInPlace'
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T200_mha:CudaOps.FusedQkvViewsInPlace:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_varlen_init_fused'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
 
 PY=${PYTHON:-python3}
