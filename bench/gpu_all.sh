@@ -8,7 +8,10 @@
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
 # Stage `ab`: the same binary under several settings (AB_ENVS, default the sm_90a kernels off /
-# backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting.
+# backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
+# "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
+# binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
+# repeats the settings in turn (interleaved rounds; the table shows each round's column).
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
 # report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
@@ -56,12 +59,15 @@ if has sanitizer; then
     note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done
 fi
-if has python; then
+if has python; then  # the extension built here for this GPU only (PY_GENCODE), all cores; pytest on 8 workers
   t0=$SECONDS
-  (python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/hsite \
-     -Ccmake.define.HILA_CUDA=ON -Cbuild-dir=/tmp/hbuild . >"$LOGS/pybuild.log" 2>&1 &&
+  (CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
+     --target /tmp/hsite -Ccmake.define.HILA_CUDA=ON \
+     "-Ccmake.define.HILA_CUDA_GENCODE=${PY_GENCODE:--gencode=arch=compute_90a,code=sm_90a}" \
+     -Cbuild-dir=/tmp/hbuild . >"$LOGS/pybuild.log" 2>&1 &&
    PYTHONPATH=/tmp/hsite HILA_SPEC_DIR="$SPEC" HILA_TEST_DEVICES=cuda timeout 300 \
-     python3 -m pytest -q --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} >"$LOGS/pytest.log" 2>&1)
+     python3 -m pytest -q -n ${PYTEST_WORKERS:-8} --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} \
+     >"$LOGS/pytest.log" 2>&1)
   rc=$?
   grep -E "^(E  |FAILED|ERROR)|Error|error:" "$LOGS/pytest.log" | head -40
   tail -3 "$LOGS/pytest.log"
@@ -95,14 +101,25 @@ fi
 if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ..." per setting, ";"-separated; "default" = none)
   IFS=';' read -ra envs <<<"${AB_ENVS:-HILA_GLA_SM90=0;HILA_GLA_SM90=bwd;HILA_GLA_SM90=1}"
   first=1
-  for e in "${envs[@]}"; do
-    [ "$e" = default ] && e=""  # "default": no setting
-    env $e timeout 240 "$BIN/hila_bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
-      >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
-    note "ab [$e] rc=$?"
-    if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi
-    lbl=${e:-default}; lbl=${lbl// /+}; lbl=${lbl//,/|}  # one CSV field: "default" for the empty setting
-    tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${lbl},/" >>"$OUT/ab.csv"
+  for round in $(seq 1 ${AB_ROUNDS:-1}); do
+    k=0
+    for e in "${envs[@]}"; do
+      k=$((k + 1))
+      bench="$BIN/hila_bench" lbl=${e:-default}
+      if [[ $e == tar:* ]]; then  # another build's binaries, unpacked once
+        dir="$LOGS/ab_bin_$k"
+        [ -x "$dir/hila_bench" ] || { mkdir -p "$dir" && tar xJf "${e#tar:}" -C "$dir"; }
+        bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
+      fi
+      [ "$e" = default ] && e=""  # "default": no setting
+      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
+        >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
+      note "ab [$lbl] round $round rc=$?"
+      if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi
+      lbl=${lbl// /+}; lbl=${lbl//,/|}  # one CSV field
+      [ ${AB_ROUNDS:-1} -gt 1 ] && lbl="$lbl@r$round"
+      tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${lbl},/" >>"$OUT/ab.csv"
+    done
   done
   python3 - "$OUT/ab.csv" <<'PY'  # ms per (op, B, T, direction), one column per setting
 import csv, sys
