@@ -195,9 +195,49 @@ void map_forward(ForwardParams& p, DeviceMirror& m) {
 // An exactly sized, poisoned workspace for the call (Temporaries::workspace).
 template <class P>
 void give_workspace(P& d, DeviceMirror& m, Temporaries tmp) {
-  if (tmp != Temporaries::workspace) return;
+  if (tmp == Temporaries::pool) return;
   d.workspace_bytes = workspace_size(d);
   d.workspace = d.workspace_bytes ? m.scratch(d.workspace_bytes) : nullptr;
+}
+// call(d) directly, or (Temporaries::graph) captured on a new non-blocking stream into a CUDA
+// graph, instantiated and launched twice on that stream (the outputs stay poisoned unless the
+// replays write them)
+template <class P, class F>
+void run_call(P& d, Temporaries tmp, F call) {
+  if (tmp != Temporaries::graph) return call(d);
+#ifdef HILA_WITH_CUDA
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  struct Cleanup {
+    cudaStream_t s;
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t x = nullptr;
+    ~Cleanup() {
+      if (x) cudaGraphExecDestroy(x);
+      if (g) cudaGraphDestroy(g);
+      cudaStreamDestroy(s);
+    }
+  } c{s};
+  d.stream = s;
+  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw GraphCaptureUnsupported("cudaStreamBeginCapture: stream capture is not available here");
+  }
+  try {
+    call(d);
+  } catch (...) {
+    (void)cudaStreamEndCapture(s, &c.g);  // ends the (invalidated) capture; its error is the call's
+    (void)cudaGetLastError();
+    throw;
+  }
+  check(cudaStreamEndCapture(s, &c.g), "cudaStreamEndCapture");
+  check(cudaGraphInstantiate(&c.x, c.g, 0), "cudaGraphInstantiate");
+  check(cudaGraphLaunch(c.x, s), "cudaGraphLaunch");
+  check(cudaGraphLaunch(c.x, s), "cudaGraphLaunch (again)");
+  check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+#else
+  no_cuda();
+#endif
 }
 }  // namespace
 
@@ -207,7 +247,7 @@ void forward_on(const ForwardParams& p, Device dev, Temporaries tmp) {
   ForwardParams d = p;
   map_forward(d, m);
   give_workspace(d, m, tmp);
-  forward(d);
+  run_call(d, tmp, [](const ForwardParams& x) { forward(x); });
   m.finish();
 }
 
@@ -222,7 +262,7 @@ void backward_on(const BackwardParams& p, Device dev, Temporaries tmp) {
   d.dlam = m.output(d.dlam), d.dbeta = m.output(d.dbeta);
   d.d_init = m.output(d.d_init);
   give_workspace(d, m, tmp);
-  backward(d);
+  run_call(d, tmp, [](const BackwardParams& x) { backward(x); });
   m.finish();
 }
 

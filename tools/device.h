@@ -5,6 +5,7 @@
 // that would touch a device throws hila::Error("device").
 #pragma once
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,11 @@ class DeviceMirror {
   struct Block;
   Device dev_;
   std::vector<std::unique_ptr<Block>> blocks_;
+};
+
+// Thrown by a Temporaries::graph call where stream capture is not available.
+struct GraphCaptureUnsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // Waits for all work on `dev` (nothing for the CPU).

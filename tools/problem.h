@@ -132,7 +132,10 @@ struct Result {
 };
 // Where a CUDA call's temporaries come from: the device's stream-ordered pool, or a device
 // workspace of exactly hila::workspace_size bytes, poisoned (all bits set) before the call.
-enum class Temporaries { pool, workspace };
+// graph: the workspace, and the call is captured (global capture mode) on a non-blocking stream
+// into a CUDA graph that is then launched twice instead of running directly
+// (GraphCaptureUnsupported where the runtime has no graphs: the host emulator).
+enum class Temporaries { pool, workspace, graph };
 
 // Outputs are allocated and poisoned, then hila::forward fills them. The problem's tensors live in
 // host memory; with a CUDA `dev` the call runs there on device copies (tools/device.h).
