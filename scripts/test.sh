@@ -47,6 +47,12 @@ EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T200_mha:CudaOps.FusedQkvViewsInPlace:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_varlen_init_fused'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
+# The per-call tables uploaded by kernels (the path a call under CUDA graph capture takes, here
+# forced and in 16-byte pieces): varlen, a log-linear state at an unaligned position, delta rule.
+EMU_UPLOAD='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_fused:'\
+'Ops/CudaWorkspace.ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool/loglinear_bf16_varlen_at128:'\
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65'
+HILA_UPLOAD_KERNEL=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_UPLOAD_FILTER:-$EMU_UPLOAD}"
 
 PY=${PYTHON:-python3}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_ROOT_USER_ACTION=ignore

@@ -199,13 +199,41 @@ void give_workspace(P& d, DeviceMirror& m, Temporaries tmp) {
   d.workspace_bytes = workspace_size(d);
   d.workspace = d.workspace_bytes ? m.scratch(d.workspace_bytes) : nullptr;
 }
+#if defined(HILA_WITH_CUDA) && !defined(HILA_CUDA_EMU)
+// A captured graph must not copy from host memory: a replay reads that memory when it runs, after
+// the host may have reused it (hila's per-call tables go up through a pinned ring otherwise).
+void expect_no_host_copies(cudaGraph_t g) {
+  size_t n = 0;
+  check(cudaGraphGetNodes(g, nullptr, &n), "cudaGraphGetNodes");
+  std::vector<cudaGraphNode_t> nodes(n);
+  check(cudaGraphGetNodes(g, nodes.data(), &n), "cudaGraphGetNodes");
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    check(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
+    if (type != cudaGraphNodeTypeMemcpy) continue;
+    cudaMemcpy3DParms m{};
+    check(cudaGraphMemcpyNodeGetParams(node, &m), "cudaGraphMemcpyNodeGetParams");
+    cudaPointerAttributes at{};
+    const bool host_src = m.kind == cudaMemcpyHostToDevice || m.kind == cudaMemcpyHostToHost ||
+                          (m.kind == cudaMemcpyDefault && m.srcPtr.ptr &&
+                           cudaPointerGetAttributes(&at, m.srcPtr.ptr) == cudaSuccess &&
+                           at.type != cudaMemoryTypeDevice && at.type != cudaMemoryTypeManaged);
+    if (host_src)
+      throw Error("graph", "the captured call copies from host memory, which a replay would read when it runs");
+  }
+}
+#endif
+
 // call(d) directly, or (Temporaries::graph) captured on a new non-blocking stream into a CUDA
-// graph, instantiated and launched twice on that stream (the outputs stay poisoned unless the
-// replays write them)
+// graph (which must not copy from host memory), instantiated and launched twice on that stream:
+// the outputs stay poisoned unless the replays write them
 template <class P, class F>
 void run_call(P& d, Temporaries tmp, F call) {
   if (tmp != Temporaries::graph) return call(d);
-#ifdef HILA_WITH_CUDA
+#if defined(HILA_CUDA_EMU)
+  (void)d;
+  throw GraphCaptureUnsupported("the host emulator has no stream capture");
+#elif defined(HILA_WITH_CUDA)
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   struct Cleanup {
@@ -231,6 +259,7 @@ void run_call(P& d, Temporaries tmp, F call) {
     throw;
   }
   check(cudaStreamEndCapture(s, &c.g), "cudaStreamEndCapture");
+  expect_no_host_copies(c.g);
   check(cudaGraphInstantiate(&c.x, c.g, 0), "cudaGraphInstantiate");
   check(cudaGraphLaunch(c.x, s), "cudaGraphLaunch");
   check(cudaGraphLaunch(c.x, s), "cudaGraphLaunch (again)");

@@ -778,8 +778,7 @@ struct DeltaCall {
     if (fin.pos.defined() && !dry_run()) {
       std::vector<int64_t> pos;
       for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-      HILA_CUDA_CHECK(cudaMemcpyAsync(fin.pos.data, pos.data(), pos.size() * 8, cudaMemcpyHostToDevice, s));
-      HILA_CUDA_CHECK(cudaStreamSynchronize(s));  // `pos` is a host temporary
+      upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
     }
   }
 };
