@@ -293,7 +293,11 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 // with (key o w)^T as register A fragments (ldmatrix.trans of the swizzled key tile, scaled by
 // w) and the value tile read MN-major by wgmma. Key and value tiles arrive by TMA, the gates by
 // cp.async, into a ring of S stages: while chunk i's wgmmas run, chunk i+1's fragments are
-// formed (two fragment sets) and chunks up to i+S-1 are in flight.
+// formed (two fragment sets) and chunks up to i+S-1 are in flight. The stored states after the
+// first leave by TMA (map mst, box {64, 64}): once chunk i's wgmmas are done its stage is free
+// until chunk i+S refills it (issued one step later), so the 16-bit state entering chunk i+1 is
+// written there (swizzled), and one thread stores it after a barrier; the refill waits for that
+// store to have read the stage.
 constexpr uint32_t kSweepTile = kChunk * 64 * 2;  // one swizzled [C, 64] 16-bit block
 
 // One m64 slab of a [dk][dv] fp32 state as a wgmma accumulator fragment of N columns: this
@@ -327,7 +331,7 @@ constexpr uint32_t sweep_bytes(int stages, int nv) { return stages * (sweep_stag
 template <class T, bool kRev, int S, int NV>
 __global__ void __launch_bounds__(kSm90Threads)
     sweep_sm90_kernel(const __grid_constant__ CUtensorMap mkey, const __grid_constant__ CUtensorMap mval,
-                      unsigned order, GlaArgs<T> a) {
+                      const __grid_constant__ CUtensorMap mst, unsigned order, GlaArgs<T> a) {
   static_assert(S >= 3, "a stage in the wgmma, one being formed and the refill target");
   static_assert(NV == 64 || NV == 128, "value tile of 64 or 128 columns");
   constexpr uint32_t kStage = sweep_stage(NV);
@@ -365,6 +369,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * kStage;
     if (tid == 0) {
+      if (store) bulk_wait_read<0>();  // a state stored from this stage (below) has been read
       fence_async_smem();  // this stage's earlier generic accesses before the async-proxy refill
       mbar_expect_tx(&full[st], kStage);
       load_rows(base, &mkey, &full[st], order & 1, k0, r0, kx);
@@ -420,7 +425,7 @@ __global__ void __launch_bounds__(kSm90Threads)
                               : nullptr;
   // chunk i with fragments fa / decay; forms chunk i+1's into fb / db meanwhile
   auto step = [&](int i, uint32_t(&fa)[4][4], float decay, uint32_t(&fb)[4][4], float& db) {
-    if (store_base) {  // state entering chunk c (forward) / cotangent at its end (reverse)
+    if (store_base && i == 0) {  // state entering chunk c (forward) / cotangent at its end (reverse)
       T* dst = store_base + chunk_of(i) * cstride;
 #pragma unroll
       for (int j = 0; j < NV / 8; ++j) {
@@ -440,6 +445,22 @@ __global__ void __launch_bounds__(kSm90Threads)
     fence_regs(acc);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) fence_regs(fa[kk]);  // the wgmmas read fa until here
+    if (store && i + 1 < nch) {  // the state of chunk i+1 by TMA from chunk i's stage (see above)
+      char* stg = smem + (i % S) * kStage;  // [64 rows][NV] swizzled: the key tile, then value tiles
+#pragma unroll
+      for (int j = 0; j < NV / 8; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<uint32_t*>(stg + swz(64, 16 * w + g + 8 * hf, 8 * j + 2 * t)) =
+              tc::pack2<T>(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+      fence_async_smem();
+      __syncthreads();
+      if (tid == 0) {
+        const int row = int(((a.chunk0[seq] + chunk_of(i + 1)) * a.H + h) * a.dk + k0);
+        for (int cb = 0; cb < NV / 64; ++cb) tma_store_2d(&mst, stg + cb * kSweepTile, v0 + 64 * cb, row);
+        bulk_commit();
+      }
+    }
   };
   uint32_t fa0[4][4], fa1[4][4];
   float d0 = 1.f, d1 = 1.f;
@@ -449,6 +470,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     if (i + 1 < nch) step(i + 1, fa1, d1, fa0, d0);
   }
   if (fin) store_state_frag<NV>(acc, fin + sidx, a.dv, r_lo, v0, t);
+  if (store && tid == 0) bulk_wait<0>();  // the state stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
@@ -685,11 +707,11 @@ bool qkv_maps(const GlaArgs<T>& a, CUtensorMap* m, unsigned& order) {
 }
 
 // Per-chunk 16-bit states (hbuf, dhbuf: [nchunks][H][dk][dv]) as a 2-d tensor map [nchunks*H*dk][dv],
-// box {64 columns, dk rows}: one chunk's and head's rows, 64 columns.
+// box {64 columns, rows}: rows = dk, one chunk's and head's rows, or 64, a slab of them.
 template <class T>
-bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p) {
+bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p, int rows) {
   const uint64_t dims[2] = {uint64_t(a.dv), uint64_t(a.nchunks * a.H * a.dk)}, strides[1] = {uint64_t(a.dv)};
-  const uint32_t box[2] = {64, uint32_t(a.dk)};
+  const uint32_t box[2] = {64, uint32_t(rows)};
   return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
 }
 
@@ -710,7 +732,7 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
     unsigned order = 0;
     bool sw_do = false;
     if (!qkv_maps(a, m, order) || !input_map(&m[3], sw_do, a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) ||
-        !state_map(&m[4], a, a.hbuf) || !state_map(&m[5], a, a.dhbuf))
+        !state_map(&m[4], a, a.hbuf, dk) || !state_map(&m[5], a, a.dhbuf, dk))
       return false;
     order |= unsigned(sw_do) << 3;
     kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
@@ -732,7 +754,9 @@ template bool tc_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
 
 template <class T>
 bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
-  if (!sm90_enabled("sweep") || a.dk % 64 || a.dv % 64 || a.Ttot + kChunk >= (int64_t(1) << 31)) return false;
+  if (!sm90_enabled("sweep") || a.dk % 64 || a.dv % 64 || a.Ttot + kChunk >= (int64_t(1) << 31) ||
+      (a.nchunks * a.H + 1) * a.dk >= (int64_t(1) << 31))  // TMA coordinates are 32-bit
+    return false;
   // Value tiles of 64 columns: 128 (the key tile read once for both halves, 2 blocks per SM) was
   // slower on the H200 at B=8, T=4K (forward / reverse sweep 282 / 287 us against 258 / 254).
   // Few blocks: the portable sweep, which halves its value tile to double them (B=1, T=64K, 64
@@ -750,15 +774,16 @@ bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
     const size_t bytes = sweep_bytes(S, NV);
     set_smem(kernel, bytes);
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
-    CUtensorMap mkey, mval;
+    CUtensorMap mkey, mval, mst = {};  // mst: the stored states (state_map), when asked for
     bool skey = false, sval = false;
     const bool ok = reverse ? input_map(&mkey, skey, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) &&
                                   input_map(&mval, sval, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot)
                             : input_map(&mkey, skey, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) &&
                                   input_map(&mval, sval, a.v, a.v_ld, a.v_hs, a.dv, src_heads(a, a.v_div), a.Ttot);
-    if (!ok) return false;
+    const T* st = reverse ? a.dhbuf : a.hbuf;
+    if (!ok || (st && !state_map(&mst, a, st, 64))) return false;
     const dim3 grid(unsigned(a.N * a.H), unsigned(a.dk / 64), unsigned(a.dv / NV));
-    kernel<<<grid, kSm90Threads, bytes, stream>>>(mkey, mval, unsigned(skey) | unsigned(sval) << 1, a);
+    kernel<<<grid, kSm90Threads, bytes, stream>>>(mkey, mval, mst, unsigned(skey) | unsigned(sval) << 1, a);
     HILA_CUDA_CHECK_LAUNCH();
     return true;
   };
@@ -787,7 +812,7 @@ bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
     CUtensorMap m[4] = {};  // q, k, v; the chunk states when asked for (state_map)
     unsigned order = 0;
-    if (!qkv_maps(a, m, order) || (a.hbuf && !state_map(&m[3], a, a.hbuf))) return false;
+    if (!qkv_maps(a, m, order) || (a.hbuf && !state_map(&m[3], a, a.hbuf, a.dk))) return false;
     kernel<<<dim3(unsigned(a.N * a.H), unsigned(a.dv / 64)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3],
                                                                                              order, a);
     HILA_CUDA_CHECK_LAUNCH();
