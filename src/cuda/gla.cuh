@@ -53,6 +53,10 @@ struct GlaArgs {
   const int64_t *row0 = nullptr, *len = nullptr, *chunk0 = nullptr;  // [N] (device)
   const int* chunk_seq = nullptr;                   // [nchunks] sequence of each chunk (device)
   int64_t nchunks = 0;
+  // Chunk rows C (a power of two <= kChunk; Resolved::chunk). Chunk c of a sequence is its rows
+  // [cC, cC + C). The kernels' row tiles stay kChunk: a chunk of C < kChunk rows is held like a
+  // sequence's partial last chunk (rows past it zero-filled or masked by nr = rows_in(len, c, C)).
+  int C = kChunk;
   R scale = 1;
   // forward
   T* o = nullptr;                                   // [H][Ttot][dv]

@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int srow = int((cg * a.H + h) * DK);  // row of this chunk's state in hbuf / dhbuf [.., DV]
   if (tid == 0) {
     mbar_init(&bar[0], 1), mbar_init(&bar[1], 1);
@@ -359,14 +359,14 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       acc[4 * j + e] = init ? init[sidx + int64_t(r_lo + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
   init_ring(full, S, tid);
   // chunk i -> stage i % S (every thread commits one cp.async group per call)
   auto issue = [&](int i) {
     if (i >= nch) return tc::cp_async_commit();
     const int c = chunk_of(i), st = i % S;
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int64_t r0 = row0 + int64_t(c) * a.C;
     char* base = smem + st * kStage;
     if (tid == 0) {
       if (store) bulk_wait_read<0>();  // a state stored from this stage (below) has been read
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       for (int cb = 0; cb < NV / 64; ++cb)
         load_rows(base + (1 + cb) * kSweepTile, &mval, &full[st], (order >> 1) & 1, v0 + 64 * cb, r0, vx);
     }
-    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, c), a.row0);
+    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, c, a.C), a.row0);
     tc::cp_async_commit();
   };
   for (int i = 0; i < S - 2; ++i) issue(i);
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   // chunk i+S-2, then form (key o w)^T fragments fa (rows 16w.. of the tile's 64 key columns,
   // tokens 16kk..) and the decay e^B
   auto prep = [&](int i, uint32_t(&fa)[4][4], float& decay) {
-    const int c = chunk_of(i), st = i % S, nr = rows_in(len, c);
+    const int c = chunk_of(i), st = i % S, nr = rows_in(len, c, a.C);
     tc::cp_async_wait<S - 3>();
     mbar_wait(&full[st], (i / S) & 1);
     __syncthreads();  // every thread's gates of chunk i; chunk i-2's stage is free
@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * DK * a.dv;  // [N][H][dk][dv]
   // state: slab m, rows 64m + 16w + g (+8), columns v0 + 8j + 2t (+1): acc[m][4j + 2hf + e]
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   auto issue = [&](int i) {
     if (i >= nch) return tc::cp_async_commit();
     const int st = i % kFwdStages;
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     char* base = smem + st * L::kStage;
     if (tid == 0) {
       fence_async_smem();  // this stage's earlier generic accesses before the async-proxy refill
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       }
       load_rows(base + L::kV, &mv, &full[st], (order >> 2) & 1, v0, r0, h / a.v_div);
     }
-    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i), a.row0);
+    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i, a.C), a.row0);
     tc::cp_async_commit();
   };
   // the state entering chunk i, 16-bit: into buffer i % 2 ([DK][64], swizzled)
@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv) + v0 + 2 * t;
   const int64_t ldo = row_ld(a.o_ld, a.dv);
   for (int i = 0; i < nch; ++i) {
-    const int st = i % kFwdStages, nr = rows_in(len, i);
+    const int st = i % kFwdStages, nr = rows_in(len, i, a.C);
     tc::cp_async_wait<0>();
     mbar_wait(&full[st], (i / kFwdStages) & 1);
     if (a.hbuf && tid == 0) bulk_wait_read<0>();  // H copy i-1 stored: its buffer is copy i+1's
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) fence_regs(pa[kk]);
     // O = diag(scale e^b) Q H + P V, rows < nr
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     const float e0 = sc * tc::fexp(bi0), e1 = sc * tc::fexp(bi1);
 #pragma unroll
     for (int j = 0; j < 8; ++j)

@@ -38,8 +38,8 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   using R = Acc<T>;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const R* g = a.g + int64_t(h) * a.Ttot;
   const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
   R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
@@ -110,14 +110,14 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
-  const int nch = int(kTree ? len / kChunk : (len + kChunk - 1) / kChunk);
+  const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
   const tc::TileStream<T, kThreads, kChunk> key_rows(key, key_ld, k0, bk, kLdTile), val_rows(val, val_ld, v0, bv, kLdTile);
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
     const int c = chunk_of(i), st = i % kStages;
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * a.C;
+    const int nr = rows_in(len, c, a.C);
     key_rows.issue(Ks(st), r0, nr, kLdTile);
     val_rows.issue(Vs(st), r0, nr, kLdTile);
     tc::async_gates<kChunk>(bs(st), b, r0, nr, key);
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   };
   [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
   if constexpr (kTree) {
-    sn = seq_nodes(ta, a.chunk0, seq, (len + kChunk - 1) / kChunk);
+    sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
     if (sn.nc > 0) {  // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
       float4* stk = reinterpret_cast<float4*>(stack) +
                     ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const T* Vt = Vs(st);
     const float* bt = bs(st);
     if constexpr (kTree) {
-      const float B = bt[rows_in(len, c) - 1];
+      const float B = bt[rows_in(len, c, a.C) - 1];
       tc::zero(acc);
       update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });  // Z_c
       float4* stk = reinterpret_cast<float4*>(stack) +
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       if (full) store_full(store_base + c * store_cstride);
       else store16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv);
     }
-    const float B = bt[rows_in(len, c) - 1];
+    const float B = bt[rows_in(len, c, a.C) - 1];
     const float decay = tc::fexp(B);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -312,8 +312,8 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   const int64_t cg = blockIdx.x;
   const int v0 = blockIdx.y * kOutV, h = blockIdx.z;
   const int seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int bv = min(vt, a.dv - v0);
   tc::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
                  bv, kChunk);
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
-  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + a.C - 1) / a.C) : SeqNodes{};
   const int64_t n = sn.a0 + c;
   if constexpr (!kTree) tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
   else if (n > 0) async_node(Hs, ldv, ta, first_read_slot(sn, n), h, a.H, a.dk, a.dv, v0, bv);
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * kFusedV;
   const bool active = 16 * w < dk;  // this warp owns state rows
   const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   const T* q = a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk);
   const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk);
   const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
@@ -437,8 +437,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   // chunk i -> stage i % kFusedStages: Q, K, V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
-    const int st = i % kFusedStages, nr = rows_in(len, i);
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int st = i % kFusedStages, nr = rows_in(len, i, a.C);
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     tc::async_rows(Qs(st), ldq, q, q_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Ks(st), ldq, k, k_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Vs(st), ldv, v, v_ld, r0, nr, v0, kFusedV, kChunk);
@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     __syncthreads();
     if (i + kFusedStages - 1 < nch) issue(i + kFusedStages - 1);
     else tc::cp_async_commit();
-    const int st = i % kFusedStages, nr = rows_in(len, i);
+    const int st = i % kFusedStages, nr = rows_in(len, i, a.C);
     const T* Qt = Qs(st);
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
     tc::warp_gemm<T, 4, false, true>(o, Ps, kLdTile, 16 * rb, Vt, ldv, 32 * ch, 4, 0, 16 * rb + 16);
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -579,8 +579,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   const int rb = w & 3, ch = w >> 2;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int dk = a.dk, dv = a.dv;
   const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
   tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
@@ -592,7 +592,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
   tc::cp_async_commit();  // group A: Q, K, V, dO (P and dA); B: Hp (dQ^); C: dH (dK, dV); B, C land meanwhile
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
-  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + a.C - 1) / a.C) : SeqNodes{};
   const int64_t n = sn.a0 + c;
   if constexpr (kTree) {
     if (n > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(sn, n), h, a.H, dk, dv, 0, dv);
