@@ -49,7 +49,8 @@ EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T200_mha:CudaOps.FusedQkvViewsInPlace:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_varlen_init_fused:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_fused_chunk16:'\
-'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_chunk32'
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_chunk32:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_dk128_dv64_gqa4_sm90_chunk32'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
 # The per-call tables uploaded by kernels (the path a call under CUDA graph capture takes, here
 # forced and in 16-byte pieces): varlen, a log-linear state at an unaligned position, delta rule.
