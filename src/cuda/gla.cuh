@@ -115,6 +115,9 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 // The state sweep on Hopper (gla_sm90.cu) for dk, dv multiples of 64; false as above.
 template <class T>
 bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+// The log-linear tree build in that sweep (tc_tree_sweep's arguments); false as above.
+template <class T>
+bool tc_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
 // The one-kernel forward on Hopper (gla_sm90.cu) for dk of 64 or 128, dv a multiple of 64; false as above.
 template <class T>
 bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);

@@ -157,28 +157,12 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     }
   };
   [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
+  auto at = [&](int j, int e) -> float& { return acc[j][e]; };
+  const int r_lo = k0 + 16 * w + g, c_lo = v0 + 2 * t;
+  const TreeStack<kThreads> stk(stack, lstk);  // kTree only (lstk = 0 otherwise)
   if constexpr (kTree) {
     sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
-    if (sn.nc > 0) {  // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
-      float4* stk = reinterpret_cast<float4*>(stack) +
-                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      for (int m = 1; m < lstk && (sn.a0 >> (m - 1)); ++m) {
-        if (!((sn.a0 >> (m - 1)) & 1)) continue;
-        const float* src = ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + kLogChunk + m) * a.dk * a.dv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
-            acc[j][e] = (active && j < nt) ? src[int64_t(r) * a.dv + col] : 0.f;
-          }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-        if (active)
-          store16(static_cast<T*>(const_cast<void*>(ta.node16)) +
-                  (sn.slot(m, (sn.a0 >> (m - 1)) - 1) * a.H + h) * int64_t(a.dk) * a.dv);
-      }
-    }
+    if (sn.nc > 0) tree_seed<T>(ta, sn, stk, lstk, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
   }
   for (int i = 0; i < nch; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
@@ -190,27 +174,11 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
     const float* bt = bs(st);
-    if constexpr (kTree) {
+    if constexpr (kTree) {  // Z_c, then the nodes it closes
       const float B = bt[rows_in(len, c, a.C) - 1];
       tc::zero(acc);
-      update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });  // Z_c
-      float4* stk = reinterpret_cast<float4*>(stack) +
-                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      int m = 1;
-      int64_t i = sn.a0 + c;
-      while (i & 1) {  // acc = node_m[i] closes node_{m+1}[i >> 1] with its left sibling
-        const float f = tc::fexp(ta.beta[sn.slot(m, i) * a.H + h]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
-          acc[j][0] += f * x.x, acc[j][1] += f * x.y, acc[j][2] += f * x.z, acc[j][3] += f * x.w;
-        }
-        i >>= 1, ++m;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-      if (active)  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
-        store16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, i) * a.H + h) * int64_t(a.dk) * a.dv);
+      update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });
+      tree_close<T>(ta, sn, stk, c, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
       continue;
     }
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
@@ -228,22 +196,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     update(acc, Kt, Vt, wt);
   }
   if constexpr (kTree) {
-    if (ta.pend && active) {  // the pending nodes: level m for each set bit m-1 of a0 + the full chunks
-      const float4* stk = reinterpret_cast<const float4*>(stack) +
-                          ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      for (int m = 1; m < lstk; ++m) {
-        if (!(((sn.a0 + nch) >> (m - 1)) & 1)) continue;
-        float* dst = ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (j < nt) {
-            const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
-            const int r = k0 + 16 * w + g, col = v0 + 8 * j + 2 * t;
-            *reinterpret_cast<float2*>(dst + int64_t(r) * a.dv + col) = make_float2(x.x, x.y);
-            *reinterpret_cast<float2*>(dst + int64_t(r + 8) * a.dv + col) = make_float2(x.z, x.w);
-          }
-      }
-    }
+    if (ta.pend && active) tree_pending(ta, sn, stk, lstk, nch, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, nt);
   }
   if (!kTree && fin && active) {
 #pragma unroll
@@ -861,6 +814,7 @@ size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk) {
 
 template <class T>
 void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
+  if (tc_tree_sweep_sm90(a, ta, stack, lstk, stream)) return;
   const dim3 grid(unsigned(a.N * a.H), unsigned((a.dk + kTile - 1) / kTile), unsigned((a.dv + kTile - 1) / kTile));
   const size_t bytes = kStages * SweepStage::kBytes;
   set_smem(sweep_kernel<T, false, true>, bytes);
