@@ -13,8 +13,10 @@
 # binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
 # repeats the settings in turn (interleaved rounds; the table shows each round's column).
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
-# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
-# report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
+# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv
+# and the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT). The
+# device tool returns at most 8 files of $OUT per call: a call that runs this script more than
+# once should give the extra runs an OUT outside $OUT and copy back only the CSVs it needs.
 set -uo pipefail
 BIN=${BIN:-.dev/bin}
 WHL=${WHL:-.dev/whl}
@@ -107,7 +109,7 @@ if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ...
       k=$((k + 1))
       bench="$BIN/hila_bench" lbl=${e:-default}
       if [[ $e == tar:* ]]; then  # another build's binaries, unpacked once
-        dir="$LOGS/ab_bin_$k"
+        dir="${AB_BINS:-/tmp/hila-ab-bins}/$k"  # not under $LOGS: logs.tgz must stay small
         [ -x "$dir/hila_bench" ] || { mkdir -p "$dir" && tar xJf "${e#tar:}" -C "$dir"; }
         bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
       fi
