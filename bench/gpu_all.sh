@@ -4,6 +4,7 @@
 # benchmark with its anchors in the same run. Binaries are built on the development machine and
 # carried in $BIN (see docs/PERFORMANCE.md); fla wheels in $WHL; the spec oracles in $SPEC.
 #   STAGES="tests demo sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
+# Stage `sanitizer`: SAN_FILTER replaces its default test filter, SAN_EXTRA ("pattern:pattern") adds to it.
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
@@ -13,8 +14,10 @@
 # binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
 # repeats the settings in turn (interleaved rounds; the table shows each round's column).
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
-# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, and the
-# report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
+# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv
+# and the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT). The
+# device tool returns at most 8 files of $OUT per call: a call that runs this script more than
+# once should give the extra runs an OUT outside $OUT and copy back only the CSVs it needs.
 set -uo pipefail
 BIN=${BIN:-.dev/bin}
 WHL=${WHL:-.dev/whl}
@@ -54,7 +57,7 @@ fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
-      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_bf16_d128_T65_fused:*gla_bf16_d128_T65_init_sm90:*gla_f16_dk64_dv128_varlen_init_sm90:*gla_f16_varlen_init_fused:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13:*CudaDelta.*/gdn_bf16_d128_T65:*CudaDelta.*/gdn_bf16_dk40_dv72_ungated_gqa2_init200:*CudaDelta.*/loglinear_gdn_bf16_d128_T129_train_tc:*CudaDelta.*/loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc}" \
+      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_bf16_d128_T65_fused:*gla_bf16_d128_T65_init_sm90:*gla_f16_dk64_dv128_varlen_init_sm90:*gla_f16_varlen_init_fused:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13:*CudaDelta.*/gdn_bf16_d128_T65:*CudaDelta.*/gdn_bf16_dk40_dv72_ungated_gqa2_init200:*CudaDelta.*/loglinear_gdn_bf16_d128_T129_train_tc:*CudaDelta.*/loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc}${SAN_EXTRA:+:$SAN_EXTRA}" \
       >"$LOGS/sanitizer_$tool.log" 2>&1
     note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done
@@ -107,7 +110,7 @@ if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ...
       k=$((k + 1))
       bench="$BIN/hila_bench" lbl=${e:-default}
       if [[ $e == tar:* ]]; then  # another build's binaries, unpacked once
-        dir="$LOGS/ab_bin_$k"
+        dir="${AB_BINS:-/tmp/hila-ab-bins}/$k"  # not under $LOGS: logs.tgz must stay small
         [ -x "$dir/hila_bench" ] || { mkdir -p "$dir" && tar xJf "${e#tar:}" -C "$dir"; }
         bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
       fi
