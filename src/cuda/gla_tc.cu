@@ -124,17 +124,6 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     tc::cp_async_commit();
   };
   pipeline_prologue<kStages>(nch, issue);
-  // the register tile as 16-bit GEMM operand into a [dk][dv] matrix at dst
-  auto store16 = [&](T* dst) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
-        }
-  };
   // acc += Kt^T diag(wt) Vt  [64 (dk), C] x [C, vtile]; full tiles (all of dk's 64 rows, 64 or 32
   // columns) pass a literal column count, so that the fragment loads carry no guards
   const bool full = bk == kTile && nt == 8, half = bk == kTile && nt == 4;
@@ -157,6 +146,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     }
   };
   [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
+  // this thread's tile elements in ll_tree.cuh's layout (rows r_lo (+8), columns c_lo + 8j (+1))
   auto at = [&](int j, int e) -> float& { return acc[j][e]; };
   const int r_lo = k0 + 16 * w + g, c_lo = v0 + 2 * t;
   const TreeStack<kThreads> stk(stack, lstk);  // kTree only (lstk = 0 otherwise)
@@ -183,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     }
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
       if (full) store_full(store_base + c * store_cstride);
-      else store16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv);
+      else tc::store_tile16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, r_lo, c_lo, nt, at);
     }
     const float B = bt[rows_in(len, c, a.C) - 1];
     const float decay = tc::fexp(B);

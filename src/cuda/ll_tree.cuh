@@ -139,6 +139,12 @@ __device__ __forceinline__ void for_each_read(const TreeArgs& ta, const SeqNodes
   }
 }
 
+// The 16-bit copy of node `slot` for head h: [dk][dv] in ta.node16 ([slots][H][dk][dv]).
+template <class T>
+__device__ __forceinline__ T* node16_at(const TreeArgs& ta, int64_t slot, int h, int H, int dk, int dv) {
+  return static_cast<T*>(const_cast<void*>(ta.node16)) + (slot * H + h) * int64_t(dk) * dv;
+}
+
 // The tree build inside a state sweep (gla_tc.cu's sweep_kernel<kTree>, gla_sm90.cu's
 // sweep_sm90_kernel<kTree>): one block of kThreads per (sequence x head, 64 x 64 state tile) with the
 // tile in registers, thread element (j, e) at state row k0 + 16w + g + 8(e >> 1) and column
@@ -169,18 +175,6 @@ struct TreeStack {
   }
 };
 
-// The thread's elements as the 16-bit GEMM operand into the [dk][dv] matrix at dst.
-template <class T, class At>
-__device__ __forceinline__ void store_tile16(T* dst, int dv, int r, int c0, int nt, At&& at) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    if (j < nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<uint32_t*>(dst + int64_t(r + 8 * hf) * dv + c0 + 8 * j) =
-            tc::pack2<T>(at(j, 2 * hf), at(j, 2 * hf + 1));
-}
-
 // Before the first chunk: the initial state's levels p + m (set bits m-1 of a0) are the pending left
 // children, read by chunk a0: onto the stack and into their node slots. r = k0 + 16w + g, c0 = v0 + 2t.
 template <class T, int kThreads, class At>
@@ -197,8 +191,7 @@ __device__ __forceinline__ void tree_seed(const TreeArgs& ta, const SeqNodes& sn
         at(j, e) = (active && j < nt) ? src[int64_t(r + (e >> 1) * 8) * dv + c0 + 8 * j + (e & 1)] : 0.f;
     stk.put(m, at);
     if (active)
-      store_tile16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, (sn.a0 >> (m - 1)) - 1) * H + h) * int64_t(dk) * dv,
-                   dv, r, c0, nt, at);
+      tc::store_tile16(node16_at<T>(ta, sn.slot(m, (sn.a0 >> (m - 1)) - 1), h, H, dk, dv), dv, r, c0, nt, at);
   }
 }
 
@@ -217,8 +210,7 @@ __device__ __forceinline__ void tree_close(const TreeArgs& ta, const SeqNodes& s
   }
   stk.put(m, at);
   if (active)
-    store_tile16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, i) * H + h) * int64_t(dk) * dv, dv, r, c0,
-                 nt, at);
+    tc::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
 }
 
 // After the last full chunk (nch of them): the pending nodes, level m for each set bit m-1 of
@@ -245,7 +237,7 @@ __device__ __forceinline__ void tree_pending(const TreeArgs& ta, const SeqNodes&
 template <class T>
 __device__ __forceinline__ void async_node(T* s, int ld, const TreeArgs& ta, int64_t slot, int h, int H, int dk, int dv,
                                            int v0, int bv) {
-  tc::async_rows(s, ld, static_cast<const T*>(ta.node16) + (slot * H + h) * int64_t(dk) * dv, dv, 0, dk, v0, bv, dk);
+  tc::async_rows(s, ld, node16_at<T>(ta, slot, h, H, dk, dv), dv, 0, dk, v0, bv, dk);
 }
 
 }  // namespace hila::cuda
