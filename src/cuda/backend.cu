@@ -258,6 +258,13 @@ SideStream::~SideStream() {
 }
 
 Arena* current_arena() { return t_arena; }
+bool poison_scratch() {
+  static const bool on = [] {
+    const char* e = std::getenv("HILA_POISON_SCRATCH");
+    return e && *e && std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
 ArenaScope::ArenaScope(Arena* a) : prev_(t_arena) { t_arena = a; }
 ArenaScope::~ArenaScope() { t_arena = prev_; }
 

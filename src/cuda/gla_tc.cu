@@ -571,12 +571,14 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           const float bi = hf ? bi1 : bi0;
-          const float g0 = col <= i ? tc::fexp(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? tc::fexp(bi - s.b[col + 1]) : 0.f;
+          // causal and inside the chunk's rows: rows >= nr read no lam (their level may exceed nL)
+          const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
+          const float g0 = in0 ? tc::fexp(bi - s.b[col]) : 0.f, g1 = in1 ? tc::fexp(bi - s.b[col + 1]) : 0.f;
           float l0 = 1.f, l1 = 1.f;
           if constexpr (kTree) {  // lam_i^{bitlen(i xor j)}; Tl = dP o (scale Gamma o Q K^T) for dlam
             const float* lr = hf ? lam1 : lam0;
-            l0 = col <= i ? lr[32 - __clz(i ^ col)] : 0.f;
-            l1 = col + 1 <= i ? lr[32 - __clz(i ^ (col + 1))] : 0.f;
+            l0 = in0 ? lr[32 - __clz(i ^ col)] : 0.f;
+            l1 = in1 ? lr[32 - __clz(i ^ (col + 1))] : 0.f;
             *reinterpret_cast<float2*>(s.Tl + i * s.kLdT + col) =
                 make_float2(y[j][2 * hf] * x[j][2 * hf] * sc * g0, y[j][2 * hf + 1] * x[j][2 * hf + 1] * sc * g1);
           }
