@@ -4,7 +4,8 @@
 # benchmark with its anchors in the same run. Binaries are built on the development machine and
 # carried in $BIN (see docs/PERFORMANCE.md); fla wheels in $WHL; the spec oracles in $SPEC.
 #   STAGES="tests demo sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
-# Stage `sanitizer`: SAN_FILTER replaces its default test filter, SAN_EXTRA ("pattern:pattern") adds to it.
+# Stage `tests`: TEST_SHARDS=4 runs four gtest shards side by side; TESTS_TIMEOUT (default 300 s) each.
+# Stage `sanitizer`: memcheck and racecheck (SAN_TOOLS) side by side; SAN_FILTER replaces its default test filter, SAN_EXTRA ("pattern:pattern") adds to it.
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
@@ -12,7 +13,8 @@
 # backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
 # "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
 # binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
-# repeats the settings in turn (interleaved rounds; the table shows each round's column).
+# repeats the settings in turn (interleaved rounds; the table shows each round's column). A setting
+# "args:..." passes more arguments to hila_bench: AB_ENVS="default;args:--chunk 32".
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv
 # and the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT). The
@@ -43,10 +45,19 @@ note() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/gpu.txt" >"$OUT/summary.txt"
 if has tests; then
   t0=$SECONDS
-  timeout 300 "$BIN/hila_cuda_tests" ${GTEST_ARGS:-} >"$LOGS/tests.log" 2>&1
-  rc=$?
+  # TEST_SHARDS processes side by side (gtest sharding; the float64 CPU oracles dominate the time)
+  n=${TEST_SHARDS:-1} pids=()
+  for i in $(seq 0 $((n - 1))); do
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout ${TESTS_TIMEOUT:-300} "$BIN/hila_cuda_tests" ${GTEST_ARGS:-} \
+      >"$LOGS/tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for p in "${pids[@]}"; do wait $p || rc=$?; done
+  cat "$LOGS"/tests_*.log >"$LOGS/tests.log"
   grep -E "^\[  FAILED  \]|Failure|rel err.*(NaN|nan)" "$LOGS/tests.log" | head -60
-  note "tests rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$LOGS/tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
+  note "tests rc=$rc passed $(grep -hoE '^\[  PASSED  \] [0-9]+' "$LOGS"/tests_*.log | awk '{s+=$NF} END {print s+0}')" \
+    "failed $(grep -hoE '^\[  FAILED  \] [0-9]+ test' "$LOGS"/tests_*.log | awk '{s+=$3} END {print s+0}') ($((SECONDS - t0)) s)"
 fi
 if has demo; then  # the CLI's main job on the GPU (needs $BIN/hila, the CLI built with CUDA)
   timeout 300 "$BIN/hila" demo --device cuda --T ${DEMO_T:-1024} --decode 16 >"$LOGS/demo.log" 2>&1
@@ -55,11 +66,15 @@ if has demo; then  # the CLI's main job on the GPU (needs $BIN/hila, the CLI bui
   note "demo rc=$rc"
 fi
 if has sanitizer; then
-  for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do  # side by side
+    (timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
       --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_bf16_d128_T65_fused:*gla_bf16_d128_T65_init_sm90:*gla_f16_dk64_dv128_varlen_init_sm90:*gla_f16_varlen_init_fused:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13:*CudaDelta.*/gdn_bf16_d128_T65:*CudaDelta.*/gdn_bf16_dk40_dv72_ungated_gqa2_init200:*CudaDelta.*/loglinear_gdn_bf16_d128_T129_train_tc:*CudaDelta.*/loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc}${SAN_EXTRA:+:$SAN_EXTRA}" \
       >"$LOGS/sanitizer_$tool.log" 2>&1
-    note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
+     echo $? >"$LOGS/sanitizer_$tool.rc") &
+  done
+  wait
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+    note "$tool rc=$(cat "$LOGS/sanitizer_$tool.rc") $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done
 fi
 if has python; then  # the extension built here for this GPU only (PY_GENCODE), all cores; pytest on 8 workers
@@ -108,14 +123,15 @@ if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ...
     k=0
     for e in "${envs[@]}"; do
       k=$((k + 1))
-      bench="$BIN/hila_bench" lbl=${e:-default}
+      bench="$BIN/hila_bench" lbl=${e:-default} extra=""
+      if [[ $e == args:* ]]; then extra=${e#args:} e=""; fi  # more hila_bench arguments, e.g. "args:--chunk 32"
       if [[ $e == tar:* ]]; then  # another build's binaries, unpacked once
         dir="${AB_BINS:-/tmp/hila-ab-bins}/$k"  # not under $LOGS: logs.tgz must stay small
         [ -x "$dir/hila_bench" ] || { mkdir -p "$dir" && tar xJf "${e#tar:}" -C "$dir"; }
         bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
       fi
       [ "$e" = default ] && e=""  # "default": no setting
-      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
+      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" $extra \
         >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
       note "ab [$lbl] round $round rc=$?"
       if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi

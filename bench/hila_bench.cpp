@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Times hila's CUDA operators with CUDA events (warm-up, then the median of --reps runs, timed as
 // the anchors are: see bench_ms) and prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms
-// (d = dv; --dk, --dv, --G: head dims and q/k groups, defaults d, d, H). Inputs are random (never zeros); each
-// input tensor of the benchmark shapes exceeds the L2 cache, so no rotation is needed.
+// (d = dv; --dk, --dv, --G: head dims and q/k groups, defaults d, d, H; --chunk C, default 64).
+// Inputs are random (never zeros); each input tensor of the benchmark shapes exceeds the L2 cache,
+// so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
 // training step pays.
 // --prefill: also times, per op and shape, a forward that writes the final state (direction
@@ -342,6 +343,7 @@ int main(int argc, char** argv) {
   int reps = 10, warmup = 2;
   std::vector<Op> ops = {Op::gla};
   int64_t H = 16, d = 128, dk = 0, dv = 0, G = 0;  // dk, dv default to d; G (q/k groups) to H
+  int64_t chunk = 64;                              // --chunk: the chunk size C of the forward / backward calls
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
   bool decode = false, prefill = false, l2norm = false;
   bool ops_given = false;
@@ -376,6 +378,7 @@ int main(int argc, char** argv) {
     else if (k == "--dk") dk = std::stoll(v);
     else if (k == "--dv") dv = std::stoll(v);
     else if (k == "--G") G = std::stoll(v);
+    else if (k == "--chunk") chunk = std::stoll(v);
     else if (k == "--shapes") {  // "B:T,B:T"
       shapes.clear();
       size_t pos = 0;
@@ -420,6 +423,7 @@ int main(int argc, char** argv) {
     p.cfg.op = op;
     p.cfg.check_values = false;  // value checks copy inputs to the host
     p.form = Form::chunk;
+    p.chunk = chunk;
     p.q = viewK(q), p.k = viewK(k), p.v = viewV(v), p.o = viewV(o);
     p.g = TensorView::contiguous_view(g.p, DType::f32, {B, T, H}, dev);
     // delta rule (gdn, loglinear_gdn): beta in [0, 1]; log-linear: lam with the levels T needs

@@ -20,6 +20,8 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_varlen_init_fused:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_fused:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_d64_T200_mha:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f32_d64_varlen_init_chunk16:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_varlen_init_portable_chunk32:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/ahla_bf16_mha_untied_normalize:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep:'\
@@ -38,14 +40,18 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
 # The Hopper kernels (TMA + wgmma, src/cuda/gla_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
-# fused forward (with its TMA stores of the chunk states), with strided views, varlen and the HLA
-# gradient sums.
+# fused forward (with its TMA stores of the chunk states), with strided views, varlen, the HLA
+# gradient sums, chunks shorter than the 64-row tiles and the log-linear tree build.
 EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_fused:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T200_mha:CudaOps.FusedQkvViewsInPlace:'\
-'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_varlen_init_fused'
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla3_bf16_varlen_init_fused:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_fused_chunk16:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_chunk32:'\
+'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_dk128_dv64_gqa4_sm90_chunk32:'\
+'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep_sm90'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
 # The per-call tables uploaded by kernels (the path a call under CUDA graph capture takes, here
 # forced and in 16-byte pieces): varlen, a log-linear state at an unaligned position, delta rule.

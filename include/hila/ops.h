@@ -99,7 +99,7 @@ int64_t levels_needed(int64_t n0, int64_t T);
 struct ForwardParams {
   OpConfig cfg;
   Form form = Form::chunk;
-  int64_t chunk = 64;  // power of two
+  int64_t chunk = 64;  // power of two; on CUDA at most 64 (gla, HLA family) or exactly 64 (log-linear, delta)
   TensorView q, k, v, g, lam, beta, cu_seqlens;
   StateView init;      // optional initial state
   TensorView o;        // output [B, T, H, dv], dtype of v

@@ -92,6 +92,10 @@ def require_device(device, op="gla", form="chunk", chunk=64):
         pytest.skip(why)
 
 
-def chunk_for(device, cpu_chunk):
-    """Small chunks on the CPU (several per test sequence); the CUDA backend's fixed chunk of 64."""
-    return cpu_chunk if device == "cpu" else 64
+def chunk_for(device, cpu_chunk, op="gla"):
+    """Small chunks (several per test sequence) on the CPU, and on CUDA for the GLA family (any
+    power of two up to 64 there); the CUDA log-linear and delta kernels' fixed chunk of 64."""
+    if device == "cpu":
+        return cpu_chunk
+    t = hila.op_traits(op)
+    return 64 if t["loglinear"] or t["delta"] else cpu_chunk

@@ -93,7 +93,7 @@ def test_step_inplace_equals_functional_step_and_full_forward(op, case, dtype, d
     full, fin = hila.forward(op, **ref_in, output_final_state=True, form="naive", **opts)
     pre = {k: v[:, :T0] for k, v in x.items()}
     o0, st0 = ht.forward(op, **pre, output_final_state=True, final_slots=hila.state_slots(T),
-                         chunk=chunk_for(device, 8), **opts)
+                         chunk=chunk_for(device, 8, op), **opts)
     tol = TOL[dtype]
     _close(o0, full[:, :T0], tol, "prefill")
     st_np, st_t, st_fun = _clone(st0), _clone(st0), _clone(st0)
@@ -132,7 +132,7 @@ def test_step_inplace_after_varlen_prefill(op, device):
     packed = {k: torch.cat([v[i:i + 1, :n] for i, n in enumerate(lens)], 1) for k, v in x.items()}
     cu = torch.tensor([0] + lens, device=device).cumsum(0)
     _, st = ht.forward(op, **packed, cu_seqlens=cu, output_final_state=True,
-                       final_slots=hila.state_slots(21), chunk=chunk_for(device, 8))
+                       final_slots=hila.state_slots(21), chunk=chunk_for(device, 8, op))
     y, _ = _torch(_inputs(op, B=3, T=1, seed=7, levels=hila.levels_needed(0, 21)), device, torch.float64)
     o = ht.step_(op, **_at(y, 0), state=st)
     assert st.pos.tolist() == [n + 1 for n in lens]
@@ -264,7 +264,7 @@ def test_decode_state_on_device(op, device):
     T0, T = 5, 13
     full, fin = hila.forward(op, **ref_in, output_final_state=True, form="naive")
     _, st0 = ht.forward(op, **{k: v[:, :T0] for k, v in x.items()}, output_final_state=True,
-                        chunk=chunk_for(device, 8))
+                        chunk=chunk_for(device, 8, op))
     dec = hila.DecodeState.from_state(op, st0)  # the device of st0
     on = x["q"].device  # with its index: torch.device('cuda') != torch.device('cuda:0')
     assert dec.device == ("cpu" if on.type == "cpu" else f"cuda:{on.index}") and dec.dtype == "float64"

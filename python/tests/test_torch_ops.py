@@ -17,7 +17,7 @@ LOGLINEAR = tuple(op for op in OPS if hila.op_traits(op)["loglinear"])
 @pytest.mark.parametrize("op", OPS)
 def test_forward_matches_oracle(oracles, op, device):
     """torch.ops.hila.forward on `device` (float64) with a varlen batch and initial states."""
-    chunk = chunk_for(device, 8)
+    chunk = chunk_for(device, 8, op)
     require_device(device, op, "chunk", chunk)
     cases, _ = oracles
     p = cases.Problem(op, lens=(7, 0, 150), n0=(3, 9, 40))
@@ -78,7 +78,7 @@ def test_gradcheck(op, case, device):
     state (chunk size 4 so that several chunks are crossed)."""
     case = dict(case)
     form = case.pop("form", "chunk")
-    chunk = chunk_for(device, 4)
+    chunk = chunk_for(device, 4, op)
     require_device(device, op, form, chunk)
     opts = {k: case.pop(k) for k in ("normalize", "ridge", "qk_l2norm", "scale") if k in case}
     x, state, mask = _inputs(op, device, **case)
@@ -124,7 +124,7 @@ def test_gradcheck_step(op, device):
 
 
 def test_gradcheck_varlen(device):
-    chunk = chunk_for(device, 4)
+    chunk = chunk_for(device, 4, "loglinear_hla2")
     require_device(device, "loglinear_hla2", "chunk", chunk)
     x, _, _ = _inputs("loglinear_hla2", device, B=1, T=12)
     cu = torch.tensor([0, 5, 5, 12], device=device)

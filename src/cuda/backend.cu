@@ -258,6 +258,13 @@ SideStream::~SideStream() {
 }
 
 Arena* current_arena() { return t_arena; }
+bool poison_scratch() {
+  static const bool on = [] {
+    const char* e = std::getenv("HILA_POISON_SCRATCH");
+    return e && *e && std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
 ArenaScope::ArenaScope(Arena* a) : prev_(t_arena) { t_arena = a; }
 ArenaScope::~ArenaScope() { t_arena = prev_; }
 
@@ -299,7 +306,7 @@ struct Call {
 
   Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
       : r(r_), plan(detail::OpPlan::make(r_.cfg)), s(s_), dkp(pad16(r_.dk)), dvp(pad16(r_.dvp)),
-        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, kChunk),
+        rep(int(r_.H / r_.G)), Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H), seqs(r_, s_, r_.chunk),
         tree(tree_form(r_, p)) {
     q = operand(p.q, r.G, int(r.dk), dkp, -1, qbuf);
     k = operand(p.k, r.G, int(r.dk), dkp, -1, kbuf);
@@ -387,6 +394,7 @@ struct Call {
     a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
     a.chunk_seq = seqs.d_chunk_seq.get();
     a.nchunks = seqs.nchunks;
+    a.C = int(r.chunk);
     a.scale = R(r.scale);
     return a;
   }
@@ -874,9 +882,14 @@ void cuda_check_supported(const Resolved& r, DType dt) {
   if (r.form != Form::chunk)
     throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
                                     "run on the CPU backend), got ") + form_name(r.form));
-  if (r.chunk != cuda::kChunk)
-    throw Error("chunk", "expected " + std::to_string(cuda::kChunk) + " on a CUDA device, got " +
-                             std::to_string(r.chunk));
+  // The GLA family takes any power of two up to kChunk (its kernels hold a shorter chunk like a
+  // partial one); the log-linear and delta kernels index levels and WY blocks by the 64-row chunk.
+  const bool fixed = r.traits.loglinear || r.traits.delta;
+  if (fixed ? r.chunk != cuda::kChunk : (r.chunk < 1 || r.chunk > cuda::kChunk || (r.chunk & (r.chunk - 1))))
+    throw Error("chunk", std::string("expected ") +
+                             (fixed ? std::to_string(cuda::kChunk) + " for " + op_name(r.cfg.op)
+                                    : "a power of two up to " + std::to_string(cuda::kChunk)) +
+                             " on a CUDA device, got " + std::to_string(r.chunk));
   if (r.traits.delta) return;  // the delta sweeps keep their matrices in global scratch (cuda/delta.cu)
   const size_t optin = cuda::smem_optin();
   const size_t need = cuda::smem_need(dt, cuda::pad16(r.dk), cuda::pad16(r.dvp), r.traits.loglinear);

@@ -49,10 +49,10 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv] offset
   tile_load(s.Hf, s.ldvr, a.h0 ? a.h0 + sidx : nullptr, a.dv, v0, a.dk, bv);
   __syncthreads();
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   for (int c = 0; c < nch; ++c) {
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * a.C;
+    const int nr = rows_in(len, c, a.C);
     if (a.hbuf)
       tile_store(a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
@@ -105,10 +105,10 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;
   tile_load(s.Hf, s.ldvr, a.dht ? a.dht + sidx : nullptr, a.dv, v0, a.dk, bv);
   __syncthreads();
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   for (int c = nch - 1; c >= 0; --c) {
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * a.C;
+    const int nr = rows_in(len, c, a.C);
     tile_store(a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
   const int64_t c = cg - a.chunk0[seq];
-  const int64_t r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int dk = a.dk, dv = a.dv;
   load_rows(s.Q, s.ldk, a.q + int64_t(h / a.q_div) * a.Ttot * dk, dk, r0, nr, 0, dk);
   load_rows(s.K, s.ldk, a.k + int64_t(h / a.k_div) * a.Ttot * dk, dk, r0, nr, 0, dk);

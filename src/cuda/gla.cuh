@@ -53,6 +53,10 @@ struct GlaArgs {
   const int64_t *row0 = nullptr, *len = nullptr, *chunk0 = nullptr;  // [N] (device)
   const int* chunk_seq = nullptr;                   // [nchunks] sequence of each chunk (device)
   int64_t nchunks = 0;
+  // Chunk rows C (a power of two <= kChunk; Resolved::chunk). Chunk c of a sequence is its rows
+  // [cC, cC + C). The kernels' row tiles stay kChunk: a chunk of C < kChunk rows is held like a
+  // sequence's partial last chunk (rows past it zero-filled or masked by nr = rows_in(len, c, C)).
+  int C = kChunk;
   R scale = 1;
   // forward
   T* o = nullptr;                                   // [H][Ttot][dv]
@@ -111,6 +115,9 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 // The state sweep on Hopper (gla_sm90.cu) for dk, dv multiples of 64; false as above.
 template <class T>
 bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+// The log-linear tree build in that sweep (tc_tree_sweep's arguments); false as above.
+template <class T>
+bool tc_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
 // The one-kernel forward on Hopper (gla_sm90.cu) for dk of 64 or 128, dv a multiple of 64; false as above.
 template <class T>
 bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);

@@ -16,7 +16,7 @@
 #include <cstring>
 
 #include "cuda/gla.cuh"
-
+#include "cuda/ll_tree.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/sm90.cuh"
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int srow = int((cg * a.H + h) * DK);  // row of this chunk's state in hbuf / dhbuf [.., DV]
   if (tid == 0) {
     mbar_init(&bar[0], 1), mbar_init(&bar[1], 1);
@@ -328,12 +328,17 @@ __device__ __forceinline__ void init_ring(uint64_t* full, int n, int tid) {
 constexpr uint32_t sweep_stage(int nv) { return (1 + nv / 64) * kSweepTile; }
 constexpr uint32_t sweep_bytes(int stages, int nv) { return stages * (sweep_stage(nv) + kChunk * 4 + 8); }
 
-template <class T, bool kRev, int S, int NV>
+// kTree: the log-linear tree build (ll_tree.cuh, as gla_tc.cu's sweep_kernel<kTree>): per full
+// chunk c the accumulators hold Z_c = (K o w)^T V (zeroed instead of decayed), and tree_close merges
+// them into the nodes with the per-thread fp32 level stack (lstk levels per block).
+template <class T, bool kRev, int S, int NV, bool kTree = false>
 __global__ void __launch_bounds__(kSm90Threads)
     sweep_sm90_kernel(const __grid_constant__ CUtensorMap mkey, const __grid_constant__ CUtensorMap mval,
-                      const __grid_constant__ CUtensorMap mst, unsigned order, GlaArgs<T> a) {
+                      const __grid_constant__ CUtensorMap mst, unsigned order, GlaArgs<T> a, TreeArgs ta,
+                      float* stack, int lstk) {
   static_assert(S >= 3, "a stage in the wgmma, one being formed and the refill target");
   static_assert(NV == 64 || NV == 128, "value tile of 64 or 128 columns");
+  static_assert(!kTree || (!kRev && NV == 64), "the tree build: forward, one 64 x 64 tile per block");
   constexpr uint32_t kStage = sweep_stage(NV);
 #if HILA_SM90A
   using namespace sm90;
@@ -349,9 +354,9 @@ __global__ void __launch_bounds__(kSm90Threads)
   const int kx = kRev ? h / a.q_div : h / a.k_div, vx = kRev ? h : h / a.v_div;  // source heads
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
-  const float* init = kRev ? a.dht : a.h0;
-  float* fin = kRev ? a.dh0 : a.ht;
-  T* store = kRev ? a.dhbuf : a.hbuf;
+  const float* init = kTree ? nullptr : kRev ? a.dht : a.h0;  // kTree: a.h0 is Fenwick (ta.h0 seeds the tree)
+  float* fin = kTree ? nullptr : kRev ? a.dh0 : a.ht;
+  T* store = kTree ? nullptr : kRev ? a.dhbuf : a.hbuf;
   const int r_lo = k0 + 16 * w + g;  // state rows r_lo, r_lo + 8; columns v0 + 8j + 2t (+1): acc[4j + 2hf + e]
   float acc[NV / 2];
 #pragma unroll
@@ -359,14 +364,22 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       acc[4 * j + e] = init ? init[sidx + int64_t(r_lo + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);  // kTree: full chunks only
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  // kTree: the thread's elements (j, e) of ll_tree.cuh's layout are acc[4j + e]
+  auto at = [&](int j, int e) -> float& { return acc[4 * j + e]; };
+  const TreeStack<kSm90Threads> stk(stack, lstk);  // kTree only (lstk = 0 otherwise)
+  [[maybe_unused]] SeqNodes sn;
+  if constexpr (kTree) {
+    sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
+    if (sn.nc > 0) tree_seed<T>(ta, sn, stk, lstk, seq, h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, true, 8, at);
+  }
   init_ring(full, S, tid);
   // chunk i -> stage i % S (every thread commits one cp.async group per call)
   auto issue = [&](int i) {
     if (i >= nch) return tc::cp_async_commit();
     const int c = chunk_of(i), st = i % S;
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int64_t r0 = row0 + int64_t(c) * a.C;
     char* base = smem + st * kStage;
     if (tid == 0) {
       if (store) bulk_wait_read<0>();  // a state stored from this stage (below) has been read
@@ -376,7 +389,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       for (int cb = 0; cb < NV / 64; ++cb)
         load_rows(base + (1 + cb) * kSweepTile, &mval, &full[st], (order >> 1) & 1, v0 + 64 * cb, r0, vx);
     }
-    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, c), a.row0);
+    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, c, a.C), a.row0);
     tc::cp_async_commit();
   };
   for (int i = 0; i < S - 2; ++i) issue(i);
@@ -385,7 +398,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   // chunk i+S-2, then form (key o w)^T fragments fa (rows 16w.. of the tile's 64 key columns,
   // tokens 16kk..) and the decay e^B
   auto prep = [&](int i, uint32_t(&fa)[4][4], float& decay) {
-    const int c = chunk_of(i), st = i % S, nr = rows_in(len, c);
+    const int c = chunk_of(i), st = i % S, nr = rows_in(len, c, a.C);
     tc::cp_async_wait<S - 3>();
     mbar_wait(&full[st], (i / S) & 1);
     __syncthreads();  // every thread's gates of chunk i; chunk i-2's stage is free
@@ -434,7 +447,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       }
     }
 #pragma unroll
-    for (int e = 0; e < NV / 2; ++e) acc[e] *= decay;
+    for (int e = 0; e < NV / 2; ++e) acc[e] = kTree ? 0.f : acc[e] * decay;
     wg_fence();
     const uint32_t vt = s0 + (i % S) * kStage + kSweepTile;
 #pragma unroll
@@ -445,6 +458,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     fence_regs(acc);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) fence_regs(fa[kk]);  // the wgmmas read fa until here
+    if constexpr (kTree) tree_close<T>(ta, sn, stk, chunk_of(i), h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, true, 8, at);
     if (store && i + 1 < nch) {  // the state of chunk i+1 by TMA from chunk i's stage (see above)
       char* stg = smem + (i % S) * kStage;  // [64 rows][NV] swizzled: the key tile, then value tiles
 #pragma unroll
@@ -470,6 +484,8 @@ __global__ void __launch_bounds__(kSm90Threads)
     if (i + 1 < nch) step(i + 1, fa1, d1, fa0, d0);
   }
   if (fin) store_state_frag<NV>(acc, fin + sidx, a.dv, r_lo, v0, t);
+  if constexpr (kTree)
+    if (ta.pend) tree_pending(ta, sn, stk, lstk, nch, seq, h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, 8);
   if (store && tid == 0) bulk_wait<0>();  // the state stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
@@ -517,7 +533,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * DK * a.dv;  // [N][H][dk][dv]
   // state: slab m, rows 64m + 16w + g (+8), columns v0 + 8j + 2t (+1): acc[m][4j + 2hf + e]
@@ -535,7 +551,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   auto issue = [&](int i) {
     if (i >= nch) return tc::cp_async_commit();
     const int st = i % kFwdStages;
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     char* base = smem + st * L::kStage;
     if (tid == 0) {
       fence_async_smem();  // this stage's earlier generic accesses before the async-proxy refill
@@ -546,7 +562,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       }
       load_rows(base + L::kV, &mv, &full[st], (order >> 2) & 1, v0, r0, h / a.v_div);
     }
-    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i), a.row0);
+    tc::async_gates<kChunk>(gates + st * kChunk, b, r0, rows_in(len, i, a.C), a.row0);
     tc::cp_async_commit();
   };
   // the state entering chunk i, 16-bit: into buffer i % 2 ([DK][64], swizzled)
@@ -573,7 +589,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   T* out = a.o + h * head_stride(a.o_hs, a.Ttot, a.dv) + v0 + 2 * t;
   const int64_t ldo = row_ld(a.o_ld, a.dv);
   for (int i = 0; i < nch; ++i) {
-    const int st = i % kFwdStages, nr = rows_in(len, i);
+    const int st = i % kFwdStages, nr = rows_in(len, i, a.C);
     tc::cp_async_wait<0>();
     mbar_wait(&full[st], (i / kFwdStages) & 1);
     if (a.hbuf && tid == 0) bulk_wait_read<0>();  // H copy i-1 stored: its buffer is copy i+1's
@@ -661,7 +677,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) fence_regs(pa[kk]);
     // O = diag(scale e^b) Q H + P V, rows < nr
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     const float e0 = sc * tc::fexp(bi0), e1 = sc * tc::fexp(bi1);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -752,8 +768,11 @@ bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
 template bool tc_bwd_chunk_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t);
 template bool tc_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
 
+namespace {
+// The launch behind tc_sweep_sm90 and tc_tree_sweep_sm90 (tree set: the forward tree build).
 template <class T>
-bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
+bool sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream, const TreeArgs* tree, float* stack, int lstk) {
+  static_assert(kSm90Threads == 128, "the tree stack is sized for 128 threads per block (tc_tree_sweep_stack)");
   if (!sm90_enabled("sweep") || a.dk % 64 || a.dv % 64 || a.Ttot + kChunk >= (int64_t(1) << 31) ||
       (a.nchunks * a.H + 1) * a.dk >= (int64_t(1) << 31))  // TMA coordinates are 32-bit
     return false;
@@ -783,24 +802,40 @@ bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
     const T* st = reverse ? a.dhbuf : a.hbuf;
     if (!ok || (st && !state_map(&mst, a, st, 64))) return false;
     const dim3 grid(unsigned(a.N * a.H), unsigned(a.dk / 64), unsigned(a.dv / NV));
-    kernel<<<grid, kSm90Threads, bytes, stream>>>(mkey, mval, mst, unsigned(skey) | unsigned(sval) << 1, a);
+    kernel<<<grid, kSm90Threads, bytes, stream>>>(mkey, mval, mst, unsigned(skey) | unsigned(sval) << 1, a,
+                                                  tree ? *tree : TreeArgs{}, stack, lstk);
     HILA_CUDA_CHECK_LAUNCH();
     return true;
   };
-  auto by_tile = [&](auto rev, auto nv) {
-    constexpr bool kRev = decltype(rev)::value;
+  auto by_tile = [&](auto rev, auto nv, auto tr) {
+    constexpr bool kRev = decltype(rev)::value, kTree = decltype(tr)::value;
     constexpr int kNV = decltype(nv)::value;
-    return S == 3   ? run(sweep_sm90_kernel<T, kRev, 3, kNV>)
-           : S == 4 ? run(sweep_sm90_kernel<T, kRev, 4, kNV>)
-           : S == 6 ? run(sweep_sm90_kernel<T, kRev, 6, kNV>)
-                    : run(sweep_sm90_kernel<T, kRev, 8, kNV>);
+    return S == 3   ? run(sweep_sm90_kernel<T, kRev, 3, kNV, kTree>)
+           : S == 4 ? run(sweep_sm90_kernel<T, kRev, 4, kNV, kTree>)
+           : S == 6 ? run(sweep_sm90_kernel<T, kRev, 6, kNV, kTree>)
+                    : run(sweep_sm90_kernel<T, kRev, 8, kNV, kTree>);
   };
-  auto by_depth = [&](auto rev) { return by_tile(rev, std::integral_constant<int, NV>{}); };
-  return reverse ? by_depth(std::true_type{}) : by_depth(std::false_type{});
+  constexpr std::integral_constant<int, NV> nv;
+  if (tree) return by_tile(std::false_type{}, nv, std::true_type{});
+  return reverse ? by_tile(std::true_type{}, nv, std::false_type{}) : by_tile(std::false_type{}, nv, std::false_type{});
+}
+}  // namespace
+
+template <class T>
+bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
+  return sweep_sm90(a, reverse, stream, nullptr, nullptr, 0);
+}
+
+template <class T>
+bool tc_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
+  return sweep_sm90(a, false, stream, &ta, stack, lstk);
 }
 
 template bool tc_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, bool, cudaStream_t);
 template bool tc_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
+template bool tc_tree_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, const TreeArgs&, float*, int,
+                                                 cudaStream_t);
+template bool tc_tree_sweep_sm90<__half>(const GlaArgs<__half>&, const TreeArgs&, float*, int, cudaStream_t);
 
 template <class T>
 bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream) {

@@ -38,8 +38,8 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   using R = Acc<T>;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const R* g = a.g + int64_t(h) * a.Ttot;
   const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
   R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
@@ -110,31 +110,20 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
-  const int nch = int(kTree ? len / kChunk : (len + kChunk - 1) / kChunk);
+  const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
   const tc::TileStream<T, kThreads, kChunk> key_rows(key, key_ld, k0, bk, kLdTile), val_rows(val, val_ld, v0, bv, kLdTile);
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
     const int c = chunk_of(i), st = i % kStages;
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * a.C;
+    const int nr = rows_in(len, c, a.C);
     key_rows.issue(Ks(st), r0, nr, kLdTile);
     val_rows.issue(Vs(st), r0, nr, kLdTile);
     tc::async_gates<kChunk>(bs(st), b, r0, nr, key);
     tc::cp_async_commit();
   };
   pipeline_prologue<kStages>(nch, issue);
-  // the register tile as 16-bit GEMM operand into a [dk][dv] matrix at dst
-  auto store16 = [&](T* dst) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int r = k0 + 16 * w + g + 8 * hf, col = v0 + 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(dst + int64_t(r) * a.dv + col) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
-        }
-  };
   // acc += Kt^T diag(wt) Vt  [64 (dk), C] x [C, vtile]; full tiles (all of dk's 64 rows, 64 or 32
   // columns) pass a literal column count, so that the fragment loads carry no guards
   const bool full = bk == kTile && nt == 8, half = bk == kTile && nt == 4;
@@ -157,28 +146,13 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     }
   };
   [[maybe_unused]] SeqNodes sn;  // kTree: node layout, chunks a0 + i
+  // this thread's tile elements in ll_tree.cuh's layout (rows r_lo (+8), columns c_lo + 8j (+1))
+  auto at = [&](int j, int e) -> float& { return acc[j][e]; };
+  const int r_lo = k0 + 16 * w + g, c_lo = v0 + 2 * t;
+  const TreeStack<kThreads> stk(stack, lstk);  // kTree only (lstk = 0 otherwise)
   if constexpr (kTree) {
-    sn = seq_nodes(ta, a.chunk0, seq, (len + kChunk - 1) / kChunk);
-    if (sn.nc > 0) {  // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
-      float4* stk = reinterpret_cast<float4*>(stack) +
-                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      for (int m = 1; m < lstk && (sn.a0 >> (m - 1)); ++m) {
-        if (!((sn.a0 >> (m - 1)) & 1)) continue;
-        const float* src = ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + kLogChunk + m) * a.dk * a.dv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
-            acc[j][e] = (active && j < nt) ? src[int64_t(r) * a.dv + col] : 0.f;
-          }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-        if (active)
-          store16(static_cast<T*>(const_cast<void*>(ta.node16)) +
-                  (sn.slot(m, (sn.a0 >> (m - 1)) - 1) * a.H + h) * int64_t(a.dk) * a.dv);
-      }
-    }
+    sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
+    if (sn.nc > 0) tree_seed<T>(ta, sn, stk, lstk, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
   }
   for (int i = 0; i < nch; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
@@ -190,34 +164,18 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
     const float* bt = bs(st);
-    if constexpr (kTree) {
-      const float B = bt[rows_in(len, c) - 1];
+    if constexpr (kTree) {  // Z_c, then the nodes it closes
+      const float B = bt[rows_in(len, c, a.C) - 1];
       tc::zero(acc);
-      update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });  // Z_c
-      float4* stk = reinterpret_cast<float4*>(stack) +
-                    ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      int m = 1;
-      int64_t i = sn.a0 + c;
-      while (i & 1) {  // acc = node_m[i] closes node_{m+1}[i >> 1] with its left sibling
-        const float f = tc::fexp(ta.beta[sn.slot(m, i) * a.H + h]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
-          acc[j][0] += f * x.x, acc[j][1] += f * x.y, acc[j][2] += f * x.z, acc[j][3] += f * x.w;
-        }
-        i >>= 1, ++m;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) stk[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-      if (active)  // node (m, i), i even: read by chunk (i + 1) 2^{m-1}
-        store16(static_cast<T*>(const_cast<void*>(ta.node16)) + (sn.slot(m, i) * a.H + h) * int64_t(a.dk) * a.dv);
+      update(acc, Kt, Vt, [&](int k) { return tc::fexp(B - bt[k]); });
+      tree_close<T>(ta, sn, stk, c, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
       continue;
     }
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
       if (full) store_full(store_base + c * store_cstride);
-      else store16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv);
+      else tc::store_tile16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, r_lo, c_lo, nt, at);
     }
-    const float B = bt[rows_in(len, c) - 1];
+    const float B = bt[rows_in(len, c, a.C) - 1];
     const float decay = tc::fexp(B);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -228,22 +186,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     update(acc, Kt, Vt, wt);
   }
   if constexpr (kTree) {
-    if (ta.pend && active) {  // the pending nodes: level m for each set bit m-1 of a0 + the full chunks
-      const float4* stk = reinterpret_cast<const float4*>(stack) +
-                          ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads;
-      for (int m = 1; m < lstk; ++m) {
-        if (!(((sn.a0 + nch) >> (m - 1)) & 1)) continue;
-        float* dst = ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (j < nt) {
-            const float4 x = stk[(m * 8 + j) * kThreads + threadIdx.x];
-            const int r = k0 + 16 * w + g, col = v0 + 8 * j + 2 * t;
-            *reinterpret_cast<float2*>(dst + int64_t(r) * a.dv + col) = make_float2(x.x, x.y);
-            *reinterpret_cast<float2*>(dst + int64_t(r + 8) * a.dv + col) = make_float2(x.z, x.w);
-          }
-      }
-    }
+    if (ta.pend && active) tree_pending(ta, sn, stk, lstk, nch, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, nt);
   }
   if (!kTree && fin && active) {
 #pragma unroll
@@ -312,8 +255,8 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   const int64_t cg = blockIdx.x;
   const int v0 = blockIdx.y * kOutV, h = blockIdx.z;
   const int seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int bv = min(vt, a.dv - v0);
   tc::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
@@ -323,7 +266,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   tc::async_rows(Vs, ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, v0,
                  bv, kChunk);
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
-  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + a.C - 1) / a.C) : SeqNodes{};
   const int64_t n = sn.a0 + c;
   if constexpr (!kTree) tc::async_rows(Hs, ldv, a.hbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dv, 0, a.dk, v0, bv, a.dk);
   else if (n > 0) async_node(Hs, ldv, ta, first_read_slot(sn, n), h, a.H, a.dk, a.dv, v0, bv);
@@ -429,7 +372,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * kFusedV;
   const bool active = 16 * w < dk;  // this warp owns state rows
   const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
-  const int nch = int((len + kChunk - 1) / kChunk);
+  const int nch = int((len + a.C - 1) / a.C);
   const T* q = a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk);
   const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk);
   const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
@@ -437,8 +380,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   // chunk i -> stage i % kFusedStages: Q, K, V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
-    const int st = i % kFusedStages, nr = rows_in(len, i);
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int st = i % kFusedStages, nr = rows_in(len, i, a.C);
+    const int64_t r0 = row0 + int64_t(i) * a.C;
     tc::async_rows(Qs(st), ldq, q, q_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Ks(st), ldq, k, k_ld, r0, nr, 0, dk, kChunk);
     tc::async_rows(Vs(st), ldv, v, v_ld, r0, nr, v0, kFusedV, kChunk);
@@ -483,7 +426,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     __syncthreads();
     if (i + kFusedStages - 1 < nch) issue(i + kFusedStages - 1);
     else tc::cp_async_commit();
-    const int st = i % kFusedStages, nr = rows_in(len, i);
+    const int st = i % kFusedStages, nr = rows_in(len, i, a.C);
     const T* Qt = Qs(st);
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
@@ -512,7 +455,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
     tc::warp_gemm<T, 4, false, true>(o, Ps, kLdTile, 16 * rb, Vt, ldv, 32 * ch, 4, 0, 16 * rb + 16);
-    const int64_t r0 = row0 + int64_t(i) * kChunk;
+    const int64_t r0 = row0 + int64_t(i) * a.C;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -579,8 +522,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   const int rb = w & 3, ch = w >> 2;
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
   const int dk = a.dk, dv = a.dv;
   const int64_t hidx = (cg * a.H + h) * int64_t(dk) * dv;
   tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
@@ -592,7 +535,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
   tc::cp_async_commit();  // group A: Q, K, V, dO (P and dA); B: Hp (dQ^); C: dH (dK, dV); B, C land meanwhile
   // kTree: the chunk's absolute index n reads the nodes of the set bits of n
-  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + kChunk - 1) / kChunk) : SeqNodes{};
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + a.C - 1) / a.C) : SeqNodes{};
   const int64_t n = sn.a0 + c;
   if constexpr (kTree) {
     if (n > 0) async_node(s.Hp, s.ldv, ta, first_read_slot(sn, n), h, a.H, dk, dv, 0, dv);
@@ -628,12 +571,14 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           const float bi = hf ? bi1 : bi0;
-          const float g0 = col <= i ? tc::fexp(bi - s.b[col]) : 0.f, g1 = col + 1 <= i ? tc::fexp(bi - s.b[col + 1]) : 0.f;
+          // causal and inside the chunk's rows: rows >= nr read no lam (their level may exceed nL)
+          const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
+          const float g0 = in0 ? tc::fexp(bi - s.b[col]) : 0.f, g1 = in1 ? tc::fexp(bi - s.b[col + 1]) : 0.f;
           float l0 = 1.f, l1 = 1.f;
           if constexpr (kTree) {  // lam_i^{bitlen(i xor j)}; Tl = dP o (scale Gamma o Q K^T) for dlam
             const float* lr = hf ? lam1 : lam0;
-            l0 = col <= i ? lr[32 - __clz(i ^ col)] : 0.f;
-            l1 = col + 1 <= i ? lr[32 - __clz(i ^ (col + 1))] : 0.f;
+            l0 = in0 ? lr[32 - __clz(i ^ col)] : 0.f;
+            l1 = in1 ? lr[32 - __clz(i ^ (col + 1))] : 0.f;
             *reinterpret_cast<float2*>(s.Tl + i * s.kLdT + col) =
                 make_float2(y[j][2 * hf] * x[j][2 * hf] * sc * g0, y[j][2 * hf + 1] * x[j][2 * hf + 1] * sc * g1);
           }
@@ -861,6 +806,7 @@ size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk) {
 
 template <class T>
 void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
+  if (tc_tree_sweep_sm90(a, ta, stack, lstk, stream)) return;
   const dim3 grid(unsigned(a.N * a.H), unsigned((a.dk + kTile - 1) / kTile), unsigned((a.dv + kTile - 1) / kTile));
   const size_t bytes = kStages * SweepStage::kBytes;
   set_smem(sweep_kernel<T, false, true>, bytes);

@@ -139,12 +139,105 @@ __device__ __forceinline__ void for_each_read(const TreeArgs& ta, const SeqNodes
   }
 }
 
+// The 16-bit copy of node `slot` for head h: [dk][dv] in ta.node16 ([slots][H][dk][dv]).
+template <class T>
+__device__ __forceinline__ T* node16_at(const TreeArgs& ta, int64_t slot, int h, int H, int dk, int dv) {
+  return static_cast<T*>(const_cast<void*>(ta.node16)) + (slot * H + h) * int64_t(dk) * dv;
+}
+
+// The tree build inside a state sweep (gla_tc.cu's sweep_kernel<kTree>, gla_sm90.cu's
+// sweep_sm90_kernel<kTree>): one block of kThreads per (sequence x head, 64 x 64 state tile) with the
+// tile in registers, thread element (j, e) at state row k0 + 16w + g + 8(e >> 1) and column
+// v0 + 8j + 2t + (e & 1) (w the warp, g = lane / 4, t = lane % 4; the mma.sync accumulator layout and
+// the wgmma m64n64 one alike). `at(j, e)` is that element; j < nt of 8 column groups are valid and
+// `active` says the thread's rows are. Each thread keeps its own elements of the pending left
+// children in fp32 in `stack` (lstk levels per block, see TreeStack), so the build needs no barriers.
+template <int kThreads>
+struct TreeStack {
+  float4* p;  // this block's [lstk][8][kThreads] float4
+  __device__ explicit TreeStack(float* stack, int lstk)
+      : p(reinterpret_cast<float4*>(stack) +
+          ((int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * lstk * 8 * kThreads) {}
+  template <class At>
+  __device__ __forceinline__ void put(int m, At&& at) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      p[(m * 8 + j) * kThreads + threadIdx.x] = make_float4(at(j, 0), at(j, 1), at(j, 2), at(j, 3));
+  }
+  // acc += f * level m
+  template <class At>
+  __device__ __forceinline__ void add(int m, float f, At&& at) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float4 x = p[(m * 8 + j) * kThreads + threadIdx.x];
+      at(j, 0) += f * x.x, at(j, 1) += f * x.y, at(j, 2) += f * x.z, at(j, 3) += f * x.w;
+    }
+  }
+};
+
+// Before the first chunk: the initial state's levels p + m (set bits m-1 of a0) are the pending left
+// children, read by chunk a0: onto the stack and into their node slots. r = k0 + 16w + g, c0 = v0 + 2t.
+template <class T, int kThreads, class At>
+__device__ __forceinline__ void tree_seed(const TreeArgs& ta, const SeqNodes& sn, const TreeStack<kThreads>& stk, int lstk,
+                                          int seq, int h, int H, int dk, int dv, int r, int c0, bool active, int nt,
+                                          At&& at) {
+  for (int m = 1; m < lstk && (sn.a0 >> (m - 1)); ++m) {
+    if (!((sn.a0 >> (m - 1)) & 1)) continue;
+    const float* src = ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * dk * dv;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        at(j, e) = (active && j < nt) ? src[int64_t(r + (e >> 1) * 8) * dv + c0 + 8 * j + (e & 1)] : 0.f;
+    stk.put(m, at);
+    if (active)
+      tc::store_tile16(node16_at<T>(ta, sn.slot(m, (sn.a0 >> (m - 1)) - 1), h, H, dk, dv), dv, r, c0, nt, at);
+  }
+}
+
+// After chunk c's Z_c is in the registers: while its node index (level m) is odd it closes its
+// parent, acc <- e^{beta_m[i]} stk[m] + acc; the node it ends as (m, i even) goes onto the stack and
+// into its slot (read by chunk (i + 1) 2^{m-1}).
+template <class T, int kThreads, class At>
+__device__ __forceinline__ void tree_close(const TreeArgs& ta, const SeqNodes& sn, const TreeStack<kThreads>& stk,
+                                           int64_t c, int h, int H, int dk, int dv, int r, int c0, bool active, int nt,
+                                           At&& at) {
+  int m = 1;
+  int64_t i = sn.a0 + c;
+  while (i & 1) {
+    stk.add(m, tc::fexp(ta.beta[sn.slot(m, i) * H + h]), at);
+    i >>= 1, ++m;
+  }
+  stk.put(m, at);
+  if (active)
+    tc::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
+}
+
+// After the last full chunk (nch of them): the pending nodes, level m for each set bit m-1 of
+// a0 + nch, into ta.pend (fp32, the final state's levels above the chunk).
+template <int kThreads>
+__device__ __forceinline__ void tree_pending(const TreeArgs& ta, const SeqNodes& sn, const TreeStack<kThreads>& stk,
+                                             int lstk, int64_t nch, int seq, int h, int H, int dk, int dv, int r, int c0,
+                                             int nt) {
+  for (int m = 1; m < lstk; ++m) {
+    if (!(((sn.a0 + nch) >> (m - 1)) & 1)) continue;
+    float* dst = ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * int64_t(dk) * dv;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt) {
+        const float4 x = stk.p[(m * 8 + j) * kThreads + threadIdx.x];
+        *reinterpret_cast<float2*>(dst + int64_t(r) * dv + c0 + 8 * j) = make_float2(x.x, x.y);
+        *reinterpret_cast<float2*>(dst + int64_t(r + 8) * dv + c0 + 8 * j) = make_float2(x.z, x.w);
+      }
+  }
+}
+
 // Columns [v0, v0+bv) of the 16-bit node copy in `slot` ([dk][dv] per (slot, head)) into smem
 // [dk][ld] with cp.async (the caller commits and waits).
 template <class T>
 __device__ __forceinline__ void async_node(T* s, int ld, const TreeArgs& ta, int64_t slot, int h, int H, int dk, int dv,
                                            int v0, int bv) {
-  tc::async_rows(s, ld, static_cast<const T*>(ta.node16) + (slot * H + h) * int64_t(dk) * dv, dv, 0, dk, v0, bv, dk);
+  tc::async_rows(s, ld, node16_at<T>(ta, slot, h, H, dk, dv), dv, 0, dk, v0, bv, dk);
 }
 
 }  // namespace hila::cuda

@@ -302,4 +302,18 @@ __device__ __forceinline__ void async_gates(float* dst, const float* b, int64_t 
   }
 }
 
+// A warp's 64-column accumulator tile (mma.sync or wgmma m64 layout: element (j, e) = at(j, e) at
+// row r + 8 (e >> 1), column c0 + 8j + (e & 1); j < nt valid) as the 16-bit GEMM operand into
+// the [rows][ld] matrix at dst.
+template <class T, class At>
+__device__ __forceinline__ void store_tile16(T* dst, int ld, int r, int c0, int nt, At&& at) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<uint32_t*>(dst + int64_t(r + 8 * hf) * ld + c0 + 8 * j) =
+            pack2<T>(at(j, 2 * hf), at(j, 2 * hf + 1));
+}
+
 }  // namespace hila::cuda::tc

@@ -60,6 +60,13 @@ inline bool dry_run() {
   return a && a->measuring();
 }
 
+// HILA_POISON_SCRATCH=1 (the GPU tests set it; read once): every temporary is filled with 0xff
+// (NaN in every float dtype) unless it is asked for zeroed, and is followed by kScratchGuard more
+// such bytes. A kernel that reads scratch it never wrote, or a little past a buffer (into the next
+// arena block, where compute-sanitizer sees nothing), then gets NaN and fails its test.
+bool poison_scratch();
+inline constexpr size_t kScratchGuard = 1024;
+
 // Stream-ordered device buffer (the current arena, else the current device's default pool).
 template <class X>
 class DevBuf {
@@ -67,14 +74,15 @@ class DevBuf {
   DevBuf() = default;
   DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
     if (n == 0) return;
+    const size_t body = n * sizeof(X), guard = poison_scratch() ? kScratchGuard : 0;
     if ((arena_ = current_arena())) {
-      p_ = static_cast<X*>(arena_->take(n * sizeof(X)));
-      if (zero && !arena_->measuring()) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
+      p_ = static_cast<X*>(arena_->take(body + guard));
+      if (!arena_->measuring()) fill(body, guard, zero);
       return;
     }
     keep_pool_cached();
-    HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(X), s));
-    if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(X), s));
+    HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), body + guard, s));
+    fill(body, guard, zero);
   }
   ~DevBuf() {
     if (!p_) return;
@@ -92,6 +100,11 @@ class DevBuf {
   X* get() const { return p_; }
 
  private:
+  void fill(size_t body, size_t guard, bool zero) {
+    char* p = reinterpret_cast<char*>(p_);
+    if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p, 0, body, s_));
+    if (guard) HILA_CUDA_CHECK(cudaMemsetAsync(p + (zero ? body : 0), 0xff, (zero ? 0 : body) + guard, s_));
+  }
   X* p_ = nullptr;
   size_t n_ = 0;
   cudaStream_t s_ = nullptr;

@@ -55,10 +55,10 @@ __device__ void store_rows(T* g, int64_t ldg, int64_t r0, int c0, const R* s, in
   }
 }
 
-// Valid rows of chunk c of a sequence of `len` tokens.
-__device__ __forceinline__ int rows_in(int64_t len, int64_t c) {
-  const int64_t r = len - c * kChunk;
-  return r < kChunk ? int(r) : kChunk;
+// Valid rows of chunk c of a sequence of `len` tokens, chunks of C rows.
+__device__ __forceinline__ int rows_in(int64_t len, int64_t c, int C = kChunk) {
+  const int64_t r = len - c * C;
+  return r < C ? int(r) : C;
 }
 
 // Chunk-local cumsum b at row i of the chunk starting at row r0 with nr valid rows (rows past the

@@ -28,6 +28,10 @@ std::string with_env(const char* name, const char* value, F f) {
   return err;
 }
 
+// Every GPU test process poisons the library's temporaries (runtime.cuh, poison_scratch): set
+// before main, read at the first temporary.
+inline const bool kPoisonScratch = setenv("HILA_POISON_SCRATCH", "1", 0) == 0;
+
 inline bool have_gpu() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
@@ -36,15 +40,21 @@ inline bool have_gpu() {
 inline Device cuda0() { return Device{DeviceType::cuda, 0}; }
 
 // A device copy of a host buffer; poisoned (all bits set: NaN for every float dtype) on request.
+// kGuard bytes past the end are always poisoned, so that a kernel reading a little past a tensor
+// (inside the allocation, where compute-sanitizer cannot see it) gets NaN and fails its test.
 struct DevTensor {
+  static constexpr size_t kGuard = 1024;
   void* p = nullptr;
   Buffer host;
   DevTensor() = default;
   explicit DevTensor(const Buffer& b, bool poison = false) : host(b) {
     if (b.empty()) return;
-    cudaMalloc(&p, std::max<size_t>(1, b.bytes.size()));
-    if (poison) cudaMemset(p, 0xff, b.bytes.size());
-    else cudaMemcpy(p, b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice);
+    cudaMalloc(&p, b.bytes.size() + kGuard);
+    if (poison) cudaMemset(p, 0xff, b.bytes.size() + kGuard);
+    else {
+      cudaMemcpy(p, b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice);
+      cudaMemset(static_cast<char*>(p) + b.bytes.size(), 0xff, kGuard);
+    }
   }
   ~DevTensor() { if (p) cudaFree(p); }
   DevTensor(const DevTensor&) = delete;

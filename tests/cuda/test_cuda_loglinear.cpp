@@ -6,9 +6,11 @@
 // Without a GPU every test is skipped with a printed reason.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "cuda_support.h"
@@ -37,6 +39,9 @@ struct LlCase {
   // with stateless: the final state is asked for (a prefill), still no final-state cotangent
   bool final_state = false;
   bool d_init = true;  // with init_pos: d_init is asked for
+  // HILA_GLA_SM90 for the call: "1" builds the tree with the sm_90a sweep on Hopper at any block
+  // count (with tree_sweep "1")
+  const char* sm90 = nullptr;
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
@@ -127,6 +132,18 @@ std::vector<LlCase> cases() {
   tree(ll, DType::bf16, 1, 0, 4, 64, 40, {0, 100, 0, 64, 1, 257, 513}, "bf16_varlen_gqa4_dv40_init", "1",
        false, {64, 0, 384, far64, 192, 448, 0});
   tree(Op::loglinear_hla2, DType::bf16, 2, 300, 4, 64, 64, {}, "bf16_d64_T300_init128", nullptr, false, {128});
+  // the tree build on the sm_90a sweep, forced on at these block counts: training, a prefill (the
+  // pending nodes) and from an initial state (the seeded levels)
+  for (const char* tag : {"bf16_d64_T1000_tree_sweep", "bf16_d64_T1000_tree_sweep_final",
+                          "bf16_d64_T1000_init1984_tree_sweep", "bf16_d128_T300_tree_sweep"}) {
+    const std::string n = name(ll, tag);
+    const auto it = std::find_if(cs.begin(), cs.end(), [&](const LlCase& x) { return x.name == n; });
+    if (it == cs.end()) throw std::logic_error("no case " + n);
+    LlCase x = *it;
+    x.sm90 = "1";
+    x.name += "_sm90";
+    cs.push_back(x);
+  }
   // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
   for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3}) {
     const double ridge = op == Op::loglinear_hla2 ? 0.3 : 0.0;
@@ -207,7 +224,10 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  const std::string err = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
+  const std::string err = with_env("HILA_GLA_SM90", c.sm90, [&] {
+    const std::string e = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
+    if (!e.empty()) throw std::runtime_error(e);
+  });
   ASSERT_EQ(err, "") << "backward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 

@@ -33,6 +33,7 @@ struct Case {
   // HILA_GLA_SM90 for the calls: on Hopper "0" keeps the portable sweep and backward kernels, "1"
   // takes the sm_90a ones wherever they apply (the sweep's block-count threshold skipped)
   const char* sm90 = nullptr;
+  int64_t chunk = 64;  // the chunk size C (the GLA family takes powers of two up to 64 on CUDA)
 };
 
 std::vector<Case> cases() {
@@ -102,6 +103,31 @@ std::vector<Case> cases() {
                 "gla_f16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
   cs.push_back({Op::hla2, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                 "hla2_bf16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
+  // chunk sizes below 64: every kernel holds a chunk of C rows in its 64-row tiles like a partial
+  // chunk (rows past C zero-filled or masked), chunks starting at multiples of C; on every path
+  // (sm_90a fused / sweeps / backward, portable tensor-core, FMA) and through the compositions
+  for (int64_t C : {32, 16}) {
+    const std::string sc = "_chunk" + std::to_string(C);
+    cs.push_back({Op::gla, DType::bf16, 2, 1000, 1, 4, 128, 128, {}, true, true, 1e-2, "gla_bf16_d128_T1000" + sc,
+                  false, false, 0, nullptr, nullptr, C});
+    cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 128, 64, {}, true, true, 1e-2, "gla_bf16_dk128_dv64_gqa4_sm90" + sc,
+                  false, false, 0, "0", "1", C});
+    cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                  "gla_f16_dk64_dv128_varlen_init_fused" + sc, false, false, 0, "1", nullptr, C});
+    cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                  "gla_f16_varlen_init_portable" + sc, false, false, 0, "0", "0", C});
+    cs.push_back({Op::gla, DType::bf16, 2, 65, 1, 4, 128, 128, {}, true, true, 1e-2, "gla_bf16_d128_T65_fused_portable" + sc,
+                  false, false, 0, "1", "0", C});
+    cs.push_back({Op::gla, DType::f32, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-4,
+                  "gla_f32_d64_varlen_init" + sc, false, false, 0, nullptr, nullptr, C});
+    for (Op op : {Op::hla2, Op::ahla, Op::hla3})
+      cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
+                    std::string(op_name(op)) + "_bf16_varlen_init" + sc, false, false, 0, nullptr, nullptr, C});
+  }
+  cs.push_back({Op::gla, DType::f64, 2, 33, 1, 2, 16, 16, {}, true, true, 1e-10, "gla_f64_d16_T33_chunk1", false, false,
+                0, nullptr, nullptr, 1});
+  cs.push_back({Op::hla2, DType::bf16, 2, 70, 1, 4, 64, 64, {}, true, true, 1e-2, "hla2_bf16_d64_T70_chunk8", false, false,
+                0, nullptr, nullptr, 8});
   // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
   for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
     const std::string n = op_name(op);
@@ -157,7 +183,7 @@ TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
   DevTensor pos(low.init.pos), S0(low.init.S), P0(low.init.P), h0(low.init.H);
   DevTensor dSt(low.d_final.S), dPt(low.d_final.P), dht(low.d_final.H);
   BackwardParams p;
-  static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
+  static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, c.chunk);
   p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.cu_seqlens = cu.view();
   p.init = {};
   if (c.init) p.init.pos = pos.view(), p.init.S = S0.view(), p.init.P = P0.view(), p.init.H = h0.view();
@@ -280,24 +306,30 @@ TEST(CudaOps, FusedQkvViewsInPlace) {
   }
 }
 
-// The CUDA backend runs the chunk form (C = 64) of every operator; other forms and chunk sizes are
-// clear errors naming the argument, never a silent fallback.
+// The CUDA backend runs the chunk form of every operator: chunk sizes that are powers of two up to
+// 64 for the GLA family, 64 for the log-linear and delta operators. Other forms and chunk sizes
+// are clear errors naming the argument, never a silent fallback.
 TEST(CudaOps, UnsupportedOnDeviceIsAClearError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
-  ProblemSpec s;
-  s.cfg.op = Op::loglinear_hla2;
-  s.B = 1, s.T = 8, s.dk = 16, s.dv = 16;
-  s.dtype = DType::bf16;
-  const Problem pr = make_problem(s);
-  DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), lam(pr.lam), o(pr.v, true);
-  for (auto [form, chunk, arg] : {std::tuple{Form::serial, int64_t(64), "form"}, std::tuple{Form::chunk, int64_t(32), "chunk"}}) {
-    ForwardParams p = pr.forward_params(form, chunk);
-    p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.o = o.view();
-    try {
-      forward(p);
-      ADD_FAILURE() << "expected hila::Error for " << arg;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), arg) << e.what();
+  for (Op op : {Op::loglinear_hla2, Op::gla, Op::hla3}) {
+    ProblemSpec s;
+    s.cfg.op = op;
+    s.B = 1, s.T = 8, s.dk = 16, s.dv = 16;
+    s.dtype = DType::bf16;
+    const Problem pr = make_problem(s);
+    DevTensor q(pr.q), k(pr.k), v(pr.v), g(pr.g), lam(pr.lam), o(pr.v, true);
+    const bool ll = op == Op::loglinear_hla2;
+    for (auto [form, chunk, arg] : {std::tuple{Form::serial, int64_t(64), "form"},
+                                    std::tuple{Form::chunk, int64_t(ll ? 32 : 128), "chunk"}}) {
+      ForwardParams p = pr.forward_params(form, chunk);
+      p.q = q.view(), p.k = k.view(), p.v = v.view(), p.g = g.view(), p.lam = lam.view(), p.o = o.view();
+      try {
+        forward(p);
+        ADD_FAILURE() << "expected hila::Error for " << arg << " (" << op_name(op) << ")";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.argument(), arg) << e.what();
+        if (form == Form::chunk) EXPECT_NE(std::string(e.what()).find(std::to_string(chunk)), std::string::npos) << e.what();
+      }
     }
   }
 }

@@ -250,8 +250,8 @@ void expect_error(const std::string& ctx, F&& f, const std::string& arg, const s
 
 // Prefill(n) on the GPU (chunk form, final state written on the device), then decode(m) on the GPU
 // from that state, equals one full forward, for every n in 0..300 (n = 64 * 2^k and 64 * 2^k +- 1
-// included; LOGLINEAR_SPEC §3.5). One naive float64 reference per case.
-void prefill_then_decode(const StepCase& c) {
+// included; LOGLINEAR_SPEC §3.5). One naive float64 reference per case. `chunk`: the prefill's C.
+void prefill_then_decode(const StepCase& c, int64_t chunk = 64) {
   constexpr int64_t kMaxN = 300;
   const Problem low = cast_problem(make_problem(spec_of(c, kMaxN + c.m)), c.dtype);
   const Problem ref_in = cast_problem(low, DType::f64);
@@ -265,7 +265,7 @@ void prefill_then_decode(const StepCase& c) {
       const Problem pre = hila::tools::prefix(low, n);
       DevTensor q(pre.q), k(pre.k), v(pre.v), g(pre.g), lam(pre.lam), beta(pre.beta), o(pre.v, true);
       const DevState fin(hila::tools::make_state(low.spec.cfg, c.N, c.H, c.dk, c.dv, n, sdt), true);
-      hila::ForwardParams f = pre.forward_params(Form::chunk, 64);
+      hila::ForwardParams f = pre.forward_params(Form::chunk, chunk);
       f.q = q.view(), f.k = k.view(), f.v = v.view(), f.g = g.view(), f.lam = lam.view(), f.beta = beta.view();
       f.o = o.view();
       f.final_state = fin.view();
@@ -307,6 +307,19 @@ TEST_P(CudaPrefillDecodeTree, EveryPrefillLengthUpTo300) {
 }
 
 INSTANTIATE_TEST_SUITE_P(LogLinear, CudaPrefillDecodeTree, ::testing::Values(Op::loglinear, Op::loglinear_hla2),
+                         [](const auto& info) { return std::string(op_tag(info.param)); });
+
+// bf16, dk = dv = 32, prefills in chunks of 16 (the GLA family takes chunk sizes below 64 on CUDA):
+// the final state after a partial chunk of a short chunk, on the tensor-core paths.
+class CudaPrefillDecodeChunk16 : public ::testing::TestWithParam<Op> {};
+
+TEST_P(CudaPrefillDecodeChunk16, EveryPrefillLengthUpTo300) {
+  if (!have_gpu()) GTEST_SKIP() << kNoGpu;
+  const Op op = GetParam();
+  prefill_then_decode({std::string(op_tag(op)) + "_prefill_chunk16", op, DType::bf16, 2, 1, 2, 32, 32, {0}, 2}, 16);
+}
+
+INSTANTIATE_TEST_SUITE_P(GlaFamily, CudaPrefillDecodeChunk16, ::testing::Values(Op::gla, Op::hla2, Op::ahla, Op::hla3),
                          [](const auto& info) { return std::string(op_tag(info.param)); });
 
 TEST(CudaStepErrors, BadStatesAreClearErrors) {
