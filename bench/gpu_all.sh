@@ -9,6 +9,8 @@
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
+# fla's Triton compiles: SAVE_TRITON_CACHE=1 returns $OUT/triton_cache.tgz; carried as
+# .dev/triton_cache.tgz (or TRITON_CACHE_TAR) it is unpacked before the anchors of a later call.
 # Stage `ab`: the same binary under several settings (AB_ENVS, default the sm_90a kernels off /
 # backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
 # "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
@@ -159,12 +161,21 @@ if has decode; then
 fi
 if has anchors; then  # each section under its own time limit, so that a slow one loses only its own rows
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site
+  # Triton's compiled kernels: most of fla's first-call time (minutes per operator family). A cache
+  # from an earlier call (TRITON_CACHE_TAR, e.g. one SAVE_TRITON_CACHE=1 returned) is unpacked first.
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+  mkdir -p "$TRITON_CACHE_DIR"
+  [ -f "${TRITON_CACHE_TAR:-.dev/triton_cache.tgz}" ] && tar xzf "${TRITON_CACHE_TAR:-.dev/triton_cache.tgz}" -C "$TRITON_CACHE_DIR"
   first=1
   for sec in ${ANCHORS:-ceil sdpa fla}; do
     timeout ${ANCHOR_TIMEOUT:-240} python3 bench/anchors.py --shapes "$SHAPES" ${ANCHOR_ARGS:-} $sec >"$LOGS/anchors_part.csv" 2>>"$LOGS/anchors.err"
     note "anchors $sec rc=$? $(tail -1 "$LOGS/anchors.err")"
     if [ $first = 1 ]; then cat "$LOGS/anchors_part.csv" >"$OUT/anchors.csv"; first=0; else tail -n +2 "$LOGS/anchors_part.csv" >>"$OUT/anchors.csv"; fi
   done
+  if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then  # back in $OUT (the device tool returns files up to 16 MiB)
+    tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
+    note "triton cache $(du -h "$OUT/triton_cache.tgz" | cut -f1) (carry it as .dev/triton_cache.tgz)"
+  fi
 fi
 if [ -s "$OUT/hila.csv" ]; then
   python3 bench/report.py "$OUT/bench.csv" "$OUT/bench.png" "$OUT/table.md" "$OUT/hila.csv" \
