@@ -15,8 +15,7 @@
 # backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
 # "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
 # binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
-# repeats the settings in turn (interleaved rounds; the table shows each round's column). A setting
-# "args:..." passes more arguments to hila_bench: AB_ENVS="default;args:--chunk 32".
+# repeats the settings in turn (interleaved rounds; the table shows each round's column).
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
 # still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv
 # and the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT). The
@@ -125,15 +124,14 @@ if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ...
     k=0
     for e in "${envs[@]}"; do
       k=$((k + 1))
-      bench="$BIN/hila_bench" lbl=${e:-default} extra=""
-      if [[ $e == args:* ]]; then extra=${e#args:} e=""; fi  # more hila_bench arguments, e.g. "args:--chunk 32"
+      bench="$BIN/hila_bench" lbl=${e:-default}
       if [[ $e == tar:* ]]; then  # another build's binaries, unpacked once
         dir="${AB_BINS:-/tmp/hila-ab-bins}/$k"  # not under $LOGS: logs.tgz must stay small
         [ -x "$dir/hila_bench" ] || { mkdir -p "$dir" && tar xJf "${e#tar:}" -C "$dir"; }
         bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
       fi
       [ "$e" = default ] && e=""  # "default": no setting
-      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" $extra \
+      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
         >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
       note "ab [$lbl] round $round rc=$?"
       if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi

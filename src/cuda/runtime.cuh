@@ -100,10 +100,12 @@ class DevBuf {
   X* get() const { return p_; }
 
  private:
+  // zeros where asked; with a guard (poison_scratch) 0xff over the rest, the guard included
   void fill(size_t body, size_t guard, bool zero) {
     char* p = reinterpret_cast<char*>(p_);
-    if (zero) HILA_CUDA_CHECK(cudaMemsetAsync(p, 0, body, s_));
-    if (guard) HILA_CUDA_CHECK(cudaMemsetAsync(p + (zero ? body : 0), 0xff, (zero ? 0 : body) + guard, s_));
+    const size_t zeroed = zero ? body : 0;
+    if (zeroed) HILA_CUDA_CHECK(cudaMemsetAsync(p, 0, zeroed, s_));
+    if (guard) HILA_CUDA_CHECK(cudaMemsetAsync(p + zeroed, 0xff, body + guard - zeroed, s_));
   }
   X* p_ = nullptr;
   size_t n_ = 0;

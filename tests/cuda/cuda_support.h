@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "problem.h"
@@ -49,12 +50,10 @@ struct DevTensor {
   DevTensor() = default;
   explicit DevTensor(const Buffer& b, bool poison = false) : host(b) {
     if (b.empty()) return;
-    cudaMalloc(&p, b.bytes.size() + kGuard);
-    if (poison) cudaMemset(p, 0xff, b.bytes.size() + kGuard);
-    else {
-      cudaMemcpy(p, b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice);
-      cudaMemset(static_cast<char*>(p) + b.bytes.size(), 0xff, kGuard);
-    }
+    const size_t n = b.bytes.size(), kept = poison ? 0 : n;
+    check(cudaMalloc(&p, n + kGuard), "cudaMalloc");
+    if (kept) check(cudaMemcpy(p, b.bytes.data(), kept, cudaMemcpyHostToDevice), "cudaMemcpy");
+    check(cudaMemset(static_cast<char*>(p) + kept, 0xff, n + kGuard - kept), "cudaMemset");
   }
   ~DevTensor() { if (p) cudaFree(p); }
   DevTensor(const DevTensor&) = delete;
@@ -68,8 +67,12 @@ struct DevTensor {
   }
   Buffer fetch() const {
     Buffer b = host;
-    if (!b.empty()) cudaMemcpy(b.bytes.data(), p, b.bytes.size(), cudaMemcpyDeviceToHost);
+    if (!b.empty()) check(cudaMemcpy(b.bytes.data(), p, b.bytes.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
     return b;
+  }
+  // a failed CUDA call in a test's setup: an exception naming it (the test fails, it does not crash)
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
   }
 };
 
@@ -102,7 +105,7 @@ struct DevState {
 inline Buffer fetch_view(const TensorView& v) {
   if (!v.defined()) return {};
   Buffer b(v.dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
-  if (!b.bytes.empty()) cudaMemcpy(b.bytes.data(), v.data, b.bytes.size(), cudaMemcpyDeviceToHost);
+  if (!b.bytes.empty()) DevTensor::check(cudaMemcpy(b.bytes.data(), v.data, b.bytes.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
   return b;
 }
 inline StateBuffers fetch_state(const StateView& s) {
