@@ -18,7 +18,9 @@
 // op,N,pos,us_per_step,state_bytes,GB_per_s: us_per_step is the median of --reps steps after
 // warm-up; state_bytes is the state read + written by one step (mean over the timed steps, whose
 // positions advance by one each); GB_per_s = (state_bytes + input/output bytes) / mean step time,
-// to be compared with the device's copy bandwidth (printed to stderr first).
+// to be compared with the device's copy bandwidth (printed to stderr first); host_us is the median
+// host time of the step() call itself (validation, planning, the launch), which the event-timed
+// us_per_step includes when the GPU waits for it (small N).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -209,7 +211,7 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
     const double ms = median_ms([&] { CK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); }, 2, 10);
     std::fprintf(stderr, "# cudaMemcpy device-to-device: %.1f GB/s (read + write)\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
   }
-  std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s,H,dk,dv\n");
+  std::printf("op,N,pos,us_per_step,state_bytes,GB_per_s,H,dk,dv,host_us\n");
   std::mt19937 rng(0);
   for (Op op : ops) {
     const OpTraits tr = op_traits(op);
@@ -262,11 +264,14 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
         CK(cudaEventCreate(&a));
         CK(cudaEventCreate(&b));
         std::vector<float> ms;
+        std::vector<double> host_us;  // the host's part: step() from call to return (the launch enqueued)
         double state_bytes = 0;
         for (int i = 0; i < reps; ++i) {
           state_bytes += double(N * H) * step_state_bytes(cfg, dk, dv, ds.position(0));
           CK(cudaEventRecord(a));
+          const auto h0 = std::chrono::steady_clock::now();
           step(sp, ds);
+          host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
           CK(cudaEventRecord(b));
           CK(cudaEventSynchronize(b));
           float t = 0;
@@ -282,8 +287,10 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
         // q, k, v, o in bf16, g f32, lam / beta bf16, pos read + written
         const double io = double(N * H) * ((2.0 * dk + 2.0 * dv) * 2 + 4 + (tr.loglinear ? 2.0 * L : 0) + (tr.delta ? 2 : 0)) + 16.0 * N;
         const double gbs = (state_bytes + io) / (total_ms / reps * 1e-3) / 1e9;
-        std::printf("%s,%lld,%lld,%.2f,%.0f,%.1f,%lld,%lld,%lld\n", op_name(op), (long long)N, (long long)T,
-                    ms[ms.size() / 2] * 1e3, state_bytes, gbs, (long long)H, (long long)dk, (long long)dv);
+        std::sort(host_us.begin(), host_us.end());
+        std::printf("%s,%lld,%lld,%.2f,%.0f,%.1f,%lld,%lld,%lld,%.2f\n", op_name(op), (long long)N, (long long)T,
+                    ms[ms.size() / 2] * 1e3, state_bytes, gbs, (long long)H, (long long)dk, (long long)dv,
+                    host_us[host_us.size() / 2]);
         std::fflush(stdout);
       }
     }

@@ -247,6 +247,9 @@ void run_call(P& d, Temporaries tmp, F call) {
     }
   } c{s};
   d.stream = s;
+  // the mirror's copies and poison memsets ran on the legacy stream, which a non-blocking stream
+  // does not wait for: without this they can land in the middle of the replays
+  check(cudaDeviceSynchronize(), "the device");
   if (cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) != cudaSuccess) {
     (void)cudaGetLastError();
     throw GraphCaptureUnsupported("cudaStreamBeginCapture: stream capture is not available here");

@@ -258,6 +258,16 @@ SideStream::~SideStream() {
 }
 
 Arena* current_arena() { return t_arena; }
+namespace {
+thread_local int t_no_alloc = 0;
+}
+NoAllocScope::NoAllocScope() { ++t_no_alloc; }
+NoAllocScope::~NoAllocScope() { --t_no_alloc; }
+void check_alloc_allowed() {
+  if (t_no_alloc > 0)
+    throw Error("internal", "a temporary was requested for work on hila's side stream, which must not allocate "
+                            "(it would race with the caller's stream over the workspace); please report this");
+}
 bool poison_scratch() {
   static const bool on = [] {
     const char* e = std::getenv("HILA_POISON_SCRATCH");

@@ -333,9 +333,12 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* re
   }
   // the recomputed forward (hbuf) beside the reverse sweep (dhbuf), which reads none of its
   // outputs: few long sequences leave both latency-bound sweeps far from filling the GPU
+  // (work on the side stream must not allocate: the caller gives the recompute its gate cumsum
+  // and hbuf, and NoAllocScope enforces it)
   std::optional<SideStream> side;
   if (recompute) {
     side.emplace(stream);
+    const NoAllocScope no_alloc;
     gla_forward(*recompute, side->side());
   }
   if constexpr (kTensorCore<T>) {

@@ -60,6 +60,19 @@ inline bool dry_run() {
   return a && a->measuring();
 }
 
+// Host code that enqueues work on a SideStream's stream runs inside a NoAllocScope: a temporary
+// made there would be handed back, and reused by `main`, while the side stream may still use it
+// (a caller's workspace is reused in the order of `main` only). DevBuf refuses it (an internal
+// error that names the rule) instead of racing.
+class NoAllocScope {
+ public:
+  NoAllocScope();
+  ~NoAllocScope();
+  NoAllocScope(const NoAllocScope&) = delete;
+  NoAllocScope& operator=(const NoAllocScope&) = delete;
+};
+void check_alloc_allowed();  // throws inside a NoAllocScope
+
 // HILA_POISON_SCRATCH=1 (the GPU tests set it; read once): every temporary is filled with 0xff
 // (NaN in every float dtype) unless it is asked for zeroed, and is followed by kScratchGuard more
 // such bytes. A kernel that reads scratch it never wrote, or a little past a buffer (into the next
@@ -74,6 +87,7 @@ class DevBuf {
   DevBuf() = default;
   DevBuf(size_t n, cudaStream_t s, bool zero = false) : n_(n), s_(s) {
     if (n == 0) return;
+    check_alloc_allowed();
     const size_t body = n * sizeof(X), guard = poison_scratch() ? kScratchGuard : 0;
     if ((arena_ = current_arena())) {
       p_ = static_cast<X*>(arena_->take(body + guard));
@@ -208,9 +222,9 @@ class DeviceScope {
 // Work enqueued beside the caller's stream: side() is a stream of this host thread and device
 // that first waits for everything enqueued on `main` so far; join() (or the destructor) makes
 // `main` wait for the work enqueued on side() since. Both waits are events (the fork / join
-// pattern graph capture accepts; not tested under capture). In a dry run (workspace_size), and with
+// pattern graph capture accepts; the CudaGraph tests capture it). In a dry run (workspace_size), and with
 // HILA_SIDE_STREAM=0 (everything on the caller's stream, in order), side() is `main`. Work put on
-// side() must not allocate: a caller's workspace is reused in the order of `main`.
+// side() must not allocate (NoAllocScope): a caller's workspace is reused in the order of `main`.
 class SideStream {
  public:
   explicit SideStream(cudaStream_t main);
