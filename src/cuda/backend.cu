@@ -9,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -265,8 +266,8 @@ NoAllocScope::NoAllocScope() { ++t_no_alloc; }
 NoAllocScope::~NoAllocScope() { --t_no_alloc; }
 void check_alloc_allowed() {
   if (t_no_alloc > 0)
-    throw Error("internal", "a temporary was requested for work on hila's side stream, which must not allocate "
-                            "(it would race with the caller's stream over the workspace); please report this");
+    throw std::logic_error("hila: a temporary was requested for work on hila's side stream, which must not "
+                           "allocate (it would race with the caller's stream over the workspace); please report this");
 }
 bool poison_scratch() {
   static const bool on = [] {

@@ -62,8 +62,8 @@ inline bool dry_run() {
 
 // Host code that enqueues work on a SideStream's stream runs inside a NoAllocScope: a temporary
 // made there would be handed back, and reused by `main`, while the side stream may still use it
-// (a caller's workspace is reused in the order of `main` only). DevBuf refuses it (an internal
-// error that names the rule) instead of racing.
+// (a caller's workspace is reused in the order of `main` only). DevBuf refuses it (a logic_error
+// that names the rule, like hila's other internal invariants) instead of racing.
 class NoAllocScope {
  public:
   NoAllocScope();
