@@ -3,10 +3,9 @@
 
     python -m pytest -q python/tests              (after `pip install .`)
 
-The float64 numpy oracles come from ``<repo>/../shared/spec`` (``HILA_SPEC_DIR`` overrides), loaded
-through the oracle suite's own modules in ``tests/oracle`` (spec.py, reference.py, cases.py), so
-both suites compare against the same reference. Without the oracles the tests that need them are
-skipped with the reason printed; the torch tests are skipped (reason printed) without torch.
+The float64 numpy oracles are the repository's own (``tests/oracle/oracles``), used through the
+oracle suite's modules in ``tests/oracle`` (reference.py, cases.py), so both suites compare against
+the same reference. The torch tests are skipped (reason printed) without torch.
 
 Torch tests are parametrized by ``device``: the CPU, and CUDA when torch sees a GPU
 (``HILA_TEST_DEVICES=cpu,cuda`` overrides). On a device that this build of hila cannot run, the
@@ -22,10 +21,9 @@ for _v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # the oracles multiply t
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "oracle"))
+ORACLE_DIR = REPO / "tests" / "oracle"
+sys.path.insert(0, str(ORACLE_DIR))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import spec  # noqa: E402  (tests/oracle/spec.py: locates and loads the oracles)
 
 try:
     import torch  # noqa: F401
@@ -37,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 def pytest_report_header(config):
     import hila
     lines = [f"hila {hila.__version__} from {Path(hila.__file__).parent}",
-             f"oracles: {spec.spec_dir()}" + (f" -- {spec.UNAVAILABLE}" if spec.UNAVAILABLE else "")]
+             f"oracles: {ORACLE_DIR / 'oracles'}"]
     if TORCH:
         lines.append(f"torch tests skipped: {TORCH}")
     else:
@@ -47,9 +45,8 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for why in (spec.UNAVAILABLE, TORCH and f"torch tests skipped: {TORCH}"):
-        if why:
-            terminalreporter.write_line(why, yellow=True)
+    if TORCH:
+        terminalreporter.write_line(f"torch tests skipped: {TORCH}", yellow=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -74,9 +71,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def oracles():
-    """(cases, reference) modules of tests/oracle; skips when the oracles are unavailable."""
-    if spec.UNAVAILABLE:
-        pytest.skip(spec.UNAVAILABLE)
+    """(cases, reference) modules of tests/oracle."""
     import cases
     import reference
     return cases, reference

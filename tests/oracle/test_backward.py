@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """`hila run --backward` gradients vs the float64 VJP oracles, max rel. error <= 1e-9.
 
-gla: gla_vjp;  hla2/ahla/hla3: hla2_vjp / ahla_vjp / hla3_vjp (hla2n_vjp normalized), with states
-or ridge their composition from gla_vjp (HLA_SPEC S7.2);  loglinear: llm_vjp_mat;  loglinear_hla*:
-gla_vjp + llm_vjp_mat;  gdn: gdn_plain_vjp_chunk;  loglinear_gdn: gdn_vjp_chunk;  qk_l2norm:
-l2norm_vjp. The assembly is checked against finite differences in test_reference_selfcheck.py.
+Oracles (tests/oracle/oracles): gla, gdn, loglinear, loglinear_gdn: first_order.*_vjp (the
+hand-derived VJP of the masked-matrix form, docs/math/LOGLINEAR.md §5.1, §6.5);  the HLA family and
+its log-linear versions: hla.compose_vjp, the composition of the primitives' VJPs with states,
+ridge and normalize (docs/math/HLA.md §7.2);  qk_l2norm: transforms.l2norm_vjp. The oracles and
+the assembly are checked against finite differences in test_reference_selfcheck.py.
 """
 import pytest
 
