@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Merge hila_bench and anchors CSVs into one CSV, a PNG (time against T) and a markdown table with
-achieved TFLOP/s (spec FLOP counts, HLA_SPEC §1/§7.1: GLA fwd T(2Cd+2Cdv+4d dv), bwd
+achieved TFLOP/s (FLOP counts of docs/math/HLA.md §1/§7.1: GLA fwd T(2Cd+2Cdv+4d dv), bwd
 T(6Cd+4Cdv+10d dv) per head) and the ratio to fla and cuDNN."""
 import csv
 import sys
@@ -21,7 +21,7 @@ def gla_flops(B, T, H, d, direction, C=64, dv=None):
     return B * H * (fwd if direction == "fwd" else fwd + bwd)
 
 
-# GLA primitives per operator (HLA_SPEC §11: hla2 / ahla are two GLA passes, hla3 three).
+# GLA primitives per operator (docs/math/HLA.md §11: hla2 / ahla are two GLA passes, hla3 three).
 PRIMS = {"gla": 1, "hla2": 2, "ahla": 2, "hla3": 3}
 # The fla operator each hila operator is compared with (issue targets).
 FLA_ANCHOR = {"loglinear": "loglinear", "loglinear_hla2": "loglinear", "loglinear_ahla": "loglinear",

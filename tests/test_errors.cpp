@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Bad input (LOGLINEAR_SPEC §2.3, §4, §11): every entry point throws hila::Error naming the
+// Bad input (docs/math/LOGLINEAR.md §2.3, §4, §11): every entry point throws hila::Error naming the
 // offending argument, with the expected and the given value in the message, before writing any
 // output. Never a crash, never another exception type.
 #include <cctype>
@@ -365,7 +365,7 @@ TEST(Errors, Dtypes) {
     expect_error("int32 beta", [&] { c.run(); }, "beta", {"int32"});
   }
   {
-    // States are fp32 or fp64, never bf16 (HLA_SPEC §8.2).
+    // States are fp32 or fp64, never bf16 (docs/math/HLA.md §8.2).
     Call c(base_spec(Op::gla, true));
     Buffer h = c.p.init.H.cast(DType::bf16);
     c.fp.init.H = h.view();
@@ -640,7 +640,7 @@ TEST(Errors, ValueChecks) {
       EXPECT_TRUE(c.o_untouched());
     }
     {
-      // Checks off: g > 0 is evaluated as written (LOGLINEAR_SPEC §11), chunk == naive.
+      // Checks off: g > 0 is evaluated as written (docs/math/LOGLINEAR.md §11), chunk == naive.
       ProblemSpec s = base_spec(op);
       s.cfg.check_values = false;
       Problem p = make_problem(s);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Every operator x form x direction against the float64 naive form (HLA_SPEC §1–7,
-// LOGLINEAR_SPEC §3–7): outputs, final states and all gradients, in float64 (1e-10, backward
+// Every operator x form x direction against the float64 naive form (docs/math/HLA.md §1–7,
+// docs/math/LOGLINEAR.md §3–7): outputs, final states and all gradients, in float64 (1e-10, backward
 // 1e-9), float32 (1e-4) and bf16 / f16 inputs (computed in fp32).
 #include <string>
 #include <vector>
@@ -81,7 +81,7 @@ ProblemSpec spec_of(const FormCase& c) {
     case Var::untied: s.cfg.gates = Gates::untied; break;
     case Var::normalize:
       s.cfg.normalize = true;
-      s.nonneg = true;  // positive denominators (HLA_SPEC §4)
+      s.nonneg = true;  // positive denominators (docs/math/HLA.md §4)
       break;
     case Var::ridge: s.cfg.ridge = 0.3; break;
     case Var::l2norm: s.cfg.qk_l2norm = true; break;
@@ -189,7 +189,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, Forms, ::testing::ValuesIn(variant_cases()), 
 INSTANTIATE_TEST_SUITE_P(LowPrecision, Forms, ::testing::ValuesIn(lowp_cases()), param_name);
 
 // The naive form itself against an independent float64 reference: GLA with one head computed
-// here from HLA_SPEC §1, so a wrong naive form cannot hide behind form agreement.
+// here from docs/math/HLA.md §1, so a wrong naive form cannot hide behind form agreement.
 TEST(FormsOracle, NaiveGlaMatchesDirectSum) {
   ProblemSpec s = spec_for(Op::gla, 23, 11);
   s.dk = 3;
@@ -215,7 +215,7 @@ TEST(FormsOracle, NaiveGlaMatchesDirectSum) {
   expect_buffer_close(r.o, want, 1e-12, "naive gla vs direct sum");
 }
 
-// HLA2 naive against its triple-sum definition (HLA_SPEC §3.1, tied gates).
+// HLA2 naive against its triple-sum definition (docs/math/HLA.md §3.1, tied gates).
 TEST(FormsOracle, NaiveHla2MatchesTripleSum) {
   ProblemSpec s = spec_for(Op::hla2, 17, 12);
   s.dk = 3;
@@ -245,7 +245,7 @@ TEST(FormsOracle, NaiveHla2MatchesTripleSum) {
   expect_buffer_close(r.o, want, 1e-12, "naive hla2 vs triple sum");
 }
 
-// Log-linear Mamba-2 naive against its masked definition (LOGLINEAR_SPEC §3.1).
+// Log-linear Mamba-2 naive against its masked definition (docs/math/LOGLINEAR.md §3.1).
 TEST(FormsOracle, NaiveLoglinearMatchesMaskedSum) {
   ProblemSpec s = spec_for(Op::loglinear, 21, 13);
   s.dk = 3;
@@ -274,7 +274,7 @@ TEST(FormsOracle, NaiveLoglinearMatchesMaskedSum) {
 }
 
 // AHLA, HLA3 and Gated DeltaNet naive forms against their serial recurrences written out here
-// (HLA_SPEC §5.2, §6.2; LOGLINEAR_SPEC §6.1 with lam = 1), tied gates, one head.
+// (docs/math/HLA.md §5.2, §6.2; docs/math/LOGLINEAR.md §6.1 with lam = 1), tied gates, one head.
 TEST(FormsOracle, NaiveMatchesSpecRecurrences) {
   constexpr int T = 15, d = 3, dv = 2;
   for (Op op : {Op::ahla, Op::hla3, Op::gdn}) {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Backward against central finite differences of the float64 naive forward (HLA_SPEC §7,
-// LOGLINEAR_SPEC §5, §6.5): loss = <o, do> + <final_state, d_final>, every input perturbed
+// Backward against central finite differences of the float64 naive forward (docs/math/HLA.md §7,
+// docs/math/LOGLINEAR.md §5, §6.5): loss = <o, do> + <final_state, d_final>, every input perturbed
 // through Buffer::set. Checks dq, dk, dv, dg, dlam, dbeta and d_init for the naive, chunk and
 // (where it exists) serial backward.
 #include <string>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Prefill with the chunk form (C = 64), then decode with DecodeState::load + hila::step, equals one
-// full chunk forward (LOGLINEAR_SPEC §3.5, §6.3, §7; HLA_SPEC §3.2, §5.2, §6.2). Covers every
-// prefill length n in 0..130 and n = 64·2^k, 64·2^k ± 1 up to 512 (where fla loses the top
-// Fenwick bucket, LOGLINEAR_SPEC E1), and the decode state after each step.
+// full chunk forward (docs/math/LOGLINEAR.md §3.5, §6.3, §7; docs/math/HLA.md §3.2, §5.2, §6.2).
+// Covers every prefill length n in 0..130 and n = 64·2^k, 64·2^k ± 1 up to 512 (where fla loses the
+// top Fenwick bucket, docs/math/LOGLINEAR.md §12 (E1)), and the decode state after each step.
 #include <set>
 #include <string>
 #include <vector>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The scan form's segment operators on arbitrary random summaries: associativity, identity and
-// the action property (HLA_SPEC §3.4, §5.3, §6.3; LOGLINEAR_SPEC §10). Equality of the scan form
-// with the serial form is covered by the form tests.
+// the action property (docs/math/HLA.md §3.4, §5.3, §6.3; docs/math/LOGLINEAR.md §10). Equality of
+// the scan form with the serial form is covered by the form tests.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // States and heads: GQA equals explicit repetition of q/k, initial/final state round trips
-// (forward and backward), state shapes and level counts (LOGLINEAR_SPEC §2.3, §2.5, §8), positions
+// (forward and backward), state shapes and level counts (docs/math/LOGLINEAR.md §2.3, §2.5, §8), positions
 // beyond 2^17 for the log-linear operators, and decode-state sizes.
 #include <string>
 #include <vector>
@@ -192,7 +192,7 @@ TEST(StateShape, LevelsNeeded) {
   EXPECT_EQ(hila::levels_needed(16383, 1), 15);   // position 16383
   EXPECT_EQ(hila::levels_needed(16383, 2), 16);   // positions 16383..16384
   EXPECT_EQ(hila::levels_needed((1 << 17) - 3, 10), 19);
-  // Integer arithmetic where float log2 goes wrong (LOGLINEAR_SPEC §2.3).
+  // Integer arithmetic where float log2 goes wrong (docs/math/LOGLINEAR.md §2.3).
   EXPECT_EQ(hila::levels_needed(0, (int64_t(1) << 29) + 1), 31);
   EXPECT_EQ(hila::levels_needed(0, (int64_t(1) << 49) + 2), 51);
   EXPECT_EQ(hila::levels_needed(int64_t(1) << 62, 1), 64);
@@ -238,7 +238,7 @@ TEST(StateShape, PartsPerOperator) {
         EXPECT_EQ(sh.H_shape, h_shape) << ctx << " max_pos " << max_pos;
       }
     }
-  // Which operator has which inner state (HLA_SPEC §3.2, §5.2, §6.2).
+  // Which operator has which inner state (docs/math/HLA.md §3.2, §5.2, §6.2).
   EXPECT_TRUE(traits(Op::hla2).has_S && !traits(Op::hla2).has_P);
   EXPECT_TRUE(!traits(Op::ahla).has_S && traits(Op::ahla).has_P);
   EXPECT_TRUE(traits(Op::hla3).has_S && traits(Op::hla3).has_P);

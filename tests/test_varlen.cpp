@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Variable-length packing (LOGLINEAR_SPEC §4): a packed call with cu_seqlens equals running each
+// Variable-length packing (docs/math/LOGLINEAR.md §4): a packed call with cu_seqlens equals running each
 // sequence alone, including empty sequences, with and without initial states at different
 // positions per sequence; outputs, final states and all gradients.
 #include <string>

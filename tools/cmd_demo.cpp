@@ -16,7 +16,7 @@ namespace hila::tools {
 
 namespace {
 
-// float32 against float64 over a few thousand tokens: HLA_SPEC §8.2 measures ~1e-6; anything
+// float32 against float64 over a few thousand tokens: docs/math/HLA.md §8.2 measures ~1e-6; anything
 // near 1e-3 means a real defect, not rounding.
 constexpr double kTol = 1e-3;
 
@@ -165,7 +165,7 @@ int demo(const DemoOptions& o) {
   std::printf("%-15s %10s %10s %10s %10s %12s %12s\n", "softmax KV", "", "", "", "", human_bytes(kv(n_tok)).c_str(),
               human_bytes(kv(int64_t(1) << 20)).c_str());
   std::printf("\nsoftmax KV: K and V caches of one layer with the same H, dk, dv, stored in bf16 (2 bytes each);\n"
-              "hila states are float32 (HLA_SPEC §8: bf16 states lose accuracy). HLA and GDN states are constant in\n"
+              "hila states are float32 (docs/math/HLA.md §8: bf16 states lose accuracy). HLA and GDN states are constant in\n"
               "the sequence length; log-linear states add one dk x dv' matrix per head per Fenwick level (O(log T)).\n");
   return ok ? kExitOk : kExitCheckFailed;
 }

@@ -21,7 +21,7 @@ namespace hila::tools {
 namespace {
 
 constexpr double kTolF64 = 1e-10;
-// float32 against the float64 naive form: HLA_SPEC §8.2 measures ~1e-6 at T = 4096; shapes here
+// float32 against the float64 naive form: docs/math/HLA.md §8.2 measures ~1e-6 at T = 4096; shapes here
 // are far shorter, so 1e-4 leaves room for gradients' cancellation without hiding real bugs.
 constexpr double kTolF32 = 1e-4;
 // Some gradients are exactly zero in exact arithmetic (dg at T = 1 without an initial state: the
@@ -63,7 +63,7 @@ std::vector<Case> cases_for(Op op, uint64_t seed) {
           s.T = 77, s.H = 2;
           s.cfg.gates = Gates::untied, s.cfg.normalize = true;
           if (tr.has_S && !tr.has_P) s.cfg.ridge = 0.1;
-          s.nonneg = true;  // positive denominators (HLA_SPEC §4)
+          s.nonneg = true;  // positive denominators (docs/math/HLA.md §4)
           s.init_state = true, s.init_pos = {37};
         });
   } else if (tr.delta) {

@@ -79,7 +79,7 @@ struct ProblemSpec {
   int64_t extra_levels = 0;       // lam gets levels_needed + extra_levels columns
   DType dtype = DType::f64;       // q, k, v, lam, beta, do; g is f64 for f64 inputs, else f32
   // Nonnegative q, k, initial states and lam in [0.25, 1.5]: keeps normalized-HLA denominators
-  // positive (HLA_SPEC §4), so low-precision comparisons are meaningful.
+  // positive (docs/math/HLA.md §4), so low-precision comparisons are meaningful.
   bool nonneg = false;
   uint64_t seed = 0;
 };

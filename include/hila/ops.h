@@ -44,7 +44,7 @@ Form parse_form(const std::string& name);  // throws hila::Error("form", ...)
 const std::vector<Op>& all_ops();
 const std::vector<Form>& all_forms();
 
-// What an operator is made of (HLA_SPEC §2, §11; LOGLINEAR_SPEC §7).
+// What an operator is made of (docs/math/HLA.md §2, §11; docs/math/LOGLINEAR.md §7).
 struct OpTraits {
   bool loglinear;      // outer primitive uses Fenwick levels and takes lam
   bool delta;          // delta rule (takes beta)
@@ -56,19 +56,19 @@ struct OpTraits {
 OpTraits op_traits(Op op);
 
 // Whether `form` is available for `op` in the given direction. Forward: every form. Backward:
-// naive and chunk for every operator; serial for the GLA family (gla, hla2, ahla, hla3), whose
-// reverse-time adjoint the spec gives (HLA_SPEC §7.3); scan has no backward.
+// naive and chunk for every operator; serial for the GLA family (gla, hla2, ahla, hla3), with the
+// reverse-time adjoint of docs/math/HLA.md §7.3; scan has no backward.
 bool supports(Op op, Form form, bool backward);
 
 struct OpConfig {
   Op op = Op::gla;
   double scale = 0.0;        // 0: default dk^-1/2. Applied to q in every role it plays.
-  bool normalize = false;    // HLA family: o = num / (den + eps), HLA_SPEC §4
+  bool normalize = false;    // HLA family: o = num / (den + eps), docs/math/HLA.md §4
   double eps = 1e-6;
-  double ridge = 0.0;        // hla2 / loglinear_hla2 only: S_j -> S_j + ridge * I (HLA_SPEC §3.2)
+  double ridge = 0.0;        // hla2 / loglinear_hla2 only: S_j -> S_j + ridge * I (docs/math/HLA.md §3.2)
   Gates gates = Gates::tied;
-  bool qk_l2norm = false;    // gdn / loglinear_gdn only (LOGLINEAR_SPEC §6.1), eps 1e-6
-  bool check_values = true;  // reject g > 0 and non-finite inputs (LOGLINEAR_SPEC §11)
+  bool qk_l2norm = false;    // gdn / loglinear_gdn only (docs/math/LOGLINEAR.md §6.1), eps 1e-6
+  bool check_values = true;  // reject g > 0 and non-finite inputs (docs/math/LOGLINEAR.md §11)
 };
 
 // One state format for prefill output, decode state, initial state and context-parallel carry.
@@ -91,7 +91,7 @@ struct StateShape {
 // Shapes of the state parts for N sequences whose largest position is max_pos.
 StateShape state_shape(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
                        int64_t max_pos);
-// Fenwick slots needed at position n: bitlen(n) + 1 (LOGLINEAR_SPEC §2.5).
+// Fenwick slots needed at position n: bitlen(n) + 1 (docs/math/LOGLINEAR.md §2.5).
 int64_t state_slots(int64_t n);
 // lam levels needed by a call over positions n0 .. n0+T-1: bitlen(n0+T-1) + 1 (§2.3).
 int64_t levels_needed(int64_t n0, int64_t T);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // DecodeState: owns one state (StateView layout) for N sequences and grows its Fenwick slot
-// capacity as positions cross powers of two (LOGLINEAR_SPEC §8: grown, never truncated). The
+// capacity as positions cross powers of two (docs/math/LOGLINEAR.md §8: grown, never truncated). The
 // memory lives on the state's device (CPU or CUDA); positions are also kept on the host, since slot
 // growth and the lam-length check need them before anything is launched.
 #include <algorithm>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// How an operator is composed of primitives (HLA_SPEC §2, §11; LOGLINEAR_SPEC §7). Shared by the
-// backends so that the composition is decided in one place:
+// How an operator is composed of primitives (docs/math/HLA.md §2, §11; docs/math/LOGLINEAR.md §7).
+// Shared by the backends so that the composition is decided in one place:
 //   inner S = GLA_gS(Q, K, K) -> U (+ ridge Q);  inner P = GLA_gP(Q, K, V') -> Hh;
 //   outer   = prim_gO(Q, has_S ? U : K, has_P ? Hh : V')   (flat or Fenwick, mamba or delta)
 #pragma once
@@ -13,7 +13,8 @@ struct OpPlan {
   bool has_S = false, has_P = false, fenwick = false, delta = false, normalize = false;
   int gS = -1, gP = -1, gO = 0;  // gate column of each primitive (untied gates, inner first)
   double ridge = 0, eps = 0;
-  bool op_level_scan = false;    // hla2/ahla/hla3: the spec's own segment operators (§3.4, §5.3, §6.3)
+  bool op_level_scan = false;    // hla2/ahla/hla3: their own segment operators
+                                 // (docs/math/HLA.md §3.4, §5.3, §6.3)
 
   static OpPlan make(const OpConfig& cfg) {
     const OpTraits t = op_traits(cfg.op);

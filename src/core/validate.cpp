@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Input validation for every entry point. Each failure names the argument, what was expected and
-// what was given (LOGLINEAR_SPEC §11). Nothing is launched before all checks pass.
+// what was given (docs/math/LOGLINEAR.md §11). Nothing is launched before all checks pass.
 #include <cmath>
 #include <string>
 #include <utility>

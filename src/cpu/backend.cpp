@@ -23,7 +23,7 @@ using cpu::PForm;
 
 namespace {
 
-constexpr double kL2Eps = 1e-6;  // LOGLINEAR_SPEC §6.1
+constexpr double kL2Eps = 1e-6;  // docs/math/LOGLINEAR.md §6.1
 
 // Offset of (b, row, head) in a tensor laid out [B, T, heads, ...] (with_t) or [N, heads, ...].
 int64_t base(const TensorView& t, bool with_t, int64_t b, int64_t row, int64_t head) {
@@ -270,7 +270,7 @@ void forward_impl(const Resolved& r, const ForwardParams& p) {
       store_int(p.final_state.pos, int64_t(i) * p.final_state.pos.stride[0], r.seqs[i].n0 + r.seqs[i].len);
 }
 
-// dx = (dy - y (y . dy)) / sqrt(|x|^2 + eps), y = x / sqrt(|x|^2 + eps)   (LOGLINEAR_SPEC §6.1)
+// dx = (dy - y (y . dy)) / sqrt(|x|^2 + eps), y = x / sqrt(|x|^2 + eps)   (docs/math/LOGLINEAR.md §6.1)
 template <class R>
 void l2norm_backward_row(const R* x, R* dy, int64_t n) {
   R s = 0;

@@ -91,7 +91,7 @@ OpState<R> op_forward_raw(const OpPlan& p, PForm form, int64_t C, const HeadView
   return out;
 }
 
-// o = num / (den + eps) with [num | den] = O' (HLA_SPEC §4).
+// o = num / (den + eps) with [num | den] = O' (docs/math/HLA.md §4).
 template <class R>
 static void normalize_rows(MRef<const R> Oraw, MRef<R> O, R eps) {
   const int64_t dv = O.c;

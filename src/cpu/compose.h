@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Every hila operator as a composition of the primitive (HLA_SPEC §2, §11; LOGLINEAR_SPEC §7):
+// Every hila operator as a composition of the primitive (docs/math/HLA.md §2, §11;
+// docs/math/LOGLINEAR.md §7):
 //   gla / loglinear / gdn / loglinear_gdn:  O = prim(Q, K, V)
 //   hla2:  U = GLA_gS(Q, K, K) (+ ridge Q),  O = prim_gY(Q, U, V)
 //   ahla:  Hh = GLA_gP(Q, K, V),             O = prim_gE(Q, K, Hh)
 //   hla3:  U, Hh as above,                    O = prim_gX(Q, U, Hh)
 // where the outer prim is flat (GLA) or Fenwick (log-linear). Normalize runs the op on [V | 1]
-// and divides (HLA_SPEC §4). Per (sequence, head); q is pre-scaled (and l2-normalised if asked).
+// and divides (docs/math/HLA.md §4). Per (sequence, head); q is pre-scaled (and l2-normalised if asked).
 #pragma once
 #include "core/plan.h"
 #include "cpu/primitive.h"

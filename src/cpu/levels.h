@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Fenwick level structure (LOGLINEAR_SPEC §2) and its degenerate "flat" form, so one set of
+// Fenwick level structure (docs/math/LOGLINEAR.md §2) and its degenerate "flat" form, so one set of
 // primitive routines serves plain GLA / GDN (one state slot, every pair at level 0, lambda = 1)
 // and their log-linear versions (slot = level, level(t,s) = bitlen(t xor s)).
 #pragma once

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Forms of the hila primitive (see primitive.h). The segment routines below are the masked-matrix
-// form over rows [s, e) with an incoming canonical state: LOGLINEAR_SPEC §3.3 (mamba) and §6.4
+// form over rows [s, e) with an incoming canonical state: docs/math/LOGLINEAR.md §3.3 (mamba) and §6.4
 // (delta). The naive form is one segment over the whole call (= the masked-matrix oracle, §3.1 /
 // §6.2); the chunk form cuts the call into segments that never cross a multiple of C, so only
 // levels <= log2 C occur inside a segment and the O(T^2) work becomes O(T C).
@@ -49,7 +49,7 @@ struct Seg {
   std::vector<R> b;    // chunk-local inclusive cumsum of g
   R B = 0;             // b[nr-1]
   MRef<const R> q, k, v;
-  // delta only (LOGLINEAR_SPEC §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
+  // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
 
   Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_)
@@ -73,7 +73,7 @@ struct Seg {
     W = matmul<R>(Tm, false, bk, false);  // [R,R] x [R,dk]
   }
 
-  // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} exp(b_i - b_j) on j <= i (LOGLINEAR_SPEC §3.1).
+  // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} exp(b_i - b_j) on j <= i (docs/math/LOGLINEAR.md §3.1).
   Mat<R> mask(const PrimArgs<R>& a) const {
     Mat<R> M(nr, nr);
     for (int64_t i = 0; i < nr; ++i)
@@ -162,7 +162,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   return Hout;
 }
 
-// Reverse of seg_forward (LOGLINEAR_SPEC §5.2 for mamba, §6.5 for delta; the mamba path is the
+// Reverse of seg_forward (docs/math/LOGLINEAR.md §5.2 for mamba, §6.5 for delta; the mamba path is the
 // delta path with Tm = I and beta = 1). Accumulates rows [i0, i1) of G; returns the adjoint of Hin.
 template <class R>
 Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
@@ -336,7 +336,7 @@ PrimGrads<R> make_grads(const PrimArgs<R>& a) {
   return G;
 }
 
-// Serial reverse-time adjoint of flat GLA (HLA_SPEC §7.3 specialised to one primitive):
+// Serial reverse-time adjoint of flat GLA (docs/math/HLA.md §7.3 specialised to one primitive):
 //   Hbar_t = q_t do_t^T + a_{t+1} Hbar_{t+1};  dq_t = H_t do_t;  dk_t = Hbar_t v_t;
 //   dv_t = Hbar_t^T k_t;  dg_t = a_t <Hbar_t, H_{t-1}>;  dH0 = a_0 Hbar_0.
 // States are recomputed forward from checkpoints every kBlock tokens (no decay inversion).

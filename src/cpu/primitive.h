@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The one primitive every hila operator is built from (HLA_SPEC §1, LOGLINEAR_SPEC §3, §6):
+// The one primitive every hila operator is built from (docs/math/HLA.md §1,
+// docs/math/LOGLINEAR.md §3, §6):
 //
 //   o_t = sum_{n0<=s<=t} lam_t^{l(t,s)} q_t^T (A_t ... A_{s+1}) beta_s k_s v_s^T  + initial-state reads
 //   A_r = a_r I                    (mamba: GLA / log-linear Mamba-2; beta = 1)
 //   A_r = a_r (I - beta_r k_r k_r^T) (delta: Gated DeltaNet / log-linear GDN)
 //
 // with Fenwick levels (lam given) or flat (one state slot, lam = 1). Per head, per sequence;
-// q is already scaled. State: the canonical state of LOGLINEAR_SPEC §2.5 (flat: one matrix).
+// q is already scaled. State: the canonical state of docs/math/LOGLINEAR.md §2.5 (flat: one matrix).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -80,12 +81,12 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o);
 std::vector<std::pair<int64_t, int64_t>> segments(int64_t n0, int64_t n, int64_t C);
 
 // Re-key a canonical state from position n to e >= n with a common factor (and, for delta,
-// a left transition M): out[read_level(e, n, l)] += f * M * H[l]  (LOGLINEAR_SPEC §2.4, §10).
+// a left transition M): out[read_level(e, n, l)] += f * M * H[l]  (docs/math/LOGLINEAR.md §2.4, §10).
 template <class R>
 void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, int64_t e, R f,
                const Mat<R>* M, int64_t dk, int64_t dv);
 
-// Segment summary for the scan form (LOGLINEAR_SPEC §10): the affine map H_e = M rekey(H_s) + P.
+// Segment summary for the scan form (docs/math/LOGLINEAR.md §10): the affine map H_e = M rekey(H_s) + P.
 template <class R>
 struct PrimSummary {
   bool identity = true;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Scan form of hla2 / ahla / hla3 with the spec's own associative segment operators:
-// HLA_SPEC §3.4 (HLA2: S, Z, Y), §5.3 (AHLA: P, R, E), §6.3 (HLA3: S, P, X, Phi, Psi, Omega).
+// Scan form of hla2 / ahla / hla3 with their own associative segment operators:
+// docs/math/HLA.md §3.4 (HLA2: S, Z, Y), §5.3 (AHLA: P, R, E), §6.3 (HLA3: S, P, X, Phi, Psi, Omega).
 // Each chunk is reduced to its summary from a zero carry; a Blelloch exclusive scan gives every
 // chunk its carry-in; each chunk then reruns the chunk form from it. This is exactly the
 // context-parallel protocol (one summary per rank instead of per chunk).
@@ -97,7 +97,7 @@ HlaSummary<R> hla_summarize(const OpPlan& p, int64_t C, const HeadView<R>& x) {
   Mat<R> Odummy(n, dvp);
   a.k = key, a.v = val, a.g = x.g[p.gO];
   s.Y = slot0(prim_forward<R>(PForm::chunk, C, a, {}, Odummy), dk, dvp);
-  // cross terms (closed forms of the spec), w_i = e^{bO_e - bO_i}
+  // cross terms (closed forms of docs/math/HLA.md §3.4, §5.3, §6.3), w_i = e^{bO_e - bO_i}
   std::vector<R> w(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) w[i] = std::exp(s.lO - bO[i]);
   auto wt = [&](const std::vector<R>& extra) {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Segment summaries of hla2 / ahla / hla3 (HLA_SPEC §3.4, §5.3, §6.3), exposed for tests of
+// Segment summaries of hla2 / ahla / hla3 (docs/math/HLA.md §3.4, §5.3, §6.3), exposed for tests of
 // associativity, identity and the action property, and for context parallelism.
 #pragma once
 #include "cpu/blelloch.h"
