@@ -13,7 +13,7 @@ function here builds a core.Layout and calls core.forward / core.vjp.
 import numpy as np
 
 from . import core
-from .levels import level_matrix, levels_needed, live_levels, read_levels, sigma, state_slots, bitlen_array
+from .levels import bitlen_array, level_matrix, levels_needed, live_levels, read_levels, sigma, state_slots
 
 
 # ------------------------------------------------------------------------------ layouts
