@@ -566,6 +566,14 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                                 float(eps), float(ridge), qk_l2norm, check_values)
 
 
+def _graph_capturable(op: str) -> bool:
+    """Whether a decode step of ``op`` (``step_`` with ``check_values=False``) can be captured in a
+    CUDA graph: it then reads and writes device memory only. Not yet the log-linear operators:
+    ``hila::step`` reads their positions on the host (the Fenwick slots and λ levels a step needs
+    depend on them, docs/API.md), which a capture forbids."""
+    return not _ops._traits(op)["loglinear"]
+
+
 def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: int = 1,
                normalize: bool = False, dtype: torch.dtype = torch.float32,
                device: Optional[torch.device] = None) -> State:
