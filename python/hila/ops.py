@@ -155,6 +155,21 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
 # ----------------------------------------------------------------------------- array families
 
 _FRAMEWORK_WORKSPACE = [os.environ.get("HILA_FRAMEWORK_WORKSPACE", "0") == "1"]
+# Test hook (HILA_POISON_OUTPUTS=1 or tests setting it): every output and gradient that hila.ops
+# and hila.torch allocate is filled with NaN (integers: their most negative value) before the
+# library writes it, so any element a call left unwritten shows.
+_POISON_OUTPUTS = [os.environ.get("HILA_POISON_OUTPUTS", "0") == "1"]
+
+
+def _poison(x: Array) -> Array:
+    """x filled with NaN (integer arrays: their most negative value); see _POISON_OUTPUTS."""
+    kind = str(x.dtype)
+    bad = float("nan") if "float" in kind else -(2 ** (8 * int(x.itemsize) - 1))
+    if hasattr(x, "fill_"):
+        x.fill_(bad)
+    else:
+        x.fill(bad)
+    return x
 
 
 def use_framework_workspace(on: bool = True) -> bool:
@@ -186,10 +201,12 @@ class _Family:
         (outputs, final states, gradients), so none needs a fill."""
         if self.torch:
             import torch
-            return torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
-        if self.xp is not None and not self.immutable:
-            return self.xp.empty(tuple(shape), dtype=getattr(self.xp, dtype))
-        return np.empty(tuple(shape), dtype=np.dtype(dtype))
+            x = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
+        elif self.xp is not None and not self.immutable:
+            x = self.xp.empty(tuple(shape), dtype=getattr(self.xp, dtype))
+        else:
+            x = np.empty(tuple(shape), dtype=np.dtype(dtype))
+        return _poison(x) if _POISON_OUTPUTS[0] else x
 
     def workspace(self, stream: int):
         """The allocator of a call's device temporaries (``_C.forward(workspace=...)``): torch's

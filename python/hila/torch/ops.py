@@ -115,12 +115,14 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def _readable(x: Optional[Tensor]) -> Optional[Tensor]:
-    """x as the library reads it in place (innermost stride 1), or a contiguous copy: incoming
-    gradients are often expanded scalars with stride 0."""
-    if x is None or x.is_contiguous():
-        return x
-    return x if x.dim() == 0 or x.stride(-1) == 1 or x.size(-1) <= 1 else x.contiguous()
+def _in(x: Optional[Tensor]):
+    """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
+    stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
+    if x is None:
+        return None
+    if not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1:
+        x = x.contiguous()
+    return _capsule(x)
 
 
 def _cap(x: Optional[Tensor]):
@@ -129,14 +131,19 @@ def _cap(x: Optional[Tensor]):
 
 
 def _caps(parts) -> Optional[tuple]:
-    """A state's parts as capsules, or None when there are none."""
+    """A state's parts as capsules of inputs, or None when there are none."""
     if parts is None or all(x is None for x in parts):
         return None
-    return tuple(None if x is None else _capsule(x) for x in parts)
+    return tuple(_in(x) for x in parts)
+
+
+_POISON = _ops._POISON_OUTPUTS  # test hook: new outputs filled with NaN (see hila.ops)
 
 
 def _empty_like(x: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    """An output or gradient shaped like x: uninitialised, the library writes every element."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _ops._poison(y) if _POISON[0] else y
 
 
 def _workspace(q: Tensor):
@@ -157,22 +164,25 @@ def _new_state(spec: _Spec, q: Tensor, v: Tensor, N: int, slots: int) -> State:
     shapes = _ops.state_part_shapes(spec.op, N, v.shape[2], q.shape[3], v.shape[3],
                                     normalize=spec.normalize, slots=slots)
     dt, dev = _state_dtype(q), q.device
-    e = lambda s: None if s is None else torch.empty(s, dtype=dt, device=dev)  # noqa: E731
-    return State(torch.empty(shapes.pos, dtype=torch.int64, device=dev), e(shapes.S), e(shapes.P),
-                 e(shapes.H))
+
+    def e(s, dtype=dt):
+        x = None if s is None else torch.empty(s, dtype=dtype, device=dev)
+        return _ops._poison(x) if x is not None and _POISON[0] else x
+
+    return State(e(shapes.pos, torch.int64), e(shapes.S), e(shapes.P), e(shapes.H))
 
 
 def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool,
                   final_slots: int) -> Tuple[Tensor, Optional[State]]:
     """hila::forward: o [B, T, H, dv] and the final state (None unless asked for)."""
-    q, k, v, g, lam, beta = (_readable(x) for x in (q, k, v, g, lam, beta))
     o = _empty_like(v)
     fin = None
     if want_final and q.dim() == 4 and v.dim() == 4:  # else the library names the bad shape
         N = q.shape[0] if cu is None or cu.dim() != 1 else cu.shape[0] - 1
         fin = _new_state(spec, q, v, N, final_slots)
-    _C.forward(spec.cfg, spec.form, spec.chunk, _cap(q), _cap(k), _cap(v), _cap(g), _cap(lam),
-               _cap(beta), _cap(cu), _caps(init), o=_capsule(o), final_state=_caps(fin),
+    _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+               _in(cu), _caps(init), o=_capsule(o),
+               final_state=None if fin is None else tuple(_cap(x) for x in fin),
                stream=_stream(q), workspace=_workspace(q))
     return o, fin
 
@@ -183,46 +193,41 @@ def _backward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, do, d_final, fi
     where its input is absent or ``needs`` (9 flags) says it is not wanted. ``do`` and the parts
     of ``d_final`` may be None (unused outputs): zeros then stand for them (only when another
     cotangent is present; final_shapes are the shapes of the final state's parts)."""
-    q, k, v, g, lam, beta, do = (_readable(x) for x in (q, k, v, g, lam, beta, do))
     dfin = None
     if d_final is not None and any(x is not None for x in d_final):
-        dfin = tuple(None if s is None else (_readable(d) if d is not None else
-                                             torch.zeros(s, dtype=_state_dtype(q), device=q.device))
-                     for d, s in zip(d_final, final_shapes))
+        dt = _state_dtype(q)
+        dfin = (None,) + tuple(None if s is None else _in(d) if d is not None else
+                               _capsule(torch.zeros(s, dtype=dt, device=q.device))
+                               for d, s in zip(d_final, final_shapes))
     if do is None:
         do = torch.zeros_like(v)  # only the final state was used
     inputs = (q, k, v, g, lam, beta) + (tuple(init[1:]) if init is not None else (None,) * 3)
     grads = [_empty_like(x) if x is not None and need else None for x, need in zip(inputs, needs)]
     d_init = None
     if init is not None and any(x is not None for x in grads[6:]):
-        d_init = (None,) + tuple(_cap(x) for x in grads[6:])
-    _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _cap(q), _cap(k), _cap(v), _cap(g), _cap(lam),
-                _cap(beta), _cap(cu), _caps(init), _capsule(do),
-                None if dfin is None else (None,) + tuple(_cap(x) for x in dfin),
-                dq=_cap(grads[0]), dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]),
-                dlam=_cap(grads[4]), dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q),
-                workspace=_workspace(q))
+        d_init = (None, _cap(grads[6]), _cap(grads[7]), _cap(grads[8]))
+    _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam),
+                _in(beta), _in(cu), _caps(init), _in(do), dfin, dq=_cap(grads[0]),
+                dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]), dlam=_cap(grads[4]),
+                dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q), workspace=_workspace(q))
     return tuple(grads)
 
 
 def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State]:
     """The functional decode step (a one-token forward from `state`): o and a new state shaped
     like `state` (a log-linear H keeps its slot capacity)."""
-    q, k, v, g, lam, beta = (_readable(x) for x in (q, k, v, g, lam, beta))
-    state = tuple(_readable(x) for x in state)
     o = _empty_like(v)
     out = State(*(None if x is None else _empty_like(x) for x in state))
-    _C.step(spec.cfg, _cap(q), _cap(k), _cap(v), _cap(g), _cap(lam), _cap(beta),
-            tuple(_cap(x) for x in state), o=_capsule(o), state_out=tuple(_cap(x) for x in out),
+    _C.step(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+            tuple(_in(x) for x in state), o=_capsule(o), state_out=tuple(_cap(x) for x in out),
             stream=_stream(q))
     return o, out
 
 
 def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H) -> Tensor:
     """The fused decode step advancing (pos, S, P, H) in place; returns o [N, H, dv]."""
-    q, k, v, g, lam, beta = (_readable(x) for x in (q, k, v, g, lam, beta))
     o = _empty_like(v)
-    _C.step_inplace(spec.cfg, _cap(q), _cap(k), _cap(v), _cap(g), _cap(lam), _cap(beta),
+    _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
                     (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q))
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     torch.autograd.graph.increment_version([x for x in (pos, S, P, H) if x is not None])
