@@ -422,3 +422,20 @@ def test_layer_decode_step_in_a_cuda_graph_equals_eager(name, device):
     for a, b in zip(st_graph.tensors(), st_eager.tensors()):
         assert torch.equal(a, b)
     assert st_graph.recurrent.pos.tolist() == [T0 + steps] * N
+
+
+@pytest.mark.parametrize("road", ("direct", "custom_op"))
+def test_in_place_step_invalidates_saved_state_tensors(road, device, request):
+    """a tensor of the state saved for a backward and then advanced by step_ makes that backward
+    fail with autograd's in-place error (the step bumps the version counters)."""
+    require_device(device, "hla2")
+    _setflag(request, hops._FAST, road == "direct")
+    x, _, _ = torch_inputs("hla2", device, T=1)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    st = ht.zero_state("hla2", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    w = torch.ones_like(st.H, requires_grad=True)
+    y = (st.H * w).sum()  # saves st.H
+    with torch.no_grad():
+        ht.step_("hla2", **tok, state=st)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
