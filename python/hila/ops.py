@@ -28,6 +28,8 @@ caller's current CUDA stream.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
@@ -150,6 +152,16 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
     return _C.Config(op, scale=0.0 if scale is None else float(scale), normalize=normalize,
                      eps=float(eps), ridge=float(ridge), qk_l2norm=qk_l2norm,
                      check_values=check_values)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _C.Config:
+    """config() of a call, built once per distinct options (a Config is read-only)."""
+    return config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                  check_values=check_values)
+
+
+atexit.register(_config.cache_clear)  # no extension objects left for nanobind's exit-time leak check
 
 
 # ----------------------------------------------------------------------------- array families
@@ -334,8 +346,7 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
     Returns:
         ``(o, final_state)``: o [B, T, H, dv] with the dtype of v, and a :class:`State` or None.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
     init = _state(initial_state)
     fam = _Family(q)
@@ -373,8 +384,7 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     Returns:
         :class:`Grads`, each gradient with the shape and dtype of its input.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
     init = _state(initial_state)
     dfin = _state(d_final_state)
@@ -411,8 +421,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
         computes, as a one-token forward call with ``state`` as initial state (so it runs on every
         device that forward runs on, on the caller's arrays, with no copies).
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state)
     if st is None:
@@ -458,8 +467,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
         o [N, H, dv] with the dtype of v, allocated by the array library of q. The state now
         holds the state after the token.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state)
     if st is None:

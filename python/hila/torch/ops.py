@@ -473,6 +473,10 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
         return 1  # malformed inputs: the op reports them by name
 
 
+def _requires_grad(*xs) -> bool:
+    return any(x is not None and x.requires_grad for x in xs)
+
+
 def _check_state(state) -> None:
     if state is None or len(state) != 4 or state[0] is None or state[3] is None:
         raise HilaError("hila: argument 'state': expected a State with pos and H, got "
@@ -509,9 +513,13 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     scale = float(scale or 0.0)
     if _direct(q):
         spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
-        o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k, v, g,
-                                         lam, beta, cu_seqlens, *init)
-        return o, (State(pos, S, P, H) if output_final_state else None)
+        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
+            o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k, v,
+                                             g, lam, beta, cu_seqlens, *init)
+            return o, (State(pos, S, P, H) if output_final_state else None)
+        init = None if init[0] is None and init[1] is None and init[2] is None and init[3] is None else init
+        return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
+                             int(final_slots or 1))
     o, pos, S, P, H = torch.ops.hila.forward(
         q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, scale, normalize,
         float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
@@ -536,16 +544,14 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     scale = float(scale or 0.0)
     if _direct(q):
         spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+            return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
         o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
     else:
         o, pos, S, P, H = torch.ops.hila.step(
             q, k, v, g, lam, beta, *state, op, scale, normalize, float(eps), float(ridge),
             qk_l2norm, check_values)
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
-
-
-def _requires_grad(*xs) -> bool:
-    return any(x is not None and x.requires_grad for x in xs)
 
 
 def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
