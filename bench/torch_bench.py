@@ -393,8 +393,8 @@ def flush_csv(a, rows):
 def tables(rows):
     f = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda x, y: "—" if x is None or not y else f"{x / y:.2f}×"  # noqa: E731
-    get = lambda sec, op, B, T, dirn, impl: next((r["ms"] for r in rows if (r["section"], r["op"], r["B"], r["T"], r["direction"], r["impl"]) ==  # noqa: E731
-                                                   (sec, op, B, T, dirn, impl)), None)
+    cells = {(r["section"], r["op"], r["B"], r["T"], r["direction"], r["impl"]): r["ms"] for r in rows}
+    get = lambda *key: cells.get(key)  # noqa: E731  (section, op, B, T, direction, impl) -> ms
     lines = []
     train = [r for r in rows if r["section"] == "train"]
     if train:
@@ -408,11 +408,13 @@ def tables(rows):
             n = get("train", op, B, T, dirn, "hila_torch_nocheck")
             c = get("train", op, B, T, dirn, "hila_cpp")
             fl = get("train", op, B, T, dirn, fla)
-            lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {f(n)} | {f(c)} | {ratio(n, c)} | {f(fl)} | {ratio(n, fl)} |")
+            lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {f(n)} | {f(c)} | {ratio(n, c)} | {f(fl)} | "
+                         f"{ratio(n, fl)} |")
     dec = [r for r in rows if r["section"] == "decode"]
     if dec:
         lines += ["", "decode (ms per token; kernels: GPU time of one eager step's kernels)", "",
-                  "| model | batch | eager | graph | kernels | eager / kernels | graph / kernels |", "|---|---|---|---|---|---|---|"]
+                  "| model | batch | eager | graph | kernels | eager / kernels | graph / kernels |",
+                  "|---|---|---|---|---|---|---|"]
         for op, B in dict.fromkeys((r["op"], r["B"]) for r in dec):
             e, g, k = (next((r["ms"] for r in dec if (r["op"], r["B"], r["impl"]) == (op, B, i)), None)
                        for i in ("eager", "graph", "kernels"))
@@ -479,7 +481,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="one shape, fewer repetitions, a 4-layer decode model")
-    ap.add_argument("--hila-bench", default=None, help="the hila_bench binary (default: $HILA_BENCH, .dev/bin/hila_bench, build-cuda/hila_bench)")
+    ap.add_argument("--hila-bench", default=None,
+                    help="the hila_bench binary (default: $HILA_BENCH, .dev/bin/hila_bench, build-cuda/hila_bench)")
     ap.add_argument("--out", default="torch-bench")
     ap.add_argument("--sections", default="train,decode,step")
     ap.add_argument("--ops", default=TRAIN_OPS)

@@ -76,7 +76,7 @@ def eager_fast_path(enabled: bool = True) -> bool:
 
 def _direct(q) -> bool:
     """Whether a call on q runs through the direct eager road (see the module docstring)."""
-    return (_FAST[0] and type(q) in _PLAIN and not q.is_meta and not _is_compiling()
+    return (_FAST[0] and not _is_compiling() and type(q) in _PLAIN and not q.is_meta
             and _dispatch_depth() == 0 and not _functorch_active())
 
 
