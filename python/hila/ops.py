@@ -28,6 +28,8 @@ caller's current CUDA stream.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
@@ -152,9 +154,34 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
                      check_values=check_values)
 
 
+@functools.lru_cache(maxsize=256)
+def _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _C.Config:
+    """config() of a call, built once per distinct options (a Config is read-only)."""
+    return config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                  check_values=check_values)
+
+
+atexit.register(_config.cache_clear)  # no extension objects left for nanobind's exit-time leak check
+
+
 # ----------------------------------------------------------------------------- array families
 
 _FRAMEWORK_WORKSPACE = [os.environ.get("HILA_FRAMEWORK_WORKSPACE", "0") == "1"]
+# Test hook (HILA_POISON_OUTPUTS=1 or tests setting it): every output and gradient that hila.ops
+# and hila.torch allocate is filled with NaN (integers: their most negative value) before the
+# library writes it, so any element a call left unwritten shows.
+_POISON_OUTPUTS = [os.environ.get("HILA_POISON_OUTPUTS", "0") == "1"]
+
+
+def _poison(x: Array) -> Array:
+    """x filled with NaN (integer arrays: their most negative value); see _POISON_OUTPUTS."""
+    kind = str(x.dtype)
+    bad = float("nan") if "float" in kind else -(2 ** (8 * int(x.itemsize) - 1))
+    if hasattr(x, "fill_"):
+        x.fill_(bad)
+    else:
+        x.fill(bad)
+    return x
 
 
 def use_framework_workspace(on: bool = True) -> bool:
@@ -181,13 +208,17 @@ class _Family:
             self.xp = like.__array_namespace__()
             self.immutable = self.xp.__name__.split(".")[0] == "jax"
 
-    def zeros(self, shape: Sequence[int], dtype: str) -> Array:
+    def empty(self, shape: Sequence[int], dtype: str) -> Array:
+        """An uninitialised output: the library writes every element of each output it is given
+        (outputs, final states, gradients), so none needs a fill."""
         if self.torch:
             import torch
-            return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
-        if self.xp is not None and not self.immutable:
-            return self.xp.zeros(tuple(shape), dtype=getattr(self.xp, dtype))
-        return np.zeros(tuple(shape), dtype=np.dtype(dtype))
+            x = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
+        elif self.xp is not None and not self.immutable:
+            x = self.xp.empty(tuple(shape), dtype=getattr(self.xp, dtype))
+        else:
+            x = np.empty(tuple(shape), dtype=np.dtype(dtype))
+        return _poison(x) if _POISON_OUTPUTS[0] else x
 
     def workspace(self, stream: int):
         """The allocator of a call's device temporaries (``_C.forward(workspace=...)``): torch's
@@ -258,18 +289,18 @@ def _allocate_state(fam: _Family, op: str, N: int, H: int, dk: int, dv: int, nor
                     slots: int, dtype: str, with_pos: bool = True) -> State:
     shapes = state_part_shapes(op, N, H, dk, dv, normalize=normalize, slots=slots)
     return State(
-        pos=fam.zeros(shapes.pos, "int64") if with_pos else None,
-        S=None if shapes.S is None else fam.zeros(shapes.S, dtype),
-        P=None if shapes.P is None else fam.zeros(shapes.P, dtype),
-        H=fam.zeros(shapes.H, dtype),
+        pos=fam.empty(shapes.pos, "int64") if with_pos else None,
+        S=None if shapes.S is None else fam.empty(shapes.S, dtype),
+        P=None if shapes.P is None else fam.empty(shapes.P, dtype),
+        H=fam.empty(shapes.H, dtype),
     )
 
 
 def _like_state(fam: _Family, s: Optional[Sequence[Optional[Array]]]) -> Optional[State]:
-    """Zero arrays shaped like the S, P, H parts of s (gradients: no pos)."""
+    """Arrays shaped like the S, P, H parts of s (gradients: no pos)."""
     if s is None:
         return None
-    z = [None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x)) for x in s[1:]]
+    z = [None if x is None else fam.empty(tuple(x.shape), _dtype_name(x)) for x in s[1:]]
     return State(None, *z)
 
 
@@ -315,12 +346,11 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
     Returns:
         ``(o, final_state)``: o [B, T, H, dv] with the dtype of v, and a :class:`State` or None.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
     init = _state(initial_state)
     fam = _Family(q)
-    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    o = fam.empty(tuple(v.shape), _dtype_name(v))
     final = None
     if output_final_state and _ndim(q) == 4 and _ndim(v) == 4:
         B, T, _, dk = q.shape
@@ -354,14 +384,13 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     Returns:
         :class:`Grads`, each gradient with the shape and dtype of its input.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
     init = _state(initial_state)
     dfin = _state(d_final_state)
     fam = _Family(q)
-    zeros_like = lambda x: None if x is None else fam.zeros(tuple(x.shape), _dtype_name(x))  # noqa: E731
-    dq, dk, dv, dg, dlam, dbeta = map(zeros_like, (q, k, v, g, lam, beta))
+    empty_like = lambda x: None if x is None else fam.empty(tuple(x.shape), _dtype_name(x))  # noqa: E731
+    dq, dk, dv, dg, dlam, dbeta = map(empty_like, (q, k, v, g, lam, beta))
     d_init = _like_state(fam, init)
     st = _stream(stream)
     _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
@@ -392,15 +421,14 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
         computes, as a one-token forward call with ``state`` as initial state (so it runs on every
         device that forward runs on, on the caller's arrays, with no copies).
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state before the token), got None",
                         "state")
     fam = _Family(q)
-    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    o = fam.empty(tuple(v.shape), _dtype_name(v))
     out = []
     for i, x in enumerate(st):
         shape = None if x is None else list(x.shape)
@@ -408,7 +436,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
             if out_slots is None:
                 out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
             shape[2] = out_slots
-        out.append(None if x is None else fam.zeros(shape, _dtype_name(x)))
+        out.append(None if x is None else fam.empty(shape, _dtype_name(x)))
     _C.step(cfg, q, k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
     return fam.finish(o), _finish_state(fam, State(*out))
 
@@ -439,8 +467,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
         o [N, H, dv] with the dtype of v, allocated by the array library of q. The state now
         holds the state after the token.
     """
-    cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                 check_values=check_values)
+    cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state)
     if st is None:
@@ -453,7 +480,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
                             f"updates the state in place), got a read-only {type(x).__name__}",
                             f"state.{name}")
     fam = _Family(q)
-    o = fam.zeros(tuple(v.shape), _dtype_name(v))
+    o = fam.empty(tuple(v.shape), _dtype_name(v))
     _C.step_inplace(cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
     return fam.finish(o)
 
@@ -567,7 +594,7 @@ class DecodeState:
         (dtype of v, allocated by q's array library); updates the state."""
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
-        o = fam.zeros(tuple(v.shape), _dtype_name(v))
+        o = fam.empty(tuple(v.shape), _dtype_name(v))
         self._st.step(q, k, v, g, lam, beta, o=o, stream=_stream(stream))
         return fam.finish(o)
 

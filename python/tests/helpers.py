@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared helpers of the Python suite: hila calls on the oracle suite's problems (tests/oracle
-cases.py inputs, in the CLI's tensor names), and the device probe of the torch tests."""
+cases.py inputs, in the CLI's tensor names), the device probe of the torch tests and their float64
+inputs with initial states."""
 import functools
 
 import numpy as np
@@ -99,3 +100,34 @@ def chunk_for(device, cpu_chunk, op="gla"):
         return cpu_chunk
     t = hila.op_traits(op)
     return 64 if t["loglinear"] or t["delta"] else cpu_chunk
+
+
+def torch_inputs(op, device, B=2, T=7, G=1, H=2, dk=3, dv=2, untied=False, seed=0, n0=None):
+    """Torch inputs of a call of `op` on `device`: float64 leaves requiring grad (g kept <= -0.05
+    so that perturbations stay valid gates), plus an initial state at positions n0 whose dead
+    Fenwick slots are masked: (inputs, [pos, S, P, H] or None, mask of H's live slots or None)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    t = hila.op_traits(op)
+    r = lambda *s, lo=None, hi=None: (torch.rand(*s, generator=gen, dtype=torch.float64) * (hi - lo) + lo  # noqa: E731
+                                      if lo is not None else torch.randn(*s, generator=gen, dtype=torch.float64))
+    x = dict(q=r(B, T, G, dk), k=r(B, T, G, dk) / dk ** 0.5, v=r(B, T, H, dv),
+             g=r(*((B, T, H, t["num_primitives"]) if untied else (B, T, H)), lo=-0.4, hi=-0.05))
+    n0 = n0 or [0] * B
+    if t["loglinear"]:
+        x["lam"] = r(B, T, H, hila.levels_needed(0, max(n0) + T), lo=-0.5, hi=1.5)
+    if t["delta"]:
+        x["beta"] = r(B, T, H, lo=0.1, hi=1.0)
+    x = {k: v.to(device).requires_grad_() for k, v in x.items()}
+    state, mask = None, None
+    if any(n0):
+        shapes = hila.state_part_shapes(op, B, H, dk, dv, slots=hila.state_slots(max(n0)))
+        parts = [None if s is None else (0.5 * r(*s)).to(device).requires_grad_() for s in shapes[1:]]
+        state = [torch.tensor(n0, device=device)] + parts
+        if t["loglinear"]:
+            mask = torch.zeros(shapes.H[:3] + (1, 1), dtype=torch.float64, device=device)
+            for i, n in enumerate(n0):
+                for lvl in range(1, int(n).bit_length() + 1):
+                    if (n >> (lvl - 1)) & 1:
+                        mask[i, :, lvl] = 1
+    return x, state, mask

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from helpers import chunk_for, device_problem, require_device, run_forward  # noqa: E402
+from helpers import torch_inputs as _inputs  # noqa: E402
 
 OPS = hila.OPS
 LOGLINEAR = tuple(op for op in OPS if hila.op_traits(op)["loglinear"])
@@ -28,35 +29,6 @@ def test_forward_matches_oracle(oracles, op, device):
 
 
 # ----------------------------------------------------------------------------- gradcheck
-
-def _inputs(op, device, B=2, T=7, G=1, H=2, dk=3, dv=2, untied=False, seed=0, n0=None):
-    """float64 leaves requiring grad (g kept <= -0.05 so that perturbations stay valid gates),
-    plus an initial state at positions n0 whose dead Fenwick slots are masked."""
-    gen = torch.Generator().manual_seed(seed)
-    t = hila.op_traits(op)
-    r = lambda *s, lo=None, hi=None: (torch.rand(*s, generator=gen, dtype=torch.float64) * (hi - lo) + lo  # noqa: E731
-                                      if lo is not None else torch.randn(*s, generator=gen, dtype=torch.float64))
-    x = dict(q=r(B, T, G, dk), k=r(B, T, G, dk) / dk ** 0.5, v=r(B, T, H, dv),
-             g=r(*((B, T, H, t["num_primitives"]) if untied else (B, T, H)), lo=-0.4, hi=-0.05))
-    n0 = n0 or [0] * B
-    if t["loglinear"]:
-        x["lam"] = r(B, T, H, hila.levels_needed(0, max(n0) + T), lo=-0.5, hi=1.5)
-    if t["delta"]:
-        x["beta"] = r(B, T, H, lo=0.1, hi=1.0)
-    x = {k: v.to(device).requires_grad_() for k, v in x.items()}
-    state, mask = None, None
-    if any(n0):
-        shapes = hila.state_part_shapes(op, B, H, dk, dv, slots=hila.state_slots(max(n0)))
-        parts = [None if s is None else (0.5 * r(*s)).to(device).requires_grad_() for s in shapes[1:]]
-        state = [torch.tensor(n0, device=device)] + parts
-        if t["loglinear"]:
-            mask = torch.zeros(shapes.H[:3] + (1, 1), dtype=torch.float64, device=device)
-            for i, n in enumerate(n0):
-                for lvl in range(1, int(n).bit_length() + 1):
-                    if (n >> (lvl - 1)) & 1:
-                        mask[i, :, lvl] = 1
-    return x, state, mask
-
 
 def _gradcheck(fn, leaves):
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=False)

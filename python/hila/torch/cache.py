@@ -14,10 +14,11 @@ cache's ``in_place`` flag:
   The step advances a copy of the recurrent state and returns a new :class:`LayerState`; the one
   passed in, and every tensor of it, still holds the state before the token, so a caller may keep
   it (branching, retrying a token, comparing) and continue from it again.
-* ``in_place=True``: the passed :class:`LayerState` itself advances: its recurrent tensors are
-  overwritten and the same object is returned, with the new convolution caches and position.
-  No state copy per token; what an inference loop that owns its cache wants (``HilaLM.generate``
-  sets it on the cache of its own prefill). A caller must not keep such a cache to return to:
+* ``in_place=True``: the passed :class:`LayerState` itself advances: its recurrent and
+  convolution tensors are overwritten and the same object is returned, with the new position.
+  No state copy per token and no new cache tensors, so a decode step can be captured in a CUDA
+  graph and replayed; what an inference loop that owns its cache wants (``HilaLM.generate`` sets
+  it on the cache of its own prefill). A caller must not keep such a cache to return to:
   take a copy first (``select``, which copies, or ``clone``). Tensors of it saved for a backward
   pass (a prefill run with grad) make that backward fail with autograd's in-place error.
 

@@ -19,7 +19,8 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
   :mod:`hila.torch.cache`). A step that needs a gradient runs the differentiable
   ``torch.ops.hila.step``.
 * ``check_values=False`` skips the operator's O(size) scan for non-finite inputs and positive
-  gates (on CUDA it copies the inputs to the host): turn it off in GPU training loops.
+  gates (on CUDA a device scan and one synchronisation per input): turn it off in GPU training
+  loops. Decode steps never scan: a model is checked once, at its prefill.
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
   state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
   int) spares log-linear layers a device read for their ``max_len`` check.
@@ -80,8 +81,8 @@ class _Call:
         if conv is None:
             return x
         cache = self.state.conv[len(self.conv_caches)] if self.state is not None else None
-        if self.decode:
-            y, new = conv.step(x[:, 0], cache)
+        if self.decode:  # the new cache as a view of the step's window: see result()
+            y, new = conv.step(x[:, 0], cache, copy=False)
             y = y.unsqueeze(1)
         else:
             y, new = conv(x, cache, self.cu, output_cache=self.use_cache)
@@ -90,22 +91,29 @@ class _Call:
 
     def mix(self, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, **options) -> Tensor:
-        """The layer's operator over q, k [B, T, G, dk], v [B, T, H, dv] -> o [B, T, H, dv]."""
+        """The layer's operator over q, k [B, T, G, dk], v [B, T, H, dv] -> o [B, T, H, dv].
+
+        A decode step runs without value checks: its inputs come from a model whose prefill was
+        checked (``check_values``), and a check costs a device synchronisation per input on CUDA
+        (which would also keep the step out of a CUDA graph)."""
         layer = self.layer
-        options.setdefault("check_values", layer.check_values)
         if self.decode:
-            first = lambda t: None if t is None else t[:, 0]  # noqa: E731
-            tok = dict(q=first(q), k=first(k), v=first(v), g=first(g), lam=first(lam), beta=first(beta))
             rec = self.state.recurrent
-            if _needs_grad(*tok.values(), *rec):
-                o, self.recurrent = _step(layer.op, **tok, state=rec, **options)
+            q, k, v = q[:, 0], k[:, 0], v[:, 0]
+            g = None if g is None else g[:, 0]
+            lam = None if lam is None else lam[:, 0]
+            beta = None if beta is None else beta[:, 0]
+            options["check_values"] = False
+            if _needs_grad(q, k, v, g, lam, beta, *rec):
+                o, self.recurrent = _step(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, **options)
             else:  # the fused kernel, in place: on the cache itself, or on a copy (module docstring)
                 if not self.in_place:
                     rec = State(*(None if x is None else x.clone(memory_format=torch.contiguous_format)
                                   for x in rec))
-                o = _step_(layer.op, **tok, state=rec, **options)
+                o = _step_(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, **options)
                 self.recurrent = rec
             return o.unsqueeze(1)
+        options.setdefault("check_values", layer.check_values)
         o, self.recurrent = _forward(
             layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu,
             initial_state=self.state.recurrent if self.state is not None else None,
@@ -124,9 +132,12 @@ class _Call:
         end = self.end if self.end is not None else (self.state.max_position if self.state else 0)
         flag = self.state.in_place if self.state is not None else False
         if self.in_place and self.recurrent is self.state.recurrent:  # advanced in place
-            self.state.conv, self.state.max_position = tuple(self.conv_caches), end
+            for cache, new in zip(self.state.conv, self.conv_caches):  # the same tensors advance
+                cache.copy_(new)
+            self.state.max_position = end
             return y, self.state
-        return y, LayerState(self.recurrent, tuple(self.conv_caches), end, flag)
+        conv = tuple(c.contiguous() for c in self.conv_caches)  # decode: copies of window views
+        return y, LayerState(self.recurrent, conv, end, flag)
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:

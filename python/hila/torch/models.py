@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .._errors import HilaError
 from .cache import Cache
 from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2
+from .ops import _graph_capturable
 
 __all__ = ["HilaLMConfig", "HilaLM", "GatedMLP", "LMOutput"]
 
@@ -126,11 +127,19 @@ class HilaLM(nn.Module):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100)
         return LMOutput(logits, loss, new)
 
+    @property
+    def decode_graph_capturable(self) -> bool:
+        """Whether a decode step of this model can be captured in a CUDA graph (every mixer's
+        operator's step is capturable: not yet the log-linear ones, whose step reads positions
+        on the host)."""
+        return all(_graph_capturable(b.mixer.op) for b in self.blocks)
+
     @torch.no_grad()
     def generate(self, prompts: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *,
                  temperature: float = 0.0, top_k: Optional[int] = None,
                  eos_token_id: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> List[Tensor]:
+                 generator: Optional[torch.Generator] = None,
+                 cuda_graph: bool = True) -> List[Tensor]:
         """Samples continuations with the decode cache.
 
         ``prompts``: a [B, T] tensor or a list of 1-D token tensors of any lengths (>= 1): they are
@@ -138,6 +147,14 @@ class HilaLM(nn.Module):
         own position. ``temperature=0``: greedy. Returns the new tokens of each prompt (stopping
         after ``eos_token_id``). The cache of the prefill is generate's own: it is decoded in
         place (``Cache.in_place``, the fused step kernel, no state copy per token).
+
+        The prefill runs with the mixers' ``check_values``; decode steps never scan their inputs.
+        ``cuda_graph`` (on CUDA, when :attr:`decode_graph_capturable`): the first decode step runs
+        eagerly (it warms up what a capture must not initialise), the second is captured in a CUDA
+        graph (one model step: static token buffer in, static logits out, the cache advanced in
+        place) and every later step replays it, so a token costs one graph launch of host time.
+        ``cuda_graph=False``, the CPU, and models with log-linear mixers decode eagerly; both give
+        the same tokens.
         """
         rows = list(prompts) if not isinstance(prompts, Tensor) or prompts.dim() == 2 else [prompts]
         if not rows or any(r.dim() != 1 or r.numel() == 0 for r in rows):
@@ -153,6 +170,8 @@ class HilaLM(nn.Module):
                    cu_seqlens=cu, max_seqlen=max(lens))
         logits, cache = out.logits[0, cu[1:] - 1], out.cache                          # [N, vocab]
         cache.in_place = True  # generate owns this cache: decode steps advance it in place
+        decode = _Decoder(self, cache, graph=bool(cuda_graph) and device.type == "cuda" and
+                          self.decode_graph_capturable)
         tokens, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
         for i in range(max_new_tokens):
             nxt = self._sample(logits, temperature, top_k, generator)
@@ -162,8 +181,7 @@ class HilaLM(nn.Module):
                 if bool(done.all()):
                     break
             if i + 1 < max_new_tokens:
-                out = self(nxt.unsqueeze(1), cache=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.cache
+                logits = decode(nxt)
         new = torch.stack(tokens, 1)                                                   # [N, steps]
         if eos_token_id is None:
             return list(new)
@@ -183,3 +201,45 @@ class HilaLM(nn.Module):
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(F.softmax(logits, -1), 1, generator=generator).squeeze(-1)
+
+
+class _Decoder:
+    """The decode steps of :meth:`HilaLM.generate` on its in-place cache: ``decoder(ids [N])`` ->
+    logits [N, vocab] of the next token. Eager, or (``graph``) the first step eager and the rest
+    replays of a CUDA graph of one step captured at the second: the graph reads ``self.ids`` and
+    writes ``self.logits`` (static buffers) and advances the cache's tensors in place. The logits
+    it returns are overwritten by the next step."""
+
+    def __init__(self, model: HilaLM, cache: Cache, graph: bool):
+        self.model, self.cache, self.use_graph = model, cache, graph
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.warm = False
+        self.ids: Optional[Tensor] = None
+        self.logits: Optional[Tensor] = None
+
+    def step(self, ids: Tensor) -> Tensor:
+        return self.model(ids.view(-1, 1), cache=self.cache, use_cache=True).logits[:, -1]
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        if not self.use_graph:
+            return self.step(ids)
+        if self.graph is not None:
+            self.ids.copy_(ids.view(-1, 1))
+            self.graph.replay()
+            return self.logits
+        if not self.warm:  # a real step, run on a side stream as torch's graph warm-up asks
+            self.warm = True
+            dev = ids.device
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                logits = self.step(ids)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return logits
+        self.ids = ids.view(-1, 1).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.logits = self.step(self.ids)
+        self.graph = graph  # capturing ran nothing: this token is the first replay
+        graph.replay()
+        return self.logits

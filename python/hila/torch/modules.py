@@ -99,13 +99,16 @@ class ShortConvolution(nn.Module):
         new = read(ends.reshape(-1), seqs.reshape(-1), cu[:-1, None].expand_as(ends).reshape(-1))
         return y, new.reshape(N, W - 1, self.channels).transpose(1, 2).contiguous()
 
-    def step(self, x: Tensor, cache: Tensor) -> Tuple[Tensor, Tensor]:
-        """One token: x [N, C], cache [N, C, W-1]. Returns (y [N, C], new cache)."""
+    def step(self, x: Tensor, cache: Tensor, copy: bool = True) -> Tuple[Tensor, Tensor]:
+        """One token: x [N, C], cache [N, C, W-1]. Returns (y [N, C], new cache [N, C, W-1]);
+        ``copy=False`` returns the new cache as a view of the step's window [N, C, W] (no copy:
+        for a caller that copies it where it belongs, e.g. into ``cache`` itself)."""
         window = torch.cat([cache.to(x.dtype), x.unsqueeze(-1)], dim=-1)              # [N, C, W]
         y = (window * self.weight).sum(-1)
         if self.bias is not None:
             y = y + self.bias
-        return F.silu(y), window[..., 1:].contiguous()
+        new = window[..., 1:]
+        return F.silu(y), (new.contiguous() if copy else new)
 
 
 class GatedRMSNorm(nn.Module):

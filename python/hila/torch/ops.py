@@ -15,45 +15,290 @@ tuples. Gradients flow to q, k, v, g, lam, beta and the S, P, H parts of the ini
 through :func:`step`). Forms without a backward (scan, and serial for the log-linear and delta
 operators) are differentiated with the chunk backward, which computes the same function.
 
-Tensors on CUDA run on the caller's current stream (``torch.cuda.current_stream()``, handed to the
-C++ library); what the library cannot run on a device (docs/API.md) raises :class:`hila.HilaError`.
+Two roads reach the same C++ calls:
+
+* **eager** (the default outside torch.compile): :func:`forward` and :func:`step` run a
+  ``torch.autograd.Function`` that calls the extension directly, and :func:`step_` calls it
+  directly. Per call this is one configuration lookup (cached per operator and options), one
+  ``torch.empty`` per output and gradient (every one of them is fully written by the library: no
+  fills), DLPack capsules of the tensors (``torch.utils.dlpack.to_dlpack``: no Python-level
+  ``__dlpack__`` and no stream handshake, since the call's stream is passed explicitly), and no
+  reads of device tensors. Gradients are computed only for inputs that need them, and an unused
+  output costs nothing in backward (no zero cotangents are materialised).
+* **the custom ops**: under torch.compile / torch.export, fake or meta tensors, an active
+  ``TorchDispatchMode``, torch.func transforms, or when turned off with :func:`eager_fast_path`.
+  They run the same calls with the same arguments, so both roads give bitwise identical results.
+
+Tensors on CUDA run on the caller's current stream (handed to the C++ library); what the library
+cannot run on a device (docs/API.md) raises :class:`hila.HilaError`.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack as _capsule
 
+from .. import _C
 from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
 
-__all__ = ["forward", "step", "step_", "zero_state"]
+__all__ = ["eager_fast_path", "forward", "step", "step_", "zero_state"]
 
 _Out5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads9 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_NO_STATE = State(None, None, None, None)
+
+# ----------------------------------------------------------------------------- which road
+
+_FAST = [True]
+_PLAIN = (Tensor, torch.nn.Parameter)  # exact types: subclasses (fake tensors, ...) take the ops
+_is_compiling = torch.compiler.is_compiling
+# Private torch functions read once; when one is missing its check is skipped (it then answers
+# "no mode, no transform").
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _host(x: Optional[Tensor]) -> Optional[Tensor]:
-    """A tensor the extension can read over DLPack: no autograd history, innermost stride 1
-    (incoming gradients are often expanded scalars with stride 0)."""
-    if x is None:
-        return None
-    x = x.detach()
-    return x if x.dim() == 0 or x.stride(-1) == 1 or x.size(-1) <= 1 else x.contiguous()
+def eager_fast_path(enabled: bool = True) -> bool:
+    """Whether eager calls of :func:`forward`, :func:`step` and :func:`step_` take the direct road
+    to the extension (on, the default) or the registered custom ops (off). Both give identical
+    results; the custom ops cost more host time per call. Returns the previous setting."""
+    prev = _FAST[0]
+    _FAST[0] = bool(enabled)
+    return prev
+
+
+def _direct(q) -> bool:
+    """Whether a call on q runs through the direct eager road (see the module docstring)."""
+    return (_FAST[0] and not _is_compiling() and type(q) in _PLAIN and not q.is_meta
+            and _dispatch_depth() == 0 and not _functorch_active())
+
+
+# ----------------------------------------------------------------------------- the calls
+
+class _Spec:
+    """What a call's options decide, built once per distinct options: the C++ configuration, the
+    operator's traits and the form its backward runs (chunk where the form has none)."""
+
+    __slots__ = ("op", "form", "bwd_form", "chunk", "cfg", "has_S", "has_P", "normalize")
+
+    def __init__(self, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
+        self.cfg = _ops.config(op, scale=None if scale == 0.0 else scale, normalize=normalize,
+                               eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                               check_values=check_values)  # HilaError('op', 'scale', ...)
+        t = _ops._traits(op)
+        self.op, self.form, self.chunk = op, form, int(chunk)
+        self.bwd_form = form if _ops.supports(op, form, True) else "chunk"  # HilaError('form')
+        self.has_S, self.has_P, self.normalize = t["has_S"], t["has_P"], bool(normalize)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(op: str, form: str, chunk: int, scale: float, normalize: bool, eps: float, ridge: float,
+          qk_l2norm: bool, check_values: bool) -> _Spec:
+    return _Spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+
+
+atexit.register(_spec.cache_clear)  # no extension objects left for nanobind's exit-time leak check
 
 
 def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
 
+
+def _in(x: Optional[Tensor]):
+    """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
+    stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
+    if x is None:
+        return None
+    if not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1:
+        x = x.contiguous()
+    return _capsule(x)
+
+
+def _cap(x: Optional[Tensor]):
+    """A DLPack capsule of x (None stays None): what the extension reads without a copy."""
+    return None if x is None else _capsule(x)
+
+
+def _caps(parts) -> Optional[tuple]:
+    """A state's parts as capsules of inputs, or None when there are none."""
+    if parts is None or all(x is None for x in parts):
+        return None
+    return tuple(_in(x) for x in parts)
+
+
+_POISON = _ops._POISON_OUTPUTS  # test hook: new outputs filled with NaN (see hila.ops)
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    """An output or gradient shaped like x: uninitialised, the library writes every element."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _ops._poison(y) if _POISON[0] else y
+
+
+def _workspace(q: Tensor):
+    """torch's caching allocator for the call's device temporaries when asked for
+    (hila.use_framework_workspace); None: the device's stream-ordered pool."""
+    if not _ops._FRAMEWORK_WORKSPACE[0] or not q.is_cuda:
+        return None
+    dev = q.device
+    return lambda n: torch.empty(n, dtype=torch.uint8, device=dev)
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _new_state(spec: _Spec, q: Tensor, v: Tensor, N: int, slots: int) -> State:
+    """An uninitialised final state for N sequences (the library writes every element)."""
+    shapes = _ops.state_part_shapes(spec.op, N, v.shape[2], q.shape[3], v.shape[3],
+                                    normalize=spec.normalize, slots=slots)
+    dt, dev = _state_dtype(q), q.device
+
+    def e(s, dtype=dt):
+        x = None if s is None else torch.empty(s, dtype=dtype, device=dev)
+        return _ops._poison(x) if x is not None and _POISON[0] else x
+
+    return State(e(shapes.pos, torch.int64), e(shapes.S), e(shapes.P), e(shapes.H))
+
+
+def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool,
+                  final_slots: int) -> Tuple[Tensor, Optional[State]]:
+    """hila::forward: o [B, T, H, dv] and the final state (None unless asked for)."""
+    o = _empty_like(v)
+    fin = None
+    if want_final and q.dim() == 4 and v.dim() == 4:  # else the library names the bad shape
+        N = q.shape[0] if cu is None or cu.dim() != 1 else cu.shape[0] - 1
+        fin = _new_state(spec, q, v, N, final_slots)
+    _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+               _in(cu), _caps(init), o=_capsule(o),
+               final_state=None if fin is None else tuple(_cap(x) for x in fin),
+               stream=_stream(q), workspace=_workspace(q))
+    return o, fin
+
+
+def _backward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, do, d_final, final_shapes,
+                   needs) -> tuple:
+    """hila::backward: the gradients (dq, dk, dv, dg, dlam, dbeta, dS0, dP0, dH0), each None
+    where its input is absent or ``needs`` (9 flags) says it is not wanted. ``do`` and the parts
+    of ``d_final`` may be None (unused outputs): zeros then stand for them (only when another
+    cotangent is present; final_shapes are the shapes of the final state's parts)."""
+    dfin = None
+    if d_final is not None and any(x is not None for x in d_final):
+        dt = _state_dtype(q)
+        dfin = (None,) + tuple(None if s is None else _in(d) if d is not None else
+                               _capsule(torch.zeros(s, dtype=dt, device=q.device))
+                               for d, s in zip(d_final, final_shapes))
+    if do is None:
+        do = torch.zeros_like(v)  # only the final state was used
+    inputs = (q, k, v, g, lam, beta) + (tuple(init[1:]) if init is not None else (None,) * 3)
+    grads = [_empty_like(x) if x is not None and need else None for x, need in zip(inputs, needs)]
+    d_init = None
+    if init is not None and any(x is not None for x in grads[6:]):
+        d_init = (None, _cap(grads[6]), _cap(grads[7]), _cap(grads[8]))
+    _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam),
+                _in(beta), _in(cu), _caps(init), _in(do), dfin, dq=_cap(grads[0]),
+                dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]), dlam=_cap(grads[4]),
+                dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q), workspace=_workspace(q))
+    return tuple(grads)
+
+
+def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State]:
+    """The functional decode step (a one-token forward from `state`): o and a new state shaped
+    like `state` (a log-linear H keeps its slot capacity)."""
+    o = _empty_like(v)
+    out = State(*(None if x is None else _empty_like(x) for x in state))
+    _C.step(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+            tuple(_in(x) for x in state), o=_capsule(o), state_out=tuple(_cap(x) for x in out),
+            stream=_stream(q))
+    return o, out
+
+
+def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H) -> Tensor:
+    """The fused decode step advancing (pos, S, P, H) in place; returns o [N, H, dv]."""
+    o = _empty_like(v)
+    _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+                    (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q))
+    # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
+    torch.autograd.graph.increment_version([x for x in (pos, S, P, H) if x is not None])
+    return o
+
+
+def _no_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError("hila: the backward of hila's operators is not differentiable "
+                           "(create_graph=True / double backward is not supported)")
+
+
+# ----------------------------------------------------------------------------- eager road
+
+class _Forward(torch.autograd.Function):
+    """hila::forward for eager calls; backward hila::backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, spec, want_final, final_slots, q, k, v, g, lam, beta, cu, pos, S, P, H):
+        init = None if pos is None and S is None and P is None and H is None else (pos, S, P, H)
+        o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu, init, want_final, final_slots)
+        ctx.spec = spec
+        ctx.final_shapes = None if fin is None else tuple(None if x is None else x.shape for x in fin[1:])
+        ctx.save_for_backward(q, k, v, g, lam, beta, cu, pos, S, P, H)
+        ctx.set_materialize_grads(False)
+        return (o,) + (tuple(fin) if fin is not None else _NO_STATE)
+
+    @staticmethod
+    def backward(ctx, do, _dpos, dS, dP, dH):
+        _no_double_backward()
+        q, k, v, g, lam, beta, cu, pos, S, P, H = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        init = None if pos is None and S is None and P is None and H is None else (pos, S, P, H)
+        if do is None and dS is None and dP is None and dH is None:
+            return (None,) * 14
+        d = _backward_call(ctx.spec, q, k, v, g, lam, beta, cu, init, do, (dS, dP, dH),
+                           ctx.final_shapes, n[3:9] + n[11:14])
+        return (None, None, None) + d[:6] + (None, None) + d[6:]
+
+
+class _Step(torch.autograd.Function):
+    """The functional decode step for eager calls: one-token forward; backward hila::backward."""
+
+    @staticmethod
+    def forward(ctx, spec, q, k, v, g, lam, beta, pos, S, P, H):
+        o, out = _step_call(spec, q, k, v, g, lam, beta, (pos, S, P, H))
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, g, lam, beta, pos, S, P, H)
+        ctx.set_materialize_grads(False)
+        return (o,) + tuple(out)
+
+    @staticmethod
+    def backward(ctx, do, _dpos, dS, dP, dH):
+        # A step is the forward over one token with the state as initial state: its VJP is that call's.
+        _no_double_backward()
+        q, k, v, g, lam, beta, pos, S, P, H = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        if do is None and dS is None and dP is None and dH is None:
+            return (None,) * 11
+        tok = lambda x: None if x is None else x.unsqueeze(1)  # noqa: E731  [N, ...] -> [N, 1, ...]
+        shapes = tuple(None if x is None else x.shape for x in (S, P, H))
+        d = _backward_call(ctx.spec, tok(q), tok(k), tok(v), tok(g), tok(lam), tok(beta), None,
+                           (pos, S, P, H), tok(do), (dS, dP, dH), shapes, n[1:7] + n[8:11])
+        squeeze = lambda x: None if x is None else x.squeeze(1)  # noqa: E731
+        return (None,) + tuple(squeeze(x) for x in d[:6]) + (None,) + d[6:]
+
+
+# ----------------------------------------------------------------------------- hila::forward
 
 def _scale(scale: float) -> Optional[float]:
     return None if scale == 0.0 else scale  # 0.0 in a schema: the default dk^-1/2
-
-
-def _state_or_none(pos, S, P, H) -> Optional[State]:
-    return None if pos is None and S is None and P is None and H is None else State(pos, S, P, H)
 
 
 def _present(xs, like: Tensor) -> tuple:
@@ -61,11 +306,9 @@ def _present(xs, like: Tensor) -> tuple:
     return tuple(like.new_empty(0) if x is None else x for x in xs)
 
 
-def _state_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def _init_or_none(pos, S, P, H) -> Optional[tuple]:
+    return None if pos is None and S is None and P is None and H is None else (pos, S, P, H)
 
-
-# ----------------------------------------------------------------------------- hila::forward
 
 @torch.library.custom_op("hila::forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
@@ -74,14 +317,11 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optio
                 op: str, form: str, chunk: int, scale: float, normalize: bool, eps: float,
                 ridge: float, qk_l2norm: bool, check_values: bool, output_final_state: bool,
                 final_slots: int) -> _Out5:
-    h = _host
-    o, fin = _ops.forward(
-        op, h(q), h(k), h(v), h(g), lam=h(lam), beta=h(beta), cu_seqlens=h(cu_seqlens),
-        initial_state=_state_or_none(h(init_pos), h(init_S), h(init_P), h(init_H)),
-        output_final_state=output_final_state, final_slots=final_slots, form=form, chunk=chunk,
-        scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-        check_values=check_values, stream=_stream(q))
-    return (o,) + _present(fin if fin is not None else (None,) * 4, q)
+    spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
+                           _init_or_none(init_pos, init_S, init_P, init_H), output_final_state,
+                           final_slots)
+    return (o,) + _present(fin if fin is not None else _NO_STATE, q)
 
 
 @_forward_op.register_fake
@@ -89,7 +329,7 @@ def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, f
       normalize, eps, ridge, qk_l2norm, check_values, output_final_state, final_slots):
     o = v.new_empty(v.shape)
     if not output_final_state:
-        return (o,) + _present((None,) * 4, q)
+        return (o,) + _present(_NO_STATE, q)
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shapes = _ops.state_part_shapes(op, N, v.shape[2], q.shape[3], v.shape[3], normalize=normalize,
                                     slots=final_slots)
@@ -101,13 +341,22 @@ def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, f
 def _forward_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:11])
     ctx.config = inputs[11:]
+    ctx.final_shapes = tuple(x.shape for x in output[2:])
+    ctx.set_materialize_grads(False)
 
 
 def _forward_backward(ctx, do, dpos, dS, dP, dH):
     saved = ctx.saved_tensors
     op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values, has_final, _ = ctx.config
     form = form if _ops.supports(op, form, True) else "chunk"
-    d_final = [x if has_final and x.numel() > 0 else None for x in (dS, dP, dH)]
+    if do is None:  # only the final state was used
+        do = torch.zeros_like(saved[2])
+    d_final = [None] * 3
+    if has_final and any(d is not None for d in (dS, dP, dH)):  # zeros for the unused parts
+        t, dt = _ops._traits(op), _state_dtype(saved[0])
+        d_final = [None if not has else d if d is not None else
+                   torch.zeros(s, dtype=dt, device=saved[0].device)
+                   for has, d, s in zip((t["has_S"], t["has_P"], True), (dS, dP, dH), ctx.final_shapes)]
     grads = torch.ops.hila.backward(*saved, do, *d_final, op, form, chunk, scale, normalize, eps,
                                     ridge, qk_l2norm, check_values)
     # no gradient for absent inputs, cu_seqlens, positions and the configuration
@@ -129,15 +378,12 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Opti
                  d_final_H: Optional[Tensor], op: str, form: str, chunk: int, scale: float,
                  normalize: bool, eps: float, ridge: float, qk_l2norm: bool,
                  check_values: bool) -> _Grads9:
-    h = _host
-    gr = _ops.backward(
-        op, h(q), h(k), h(v), h(g), do=h(do), lam=h(lam), beta=h(beta), cu_seqlens=h(cu_seqlens),
-        initial_state=_state_or_none(h(init_pos), h(init_S), h(init_P), h(init_H)),
-        d_final_state=_state_or_none(None, h(d_final_S), h(d_final_P), h(d_final_H)), form=form,
-        chunk=chunk, scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge,
-        qk_l2norm=qk_l2norm, check_values=check_values, stream=_stream(q))
-    d_init = gr.d_initial_state if gr.d_initial_state is not None else (None,) * 4
-    return _present(gr[:6] + tuple(d_init[1:]), q)
+    spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    d_final = (d_final_S, d_final_P, d_final_H)
+    grads = _backward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
+                           _init_or_none(init_pos, init_S, init_P, init_H), do, d_final,
+                           tuple(None if x is None else x.shape for x in d_final), (True,) * 9)
+    return _present(grads, q)
 
 
 @_backward_op.register_fake
@@ -154,12 +400,8 @@ def _step_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional
              beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
              H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
              qk_l2norm: bool, check_values: bool) -> _Out5:
-    h = _host
-    o, st = _ops.step(
-        op, h(q), h(k), h(v), h(g), state=State(h(pos), h(S), h(P), h(H)), lam=h(lam),
-        beta=h(beta), out_slots=H.shape[2] if H.dim() == 5 else None, scale=_scale(scale),
-        normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm, check_values=check_values,
-        stream=_stream(q))
+    spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    o, st = _step_call(spec, q, k, v, g, lam, beta, (pos, S, P, H))
     return (o,) + _present(st, q)
 
 
@@ -199,12 +441,8 @@ def _step_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: 
                      beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
                      H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
                      qk_l2norm: bool, check_values: bool) -> Tensor:
-    h = _host
-    # The state is handed over as it is (detach() shares the storage): it is written in place.
-    st = State(*(None if x is None else x.detach() for x in (pos, S, P, H)))
-    return _ops.step_(op, h(q), h(k), h(v), h(g), state=st, lam=h(lam), beta=h(beta),
-                      scale=_scale(scale), normalize=normalize, eps=eps, ridge=ridge,
-                      qk_l2norm=qk_l2norm, check_values=check_values, stream=_stream(q))
+    spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    return _step_inplace_call(spec, q, k, v, g, lam, beta, pos, S, P, H)
 
 
 @_step_inplace_op.register_fake
@@ -218,7 +456,7 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
                  init_pos: Optional[Tensor]) -> int:
     """Slots of a log-linear final state: exact when the shapes tell (dense, no initial state);
     otherwise read from cu_seqlens / init_pos, which torch.compile cannot trace."""
-    if not _ops.op_traits(op)["loglinear"]:
+    if not _ops._traits(op)["loglinear"]:
         return 1
     if cu_seqlens is None and init_pos is None:
         return _ops.state_slots(T)
@@ -235,6 +473,16 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
         return 1  # malformed inputs: the op reports them by name
 
 
+def _requires_grad(*xs) -> bool:
+    return any(x is not None and x.requires_grad for x in xs)
+
+
+def _check_state(state) -> None:
+    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+        raise HilaError("hila: argument 'state': expected a State with pos and H, got "
+                        f"{type(state).__name__}", "state")
+
+
 def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, initial_state: Optional[State] = None,
@@ -249,20 +497,35 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     ``(o [B, T, H, dv], final_state or None)``.
 
     ``final_slots``: Fenwick slots of a log-linear final H. None: ``state_slots(T)`` for dense
-    input without initial state, else read from the data (pass it explicitly under torch.compile).
+    input without initial state, else read from the data (one device read; pass it explicitly
+    under torch.compile, and to spare the read).
+
+    ``check_values`` scans every input for non-finite values and positive gates before computing
+    (O(size) work; on CUDA a device scan plus one synchronisation per input): turn it off in
+    training loops once the inputs are known to be sane.
     """
-    init = initial_state if initial_state is not None else State(None, None, None, None)
+    init = _NO_STATE if initial_state is None else initial_state
     if len(init) != 4:
         raise HilaError("hila: argument 'initial_state': expected a State (pos, S, P, H), got "
                         f"{len(init)} items", "initial_state")
     if output_final_state and final_slots is None:
         final_slots = _final_slots(op, q.shape[1], q.shape[0], cu_seqlens, init[0])
+    scale = float(scale or 0.0)
+    if _direct(q):
+        spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
+            o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k, v,
+                                             g, lam, beta, cu_seqlens, *init)
+            return o, (State(pos, S, P, H) if output_final_state else None)
+        init = None if init[0] is None and init[1] is None and init[2] is None and init[3] is None else init
+        return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
+                             int(final_slots or 1))
     o, pos, S, P, H = torch.ops.hila.forward(
-        q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, float(scale or 0.0), normalize,
+        q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, scale, normalize,
         float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
     if not output_final_state:
         return o, None
-    t = _ops.op_traits(op)
+    t = _ops._traits(op)
     return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
 
 
@@ -277,12 +540,17 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     the shapes of ``state`` (a log-linear H keeps its slot capacity: allocate it for the longest
     sequence to come, see :func:`zero_state`).
     """
-    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
-        raise HilaError("hila: argument 'state': expected a State with pos and H, got "
-                        f"{type(state).__name__}", "state")
-    o, pos, S, P, H = torch.ops.hila.step(
-        q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize, float(eps), float(ridge),
-        qk_l2norm, check_values)
+    _check_state(state)
+    scale = float(scale or 0.0)
+    if _direct(q):
+        spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+            return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
+        o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
+    else:
+        o, pos, S, P, H = torch.ops.hila.step(
+            q, k, v, g, lam, beta, *state, op, scale, normalize, float(eps), float(ridge),
+            qk_l2norm, check_values)
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
 
 
@@ -297,13 +565,24 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
     Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
-    Returns o [N, H, dv].
+    ``check_values`` scans the step's inputs (on CUDA: one synchronisation); a decode loop that
+    validated its prefill turns it off. Returns o [N, H, dv].
     """
-    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
-        raise HilaError("hila: argument 'state': expected a State with pos and H, got "
-                        f"{type(state).__name__}", "state")
-    return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize,
+    _check_state(state)
+    scale = float(scale or 0.0)
+    if _direct(q) and not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+        spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        return _step_inplace_call(spec, q, k, v, g, lam, beta, *state)
+    return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
                                 float(eps), float(ridge), qk_l2norm, check_values)
+
+
+def _graph_capturable(op: str) -> bool:
+    """Whether a decode step of ``op`` (``step_`` with ``check_values=False``) can be captured in a
+    CUDA graph: it then reads and writes device memory only. Not yet the log-linear operators:
+    ``hila::step`` reads their positions on the host (the Fenwick slots and λ levels a step needs
+    depend on them, docs/API.md), which a capture forbids."""
+    return not _ops._traits(op)["loglinear"]
 
 
 def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: int = 1,

@@ -1,0 +1,534 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""hila.torch against the C++ library on the same calls, in one run (the GPU machine):
+
+* ``train``: per operator and shape (bf16, H = 16, d = 128 by default; B x T = 32x1K, 8x4K,
+  2x16K, 1x64K), forward and forward + backward through ``hila.torch.forward`` +
+  ``torch.autograd.grad``, as a user calls it (``check_values`` on, the default) and with
+  ``check_values=False``; the C++ bench's time for the same call (``hila_bench``, run for that
+  operator just before); their ratio; and fla's time where fla has the operator
+  (``chunk_simple_gla`` for gla / hla2 / ahla / hla3, ``chunk_gated_delta_rule`` for gdn).
+  Timed as ``hila_bench`` and ``bench/anchors.py`` time: a 256 MB memset clears the L2 cache
+  before each run, CUDA events around the call, runs back to back (host work overlapping the GPU,
+  as in a training loop), warm-up first, median of ``--reps``; ``sync_ms`` is the median with a
+  synchronisation after every call (one isolated call, host work included). Two input sets are
+  used in turn. Inputs as in hila_bench: q, k ~ N(0, 1/d), v, dO ~ N(0, 1), g float32 in
+  [log 0.9, 0], lam bf16 in [0.25, 1.5] with the levels T needs, beta bf16 in [0, 1].
+* ``decode``: a 24-layer, hidden-2048 ``HilaLM`` (hla2: HLAAttention with 16 heads of 128; and
+  loglinear_gdn: LogLinearGatedDeltaNet with 16 heads of 128, expand_v 1), bf16, at batch 1 and
+  64 after a 128-token prefill: the decode time per token of ``generate``'s loop (eager, and with
+  its CUDA graph), next to the GPU time of the kernels one eager step launches (torch.profiler).
+* ``step``: one ``hila.torch.step_`` from Python at N = 1 (fp32 state at position 4096 for the
+  log-linear operators, 0 otherwise; event-timed with a synchronisation per step, and its host
+  time) against ``hila_bench --decode --batches 1`` (a C++ ``DecodeState`` step).
+
+Writes ``torch_bench.csv`` and ``torch_bench.png`` (matplotlib) under ``--out`` and prints short
+tables last. Each section, and each operator in it, runs under its own try/except: a failure is
+reported on stderr and the rest still runs. ``--quick``: one shape, fewer repetitions, a 4-layer
+model. ``--device cpu --quick``: a smoke run of the same code on the CPU (tiny shapes, wall-clock
+timing, no C++ bench, no fla, no graphs).
+
+    python bench/torch_bench.py --hila-bench .dev/bin/hila_bench --out torch-bench
+    python bench/torch_bench.py --device cpu --quick --out /tmp/tb
+"""
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+FIELDS = ["section", "op", "B", "T", "H", "d", "direction", "impl", "ms", "sync_ms", "host_us", "note"]
+TRAIN_OPS = "gla,hla2,ahla,hla3,loglinear,gdn,loglinear_gdn"
+SHAPES = "32:1024,8:4096,2:16384,1:65536"
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def failed(what):
+    log(f"# {what} failed:\n{traceback.format_exc()}")
+
+
+class Timer:
+    """CUDA: events, L2 flush before each run, back-to-back runs (ms) and runs with a
+    synchronisation each (sync_ms). CPU: wall clock around each run (both the same)."""
+
+    def __init__(self, device, warmup, reps):
+        self.cuda = device.type == "cuda"
+        self.warmup, self.reps = warmup, reps
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def __call__(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        if not self.cuda:
+            ts = []
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts), statistics.median(ts)
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)]
+        for a, b in ev:
+            self.flush.zero_()
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+        sync = []
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            sync.append(a.elapsed_time(b))
+        return ms, statistics.median(sync)
+
+
+# ----------------------------------------------------------------------------- C++ bench
+
+def hila_bench_rows(path, args):
+    """Rows of `hila_bench args...` (CSV after its header), as dicts; [] when it is absent."""
+    if not path:
+        return []
+    res = subprocess.run([path] + [str(a) for a in args], capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        log(f"# hila_bench {' '.join(map(str, args))}: rc {res.returncode}\n{res.stderr[-2000:]}")
+    lines = [ln for ln in res.stdout.splitlines() if ln and not ln.startswith("#")]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(("impl,", "op,"))), None)
+    return [] if start is None else list(csv.DictReader(lines[start:]))
+
+
+def find_hila_bench(given):
+    for p in ([given] if given else []) + [os.environ.get("HILA_BENCH", ""), ".dev/bin/hila_bench",
+                                           "build-cuda/hila_bench", "build/hila_bench"]:
+        if p and os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+# ----------------------------------------------------------------------------- train
+
+def train_inputs(op, B, T, H, d, device, sets=2):
+    import hila
+    t = hila.op_traits(op)
+    L = hila.levels_needed(0, T)
+    out = []
+    for _ in range(sets):
+        bf = dict(device=device, dtype=torch.bfloat16)
+        x = dict(q=torch.randn(B, T, H, d, **bf) * d ** -0.5, k=torch.randn(B, T, H, d, **bf) * d ** -0.5,
+                 v=torch.randn(B, T, H, d, **bf),
+                 g=torch.empty(B, T, H, device=device).uniform_(float(torch.log(torch.tensor(0.9))), 0.0))
+        if t["loglinear"]:
+            x["lam"] = torch.empty(B, T, H, L, **bf).uniform_(0.25, 1.5)
+        if t["delta"]:
+            x["beta"] = torch.rand(B, T, H, **bf)
+        for v in x.values():
+            v.requires_grad_()
+        out.append((x, torch.randn(B, T, H, d, **bf)))
+    return out
+
+
+def rotate(items):
+    state = [0]
+
+    def nxt():
+        state[0] += 1
+        return items[state[0] % len(items)]
+    return nxt
+
+
+def time_torch(timer, op, sets, check_values, l2norm):
+    import hila.torch as ht
+    kw = dict(check_values=check_values, qk_l2norm=l2norm)
+    nxt = rotate(sets)
+
+    def fwd():
+        x, _ = nxt()
+        with torch.no_grad():
+            ht.forward(op, **x, **kw)
+
+    def fwdbwd():
+        x, do = nxt()
+        o, _ = ht.forward(op, **x, **kw)
+        torch.autograd.grad(o, list(x.values()), do)
+    return {"fwd": timer(fwd), "fwdbwd": timer(fwdbwd)}
+
+
+def time_fla(timer, op, sets, d):
+    """fla's time for the operator fla has (gla for the GLA family, gdn), as bench/anchors.py
+    calls it (its fla_impl() lifts fla's Hopper backward guard for timing when needed)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import anchors
+    impl = anchors.fla_impl()
+    nxt = rotate(sets)
+    if op in ("gla", "hla2", "ahla", "hla3"):
+        from fla.ops.simple_gla import chunk_simple_gla
+        call = lambda x: chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], scale=d ** -0.5)[0]  # noqa: E731
+        leaves = ("q", "k", "v", "g")
+        name = "chunk_simple_gla"
+    elif op == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        call = lambda x: chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=d ** -0.5,  # noqa: E731
+                                                use_qk_l2norm_in_kernel=True)[0]
+        leaves = ("q", "k", "v", "g", "beta")
+        name = "chunk_gated_delta_rule(l2norm)"
+    else:
+        return None
+
+    def fwd():
+        x, _ = nxt()
+        with torch.no_grad():
+            call(x)
+
+    def fwdbwd():
+        x, do = nxt()
+        torch.autograd.grad(call(x), [x[k] for k in leaves], do)
+    return impl, name, {"fwd": timer(fwd), "fwdbwd": timer(fwdbwd)}
+
+
+def section_train(a, device, out, cpp):
+    timer = Timer(device, a.warmup, a.reps)
+    shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+    for op in a.ops.split(","):
+        try:
+            ref = {}
+            if cpp:
+                for r in hila_bench_rows(cpp, ["--reps", a.reps, "--warmup", a.warmup, "--ops", op, "--H", a.H,
+                                               "--d", a.d, "--shapes", a.shapes] + (["--l2norm"] if a.l2norm else [])):
+                    if r.get("direction") in ("fwd", "fwdbwd"):
+                        ref[(int(r["B"]), int(r["T"]), r["direction"])] = (float(r["ms"]), float(r["sync_ms"]))
+            for B, T in shapes:
+                try:
+                    sets = train_inputs(op, B, T, a.H, a.d, device)
+                    base = dict(section="train", op=op, B=B, T=T, H=a.H, d=a.d)
+                    for impl, cv in (("hila_torch", True), ("hila_torch_nocheck", False)):
+                        for dirn, (ms, sync) in time_torch(timer, op, sets, cv, a.l2norm).items():
+                            out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync,
+                                            note="check_values=True (default)" if cv else "check_values=False"))
+                    for dirn in ("fwd", "fwdbwd"):
+                        if (B, T, dirn) in ref:
+                            ms, sync = ref[(B, T, dirn)]
+                            out.append(dict(base, direction=dirn, impl="hila_cpp", ms=ms, sync_ms=sync, note="hila_bench"))
+                    if a.fla and device.type == "cuda":
+                        try:
+                            got = time_fla(timer, op, sets, a.d)
+                            if got:
+                                impl, name, res = got
+                                for dirn, (ms, sync) in res.items():
+                                    out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync, note=name))
+                        except Exception:
+                            failed(f"fla {op} {B}x{T}")
+                    del sets
+                except Exception:
+                    failed(f"train {op} {B}x{T}")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                flush_csv(a, out)
+        except Exception:
+            failed(f"train {op}")
+
+
+# ----------------------------------------------------------------------------- decode
+
+def decode_model(kind, layers, hidden, vocab, max_len, device, dtype):
+    import hila.torch as ht
+    heads = max(1, hidden // 128)
+    head_dim = hidden // heads
+    if kind == "hla2":
+        mixer, kw = "hla", dict(num_heads=heads, head_dim=head_dim, op="hla2")
+    else:
+        mixer, kw = "loglinear_gdn", dict(num_heads=heads, head_dim=head_dim, expand_v=1.0)
+    cfg = ht.HilaLMConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, mixer=mixer,
+                          mixer_kwargs=kw, max_len=max_len)
+    with torch.device(device):  # parameters initialised where they live
+        model = ht.HilaLM(cfg)
+    desc = f"{kind}: {layers} layers, hidden {hidden}, {heads} heads of {head_dim}, vocab {vocab}"
+    return model.to(dtype).eval(), desc, heads, head_dim
+
+
+def kernel_ms_per_step(step, steps):
+    """GPU time of the kernels (and device copies) that `steps` calls of step() launch, per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    n = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / 1e3 / steps, n / steps
+
+
+def section_decode(a, device, out):
+    from hila.torch.models import _Decoder
+    q = a.quick
+    layers, hidden, vocab = (a.decode_layers or (4 if q else 24)), a.decode_hidden, 32000
+    if device.type != "cuda":
+        layers, hidden, vocab = 2, 64, 256
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    prompt, tokens = (128, 16 if q else 64) if device.type == "cuda" else (16, 8)
+    for kind in ("hla2", "loglinear_gdn"):
+        try:
+            model, desc, heads, head_dim = decode_model(kind, layers, hidden, vocab, prompt + tokens + 64, device, dtype)
+        except Exception:
+            failed(f"decode model {kind}")
+            continue
+        for batch in a.decode_batches:
+            try:
+                ids = torch.randint(0, vocab, (batch, prompt), device=device)
+                base = dict(section="decode", op=kind, B=batch, T=prompt, H=heads, d=head_dim)
+                graphs = [False] + ([True] if device.type == "cuda" else [])
+                for graph in graphs:
+                    with torch.no_grad():
+                        res = model(ids, use_cache=True)
+                        cache = res.cache
+                        cache.in_place = True
+                        dec = _Decoder(model, cache, graph=graph and model.decode_graph_capturable)
+                        nxt = res.logits[:, -1].argmax(-1)
+                        for _ in range(3):  # eager warm-up; with a graph: warm-up, capture, first replay
+                            nxt = dec(nxt).argmax(-1)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        rounds = []
+                        for _ in range(3):
+                            t0 = time.perf_counter()
+                            for _ in range(tokens // 3):
+                                nxt = dec(nxt).argmax(-1)
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                            rounds.append((time.perf_counter() - t0) * 1e3 / (tokens // 3))
+                        used = dec.graph is not None
+                        note = desc + ("; CUDA graph replay" if used else "; eager" +
+                                       ("" if not graph else " (not capturable: log-linear step reads positions on the host)"))
+                        out.append(dict(base, direction="decode_per_token", impl="graph" if graph else "eager",
+                                        ms=statistics.median(rounds), note=note))
+                        if not graph and device.type == "cuda":
+                            kms, launches = kernel_ms_per_step(lambda: dec(nxt), 4)
+                            out.append(dict(base, direction="decode_per_token", impl="kernels", ms=kms,
+                                            note=f"GPU time of the kernels of one eager step ({launches:.0f} launches)"))
+                    del cache, dec, res
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            except Exception:
+                failed(f"decode {kind} batch {batch}")
+            flush_csv(a, out)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- step
+
+def section_step(a, device, out, cpp):
+    import hila
+    import hila.torch as ht
+    H, d = (a.H, a.d) if device.type == "cuda" else (2, 16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reps = 200 if device.type == "cuda" else 50
+    for op in a.step_ops.split(","):
+        try:
+            t = hila.op_traits(op)
+            pos = 4096 if t["loglinear"] else 0
+            st = ht.zero_state(op, 1, H, d, d, max_len=pos + 4 * reps + 64, device=device)
+            st.pos.fill_(pos)
+            tok = dict(q=torch.randn(1, H, d, device=device, dtype=dtype) * d ** -0.5,
+                       k=torch.randn(1, H, d, device=device, dtype=dtype) * d ** -0.5,
+                       v=torch.randn(1, H, d, device=device, dtype=dtype),
+                       g=torch.empty(1, H, device=device).uniform_(-0.1, 0.0))
+            if t["loglinear"]:
+                tok["lam"] = torch.rand(1, H, hila.levels_needed(0, pos + 4 * reps + 64), device=device, dtype=dtype)
+            if t["delta"]:
+                tok["beta"] = torch.rand(1, H, device=device, dtype=dtype)
+            base = dict(section="step", op=op, B=1, T=pos, H=H, d=d, direction="step")
+            for impl, cv in (("hila_torch", True), ("hila_torch_nocheck", False)):
+                with torch.no_grad():
+                    for _ in range(10):
+                        ht.step_(op, **tok, state=st, check_values=cv)
+                    host, dev_ms = [], []
+                    for _ in range(reps):
+                        if device.type == "cuda":
+                            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            e0.record()
+                        h0 = time.perf_counter()
+                        ht.step_(op, **tok, state=st, check_values=cv)
+                        host.append((time.perf_counter() - h0) * 1e6)
+                        if device.type == "cuda":
+                            e1.record()
+                            e1.synchronize()
+                            dev_ms.append(e0.elapsed_time(e1))
+                ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
+                out.append(dict(base, impl=impl, ms=ms, host_us=statistics.median(host),
+                                note=("check_values=True (default)" if cv else "check_values=False") +
+                                     "; caller-owned state (hila::step on a StateView)"))
+            if cpp:
+                for r in hila_bench_rows(cpp, ["--decode", "--reps", reps, "--ops", op, "--batches", 1, "--positions",
+                                               max(pos, 4096), "--H", H, "--d", d]):
+                    if int(r["N"]) == 1:
+                        out.append(dict(base, T=int(r["pos"]), impl="hila_cpp", ms=float(r["us_per_step"]) / 1e3,
+                                        host_us=float(r["host_us"]), note="hila_bench --decode (DecodeState)"))
+        except Exception:
+            failed(f"step {op}")
+        flush_csv(a, out)
+
+
+# ----------------------------------------------------------------------------- report
+
+def flush_csv(a, rows):
+    with open(os.path.join(a.out, "torch_bench.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def tables(rows):
+    f = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    ratio = lambda x, y: "—" if x is None or not y else f"{x / y:.2f}×"  # noqa: E731
+    cells = {(r["section"], r["op"], r["B"], r["T"], r["direction"], r["impl"]): r["ms"] for r in rows}
+    get = lambda *key: cells.get(key)  # noqa: E731  (section, op, B, T, direction, impl) -> ms
+    lines = []
+    train = [r for r in rows if r["section"] == "train"]
+    if train:
+        fla = "fla_guard_lifted" if any(r["impl"] == "fla_guard_lifted" for r in train) else "fla"
+        lines += ["", "train (ms): hila.torch default / check_values=False, the C++ bench on the same call, "
+                  "their ratio, fla", "",
+                  "| op | B | T | dir | hila.torch | hila.torch nocheck | C++ | nocheck / C++ | fla | nocheck / fla |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for op, B, T, dirn in dict.fromkeys((r["op"], r["B"], r["T"], r["direction"]) for r in train):
+            h = get("train", op, B, T, dirn, "hila_torch")
+            n = get("train", op, B, T, dirn, "hila_torch_nocheck")
+            c = get("train", op, B, T, dirn, "hila_cpp")
+            fl = get("train", op, B, T, dirn, fla)
+            lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {f(n)} | {f(c)} | {ratio(n, c)} | {f(fl)} | "
+                         f"{ratio(n, fl)} |")
+    dec = [r for r in rows if r["section"] == "decode"]
+    if dec:
+        lines += ["", "decode (ms per token; kernels: GPU time of one eager step's kernels)", "",
+                  "| model | batch | eager | graph | kernels | eager / kernels | graph / kernels |",
+                  "|---|---|---|---|---|---|---|"]
+        for op, B in dict.fromkeys((r["op"], r["B"]) for r in dec):
+            e, g, k = (next((r["ms"] for r in dec if (r["op"], r["B"], r["impl"]) == (op, B, i)), None)
+                       for i in ("eager", "graph", "kernels"))
+            lines.append(f"| {op} | {B} | {f(e)} | {f(g)} | {f(k)} | {ratio(e, k)} | {ratio(g, k)} |")
+    step = [r for r in rows if r["section"] == "step"]
+    if step:
+        lines += ["", "step at N = 1 (µs: device time with a sync per step; host: time in the call)", "",
+                  "| op | hila.torch.step_ | host | nocheck | host | C++ step | host | nocheck / C++ |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for op in dict.fromkeys(r["op"] for r in step):
+            cell = {r["impl"]: r for r in step if r["op"] == op}
+            us = lambda i, k="ms": None if i not in cell else (cell[i][k] * 1e3 if k == "ms" else cell[i][k])  # noqa: E731
+            lines.append(f"| {op} | {f(us('hila_torch'))} | {f(us('hila_torch', 'host_us'))} | {f(us('hila_torch_nocheck'))} | "
+                         f"{f(us('hila_torch_nocheck', 'host_us'))} | {f(us('hila_cpp'))} | {f(us('hila_cpp', 'host_us'))} | "
+                         f"{ratio(us('hila_torch_nocheck'), us('hila_cpp'))} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("# matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    train = [r for r in rows if r["section"] == "train"]
+    ax = axes[0]
+    for dirn, mark in (("fwd", "o"), ("fwdbwd", "s")):
+        for op in dict.fromkeys(r["op"] for r in train):
+            pts = []
+            for B, T in dict.fromkeys((r["B"], r["T"]) for r in train if r["op"] == op):
+                n = next((r["ms"] for r in train if (r["op"], r["B"], r["T"], r["direction"], r["impl"]) ==
+                          (op, B, T, dirn, "hila_torch_nocheck")), None)
+                c = next((r["ms"] for r in train if (r["op"], r["B"], r["T"], r["direction"], r["impl"]) ==
+                          (op, B, T, dirn, "hila_cpp")), None)
+                if n and c:
+                    pts.append((T, n / c))
+            if pts:
+                ax.plot(*zip(*pts), marker=mark, label=f"{op} {dirn}")
+    ax.axhline(1.05, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("T (B·T = 32K tokens)")
+    ax.set_ylabel("hila.torch (check_values=False) / C++")
+    ax.set_title("training calls: hila.torch over the C++ bench")
+    if ax.lines[1:]:
+        ax.legend(fontsize=6, ncol=2)
+    ax = axes[1]
+    dec = [r for r in rows if r["section"] == "decode"]
+    keys = list(dict.fromkeys((r["op"], r["B"]) for r in dec))
+    for i, impl in enumerate(("eager", "graph", "kernels")):
+        ys = [next((r["ms"] for r in dec if (r["op"], r["B"], r["impl"]) == (op, B, impl)), 0) for op, B in keys]
+        ax.bar([k + 0.27 * (i - 1) for k in range(len(keys))], ys, width=0.27, label=impl)
+    ax.set_xticks(range(len(keys)), [f"{op}\nbatch {B}" for op, B in keys], fontsize=7)
+    ax.set_ylabel("ms per token")
+    ax.set_title("HilaLM decode: per token vs its kernels' GPU time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="one shape, fewer repetitions, a 4-layer decode model")
+    ap.add_argument("--hila-bench", default=None,
+                    help="the hila_bench binary (default: $HILA_BENCH, .dev/bin/hila_bench, build-cuda/hila_bench)")
+    ap.add_argument("--out", default="torch-bench")
+    ap.add_argument("--sections", default="train,decode,step")
+    ap.add_argument("--ops", default=TRAIN_OPS)
+    ap.add_argument("--step-ops", default="gla,hla2,loglinear,gdn,loglinear_gdn")
+    ap.add_argument("--shapes", default=None)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--decode-layers", type=int, default=0)
+    ap.add_argument("--decode-hidden", type=int, default=2048)
+    ap.add_argument("--decode-batches", default="1,64")
+    ap.add_argument("--l2norm", action="store_true", help="gdn operators with qk_l2norm (as fla's gdn anchor)")
+    ap.add_argument("--no-fla", dest="fla", action="store_false")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("torch sees no CUDA device: run with --device cpu for a smoke run")
+    cpu = device.type != "cuda"
+    a.shapes = a.shapes or ("1:128" if cpu else ("8:4096" if a.quick else SHAPES))
+    if cpu:
+        a.H, a.d = 2, 16
+    a.reps = a.reps or (5 if a.quick else 20 if not cpu else 10)
+    a.decode_batches = [int(b) for b in a.decode_batches.split(",")][: 1 if (a.quick and cpu) else None]
+    os.makedirs(a.out, exist_ok=True)
+    # on the CPU only an explicit --hila-bench (e.g. a stand-in printing its CSV, to check the parsing)
+    cpp = find_hila_bench(a.hila_bench) if (a.hila_bench or not cpu) else None
+    import hila
+    log(f"# {torch.cuda.get_device_name() if not cpu else 'cpu'}; torch {torch.__version__}; hila from "
+        f"{os.path.dirname(hila.__file__)}; hila_bench: {cpp or 'not found (no C++ rows)'}")
+    rows = []
+    sections = {"train": lambda: section_train(a, device, rows, cpp), "decode": lambda: section_decode(a, device, rows),
+                "step": lambda: section_step(a, device, rows, cpp)}
+    for s in a.sections.split(","):
+        try:
+            sections[s]()
+        except Exception:
+            failed(f"section {s}")
+    flush_csv(a, rows)
+    try:
+        plot(rows, os.path.join(a.out, "torch_bench.png"))
+    except Exception:
+        failed("plot")
+    print(tables(rows))
+    log(f"# wrote {os.path.join(a.out, 'torch_bench.csv')} and torch_bench.png")
+
+
+if __name__ == "__main__":
+    main()

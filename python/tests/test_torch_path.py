@@ -1,0 +1,442 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The eager road of hila.torch and its decode path (docs/PYTHON.md, "Host overhead"):
+
+* a training step (forward + backward) runs no fill and no copy: its aten ops, counted with
+  torch.profiler, are one ``empty`` per output and gradient;
+* every output is fully written by the library: with the allocations poisoned (NaN), results
+  equal the float64 naive form and are finite;
+* the direct road and the registered custom ops give bitwise identical results;
+* decode steps run no value checks and no host reads; ``HilaLM.generate`` gives the same tokens
+  with and without its CUDA-graph decode; on a CUDA device a layer's decode step captured in a
+  CUDA graph and replayed for 32 tokens equals eager decode to the bit (skipped, with the reason,
+  elsewhere).
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import hila  # noqa: E402
+import hila.torch as ht  # noqa: E402
+import hila.torch.layers as hlayers  # noqa: E402
+import hila.torch.ops as hops  # noqa: E402
+from helpers import chunk_for, require_device, torch_inputs  # noqa: E402
+
+OPS = hila.OPS
+FILLS = {"aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_", "aten::full", "aten::ones",
+         "aten::new_zeros", "aten::full_like", "aten::ones_like"}
+COPIES = {"aten::copy_", "aten::contiguous", "aten::clone", "aten::_to_copy", "aten::to",
+          "aten::cat", "aten::stack"}
+HOST_READS = {"aten::item", "aten::_local_scalar_dense", "aten::tolist"}
+ALLOCS = {"aten::empty_like", "aten::empty", "aten::empty_strided"}  # empty_like calls empty
+
+
+def _setflag(request, flags, value):
+    """Sets a module's one-item flag list for the rest of the test."""
+    prev = flags[0]
+    flags[0] = value
+    request.addfinalizer(lambda: flags.__setitem__(0, prev))
+
+
+def _aten_ops(fn):
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+def _float_inputs(op, device, dtype=torch.float32, **kw):
+    """Leaves of `dtype` requiring grad (gates and the state stay float32/64 as hila takes them)."""
+    x, state, mask = torch_inputs(op, device, **kw)
+    x = {k: (v.detach().to(dtype) if k != "g" else v.detach().float()).requires_grad_() for k, v in x.items()}
+    return x, state, mask
+
+
+# ----------------------------------------------------------------------------- no fills, no copies
+
+@pytest.mark.parametrize("op", OPS)
+def test_training_step_runs_no_fills_or_copies(op, device):
+    """one forward + autograd.grad: only the output and one gradient per input are allocated
+    (torch.empty), nothing is filled, copied or converted, and no device value is read."""
+    require_device(device, op, "chunk", chunk_for(device, 16, op))
+    x, _, _ = _float_inputs(op, device, B=2, T=40, H=2, dk=8, dv=8)
+    do = torch.randn_like(x["v"])
+
+    def step():
+        o, _ = ht.forward(op, **x, chunk=chunk_for(device, 16, op), check_values=False)
+        torch.autograd.grad(o, list(x.values()), do)
+
+    step()  # first-call work (configuration cache) outside the count
+    names = _aten_ops(step)
+    bad = [n for n in names if n in FILLS | COPIES | HOST_READS]
+    assert not bad, f"{op}: {bad} in {names}"
+    assert set(names) <= ALLOCS and names.count("aten::empty_like") == 1 + len(x), names
+
+
+@pytest.mark.parametrize("op", ("hla3", "loglinear_hla2", "gdn"))
+def test_training_step_with_states_runs_no_fills_or_copies(op, device):
+    """with an initial state (requiring grad) and every part of the final state in the loss."""
+    require_device(device, op, "chunk", chunk_for(device, 4, op))
+    x, state, mask = _float_inputs(op, device, T=9, n0=[3, 6])
+    parts = [None if s is None else s.detach().float().requires_grad_() for s in state[1:]]
+    if mask is not None:
+        with torch.no_grad():
+            parts[2] *= mask.float()
+    init = hila.State(state[0], *parts)
+    leaves = list(x.values()) + [p for p in parts if p is not None]
+    o, fin = ht.forward(op, **x, initial_state=init, output_final_state=True,
+                        final_slots=hila.state_slots(9 + 6), chunk=chunk_for(device, 4, op),
+                        check_values=False)
+    outs = [o] + [p for p in fin[1:] if p is not None]
+    cots = [torch.randn_like(t) for t in outs]
+
+    def step():
+        o, fin = ht.forward(op, **x, initial_state=init, output_final_state=True,
+                            final_slots=hila.state_slots(9 + 6), chunk=chunk_for(device, 4, op),
+                            check_values=False)
+        torch.autograd.grad([o] + [p for p in fin[1:] if p is not None], leaves, cots)
+
+    names = _aten_ops(step)
+    bad = [n for n in names if n in FILLS | COPIES | HOST_READS]
+    assert not bad, f"{op}: {bad} in {names}"
+
+
+def test_decode_step_allocates_only_its_output(device):
+    require_device(device, "hla2")
+    x, _, _ = torch_inputs("hla2", device, T=1)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    st = ht.zero_state("hla2", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        ht.step_("hla2", **tok, state=st, check_values=False)
+        names = _aten_ops(lambda: ht.step_("hla2", **tok, state=st, check_values=False))
+    assert set(names) <= ALLOCS and names.count("aten::empty_like") == 1, names
+
+
+def test_packed_prefill_reads_no_device_values(device):
+    """a layer's packed prefill with max_seqlen and the functional forward with final_slots read
+    no device value from Python (no aten item / _local_scalar_dense; the library's own reads of
+    cu_seqlens are not aten ops)."""
+    require_device(device, "loglinear_gdn")
+    layer = ht.LogLinearGatedDeltaNet(32, max_len=40, num_heads=2, head_dim=8, check_values=False).to(device)
+    x = torch.randn(1, 21, 32, device=device)
+    cu = torch.tensor([0, 5, 21], device=device)
+    with torch.no_grad():
+        names = _aten_ops(lambda: layer(x, cu_seqlens=cu, max_seqlen=16, use_cache=True))
+    assert not [n for n in names if n in HOST_READS], names
+    y, _, _ = torch_inputs("loglinear", device, B=1, T=21)
+    y = {k: v.detach() for k, v in y.items()}
+    names = _aten_ops(lambda: ht.forward("loglinear", **y, cu_seqlens=cu, output_final_state=True,
+                                         final_slots=hila.state_slots(16), check_values=False,
+                                         chunk=chunk_for(device, 8, "loglinear")))
+    assert not [n for n in names if n in HOST_READS], names
+
+
+# ----------------------------------------------------------------------------- poisoned outputs
+
+POISON_CASES = [(op, dict(n0=[5, 13] if hila.op_traits(op)["loglinear"] else [3, 6])) for op in OPS]
+POISON_CASES += [("hla3", dict(untied=True, normalize=True)), ("loglinear_gdn", dict(varlen=True)),
+                 ("hla2", dict(varlen=True, G=2, H=4)), ("gla", dict())]
+
+
+def _case_id(c):
+    return c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()) or "plain"
+
+
+def _run(op, x, state, mask, form, chunk, cu, opts):
+    """o, the final state's parts and every gradient of one call (loss: a fixed random
+    projection of o and of the final state), through hila.torch."""
+    parts = None
+    if state is not None:
+        parts = [None if s is None else s for s in state[1:]]
+        if mask is not None:
+            parts[2] = parts[2] * mask
+    init = None if state is None else hila.State(state[0], *parts)
+    o, fin = ht.forward(op, **x, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                        form=form, chunk=chunk, **opts)
+    outs = [o] + [p for p in fin[1:] if p is not None]
+    gen = torch.Generator().manual_seed(11)
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)).sum() for t in outs)
+    leaves = list(x.values()) + ([s for s in state[1:] if s is not None] if state else [])
+    grads = torch.autograd.grad(loss, leaves)
+    return [t.detach() for t in outs] + [fin.pos] + list(grads)
+
+
+@pytest.mark.parametrize("road", ("direct", "custom_op"))
+@pytest.mark.parametrize("op,case", POISON_CASES, ids=_case_id)
+def test_poisoned_outputs_are_fully_written(op, case, road, device, request):
+    """every allocation of hila.ops / hila.torch is filled with NaN before the call: the chunk
+    form's outputs, final state and gradients are finite and equal the float64 naive form."""
+    chunk = chunk_for(device, 4, op)
+    require_device(device, op, "chunk", chunk)
+    case = dict(case)
+    opts = {k: case.pop(k) for k in ("normalize",) if k in case}
+    varlen = case.pop("varlen", False)
+    x, state, mask = torch_inputs(op, device, B=1 if varlen else 2, T=12, **case)
+    if opts.get("normalize"):
+        with torch.no_grad():
+            x["q"].abs_(), x["k"].abs_()
+    cu = torch.tensor([0, 5, 5, 12], device=device) if varlen else None
+    _setflag(request, hila.ops._POISON_OUTPUTS, True)
+    _setflag(request, hops._FAST, road == "direct")
+    got = _run(op, x, state, mask, "chunk", chunk, cu, opts)
+    _setflag(request, hops._FAST, True)
+    want = _run(op, x, state, mask, "naive", chunk, cu, opts)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not a.is_floating_point():
+            assert torch.equal(a, b), (i, a, b)
+            continue
+        assert torch.isfinite(a).all(), f"result {i} has unwritten (NaN) elements"
+        err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+        assert err <= 1e-9, f"result {i}: relative error {err:.2e}"
+
+
+def test_poisoned_decode_outputs_are_fully_written(device, request):
+    """the functional step's new state and o, and the in-place step's o, with poisoned
+    allocations, equal the float64 naive forward over the sequence."""
+    require_device(device, "loglinear_hla3")
+    op = "loglinear_hla3"
+    x, _, _ = torch_inputs(op, device, T=9)
+    x = {k: v.detach() for k, v in x.items()}
+    full, _ = ht.forward(op, **x, form="naive")
+    _setflag(request, hila.ops._POISON_OUTPUTS, True)
+    _, st = ht.forward(op, **{k: v[:, :7] for k, v in x.items()}, output_final_state=True,
+                       final_slots=hila.state_slots(16), chunk=chunk_for(device, 4, op))
+    assert all(torch.isfinite(p).all() for p in st[1:] if p is not None)
+    o7, st8 = ht.step(op, **{k: v[:, 7] for k, v in x.items()}, state=st)
+    o8 = ht.step_(op, **{k: v[:, 8] for k, v in x.items()}, state=st8)
+    for t, o in ((7, o7), (8, o8)):
+        assert torch.isfinite(o).all()
+        err = float((o - full[:, t]).abs().max() / full[:, t].abs().max())
+        assert err <= 1e-10, (t, err)
+    # hila.ops (numpy arrays) allocates through the same hook
+    o_np, fin_np = hila.forward(op, *(x[k].cpu().numpy() for k in ("q", "k", "v", "g")),
+                                lam=x["lam"].cpu().numpy(), output_final_state=True, chunk=4)
+    want = full.cpu().numpy()
+    assert abs(o_np - want).max() <= 1e-10 * abs(want).max()
+    assert all(np.isfinite(p).all() for p in fin_np[1:] if p is not None)
+
+
+# ----------------------------------------------------------------------------- both roads
+
+ROAD_CASES = [("gla", dict()), ("hla2", dict(n0=[3, 6])), ("loglinear_ahla", dict(n0=[5, 13])),
+              ("gdn", dict(varlen=True)), ("loglinear_gdn", dict(n0=[2, 9]))]
+
+
+@pytest.mark.parametrize("op,case", ROAD_CASES, ids=_case_id)
+def test_direct_road_equals_custom_ops(op, case, device, request):
+    """forward, final state and gradients through the direct road equal those through
+    torch.ops.hila.* bit for bit, and each road really runs (the custom op shows in the profile
+    only on its own road)."""
+    chunk = chunk_for(device, 4, op)
+    require_device(device, op, "chunk", chunk)
+    case = dict(case)
+    varlen = case.pop("varlen", False)
+    x, state, mask = torch_inputs(op, device, B=1 if varlen else 2, T=12, **case)
+    cu = torch.tensor([0, 7, 12], device=device) if varlen else None
+    results, seen = {}, {}
+    for road in ("direct", "custom_op"):
+        _setflag(request, hops._FAST, road == "direct")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            results[road] = _run(op, x, state, mask, "chunk", chunk, cu, {})
+        seen[road] = {e.name for e in prof.events()}
+    assert "hila::forward" not in seen["direct"] and "hila::backward" not in seen["direct"]
+    assert "hila::forward" in seen["custom_op"] and "hila::backward" in seen["custom_op"]
+    for i, (a, b) in enumerate(zip(results["direct"], results["custom_op"])):
+        assert torch.equal(a, b), f"result {i} differs between the roads"
+
+
+@pytest.mark.parametrize("op", ("hla3", "loglinear_gdn"))
+def test_decode_roads_equal(op, device, request):
+    """step (differentiable: o, new state, gradients) and step_ (in place) give the same bits on
+    both roads."""
+    require_device(device, op)
+    x, state, mask = torch_inputs(op, device, T=1, n0=[5, 11])
+    tok = {k: v.detach()[:, 0].requires_grad_() for k, v in x.items()}
+    parts = [None if s is None else s.detach() for s in state[1:]]
+    if mask is not None:
+        parts[2] = parts[2] * mask
+    out = {}
+    for road in ("direct", "custom_op"):
+        _setflag(request, hops._FAST, road == "direct")
+        leaves = [p.clone().requires_grad_() for p in parts if p is not None]
+        it = iter(leaves)
+        st = hila.State(state[0], *[None if p is None else next(it) for p in parts])
+        o, new = ht.step(op, **tok, state=st)
+        outs = [o] + [p for p in new[1:] if p is not None]
+        grads = torch.autograd.grad(sum(t.square().sum() for t in outs), list(tok.values()) + leaves)
+        st_ip = hila.State(state[0].clone(), *[None if p is None else p.clone() for p in parts])
+        with torch.no_grad():
+            o_ip = ht.step_(op, **{k: v.detach() for k, v in tok.items()}, state=st_ip)
+        out[road] = [t.detach() for t in outs] + list(grads) + [o_ip] + [p for p in st_ip if p is not None]
+    for i, (a, b) in enumerate(zip(out["direct"], out["custom_op"])):
+        assert torch.equal(a, b), f"result {i} differs between the roads"
+
+
+def test_fast_path_switch():
+    prev = ht.eager_fast_path(False)
+    try:
+        assert ht.eager_fast_path(True) is False
+        assert ht.eager_fast_path(prev) is True
+    finally:
+        ht.eager_fast_path(prev)
+
+
+def test_meta_and_fake_tensors_take_the_custom_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = torch.empty(2, 9, 1, 4, device="meta")
+    assert not hops._direct(q)
+    with FakeTensorMode():
+        f = torch.empty(2, 9, 1, 4)
+        assert not hops._direct(f)
+        o, _ = ht.forward("gla", f, f, f)
+        assert o.shape == f.shape
+    assert hops._direct(torch.empty(2, 9, 1, 4))
+
+
+def test_double_backward_is_refused():
+    x, _, _ = torch_inputs("gla", "cpu")
+    o, _ = ht.forward("gla", **x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(o.square().sum(), [x["q"]], create_graph=True)
+
+
+# ----------------------------------------------------------------------------- decode
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """The keyword arguments of the layers' in-place step calls."""
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return ht.step_(*a, **kw)
+
+    monkeypatch.setattr(hlayers, "_step_", spy)
+    return calls
+
+
+def test_layer_decode_steps_skip_value_checks(device, step_calls):
+    """a layer built with check_values=True checks its prefill, not its decode steps."""
+    require_device(device, "hla2")
+    layer = ht.HLAAttention(32, num_heads=2, head_dim=8, op="hla2").to(device)
+    x = torch.randn(2, 6, 32, device=device)
+    with torch.no_grad():
+        _, st = layer(x[:, :5], use_cache=True)
+        layer(x[:, 5:], state=st, use_cache=True)
+    assert len(step_calls) == 1 and step_calls[0]["check_values"] is False
+
+
+def test_in_place_decode_keeps_every_cache_tensor(device):
+    """an in_place cache advances through the same tensors (what a CUDA graph replays)."""
+    require_device(device, "hla2")
+    layer = ht.HLAAttention(32, num_heads=2, head_dim=8, op="hla2").to(device)
+    x = torch.randn(2, 9, 32, device=device)
+    with torch.no_grad():
+        full, _ = layer(x)
+        _, st = layer(x[:, :5], use_cache=True)
+        st.in_place = True
+        ptrs = [t.data_ptr() for t in st.tensors()]
+        ys = [layer(x[:, t:t + 1], state=st, use_cache=True)[0] for t in range(5, 9)]
+    assert [t.data_ptr() for t in st.tensors()] == ptrs
+    err = float((torch.cat(ys, 1) - full[:, 5:]).abs().max() / full.abs().max())
+    assert err <= 1e-5, err
+
+
+def _lm(mixer, device, dtype=torch.float32):
+    kw = {"hla": dict(num_heads=2, head_dim=8, op="hla2"),
+          "loglinear_gdn": dict(num_heads=2, head_dim=8)}[mixer]
+    torch.manual_seed(0)
+    cfg = ht.HilaLMConfig(vocab_size=64, hidden_size=32, num_layers=3, mixer=mixer, mixer_kwargs=kw,
+                          max_len=128, init_std=0.2)
+    return ht.HilaLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("mixer", ("hla", "loglinear_gdn"))
+def test_generate_graph_switch_gives_the_same_tokens(mixer, device, step_calls):
+    """greedy tokens with cuda_graph=True (default) and False are identical. On CUDA with a
+    capturable model the graph replays the steps (the layers' Python runs for the first two
+    decode steps only); on the CPU, and for log-linear mixers, both decode eagerly."""
+    require_device(device, "hla2" if mixer == "hla" else "loglinear_gdn")
+    model = _lm(mixer, device)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).to(device) for n in (7, 1, 12)]
+    n = 40
+    eager = model.generate(prompts, max_new_tokens=n, cuda_graph=False)
+    eager_steps = len(step_calls)
+    del step_calls[:]
+    graph = model.generate(prompts, max_new_tokens=n)
+    for a, b in zip(eager, graph):
+        assert torch.equal(a, b), (a.tolist(), b.tolist())
+    layers = model.config.num_layers
+    assert eager_steps == (n - 1) * layers
+    replayed = device.startswith("cuda") and model.decode_graph_capturable
+    assert len(step_calls) == (2 * layers if replayed else (n - 1) * layers), len(step_calls)
+    assert model.decode_graph_capturable == (mixer == "hla")
+
+
+GRAPH_LAYERS = {
+    "hla2": lambda: ht.HLAAttention(64, num_heads=4, head_dim=16, op="hla2"),
+    "ahla-gqa": lambda: ht.HLAAttention(64, num_heads=4, num_qk_groups=2, head_dim=16, op="ahla"),
+    "hla3-untied-normalize": lambda: ht.HLAAttention(64, num_heads=2, head_dim=16, op="hla3", gates="untied",
+                                                     normalize=True),
+    "loglinear_gdn": lambda: ht.LogLinearGatedDeltaNet(64, max_len=128, num_heads=2, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("name", GRAPH_LAYERS)
+def test_layer_decode_step_in_a_cuda_graph_equals_eager(name, device):
+    """a layer's decode step captured in a CUDA graph (static input, in-place cache) and replayed
+    for 32 tokens gives the outputs and states of eager decode, bit for bit."""
+    if not device.startswith("cuda"):
+        pytest.skip("CUDA graphs need a CUDA device")
+    torch.manual_seed(0)
+    layer = GRAPH_LAYERS[name]().to(device).eval()
+    require_device(device, layer.op)
+    if not hops._graph_capturable(layer.op):
+        pytest.skip(f"{layer.op}: hila::step reads log-linear positions on the host, which a CUDA "
+                    "graph capture forbids (decode of such layers stays eager)")
+    N, T0, steps = 3, 11, 32
+    x = torch.randn(N, T0 + steps, 64, device=device)
+    with torch.no_grad():
+        _, st = layer(x[:, :T0], use_cache=True)
+        st_eager, st_graph = st.clone(in_place=True), st.clone(in_place=True)
+        eager = torch.cat([layer(x[:, t:t + 1], state=st_eager, use_cache=True)[0]
+                           for t in range(T0, T0 + steps)], 1)
+        xin = x[:, T0:T0 + 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the first token, eagerly
+            first, _ = layer(xin, state=st_graph, use_cache=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            yout, _ = layer(xin, state=st_graph, use_cache=True)
+        ys = [first]
+        for t in range(T0 + 1, T0 + steps):
+            xin.copy_(x[:, t:t + 1])
+            graph.replay()
+            ys.append(yout.clone())
+        got = torch.cat(ys, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(got, eager), float((got - eager).abs().max())
+    for a, b in zip(st_graph.tensors(), st_eager.tensors()):
+        assert torch.equal(a, b)
+    assert st_graph.recurrent.pos.tolist() == [T0 + steps] * N
+
+
+@pytest.mark.parametrize("road", ("direct", "custom_op"))
+def test_in_place_step_invalidates_saved_state_tensors(road, device, request):
+    """a tensor of the state saved for a backward and then advanced by step_ makes that backward
+    fail with autograd's in-place error (the step bumps the version counters)."""
+    require_device(device, "hla2")
+    _setflag(request, hops._FAST, road == "direct")
+    x, _, _ = torch_inputs("hla2", device, T=1)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    st = ht.zero_state("hla2", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    w = torch.ones_like(st.H, requires_grad=True)
+    y = (st.H * w).sum()  # saves st.H
+    with torch.no_grad():
+        ht.step_("hla2", **tok, state=st)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
