@@ -299,6 +299,36 @@ def _layer_cases(group, lens, cu):
     return errs
 
 
+def _error_cases(group, lens):
+    """Bad input on one rank, or ranks that disagree on gradients: every rank raises the same
+    HilaError after the exchange (none waits forever), and the group still works afterwards."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    a = sum(lens[:rank])
+    out = {}
+
+    def call(op, p, **kw):
+        xs, _ = _leaves(p, (a, a + lens[rank]))
+        xs.update({k: v for k, v in kw.items() if k in xs})
+        try:
+            o, _ = hd.forward(op, xs["q"], xs["k"], xs["v"], xs["g"], lam=xs.get("lam"), beta=xs.get("beta"),
+                              group=group, shard_lens=lens, chunk=CHUNK)
+            return "ok" if torch.isfinite(o).all() else "non-finite"
+        except hila.HilaError as e:
+            return f"HilaError({e.argument}): {e}"
+
+    for op in ("hla2", "loglinear_gdn"):
+        p = _problem(op, seed=11, dtype=torch.float64, B=1)
+        g = p["x"]["g"][:, a:a + lens[rank]].clone()
+        if rank == world - 1 and g.numel():
+            g[0, -1, 0] = 0.5                       # a positive gate on the last rank only
+        out[f"{op}-positive-gate"] = call(op, p, g=g)
+        q = p["x"]["q"][:, a:a + lens[rank]].clone().requires_grad_(rank == 0)
+        p2 = dict(p, grads=())
+        out[f"{op}-grad-disagreement"] = call(op, p2, q=q)
+        out[f"{op}-after"] = call(op, p)
+    return out
+
+
 # ----------------------------------------------------------------------------- the spawned ranks
 
 def _worker(rank, world, init_file, out_dir):
@@ -316,6 +346,7 @@ def _worker(rank, world, init_file, out_dir):
             except Exception:  # noqa: BLE001 - reported by the test
                 result["errors"].append(f"{name}: {traceback.format_exc()}")
                 raise
+        result["errors_raised"] = _error_cases(group, GEOMETRY[world]["dense"][0])
         if world == 2:
             result["comm"] = _comm_cases(group)
         geo = GEOMETRY[world]
@@ -408,6 +439,23 @@ def test_communicated_bytes():
     assert hd.summary_elements("loglinear_gdn", dk, dv, levels=L) == dk * dk + L * dk * dv
     assert hd.summary_elements("loglinear_hla2", dk, dv, levels=L) == 2 + tri + 2 * L * dk * dv
     assert hd.summary_elements("hla2", dk, dv, normalize=True) == 2 + tri + 2 * dk * (dv + 1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_errors_reach_every_rank(world):
+    """A positive gate on the last rank only, or a gradient needed on rank 0 only: every rank
+    raises HilaError (none hangs in a collective); the next call works."""
+    for rank, res in enumerate(_run(world)):
+        assert not res["errors"], f"rank {rank}:\n" + "\n".join(res["errors"])
+        e = res["errors_raised"]
+        for op in ("hla2", "loglinear_gdn"):
+            if rank == world - 1:   # hila's own message about the gate there
+                assert e[f"{op}-positive-gate"].startswith("HilaError(g)"), e
+            else:
+                assert e[f"{op}-positive-gate"].startswith("HilaError(g)"), e
+                assert f"rank(s) [{world - 1}] of the group rejected" in e[f"{op}-positive-gate"], e
+            assert "need a gradient" in e[f"{op}-grad-disagreement"], e
+            assert e[f"{op}-after"] == "ok", e
 
 
 def test_errors_without_a_group():

@@ -383,11 +383,16 @@ class _Tie(torch.autograd.Function):
         return (torch.zeros(shape, dtype=dtype, device=device),) + grads
 
 
+_ERROR_ARGS = ("q", "k", "v", "g", "lam", "beta")   # error code c: argument _ERROR_ARGS[c - 1]
+_RAISED = len(_ERROR_ARGS) + 1                       # a HilaError raised on that rank
+
+
 def _exchange(group, payload: Tensor, needs_grad: bool, error: Optional[Tensor],
-              anchors: Sequence[Tensor], check: bool, what: str) -> Tensor:
-    """Gathers ``payload`` [n] of every rank with two status flags (needs a gradient, input error)
-    and, with ``check``, raises on every rank alike when a rank reported an error or the ranks
-    disagree on gradients. Returns the payloads [world, n]."""
+              anchors: Sequence[Tensor], check: bool, what: str,
+              pending: Optional[HilaError] = None) -> Tensor:
+    """Gathers ``payload`` [n] of every rank with two status flags (needs a gradient; an input
+    error code) and, with ``check``, raises on every rank alike when a rank reported an error (the
+    rank's own ``pending`` error there) or the ranks disagree on gradients. Returns [world, n]."""
     flags = torch.stack([payload.new_tensor(1.0 if needs_grad else 0.0),
                          error.to(payload.dtype) if error is not None else payload.new_zeros(())])
     msg = torch.cat([payload, flags])
@@ -395,11 +400,16 @@ def _exchange(group, payload: Tensor, needs_grad: bool, error: Optional[Tensor],
     gathered = _Exchange.apply(group, msg, *anchors)
     if check:
         st = gathered[:, -2:].detach().tolist()
-        bad = [j for j, (_, e) in enumerate(st) if e != 0]
+        bad = [(j, int(e)) for j, (_, e) in enumerate(st) if e != 0]
+        if pending is not None:
+            raise pending
         if bad:
-            raise HilaError(f"hila: argument 'q': rank(s) {bad} of the group rejected their inputs "
-                            f"({what}: non-finite values, a positive gate, or an error raised there); "
-                            "no rank continued", "q")
+            j, code = bad[0]
+            arg = _ERROR_ARGS[code - 1] if code < _RAISED else "q"
+            why = ("raised an error" if code == _RAISED else
+                   f"found a non-finite value{' or a positive gate' if arg == 'g' else ''} in '{arg}'")
+            raise HilaError(f"hila: argument '{arg}': rank(s) {[b for b, _ in bad]} of the group "
+                            f"rejected their inputs ({what}: rank {j} {why}); no rank continued", arg)
         grads = {bool(n) for n, _ in st}
         if len(grads) > 1:
             on = [j for j, (n, _) in enumerate(st) if n]
@@ -496,14 +506,12 @@ class _Call:
         a = self.geo.starts[self.geo.rank]
         return x[:, piece.start - a:piece.end - a]
 
-    def gate(self, g: Optional[Tensor], role: str, like: Tensor) -> Tensor:
-        """The log-gate column of a primitive role, float64 [Bs, n, H] (zeros without gates)."""
-        if g is None:
-            return like.new_zeros(like.shape[:2] + (self.Hh,), dtype=torch.float64)
-        if g.dim() == 4:
-            roles = _rho_roles(self.t)
-            g = g[..., roles.index(role) if g.shape[-1] > 1 else 0]
-        return g.to(torch.float64)
+    def gate(self, g: Optional[Tensor], role: str) -> Optional[Tensor]:
+        """The log-gate column [rows, n, H] of a primitive role ('S', 'P' or 'O'), None without
+        gates: untied gates have one column per primitive, inner first."""
+        if g is None or g.dim() == 3:
+            return g
+        return g[..., _rho_roles(self.t).index(role) if g.shape[-1] > 1 else 0]
 
     def heads(self, x: Tensor) -> Tensor:
         """[.., G, d] -> [.., H, d] (GQA: head h reads group h // (H / G))."""
@@ -634,37 +642,38 @@ class _Call:
         kh = self.heads(k).to(self.R)                                   # [rows, n, H, dk]
         vp = self.values(v)                                             # V' [rows, n, H, dv']
         roles = _rho_roles(t)
-        gates = {role: self.gate(g, role, q) for role in roles}         # float64 [rows, n, H]
-        cum = {role: torch.cumsum(x, 1) for role, x in gates.items()}   # inclusive, from the piece start
+        # gate sums in float64: b_j = sum_{s<=r<=j} g_r (inclusive) and the decay to the end
+        # w_j = e^{sum_{j<r<=e} gO_r}, a reverse cumsum (never a difference of prefix sums)
+        gates = {role: (self.gate(g, role) if g is not None else qh.new_zeros(qh.shape[:3]))
+                 .to(torch.float64) for role in roles}                   # [rows, n, H]
+        cum = {role: torch.cumsum(x, 1) for role, x in gates.items()}
         rho = torch.stack([torch.exp(x.sum(1)) for x in gates.values()], -1).to(self.R)  # [rows, H, roles]
-        gO = gates["O"]
-        rev = torch.flip(torch.cumsum(torch.flip(gO, [1]), 1), [1])    # sum_{r >= j} gO_r
-        w = torch.exp(torch.cat([rev[:, 1:], rev.new_zeros(rev[:, :1].shape)], 1))  # e^{sum_{r > j}}
+        rev = torch.flip(torch.cumsum(torch.flip(gates["O"], [1]), 1), [1])  # sum_{r >= j} gO_r
+        w = torch.exp(torch.cat([rev[:, 1:], rev.new_zeros(rev[:, :1].shape)], 1))
         mp: Dict[str, Tensor] = {"rho": rho}
         opts = dict(scale=self.scale, form="chunk", chunk=self.opts["chunk"],
                     check_values=self.opts["check_values"], output_final_state=True)
-        U = Hv = None
-        if t["has_S"] or t["has_P"]:
-            if n == 0:
-                if t["has_S"]:
-                    U = qh.new_zeros(qh.shape)
-                    mp["S"] = _pack(qh.new_zeros(qh.shape[0], self.Hh, self.dk, self.dk))
-                if t["has_P"]:
-                    Hv = vp.new_zeros(vp.shape)
-                    mp["P"] = vp.new_zeros(vp.shape[0], self.Hh, self.dk, self.dvp)
-            elif t["has_S"] and t["has_P"] and (g is None or g.dim() == 3 or g.shape[-1] == 1):
-                # tied gates: U = GLA(q^, K, K) and H = GLA(q^, K, V') in one call on [K | V']
-                o, fin = _forward("gla", q.to(self.R), k.to(self.R), torch.cat([kh, vp], -1),
-                                  self._gla_gate(g, "S"), **opts)
-                U, Hv = o[..., :self.dk], o[..., self.dk:]
-                mp["S"], mp["P"] = _pack(fin.H[..., :self.dk]), fin.H[..., self.dk:]
-            else:
-                if t["has_S"]:
-                    U, fin = _forward("gla", q.to(self.R), k.to(self.R), kh, self._gla_gate(g, "S"), **opts)
-                    mp["S"] = _pack(fin.H)
-                if t["has_P"]:
-                    Hv, fin = _forward("gla", q.to(self.R), k.to(self.R), vp, self._gla_gate(g, "P"), **opts)
-                    mp["P"] = fin.H
+        qr, kr = q.to(self.R), k.to(self.R)
+        U = Hv = None   # zero-carry inner outputs: u_j = S_j q^_j [rows, n, H, dk], h_j = P_j^T q^_j
+        if n == 0:
+            if t["has_S"]:
+                U = qh.new_zeros(qh.shape)
+                mp["S"] = _pack(qh.new_zeros(qh.shape[0], self.Hh, self.dk, self.dk))
+            if t["has_P"]:
+                Hv = vp.new_zeros(vp.shape)
+                mp["P"] = vp.new_zeros(vp.shape[0], self.Hh, self.dk, self.dvp)
+        elif t["has_S"] and t["has_P"] and (g is None or g.dim() == 3 or g.shape[-1] == 1):
+            # tied gates: U = GLA(q^, K, K) and H = GLA(q^, K, V') in one call on [K | V']
+            o, fin = _forward("gla", qr, kr, torch.cat([kh, vp], -1), self.gate(g, "S"), **opts)
+            U, Hv = o[..., :self.dk], o[..., self.dk:]
+            mp["S"], mp["P"] = _pack(fin.H[..., :self.dk]), fin.H[..., self.dk:]
+        else:
+            if t["has_S"]:
+                U, fin = _forward("gla", qr, kr, kh, self.gate(g, "S"), **opts)
+                mp["S"] = _pack(fin.H)
+            if t["has_P"]:
+                Hv, fin = _forward("gla", qr, kr, vp, self.gate(g, "P"), **opts)
+                mp["P"] = fin.H
         key = kh if U is None else (U + self.opts["ridge"] * qh if self.opts["ridge"] else U)
         val = vp if Hv is None else Hv
         mp["Y"] = self.level_sum(key, val, w.to(self.R), pa, pb, L)
@@ -681,13 +690,6 @@ class _Call:
             mp["R"] = self.level_sum(kh, qh, (w * cP).to(R), pa, pb, L)
         return mp
 
-    def _gla_gate(self, g: Optional[Tensor], role: str) -> Optional[Tensor]:
-        if g is None:
-            return None
-        if g.dim() == 4:
-            g = g[..., _rho_roles(self.t).index(role) if g.shape[-1] > 1 else 0]
-        return g
-
     # -- the call ----------------------------------------------------------------------------
 
     def run(self):
@@ -699,8 +701,8 @@ class _Call:
         msg_shapes = _part_shapes(t, self.Bs, self.Hh, self.dk, self.dvp, len(lv))
         sizes = [math.prod(s) for s in msg_shapes.values()]
         self.levels = torch.tensor(lv, dtype=torch.int64, device=self.q.device)
-        pieces = geo.local_pieces() if geo.lens[geo.rank] > 0 else []
-        local_n = len(pieces) if not self.dense else self.B
+        self.pieces = geo.local_pieces() if geo.lens[geo.rank] > 0 else []
+        self.local_n = len(self.pieces) if not self.dense else self.B  # rows of the local call
         check = bool(self.opts["check_values"])
         anchors = [self.q, self.k, self.v, self.g, self.lam, self.beta]
         if self.init is not None:
@@ -709,30 +711,27 @@ class _Call:
             a is not None and a.requires_grad for a in anchors)
 
         # 1. summary of the continued piece (and, for the delta rule, the local call)
-        error = None
-        payload = None
-        delta_run = None
+        error = pending = payload = delta_run = None
         try:
             if check:
                 error = self._value_error()
             if t["delta"]:
-                delta_run = self._delta_local(pieces, local_n)
-            payload = self._summary(geo.boundary_map(geo.rank), pieces, delta_run, L, shapes)
+                delta_run = self._delta_local()
+            payload = self._summary(geo.boundary_map(geo.rank), delta_run, L, shapes)
             if payload is not None:  # only the slots that some map fills
                 payload = torch.cat([(x.index_select(2, self.levels) if key in _LEVELLED else x).reshape(-1)
                                      for key, x in payload.items()])
         except HilaError as exc:
             if not check:
                 raise
-            error = self.q.new_ones((), dtype=self.R)
-            self._pending = exc
+            raised = self.q.new_tensor(float(_RAISED), dtype=torch.float32)
+            error = raised if error is None else torch.where(error > 0, error, raised)
+            pending = exc
         if payload is None:
             payload = self.q.new_zeros(sum(sizes), dtype=self.R)
 
         # 2. exchange
-        gathered = _exchange(self.group, payload, needs_grad, error, anchors, check, self.op)
-        if getattr(self, "_pending", None) is not None:
-            raise self._pending
+        gathered = _exchange(self.group, payload, needs_grad, error, anchors, check, self.op, pending)
         last_comm = CommStats(self.op, geo.world, payload.numel(),
                               (payload.numel() + 2) * payload.element_size(),
                               (geo.world - 1) * (payload.numel() + 2) * payload.element_size(), len(lv))
@@ -754,9 +753,9 @@ class _Call:
 
         # 4. finish
         if t["delta"]:
-            o, final = self._delta_finish(pieces, local_n, delta_run, carry, L)
+            o, final = self._delta_finish(delta_run, carry, L)
         else:
-            o, final = self._rerun(pieces, local_n, carry, L)
+            o, final = self._rerun(carry, L)
         outs = [o] + ([x for x in final[1:] if x is not None] if final is not None else [])
         tied = list(_Tie.apply(gathered, *outs)) if needs_grad else outs
         o = tied[0]
@@ -766,18 +765,21 @@ class _Call:
         return o, (final if self.want_final else None)
 
     def _value_error(self) -> Tensor:
-        """1 when an input holds a non-finite value or a gate is positive (what hila rejects)."""
-        bad = self.q.new_zeros((), dtype=torch.bool)
-        for x in (self.q, self.k, self.v, self.g, self.lam, self.beta):
-            if x is not None and x.numel():
-                bad = bad | ~torch.isfinite(x.detach()).all()
-        if self.g is not None and self.g.numel():
-            bad = bad | (self.g.detach() > 0).any()
-        return bad
+        """The error code of the first input holding a non-finite value (or, for g, a positive
+        gate): 1 + its index in _ERROR_ARGS; 0 when all are fine. Computed on the device."""
+        n = len(_ERROR_ARGS)
+        code = self.q.new_zeros((), dtype=torch.float32)
+        for i, x in enumerate((self.q, self.k, self.v, self.g, self.lam, self.beta)):
+            if x is None or not x.numel():
+                continue
+            x = x.detach()
+            bad = ~torch.isfinite(x).all() | ((x > 0).any() if i == 3 else False)
+            code = torch.maximum(code, bad.to(torch.float32) * (n - i))   # the first bad one wins
+        return torch.where(code > 0, n + 1 - code, code)
 
     # -- HLA family, gla, loglinear: summary, then a rerun from the carry ----------------------
 
-    def _summary(self, piece: Optional[_Piece], pieces, delta_run, L, shapes) -> Optional[Dict[str, Tensor]]:
+    def _summary(self, piece: Optional[_Piece], delta_run, L, shapes) -> Optional[Dict[str, Tensor]]:
         if piece is None:
             return None
         constant = piece.start == piece.seq_start
@@ -797,11 +799,11 @@ class _Call:
                 mp = self.constant_map(self.apply(mp, st0, pa, pb, L), L)
         return {key: mp[key].to(self.R) for key in shapes}
 
-    def _local_init(self, pieces: List[_Piece], local_n: int, carry, zero_carry: bool):
+    def _local_init(self, carry, zero_carry: bool):
         """The initial state of the local call: the carry-in (or a zero state at its position) for
         a first piece that continues a sequence, the sequence's initial state (or zeros) for the
         others. None when no row needs one."""
-        a = self.geo.starts[self.geo.rank]
+        a, pieces = self.geo.starts[self.geo.rank], self.pieces
         cont = bool(self.geo.carry_chain(self.geo.rank))
         if not cont and self.init is None:
             return None
@@ -826,19 +828,19 @@ class _Call:
         st = {key: torch.cat([x[key] for x in parts]) for key in parts[0]}
         return self.to_library(st, pos, slots)
 
-    def _local_cu(self, pieces: List[_Piece]) -> Optional[Tensor]:
+    def _local_cu(self) -> Optional[Tensor]:
         if self.dense:
             return None
         a = self.geo.starts[self.geo.rank]
-        cu = [p.start - a for p in pieces] + [self.T]
+        cu = [p.start - a for p in self.pieces] + [self.T]
         return torch.tensor(cu, dtype=torch.int64, device=self.q.device)
 
-    def _final_slots(self, pieces: List[_Piece]) -> int:
+    def _final_slots(self) -> int:
         if not self.t["loglinear"]:
             return 1
         if self.dense:
             return _slots(max(self.n0) + self.geo.ends[self.geo.rank]) if self.n0 else 1
-        return max([_slots(self.n0[p.seq] + p.end - p.seq_start) for p in pieces] + [1])
+        return max([_slots(self.n0[p.seq] + p.end - p.seq_start) for p in self.pieces] + [1])
 
     def _call_opts(self) -> dict:
         o = self.opts
@@ -865,19 +867,19 @@ class _Call:
             return o, self.init
         return o, self.to_library(self.zero_state(self.B, slots), pos, slots)
 
-    def _rerun(self, pieces, local_n, carry, L):
+    def _rerun(self, carry, L):
         if self.T == 0:
             return self._empty_result(carry, L)
-        init = self._local_init(pieces, local_n, carry, zero_carry=False)
+        init = self._local_init(carry, zero_carry=False)
         o, final = _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
-                            cu_seqlens=self._local_cu(pieces), initial_state=init,
-                            output_final_state=self.want_final, final_slots=self._final_slots(pieces),
+                            cu_seqlens=self._local_cu(), initial_state=init,
+                            output_final_state=self.want_final, final_slots=self._final_slots(),
                             **self._call_opts())
         return o, final
 
     # -- gdn, loglinear_gdn: local call from a zero carry, then the carry's linear contribution --
 
-    def _delta_local(self, pieces, local_n) -> dict:
+    def _delta_local(self) -> dict:
         """The local call with a zero carry, and for a continuing first piece the transition
         M = A_end ... A_start and the effective queries q~_t = (A_t ... A_start)^T q^_t, from a gdn
         call with v = 0 and initial state I (its outputs and final state)."""
@@ -890,22 +892,22 @@ class _Call:
                 run["map"] = (eye.expand(self.Bs, self.Hh, self.dk, self.dk),
                               self.q.new_zeros(self.Bs, self.Hh, 1, self.dk, self.dv, dtype=self.R))
             return run
-        init = self._local_init(pieces, local_n, None, zero_carry=True)
-        need_final = True
+        init = self._local_init(None, zero_carry=True)
         o, final = _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
-                            cu_seqlens=self._local_cu(pieces), initial_state=init,
-                            output_final_state=need_final, final_slots=self._final_slots(pieces),
+                            cu_seqlens=self._local_cu(), initial_state=init,
+                            output_final_state=True, final_slots=self._final_slots(),
                             **self._call_opts())
         run["o"], run["final"] = o, final
         last = self.Bs if self.dense else 1
-        run["last_state"] = self.from_library(final, list(range(local_n - last, local_n)))["Y"]
+        run["last_state"] = self.from_library(final, list(range(self.local_n - last, self.local_n)))["Y"]
         if self.geo.carry_chain(self.geo.rank):
-            p = pieces[0]
+            p = self.pieces[0]
             q, k, g, beta = (self.rows(x, p) for x in (self.q, self.k, self.g, self.beta))
+            q, k = q.to(self.R), k.to(self.R)
             eye = torch.eye(self.dk, dtype=self.R, device=self.q.device)
             st = State(torch.zeros(self.Bs, dtype=torch.int64, device=self.q.device), None, None,
                        eye.expand(self.Bs, self.Hh, self.dk, self.dk).contiguous())
-            zeros = self.v.new_zeros(q.shape[:2] + (self.Hh, self.dk))
+            zeros = q.new_zeros(q.shape[:2] + (self.Hh, self.dk))
             qt, fin = _forward("gdn", q, k, zeros, g, beta=beta, initial_state=st,
                                output_final_state=True, form="chunk", chunk=self.opts["chunk"],
                                scale=self.opts["scale"], qk_l2norm=self.opts["qk_l2norm"],
@@ -915,13 +917,13 @@ class _Call:
             run["map"] = (run["M"], first)
         return run
 
-    def _delta_finish(self, pieces, local_n, run, carry, L):
+    def _delta_finish(self, run, carry, L):
         if self.T == 0:
             return self._empty_result(carry, L)
         o, final = run["o"], run["final"]
         if carry is None:
-            return o, final
-        p = pieces[0]
+            return o, (final if self.want_final else None)
+        p = self.pieces[0]
         pa, pb = self.abs_range(p)
         Hin = carry["Y"]                                                # [Bs, H, L, dk, dv]
         qt = run["qt"]                                                  # [Bs, n1, H, dk]
@@ -929,6 +931,8 @@ class _Call:
         corr = self._delta_reads(qt, Hin, pa, p)                        # [Bs, n1, H, dv]
         o1 = o[:, :n1] + corr.to(o.dtype)
         o = torch.cat([o1, o[:, n1:]], 1) if n1 < o.shape[1] else o1
+        if not self.want_final:
+            return o, None
         # final state of the first piece: + M rekey(H_in)
         slots = final.H.shape[2] if self.t["loglinear"] else 1
         add = torch.einsum("bhij,bhljv->bhliv", run["M"], self.rekey(Hin, pa, pb, slots))
@@ -957,7 +961,7 @@ class _Call:
                 wl = torch.gather(lg, 3, lvl[None, :, None, None].expand(lg.shape[:3] + (1,)))[..., 0]
                 part = part + wl[..., None] * torch.einsum(
                     "bthk,bhkv->bthv", qt.index_select(0, sel), Hin.index_select(0, sel)[:, :, l])
-            out = _put_rows(out, sel, part)
+            out = out.index_copy(0, sel, part)
         return out
 
 
@@ -974,10 +978,6 @@ def _pad_slots(Y: Tensor, slots: int) -> Tensor:
     if Y.shape[2] >= slots:
         return Y
     return torch.cat([Y, Y.new_zeros(Y.shape[:2] + (slots - Y.shape[2],) + Y.shape[3:])], 2)
-
-
-def _put_rows(out: Tensor, sel: Tensor, part: Tensor) -> Tensor:
-    return out.index_copy(0, sel, part)
 
 
 def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
@@ -1042,7 +1042,7 @@ def _halo(x: Tensor, width: int, group, lens, cu_seqlens) -> Tuple[Tensor, Tenso
                        gathered.reshape(geo.world, B, h, C).transpose(1, 2).reshape(geo.world * h, B, C)])
     halo = table.index_select(0, torch.tensor(idx, dtype=torch.int64, device=x.device)).permute(1, 2, 0)
     if geo.cu is not None:  # the first local sequence only; the others start here
-        halo = torch.cat([halo[:, :, :][:min(N, 1)], halo.new_zeros(max(N - 1, 0), C, h)])
+        halo = torch.cat([halo[:min(N, 1)], halo.new_zeros(max(N - 1, 0), C, h)])
     return halo, gathered, local_cu
 
 
