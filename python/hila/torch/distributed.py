@@ -630,64 +630,55 @@ class _Call:
         inv[torch.tensor(order)] = torch.arange(rows)
         return torch.cat(blocks).index_select(0, inv.to(A.device))
 
-    def hla_map(self, piece: _Piece, L: int) -> Dict[str, Tensor]:
-        """Summary of a piece from a zero carry (HLA family, gla, loglinear), HLA_SPEC §3.4, §5.3,
-        §6.3 with the outer parts per level of the piece's end (docs/DISTRIBUTED.md)."""
-        t = self.t
+    def piece_gates(self, piece: _Piece, rows: Tuple[int, int]) -> dict:
+        """Gate sums of the time rows [rows) of a piece, in float64 [rows, n, H]: the inclusive
+        cumsums b_j = sum_{s<=r<=j} g_r per role ('S', 'P', 'O'), the totals rho = e^{b_e} and the
+        outer decay to the end w_j = e^{sum_{j<r<=e} gO_r} (a reverse cumsum, never a difference of
+        prefix sums)."""
+        g = self.g[:, rows[0]:rows[1]] if self.g is not None else None
+        n = rows[1] - rows[0]
+        out = {}
+        for role in _rho_roles(self.t):
+            x = (self.gate(g, role).to(torch.float64) if g is not None else
+                 torch.zeros(self.B if self.dense else 1, n, self.Hh, dtype=torch.float64,
+                             device=self.q.device))
+            out[role] = x
+        rev = torch.flip(torch.cumsum(torch.flip(out["O"], [1]), 1), [1])      # sum_{r >= j} gO_r
+        return dict(cum={r: torch.cumsum(x, 1) for r, x in out.items()},
+                    rho={r: torch.exp(x.sum(1)) for r, x in out.items()},     # [rows, H]
+                    w=torch.exp(torch.cat([rev[:, 1:], rev.new_zeros(rev[:, :1].shape)], 1)))
+
+    def scaled_q(self, rows: Tuple[int, int]) -> Tensor:
+        """q^ = scale q of the time rows, per value head, compute precision [rows, n, H, dk]."""
+        return self.heads(self.q[:, rows[0]:rows[1]]).to(self.R) * self.scale
+
+    def map_parts(self, piece: _Piece, rows: Tuple[int, int], key: Tensor, val: Tensor,
+                  U: Optional[Tensor], Hv: Optional[Tensor], L: int) -> Dict[str, Tensor]:
+        """The action parts of a piece's map from its zero-carry quantities (HLA_SPEC §3.4, §5.3,
+        §6.3, the outer parts per Fenwick level of the piece's end): rho, the outer state
+        Y_X = sum_j w_j key_j val_j^T, and the cross terms hla2: Z = sum w e^{bS} q^ v'^T;
+        ahla: R = sum w e^{bP} k q^^T; hla3: Phi = sum w e^{bS} q^ h^T, Psi = sum w e^{bP} u q^^T,
+        Omega = sum w e^{bS + bP} q^ q^^T (key, val, U, Hv: the rows of the piece, zero carry)."""
+        t, R = self.t, self.R
         pa, pb = self.abs_range(piece)
-        q, k, v = self.rows(self.q, piece), self.rows(self.k, piece), self.rows(self.v, piece)
-        g = self.rows(self.g, piece)
-        n = q.shape[1]
-        qh = self.heads(q).to(self.R) * self.scale                     # q^ [rows, n, H, dk]
-        kh = self.heads(k).to(self.R)                                   # [rows, n, H, dk]
-        vp = self.values(v)                                             # V' [rows, n, H, dv']
-        roles = _rho_roles(t)
-        # gate sums in float64: b_j = sum_{s<=r<=j} g_r (inclusive) and the decay to the end
-        # w_j = e^{sum_{j<r<=e} gO_r}, a reverse cumsum (never a difference of prefix sums)
-        gates = {role: (self.gate(g, role) if g is not None else qh.new_zeros(qh.shape[:3]))
-                 .to(torch.float64) for role in roles}                   # [rows, n, H]
-        cum = {role: torch.cumsum(x, 1) for role, x in gates.items()}
-        rho = torch.stack([torch.exp(x.sum(1)) for x in gates.values()], -1).to(self.R)  # [rows, H, roles]
-        rev = torch.flip(torch.cumsum(torch.flip(gates["O"], [1]), 1), [1])  # sum_{r >= j} gO_r
-        w = torch.exp(torch.cat([rev[:, 1:], rev.new_zeros(rev[:, :1].shape)], 1))
-        mp: Dict[str, Tensor] = {"rho": rho}
-        opts = dict(scale=self.scale, form="chunk", chunk=self.opts["chunk"],
-                    check_values=self.opts["check_values"], output_final_state=True)
-        qr, kr = q.to(self.R), k.to(self.R)
-        U = Hv = None   # zero-carry inner outputs: u_j = S_j q^_j [rows, n, H, dk], h_j = P_j^T q^_j
-        if n == 0:
-            if t["has_S"]:
-                U = qh.new_zeros(qh.shape)
-                mp["S"] = _pack(qh.new_zeros(qh.shape[0], self.Hh, self.dk, self.dk))
-            if t["has_P"]:
-                Hv = vp.new_zeros(vp.shape)
-                mp["P"] = vp.new_zeros(vp.shape[0], self.Hh, self.dk, self.dvp)
-        elif t["has_S"] and t["has_P"] and (g is None or g.dim() == 3 or g.shape[-1] == 1):
-            # tied gates: U = GLA(q^, K, K) and H = GLA(q^, K, V') in one call on [K | V']
-            o, fin = _forward("gla", qr, kr, torch.cat([kh, vp], -1), self.gate(g, "S"), **opts)
-            U, Hv = o[..., :self.dk], o[..., self.dk:]
-            mp["S"], mp["P"] = _pack(fin.H[..., :self.dk]), fin.H[..., self.dk:]
-        else:
-            if t["has_S"]:
-                U, fin = _forward("gla", qr, kr, kh, self.gate(g, "S"), **opts)
-                mp["S"] = _pack(fin.H)
-            if t["has_P"]:
-                Hv, fin = _forward("gla", qr, kr, vp, self.gate(g, "P"), **opts)
-                mp["P"] = fin.H
-        key = kh if U is None else (U + self.opts["ridge"] * qh if self.opts["ridge"] else U)
-        val = vp if Hv is None else Hv
-        mp["Y"] = self.level_sum(key, val, w.to(self.R), pa, pb, L)
-        cS = torch.exp(cum["S"]) if "S" in cum else None
-        cP = torch.exp(cum["P"]) if "P" in cum else None
-        R = self.R
+        gt = self.piece_gates(piece, rows)
+        w = gt["w"]
+        mp = {"rho": torch.stack([gt["rho"][r] for r in _rho_roles(t)], -1).to(R),
+              "Y": self.level_sum(key, val, w.to(R), pa, pb, L)}
+        if not (t["has_S"] or t["has_P"]):
+            return mp
+        qh = self.scaled_q(rows)
+        cS = torch.exp(gt["cum"]["S"]) if t["has_S"] else None
+        cP = torch.exp(gt["cum"]["P"]) if t["has_P"] else None
         if t["has_S"] and t["has_P"]:
             mp["Phi"] = self.level_sum(qh, Hv, (w * cS).to(R), pa, pb, L)
             mp["Psi"] = self.level_sum(U, qh, (w * cP).to(R), pa, pb, L)
             mp["Omega"] = _pack(self.level_sum(qh, qh, (w * cS * cP).to(R), pa, pb, L))
         elif t["has_S"]:
-            mp["Z"] = self.level_sum(qh, vp, (w * cS).to(R), pa, pb, L)
-        elif t["has_P"]:
-            mp["R"] = self.level_sum(kh, qh, (w * cP).to(R), pa, pb, L)
+            mp["Z"] = self.level_sum(qh, self.values(self.v[:, rows[0]:rows[1]]), (w * cS).to(R), pa, pb, L)
+        else:
+            mp["R"] = self.level_sum(self.heads(self.k[:, rows[0]:rows[1]]).to(R), qh, (w * cP).to(R),
+                                     pa, pb, L)
         return mp
 
     # -- the call ----------------------------------------------------------------------------
@@ -711,13 +702,16 @@ class _Call:
             a is not None and a.requires_grad for a in anchors)
 
         # 1. summary of the continued piece (and, for the delta rule, the local call)
-        error = pending = payload = delta_run = None
+        error = pending = payload = local = None
+        composite = t["has_S"] or t["has_P"]
         try:
             if check:
                 error = self._value_error()
             if t["delta"]:
-                delta_run = self._delta_local()
-            payload = self._summary(geo.boundary_map(geo.rank), delta_run, L, shapes)
+                local = self._delta_local()
+            elif composite:
+                local = self._inner_local()
+            payload = self._summary(geo.boundary_map(geo.rank), local, L, shapes)
             if payload is not None:  # only the slots that some map fills
                 payload = torch.cat([(x.index_select(2, self.levels) if key in _LEVELLED else x).reshape(-1)
                                      for key, x in payload.items()])
@@ -753,9 +747,11 @@ class _Call:
 
         # 4. finish
         if t["delta"]:
-            o, final = self._delta_finish(delta_run, carry, L)
+            o, final = self._delta_finish(local, carry)
+        elif composite:
+            o, final = self._composite_finish(local, carry)
         else:
-            o, final = self._rerun(carry, L)
+            o, final = self._rerun(carry)
         outs = [o] + ([x for x in final[1:] if x is not None] if final is not None else [])
         tied = list(_Tie.apply(gathered, *outs)) if needs_grad else outs
         o = tied[0]
@@ -777,56 +773,44 @@ class _Call:
             code = torch.maximum(code, bad.to(torch.float32) * (n - i))   # the first bad one wins
         return torch.where(code > 0, n + 1 - code, code)
 
-    # -- HLA family, gla, loglinear: summary, then a rerun from the carry ----------------------
+    # -- local rows --------------------------------------------------------------------------
 
-    def _summary(self, piece: Optional[_Piece], delta_run, L, shapes) -> Optional[Dict[str, Tensor]]:
-        if piece is None:
-            return None
-        constant = piece.start == piece.seq_start
-        if self.t["delta"]:
-            M, Pst = delta_run["map"] if not constant else (None, delta_run["last_state"])
-            if constant:
-                mp = {"M": self.q.new_zeros(shapes["M"], dtype=self.R), "Y": _pad_slots(Pst, L)}
-            else:
-                mp = {"M": M, "Y": _pad_slots(Pst, L)}
-        else:
-            mp = self.hla_map(piece, L)
-            if constant:  # the end state of the sequence's first piece, from its initial state
-                pa, pb = self.abs_range(piece)
-                st0 = self.zero_state(self.Bs, L)
-                if self.init is not None:
-                    st0 = self.from_library(self.init, None if piece.seq is None else [piece.seq])
-                mp = self.constant_map(self.apply(mp, st0, pa, pb, L), L)
-        return {key: mp[key].to(self.R) for key in shapes}
+    def first_rows(self) -> Tuple[int, List[int]]:
+        """The continuing first piece: its time rows [0, n1) and its rows of the local states."""
+        n1 = self.T if self.dense else self.pieces[0].end - self.pieces[0].start
+        return n1, list(range(self.Bs))
 
-    def _local_init(self, carry, zero_carry: bool):
-        """The initial state of the local call: the carry-in (or a zero state at its position) for
-        a first piece that continues a sequence, the sequence's initial state (or zeros) for the
-        others. None when no row needs one."""
+    def last_rows(self) -> Tuple[Tuple[int, int], List[int]]:
+        """The last piece: its time rows and its rows of the local states."""
+        if self.dense:
+            return (0, self.T), list(range(self.B))
+        p = self.pieces[-1]
+        a = self.geo.starts[self.geo.rank]
+        return (p.start - a, p.end - a), [self.local_n - 1]
+
+    def row_states(self, first: Optional[Dict[str, Tensor]]):
+        """(positions, internal states) of the local rows at their first rows: ``first`` (the
+        carry, or zeros) for a first piece that continues a sequence, the sequence's initial state
+        (or zeros) for the others; None when every row starts from zeros at position 0 with no
+        initial state."""
         a, pieces = self.geo.starts[self.geo.rank], self.pieces
         cont = bool(self.geo.carry_chain(self.geo.rank))
         if not cont and self.init is None:
             return None
         seqs = list(range(self.B)) if self.dense else [p.seq for p in pieces]
-        pos = [self.n0[i] + (pieces[j].start - pieces[j].seq_start if not self.dense else a)
+        pos = [self.n0[i] + (a if self.dense else pieces[j].start - pieces[j].seq_start)
                for j, i in enumerate(seqs)]
         slots = max([_slots(x) for x in pos] + [1]) if self.t["loglinear"] else 1
         parts = []
         if cont:
-            first = self.zero_state(self.Bs, slots) if zero_carry else carry
-            parts.append(first)
+            parts.append(first if first is not None else self.zero_state(self.Bs, slots))
         rest = seqs[self.Bs:] if cont else seqs
         if rest:
-            if self.init is not None:
-                parts.append(self.from_library(self.init, rest))
-            else:
-                parts.append(self.zero_state(len(rest), slots))
-        if self.t["loglinear"]:
-            slots = max([slots] + [x["Y"].shape[2] for x in parts])
-            for x in parts:
-                x["Y"] = _pad_slots(x["Y"], slots)
-        st = {key: torch.cat([x[key] for x in parts]) for key in parts[0]}
-        return self.to_library(st, pos, slots)
+            parts.append(self.from_library(self.init, rest) if self.init is not None
+                         else self.zero_state(len(rest), slots))
+        slots = max([slots] + [x["Y"].shape[2] for x in parts])
+        parts = [dict(x, Y=_pad_slots(x["Y"], slots)) for x in parts]
+        return pos, {key: torch.cat([x[key] for x in parts]) for key in parts[0]}
 
     def _local_cu(self) -> Optional[Tensor]:
         if self.dense:
@@ -842,13 +826,13 @@ class _Call:
             return _slots(max(self.n0) + self.geo.ends[self.geo.rank]) if self.n0 else 1
         return max([_slots(self.n0[p.seq] + p.end - p.seq_start) for p in self.pieces] + [1])
 
-    def _call_opts(self) -> dict:
+    def _call_opts(self, **over) -> dict:
         o = self.opts
-        return dict(form=o["form"], chunk=o["chunk"], scale=o["scale"], normalize=o["normalize"],
-                    eps=o["eps"], ridge=o["ridge"], qk_l2norm=o["qk_l2norm"],
-                    check_values=o["check_values"])
+        return dict(dict(form=o["form"], chunk=o["chunk"], scale=o["scale"], normalize=o["normalize"],
+                         eps=o["eps"], ridge=o["ridge"], qk_l2norm=o["qk_l2norm"],
+                         check_values=o["check_values"]), **over)
 
-    def _empty_result(self, carry, L):
+    def _empty_result(self, carry):
         """An empty shard: no rows; its state (dense) is the carry-in, or the initial state."""
         o = self.v.new_zeros(self.v.shape[:3] + (self.dv,))
         if not self.want_final:
@@ -867,59 +851,211 @@ class _Call:
             return o, self.init
         return o, self.to_library(self.zero_state(self.B, slots), pos, slots)
 
-    def _rerun(self, carry, L):
+    # -- the summary sent ----------------------------------------------------------------------
+
+    def _summary(self, piece: Optional[_Piece], local, L, shapes) -> Optional[Dict[str, Tensor]]:
+        """The map of this rank's continued piece (None when it has none). A piece that starts its
+        sequence sends the constant map to its end state (its initial state included)."""
+        if piece is None:
+            return None
+        constant = piece.start == piece.seq_start
+        t = self.t
+        if t["delta"]:
+            if constant:
+                mp = {"M": self.q.new_zeros(shapes["M"], dtype=self.R), "Y": local["last_state"]}
+            else:
+                M, Y = local["map"]
+                mp = {"M": M, "Y": Y}
+            mp["Y"] = _pad_slots(mp["Y"], L)
+            return mp
+        if self.T == 0:   # an empty piece inside a sequence: the identity map
+            mp = {key: self.q.new_zeros(s, dtype=self.R) for key, s in shapes.items()}
+            mp["rho"] = torch.ones_like(mp["rho"])
+            return mp
+        rows, srows = self.last_rows()
+        if t["has_S"] or t["has_P"]:
+            key, val, U, Hv = self.outer_inputs(local, rows)
+        else:
+            key, val, U, Hv = self.heads(self.k[:, rows[0]:rows[1]]).to(self.R), \
+                self.values(self.v[:, rows[0]:rows[1]]), None, None
+        if not constant:
+            mp = self.map_parts(piece, rows, key, val, U, Hv, L)
+            if t["has_S"]:
+                mp["S"] = _pack(local["S"][srows])
+            if t["has_P"]:
+                mp["P"] = local["P"][srows]
+            return {k: mp[k] for k in shapes}
+        # constant map: the state at the piece's end. The inner states (and so key, val) already
+        # hold the initial state; the outer initial state decays and is re-keyed to the end.
+        pa, pb = self.abs_range(piece)
+        gt = self.piece_gates(piece, rows)
+        st = {"Y": self.level_sum(key, val, gt["w"].to(self.R), pa, pb, L)}
+        if self.init is not None:
+            Y0 = self.from_library(self.init, None if piece.seq is None else [piece.seq])["Y"]
+            st["Y"] = st["Y"] + self.rekey(gt["rho"]["O"].to(self.R)[:, :, None, None, None] * Y0, pa, pb, L)
+        if t["has_S"]:
+            st["S"] = local["S"][srows]
+        if t["has_P"]:
+            st["P"] = local["P"][srows]
+        return self.constant_map(st, L)
+
+    # -- gla, loglinear: rerun from the carry ------------------------------------------------
+
+    def _rerun(self, carry):
         if self.T == 0:
-            return self._empty_result(carry, L)
-        init = self._local_init(carry, zero_carry=False)
-        o, final = _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
-                            cu_seqlens=self._local_cu(), initial_state=init,
-                            output_final_state=self.want_final, final_slots=self._final_slots(),
-                            **self._call_opts())
-        return o, final
+            return self._empty_result(carry)
+        rs = self.row_states(carry)
+        init = None if rs is None else self.to_library(rs[1], rs[0], rs[1]["Y"].shape[2])
+        return _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
+                        cu_seqlens=self._local_cu(), initial_state=init,
+                        output_final_state=self.want_final, final_slots=self._final_slots(),
+                        **self._call_opts())
+
+    # -- hla2, ahla, hla3 and log-linear versions: the primitives, each called once ------------
+
+    def _inner_local(self) -> Optional[dict]:
+        """The inner primitives over the local rows, a continuing first piece from a zero carry:
+        U = GLA_gS(q^, K, K) (u_j = S_j q^_j) and/or H = GLA_gP(q^, K, V') (h_j = P_j^T q^_j),
+        [B, T, H, dk] / [B, T, H, dv'], and the inner final states S [N, H, dk, dk], P."""
+        if self.T == 0:
+            return None
+        t, R = self.t, self.R
+        kh, vp = self.heads(self.k).to(R), self.values(self.v)
+        q, k = self.q.to(R), self.k.to(R)
+        rs = self.row_states(None)
+        init = None
+        if rs is not None and self.init is not None:   # else every inner state starts at zero
+            init = {key: x for key, x in rs[1].items() if key in ("S", "P")}
+        opts = dict(cu_seqlens=self._local_cu(), output_final_state=True, scale=self.scale,
+                    form="chunk", chunk=self.opts["chunk"], check_values=self.opts["check_values"])
+        zpos = torch.zeros(self.local_n, dtype=torch.int64, device=self.q.device)
+        g = self.g
+        out = {}
+        if t["has_S"] and t["has_P"] and (g is None or g.dim() == 3 or g.shape[-1] == 1):
+            # tied gates: U and H in one call on [K | V'] (state [S | P])
+            st = None if init is None else State(zpos, None, None, torch.cat([init["S"], init["P"]], -1))
+            o, fin = _forward("gla", q, k, torch.cat([kh, vp], -1), self.gate(g, "S"), initial_state=st, **opts)
+            out.update(U=o[..., :self.dk], H=o[..., self.dk:], S=fin.H[..., :self.dk], P=fin.H[..., self.dk:])
+            return out
+        if t["has_S"]:
+            st = None if init is None else State(zpos, None, None, init["S"])
+            out["U"], fin = _forward("gla", q, k, kh, self.gate(g, "S"), initial_state=st, **opts)
+            out["S"] = fin.H
+        if t["has_P"]:
+            st = None if init is None else State(zpos, None, None, init["P"])
+            out["H"], fin = _forward("gla", q, k, vp, self.gate(g, "P"), initial_state=st, **opts)
+            out["P"] = fin.H
+        return out
+
+    def outer_inputs(self, inner: dict, rows: Tuple[int, int]):
+        """(key, value, U, H) of the outer primitive over time rows: hla2 (U + ridge q^, V'),
+        ahla (K, H), hla3 (U, H)."""
+        U = inner["U"][:, rows[0]:rows[1]] if "U" in inner else None
+        Hv = inner["H"][:, rows[0]:rows[1]] if "H" in inner else None
+        if U is not None:
+            key = U + self.opts["ridge"] * self.scaled_q(rows) if self.opts["ridge"] else U
+        else:
+            key = self.heads(self.k[:, rows[0]:rows[1]]).to(self.R)
+        val = Hv if Hv is not None else self.values(self.v[:, rows[0]:rows[1]])
+        return key, val, U, Hv
+
+    def _composite_finish(self, inner: Optional[dict], carry):
+        """Adds the carry-in to the inner outputs of the first piece (u_j += e^{bS_j} S_in q^_j,
+        h_j += e^{bP_j} P_in^T q^_j) and to its inner final states (rho S_in + S_X), then runs the
+        outer primitive (gla, or loglinear with lam) over the local rows from the outer carry-in
+        Y_in: o = GLA_gO(q^, key, value; Y_in); with normalize, o = num / (den + eps)."""
+        if self.T == 0:
+            return self._empty_result(carry)
+        t, R = self.t, self.R
+        inner = dict(inner)
+        if carry is not None:
+            n1, srows = self.first_rows()
+            p = self.pieces[0]
+            gt = self.piece_gates(p, (0, n1))
+            qh = self.scaled_q((0, n1))
+            for name, role, st in (("U", "S", "S"), ("H", "P", "P")):
+                if name not in inner:
+                    continue
+                c = torch.exp(gt["cum"][role]).to(R)[..., None]             # [rows, n1, H, 1]
+                add = c * torch.einsum("bthk,bhkj->bthj", qh, carry[st])     # e^{b} q^^T X_in
+                x = inner[name]
+                inner[name] = torch.cat([x[:, :n1] + add, x[:, n1:]], 1) if n1 < self.T else x + add
+                fin = inner[st]
+                upd = gt["rho"][role].to(R)[:, :, None, None] * carry[st] + fin[:len(srows)]
+                inner[st] = torch.cat([upd, fin[len(srows):]]) if fin.shape[0] > len(srows) else upd
+        key, val, _, _ = self.outer_inputs(inner, (0, self.T))
+        rs = self.row_states(carry)
+        init = None
+        if rs is not None:
+            Y = rs[1]["Y"] if t["loglinear"] else rs[1]["Y"][:, :, 0]
+            init = State(torch.tensor(rs[0], dtype=torch.int64, device=self.q.device), None, None, Y)
+        outer = "loglinear" if t["loglinear"] else "gla"
+        o, fin = _forward(outer, self.heads(self.q).to(R), key, val, self.gate(self.g, "O"), lam=self.lam,
+                          cu_seqlens=self._local_cu(), initial_state=init,
+                          output_final_state=self.want_final, final_slots=self._final_slots(),
+                          **self._call_opts(normalize=False, ridge=0.0, scale=self.scale))
+        if self.normalize:   # [num | den] = the operator on [V | 1]
+            o = o[..., :self.dv] / (o[..., self.dv:] + self.opts["eps"])
+        o = o.to(self.v.dtype)
+        if not self.want_final:
+            return o, None
+        return o, State(fin.pos, _pack(inner["S"]) if t["has_S"] else None, inner.get("P"), fin.H)
 
     # -- gdn, loglinear_gdn: local call from a zero carry, then the carry's linear contribution --
 
     def _delta_local(self) -> dict:
-        """The local call with a zero carry, and for a continuing first piece the transition
-        M = A_end ... A_start and the effective queries q~_t = (A_t ... A_start)^T q^_t, from a gdn
-        call with v = 0 and initial state I (its outputs and final state)."""
+        """The local call with a zero carry for a continuing first piece and, for that piece, the
+        transition M = A_e ... A_s [dk, dk] and the effective queries q~_t = (A_t ... A_s)^T q^_t
+        [n1, dk] (A_t = a_t (I - beta_t k_t k_t^T)): the outputs and the final state of a call from
+        the initial state I with v = 0. gdn does both in one call on [V | 0] from [H_0 | I];
+        loglinear_gdn (whose levels are read with different lam) with a second, gdn, call."""
         run = {}
+        cont = bool(self.geo.carry_chain(self.geo.rank))
         if self.T == 0:
-            run["o"] = None
-            run["final"] = None
-            if self.geo.carry_chain(self.geo.rank):  # an empty piece inside a sequence: identity
+            if cont:  # an empty piece inside a sequence: the identity map
                 eye = torch.eye(self.dk, dtype=self.R, device=self.q.device)
                 run["map"] = (eye.expand(self.Bs, self.Hh, self.dk, self.dk),
                               self.q.new_zeros(self.Bs, self.Hh, 1, self.dk, self.dv, dtype=self.R))
             return run
-        init = self._local_init(None, zero_carry=True)
-        o, final = _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
-                            cu_seqlens=self._local_cu(), initial_state=init,
-                            output_final_state=True, final_slots=self._final_slots(),
-                            **self._call_opts())
+        rs = self.row_states(None)
+        eye = torch.eye(self.dk, dtype=self.R, device=self.q.device).expand(self.Bs, self.Hh, self.dk, self.dk)
+        n1 = self.first_rows()[0] if cont else 0
+        if cont and not self.t["loglinear"]:
+            pos, st = rs
+            H0 = st["Y"][:, :, 0]                                                      # [N, H, dk, dv]
+            E = torch.cat([eye, eye.new_zeros((self.local_n - self.Bs,) + eye.shape[1:])])
+            init = State(torch.tensor(pos, dtype=torch.int64, device=self.q.device), None, None,
+                         torch.cat([H0, E], -1))
+            v = torch.cat([self.v, self.v.new_zeros(self.v.shape[:3] + (self.dk,))], -1)
+            o, fin = _forward("gdn", self.q, self.k, v, self.g, beta=self.beta, cu_seqlens=self._local_cu(),
+                              initial_state=init, output_final_state=True, **self._call_opts())
+            run["qt"] = o[:, :n1, :, self.dv:].to(self.R)
+            run["M"] = fin.H[:self.Bs, :, :, self.dv:].to(self.R)
+            o, final = o[..., :self.dv], State(fin.pos, None, None, fin.H[..., :self.dv])
+        else:
+            init = None if rs is None else self.to_library(rs[1], rs[0], rs[1]["Y"].shape[2])
+            o, final = _forward(self.op, self.q, self.k, self.v, self.g, lam=self.lam, beta=self.beta,
+                                cu_seqlens=self._local_cu(), initial_state=init, output_final_state=True,
+                                final_slots=self._final_slots(), **self._call_opts())
+            if cont:
+                q, k = self.q[:, :n1].to(self.R), self.k[:, :n1].to(self.R)
+                st = State(torch.zeros(self.Bs, dtype=torch.int64, device=self.q.device), None, None,
+                           eye.contiguous())
+                qt, fin = _forward("gdn", q, k, q.new_zeros(q.shape[:2] + (self.Hh, self.dk)),
+                                   None if self.g is None else self.g[:, :n1], beta=self.beta[:, :n1],
+                                   initial_state=st, output_final_state=True,
+                                   **self._call_opts(form="chunk"))
+                run["qt"], run["M"] = qt, fin.H
         run["o"], run["final"] = o, final
-        last = self.Bs if self.dense else 1
-        run["last_state"] = self.from_library(final, list(range(self.local_n - last, self.local_n)))["Y"]
-        if self.geo.carry_chain(self.geo.rank):
-            p = self.pieces[0]
-            q, k, g, beta = (self.rows(x, p) for x in (self.q, self.k, self.g, self.beta))
-            q, k = q.to(self.R), k.to(self.R)
-            eye = torch.eye(self.dk, dtype=self.R, device=self.q.device)
-            st = State(torch.zeros(self.Bs, dtype=torch.int64, device=self.q.device), None, None,
-                       eye.expand(self.Bs, self.Hh, self.dk, self.dk).contiguous())
-            zeros = q.new_zeros(q.shape[:2] + (self.Hh, self.dk))
-            qt, fin = _forward("gdn", q, k, zeros, g, beta=beta, initial_state=st,
-                               output_final_state=True, form="chunk", chunk=self.opts["chunk"],
-                               scale=self.opts["scale"], qk_l2norm=self.opts["qk_l2norm"],
-                               check_values=self.opts["check_values"])
-            run["qt"], run["M"] = qt.to(self.R), fin.H.to(self.R)
-            first = self.from_library(final, list(range(self.Bs)))["Y"]
-            run["map"] = (run["M"], first)
+        _, last = self.last_rows()
+        run["last_state"] = self.from_library(final, last)["Y"]
+        if cont:
+            run["map"] = (run["M"], self.from_library(final, list(range(self.Bs)))["Y"])
         return run
 
-    def _delta_finish(self, run, carry, L):
+    def _delta_finish(self, run, carry):
         if self.T == 0:
-            return self._empty_result(carry, L)
+            return self._empty_result(carry)
         o, final = run["o"], run["final"]
         if carry is None:
             return o, (final if self.want_final else None)
