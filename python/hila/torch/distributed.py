@@ -17,10 +17,12 @@ Protocol of one call (all ranks):
 2. **Exchange.** One ``all_gather`` of the fixed-size summaries (plus two status flags).
 3. **Fold.** Each rank applies the maps of the earlier ranks holding its first sequence, in order,
    and gets the state at its first row (the carry-in).
-4. **Finish.** hla2, ahla, hla3, gla, loglinear and loglinear_hla2/ahla/hla3 rerun the local call
-   from the carry-in. gdn and loglinear_gdn ran the local call from a zero carry in step 1, with a
-   second call for the transition and the effective queries of the first piece; they add the
-   carry-in's contribution (linear in it) to the outputs and states.
+4. **Finish.** gla and loglinear rerun the local call from the carry-in. The HLA family calls its
+   primitives itself, each once: the inner ones (from a zero carry) ran in step 1; the carry's
+   term is added to their outputs and states, and the outer primitive runs from the outer carry.
+   gdn and loglinear_gdn ran the local call from a zero carry in step 1, together with the
+   transition and the effective queries of the first piece; they add the carry's contribution
+   (linear in it) to the outputs and states.
 
 Every step is a differentiable torch operation or a differentiable hila custom op, and the exchange
 is an autograd function whose backward is the mirror collective (a reduce-scatter of the
@@ -358,7 +360,10 @@ class _Exchange(torch.autograd.Function):
         ctx.n_anchors = len(anchors)
         _, world = _group_info(group)
         out = msg.new_empty(world * msg.numel())
-        dist.all_gather_into_tensor(out, msg.contiguous(), group=group)
+        try:
+            dist.all_gather_into_tensor(out, msg.contiguous(), group=group)
+        except (RuntimeError, NotImplementedError, ValueError):  # backends without it
+            dist.all_gather(list(out.view(world, -1).unbind(0)), msg.contiguous(), group=group)
         return out.view(world, msg.numel())
 
     @staticmethod
