@@ -31,7 +31,7 @@ import hila.torch as ht  # noqa: E402
 from hila.torch import distributed as hd  # noqa: E402
 
 OPS = hila.OPS
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CHUNK = 4
 H, G, DK, DV = 2, 1, 3, 4
 
@@ -232,6 +232,11 @@ def _option_cases(world):
         ("loglinear_gdn-grad-init-only", "loglinear_gdn", dict(dtype=f64, n0=[5, 9], grads=("init",)),
          geo["dense"][1], {}),
         ("ahla-no-grad", "ahla", dict(dtype=f64, grads=()), geo["dense"][0], {}),
+        # bfloat16 inputs (states and sums in float32): the rounding of the outputs only
+        ("hla3-bf16-varlen", "hla3", dict(dtype=torch.bfloat16, cu=geo["cu"]), geo["varlen"], {}),
+        ("gdn-bf16", "gdn", dict(dtype=torch.bfloat16, n0=[3, 5]), geo["dense"][0], {}),
+        ("loglinear_gdn-bf16", "loglinear_gdn", dict(dtype=torch.bfloat16), geo["dense"][0], {}),
+        ("loglinear_hla2-bf16", "loglinear_hla2", dict(dtype=torch.bfloat16), geo["dense"][1], {}),
     ]
 
 
@@ -285,7 +290,8 @@ def _layer_cases(group, lens, cu):
             layer.zero_grad()
             a = sum(lens[:rank])
             xl = x[:, a:a + lens[rank]].clone().requires_grad_()
-            yl, _ = layer(xl, cu_seqlens=cuq, cp_group=group, cp_shard_lens=lens)
+            # hla2-conv gathers the shard lengths itself (cp_shard_lens=None)
+            yl, _ = layer(xl, cu_seqlens=cuq, cp_group=group, cp_shard_lens=None if name == "hla2-conv" else lens)
             (yl * w[:, a:a + lens[rank]]).sum().backward()
             key = f"{name}-{'packed' if packed else 'dense'}"
             errs[f"{key}.y"] = _err(yl.detach(), y.detach()[:, a:a + lens[rank]], y.detach())
