@@ -195,9 +195,12 @@ def plot(rows, path):
         for r in rows:
             if r["mode"] == mode and not math.isnan(r[key]):
                 curves.setdefault((r["op"], r["direction"]), []).append((r["world"], r[key]))
-        for (op, d), pts in sorted(curves.items()):
+        ops = sorted({op for op, _ in curves})
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for (op, d), pts in sorted(curves.items()):   # colour: operator; line: direction
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} {d}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[ops.index(op) % len(colors)],
+                    linestyle="-" if d == "fwd" else ":", label=f"{op} {d}")
         ws = sorted({r["world"] for r in rows})
         if ws:
             ax.plot(ws, ws if mode == "strong" else [1] * len(ws), "k--", lw=0.8, label="ideal")

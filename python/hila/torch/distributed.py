@@ -523,7 +523,7 @@ class _Call:
         return x if self.G == self.Hh else x.index_select(2, self.head_group)
 
     def values(self, v: Tensor) -> Tensor:
-        v = v.to(self.R)
+        """V' = [V | 1] with normalize (the denominator column), else V; v's dtype."""
         return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], -1) if self.normalize else v
 
     # -- state conversions -------------------------------------------------------------------
@@ -665,6 +665,7 @@ class _Call:
         ahla: R = sum w e^{bP} k q^^T; hla3: Phi = sum w e^{bS} q^ h^T, Psi = sum w e^{bP} u q^^T,
         Omega = sum w e^{bS + bP} q^ q^^T (key, val, U, Hv: the rows of the piece, zero carry)."""
         t, R = self.t, self.R
+        key, val, U, Hv = (None if x is None else x.to(R) for x in (key, val, U, Hv))
         pa, pb = self.abs_range(piece)
         gt = self.piece_gates(piece, rows)
         w = gt["w"]
@@ -680,7 +681,7 @@ class _Call:
             mp["Psi"] = self.level_sum(U, qh, (w * cP).to(R), pa, pb, L)
             mp["Omega"] = _pack(self.level_sum(qh, qh, (w * cS * cP).to(R), pa, pb, L))
         elif t["has_S"]:
-            mp["Z"] = self.level_sum(qh, self.values(self.v[:, rows[0]:rows[1]]), (w * cS).to(R), pa, pb, L)
+            mp["Z"] = self.level_sum(qh, self.values(self.v[:, rows[0]:rows[1]]).to(R), (w * cS).to(R), pa, pb, L)
         else:
             mp["R"] = self.level_sum(self.heads(self.k[:, rows[0]:rows[1]]).to(R), qh, (w * cP).to(R),
                                      pa, pb, L)
@@ -881,7 +882,7 @@ class _Call:
         if t["has_S"] or t["has_P"]:
             key, val, U, Hv = self.outer_inputs(local, rows)
         else:
-            key, val, U, Hv = self.heads(self.k[:, rows[0]:rows[1]]).to(self.R), \
+            key, val, U, Hv = self.heads(self.k[:, rows[0]:rows[1]]), \
                 self.values(self.v[:, rows[0]:rows[1]]), None, None
         if not constant:
             mp = self.map_parts(piece, rows, key, val, U, Hv, L)
@@ -894,7 +895,7 @@ class _Call:
         # hold the initial state; the outer initial state decays and is re-keyed to the end.
         pa, pb = self.abs_range(piece)
         gt = self.piece_gates(piece, rows)
-        st = {"Y": self.level_sum(key, val, gt["w"].to(self.R), pa, pb, L)}
+        st = {"Y": self.level_sum(key.to(self.R), val.to(self.R), gt["w"].to(self.R), pa, pb, L)}
         if self.init is not None:
             Y0 = self.from_library(self.init, None if piece.seq is None else [piece.seq])["Y"]
             st["Y"] = st["Y"] + self.rekey(gt["rho"]["O"].to(self.R)[:, :, None, None, None] * Y0, pa, pb, L)
@@ -921,12 +922,12 @@ class _Call:
     def _inner_local(self) -> Optional[dict]:
         """The inner primitives over the local rows, a continuing first piece from a zero carry:
         U = GLA_gS(q^, K, K) (u_j = S_j q^_j) and/or H = GLA_gP(q^, K, V') (h_j = P_j^T q^_j),
-        [B, T, H, dk] / [B, T, H, dv'], and the inner final states S [N, H, dk, dk], P."""
+        [B, T, H, dk] / [B, T, H, dv'] in the inputs' dtype (as the operator keeps them), and the
+        inner final states S [N, H, dk, dk], P (state dtype)."""
         if self.T == 0:
             return None
-        t, R = self.t, self.R
-        kh, vp = self.heads(self.k).to(R), self.values(self.v)
-        q, k = self.q.to(R), self.k.to(R)
+        t = self.t
+        q, k, kh, vp = self.q, self.k, self.heads(self.k), self.values(self.v)   # the inputs' dtype
         rs = self.row_states(None)
         init = None
         if rs is not None and self.init is not None:   # else every inner state starts at zero
@@ -958,9 +959,10 @@ class _Call:
         U = inner["U"][:, rows[0]:rows[1]] if "U" in inner else None
         Hv = inner["H"][:, rows[0]:rows[1]] if "H" in inner else None
         if U is not None:
-            key = U + self.opts["ridge"] * self.scaled_q(rows) if self.opts["ridge"] else U
+            key = ((U.to(self.R) + self.opts["ridge"] * self.scaled_q(rows)).to(U.dtype)
+                   if self.opts["ridge"] else U)
         else:
-            key = self.heads(self.k[:, rows[0]:rows[1]]).to(self.R)
+            key = self.heads(self.k[:, rows[0]:rows[1]])
         val = Hv if Hv is not None else self.values(self.v[:, rows[0]:rows[1]])
         return key, val, U, Hv
 
@@ -984,7 +986,8 @@ class _Call:
                 c = torch.exp(gt["cum"][role]).to(R)[..., None]             # [rows, n1, H, 1]
                 add = c * torch.einsum("bthk,bhkj->bthj", qh, carry[st])     # e^{b} q^^T X_in
                 x = inner[name]
-                inner[name] = torch.cat([x[:, :n1] + add, x[:, n1:]], 1) if n1 < self.T else x + add
+                x1 = (x[:, :n1].to(R) + add).to(x.dtype)
+                inner[name] = torch.cat([x1, x[:, n1:]], 1) if n1 < self.T else x1
                 fin = inner[st]
                 upd = gt["rho"][role].to(R)[:, :, None, None] * carry[st] + fin[:len(srows)]
                 inner[st] = torch.cat([upd, fin[len(srows):]]) if fin.shape[0] > len(srows) else upd
@@ -995,13 +998,13 @@ class _Call:
             Y = rs[1]["Y"] if t["loglinear"] else rs[1]["Y"][:, :, 0]
             init = State(torch.tensor(rs[0], dtype=torch.int64, device=self.q.device), None, None, Y)
         outer = "loglinear" if t["loglinear"] else "gla"
-        o, fin = _forward(outer, self.heads(self.q).to(R), key, val, self.gate(self.g, "O"), lam=self.lam,
+        o, fin = _forward(outer, self.heads(self.q), key, val, self.gate(self.g, "O"), lam=self.lam,
                           cu_seqlens=self._local_cu(), initial_state=init,
                           output_final_state=self.want_final, final_slots=self._final_slots(),
                           **self._call_opts(normalize=False, ridge=0.0, scale=self.scale))
         if self.normalize:   # [num | den] = the operator on [V | 1]
-            o = o[..., :self.dv] / (o[..., self.dv:] + self.opts["eps"])
-        o = o.to(self.v.dtype)
+            o = o.to(R)
+            o = (o[..., :self.dv] / (o[..., self.dv:] + self.opts["eps"])).to(self.v.dtype)
         if not self.want_final:
             return o, None
         return o, State(fin.pos, _pack(inner["S"]) if t["has_S"] else None, inner.get("P"), fin.H)
@@ -1043,14 +1046,14 @@ class _Call:
                                 cu_seqlens=self._local_cu(), initial_state=init, output_final_state=True,
                                 final_slots=self._final_slots(), **self._call_opts())
             if cont:
-                q, k = self.q[:, :n1].to(self.R), self.k[:, :n1].to(self.R)
+                q, k = self.q[:, :n1], self.k[:, :n1]
                 st = State(torch.zeros(self.Bs, dtype=torch.int64, device=self.q.device), None, None,
                            eye.contiguous())
-                qt, fin = _forward("gdn", q, k, q.new_zeros(q.shape[:2] + (self.Hh, self.dk)),
+                qt, fin = _forward("gdn", q, k, self.v.new_zeros(q.shape[:2] + (self.Hh, self.dk)),
                                    None if self.g is None else self.g[:, :n1], beta=self.beta[:, :n1],
                                    initial_state=st, output_final_state=True,
                                    **self._call_opts(form="chunk"))
-                run["qt"], run["M"] = qt, fin.H
+                run["qt"], run["M"] = qt.to(self.R), fin.H
         run["o"], run["final"] = o, final
         _, last = self.last_rows()
         run["last_state"] = self.from_library(final, last)["Y"]
