@@ -26,6 +26,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("this torch build has no torch.distributed with gloo", allow_module_level=True)
+
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from hila.torch import distributed as hd  # noqa: E402
@@ -205,8 +208,8 @@ def _operator_cases(world):
         n0_dense = [5, 13] if t["loglinear"] else [3, 6]
         for dtype in (torch.float64, torch.float32):
             cases.append((f"{op}-dense-{dtype}", op, dict(dtype=dtype), geo["dense"][0], {}))
-            cases.append((f"{op}-varlen-init-{dtype}", op, dict(dtype=dtype, cu=geo["cu"], n0=[0, 9, 2, 17, 1][:len(geo["cu"]) - 1]),
-                          geo["varlen"], {}))
+            n0 = [0, 9, 2, 17, 1][:len(geo["cu"]) - 1]
+            cases.append((f"{op}-varlen-init-{dtype}", op, dict(dtype=dtype, cu=geo["cu"], n0=n0), geo["varlen"], {}))
         cases.append((f"{op}-dense-init-untied", op, dict(dtype=torch.float64, n0=n0_dense,
                                                          untied=t["hla_family"]), geo["dense"][1], {}))
         cases.append((f"{op}-varlen-noinit", op, dict(dtype=torch.float64, cu=geo["cu"]), geo["varlen"], {}))
@@ -218,14 +221,16 @@ def _option_cases(world):
     f64 = torch.float64
     return [
         ("hla2-normalize", "hla2", dict(dtype=f64, normalize=True), geo["dense"][0], dict(normalize=True)),
-        ("hla3-normalize-varlen", "hla3", dict(dtype=f64, normalize=True, cu=geo["cu"]), geo["varlen"], dict(normalize=True)),
+        ("hla3-normalize-varlen", "hla3", dict(dtype=f64, normalize=True, cu=geo["cu"]), geo["varlen"],
+         dict(normalize=True)),
         ("loglinear_ahla-normalize", "loglinear_ahla", dict(dtype=f64, normalize=True, n0=[3, 12]), geo["dense"][0],
          dict(normalize=True)),
         ("hla2-ridge", "hla2", dict(dtype=f64, n0=[2, 7]), geo["dense"][0], dict(ridge=0.3)),
-        ("loglinear_hla2-ridge-varlen", "loglinear_hla2", dict(dtype=f64, cu=geo["cu"]), geo["varlen"], dict(ridge=0.3)),
+        ("loglinear_hla2-ridge-varlen", "loglinear_hla2", dict(dtype=f64, cu=geo["cu"]), geo["varlen"],
+         dict(ridge=0.3)),
         ("gdn-l2norm", "gdn", dict(dtype=f64), geo["dense"][1], dict(qk_l2norm=True, scale=0.7)),
-        ("loglinear_gdn-l2norm-varlen", "loglinear_gdn", dict(dtype=f64, cu=geo["cu"], n0=[4, 0, 6, 11, 3][:len(geo["cu"]) - 1]),
-         geo["varlen"], dict(qk_l2norm=True)),
+        ("loglinear_gdn-l2norm-varlen", "loglinear_gdn",
+         dict(dtype=f64, cu=geo["cu"], n0=[4, 0, 6, 11, 3][:len(geo["cu"]) - 1]), geo["varlen"], dict(qk_l2norm=True)),
         ("loglinear-scan-form", "loglinear", dict(dtype=f64, n0=[7, 1]), geo["dense"][0], dict(form="scan")),
         # only some inputs need a gradient (no rank may wait for another in the backward)
         ("hla3-grad-v-only", "hla3", dict(dtype=f64, grads=("v",)), geo["dense"][0], {}),
@@ -394,7 +399,8 @@ def test_sharded_equals_single_process(world):
     n = sum(len(c["errs"]) for r in results for c in r["cases"].values())
     worst = max((e, f"{name} {q}") for r in results for name, c in r["cases"].items() for q, e in c["errs"].items()
                 if c["tol"] == 1e-10)
-    print(f"{world} ranks: {len(results[0]['cases'])} cases, {n} comparisons; worst float64 {worst[0]:.1e} ({worst[1]})")
+    print(f"{world} ranks: {len(results[0]['cases'])} cases, {n} comparisons; "
+          f"worst float64 {worst[0]:.1e} ({worst[1]})")
     assert len(results[0]["cases"]) == len(_operator_cases(world)) + len(_option_cases(world))
     assert not bad, "\n".join(bad)
 

@@ -73,7 +73,10 @@ class _Call:
         self.decode = state is not None and cu_seqlens is None and x.shape[1] == 1
         self.conv_caches = []
         prev = state.max_position if state is not None else 0
-        span = (x.shape[1] if self.cp is None else sum(self.cp["shard_lens"])) if cu_seqlens is None else max_seqlen
+        if cu_seqlens is not None:
+            span = max_seqlen
+        else:  # with cp_group, the whole sequence over the ranks
+            span = x.shape[1] if self.cp is None else sum(self.cp["shard_lens"])
         if span is None and not torch.compiler.is_compiling():
             span = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
         # Under torch.compile without max_seqlen the bound is unknown: the operator still refuses
