@@ -225,7 +225,7 @@ def _option_cases(world):
          dict(normalize=True)),
         ("loglinear_ahla-normalize", "loglinear_ahla", dict(dtype=f64, normalize=True, n0=[3, 12]), geo["dense"][0],
          dict(normalize=True)),
-        ("hla2-ridge", "hla2", dict(dtype=f64, n0=[2, 7]), geo["dense"][0], dict(ridge=0.3)),
+        ("hla2-ridge-scale", "hla2", dict(dtype=f64, n0=[2, 7]), geo["dense"][0], dict(ridge=0.3, scale=0.8)),
         ("loglinear_hla2-ridge-varlen", "loglinear_hla2", dict(dtype=f64, cu=geo["cu"]), geo["varlen"],
          dict(ridge=0.3)),
         ("gdn-l2norm", "gdn", dict(dtype=f64), geo["dense"][1], dict(qk_l2norm=True, scale=0.7)),
