@@ -340,8 +340,10 @@ def _reduce_scatter_sum(grad: Tensor, group) -> Tensor:
     out = grad.new_empty(grad.shape[1:])
     try:
         dist.reduce_scatter_tensor(out, grad.contiguous().view(-1), group=group)
-    except (RuntimeError, NotImplementedError, ValueError):  # backends without reduce_scatter
-        total = grad.contiguous().clone()
+    except (RuntimeError, NotImplementedError, ValueError):
+        if dist.get_backend(group) == "nccl":
+            raise
+        total = grad.contiguous().clone()   # an older gloo without reduce_scatter
         dist.all_reduce(total, group=group)
         out = total[rank]
     return out
@@ -362,7 +364,9 @@ class _Exchange(torch.autograd.Function):
         out = msg.new_empty(world * msg.numel())
         try:
             dist.all_gather_into_tensor(out, msg.contiguous(), group=group)
-        except (RuntimeError, NotImplementedError, ValueError):  # backends without it
+        except (RuntimeError, NotImplementedError, ValueError):
+            if dist.get_backend(group) == "nccl":
+                raise
             dist.all_gather(list(out.view(world, -1).unbind(0)), msg.contiguous(), group=group)
         return out.view(world, msg.numel())
 
