@@ -12,6 +12,9 @@ the layers with ``cp_group`` (short-convolution halo, parameter gradients).
 
 One process group per world size runs every case (spawning is the slow part); each rank writes
 its errors to a JSON file that the test then checks.
+
+On a machine with 4 GPUs, ``HILA_TEST_CP_DEVICE=cuda`` runs the same cases with NCCL, one GPU per
+rank (chunk size 64, which the CUDA backend takes for every operator).
 """
 import json
 import os
@@ -35,7 +38,9 @@ from hila.torch import distributed as hd  # noqa: E402
 
 OPS = hila.OPS
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
-CHUNK = 4
+CUDA = os.environ.get("HILA_TEST_CP_DEVICE", "cpu") == "cuda"
+CHUNK = 64 if CUDA else 4
+DEVICE = ["cpu"]  # this rank's device (set by the worker)
 H, G, DK, DV = 2, 1, 3, 4
 
 # (shard lengths, global cu_seqlens of the packed configuration) per world size. 2: unequal
@@ -88,7 +93,7 @@ def _problem(op, *, seed, dtype, T=30, B=2, cu=None, n0=None, untied=False, norm
     x = {k: v.to(dtype) for k, v in x.items()}
     init = None if init is None else [init[0]] + [None if p is None else p.to(
         torch.float64 if dtype == torch.float64 else torch.float32) for p in init[1:]]
-    o_w = r(B, T, H, DV).to(dtype)
+    o_w = r(B, T, H, DV).to(dtype).to(DEVICE[0])
     return dict(op=op, x=x, init=init, cu=cu, o_w=o_w, gen=gen, normalize=normalize, grads=grads,
                 seq_lens=lens, dtype=dtype)
 
@@ -96,18 +101,20 @@ def _problem(op, *, seed, dtype, T=30, B=2, cu=None, n0=None, untied=False, norm
 def _leaves(p, rows=None):
     """Fresh leaf tensors of the problem (rows: this rank's slice of T)."""
     sl = (lambda v: v) if rows is None else (lambda v: v[:, rows[0]:rows[1]])
-    xs = {k: sl(v).clone().requires_grad_(k in p["grads"]) for k, v in p["x"].items()}
+    dev = DEVICE[0]
+    xs = {k: sl(v).to(dev, copy=True).requires_grad_(k in p["grads"]) for k, v in p["x"].items()}
     init = None
     if p["init"] is not None:
-        init = hila.State(p["init"][0].clone(), *(None if s is None else s.clone().requires_grad_("init" in p["grads"])
-                                                  for s in p["init"][1:]))
+        init = hila.State(p["init"][0].to(dev, copy=True),
+                          *(None if s is None else s.to(dev, copy=True).requires_grad_("init" in p["grads"])
+                            for s in p["init"][1:]))
     return xs, init
 
 
 def _final_weights(p, fin):
     """Weights of the final-state term of the loss (one tensor per float part, fixed by the seed)."""
     gen = torch.Generator().manual_seed(1234)
-    return [None if s is None else torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
+    return [None if s is None else torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.device, s.dtype)
             for s in fin[1:]]
 
 
@@ -119,7 +126,7 @@ def _pad_slots(h, slots):
 
 def _reference(p, opts):
     xs, init = _leaves(p)
-    cu = None if p["cu"] is None else torch.tensor(p["cu"])
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], device=DEVICE[0])
     o, fin = ht.forward(p["op"], xs["q"], xs["k"], xs["v"], xs["g"], lam=xs.get("lam"), beta=xs.get("beta"),
                         cu_seqlens=cu, initial_state=init, output_final_state=True, chunk=CHUNK, **opts)
     loss = (o * p["o_w"]).sum()
@@ -156,7 +163,7 @@ def _sharded_vs_reference(p, lens, opts, group):
     ref = _reference(p, opts)
     a = sum(lens[:rank])
     xs, init = _leaves(p, (a, a + lens[rank]))
-    cu = None if p["cu"] is None else torch.tensor(p["cu"])
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], device=DEVICE[0])
     o, fin = hd.forward(p["op"], xs["q"], xs["k"], xs["v"], xs["g"], lam=xs.get("lam"), beta=xs.get("beta"),
                         cu_seqlens=cu, initial_state=init, output_final_state=True, group=group,
                         shard_lens=lens, chunk=CHUNK, **opts)
@@ -283,11 +290,12 @@ def _layer_cases(group, lens, cu):
     for name, make in makers.items():
         for packed in (False, True):
             torch.manual_seed(0)
-            layer = make().double()
+            layer = make().double().to(DEVICE[0])
             T = sum(lens)
-            x = torch.randn(1 if packed else 2, T, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-            w = torch.randn(x.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-            cuq = torch.tensor(cu) if packed else None
+            x = torch.randn(1 if packed else 2, T, D, generator=torch.Generator().manual_seed(7),
+                            dtype=torch.float64).to(DEVICE[0])
+            w = torch.randn(x.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(DEVICE[0])
+            cuq = torch.tensor(cu, device=DEVICE[0]) if packed else None
             xr = x.clone().requires_grad_()
             y, _ = layer(xr, cu_seqlens=cuq)
             (y * w).sum().backward()
@@ -344,7 +352,11 @@ def _error_cases(group, lens):
 
 def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if CUDA:
+        DEVICE[0] = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE[0])
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     group = dist.group.WORLD
     result = {"cases": {}, "errors": []}
     try:
