@@ -24,6 +24,10 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
   state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
   int) spares log-linear layers a device read for their ``max_len`` check.
+* ``cp_group`` (a ``torch.distributed`` process group) shards the sequence dimension over its
+  ranks (context parallelism, :mod:`hila.torch.distributed`): each rank passes its rows of x (and
+  the global ``cu_seqlens``) and gets its rows of y. ``cp_shard_lens`` lists every rank's row
+  count (None: one small all_gather). No state or cache with it.
 
 Log-linear layers are built for ``max_len`` tokens: they have ``levels_needed(0, max_len)`` level
 weights and raise :class:`hila.HilaError` for longer sequences (never silently dropping levels).
@@ -38,6 +42,7 @@ from torch import Tensor, nn
 from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
+from . import distributed as _dist
 from .cache import LayerState
 from .modules import DecayGate, GatedRMSNorm, LevelWeights, ShortConvolution, at_least_f32
 from .ops import forward as _forward
@@ -54,7 +59,8 @@ class _Call:
     convolutions and the operator with their caches, and assembles the new LayerState."""
 
     def __init__(self, layer: "_Mixer", x: Tensor, state: Optional[LayerState],
-                 cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], use_cache: bool):
+                 cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], use_cache: bool,
+                 cp_group=None, cp_shard_lens=None):
         if cu_seqlens is not None and x.shape[0] != 1:
             raise HilaError("hila: argument 'x': expected batch size 1 with cu_seqlens (packed "
                             f"sequences along T), got {tuple(x.shape)}", "x")
@@ -64,10 +70,14 @@ class _Call:
                 raise HilaError(f"hila: argument 'state': expected a cache of the input's {got} "
                                 f"sequences, got one of {n}", "state")
         self.layer, self.state, self.cu, self.use_cache = layer, state, cu_seqlens, use_cache
+        self.cp = self._context_parallel(x, cp_group, cp_shard_lens)
         self.decode = state is not None and cu_seqlens is None and x.shape[1] == 1
         self.conv_caches = []
         prev = state.max_position if state is not None else 0
-        span = x.shape[1] if cu_seqlens is None else max_seqlen
+        if cu_seqlens is not None:
+            span = max_seqlen
+        else:  # with cp_group, the whole sequence over the ranks
+            span = x.shape[1] if self.cp is None else sum(self.cp["shard_lens"])
         if span is None and not torch.compiler.is_compiling():
             span = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
         # Under torch.compile without max_seqlen the bound is unknown: the operator still refuses
@@ -76,10 +86,22 @@ class _Call:
         if layer.levels is not None and self.end is not None:
             layer.levels.check(self.end)
 
+    def _context_parallel(self, x: Tensor, group, lens) -> Optional[dict]:
+        """The sharding of a context-parallel call (cp_group given), else None."""
+        if group is None:
+            return None
+        if self.state is not None or self.use_cache:
+            raise HilaError("hila: argument 'cp_group': a context-parallel call takes no state and "
+                            "returns no cache (state=None, use_cache=False)", "cp_group")
+        lens = _dist.shard_lens(x.shape[1], group, x.device) if lens is None else tuple(lens)
+        return dict(group=group, shard_lens=lens, cu_seqlens=self.cu)
+
     def conv(self, conv: Optional[ShortConvolution], x: Tensor) -> Tensor:
         """The next short convolution of the layer over x [B, T, C] (identity when None)."""
         if conv is None:
             return x
+        if self.cp is not None:  # the halo comes from the earlier ranks
+            return _dist.short_conv(conv, x, **self.cp)
         cache = self.state.conv[len(self.conv_caches)] if self.state is not None else None
         if self.decode:  # the new cache as a view of the step's window: see result()
             y, new = conv.step(x[:, 0], cache, copy=False)
@@ -114,6 +136,10 @@ class _Call:
                 self.recurrent = rec
             return o.unsqueeze(1)
         options.setdefault("check_values", layer.check_values)
+        if self.cp is not None:
+            o, _ = _dist.forward(layer.op, q, k, v, g, lam=lam, beta=beta, form=layer.form,
+                                 chunk=layer.chunk_size, **self.cp, **options)
+            return o
         o, self.recurrent = _forward(
             layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu,
             initial_state=self.state.recurrent if self.state is not None else None,
@@ -162,8 +188,9 @@ class _Mixer(nn.Module):
         # Fenwick capacity of the cached state: decoding up to max_len never reallocates.
         self.state_slots = _ops.state_slots(max_len) if self.levels is not None else 1
 
-    def _call(self, x, state, cu_seqlens, max_seqlen, use_cache) -> _Call:
-        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache)
+    def _call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group=None,
+              cp_shard_lens=None) -> _Call:
+        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
 
     def _qkv(self, call: _Call, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q, k [B, T, G, dk] and v [B, T, H, dv]: projection, short convolution, split into heads
@@ -241,9 +268,10 @@ class HLAAttention(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None,
+                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
         q, k, v = self._qkv(call, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -294,9 +322,10 @@ class LogLinearMamba2(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None,
+                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
         z, xBC, dt, dl = torch.split(self.in_proj(x), self.splits, dim=-1)
         xBC = call.conv(self.conv, xBC)
         xs, Bm, Cm = torch.split(xBC, (self.inner, self.n_groups * self.state_size,
@@ -348,9 +377,10 @@ class LogLinearGatedDeltaNet(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None,
+                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
         q, k, v = self._qkv(call, x)
         beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
         g, _ = self.gate(self.a_proj(x))
