@@ -214,14 +214,29 @@ def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_
 
 # ----------------------------------------------------------------------------- public API
 
+def _check_call(call: str, op, extra: tuple, **tensors) -> None:
+    """HilaError for an fla-style call without ``op``, extra positional arguments, or arrays that
+    are not torch tensors (before torch's schema check, whose message dumps the values)."""
+    _ops.check_op(op, call)
+    _ops.check_no_extra_positional(call, extra)
+    for name, x in tensors.items():
+        if x is not None and not isinstance(x, Tensor):
+            raise HilaError(f"hila: argument '{name}': expected a torch.Tensor ({call} runs the torch "
+                            f"custom ops; hila.{call.rsplit('.', 1)[1]} takes numpy and other DLPack "
+                            f"arrays), got {_ops._describe(x)}", name)
+
+
 def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
-                 init_pos: Optional[Tensor]) -> int:
+                 init_pos: Optional[Tensor], max_seqlen: Optional[int] = None) -> int:
     """Slots of a log-linear final state: exact when the shapes tell (dense, no initial state);
-    otherwise read from cu_seqlens / init_pos, which torch.compile cannot trace."""
+    ``state_slots(max_seqlen)`` for packed sequences without an initial state; otherwise read from
+    cu_seqlens (or its host copy) / init_pos, which torch.compile cannot trace."""
     if not _ops.op_traits(op)["loglinear"]:
         return 1
     if cu_seqlens is None and init_pos is None:
         return _ops.state_slots(T)
+    if init_pos is None and max_seqlen is not None:
+        return _ops.state_slots(int(max_seqlen))
     if torch.compiler.is_compiling():
         raise HilaError(
             "hila: argument 'final_slots': is required under torch.compile for a log-linear final "
@@ -235,13 +250,15 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
         return 1  # malformed inputs: the op reports them by name
 
 
-def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
+def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra,
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, initial_state: Optional[State] = None,
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
-            qk_l2norm: bool = False, check_values: bool = True) -> Tuple[Tensor, Optional[State]]:
+            qk_l2norm: bool = False, check_values: bool = True,
+            state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
+            max_seqlen: Optional[int] = None) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
 
     Shapes as in :func:`hila.forward`: q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or
@@ -249,14 +266,29 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     ``(o [B, T, H, dv], final_state or None)``.
 
     ``final_slots``: Fenwick slots of a log-linear final H. None: ``state_slots(T)`` for dense
-    input without initial state, else read from the data (pass it explicitly under torch.compile).
+    input without initial state, ``state_slots(max_seqlen)`` for packed input without initial
+    state, else read from the data (pass it explicitly under torch.compile).
+
+    ``initial_state`` may be a bare tensor ``[N, H, dk, dv]`` for ``gla`` and ``gdn`` (fla's
+    convention; positions 0). Serving hooks (docs/SERVING.md): ``state_indices`` (int32/int64 [N])
+    makes ``initial_state`` a state pool read at rows ``state_indices`` and written back there
+    (row -1: a padding sequence, neither read nor written); ``cu_seqlens_cpu`` (a host copy of
+    cu_seqlens) and ``max_seqlen`` spare the reads of cu_seqlens.
     """
-    init = initial_state if initial_state is not None else State(None, None, None, None)
-    if len(init) != 4:
-        raise HilaError("hila: argument 'initial_state': expected a State (pos, S, P, H), got "
-                        f"{len(init)} items", "initial_state")
+    _check_call("hila.torch.forward", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
+                cu_seqlens=cu_seqlens)
+    if state_indices is not None:
+        from .serving import pooled_forward
+        return pooled_forward(op, q, k, v, g, pool=initial_state, state_indices=state_indices, lam=lam,
+                              beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                              max_seqlen=max_seqlen, form=form, chunk=chunk, scale=scale,
+                              normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                              check_values=check_values)
+    init = _ops.as_state(op, initial_state) or State(None, None, None, None)
     if output_final_state and final_slots is None:
-        final_slots = _final_slots(op, q.shape[1], q.shape[0], cu_seqlens, init[0])
+        final_slots = _final_slots(op, q.shape[1], q.shape[0],
+                                   cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, init[0],
+                                   max_seqlen)
     o, pos, S, P, H = torch.ops.hila.forward(
         q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, float(scale or 0.0), normalize,
         float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
@@ -266,7 +298,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
 
 
-def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
          check_values: bool = True) -> Tuple[Tensor, State]:
@@ -277,7 +309,9 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     the shapes of ``state`` (a log-linear H keeps its slot capacity: allocate it for the longest
     sequence to come, see :func:`zero_state`).
     """
-    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+    _check_call("hila.torch.step", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    state = _ops.as_state(op, state, "state")
+    if state is None or state[0] is None or state[3] is None:
         raise HilaError("hila: argument 'state': expected a State with pos and H, got "
                         f"{type(state).__name__}", "state")
     o, pos, S, P, H = torch.ops.hila.step(
@@ -286,10 +320,10 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
 
 
-def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True) -> Tensor:
+          check_values: bool = True, state_indices: Optional[Tensor] = None) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -298,8 +332,19 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
     Returns o [N, H, dv].
+
+    ``state_indices`` (int32/int64 [N], serving: docs/SERVING.md): ``state`` is a pool whose row
+    ``state_indices[i]`` sequence i reads and advances; rows with index -1 are padding (output 0,
+    no state touched).
     """
-    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+    _check_call("hila.torch.step_", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if state_indices is not None:
+        from .serving import pooled_step_
+        return pooled_step_(op, q, k, v, g, pool=state, state_indices=state_indices, lam=lam,
+                            beta=beta, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
+                            qk_l2norm=qk_l2norm, check_values=check_values)
+    state = _ops.as_state(op, state, "state")
+    if state is None or state[0] is None or state[3] is None:
         raise HilaError("hila: argument 'state': expected a State with pos and H, got "
                         f"{type(state).__name__}", "state")
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, float(scale or 0.0), normalize,
