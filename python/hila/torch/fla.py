@@ -39,6 +39,8 @@ fla's conventions, as hila applies them:
   makes ``initial_state`` a state pool ``[num_slots, ...]`` read at those rows and written back
   in place (fla's ``inplace_final_state``), -1 marking padding rows; the pool is returned as
   the final state.
+* ``fused_recurrent_*`` run hila's serial form on the CPU and its chunk form on CUDA (the CUDA
+  backend has the chunk form and the decode step); both compute the same function.
 * Options: ``chunk_size`` (a power of two), ``check_values`` (default True: non-finite inputs and
   positive gates raise HilaError; it scans the inputs), HLA ``normalize``, ``ridge``, ``eps``.
 
@@ -214,10 +216,17 @@ def _run(op: str, form: str, fn: str, q: Tensor, k: Tensor, v: Tensor, g: Option
                 indices = indices.flip(0)
             elif init is not None:
                 init = init.flip(0) if isinstance(init, Tensor) else _rows_flipped(init)
-    o, fin = _forward(op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=cu_seqlens,
-                      cu_seqlens_cpu=cu_seqlens_cpu, initial_state=init,
-                      output_final_state=output_final_state, form=form, chunk=chunk, scale=scale,
-                      qk_l2norm=qk_l2norm, state_indices=indices, **opts, **extra)
+    if form == "serial" and q.device.type != "cpu":
+        form = "chunk"  # the CUDA backend runs the chunk form (the same function)
+    try:
+        o, fin = _forward(op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=cu_seqlens,
+                          cu_seqlens_cpu=cu_seqlens_cpu, initial_state=init,
+                          output_final_state=output_final_state, form=form, chunk=chunk,
+                          scale=scale, qk_l2norm=qk_l2norm, state_indices=indices, **opts, **extra)
+    except HilaError as exc:
+        if exc.argument != "lam":
+            raise
+        raise HilaError(str(exc).replace("'lam'", "'level_scales'"), "level_scales") from None
     if reverse:
         o = o.flip(1)
         if fin is not None and cu_seqlens is not None and indices is None:
