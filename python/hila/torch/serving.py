@@ -194,7 +194,7 @@ def pooled_forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]
     tokens of padding sequences. Inference only (the pool is written in place)."""
     from .ops import forward
     from .modules import sequence_index
-    pool = _pool(op, pool, "initial_state")
+    given, pool = pool, _pool(op, pool, "initial_state")
     _check_pool_dtype(pool, q, "initial_state")
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     plan = _plan(state_indices, N, pool.H.shape[0], pool.H.device)
@@ -210,4 +210,4 @@ def pooled_forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]
     else:
         seq, _ = sequence_index(cu_seqlens, q.shape[1])
         keep = plan.valid.index_select(0, seq).view(1, -1, 1, 1)
-    return torch.where(keep, o, o.new_zeros(())), pool
+    return torch.where(keep, o, o.new_zeros(())), given
