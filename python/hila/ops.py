@@ -458,7 +458,7 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *e
     return fam.finish(o), _finish_state(fam, final)
 
 
-def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, do: Array,
+def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, do: Array = None,
              lam: Optional[Array] = None, beta: Optional[Array] = None,
              cu_seqlens: Optional[Array] = None, initial_state: Optional[State] = None,
              d_final_state: Optional[State] = None, form: str = "chunk", chunk: int = 64,
@@ -479,6 +479,8 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     """
     check_op(op, "hila.backward")
     check_no_extra_positional("hila.backward", extra)
+    if do is None:
+        raise HilaError("hila: argument 'do': is required (the cotangent of o, [B, T, H, dv]), got None", "do")
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
@@ -497,7 +499,7 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
 
 
-def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State,
+def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State = None,
          lam: Optional[Array] = None, beta: Optional[Array] = None, out_slots: Optional[int] = None,
          scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
          ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
@@ -542,7 +544,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
     return fam.finish(o), _finish_state(fam, State(*out))
 
 
-def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State,
+def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State = None,
           lam: Optional[Array] = None, beta: Optional[Array] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
           check_values: bool = True, stream: Optional[int] = None) -> Array:

@@ -298,7 +298,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
 
 
-def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State,
+def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
          check_values: bool = True) -> Tuple[Tensor, State]:
@@ -320,7 +320,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
 
 
-def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State,
+def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
           check_values: bool = True, state_indices: Optional[Tensor] = None) -> Tensor:
