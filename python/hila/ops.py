@@ -672,8 +672,9 @@ class DecodeState:
                            qk_l2norm=qk_l2norm, check_values=check_values)
         dtype = str(dtype).rsplit(".", 1)[-1]  # also torch.float64 / np.float64
         dev_type, dev_id = _device(device)
-        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type,
-                                  device_id=dev_id)
+        self._st = _call_C(_C.DecodeState, [(n, x, "int") for n, x in (("batch", batch), ("heads", heads),
+                                                                        ("dk", dk), ("dv", dv))],
+                           self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type, device_id=dev_id)
 
     @classmethod
     def from_state(cls, op: str, state: State, *, device: Any = None,
@@ -702,12 +703,14 @@ class DecodeState:
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.zeros(tuple(v.shape), _dtype_name(v))
-        self._st.step(q, k, v, g, lam, beta, o=o, stream=_stream(stream))
+        _call_C(self._st.step, _checks(None, None, q, k, v, g, lam, beta, None), q, k, v, g, lam, beta,
+                o=o, stream=_stream(stream))
         return fam.finish(o)
 
     def load(self, state: State) -> None:
         """Copies ``state`` in (validated like an initial state; arrays on the state's device)."""
-        self._st.load(_state(state))
+        st = _state(state, "state", self.op)
+        _call_C(self._st.load, [("state", st, "state")], st)
 
     def view(self) -> State:
         """The current state as arrays aliasing hila's memory (numpy on the CPU, DLPack arrays for

@@ -43,6 +43,10 @@ def test_numpy_api_names_the_argument():
             "initial_state.H")
     _raises(lambda: hila.forward("gdn", q, k, v, g, g), None, "positional")   # beta by position
     _raises(lambda: hila.DecodeState(q, 1, 1, 4, 4), "op")
+    _raises(lambda: hila.DecodeState("gla", "4", 2, 4, 4), "batch")
+    st = hila.DecodeState("gla", 4, 2, 4, 4, dtype="float64")
+    _raises(lambda: st.step("abc", k[:, 0], v[:, 0], g[:, 0]), "q")
+    _raises(lambda: st.load((np.zeros(4, np.int64), None, None, "x")), "state.H")
 
 
 @pytest.mark.parametrize("N", [1, 4])

@@ -151,6 +151,37 @@ def test_fla_functions_with_ssm_state_indices(device):
         assert torch.equal(pool[r], before[r])
 
 
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_fla_one_token_pool_call_runs_the_step_kernel(layout, device):
+    """One token per sequence with a pool (q [N, 1, ...], or packed with cu_seqlens_cpu showing
+    lengths 1): hila's fused decode step, bit for bit what hila.torch.step_ gives each row."""
+    require_device(device, "gdn")
+    slots, N = 5, 4
+    pool = torch.randn(slots, H, DK, DV, generator=_gen(2), dtype=F64).to(device)
+    before = pool.clone()
+    idx = torch.tensor([3, 0, -1, 1], device=device)
+    kw = _inputs("gdn", (N, 1, H, DK), (N, 1, H, DV), (N, 1, H), 9, device)
+    kw.pop("qk_l2norm")
+    extra = {}
+    if layout == "packed":
+        kw = {n: x.transpose(0, 1) for n, x in kw.items()}                      # [1, N, ...]
+        cu = torch.arange(N + 1)
+        extra = dict(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+    o, fin = fla.fused_recurrent_gated_delta_rule(**kw, initial_state=pool, ssm_state_indices=idx,
+                                                  use_qk_l2norm_in_kernel=True, **extra)
+    assert fin is pool
+    for i, r in enumerate(idx.tolist()):
+        row = o[i, 0] if layout == "dense" else o[0, i]
+        if r < 0:
+            assert (row == 0).all() and all(torch.equal(pool[j], before[j]) for j in (2, 4))
+            continue
+        tok = {n: x[i] if layout == "dense" else x[0, i:i + 1] for n, x in kw.items()}   # [1, ...]
+        st = hila.State(torch.zeros(1, dtype=torch.int64, device=device), None, None, before[r:r + 1].clone())
+        o_i = ht.step_("gdn", tok["q"], tok["k"], tok["v"], tok["g"], beta=tok["beta"], state=st,
+                       qk_l2norm=True)
+        assert torch.equal(row, o_i[0]) and torch.equal(pool[r], st.H[0])
+
+
 def test_host_copies_of_cu_seqlens_give_the_same_call():
     """cu_seqlens_cpu / max_seqlen: the same outputs and state, the final slots from the host
     numbers (no read of cu_seqlens), also for fla's chunk_log_linear_attn."""

@@ -38,7 +38,8 @@ fla's conventions, as hila applies them:
 * Serving (docs/SERVING.md): ``state_indices`` (alias ``ssm_state_indices``, int32/int64 ``[N]``)
   makes ``initial_state`` a state pool ``[num_slots, ...]`` read at those rows and written back
   in place (fla's ``inplace_final_state``), -1 marking padding rows; the pool is returned as
-  the final state.
+  the final state. One token per sequence (q ``[N, 1, ...]``, or packed with ``cu_seqlens_cpu``
+  showing lengths 1, vLLM's decode call) runs hila's fused decode step (``hila.torch.step_``).
 * ``fused_recurrent_*`` run hila's serial form on the CPU and its chunk form on CUDA (the CUDA
   backend has the chunk form and the decode step); both compute the same function.
 * Options: ``chunk_size`` (a power of two), ``check_values`` (default True: non-finite inputs and
@@ -64,6 +65,7 @@ from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
 from .ops import forward as _forward
+from .ops import step_ as _step_
 
 __all__ = [
     "LogLinearAttentionState",
@@ -216,6 +218,14 @@ def _run(op: str, form: str, fn: str, q: Tensor, k: Tensor, v: Tensor, g: Option
                 indices = indices.flip(0)
             elif init is not None:
                 init = init.flip(0) if isinstance(init, Tensor) else _rows_flipped(init)
+    one = _one_token_rows(q, cu_seqlens, cu_seqlens_cpu) if indices is not None and not reverse else None
+    if one is not None:  # a decode step of a pool (vLLM's call): hila's fused step kernel
+        tq, tk, tv, tg, tlam, tbeta = (None if x is None else one(x) for x in (q, k, v, g, lam, beta))
+        o = _step_(op, tq, tk, tv, tg, lam=tlam, beta=tbeta, state=init, state_indices=indices,
+                   scale=scale, qk_l2norm=qk_l2norm, check_values=extra.get("check_values", True),
+                   **opts)
+        o = o.unsqueeze(1) if cu_seqlens is None else o.unsqueeze(0)
+        return (o.transpose(1, 2) if head_first else o), initial_state
     if form == "serial" and q.device.type != "cpu":
         form = "chunk"  # the CUDA backend runs the chunk form (the same function)
     try:
@@ -236,6 +246,16 @@ def _run(op: str, form: str, fn: str, q: Tensor, k: Tensor, v: Tensor, g: Option
     if indices is not None:  # the pool, updated in place, in the caller's format
         return o, initial_state
     return o, _final(op, fin if output_final_state else None, state_v_first)
+
+
+def _one_token_rows(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]):
+    """For a call of one token per sequence (dense [N, 1, ...], or packed with a host copy of
+    cu_seqlens showing lengths 1): the function taking a tensor to its [N, ...] rows; else None."""
+    if cu_seqlens is None:
+        return (lambda x: x[:, 0]) if q.shape[1] == 1 else None
+    if cu_seqlens_cpu is None or q.shape[0] != 1 or q.shape[1] != cu_seqlens_cpu.shape[0] - 1:
+        return None
+    return (lambda x: x[0]) if bool((cu_seqlens_cpu.diff() == 1).all()) else None
 
 
 def _rows_flipped(st: State) -> State:
