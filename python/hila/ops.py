@@ -178,6 +178,20 @@ def check_no_extra_positional(call: str, extra: tuple) -> None:
                         f"more positional argument(s): {', '.join(_describe(x) for x in extra)}")
 
 
+_FLA_NAMES = {"use_qk_l2norm_in_kernel": "qk_l2norm", "level_scales": "lam",
+              "ssm_state_indices": "state_indices (hila.torch.forward / step_)"}
+
+
+def check_no_unknown_keywords(call: str, unknown: dict) -> None:
+    """Raises HilaError naming the first keyword argument ``call`` does not take (with hila's name
+    for fla's names)."""
+    if unknown:
+        name = next(iter(unknown))
+        hint = f"; hila's name is {_FLA_NAMES[name]}" if name in _FLA_NAMES else ""
+        raise HilaError(f"hila: argument '{name}': {call}() does not take it{hint} (fla's names and "
+                        "conventions are in hila.torch.fla)", name)
+
+
 def _describe(x: Any) -> str:
     """What a value is, for error messages (never its contents)."""
     kind = type(x).__name__
@@ -406,7 +420,7 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *e
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
             qk_l2norm: bool = False, check_values: bool = True,
-            stream: Optional[int] = None) -> Tuple[Array, Optional[State]]:
+            stream: Optional[int] = None, **unknown) -> Tuple[Array, Optional[State]]:
     """Runs operator ``op`` over whole sequences.
 
     Args:
@@ -437,6 +451,7 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *e
     """
     check_op(op, "hila.forward")
     check_no_extra_positional("hila.forward", extra)
+    check_no_unknown_keywords("hila.forward", unknown)
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
@@ -464,7 +479,7 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
              d_final_state: Optional[State] = None, form: str = "chunk", chunk: int = 64,
              scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
              ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
-             stream: Optional[int] = None) -> Grads:
+             stream: Optional[int] = None, **unknown) -> Grads:
     """Gradients of ``<o, do> + <final_state, d_final_state>`` with respect to every input.
 
     Arguments as in :func:`forward`, plus:
@@ -479,6 +494,7 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     """
     check_op(op, "hila.backward")
     check_no_extra_positional("hila.backward", extra)
+    check_no_unknown_keywords("hila.backward", unknown)
     if do is None:
         raise HilaError("hila: argument 'do': is required (the cotangent of o, [B, T, H, dv]), got None", "do")
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
@@ -503,7 +519,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
          lam: Optional[Array] = None, beta: Optional[Array] = None, out_slots: Optional[int] = None,
          scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
          ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
-         stream: Optional[int] = None) -> Tuple[Array, State]:
+         stream: Optional[int] = None, **unknown) -> Tuple[Array, State]:
     """One decode step for N sequences on a caller-owned state (functional: returns a new state).
 
     Args:
@@ -522,6 +538,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
     """
     check_op(op, "hila.step")
     check_no_extra_positional("hila.step", extra)
+    check_no_unknown_keywords("hila.step", unknown)
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
@@ -547,7 +564,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
 def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State = None,
           lam: Optional[Array] = None, beta: Optional[Array] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, stream: Optional[int] = None) -> Array:
+          check_values: bool = True, stream: Optional[int] = None, **unknown) -> Array:
     """One fused decode step for N sequences, updating a caller-owned state IN PLACE.
 
     The library's decode kernel (``hila::step`` on a ``StateView``), on the device of the arrays
@@ -572,6 +589,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *ext
     """
     check_op(op, "hila.step_")
     check_no_extra_positional("hila.step_", extra)
+    check_no_unknown_keywords("hila.step_", unknown)
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))

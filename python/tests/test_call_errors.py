@@ -42,6 +42,9 @@ def test_numpy_api_names_the_argument():
     _raises(lambda: hila.forward("gla", q, k, v, g, initial_state=(np.zeros(4, np.int64), None, None, "x")),
             "initial_state.H")
     _raises(lambda: hila.forward("gdn", q, k, v, g, g), None, "positional")   # beta by position
+    _raises(lambda: hila.forward("gdn", q, k, v, g, beta=g, use_qk_l2norm_in_kernel=True),
+            "use_qk_l2norm_in_kernel", "qk_l2norm")
+    _raises(lambda: hila.step("gla", q[:, 0], k[:, 0], v[:, 0], g[:, 0], state=None, chunk_size=8), "chunk_size")
     _raises(lambda: hila.DecodeState(q, 1, 1, 4, 4), "op")
     _raises(lambda: hila.DecodeState("gla", "4", 2, 4, 4), "batch")
     st = hila.DecodeState("gla", 4, 2, 4, 4, dtype="float64")
@@ -86,6 +89,9 @@ def test_torch_api_positional_and_state_errors():
         _raises(lambda: fn(q[:, 0], k[:, 0], v[:, 0], g[:, 0], state=None), "op")
     _raises(lambda: ht.forward("gla", q.numpy(), k, v, g), "q", "torch.Tensor")
     _raises(lambda: ht.forward("gla", q, k, v, g, g), None, "positional")
+    _raises(lambda: ht.forward("loglinear", q, k, v, g, level_scales=g), "level_scales", "lam")
+    _raises(lambda: ht.step_("gla", q[:, 0], k[:, 0], v[:, 0], g[:, 0], state=None, ssm_state_indices=g),
+            "ssm_state_indices", "state_indices")
     h0 = torch.randn(4, 2, 4, 4, dtype=torch.float64)
     o, fin = ht.forward("gla", q, k, v, g, initial_state=h0, output_final_state=True)
     o_ref, _ = ht.forward("gla", q, k, v, g, initial_state=hila.State(torch.zeros(4, dtype=torch.int64),

@@ -258,7 +258,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
             qk_l2norm: bool = False, check_values: bool = True,
             state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
-            max_seqlen: Optional[int] = None) -> Tuple[Tensor, Optional[State]]:
+            max_seqlen: Optional[int] = None, **unknown) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
 
     Shapes as in :func:`hila.forward`: q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or
@@ -277,6 +277,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     """
     _check_call("hila.torch.forward", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
                 cu_seqlens=cu_seqlens)
+    _ops.check_no_unknown_keywords("hila.torch.forward", unknown)
     if state_indices is not None:
         from .serving import pooled_forward
         return pooled_forward(op, q, k, v, g, pool=initial_state, state_indices=state_indices, lam=lam,
@@ -301,7 +302,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
 def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-         check_values: bool = True) -> Tuple[Tensor, State]:
+         check_values: bool = True, **unknown) -> Tuple[Tensor, State]:
     """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
 
     q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
@@ -310,6 +311,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
     sequence to come, see :func:`zero_state`).
     """
     _check_call("hila.torch.step", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    _ops.check_no_unknown_keywords("hila.torch.step", unknown)
     state = _ops.as_state(op, state, "state")
     if state is None or state[0] is None or state[3] is None:
         raise HilaError("hila: argument 'state': expected a State with pos and H, got "
@@ -323,7 +325,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
 def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, state_indices: Optional[Tensor] = None) -> Tensor:
+          check_values: bool = True, state_indices: Optional[Tensor] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -338,6 +340,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     no state touched).
     """
     _check_call("hila.torch.step_", op, extra, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    _ops.check_no_unknown_keywords("hila.torch.step_", unknown)
     if state_indices is not None:
         from .serving import pooled_step_
         return pooled_step_(op, q, k, v, g, pool=state, state_indices=state_indices, lam=lam,
