@@ -92,6 +92,11 @@ def test_generate_matches_recomputation_and_hila_lm(mixer):
     beams_nocache = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3,
                                    do_sample=False, use_cache=False)
     assert torch.equal(beams, beams_nocache)
+    dense = torch.stack([p[:1].repeat(4) for p in prompts])                     # no padding, no mask
+    plain = model.generate(dense, max_new_tokens=4)
+    assert torch.equal(plain[:, 4:], torch.stack(model.model.generate(dense, max_new_tokens=4)))
+    loss, logits = model(input_ids=dense, labels=dense, return_dict=False)[:2]
+    assert torch.equal(logits, model(input_ids=dense).logits)
     rids, rmask = _padded(prompts, side="right")
     lm_out = model.model.generate(input_ids=rids, attention_mask=rmask, max_length=rids.shape[1] + 6)
     assert torch.equal(torch.stack(lm_out), greedy[:, ids.shape[1]:])

@@ -306,7 +306,8 @@ class HilaForCausalLM(HilaPreTrainedModel, GenerationMixin):
                 if not continuing and not torch.is_grad_enabled():
                     st.in_place = True  # the model owns this cache: decode steps advance it in place
                 new_cache.set_layer_state(i, st, T)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: new_cache})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: new_cache})
+        return out if return_dict is not False else out.to_tuple()
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, cache: Optional[HilaCache] = None,
                                       past_key_values: Optional[HilaCache] = None,
