@@ -4,7 +4,6 @@ parameter layout for GatedDeltaNet and LogLinearMamba2 (key names and shapes wri
 layers), and the math of fla's layers: a randomly initialised fla-layout state dict is loaded and
 the layer's output compared with a float64 reference of fla's layer written here from those
 parameters (projections, short convolutions, gates, recurrence, gated norm)."""
-import math
 
 import pytest
 

@@ -2,8 +2,7 @@
 """HilaConfig, HilaCache and HilaForCausalLM: :class:`hila.torch.HilaLM` as a transformers model."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
