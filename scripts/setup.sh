@@ -27,9 +27,15 @@ if ! "$PY" -c "import numpy, safetensors, pytest" >/dev/null 2>&1; then
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages numpy safetensors pytest
 fi
 # The Python package's toolchain and test dependencies, only with `setup.sh python` (the test
-# command): torch from PyPI brings its CUDA libraries, about 3 minutes and 5 GB on a fresh machine.
+# command): torch from PyPI brings its CUDA libraries, about 3 minutes and 5 GB on a fresh machine;
+# transformers (the optional `hf` extra, hila.hf) for its tests.
 if [ "${1:-}" = "python" ] && ! "$PY" -c "import nanobind, scikit_build_core, torch" >/dev/null 2>&1; then
   echo "setup: installing Python packages: nanobind scikit-build-core torch"
   "$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core torch 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages nanobind scikit-build-core torch
+fi
+if [ "${1:-}" = "python" ] && ! "$PY" -c "import transformers" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: transformers"
+  "$PY" -m pip install -q --disable-pip-version-check transformers 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages transformers
 fi

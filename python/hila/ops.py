@@ -146,22 +146,100 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
 
     Untied gates need no flag: they are recognised by the extra column axis of ``g``.
     """
+    check_op(op)
+    scale, eps, ridge = (_number(name, x) for name, x in (("scale", scale), ("eps", eps), ("ridge", ridge)))
     if scale is not None and scale == 0:
         raise HilaError("hila: argument 'scale': expected a non-zero scale (None means dk^-1/2), got 0",
                         "scale")
-    return _C.Config(op, scale=0.0 if scale is None else float(scale), normalize=normalize,
-                     eps=float(eps), ridge=float(ridge), qk_l2norm=qk_l2norm,
-                     check_values=check_values)
+    flags = dict(normalize=normalize, qk_l2norm=qk_l2norm, check_values=check_values)
+    for name, x in flags.items():
+        if not isinstance(x, (bool, np.bool_)):
+            raise HilaError(f"hila: argument '{name}': expected a bool, got {_describe(x)}", name)
+    return _C.Config(op, scale=0.0 if scale is None else scale, eps=eps, ridge=ridge,
+                     **{name: bool(x) for name, x in flags.items()})
 
 
-@functools.lru_cache(maxsize=256)
-def _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _C.Config:
-    """config() of a call, built once per distinct options (a Config is read-only)."""
+def check_op(op: Any, call: str = "hila.forward") -> None:
+    """Raises HilaError('op') unless ``op`` is an operator name: the usual slip is an fla-style
+    call without one (``forward(q, k, v, g)``)."""
+    if isinstance(op, str):
+        return
+    raise HilaError(f"hila: argument 'op': expected the operator name as the first argument, e.g. "
+                    f"{call}('gla', q, k, v, g), one of {', '.join(OPS)}; got {_describe(op)}. "
+                    "fla-style calls without an operator name are in hila.torch.fla "
+                    "(chunk_simple_gla(q, k, v, g), chunk_gated_delta_rule(q, k, v, g, beta), ...)",
+                    "op")
+
+
+def check_call(call: str, op: Any, extra: tuple, unknown: dict) -> None:
+    """The argument checks of a call that takes ``op, q, k, v, g`` positionally, ``*extra`` and
+    ``**unknown`` (:func:`check_op`, :func:`check_no_extra_positional`,
+    :func:`check_no_unknown_keywords`, in that order). Callers run it only when one can fail
+    (``extra or unknown or not isinstance(op, str)``), so a good call pays three tests."""
+    check_op(op, call)
+    check_no_extra_positional(call, extra)
+    check_no_unknown_keywords(call, unknown)
+
+
+def check_no_extra_positional(call: str, extra: tuple) -> None:
+    """Raises HilaError when a call got more positional arguments than (op, q, k, v, g): every
+    other argument is keyword-only (``lam=``, ``beta=``, ``initial_state=``, ...)."""
+    if extra:
+        raise HilaError(f"hila: {call}() takes op, q, k, v and g positionally and every other argument "
+                        f"by keyword (lam=, beta=, cu_seqlens=, initial_state=, ...), got {len(extra)} "
+                        f"more positional argument(s): {', '.join(_describe(x) for x in extra)}")
+
+
+_FLA_NAMES = {"use_qk_l2norm_in_kernel": "qk_l2norm", "level_scales": "lam",
+              "ssm_state_indices": "state_indices (hila.torch.forward / step_)"}
+
+
+def check_no_unknown_keywords(call: str, unknown: dict) -> None:
+    """Raises HilaError naming the first keyword argument ``call`` does not take (with hila's name
+    for fla's names)."""
+    if unknown:
+        name = next(iter(unknown))
+        hint = f"; hila's name is {_FLA_NAMES[name]}" if name in _FLA_NAMES else ""
+        raise HilaError(f"hila: argument '{name}': {call}() does not take it{hint} (fla's names and "
+                        "conventions are in hila.torch.fla)", name)
+
+
+def _describe(x: Any) -> str:
+    """What a value is, for error messages (never its contents)."""
+    kind = type(x).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{article} {kind} of dtype {_dtype_name(x)} and shape {list(x.shape)}"
+    return f"{article} {kind}" + (f" ({x!r})" if isinstance(x, (str, int, float)) else "")
+
+
+def _number(name: str, x: Any) -> Optional[float]:
+    if x is None and name == "scale":
+        return None
+    try:
+        if isinstance(x, (bool, np.bool_)):
+            raise TypeError
+        return float(x)
+    except (TypeError, ValueError):
+        raise HilaError(f"hila: argument '{name}': expected a number, got {_describe(x)}", name) from None
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: check_values=1 is not check_values=True
+def _cached_config(op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _C.Config:
     return config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                   check_values=check_values)
 
 
-atexit.register(_config.cache_clear)  # no extension objects left for nanobind's exit-time leak check
+def _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _C.Config:
+    """config() of a call, built once per distinct options (a Config is read-only)."""
+    try:
+        return _cached_config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    except TypeError:  # an unhashable option (a list, an array): config() names it
+        return config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                      check_values=check_values)
+
+
+atexit.register(_cached_config.cache_clear)  # no extension objects left for nanobind's exit-time leak check
 
 
 # ----------------------------------------------------------------------------- array families
@@ -220,6 +298,15 @@ class _Family:
             x = np.empty(tuple(shape), dtype=np.dtype(dtype))
         return _poison(x) if _POISON_OUTPUTS[0] else x
 
+    def zeros(self, shape: Sequence[int], dtype: str) -> Array:
+        """A zero array (what must start at zero, e.g. the positions of a bare-array state)."""
+        if self.torch:
+            import torch
+            return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
+        if self.xp is not None and not self.immutable:
+            return self.xp.zeros(tuple(shape), dtype=getattr(self.xp, dtype))
+        return np.zeros(tuple(shape), dtype=np.dtype(dtype))
+
     def workspace(self, stream: int):
         """The allocator of a call's device temporaries (``_C.forward(workspace=...)``): torch's
         caching allocator when the call runs on torch's current stream of a CUDA device (so the
@@ -253,17 +340,91 @@ def _arr(x: Optional[Array]) -> Optional[Array]:
     return np.asarray(x)
 
 
-def _state(s: Optional[Sequence[Optional[Array]]]) -> Optional[tuple]:
+def _state(s: Optional[Sequence[Optional[Array]]], name: str = "state", op: Optional[str] = None,
+           grad: bool = False) -> Optional[tuple]:
+    """The parts of a state argument. A bare array (fla's convention) is a state only for the
+    first-order operators without levels (see :func:`as_state`); ``grad``: a cotangent (no pos)."""
     if s is None:
         return None
+    if hasattr(s, "shape") or not isinstance(s, (tuple, list)):
+        return _bare_state(s, name, op, grad)
     if len(s) != 4:
-        raise HilaError(f"hila: argument 'state': expected a State (pos, S, P, H), got {len(s)} items",
-                        "state")
+        raise HilaError(f"hila: argument '{name}': expected a State (pos, S, P, H), got {len(s)} items",
+                        name)
     return tuple(_arr(x) for x in s)
 
 
+def as_state(op: str, s: Any, name: str = "initial_state", grad: bool = False) -> Optional[State]:
+    """``s`` as a :class:`State`: a State passes through; a bare array ``[N, H, dk, dv]`` (fla's
+    ``initial_state``) becomes ``State(pos=zeros(N), None, None, s)`` for ``gla`` and ``gdn``,
+    the operators whose whole state is that one matrix (their output does not depend on the
+    position); anything else raises HilaError naming ``name``."""
+    st = _state(s, name, op, grad)
+    return None if st is None else State(*st)
+
+
+def _bare_state(x: Any, name: str, op: Optional[str], grad: bool) -> tuple:
+    t = _TRAITS.get(op) if isinstance(op, str) else None
+    shape = tuple(getattr(x, "shape", ()))
+    if t is not None and not (t["loglinear"] or t["has_S"] or t["has_P"]) and len(shape) == 4:
+        x = _arr(x)
+        return (None if grad else _Family(x).zeros((shape[0],), "int64"), None, None, x)
+    why = (f"'{op}' keeps a State with positions{' and several parts' if t and (t['has_S'] or t['has_P']) else ''}"
+           if t is not None and len(shape) == 4 else "a bare array is a state only as the [N, H, dk, dv] "
+           "matrix of gla or gdn")
+    raise HilaError(f"hila: argument '{name}': expected a hila.State (pos, S, P, H) ({why}), got "
+                    f"{_describe(x)}", name)
+
+
 def _stream(stream: Optional[int]) -> int:
-    return 0 if stream is None else int(stream)
+    if stream is None:
+        return 0
+    try:
+        return int(stream)
+    except (TypeError, ValueError):
+        raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int (0: the default "
+                        f"stream), got {_describe(stream)}", "stream") from None
+
+
+def _bad_array(x: Any) -> bool:
+    if x is None:
+        return False
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind not in "biuf"
+    return not hasattr(x, "__dlpack__")
+
+
+def _call_C(fn, checks, *args, **kwargs):
+    """Calls the extension; its (nanobind) TypeError for an argument of the wrong type becomes a
+    HilaError naming the argument. ``checks``: (name, value, kind), kind 'str', 'int', 'array' or
+    'state' (a tuple of arrays), or a function returning them (built only when the call failed)."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        for name, x, kind in (checks() if callable(checks) else checks):
+            if kind == "str" and not isinstance(x, str):
+                expected = f"a string ({', '.join(FORMS)})" if name == "form" else "a string"
+            elif kind == "int" and (not isinstance(x, (int, np.integer)) or isinstance(x, bool)):
+                expected = "an int"
+            elif kind == "array" and _bad_array(x):
+                expected = "an array of numbers (numpy, torch, cupy, jax: anything with __dlpack__)"
+            elif kind == "state" and x is not None and any(_bad_array(p) for p in x):
+                part = next(f for f, p in zip(State._fields, x) if _bad_array(p))
+                name, x, expected = f"{name}.{part}", x[State._fields.index(part)], "an array of numbers"
+            else:
+                continue
+            raise HilaError(f"hila: argument '{name}': expected {expected}, got {_describe(x)}",
+                            name) from None
+        raise HilaError(f"hila: invalid argument types: {str(exc).splitlines()[0]}") from None
+
+
+def _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens, **states_and_arrays) -> list:
+    """The (name, value, kind) list of :func:`_call_C` for an operator call."""
+    out = [] if form is None else [("form", form, "str"), ("chunk", chunk, "int")]
+    out += [(n, x, "array") for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("lam", lam),
+                                         ("beta", beta), ("cu_seqlens", cu_seqlens))]
+    out += [(n, x, "state" if isinstance(x, tuple) else "array") for n, x in states_and_arrays.items()]
+    return out
 
 
 def _ndim(x: Optional[Array]) -> int:
@@ -310,14 +471,14 @@ def _finish_state(fam: _Family, s: Optional[State]) -> Optional[State]:
 
 # ----------------------------------------------------------------------------- calls
 
-def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
+def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra,
             lam: Optional[Array] = None, beta: Optional[Array] = None,
             cu_seqlens: Optional[Array] = None, initial_state: Optional[State] = None,
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
             qk_l2norm: bool = False, check_values: bool = True,
-            stream: Optional[int] = None) -> Tuple[Array, Optional[State]]:
+            stream: Optional[int] = None, **unknown) -> Tuple[Array, Optional[State]]:
     """Runs operator ``op`` over whole sequences.
 
     Args:
@@ -346,9 +507,11 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
     Returns:
         ``(o, final_state)``: o [B, T, H, dv] with the dtype of v, and a :class:`State` or None.
     """
+    if extra or unknown or not isinstance(op, str):
+        check_call("hila.forward", op, extra, unknown)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
-    init = _state(initial_state)
+    init = _state(initial_state, "initial_state", op)
     fam = _Family(q)
     o = fam.empty(tuple(v.shape), _dtype_name(v))
     final = None
@@ -360,18 +523,20 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
             final_slots = state_slots(_max_final_position(T, B, cu_seqlens, None if init is None else init[0]))
         final = _allocate_state(fam, op, N, H, dk, dv, normalize, final_slots, _state_dtype(q))
     st = _stream(stream)
-    _C.forward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o, final_state=final,
-               stream=st, workspace=fam.workspace(st))
+    _call_C(_C.forward, lambda: _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens,
+                                        initial_state=init), cfg,
+            form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o, final_state=final, stream=st,
+            workspace=fam.workspace(st))
     return fam.finish(o), _finish_state(fam, final)
 
 
-def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, do: Array,
+def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, do: Array = None,
              lam: Optional[Array] = None, beta: Optional[Array] = None,
              cu_seqlens: Optional[Array] = None, initial_state: Optional[State] = None,
              d_final_state: Optional[State] = None, form: str = "chunk", chunk: int = 64,
              scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
              ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
-             stream: Optional[int] = None) -> Grads:
+             stream: Optional[int] = None, **unknown) -> Grads:
     """Gradients of ``<o, do> + <final_state, d_final_state>`` with respect to every input.
 
     Arguments as in :func:`forward`, plus:
@@ -384,27 +549,32 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     Returns:
         :class:`Grads`, each gradient with the shape and dtype of its input.
     """
+    if extra or unknown or not isinstance(op, str):
+        check_call("hila.backward", op, extra, unknown)
+    if do is None:
+        raise HilaError("hila: argument 'do': is required (the cotangent of o, [B, T, H, dv]), got None", "do")
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
-    init = _state(initial_state)
-    dfin = _state(d_final_state)
+    init = _state(initial_state, "initial_state", op)
+    dfin = _state(d_final_state, "d_final_state", op, grad=True)
     fam = _Family(q)
     empty_like = lambda x: None if x is None else fam.empty(tuple(x.shape), _dtype_name(x))  # noqa: E731
     dq, dk, dv, dg, dlam, dbeta = map(empty_like, (q, k, v, g, lam, beta))
     d_init = _like_state(fam, init)
     st = _stream(stream)
-    _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
-                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=st,
-                workspace=fam.workspace(st))
+    _call_C(_C.backward, lambda: _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens, do=do,
+                                         initial_state=init, d_final_state=dfin), cfg, form, chunk, q, k, v, g, lam, beta,
+            cu_seqlens, init, do, dfin, dq=dq, dk=dk, dv=dv, dg=dg, dlam=dlam, dbeta=dbeta,
+            d_init=d_init, stream=st, workspace=fam.workspace(st))
     f = fam.finish
     return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
 
 
-def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, state: State,
+def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State = None,
          lam: Optional[Array] = None, beta: Optional[Array] = None, out_slots: Optional[int] = None,
          scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
          ridge: float = 0.0, qk_l2norm: bool = False, check_values: bool = True,
-         stream: Optional[int] = None) -> Tuple[Array, State]:
+         stream: Optional[int] = None, **unknown) -> Tuple[Array, State]:
     """One decode step for N sequences on a caller-owned state (functional: returns a new state).
 
     Args:
@@ -421,9 +591,11 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
         computes, as a one-token forward call with ``state`` as initial state (so it runs on every
         device that forward runs on, on the caller's arrays, with no copies).
     """
+    if extra or unknown or not isinstance(op, str):
+        check_call("hila.step", op, extra, unknown)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
-    st = _state(state)
+    st = _state(state, "state", op)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state before the token), got None",
                         "state")
@@ -437,14 +609,15 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
                 out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
             shape[2] = out_slots
         out.append(None if x is None else fam.empty(shape, _dtype_name(x)))
-    _C.step(cfg, q, k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
+    _call_C(_C.step, lambda: _checks(None, None, q, k, v, g, lam, beta, None, state=st), cfg, q,
+            k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
     return fam.finish(o), _finish_state(fam, State(*out))
 
 
-def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, state: State,
+def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extra, state: State = None,
           lam: Optional[Array] = None, beta: Optional[Array] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, stream: Optional[int] = None) -> Array:
+          check_values: bool = True, stream: Optional[int] = None, **unknown) -> Array:
     """One fused decode step for N sequences, updating a caller-owned state IN PLACE.
 
     The library's decode kernel (``hila::step`` on a ``StateView``), on the device of the arrays
@@ -467,9 +640,11 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
         o [N, H, dv] with the dtype of v, allocated by the array library of q. The state now
         holds the state after the token.
     """
+    if extra or unknown or not isinstance(op, str):
+        check_call("hila.step_", op, extra, unknown)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
-    st = _state(state)
+    st = _state(state, "state", op)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state to advance), got None", "state")
     for name, x in zip(State._fields, st):
@@ -481,7 +656,8 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
                             f"state.{name}")
     fam = _Family(q)
     o = fam.empty(tuple(v.shape), _dtype_name(v))
-    _C.step_inplace(cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
+    _call_C(_C.step_inplace, lambda: _checks(None, None, q, k, v, g, lam, beta, None, state=st), cfg,
+            q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
     return fam.finish(o)
 
 
@@ -565,8 +741,9 @@ class DecodeState:
                            qk_l2norm=qk_l2norm, check_values=check_values)
         dtype = str(dtype).rsplit(".", 1)[-1]  # also torch.float64 / np.float64
         dev_type, dev_id = _device(device)
-        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type,
-                                  device_id=dev_id)
+        self._st = _call_C(_C.DecodeState, [(n, x, "int") for n, x in (("batch", batch), ("heads", heads),
+                                                                        ("dk", dk), ("dv", dv))],
+                           self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type, device_id=dev_id)
 
     @classmethod
     def from_state(cls, op: str, state: State, *, device: Any = None,
@@ -595,12 +772,14 @@ class DecodeState:
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.empty(tuple(v.shape), _dtype_name(v))
-        self._st.step(q, k, v, g, lam, beta, o=o, stream=_stream(stream))
+        _call_C(self._st.step, lambda: _checks(None, None, q, k, v, g, lam, beta, None), q, k, v, g,
+                lam, beta, o=o, stream=_stream(stream))
         return fam.finish(o)
 
     def load(self, state: State) -> None:
         """Copies ``state`` in (validated like an initial state; arrays on the state's device)."""
-        self._st.load(_state(state))
+        st = _state(state, "state", self.op)
+        _call_C(self._st.load, [("state", st, "state")], st)
 
     def view(self) -> State:
         """The current state as arrays aliasing hila's memory (numpy on the CPU, DLPack arrays for

@@ -92,6 +92,17 @@ class Cache:
     def __len__(self) -> int:
         return len(self.layers)
 
+    def get_layer_state(self, layer_idx: int) -> Optional[LayerState]:
+        """The cache of layer ``layer_idx``, None before its first call (the call of layers with
+        fla's signature, :mod:`hila.torch.fla_layers`)."""
+        return self.layers[layer_idx] if layer_idx < len(self.layers) else None
+
+    def set_layer_state(self, layer_idx: int, state: Optional[LayerState]) -> None:
+        """Stores the cache of layer ``layer_idx`` (the list grows as needed)."""
+        if layer_idx >= len(self.layers):
+            self.layers.extend([None] * (layer_idx + 1 - len(self.layers)))
+        self.layers[layer_idx] = state
+
     @property
     def positions(self) -> Optional[Tensor]:
         """int64 [N] tokens consumed per sequence (None before prefill)."""

@@ -291,13 +291,18 @@ class LogLinearMamba2(_Mixer):
     the operator runs with q = C, k = B (G groups), v = x * dt, g = -exp(A_log) dt with
     dt = softplus(dt + dt_bias) and A = 1..H, lam = softplus(L * dl) and scale 1; then the skip
     D * x, ``RMSNorm(y * silu(z))`` and ``out_proj``.
+
+    ``bias`` (in_proj, out_proj), ``conv_bias``, ``D_has_hdim`` (D per channel, [H * head_dim]) and
+    ``norm_before_gate`` select fla's variants (hila.torch.fla_layers.LogLinearMamba2 sets fla's
+    defaults: biases on the projections, none on the convolution).
     """
 
     def __init__(self, hidden_size: int, max_len: int, state_size: int = 128, expand: int = 2,
                  head_dim: int = 64, n_groups: int = 1, conv_size: int = 4, mode: str = "chunk",
                  chunk_size: int = 64, A_init="arange", dt_min: float = 1e-3, dt_max: float = 0.1,
                  dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: bool = True,
-                 layer_idx: Optional[int] = None):
+                 layer_idx: Optional[int] = None, bias: bool = False, conv_bias: bool = True,
+                 D_has_hdim: bool = False, norm_before_gate: bool = False):
         inner = expand * hidden_size
         if inner % head_dim:
             raise HilaError(f"hila: argument 'head_dim': expected a divisor of expand * hidden_size "
@@ -311,14 +316,15 @@ class LogLinearMamba2(_Mixer):
         self.n_groups, self.state_size = n_groups, state_size
         conv_dim = inner + 2 * n_groups * state_size
         self.splits = (inner, conv_dim, H, H * self.levels.levels)
-        self.in_proj = nn.Linear(hidden_size, sum(self.splits), bias=False)
-        self.conv = ShortConvolution(conv_dim, conv_size, bias=True)
+        self.in_proj = nn.Linear(hidden_size, sum(self.splits), bias=bias)
+        self.conv = ShortConvolution(conv_dim, conv_size, bias=conv_bias)
         self.gate = DecayGate(H, 1, A_init=A_init, dt_min=dt_min, dt_max=dt_max,
                               dt_init_floor=dt_init_floor)
-        self.D = nn.Parameter(torch.ones(H))
+        self.D = nn.Parameter(torch.ones(inner if D_has_hdim else H))                # [H] or [H * P]
         self.D._no_weight_decay = True
-        self.norm = GatedRMSNorm(inner, group_size=inner // n_groups, eps=norm_eps, norm_before_gate=False)
-        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.norm = GatedRMSNorm(inner, group_size=inner // n_groups, eps=norm_eps,
+                                 norm_before_gate=norm_before_gate)
+        self.out_proj = nn.Linear(inner, hidden_size, bias=bias)
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
@@ -335,7 +341,7 @@ class LogLinearMamba2(_Mixer):
         v = (xs * dt.unsqueeze(-1).to(xs.dtype))
         y = call.mix(_heads(Cm, self.state_size), _heads(Bm, self.state_size), v, g,
                      lam=self.levels(dl), scale=1.0)
-        y = y + xs * self.D.unsqueeze(-1).to(xs.dtype)
+        y = y + xs * self.D.view(self.num_heads, -1).to(xs.dtype)
         return call.result(self.out_proj(self.norm(y.flatten(-2), z)))
 
 
@@ -347,14 +353,26 @@ class LogLinearGatedDeltaNet(_Mixer):
     ``g = -exp(A_log) softplus(a_proj(x) + dt_bias)`` with A ~ U(0, 16) and dt in [1e-3, 0.1];
     q and k L2-normalised inside the operator, scale 1; ``lam = softplus(L * l_proj(x))``; the
     operator loglinear_gdn; an RMSNorm per head gated by ``silu(g_proj(x))``; o_proj.
+
+    ``op='gdn'`` is Gated DeltaNet without levels (``max_len`` may then be None; no l_proj);
+    ``b_bias``, ``conv_bias``, ``use_output_gate`` (False: plain RMSNorm, no g_proj), ``scale``
+    (None: head_dim^-1/2) and ``allow_neg_eigval`` (beta = 2 sigmoid) select fla's variants
+    (hila.torch.fla_layers.GatedDeltaNet sets fla's GatedDeltaNet defaults).
     """
 
     def __init__(self, hidden_size: int, max_len: int, num_heads: int = 6, head_dim: int = 128,
                  expand_v: float = 2.0, num_qk_groups: Optional[int] = None, conv_size: int = 4,
                  mode: str = "chunk", chunk_size: int = 64, A_init=(0.0, 16.0),
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 norm_eps: float = 1e-5, check_values: bool = True, layer_idx: Optional[int] = None):
-        super().__init__("loglinear_gdn", mode, chunk_size, num_heads, max_len, layer_idx, check_values)
+                 norm_eps: float = 1e-5, check_values: bool = True, layer_idx: Optional[int] = None,
+                 op: str = "loglinear_gdn", b_bias: bool = True, conv_bias: bool = False,
+                 use_output_gate: bool = True, scale: Optional[float] = 1.0,
+                 allow_neg_eigval: bool = False):
+        if op not in ("loglinear_gdn", "gdn"):
+            raise HilaError(f"hila: argument 'op': expected 'loglinear_gdn' or 'gdn' (Gated DeltaNet "
+                            f"without levels), got '{op}'", "op")
+        super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
+        self.scale, self.allow_neg_eigval = scale, allow_neg_eigval
         G = num_qk_groups or num_heads
         if num_heads % G:
             raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
@@ -364,14 +382,15 @@ class LogLinearGatedDeltaNet(_Mixer):
         self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
         self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
-        self.q_conv, self.k_conv = ShortConvolution(G * dk, conv_size), ShortConvolution(G * dk, conv_size)
-        self.v_conv = ShortConvolution(num_heads * dv, conv_size)
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=True)
+        self.q_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)
+        self.k_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)
+        self.v_conv = ShortConvolution(num_heads * dv, conv_size, bias=conv_bias)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=b_bias)
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.gate = DecayGate(num_heads, 1, A_init=A_init, dt_min=dt_min, dt_max=dt_max,
                               dt_init_floor=dt_init_floor)
-        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False)
-        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False) if self.levels else None
+        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False) if use_output_gate else None
         self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
         self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=False)
 
@@ -382,7 +401,9 @@ class LogLinearGatedDeltaNet(_Mixer):
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
         call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
         q, k, v = self._qkv(call, x)
-        beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
+        beta = torch.sigmoid(at_least_f32(self.b_proj(x))) * (2.0 if self.allow_neg_eigval else 1.0)
         g, _ = self.gate(self.a_proj(x))
-        o = call.mix(q, k, v, g, lam=self.levels(self.l_proj(x)), beta=beta, qk_l2norm=True, scale=1.0)
-        return call.result(self.o_proj(self.o_norm(o, _heads(self.g_proj(x), self.head_dim_v)).flatten(-2)))
+        lam = self.levels(self.l_proj(x)) if self.levels is not None else None
+        o = call.mix(q, k, v, g, lam=lam, beta=beta, qk_l2norm=True, scale=self.scale)
+        z = _heads(self.g_proj(x), self.head_dim_v) if self.g_proj is not None else None
+        return call.result(self.o_proj(self.o_norm(o, z).flatten(-2)))

@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from .._errors import HilaError
 from .cache import Cache
+from .checkpoint import load_pretrained, save_pretrained
+from .generation import new_token_count, prompt_rows, sample
 from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2
 from .ops import _graph_capturable
 
@@ -106,16 +108,20 @@ class HilaLM(nn.Module):
 
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
                 cache: Optional[Cache] = None, use_cache: bool = False,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None) -> LMOutput:
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                logits_index: Optional[Tensor] = None) -> LMOutput:
         """input_ids [B, T] (B == 1 with packed cu_seqlens [N + 1]); labels [B, T] (-100: ignored;
         next-token targets are taken as labels shifted by one, never across packed sequences).
-        A ``cache`` continues its N sequences (decode: input_ids [N, 1])."""
+        A ``cache`` continues its N sequences (decode: input_ids [N, 1]). ``logits_index`` (int64
+        [K], without labels): the logits of those tokens only, [B, K, vocab]."""
         x = self.embed(input_ids)
         new = Cache.empty(len(self.blocks)) if use_cache else None
         for i, block in enumerate(self.blocks):
             x, st = block(x, cache[i] if cache is not None else None, cu_seqlens, max_seqlen, use_cache)
             if use_cache:
                 new[i] = st
+        if logits_index is not None:
+            x = x.index_select(1, logits_index)
         logits = self.lm_head(self.norm(x))
         loss = None
         if labels is not None:
@@ -135,18 +141,25 @@ class HilaLM(nn.Module):
         return all(_graph_capturable(b.mixer.op) for b in self.blocks)
 
     @torch.no_grad()
-    def generate(self, prompts: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *,
-                 temperature: float = 0.0, top_k: Optional[int] = None,
+    def generate(self, prompts: Union[None, Tensor, Sequence[Tensor]] = None,
+                 max_new_tokens: Optional[int] = None, *, input_ids: Optional[Tensor] = None,
+                 attention_mask: Optional[Tensor] = None, max_length: Optional[int] = None,
+                 do_sample: Optional[bool] = None, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Optional[int] = None,
                  generator: Optional[torch.Generator] = None,
                  cuda_graph: bool = True) -> List[Tensor]:
         """Samples continuations with the decode cache.
 
-        ``prompts``: a [B, T] tensor or a list of 1-D token tensors of any lengths (>= 1): they are
-        prefilled together as packed sequences (cu_seqlens) and decoded in one batch, each at its
-        own position. ``temperature=0``: greedy. Returns the new tokens of each prompt (stopping
-        after ``eos_token_id``). The cache of the prefill is generate's own: it is decoded in
-        place (``Cache.in_place``, the fused step kernel, no state copy per token).
+        ``prompts``: a [B, T] tensor or a list of 1-D token tensors of any lengths (>= 1); or, as
+        Hugging Face passes them, ``input_ids`` [B, T] with ``attention_mask`` (0: padding, either
+        side). They are prefilled together as packed sequences (cu_seqlens) and decoded in one
+        batch, each at its own position. ``max_length`` (the prompt's padded length included)
+        stands for ``max_new_tokens``. Greedy unless ``do_sample`` (or ``temperature > 0``);
+        ``top_k`` / ``top_p`` restrict sampling (:func:`hila.torch.generation.sample`). Returns
+        the new tokens of each prompt (stopping after ``eos_token_id``). The cache of the prefill
+        is generate's own: it is decoded in place (``Cache.in_place``, the fused step kernel, no
+        state copy per token). For Hugging Face's ``generate`` use :class:`hila.hf.HilaForCausalLM`.
 
         The prefill runs with the mixers' ``check_values``; decode steps never scan their inputs.
         ``cuda_graph`` (on CUDA, when :attr:`decode_graph_capturable`): the first decode step runs
@@ -156,11 +169,12 @@ class HilaLM(nn.Module):
         ``cuda_graph=False``, the CPU, and models with log-linear mixers decode eagerly; both give
         the same tokens.
         """
-        rows = list(prompts) if not isinstance(prompts, Tensor) or prompts.dim() == 2 else [prompts]
-        if not rows or any(r.dim() != 1 or r.numel() == 0 for r in rows):
-            raise HilaError("hila: argument 'prompts': expected a [B, T] tensor or non-empty 1-D "
-                            "token tensors", "prompts")
+        rows = prompt_rows(prompts, input_ids, attention_mask)
+        if any(r.numel() == 0 for r in rows):
+            raise HilaError("hila: argument 'prompts': expected non-empty prompts", "prompts")
         lens = [r.numel() for r in rows]
+        max_new_tokens = new_token_count(
+            max_new_tokens, max_length, input_ids.shape[1] if input_ids is not None else max(lens))
         if max(lens) + max_new_tokens > self.config.max_len:
             raise HilaError(f"hila: argument 'max_new_tokens': prompt ({max(lens)}) + new tokens "
                             f"({max_new_tokens}) exceed max_len = {self.config.max_len}", "max_new_tokens")
@@ -174,7 +188,8 @@ class HilaLM(nn.Module):
                           self.decode_graph_capturable)
         tokens, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
         for i in range(max_new_tokens):
-            nxt = self._sample(logits, temperature, top_k, generator)
+            nxt = sample(logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                         top_p=top_p, generator=generator)
             tokens.append(nxt)
             if eos_token_id is not None:
                 done |= nxt == eos_token_id
@@ -191,16 +206,16 @@ class HilaLM(nn.Module):
             result.append(row[: int(stop[0]) + 1] if len(stop) else row)
         return result
 
-    @staticmethod
-    def _sample(logits: Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> Tensor:
-        if temperature <= 0:
-            return logits.argmax(-1)
-        logits = logits.float() / temperature
-        if top_k is not None:
-            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.multinomial(F.softmax(logits, -1), 1, generator=generator).squeeze(-1)
+    def save_pretrained(self, path: str) -> None:
+        """Writes the model to directory ``path`` in Hugging Face's layout (config.json,
+        model.safetensors), loadable by :meth:`from_pretrained` and, after ``import hila.hf``, by
+        ``AutoModelForCausalLM.from_pretrained`` (:mod:`hila.torch.checkpoint`)."""
+        save_pretrained(self, path)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device=None) -> "HilaLM":
+        """A model from a directory of :meth:`save_pretrained` or ``HilaForCausalLM.save_pretrained``."""
+        return load_pretrained(cls, path, device)
 
 
 class _Decoder:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -89,6 +90,7 @@ class _Spec:
     __slots__ = ("op", "form", "bwd_form", "chunk", "cfg", "has_S", "has_P", "normalize")
 
     def __init__(self, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
+        normalize, qk_l2norm, check_values = map(_flag, (normalize, qk_l2norm, check_values))
         self.cfg = _ops.config(op, scale=None if scale == 0.0 else scale, normalize=normalize,
                                eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                                check_values=check_values)  # HilaError('op', 'scale', ...)
@@ -96,6 +98,13 @@ class _Spec:
         self.op, self.form, self.chunk = op, form, int(chunk)
         self.bwd_form = form if _ops.supports(op, form, True) else "chunk"  # HilaError('form')
         self.has_S, self.has_P, self.normalize = t["has_S"], t["has_P"], bool(normalize)
+
+
+def _flag(x):
+    """A flag option: 0 and 1 (the numbers the cache of :func:`_spec` cannot tell from False and
+    True, and which the custom ops' bool arguments take) as bools; anything else as it is (a
+    non-bool is then a HilaError naming the option)."""
+    return bool(x) if isinstance(x, numbers.Number) and (x == 0 or x == 1) else x
 
 
 @functools.lru_cache(maxsize=256)
@@ -452,14 +461,67 @@ def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_
 
 # ----------------------------------------------------------------------------- public API
 
+def _not_a_tensor(call: str, tensors: dict) -> Optional[HilaError]:
+    """The HilaError for the first array of ``tensors`` (name -> value) that is not a torch tensor
+    (before torch's schema check, whose message dumps the values), or None."""
+    for name, x in tensors.items():
+        if x is not None and not isinstance(x, Tensor):
+            return HilaError(f"hila: argument '{name}': expected a torch.Tensor ({call} runs the torch "
+                             f"custom ops; hila.{call.rsplit('.', 1)[1]} takes numpy and other DLPack "
+                             f"arrays), got {_ops._describe(x)}", name)
+    return None
+
+
+def _check_call(call: str, op, extra: tuple, unknown: dict, **tensors) -> None:
+    """HilaError for an fla-style call without ``op``, extra positional arguments, arrays that are
+    not torch tensors, or unknown keywords. The direct road runs it only when a cheap test says
+    something is wrong (``extra``, ``unknown``, ``op`` not a string); its array checks run when
+    the road failed on an argument (:func:`_reraise`)."""
+    _ops.check_op(op, call)
+    _ops.check_no_extra_positional(call, extra)
+    err = _not_a_tensor(call, tensors)
+    if err is not None:
+        raise err
+    _ops.check_no_unknown_keywords(call, unknown)
+
+
+def _reraise(call: str, state_name: str, state, **tensors):
+    """In an ``except`` of the direct road (AttributeError / TypeError: an argument that is not a
+    tensor): the HilaError naming it, else the original exception."""
+    if state is not None:
+        tensors.update((f"{state_name}.{f}", x) for f, x in zip(State._fields, state))
+    err = _not_a_tensor(call, tensors)
+    if err is not None:
+        raise err from None
+    raise
+
+
+def _check_state_parts(call: str, state_name: str, state, **tensors) -> None:
+    """Before a custom op (whose schema check dumps the values): HilaError for a part of the state,
+    or one of ``tensors``, that is not a torch tensor."""
+    tensors.update((f"{state_name}.{f}", x) for f, x in zip(State._fields, state))
+    err = _not_a_tensor(call, tensors)
+    if err is not None:
+        raise err
+
+
+def _as_state(op: str, s, name: str) -> Optional[State]:
+    """A state argument as a State: a State passes through; else :func:`hila.ops.as_state` (a
+    4-sequence, fla's bare [N, H, dk, dv] tensor for gla / gdn, or HilaError naming ``name``)."""
+    return s if type(s) is State else _ops.as_state(op, s, name)
+
+
 def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
-                 init_pos: Optional[Tensor]) -> int:
+                 init_pos: Optional[Tensor], max_seqlen: Optional[int] = None) -> int:
     """Slots of a log-linear final state: exact when the shapes tell (dense, no initial state);
-    otherwise read from cu_seqlens / init_pos, which torch.compile cannot trace."""
+    ``state_slots(max_seqlen)`` for packed sequences without an initial state; otherwise read from
+    cu_seqlens (or its host copy) / init_pos, which torch.compile cannot trace."""
     if not _ops._traits(op)["loglinear"]:
         return 1
     if cu_seqlens is None and init_pos is None:
         return _ops.state_slots(T)
+    if init_pos is None and max_seqlen is not None:
+        return _ops.state_slots(int(max_seqlen))
     if torch.compiler.is_compiling():
         raise HilaError(
             "hila: argument 'final_slots': is required under torch.compile for a log-linear final "
@@ -478,18 +540,20 @@ def _requires_grad(*xs) -> bool:
 
 
 def _check_state(state) -> None:
-    if state is None or len(state) != 4 or state[0] is None or state[3] is None:
+    if state is None or state[0] is None or state[3] is None:
         raise HilaError("hila: argument 'state': expected a State with pos and H, got "
                         f"{type(state).__name__}", "state")
 
 
-def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
+def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra,
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, initial_state: Optional[State] = None,
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
-            qk_l2norm: bool = False, check_values: bool = True) -> Tuple[Tensor, Optional[State]]:
+            qk_l2norm: bool = False, check_values: bool = True,
+            state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
+            max_seqlen: Optional[int] = None, **unknown) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
 
     Shapes as in :func:`hila.forward`: q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or
@@ -497,29 +561,52 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     ``(o [B, T, H, dv], final_state or None)``.
 
     ``final_slots``: Fenwick slots of a log-linear final H. None: ``state_slots(T)`` for dense
-    input without initial state, else read from the data (one device read; pass it explicitly
-    under torch.compile, and to spare the read).
+    input without initial state, ``state_slots(max_seqlen)`` for packed input without initial
+    state, else read from the data (one device read, none with ``cu_seqlens_cpu``; pass it
+    explicitly under torch.compile, and to spare the read).
 
     ``check_values`` scans every input for non-finite values and positive gates before computing
     (O(size) work; on CUDA a device scan plus one synchronisation per input): turn it off in
     training loops once the inputs are known to be sane.
+
+    ``initial_state`` may be a bare tensor ``[N, H, dk, dv]`` for ``gla`` and ``gdn`` (fla's
+    convention; positions 0). Serving hooks (docs/SERVING.md): ``state_indices`` (int32/int64 [N])
+    makes ``initial_state`` a state pool read at rows ``state_indices`` and written back there
+    (row -1: a padding sequence, neither read nor written); ``cu_seqlens_cpu`` (a host copy of
+    cu_seqlens) and ``max_seqlen`` spare the reads of cu_seqlens.
     """
-    init = _NO_STATE if initial_state is None else initial_state
-    if len(init) != 4:
-        raise HilaError("hila: argument 'initial_state': expected a State (pos, S, P, H), got "
-                        f"{len(init)} items", "initial_state")
+    direct = _direct(q)
+    if extra or unknown or not direct or not isinstance(op, str):
+        _check_call("hila.torch.forward", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
+                    cu_seqlens=cu_seqlens)
+    if state_indices is not None:
+        from .serving import pooled_forward
+        return pooled_forward(op, q, k, v, g, pool=initial_state, state_indices=state_indices, lam=lam,
+                              beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                              max_seqlen=max_seqlen, form=form, chunk=chunk, scale=scale,
+                              normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
+                              check_values=check_values)
+    init = _NO_STATE if initial_state is None else _as_state(op, initial_state, "initial_state")
     if output_final_state and final_slots is None:
-        final_slots = _final_slots(op, q.shape[1], q.shape[0], cu_seqlens, init[0])
+        final_slots = _final_slots(op, q.shape[1], q.shape[0],
+                                   cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, init[0],
+                                   max_seqlen)
     scale = float(scale or 0.0)
-    if _direct(q):
-        spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
-        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
-            o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k, v,
-                                             g, lam, beta, cu_seqlens, *init)
-            return o, (State(pos, S, P, H) if output_final_state else None)
-        init = None if init[0] is None and init[1] is None and init[2] is None and init[3] is None else init
-        return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
-                             int(final_slots or 1))
+    if direct:
+        try:
+            spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+            if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
+                o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k,
+                                                 v, g, lam, beta, cu_seqlens, *init)
+                return o, (State(pos, S, P, H) if output_final_state else None)
+            if init[0] is None and init[1] is None and init[2] is None and init[3] is None:
+                init = None
+            return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
+                                 int(final_slots or 1))
+        except (AttributeError, TypeError):
+            _reraise("hila.torch.forward", "initial_state", init, k=k, v=v, g=g, lam=lam, beta=beta,
+                     cu_seqlens=cu_seqlens)
+    _check_state_parts("hila.torch.forward", "initial_state", init)
     o, pos, S, P, H = torch.ops.hila.forward(
         q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, scale, normalize,
         float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
@@ -529,35 +616,43 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
 
 
-def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-         check_values: bool = True) -> Tuple[Tensor, State]:
+         check_values: bool = True, **unknown) -> Tuple[Tensor, State]:
     """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
 
     q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
-    :class:`hila.State` before the token. Returns ``(o [N, H, dv], new_state)``; the new state has
-    the shapes of ``state`` (a log-linear H keeps its slot capacity: allocate it for the longest
-    sequence to come, see :func:`zero_state`).
+    :class:`hila.State` before the token (a bare [N, H, dk, dv] tensor for gla / gdn). Returns
+    ``(o [N, H, dv], new_state)``; the new state has the shapes of ``state`` (a log-linear H keeps
+    its slot capacity: allocate it for the longest sequence to come, see :func:`zero_state`).
     """
+    direct = _direct(q)
+    if extra or unknown or not direct or not isinstance(op, str):
+        _check_call("hila.torch.step", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    state = _as_state(op, state, "state")
     _check_state(state)
     scale = float(scale or 0.0)
-    if _direct(q):
-        spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
-        if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
-            return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
-        o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
+    if direct:
+        try:
+            spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+            if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+                return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
+            o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
+        except (AttributeError, TypeError):
+            _reraise("hila.torch.step", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     else:
+        _check_state_parts("hila.torch.step", "state", state)
         o, pos, S, P, H = torch.ops.hila.step(
             q, k, v, g, lam, beta, *state, op, scale, normalize, float(eps), float(ridge),
             qk_l2norm, check_values)
     return o, State(pos, S if state.S is not None else None, P if state.P is not None else None, H)
 
 
-def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *, state: State,
+def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True) -> Tensor:
+          check_values: bool = True, state_indices: Optional[Tensor] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -567,12 +662,30 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
     ``check_values`` scans the step's inputs (on CUDA: one synchronisation); a decode loop that
     validated its prefill turns it off. Returns o [N, H, dv].
+
+    ``state_indices`` (int32/int64 [N], serving: docs/SERVING.md): ``state`` is a pool whose row
+    ``state_indices[i]`` sequence i reads and advances; rows with index -1 are padding (output 0,
+    no state touched).
     """
+    direct = _direct(q)
+    if extra or unknown or not direct or not isinstance(op, str):
+        _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if state_indices is not None:
+        from .serving import pooled_step_
+        return pooled_step_(op, q, k, v, g, pool=state, state_indices=state_indices, lam=lam,
+                            beta=beta, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
+                            qk_l2norm=qk_l2norm, check_values=check_values)
+    state = _as_state(op, state, "state")
     _check_state(state)
     scale = float(scale or 0.0)
-    if _direct(q) and not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
-        spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
-        return _step_inplace_call(spec, q, k, v, g, lam, beta, *state)
+    if direct:
+        try:
+            if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+                spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+                return _step_inplace_call(spec, q, k, v, g, lam, beta, *state)
+        except (AttributeError, TypeError):
+            _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
+    _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
                                 float(eps), float(ridge), qk_l2norm, check_values)
 
