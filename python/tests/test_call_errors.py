@@ -52,6 +52,20 @@ def test_numpy_api_names_the_argument():
     _raises(lambda: st.load((np.zeros(4, np.int64), None, None, "x")), "state.H")
 
 
+def test_numpy_api_options_after_a_cached_call():
+    """hila.ops caches the Config of a call's options: an option that equals a cached one (1 and
+    True) or cannot be hashed (a list) is still checked and named."""
+    q, k, v, g = _np_inputs()
+    for cv in (True, False):
+        hila.forward("gla", q, k, v, g, check_values=cv, normalize=False)
+    _raises(lambda: hila.forward("gla", q, k, v, g, check_values=1), "check_values", "bool")
+    _raises(lambda: hila.forward("gla", q, k, v, g, normalize=0), "normalize", "bool")
+    _raises(lambda: hila.forward("gla", q, k, v, g, scale=[0.5]), "scale", "number")
+    _raises(lambda: hila.step_("gla", q[:, 0], k[:, 0], v[:, 0], g[:, 0], np.zeros(2),
+                               state=hila.State(np.zeros(4, np.int64), None, None, np.zeros((4, 2, 4, 4)))),
+            None, "positional")
+
+
 @pytest.mark.parametrize("N", [1, 4])
 def test_bare_state_array(N):
     """fla's initial_state [N, H, K, V]: the state of gla and gdn (positions 0); rejected, naming

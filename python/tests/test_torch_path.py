@@ -5,7 +5,8 @@
   torch.profiler, are one ``empty`` per output and gradient;
 * every output is fully written by the library: with the allocations poisoned (NaN), results
   equal the float64 naive form and are finite;
-* the direct road and the registered custom ops give bitwise identical results;
+* the direct road and the registered custom ops give bitwise identical results (also with the
+  serving hooks and fla's bare states) and name the same misused arguments;
 * decode steps run no value checks and no host reads; ``HilaLM.generate`` gives the same tokens
   with and without its CUDA-graph decode; on a CUDA device a layer's decode step captured in a
   CUDA graph and replayed for 32 tokens equals eager decode to the bit (skipped, with the reason,
@@ -271,6 +272,80 @@ def test_decode_roads_equal(op, device, request):
         out[road] = [t.detach() for t in outs] + list(grads) + [o_ip] + [p for p in st_ip if p is not None]
     for i, (a, b) in enumerate(zip(out["direct"], out["custom_op"])):
         assert torch.equal(a, b), f"result {i} differs between the roads"
+
+
+@pytest.mark.parametrize("op", ["gla", "loglinear_gdn"])
+def test_serving_hooks_and_bare_states_equal_on_both_roads(request, op):
+    """The keywords of the serving hooks (state_indices with a padding row, cu_seqlens_cpu,
+    max_seqlen) and fla's bare [N, H, dk, dv] state (gla) take the direct road with results equal
+    to the custom ops' bit for bit; the gradient to a bare initial state is that of its State."""
+    x, _, _ = torch_inputs(op, "cpu", B=1, T=9, H=2, dk=4, dv=3)
+    x = {k: v.detach() for k, v in x.items()}
+    cu = torch.tensor([0, 4, 9])
+    t = hila.op_traits(op)
+    out = {}
+    for road in ("direct", "custom_op"):
+        _setflag(request, hops._FAST, road == "direct")
+        pool = ht.allocate_state_pool(op, 4, 2, 4, 3, max_len=16, dtype=torch.float64)
+        rows = torch.tensor([2, 0])
+        o, _ = ht.forward(op, **x, cu_seqlens=cu, initial_state=pool, state_indices=rows,
+                          cu_seqlens_cpu=cu.clone(), max_seqlen=5, check_values=False)
+        o_fin, fin = ht.forward(op, **x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), max_seqlen=5,
+                                output_final_state=True)
+        tok = {k: v[0, :3] for k, v in x.items()}                      # 3 decode rows, one padding
+        o_t = ht.step_(op, **tok, state=pool, state_indices=torch.tensor([0, -1, 2]))
+        res = [o, o_fin, o_t] + [p for p in pool + fin if p is not None]
+        if not t["loglinear"]:
+            h0 = torch.randn(2, 2, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3),
+                             requires_grad=True)
+            o_b, fin_b = ht.forward(op, **x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+            (dh0,) = torch.autograd.grad(o_b.square().sum() + fin_b.H.sum(), [h0])
+            h0s = h0.detach().clone().requires_grad_()
+            o_s, fin_s = ht.forward(op, **x, cu_seqlens=cu, output_final_state=True,
+                                    initial_state=hila.State(torch.zeros(2, dtype=torch.int64), None, None, h0s))
+            (dh0s,) = torch.autograd.grad(o_s.square().sum() + fin_s.H.sum(), [h0s])
+            assert torch.equal(o_b, o_s) and torch.equal(dh0, dh0s)
+            res += [o_b.detach(), dh0]
+        out[road] = res
+    assert len(out["direct"]) == len(out["custom_op"])
+    for i, (a, b) in enumerate(zip(out["direct"], out["custom_op"])):
+        assert torch.equal(a, b), f"result {i} differs between the roads"
+    assert not out["direct"][2][1].any()                                # the padding row's output
+
+
+@pytest.mark.parametrize("road", ["direct", "custom_op"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_arguments_that_are_not_tensors_are_named_on_both_roads(request, road, grad):
+    """A numpy array or a list among the tensors of a hila.torch call (q a tensor) is a HilaError
+    naming it on either road, with or without gradients (the direct road checks only when the
+    call failed on it; the custom ops before their schema check). Flags take 0/1 as bools on
+    both roads (as the custom ops' bool arguments do) and refuse anything else by name."""
+    _setflag(request, hops._FAST, road == "direct")
+    x, _, _ = torch_inputs("gla", "cpu", B=2, T=5, H=2, dk=4, dv=3)
+    if not grad:
+        x = {k: v.detach() for k, v in x.items()}
+    tok = {k: v[:, 0] for k, v in x.items()}
+    st = lambda: ht.zero_state("gla", 2, 2, 4, 3, dtype=torch.float64)  # noqa: E731
+
+    def named(call, argument):
+        with pytest.raises(hila.HilaError) as err:
+            call()
+        assert err.value.argument == argument, str(err.value)
+        assert "torch.Tensor" in str(err.value) and "Expected a value of type" not in str(err.value)
+
+    named(lambda: ht.forward("gla", x["q"], x["k"].detach().numpy(), x["v"], x["g"]), "k")
+    named(lambda: ht.forward("gla", x["q"], x["k"], x["v"], x["g"].tolist()), "g")
+    bad_state = hila.State(torch.zeros(2, dtype=torch.int64), None, None, np.zeros((2, 2, 4, 3)))
+    named(lambda: ht.forward("gla", **x, initial_state=bad_state), "initial_state.H")
+    named(lambda: ht.step("gla", **{**tok, "v": tok["v"].detach().numpy()}, state=st()), "v")
+    named(lambda: ht.step_("gla", **{**tok, "v": tok["v"].detach().numpy()}, state=st()), "v")
+    named(lambda: ht.step_("gla", **tok, state=bad_state), "state.H")
+    for flag in (1, True, 0):
+        ht.forward("gla", **x, check_values=flag)
+    with pytest.raises(hila.HilaError) as err:
+        ht.forward("gla", **x, check_values=2) if road == "direct" else hila.forward(
+            "gla", *(v.detach().numpy() for v in x.values()), check_values=2)
+    assert err.value.argument == "check_values"
 
 
 def test_fast_path_switch():
