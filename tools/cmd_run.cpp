@@ -13,7 +13,7 @@ namespace hila::tools {
 namespace {
 
 struct RunOptions {
-  std::string op, form = "chunk", in, out, gates = "tied", device = "cpu";
+  std::string op, form = "chunk", in, out, gates = "tied", device = "cpu", max_memory;
   int64_t chunk = 64;
   bool backward = false, no_check_values = false;
   OpConfig cfg;  // scalar flags are parsed straight into it
@@ -107,6 +107,8 @@ int run(const RunOptions& o) {
   cfg.gates = o.gates == "untied" ? Gates::untied : Gates::tied;
   cfg.check_values = !o.no_check_values;
   const Form form = parse_form(o.form);
+  if (!o.max_memory.empty()) hila::set_memory_limit(hila::parse_memory_size(o.max_memory, "max-memory"));
+  check_output_path(o.out, o.in);  // before any work: --out must not be --in (or a directory)
 
   Safetensors in = read_safetensors(o.in);
   Problem p = problem_from_file(cfg, in, o.backward);
@@ -158,6 +160,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--qk-l2norm", o->cfg.qk_l2norm, "gdn / loglinear_gdn: L2-normalize q and k in the kernel");
   sub->add_flag("--no-check-values", o->no_check_values, "skip the g <= 0 and finiteness checks on inputs");
+  sub->add_option("--max-memory", o->max_memory,
+                  "host memory the call may take, e.g. 8G (default: the machine's memory or HILA_MAX_MEMORY); "
+                  "a larger call fails up front, naming the tensor");
   add_device_option(sub, o->device);
   return {sub, [o] { return run(*o); }};
 }

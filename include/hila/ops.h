@@ -131,6 +131,17 @@ void backward(const BackwardParams& p);
 size_t workspace_size(const ForwardParams& p);
 size_t workspace_size(const BackwardParams& p);
 
+// Host memory: a call whose CPU computation (or a DecodeState whose memory) would need more than
+// memory_limit() bytes fails up front with hila::Error naming the tensor and the bytes it needs,
+// and an allocation failure anywhere in hila becomes hila::Error("memory", ...). The limit is the
+// smallest of set_memory_limit() (when set), the environment variable HILA_MAX_MEMORY (bytes, or a
+// number with a K/M/G/T suffix, powers of 1024), the machine's physical memory and its cgroup
+// limit. Device memory is the device's own (a failed CUDA allocation is a hila::Error too).
+int64_t memory_limit();
+void set_memory_limit(int64_t bytes);  // 0: back to the default; < 0 is an error
+// "123", "64K", "1.5G", "2T" -> bytes; throws hila::Error(arg) on anything else.
+int64_t parse_memory_size(const std::string& text, const std::string& arg = "max_memory");
+
 // ---------------------------------------------------------------------------------------------
 // Decode: an owning state for N sequences x H heads, stepped one token at a time (serial form).
 struct StepParams {

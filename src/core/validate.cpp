@@ -1,17 +1,139 @@
 // SPDX-License-Identifier: Apache-2.0
 // Input validation for every entry point. Each failure names the argument, what was expected and
 // what was given (LOGLINEAR_SPEC §11). Nothing is launched before all checks pass.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <omp.h>
 
 #include "core/access.h"
 #include "core/host_mirror.h"
 #include "core/problem.h"
 #include "hila/error.h"
 
+namespace hila {
+
+namespace {
+std::atomic<int64_t> g_memory_limit{0};  // set_memory_limit(); 0: not set
+
+// The machine's physical memory, lowered to the cgroup (v2 or v1) limit of this process if any.
+int64_t machine_memory() {
+  static const int64_t bytes = [] {
+    int64_t m = int64_t(sysconf(_SC_PHYS_PAGES)) * int64_t(sysconf(_SC_PAGESIZE));
+    if (m <= 0) m = std::numeric_limits<int64_t>::max();
+    for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+      if (FILE* f = std::fopen(path, "r")) {
+        long long v = 0;
+        if (std::fscanf(f, "%lld", &v) == 1 && v > 0) m = std::min<int64_t>(m, v);
+        std::fclose(f);
+      }
+    }
+    return m;
+  }();
+  return bytes;
+}
+}  // namespace
+
+int64_t parse_memory_size(const std::string& text, const std::string& arg) {
+  const std::string bad = "expected a size in bytes, optionally with a K, M, G or T suffix (powers of 1024), "
+                          "e.g. 512M or 16G, got '" + text + "'";
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw Error(arg, bad);
+  }
+  std::string unit = text.substr(used);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  if (!unit.empty() && (unit.back() == 'i')) unit.pop_back();
+  double mult = 1;
+  if (unit.size() == 1) {
+    const char* units = "KMGT";
+    const char* u = std::strchr(units, std::toupper(static_cast<unsigned char>(unit[0])));
+    if (!u || !*u) throw Error(arg, bad);
+    mult = std::ldexp(1.0, 10 * int(u - units + 1));
+  } else if (!unit.empty()) {
+    throw Error(arg, bad);
+  }
+  const double bytes = x * mult;
+  if (!std::isfinite(bytes) || bytes < 1 || bytes >= 9.2e18) throw Error(arg, bad + " (between 1 byte and 8 EiB)");
+  return static_cast<int64_t>(bytes);
+}
+
+int64_t memory_limit() {
+  int64_t m = machine_memory();
+  if (const char* env = std::getenv("HILA_MAX_MEMORY"); env && *env)
+    m = std::min(m, parse_memory_size(env, "HILA_MAX_MEMORY"));
+  if (const int64_t set = g_memory_limit.load(); set > 0) m = std::min(m, set);
+  return m;
+}
+
+void set_memory_limit(int64_t bytes) {
+  if (bytes < 0) throw Error("max_memory", "expected a size in bytes >= 0 (0: the default), got " + std::to_string(bytes));
+  g_memory_limit.store(bytes);
+}
+
+}  // namespace hila
+
 namespace hila::detail {
+
+int64_t checked_product(std::initializer_list<int64_t> sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes)
+    if (s < 0 || !mul_ok(n, s, &n)) return -1;
+  return n;
+}
+
+void check_extent(const std::string& name, const TensorView& t) {
+  if (!t.defined()) return;
+  int64_t n = dtype_size(t.dtype);
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) throw Error(name, "expected non-negative sizes, got " + t.shape_str());
+    if (!mul_ok(n, std::max<int64_t>(t.shape[i], 1), &n))
+      throw Error(name, "expected a shape whose non-zero sizes multiply to at most 2^63 bytes (an array "
+                        "numpy or torch could hold), got " + t.shape_str() + " of " + dtype_name(t.dtype));
+  }
+}
+
+int64_t host_memory_limit() { return memory_limit(); }
+
+namespace {
+std::string bytes_str(double b) {
+  char buf[64];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  double x = b;
+  while (x >= 1024 && u < 6) x /= 1024, ++u;
+  if (b >= 1e21) std::snprintf(buf, sizeof buf, "%.3g bytes", b);
+  else std::snprintf(buf, sizeof buf, "%.0f bytes (%.1f %s)", b, x, units[u]);
+  return buf;
+}
+}  // namespace
+
+void check_host_bytes(const std::string& arg, double bytes, const std::string& what) {
+  const int64_t limit = host_memory_limit();
+  if (bytes > double(limit))
+    throw Error(arg, "needs " + bytes_str(bytes) + " of host memory for " + what + ", more than the " +
+                         bytes_str(double(limit)) + " hila may take (the machine's memory, HILA_MAX_MEMORY or "
+                         "hila::set_memory_limit)");
+}
+
+void fail_allocation(const std::string& arg, const std::string& what, const char* why) {
+  throw Error(arg, "could not allocate host memory for " + what + " (" + why + "; limit " +
+                       bytes_str(double(host_memory_limit())) + ")");
+}
 
 namespace {
 
@@ -75,9 +197,13 @@ void expect_device(const std::string& name, const TensorView& t, Device d) {
     fail(name, "expected device " + device_name(d) + " (that of q), got " + device_name(t.device));
 }
 
-// Innermost dimension contiguous, no negative strides, data present.
+// Innermost dimension contiguous, no negative strides, data present. A tensor with no elements
+// addresses no memory: any strides (numpy 2 gives zero-size arrays all-zero strides) and any
+// pointer are accepted.
 void expect_strides(const std::string& name, const TensorView& t) {
-  if (t.numel() > 0 && t.data == nullptr) fail(name, "expected data, got a null pointer");
+  check_extent(name, t);
+  if (t.numel() == 0) return;
+  if (t.data == nullptr) fail(name, "expected data, got a null pointer");
   if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1)
     fail(name, "expected the innermost dimension to be contiguous (stride 1), got stride " +
                    std::to_string(t.stride[t.ndim - 1]));
@@ -112,10 +238,11 @@ std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
 
 // Value check of one tensor: every element finite (and, for log-gates, <= 0). Device tensors are
 // scanned on the device; only the first offending element is read back for the message.
+// Log-gates may be -inf: a state reset (docs/OPERATORS.md, "Resets").
 void check_elements(const std::string& name, const TensorView& dev_t, bool gates) {
-  const char* what = gates ? "expected finite log-gates <= 0 (value checks are on), got "
+  const char* what = gates ? "expected log-gates <= 0, finite or -inf (a reset) (value checks are on), got "
                            : "expected finite values (value checks are on), got ";
-  auto bad = [&](double x) { return !std::isfinite(x) || (gates && x > 0); };
+  auto bad = [&](double x) { return gates ? (std::isnan(x) || x > 0) : !std::isfinite(x); };
   const int64_t first = device_scan(dev_t, gates);
   if (first == -1) return;
   if (first >= 0) {  // element `first` in row-major order: read just that one
@@ -130,7 +257,11 @@ void check_elements(const std::string& name, const TensorView& dev_t, bool gates
     one.data = static_cast<char*>(dev_t.data) + off * dtype_size(dev_t.dtype);
     for (int i = 0; i < one.ndim; ++i) one.shape[i] = 1;
     const HostMirror m(one);
-    fail(name, what + std::to_string(load(m.view(), 0)) + " at " + idx_str(idx, dev_t.ndim));
+    const double x = load(m.view(), 0);
+    if (gates && std::isinf(x) && x < 0)  // the device scan's criterion: finite log-gates
+      fail(name, "got -inf (a state reset) at " + idx_str(idx, dev_t.ndim) + " on " +
+                     device_name(dev_t.device) + ": -inf log-gates (state resets) are computed by the CPU backend only");
+    fail(name, what + std::to_string(x) + " at " + idx_str(idx, dev_t.ndim));
   }
   const HostMirror m(dev_t);
   const TensorView& t = m.view();
@@ -179,6 +310,9 @@ std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, D
   const TensorView& cu = mirror.view();
   std::vector<SeqInfo> seqs;
   if (!cu.defined()) {
+    check_host_bytes("q", double(B) * sizeof(SeqInfo),
+                     "the table of B = " + std::to_string(B) + " sequences");
+    with_memory_errors("q", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(B)); });
     for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T, 0});
     return seqs;
   }
@@ -190,6 +324,9 @@ std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, D
   expect_strides("cu_seqlens", cu);
   if (B != 1) fail("cu_seqlens", "expected batch size B = 1 with varlen, got B = " + std::to_string(B));
   const int64_t n = cu.shape[0];
+  check_host_bytes("cu_seqlens", double(n) * sizeof(SeqInfo),
+                   "the table of " + std::to_string(n - 1) + " sequences");
+  with_memory_errors("cu_seqlens", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(n - 1)); });
   int64_t prev = load_int(cu, 0);
   if (prev != 0) fail("cu_seqlens", "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
   for (int64_t i = 1; i < n; ++i) {
@@ -347,6 +484,53 @@ void check_optional_output(const std::string& name, const TensorView& t, const T
   check_output(name, t, s, like.dtype, like.device, "shape of " + input);
 }
 
+// Host memory of the CPU backend's call (cpu/backend.cpp, cpu/primitive.cpp), estimated from the
+// sizes before anything is allocated: per (sequence, head) work item the gathered rows, the
+// segment matrices ([R, R] with R = T for the naive form, the chunk for chunk/scan), the states
+// (and, in the chunk backward, one incoming state per segment), times the items that run at once;
+// the backward also keeps dq and dk of every head until the group reduction. A rough upper
+// bound: its purpose is to fail up front, naming what is large, instead of exhausting memory.
+void check_cpu_memory(const Resolved& r, bool backward) {
+  if (r.seqs.empty()) return;
+  const double es = r.f64 ? 8 : 4, dk = double(r.dk), dvp = double(r.dvp), H = double(r.H);
+  const double N = double(r.seqs.size());
+  double n = 0, last = 0;
+  for (const SeqInfo& q : r.seqs) {
+    n = std::max(n, double(q.len));
+    last = std::max(last, double(q.n0 + q.len));
+  }
+  const double rows = r.form == Form::naive ? n : r.form == Form::serial ? std::min(n, 64.0)
+                                                                          : std::min(double(r.chunk), n);
+  const double slots = r.traits.loglinear ? double(bitlen(static_cast<uint64_t>(last)) + 1) : 1;
+  const double state = (r.traits.has_S ? dk * dk : 0) + (r.traits.has_P ? dk * dvp : 0) + slots * dk * dvp;
+  const double gathered = n * (3 * dk + 3 * dvp + double(r.nL) + 4) * (backward ? 3 : 1);
+  const double segmats = rows * rows * ((backward ? 12 : 6) + (r.traits.delta ? 6 : 0));
+  const double segs = rows > 0 ? std::ceil(n / rows) + 1 : 1;
+  double states = 4 * state;
+  if (backward || r.form == Form::scan) states += segs * state * (r.form == Form::scan ? 3 : 1);
+  const double threads = std::min<double>(std::max(1, omp_get_max_threads()), N * H);
+  const double per_item = es * (gathered + segmats + states);
+  const double kept = backward ? es * 2 * N * H * n * dk : 0;
+  const double total = per_item * threads + kept;
+  // Name what dominates.
+  if (segmats * es * threads >= total / 2) {
+    const std::string R = std::to_string(static_cast<int64_t>(rows));
+    check_host_bytes(r.form == Form::naive ? "form" : "chunk", total,
+                     std::string("the ") + form_name(r.form) + " form's [" + R + ", " + R + "] " +
+                         (r.f64 ? "float64" : "float32") + " matrices of each (sequence, head) on " +
+                         std::to_string(static_cast<int64_t>(threads)) + " threads" +
+                         (r.form == Form::naive ? " (use the chunk form)" : ""));
+  } else if (states * es * threads >= total / 2) {
+    check_host_bytes("q", total, "the per-head states (dk = " + std::to_string(r.dk) + ", dv' = " +
+                                     std::to_string(r.dvp) + ", " + std::to_string(static_cast<int64_t>(slots)) +
+                                     " slots) on " + std::to_string(static_cast<int64_t>(threads)) + " threads");
+  } else {
+    check_host_bytes("q", total, "the rows of " + std::to_string(static_cast<int64_t>(N)) + " sequences x " +
+                                     std::to_string(r.H) + " heads of up to " +
+                                     std::to_string(static_cast<int64_t>(n)) + " tokens");
+  }
+}
+
 Resolved resolve_common(const ForwardParams& p, bool o_required) {
   check_config(p.cfg);
   const int form = static_cast<int>(p.form);
@@ -369,8 +553,9 @@ Resolved resolve_common(const ForwardParams& p, bool o_required) {
     check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, nullptr, true, p.cfg.check_values, d.dev);
     const std::vector<int64_t> pos = read_positions(p.init.pos);
     for (int64_t i = 0; i < N; ++i) {
-      if (pos[i] > (int64_t(1) << 62) - r.seqs[i].len)
-        fail("init.pos", "expected n0 + T < 2^62, got n0 = " + std::to_string(pos[i]));
+      if (pos[i] > kMaxPosition - r.seqs[i].len)
+        fail("init.pos", "expected n0 + T <= 2^62 for sequence " + std::to_string(i) + " (T = " +
+                             std::to_string(r.seqs[i].len) + "), got n0 = " + std::to_string(pos[i]));
       r.seqs[i].n0 = pos[i];
     }
     r.has_init = true;
@@ -435,7 +620,11 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
     expect_strides(pn, tv);
     if (values) check_finite(pn, tv);
   };
-  part("S", s.S, t.has_S, {N, H, dk * (dk + 1) / 2}, "[N, H, dk(dk+1)/2] packed symmetric S");
+  const int64_t packed = packed_size(dk);
+  if (t.has_S && packed < 0)
+    fail("q", "expected a head dim dk whose packed state S of dk(dk+1)/2 entries fits in int64, got dk = " +
+                  std::to_string(dk));
+  part("S", s.S, t.has_S, {N, H, packed}, "[N, H, dk(dk+1)/2] packed symmetric S");
   part("P", s.P, t.has_P, {N, H, dk, dvp}, "[N, H, dk, dv']");
   if (t.loglinear) {
     part("H", s.H, true, {N, H, 0, dk, dvp}, "[N, H, Ls, dk, dv'] Fenwick slots");
@@ -472,7 +661,9 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
 
 Resolved resolve_forward(const ForwardParams& p) {
   const StreamScope scope(p.stream);
-  return resolve_common(p, true);
+  Resolved r = resolve_common(p, true);
+  if (p.q.device.type == DeviceType::cpu) check_cpu_memory(r, false);
+  return r;
 }
 
 Resolved resolve_backward(const BackwardParams& p) {
@@ -513,6 +704,7 @@ Resolved resolve_backward(const BackwardParams& p) {
     check_optional_output("d_init.P", p.d_init.P, p.init.P, "init.P");
     check_optional_output("d_init.H", p.d_init.H, p.init.H, "init.H");
   }
+  if (dev.type == DeviceType::cpu) check_cpu_memory(r, true);
   return r;
 }
 
