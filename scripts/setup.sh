@@ -8,6 +8,9 @@
 set -euo pipefail
 
 debs=(cmake g++ make libgtest-dev nlohmann-json3-dev libcli11-dev python3 python3-pip)
+# The test command's fuzz run (tests/fuzz/run.sh): clang with libFuzzer and AddressSanitizer
+# (libclang-rt-14-dev) and the LLVM OpenMP runtime.
+[ "${1:-}" = "python" ] && debs+=(clang libclang-rt-14-dev libomp-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -32,4 +35,10 @@ if [ "${1:-}" = "python" ] && ! "$PY" -c "import nanobind, scikit_build_core, to
   echo "setup: installing Python packages: nanobind scikit-build-core torch"
   "$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core torch 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages nanobind scikit-build-core torch
+fi
+# Property-based fuzzing of the Python API (tests/fuzz) and bfloat16 numpy arrays (ml_dtypes).
+if [ "${1:-}" = "python" ] && ! "$PY" -c "import hypothesis, ml_dtypes" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: hypothesis ml_dtypes"
+  "$PY" -m pip install -q --disable-pip-version-check hypothesis ml_dtypes 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages hypothesis ml_dtypes
 fi

@@ -45,4 +45,8 @@ void write_safetensors(const std::string& path, const Safetensors& file);
 // the same file as `in` (device and inode compared, so another path to it is caught too).
 void check_output_path(const std::string& out, const std::string& in);
 
+// The tensors of a `hila run` input file (q k v g lam beta cu_seqlens h0.*; do dht.* with
+// backward) as a Problem; the tensors taken are removed from f (what is left is ignored).
+Problem problem_from_file(const OpConfig& cfg, Safetensors& f, bool backward);
+
 }  // namespace hila::tools

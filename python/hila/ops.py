@@ -222,9 +222,100 @@ def _arr(x: Optional[Array]) -> Optional[Array]:
     return np.asarray(x)
 
 
+# ----------------------------------------------------------------------------- argument errors
+
+_DTYPES = ("float64", "float32", "bfloat16", "float16", "int32", "int64")
+# Positional parameter names of the _C entry points, for naming a bad argument.
+_C_PARAMS = {
+    "forward": ("cfg", "form", "chunk", "q", "k", "v", "g", "lam", "beta", "cu_seqlens", "initial_state"),
+    "backward": ("cfg", "form", "chunk", "q", "k", "v", "g", "lam", "beta", "cu_seqlens", "initial_state",
+                 "do", "d_final_state"),
+    "step": ("cfg", "q", "k", "v", "g", "lam", "beta", "state"),
+    "step_inplace": ("cfg", "q", "k", "v", "g", "lam", "beta", "state"),
+    "DecodeState.step": ("q", "k", "v", "g", "lam", "beta"),
+    "DecodeState.load": ("state",),
+    "DecodeState": ("cfg", "batch", "heads", "dk", "dv", "dtype"),
+    "DecodeState.reserve": ("max_pos",),
+    "DecodeState.position": ("seq",),
+}
+_STATE_ARGS = ("initial_state", "d_final_state", "state", "final_state", "state_out", "d_init")
+_INT_ARGS = ("chunk", "stream", "batch", "heads", "dk", "dv", "device_type", "device_id", "max_pos", "seq")
+_STR_ARGS = ("form", "dtype")
+
+
+def _is_ml_bf16(x: Any) -> bool:
+    """A numpy array of ml_dtypes' bfloat16 (numpy's DLPack export does not carry it)."""
+    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+
+
+def _bf16(x: Any) -> Any:
+    """ml_dtypes bfloat16 numpy arrays (also inside state tuples) as DLPack bfloat16 arrays aliasing
+    them (read and written in place); everything else as it is."""
+    if _is_ml_bf16(x):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return _C._bf16_view(x.view(np.uint16))
+    if isinstance(x, tuple):
+        return tuple(_bf16(y) for y in x)
+    return x
+
+
+def _what(x: Any) -> str:
+    dt = getattr(x, "dtype", None)
+    return type(x).__name__ + ("" if dt is None else f" of dtype {dt}")
+
+
+def _bad_argument(name: str, x: Any) -> Optional[str]:
+    """Why x cannot be argument `name` of a _C call, or None when it looks acceptable."""
+    if x is None:
+        return None
+    if name in _INT_ARGS:
+        return None if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else \
+            f"expected an int, got {_what(x)}"
+    if name in _STR_ARGS:
+        return None if isinstance(x, str) else f"expected a str, got {_what(x)}"
+    if name == "cfg" or name == "workspace":
+        return None
+    if not (hasattr(x, "__dlpack__") or hasattr(x, "__array_interface__")):
+        return f"expected an array (numpy, torch, ... or a DLPack array), got {_what(x)}"
+    dt = str(getattr(x, "dtype", "")).rsplit(".", 1)[-1]
+    if dt and dt not in _DTYPES:
+        return f"expected an array of dtype {', '.join(_DTYPES)}, got {_what(x)}"
+    return None
+
+
+def _call(where: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with nanobind's TypeError for an argument it cannot take turned into
+    HilaError naming that argument; ml_dtypes bfloat16 numpy arrays are passed as DLPack bfloat16."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as e:
+        first = e
+    conv = tuple(_bf16(a) for a in args)
+    conv_kw = {k: _bf16(v) for k, v in kwargs.items()}
+    if any(a is not b for a, b in zip(conv, args)) or any(conv_kw[k] is not kwargs[k] for k in kwargs):
+        try:
+            return fn(*conv, **conv_kw)
+        except TypeError as e:
+            first = e
+    named = list(zip(_C_PARAMS.get(where, ()), args)) + list(kwargs.items())
+    for name, x in named:
+        parts = [(name, x)]
+        if name in _STATE_ARGS and isinstance(x, (tuple, list)):
+            parts = [(f"{name}.{f}", y) for f, y in zip(("pos", "S", "P", "H"), x)]
+        for pname, y in parts:
+            why = _bad_argument(pname.split(".")[0] if "." not in pname else "array", y)
+            if why:
+                arg = pname.replace("initial_state", "init")
+                raise HilaError(f"hila: argument '{arg}': {why}", arg) from None
+    raise HilaError(f"hila: {where}: arguments of unsupported types ({first})", None) from None
+
+
 def _state(s: Optional[Sequence[Optional[Array]]]) -> Optional[tuple]:
     if s is None:
         return None
+    if not isinstance(s, (tuple, list)):
+        raise HilaError(f"hila: argument 'state': expected a State (pos, S, P, H), got {_what(s)}", "state")
     if len(s) != 4:
         raise HilaError(f"hila: argument 'state': expected a State (pos, S, P, H), got {len(s)} items",
                         "state")
@@ -232,7 +323,12 @@ def _state(s: Optional[Sequence[Optional[Array]]]) -> Optional[tuple]:
 
 
 def _stream(stream: Optional[int]) -> int:
-    return 0 if stream is None else int(stream)
+    if stream is None:
+        return 0
+    if not isinstance(stream, (int, np.integer)) or isinstance(stream, bool):
+        raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int (or None), got {_what(stream)}",
+                        "stream")
+    return int(stream)
 
 
 def _ndim(x: Optional[Array]) -> int:
@@ -330,8 +426,8 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
             final_slots = state_slots(_max_final_position(T, B, cu_seqlens, None if init is None else init[0]))
         final = _allocate_state(fam, op, N, H, dk, dv, normalize, final_slots, _state_dtype(q))
     st = _stream(stream)
-    _C.forward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o, final_state=final,
-               stream=st, workspace=fam.workspace(st))
+    _call("forward", _C.forward, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o=o,
+          final_state=final, stream=st, workspace=fam.workspace(st))
     return fam.finish(o), _finish_state(fam, final)
 
 
@@ -364,9 +460,9 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     dq, dk, dv, dg, dlam, dbeta = map(zeros_like, (q, k, v, g, lam, beta))
     d_init = _like_state(fam, init)
     st = _stream(stream)
-    _C.backward(cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin, dq=dq, dk=dk,
-                dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=st,
-                workspace=fam.workspace(st))
+    _call("backward", _C.backward, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, do, dfin,
+          dq=dq, dk=dk, dv=dv, dg=dg, dlam=dlam, dbeta=dbeta, d_init=d_init, stream=st,
+          workspace=fam.workspace(st))
     f = fam.finish
     return Grads(f(dq), f(dk), f(dv), f(dg), f(dlam), f(dbeta), _finish_state(fam, d_init))
 
@@ -409,7 +505,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
                 out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
             shape[2] = out_slots
         out.append(None if x is None else fam.zeros(shape, _dtype_name(x)))
-    _C.step(cfg, q, k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
+    _call("step", _C.step, cfg, q, k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
     return fam.finish(o), _finish_state(fam, State(*out))
 
 
@@ -454,7 +550,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
                             f"state.{name}")
     fam = _Family(q)
     o = fam.zeros(tuple(v.shape), _dtype_name(v))
-    _C.step_inplace(cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
+    _call("step_inplace", _C.step_inplace, cfg, q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
     return fam.finish(o)
 
 
@@ -538,8 +634,8 @@ class DecodeState:
                            qk_l2norm=qk_l2norm, check_values=check_values)
         dtype = str(dtype).rsplit(".", 1)[-1]  # also torch.float64 / np.float64
         dev_type, dev_id = _device(device)
-        self._st = _C.DecodeState(self._cfg, batch, heads, dk, dv, dtype, device_type=dev_type,
-                                  device_id=dev_id)
+        self._st = _call("DecodeState", _C.DecodeState, self._cfg, batch, heads, dk, dv, dtype,
+                         device_type=dev_type, device_id=dev_id)
 
     @classmethod
     def from_state(cls, op: str, state: State, *, device: Any = None,
@@ -568,12 +664,12 @@ class DecodeState:
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.zeros(tuple(v.shape), _dtype_name(v))
-        self._st.step(q, k, v, g, lam, beta, o=o, stream=_stream(stream))
+        _call("DecodeState.step", self._st.step, q, k, v, g, lam, beta, o=o, stream=_stream(stream))
         return fam.finish(o)
 
     def load(self, state: State) -> None:
         """Copies ``state`` in (validated like an initial state; arrays on the state's device)."""
-        self._st.load(_state(state))
+        _call("DecodeState.load", self._st.load, _state(state))
 
     def view(self) -> State:
         """The current state as arrays aliasing hila's memory (numpy on the CPU, DLPack arrays for
@@ -590,11 +686,11 @@ class DecodeState:
 
     def reserve(self, max_pos: int) -> None:
         """Grows the Fenwick slot capacity so positions up to ``max_pos`` need no reallocation."""
-        self._st.reserve(max_pos)
+        _call("DecodeState.reserve", self._st.reserve, max_pos)
 
     def position(self, seq: int) -> int:
         """Tokens consumed by sequence ``seq``."""
-        return self._st.position(seq)
+        return _call("DecodeState.position", self._st.position, seq)
 
     @property
     def positions(self) -> np.ndarray:

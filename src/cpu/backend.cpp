@@ -372,16 +372,19 @@ void cpu_forward(const Resolved& r, const ForwardParams& p) {
   with_memory_errors("memory", std::string("the CPU forward of ") + op_name(r.cfg.op), [&] {
     r.f64 ? forward_impl<double>(r, p) : forward_impl<float>(r, p);
   });
+  check_forward_outputs(r, p);
 }
 void cpu_backward(const Resolved& r, const BackwardParams& p) {
   with_memory_errors("memory", std::string("the CPU backward of ") + op_name(r.cfg.op), [&] {
     r.f64 ? backward_impl<double>(r, p) : backward_impl<float>(r, p);
   });
+  check_backward_outputs(r, p);
 }
 void cpu_step(const Resolved& r, const StepParams& p, const StateView& state) {
   with_memory_errors("memory", std::string("the CPU decode step of ") + op_name(r.cfg.op), [&] {
     r.f64 ? step_impl<double>(r, p, state) : step_impl<float>(r, p, state);
   });
+  check_step_outputs(r, p);
 }
 
 }  // namespace hila::detail
