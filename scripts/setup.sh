@@ -8,9 +8,9 @@
 set -euo pipefail
 
 debs=(cmake g++ make libgtest-dev nlohmann-json3-dev libcli11-dev python3 python3-pip)
-# The test command's fuzz run (tests/fuzz/run.sh): clang with libFuzzer and AddressSanitizer
-# (libclang-rt-14-dev) and the LLVM OpenMP runtime.
-[ "${1:-}" = "python" ] && debs+=(clang libclang-rt-14-dev libomp-dev)
+# The test command's fuzz run (tests/fuzz/run.sh): clang 16 (clang 14 lacks _Float16 on x86-64)
+# with libFuzzer and AddressSanitizer, and its OpenMP runtime.
+[ "${1:-}" = "python" ] && debs+=(clang-16 libclang-rt-16-dev libomp-16-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -144,12 +144,25 @@ def config(op: str, *, scale: Optional[float] = None, normalize: bool = False, e
 
     Untied gates need no flag: they are recognised by the extra column axis of ``g``.
     """
+    scale = None if scale is None else _real("scale", scale)
     if scale is not None and scale == 0:
         raise HilaError("hila: argument 'scale': expected a non-zero scale (None means dk^-1/2), got 0",
                         "scale")
-    return _C.Config(op, scale=0.0 if scale is None else float(scale), normalize=normalize,
-                     eps=float(eps), ridge=float(ridge), qk_l2norm=qk_l2norm,
-                     check_values=check_values)
+    if not isinstance(op, str):
+        raise HilaError(f"hila: argument 'op': expected an operator name (str), got {type(op).__name__}", "op")
+    return _call("Config", _C.Config, op, scale=0.0 if scale is None else scale, normalize=normalize,
+                 eps=_real("eps", eps), ridge=_real("ridge", ridge), qk_l2norm=qk_l2norm,
+                 check_values=check_values)
+
+
+def _real(name: str, x: Any) -> float:
+    """A float option (scale, eps, ridge), or HilaError naming it."""
+    if not isinstance(x, (str, bytes, bool)):
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            pass
+    raise HilaError(f"hila: argument '{name}': expected a real number, got {type(x).__name__}", name)
 
 
 # ----------------------------------------------------------------------------- array families
@@ -235,6 +248,7 @@ _C_PARAMS = {
     "DecodeState.step": ("q", "k", "v", "g", "lam", "beta"),
     "DecodeState.load": ("state",),
     "DecodeState": ("cfg", "batch", "heads", "dk", "dv", "dtype"),
+    "Config": ("op",),
     "DecodeState.reserve": ("max_pos",),
     "DecodeState.position": ("seq",),
 }
@@ -272,6 +286,8 @@ def _bad_argument(name: str, x: Any) -> Optional[str]:
     if name in _INT_ARGS:
         return None if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else \
             f"expected an int, got {_what(x)}"
+    if name in ("normalize", "qk_l2norm", "check_values"):
+        return None if isinstance(x, (bool, np.bool_)) else f"expected a bool, got {_what(x)}"
     if name in _STR_ARGS:
         return None if isinstance(x, str) else f"expected a str, got {_what(x)}"
     if name == "cfg" or name == "workspace":
@@ -309,6 +325,13 @@ def _call(where: str, fn, *args, **kwargs):
                 arg = pname.replace("initial_state", "init")
                 raise HilaError(f"hila: argument '{arg}': {why}", arg) from None
     raise HilaError(f"hila: {where}: arguments of unsupported types ({first})", None) from None
+
+
+def _required(**arrays: Any) -> None:
+    """HilaError naming the first required array that is None."""
+    for name, x in arrays.items():
+        if x is None:
+            raise HilaError(f"hila: argument '{name}': is required, got None", name)
 
 
 def _state(s: Optional[Sequence[Optional[Array]]]) -> Optional[tuple]:
@@ -414,6 +437,7 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
+    _required(q=q, k=k, v=v)
     init = _state(initial_state)
     fam = _Family(q)
     o = fam.zeros(tuple(v.shape), _dtype_name(v))
@@ -453,6 +477,7 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta, cu_seqlens, do = map(_arr, (q, k, v, g, lam, beta, cu_seqlens, do))
+    _required(q=q, k=k, v=v, do=do)
     init = _state(initial_state)
     dfin = _state(d_final_state)
     fam = _Family(q)
@@ -491,6 +516,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, st
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+    _required(q=q, k=k, v=v)
     st = _state(state)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state before the token), got None",
@@ -538,6 +564,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *, s
     cfg = config(op, scale=scale, normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                  check_values=check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+    _required(q=q, k=k, v=v)
     st = _state(state)
     if st is None:
         raise HilaError("hila: argument 'state': is required (the state to advance), got None", "state")
@@ -662,6 +689,7 @@ class DecodeState:
         [N, H, P], lam [N, H, L], beta [N, H], all on the state's device. Returns o [N, H, dv]
         (dtype of v, allocated by q's array library); updates the state."""
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
+        _required(q=q, k=k, v=v)
         fam = _Family(q)
         o = fam.zeros(tuple(v.shape), _dtype_name(v))
         _call("DecodeState.step", self._st.step, q, k, v, g, lam, beta, o=o, stream=_stream(stream))

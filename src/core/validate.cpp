@@ -943,7 +943,8 @@ Resolved resolve_step(const StepParams& p, const StateView& s) {
 
 // ---------------------------------------------------------------------------------------------
 // Output values (check_values on): a non-finite output is an error naming the output and, where
-// the inputs tell, the likely cause. Host tensors only (the CPU backend calls these).
+// the inputs tell, the likely cause. Device tensors are scanned on the device (device_scan) and
+// copied to the host only to explain an error, so a backend's dispatcher can run these too.
 
 namespace {
 
@@ -962,8 +963,10 @@ double max_abs(const TensorView& t) {
 
 // Why outputs went non-finite, from the inputs: a divergent delta rule, magnitudes beyond the
 // compute precision (scale included), a normalize denominator at zero; else a generic overflow.
-std::string likely_cause(const Resolved& r, const TensorView& q, const TensorView& k, const TensorView& v,
-                         const TensorView& beta, bool with_t) {
+std::string likely_cause(const Resolved& r, const TensorView& q_dev, const TensorView& k_dev,
+                         const TensorView& v_dev, const TensorView& beta_dev, bool with_t) {
+  const HostMirror hq(q_dev), hk(k_dev), hv(v_dev), hb(beta_dev);
+  const TensorView &q = hq.view(), &k = hk.view(), &v = hv.view(), &beta = hb.view();
   const char* prec = r.f64 ? "float64" : "float32";
   const double big = r.f64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
   if (r.traits.delta && beta.defined()) {
@@ -1018,8 +1021,13 @@ std::string likely_cause(const Resolved& r, const TensorView& q, const TensorVie
   return std::string("an overflow of ") + prec + " in the computation (check the magnitudes of q, k, v and scale)";
 }
 
-void check_output_finite(const std::string& name, const TensorView& t, const std::function<std::string()>& cause) {
-  if (!t.defined()) return;
+void check_output_finite(const std::string& name, const TensorView& dev_t,
+                         const std::function<std::string()>& cause) {
+  if (!dev_t.defined() || dev_t.numel() == 0) return;
+  const int64_t first = device_scan(dev_t, false);
+  if (first == -1) return;
+  const HostMirror m(dev_t);  // a device tensor (found bad on the device) is read back to name the element
+  const TensorView& t = m.view();
   for_each(t, [&](int64_t off, const auto& idx) {
     const double x = load(t, off);
     if (!std::isfinite(x))

@@ -4,6 +4,7 @@
 import os
 import resource
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,20 +17,26 @@ F32 = "F32"
 
 
 def run(hila_bin, args, *, timeout=60, limit_fsize=None):
-    """(returncode, stderr, max RSS in KiB) of `hila run ARGS`."""
+    """(returncode, stderr, max RSS in KiB of this run) of `hila run ARGS`."""
     def pre():
         if limit_fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
-    proc = subprocess.Popen([str(hila_bin), "run", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=pre)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail(f"hila run {' '.join(map(str, args))} hung (> {timeout} s)")
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return proc.returncode, err.decode(errors="replace"), rss
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([str(hila_bin), "run", *map(str, args)], stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=pre)
+        deadline = time.time() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.time() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                pytest.fail(f"hila run {' '.join(map(str, args))} hung (> {timeout} s)")
+            time.sleep(0.02)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        return proc.returncode, err.read().decode(errors="replace"), usage.ru_maxrss
 
 
 def expect_bad_input(hila_bin, args, *needles, **kw):

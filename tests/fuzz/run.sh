@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SECS=${1:-25}
-export CC=clang CXX=clang++
+# clang 15 or newer: the library uses _Float16, which clang 14 does not take on x86-64.
+export CC=${CC_FUZZ:-clang-16} CXX=${CXX_FUZZ:-clang++-16}
 cmake -S . -B build-fuzz -DHILA_FUZZ=ON -DHILA_CUDA=OFF -DHILA_BUILD_TESTS=OFF -DHILA_BUILD_CLI=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="-O1 -fno-omit-frame-pointer -fsanitize=address,fuzzer-no-link" \
   >/dev/null
