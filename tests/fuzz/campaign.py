@@ -45,6 +45,11 @@ class Campaign:
         self.findings = []
         self.n = 0
 
+    def pick(self, seq):
+        """One element of seq (any mix of types, unlike Generator.choice)."""
+        seq = list(seq)
+        return seq[int(self.rng.integers(len(seq)))]
+
     # ---- running --------------------------------------------------------------------------------
     def cli(self, family, tensors_or_bytes, args, *, fsize=None, out=None, keep_out=False, expect_out=None):
         """Runs `hila run`; classifies; returns (rc, out path)."""
@@ -143,7 +148,7 @@ def nonfinite_tensor(path):
 
 def fam_malformed(c, n):
     for _ in range(n):
-        op = c.rng.choice(OPS)
+        op = c.pick(OPS)
         header, data = stfile.header_and_data(c.inputs(op))
         raw = bytearray(stfile.encode(header, data))
         kind = c.rng.integers(6)
@@ -151,18 +156,18 @@ def fam_malformed(c, n):
             for _ in range(c.rng.integers(1, 8)):
                 raw[c.rng.integers(len(raw))] = c.rng.integers(256)
         elif kind == 1:  # header length field
-            raw[:8] = struct.pack("<Q", int(c.rng.choice([0, 1, 7, len(raw), 2**63, 2**64 - 1, 100 << 20, 101 << 20])))
+            raw[:8] = struct.pack("<Q", int(c.pick([0, 1, 7, len(raw), 2**63, 2**64 - 1, 100 << 20, 101 << 20])))
         elif kind == 2:  # offsets / shapes / dtypes rewritten in the JSON
-            name = c.rng.choice([k for k in header])
-            field = c.rng.choice(["data_offsets", "shape", "dtype"])
-            header[name][field] = c.rng.choice([[0, 0], [-1, 4], [2**64, 2**64 + 4], [0, 2**63], "F8", "U8", 7,
+            name = c.pick([k for k in header])
+            field = c.pick(["data_offsets", "shape", "dtype"])
+            header[name][field] = c.pick([[0, 0], [-1, 4], [2**64, 2**64 + 4], [0, 2**63], "F8", "U8", 7,
                                                 [1, 2**62, 1, 4], [2**32, 0, 2**32, 2], [0], [], [1] * 8])
             raw = bytearray(stfile.encode(header, data))
         elif kind == 3:  # truncation / trailing bytes / gaps
             cut = int(c.rng.integers(8, len(raw)))
             raw = raw[:cut] if c.rng.random() < 0.5 else raw + bytes(int(c.rng.integers(1, 64)))
         elif kind == 4:  # duplicate keys, deep nesting, junk JSON
-            body = c.rng.choice([b'{"q":1,"q":2}', b'[' * 5000 + b']' * 5000, b'{"a":' * 50 + b'1' + b'}' * 50,
+            body = c.pick([b'{"q":1,"q":2}', b'[' * 5000 + b']' * 5000, b'{"a":' * 50 + b'1' + b'}' * 50,
                                  b'{"__metadata__":{"x":1}}', b'\xff\xfe', b'{"q":{"dtype":"F32","shape":[1],'
                                  b'"data_offsets":[0,4]},"q":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}'])
             raw = bytearray(stfile.encode(None, bytes(8), raw_header=bytes(body)))
@@ -175,27 +180,27 @@ def fam_malformed(c, n):
 
 def fam_bad_args(c, n):
     for _ in range(n):
-        op = c.rng.choice(OPS)
+        op = c.pick(OPS)
         t = c.inputs(op, B=int(c.rng.integers(1, 3)), T=int(c.rng.integers(0, 9)))
         choice = c.rng.integers(8)
-        args = ["--op", op, "--form", c.rng.choice(FORMS + ["bogus"])]
+        args = ["--op", op, "--form", c.pick(FORMS + ["bogus"])]
         if choice == 0:
-            name = c.rng.choice(list(t))
+            name = c.pick(list(t))
             t[name] = t[name].reshape(-1)[: max(1, t[name].size - 1)]
         elif choice == 1:
-            name = c.rng.choice(list(t))
-            t[name] = t[name].astype(c.rng.choice([np.float64, np.float16, np.int32, np.int64]))
+            name = c.pick(list(t))
+            t[name] = t[name].astype(c.pick([np.float64, np.float16, np.int32, np.int64]))
         elif choice == 2:
-            args += ["--chunk", c.rng.choice([0, -1, 3, 6, 2**40, 1])]
+            args += ["--chunk", c.pick([0, -1, 3, 6, 2**40, 1])]
         elif choice == 3:
-            args += c.rng.choice([["--normalize"], ["--gates", "untied"], ["--ridge", "1"], ["--qk-l2norm"],
+            args += c.pick([["--normalize"], ["--gates", "untied"], ["--ridge", "1"], ["--qk-l2norm"],
                                   ["--eps", "-1"], ["--scale", "nan"], ["--scale", "inf"], ["--backward"]])
         elif choice == 4:
-            t["cu_seqlens"] = c.rng.choice([np.array([0, 3, 1], np.int64), np.array([1, 8], np.int64),
+            t["cu_seqlens"] = c.pick([np.array([0, 3, 1], np.int64), np.array([1, 8], np.int64),
                                             np.array([0], np.int64), np.array([0, 2**62, 8], np.int64),
                                             np.array([0, -2**63, 8], np.int64)])
         elif choice == 5:
-            t["h0.pos"] = np.array([c.rng.choice([-1, 2**62, 2**63 - 1, 3])] * t["q"].shape[0], np.int64)
+            t["h0.pos"] = np.array([c.pick([-1, 2**62, 2**63 - 1, 3])] * t["q"].shape[0], np.int64)
         elif choice == 6:
             t["extra"] = np.zeros(3, np.float32)
         else:
@@ -206,12 +211,12 @@ def fam_bad_args(c, n):
 
 def fam_nonfinite_inputs(c, n):
     for _ in range(n):
-        op = c.rng.choice(OPS)
+        op = c.pick(OPS)
         t = c.inputs(op)
-        name = c.rng.choice(list(t))
+        name = c.pick(list(t))
         flat = t[name].reshape(-1)
-        flat[c.rng.integers(flat.size)] = c.rng.choice([np.nan, np.inf, -np.inf, 1.0])
-        c.cli("NaN/Inf inputs", t, ["--op", op, "--form", c.rng.choice(FORMS)])
+        flat[c.rng.integers(flat.size)] = c.pick([np.nan, np.inf, -np.inf, 1.0])
+        c.cli("NaN/Inf inputs", t, ["--op", op, "--form", c.pick(FORMS)])
 
 
 def empty(shape, dt="F32"):
@@ -237,9 +242,9 @@ def fam_sizes(c, n):
     big = c.inputs("gla", T=32768, gates=False)
     cases.append((big, ["--op", "gla", "--form", "naive", "--max-memory", "2G"]))
     for _ in range(n):
-        dims = [int(c.rng.choice([0, 1, 3, 2**20, 2**31, 2**40, 2**62])) for _ in range(4)]
+        dims = [int(c.pick([0, 1, 3, 2**20, 2**31, 2**40, 2**62])) for _ in range(4)]
         cases.append(({"q": empty(dims), "k": empty(dims), "v": empty([dims[0], dims[1], 1, 4])},
-                      ["--op", c.rng.choice(OPS), "--max-memory", "1G"]))
+                      ["--op", c.pick(OPS), "--max-memory", "1G"]))
     for t, args in cases:
         c.cli("sizes", t, args)
 
@@ -277,13 +282,13 @@ def fam_resets(c, n):
     """Reset tokens (-inf, <= -1e30, large finite negatives) against the serial form."""
     from safetensors.numpy import load_file
     for _ in range(n):
-        op = c.rng.choice(OPS)
-        dtype = c.rng.choice([np.float32, np.float64])
+        op = c.pick(OPS)
+        dtype = c.pick([np.float32, np.float64])
         T = int(c.rng.integers(4, 40))
         t = c.inputs(op, T=T, dtype=dtype)
         for _ in range(int(c.rng.integers(1, 4))):
-            t["g"][0, int(c.rng.integers(T)), :] = c.rng.choice([-np.inf, -1e30, -6e36, -1e20, -1e12, -1e9, -1e6])
-        chunk = int(c.rng.choice([1, 2, 4, 8, 16]))
+            t["g"][0, int(c.rng.integers(T)), :] = c.pick([-np.inf, -1e30, -6e36, -1e20, -1e12, -1e9, -1e6])
+        chunk = int(c.pick([1, 2, 4, 8, 16]))
         rc, ref_path = c.cli("resets vs serial", t, ["--op", op, "--form", "serial"], keep_out=True)
         if rc != 0:
             continue
@@ -311,14 +316,14 @@ def fam_overflow(c, n):
     cases.append(("gdn", {**c.inputs("gdn", T=512), "k": 3 * k / np.linalg.norm(k, axis=-1, keepdims=True),
                           "beta": np.ones((1, 512, 1), np.float32)}, []))
     for _ in range(n):
-        op = c.rng.choice(OPS)
+        op = c.pick(OPS)
         tt = c.inputs(op, T=int(c.rng.integers(1, 64)))
         for name in c.rng.choice(list(tt), size=int(c.rng.integers(1, 3))):
             if name == "g":
-                tt[name][...] = c.rng.choice([-1e38, -3e38, -1e30])
+                tt[name][...] = c.pick([-1e38, -3e38, -1e30])
             else:
-                tt[name] = (tt[name] * c.rng.choice([1e10, 1e19, 1e30, 1e38])).astype(tt[name].dtype)
-        cases.append((op, tt, c.rng.choice([[], ["--scale", "1e30"], ["--form", "naive"], ["--form", "scan"]])))
+                tt[name] = (tt[name] * c.pick([1e10, 1e19, 1e30, 1e38])).astype(tt[name].dtype)
+        cases.append((op, tt, c.pick([[], ["--scale", "1e30"], ["--form", "naive"], ["--form", "scan"]])))
     for op, tt, args in cases:
         c.cli("finite inputs that overflow", tt, ["--op", op, *args])
 
@@ -386,7 +391,7 @@ def fam_python(c, n):
     for _ in range(max(1, n)):
         for code in PY_CASES["python shared decode states"]:
             c.py("python shared decode states",
-                 code.format(op=c.rng.choice(OPS), pos=int(c.rng.choice([2**62, 2**62 - 1, 2**63 - 1, -1, 0]))))
+                 code.format(op=c.pick(OPS), pos=int(c.pick([2**62, 2**62 - 1, 2**63 - 1, -1, 0]))))
 
 
 def main():
