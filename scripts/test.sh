@@ -70,4 +70,4 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_RO
 # libFuzzer + AddressSanitizer, then the Python API under Hypothesis (tests/fuzz; longer runs:
 # docs/DEVELOPING.md, Fuzzing).
 bash tests/fuzz/run.sh "${HILA_FUZZ_SECONDS:-20}"
-CI=${CI:-} HYPOTHESIS_EXAMPLES=${HYPOTHESIS_EXAMPLES:-40} "$PY" -m pytest -q -p no:cacheprovider tests/fuzz
+CI=${CI:-} HYPOTHESIS_EXAMPLES=${HYPOTHESIS_EXAMPLES:-200} "$PY" -m pytest -q -p no:cacheprovider tests/fuzz

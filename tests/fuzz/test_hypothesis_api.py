@@ -6,7 +6,7 @@ deliberately wrong arguments. Properties:
 * every call ends in a result or a HilaError naming an argument: never another exception type, a
   crash or a hang;
 * with value checks on, a result is finite, and the chunk, scan and naive forms agree with the
-  serial form (relative 1e-6 in float32, 1e-10 in float64, resets included);
+  serial form (relative 2e-5 in float32, 1e-10 in float64, resets included);
 * decode steps on a DecodeState equal the forward over the same tokens.
 
 Examples per test: HYPOTHESIS_EXAMPLES (default 60); `HYPOTHESIS_EXAMPLES=2000 pytest ...` for a
@@ -75,7 +75,9 @@ def problems(draw):
 
 
 def _close(a, b, dtype):
-    tol = 1e-10 if dtype == np.float64 else 1e-6
+    # float32: ordinary rounding of a cancelling sum reaches ~1e-6 of a small output on its own
+    # (the exact-reset bounds, 1e-6 / 1e-12, are asserted on controlled problems in test_resets.cpp)
+    tol = 1e-10 if dtype == np.float64 else 2e-5
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.isfinite(a).all() and np.isfinite(b).all()
     ref = max(np.abs(b).max(initial=0), 1e-30)
