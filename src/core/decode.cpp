@@ -213,7 +213,9 @@ DecodeState::DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, 
   s.Ls = s.traits.loglinear ? 2 : 1;  // slots(1): room for the first step
   s.check_memory(s.Ls);               // every size below is then known to fit
   detail::with_memory_errors("N/H/dk/dv", "a decode state", [&] { s.pos.assign(static_cast<size_t>(N), 0); });
-  s.hpos = s.block(s.on_cuda() ? 0 : static_cast<size_t>(N) * 8);
+  s.hpos = detail::with_memory_errors("N/H/dk/dv", "a decode state", [&] {  // host memory on every device
+    return std::make_shared<Block>(s.on_cuda() ? 0 : static_cast<size_t>(N) * 8, Device{});
+  });
 #ifdef HILA_WITH_CUDA
   if (s.on_cuda()) {
     s.dpos = s.block(static_cast<size_t>(N) * 8);
