@@ -8,6 +8,9 @@
 set -euo pipefail
 
 debs=(cmake g++ make libgtest-dev nlohmann-json3-dev libcli11-dev python3 python3-pip)
+# The test command's fuzz run (tests/fuzz/run.sh): clang 16 (clang 14 lacks _Float16 on x86-64)
+# with libFuzzer and AddressSanitizer, and its OpenMP runtime.
+[ "${1:-}" = "python" ] && debs+=(clang-16 libclang-rt-16-dev libomp-16-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -38,4 +41,10 @@ if [ "${1:-}" = "python" ] && ! "$PY" -c "import transformers" >/dev/null 2>&1; 
   echo "setup: installing Python packages: transformers"
   "$PY" -m pip install -q --disable-pip-version-check transformers 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages transformers
+fi
+# Property-based fuzzing of the Python API (tests/fuzz) and bfloat16 numpy arrays (ml_dtypes).
+if [ "${1:-}" = "python" ] && ! "$PY" -c "import hypothesis, ml_dtypes" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: hypothesis ml_dtypes"
+  "$PY" -m pip install -q --disable-pip-version-check hypothesis ml_dtypes 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages hypothesis ml_dtypes
 fi

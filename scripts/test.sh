@@ -65,3 +65,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_RO
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation ./ 2>/dev/null ||
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --break-system-packages ./
 "$PY" -m pytest -q python/tests
+
+# Fuzzing, bounded (about a minute): the safetensors reader and `hila run`'s validation under
+# libFuzzer + AddressSanitizer, then the Python API under Hypothesis (tests/fuzz; longer runs:
+# docs/DEVELOPING.md, Fuzzing).
+bash tests/fuzz/run.sh "${HILA_FUZZ_SECONDS:-20}"
+CI=${CI:-} HYPOTHESIS_EXAMPLES=${HYPOTHESIS_EXAMPLES:-200} "$PY" -m pytest -q -p no:cacheprovider tests/fuzz

@@ -663,7 +663,7 @@ TEST(Errors, ValueChecks) {
                              {&Problem::k, "k", std::numeric_limits<double>::infinity(), "inf"},
                              {&Problem::v, "v", kNaN, "nan"},
                              {&Problem::g, "g", kNaN, "nan"},
-                             {&Problem::g, "g", -std::numeric_limits<double>::infinity(), "inf"}};
+                             {&Problem::g, "g", std::numeric_limits<double>::infinity(), "inf"}};  // -inf: a reset
     if (t.loglinear) bads.push_back({&Problem::lam, "lam", kNaN, "nan"});
     if (t.delta) bads.push_back({&Problem::beta, "beta", std::numeric_limits<double>::infinity(), "inf"});
     for (const Bad& b : bads) {

@@ -13,81 +13,11 @@ namespace hila::tools {
 namespace {
 
 struct RunOptions {
-  std::string op, form = "chunk", in, out, gates = "tied", device = "cpu";
+  std::string op, form = "chunk", in, out, gates = "tied", device = "cpu", max_memory;
   int64_t chunk = 64;
   bool backward = false, no_check_values = false;
   OpConfig cfg;  // scalar flags are parsed straight into it
 };
-
-Buffer take(Safetensors& f, const std::string& name) {
-  auto it = f.tensors.find(name);
-  if (it == f.tensors.end()) return Buffer{};
-  Buffer b = std::move(it->second);
-  f.tensors.erase(it);
-  return b;
-}
-
-StateBuffers take_state(Safetensors& f, const std::string& prefix, bool with_pos) {
-  StateBuffers s;
-  if (with_pos) s.pos = take(f, prefix + ".pos");
-  s.S = take(f, prefix + ".S");
-  s.P = take(f, prefix + ".P");
-  s.H = take(f, prefix + ".H");
-  return s;
-}
-
-void require_rank4(const Buffer& b, const char* name, const char* layout) {
-  if (b.empty()) throw Error(name, std::string("required tensor missing from the input file"));
-  if (b.shape.size() != 4)
-    throw Error(name, std::string("expected a tensor of rank 4 ") + layout + ", got " + shape_str(b.shape));
-}
-
-std::vector<int64_t> int_values(const Buffer& b) {
-  std::vector<int64_t> out(static_cast<size_t>(b.numel()));
-  for (int64_t i = 0; i < b.numel(); ++i)  // i64 read exactly: positions may exceed 2^53
-    out[size_t(i)] = b.dtype == DType::i64 ? b.data<int64_t>()[i] : int64_t(b.get(i));
-  return out;
-}
-
-// The file's tensors as a Problem, so that run_forward / run_backward allocate the outputs exactly
-// as they do for the tests. Shapes beyond what allocation needs are left to hila's validation.
-Problem problem_from_file(const OpConfig& cfg, Safetensors& f, bool backward) {
-  Problem p;
-  p.q = take(f, "q");
-  p.k = take(f, "k");
-  p.v = take(f, "v");
-  p.g = take(f, "g");
-  p.lam = take(f, "lam");
-  p.beta = take(f, "beta");
-  p.cu_seqlens = take(f, "cu_seqlens");
-  p.init = take_state(f, "h0", true);
-  if (backward) {
-    p.d_o = take(f, "do");
-    p.d_final = take_state(f, "dht", false);
-    if (p.d_o.empty()) throw Error("do", "required with --backward: the cotangent of o, shaped like o");
-  }
-  require_rank4(p.q, "q", "[B, T, G, dk]");
-  require_rank4(p.v, "v", "[B, T, H, dv]");
-
-  ProblemSpec& s = p.spec;
-  s.cfg = cfg;
-  s.B = p.v.shape[0];
-  s.T = p.v.shape[1];
-  s.H = p.v.shape[2];
-  s.dv = p.v.shape[3];
-  s.G = p.q.shape[2];
-  s.dk = p.q.shape[3];
-  s.dtype = p.v.dtype;
-  s.gated = !p.g.empty();
-  if (p.cu_seqlens.shape.size() == 1 && p.cu_seqlens.numel() >= 2 && !is_float(p.cu_seqlens.dtype)) {
-    const std::vector<int64_t> cu = int_values(p.cu_seqlens);
-    for (size_t i = 0; i + 1 < cu.size(); ++i) s.seqlens.push_back(cu[i + 1] - cu[i]);
-  }
-  s.init_state = !p.init.empty();
-  if (p.init.pos.shape.size() == 1 && p.init.pos.numel() == p.num_seqs() && !is_float(p.init.pos.dtype))
-    s.init_pos = int_values(p.init.pos);
-  return p;
-}
 
 void put(Safetensors& f, const std::string& name, Buffer& b) {
   if (!b.empty()) f.tensors[name] = std::move(b);
@@ -107,6 +37,8 @@ int run(const RunOptions& o) {
   cfg.gates = o.gates == "untied" ? Gates::untied : Gates::tied;
   cfg.check_values = !o.no_check_values;
   const Form form = parse_form(o.form);
+  if (!o.max_memory.empty()) hila::set_memory_limit(hila::parse_memory_size(o.max_memory, "max-memory"));
+  check_output_path(o.out, o.in);  // before any work: --out must not be --in (or a directory)
 
   Safetensors in = read_safetensors(o.in);
   Problem p = problem_from_file(cfg, in, o.backward);
@@ -158,6 +90,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--qk-l2norm", o->cfg.qk_l2norm, "gdn / loglinear_gdn: L2-normalize q and k in the kernel");
   sub->add_flag("--no-check-values", o->no_check_values, "skip the g <= 0 and finiteness checks on inputs");
+  sub->add_option("--max-memory", o->max_memory,
+                  "host memory the call may take, e.g. 8G (default: the machine's memory or HILA_MAX_MEMORY); "
+                  "a larger call fails up front, naming the tensor");
   add_device_option(sub, o->device);
   return {sub, [o] { return run(*o); }};
 }

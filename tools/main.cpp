@@ -3,7 +3,10 @@
 // decode. See docs/CLI.md.
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <new>
+#include <stdexcept>
 #include <exception>
 #include <iostream>
 
@@ -51,6 +54,9 @@ void Progress::finish() {
 
 int main(int argc, char** argv) {
   using namespace hila::tools;
+  // A write past the file-size limit (ulimit -f) then fails with EFBIG and is reported, instead of
+  // the process dying mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"hila: sub-quadratic attention operators (GLA, HLA, log-linear, Gated DeltaNet)", "hila"};
   app.require_subcommand(1);
   const Command commands[] = {add_run_command(app), add_verify_command(app), add_demo_command(app)};
@@ -68,6 +74,13 @@ int main(int argc, char** argv) {
     return kExitBadInput;
   } catch (const SafetensorsError& e) {
     std::cerr << "hila: " << e.what() << '\n';
+    return kExitBadInput;
+  } catch (const std::bad_alloc& e) {  // sizes are checked up front; this is the backstop
+    std::cerr << "hila: out of host memory (" << e.what() << "); the limit is " << hila::memory_limit()
+              << " bytes (--max-memory, HILA_MAX_MEMORY)\n";
+    return kExitBadInput;
+  } catch (const std::length_error& e) {
+    std::cerr << "hila: a size is too large to allocate (" << e.what() << ")\n";
     return kExitBadInput;
   } catch (const std::exception& e) {
     std::cerr << "hila: internal error: " << e.what() << '\n';

@@ -87,6 +87,14 @@ int64_t product(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// Bytes of a buffer of this shape, or -1 when numel x element size does not fit in int64.
+int64_t checked_bytes(const std::vector<int64_t>& shape, DType dt) {
+  int64_t n = dtype_size(dt);
+  for (int64_t s : shape)
+    if (s < 0 || __builtin_mul_overflow(n, s, &n)) return -1;
+  return shape.empty() ? 0 : n;
+}
+
 // Random draws in double, stored with rounding: the same seed gives the same problem in every
 // dtype up to rounding, so an f32 run can be compared with an f64 run of the same inputs.
 struct Rng {
@@ -166,7 +174,10 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 Buffer::Buffer(DType dt, std::vector<int64_t> shp) : dtype(dt), shape(std::move(shp)) {
   for (int64_t s : shape)
     if (s < 0) throw std::invalid_argument("Buffer: negative dimension in " + shape_str(shape));
-  bytes.assign(size_t(product(shape)) * size_t(dtype_size(dt)), 0);
+  const int64_t n = checked_bytes(shape, dt);
+  if (n < 0) throw Error("shape", "a buffer of shape " + shape_str(shape) + " has more bytes than int64 can count");
+  check_memory("shape", n, "a buffer of shape " + shape_str(shape));
+  bytes.assign(size_t(n), 0);
 }
 
 int64_t Buffer::numel() const { return product(shape); }
@@ -286,12 +297,19 @@ int64_t Problem::start_pos(int64_t i) const {
 }
 
 int64_t Problem::max_final_pos() const {
-  int64_t m = 0;
-  for (int64_t i = 0; i < num_seqs(); ++i) {
+  auto end_of = [](int64_t n0, int64_t len) {
     int64_t end;  // saturate: hila rejects overflowing positions with a clear message
-    if (__builtin_add_overflow(start_pos(i), seq_len(i), &end)) end = std::numeric_limits<int64_t>::max();
-    m = std::max(m, end);
+    return __builtin_add_overflow(n0, len, &end) ? std::numeric_limits<int64_t>::max() : end;
+  };
+  if (num_seqs() <= 0) return 0;
+  if (spec.seqlens.empty()) {  // B sequences of T tokens: O(1) in B (B may be 2^61 with T = 0)
+    int64_t n0 = 0;
+    if (spec.init_state)
+      for (int64_t x : spec.init_pos) n0 = std::max(n0, x);
+    return end_of(n0, spec.T);
   }
+  int64_t m = 0;
+  for (int64_t i = 0; i < num_seqs(); ++i) m = std::max(m, end_of(start_pos(i), seq_len(i)));
   return m;
 }
 
@@ -518,11 +536,64 @@ int64_t state_bytes(const OpConfig& cfg, int64_t H, int64_t dk, int64_t dv, int6
 }
 
 // ----------------------------------------------------------------------------------------------
+// Memory
+
+void check_memory(const std::string& name, int64_t bytes, const std::string& what) {
+  const int64_t limit = hila::memory_limit();
+  if (bytes > limit)
+    throw Error(name, "needs " + std::to_string(bytes) + " bytes of host memory for " + what + ", more than the " +
+                          std::to_string(limit) + " bytes hila may take (the machine's memory, --max-memory, "
+                          "HILA_MAX_MEMORY or hila::set_memory_limit)");
+}
+
+void check_output_memory(const Problem& p, bool backward) {
+  struct Item {
+    std::string name;
+    std::vector<int64_t> shape;
+    DType dt;
+  };
+  const ProblemSpec& s = p.spec;
+  const int64_t N = p.num_seqs();
+  std::vector<Item> items = {{"o", {s.B, s.T, s.H, s.dv}, s.dtype}, {"final_state.pos", {N}, DType::i64}};
+  const StateShape sh = state_shape(s.cfg, N, s.H, s.dk, s.dv, p.max_final_pos());
+  const DType sdt = p.state_dtype();
+  if (sh.S) items.push_back({"final_state.S", sh.S_shape, sdt});
+  if (sh.P) items.push_back({"final_state.P", sh.P_shape, sdt});
+  if (sh.H) items.push_back({"final_state.H", sh.H_shape, sdt});
+  if (backward) {
+    const std::pair<const char*, const Buffer*> like[] = {
+        {"dq", &p.q},   {"dk", &p.k},         {"dv", &p.v},         {"dg", &p.g},        {"dlam", &p.lam},
+        {"dbeta", &p.beta}, {"d_init.S", &p.init.S}, {"d_init.P", &p.init.P}, {"d_init.H", &p.init.H}};
+    for (const auto& [name, b] : like)
+      if (!b->empty()) items.push_back({name, b->shape, b->dtype});
+  }
+  int64_t total = 0;  // what the call holds: its inputs, then the outputs to allocate
+  for (const Buffer* b : {&p.q, &p.k, &p.v, &p.g, &p.lam, &p.beta, &p.cu_seqlens, &p.d_o, &p.init.pos, &p.init.S,
+                          &p.init.P, &p.init.H, &p.d_final.S, &p.d_final.P, &p.d_final.H})
+    total += int64_t(b->bytes.size());
+  const Item* largest = nullptr;
+  int64_t largest_bytes = -1;
+  for (const Item& it : items) {
+    const int64_t b = checked_bytes(it.shape, it.dt);
+    if (b < 0 || __builtin_add_overflow(total, b, &total))
+      throw Error(it.name, "an output of shape " + shape_str(it.shape) + " of " + dtype_name(it.dt) +
+                               " has more bytes than int64 can count");
+    if (b > largest_bytes) largest = &it, largest_bytes = b;
+  }
+  if (largest)
+    check_memory(largest->name, total,
+                 "the call's inputs and outputs (the largest output: " + largest->name + " " +
+                     shape_str(largest->shape) + " of " + dtype_name(largest->dt) + ", " +
+                     std::to_string(largest_bytes) + " bytes)");
+}
+
+// ----------------------------------------------------------------------------------------------
 // Calls
 
 namespace {
 
 Result alloc_forward(const Problem& p) {
+  check_output_memory(p, false);
   Result r;
   const ProblemSpec& s = p.spec;
   r.o = Buffer(s.dtype, {s.B, s.T, s.H, s.dv});
@@ -544,6 +615,7 @@ Result run_forward(const Problem& p, Form form, int64_t chunk, Device dev, Tempo
 }
 
 Result run_backward(const Problem& p, Form form, int64_t chunk, Device dev, Temporaries tmp) {
+  check_output_memory(p, true);
   Result r = run_forward(p, form, chunk, dev, tmp);
   BackwardParams bp;
   static_cast<ForwardParams&>(bp) = p.forward_params(form, chunk);

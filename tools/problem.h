@@ -126,6 +126,13 @@ StateBuffers with_slots(const StateBuffers& s, int64_t Ls);
 // Bytes of one sequence's state (all heads, pos included) at position max_pos, from state_shape.
 int64_t state_bytes(const OpConfig& cfg, int64_t H, int64_t dk, int64_t dv, int64_t max_pos, DType dt);
 
+// Fails with hila::Error(name) when `bytes` of host memory exceed hila::memory_limit().
+void check_memory(const std::string& name, int64_t bytes, const std::string& what);
+// Checked before run_forward / run_backward allocate anything: every output's shape fits in int64
+// bytes, and the inputs plus outputs fit in hila::memory_limit() (else hila::Error naming the
+// largest output and the bytes needed).
+void check_output_memory(const Problem& p, bool backward);
+
 struct Result {
   Buffer o, dq, dk, dv, dg, dlam, dbeta;
   StateBuffers final_state, d_init;

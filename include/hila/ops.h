@@ -131,6 +131,17 @@ void backward(const BackwardParams& p);
 size_t workspace_size(const ForwardParams& p);
 size_t workspace_size(const BackwardParams& p);
 
+// Host memory: a call whose CPU computation (or a DecodeState whose memory) would need more than
+// memory_limit() bytes fails up front with hila::Error naming the tensor and the bytes it needs,
+// and an allocation failure anywhere in hila becomes hila::Error("memory", ...). The limit is the
+// smallest of set_memory_limit() (when set), the environment variable HILA_MAX_MEMORY (bytes, or a
+// number with a K/M/G/T suffix, powers of 1024), the machine's physical memory and its cgroup
+// limit. Device memory is the device's own (a failed CUDA allocation is a hila::Error too).
+int64_t memory_limit();
+void set_memory_limit(int64_t bytes);  // 0: back to the default; < 0 is an error
+// "123", "64K", "1.5G", "2T" -> bytes; throws hila::Error(arg) on anything else.
+int64_t parse_memory_size(const std::string& text, const std::string& arg = "max_memory");
+
 // ---------------------------------------------------------------------------------------------
 // Decode: an owning state for N sequences x H heads, stepped one token at a time (serial form).
 struct StepParams {
@@ -144,6 +155,10 @@ struct StepParams {
   void* stream = nullptr;  // cudaStream_t for CUDA tensors
 };
 
+// Thread safety: every member function takes the state's own lock, so one DecodeState may be
+// stepped, loaded, reserved and viewed from several threads; steps serialize (each one advances
+// every position by one; none is lost). A moved-from DecodeState may only be destroyed or
+// assigned to.
 class DecodeState {
  public:
   // A zero state at position 0. dtype: f64 or f32 (the compute type of the inputs to come; on a
@@ -163,13 +178,19 @@ class DecodeState {
   Device device() const;
   int64_t slots() const;  // Fenwick slot capacity (1 for non-log-linear operators)
   int64_t position(int64_t seq) const;
-  // Grow the Fenwick slot capacity so that positions up to max_pos need no reallocation.
+  // Grow the Fenwick slot capacity so that positions up to max_pos need no reallocation;
+  // max_pos in [0, 2^62] (hila::Error("max_pos") otherwise).
   void reserve(int64_t max_pos);
   // Views of the current state, valid until the next step/reserve/load. On a CUDA device the views
   // hold device memory; position() reads a host copy of pos that step/load keep, so write the
   // state through load(), not through view().pos.
   StateView view();
-  // Copy a state in (e.g. a prefill's final state); validated like an initial state.
+  // The same views plus `owner`, which keeps their memory alive: after a step, reserve or load
+  // that grows a log-linear state into new memory, views held with their owner still point to
+  // valid (old) memory, showing the state as it was; writes to them are lost.
+  StateView view(std::shared_ptr<const void>& owner);
+  // Copy a state in (e.g. a prefill's final state); validated like an initial state (positions in
+  // [0, 2^62], the bound forward() keeps).
   void load(const StateView& s);
   // Bytes of state per sequence at its current capacity (all heads).
   int64_t bytes_per_sequence() const;

@@ -217,7 +217,7 @@ def _number(name: str, x: Any) -> Optional[float]:
     if x is None and name == "scale":
         return None
     try:
-        if isinstance(x, (bool, np.bool_)):
+        if isinstance(x, (bool, np.bool_, str, bytes)):  # float("0.5") would pass a string
             raise TypeError
         return float(x)
     except (TypeError, ValueError):
@@ -379,43 +379,79 @@ def _bare_state(x: Any, name: str, op: Optional[str], grad: bool) -> tuple:
 def _stream(stream: Optional[int]) -> int:
     if stream is None:
         return 0
-    try:
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
         return int(stream)
-    except (TypeError, ValueError):
-        raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int (0: the default "
-                        f"stream), got {_describe(stream)}", "stream") from None
+    raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int (0: the default "
+                    f"stream), got {_describe(stream)}", "stream")
+
+
+def _required(**arrays: Any) -> None:
+    """HilaError naming the first required array that is None (callers test for None first, so a
+    good call pays only those tests)."""
+    for name, x in arrays.items():
+        if x is None:
+            raise HilaError(f"hila: argument '{name}': is required, got None", name)
+
+
+def _is_ml_bf16(x: Any) -> bool:
+    """A numpy array of ml_dtypes' bfloat16 (numpy's DLPack export does not carry that dtype)."""
+    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+
+
+def _bf16(x: Any) -> Any:
+    """ml_dtypes bfloat16 numpy arrays (also inside state tuples) as DLPack bfloat16 arrays aliasing
+    their bits (read and written in place); everything else as it is."""
+    if _is_ml_bf16(x):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return _C._bf16_view(x.view(np.uint16))
+    if isinstance(x, tuple):
+        return tuple(_bf16(y) for y in x)
+    return x
 
 
 def _bad_array(x: Any) -> bool:
     if x is None:
         return False
     if isinstance(x, np.ndarray):
-        return x.dtype.kind not in "biuf"
+        return x.dtype.kind not in "biuf" and not _is_ml_bf16(x)
     return not hasattr(x, "__dlpack__")
 
 
 def _call_C(fn, checks, *args, **kwargs):
     """Calls the extension; its (nanobind) TypeError for an argument of the wrong type becomes a
     HilaError naming the argument. ``checks``: (name, value, kind), kind 'str', 'int', 'array' or
-    'state' (a tuple of arrays), or a function returning them (built only when the call failed)."""
+    'state' (a tuple of arrays), or a function returning them (built only when the call failed).
+
+    nanobind raises that TypeError while converting the arguments, before the call runs, so a call
+    that failed on an ml_dtypes bfloat16 numpy array (which numpy cannot export over DLPack) is
+    retried once with those arrays as DLPack bfloat16 views: only such calls pay for the look."""
     try:
         return fn(*args, **kwargs)
-    except TypeError as exc:
-        for name, x, kind in (checks() if callable(checks) else checks):
-            if kind == "str" and not isinstance(x, str):
-                expected = f"a string ({', '.join(FORMS)})" if name == "form" else "a string"
-            elif kind == "int" and (not isinstance(x, (int, np.integer)) or isinstance(x, bool)):
-                expected = "an int"
-            elif kind == "array" and _bad_array(x):
-                expected = "an array of numbers (numpy, torch, cupy, jax: anything with __dlpack__)"
-            elif kind == "state" and x is not None and any(_bad_array(p) for p in x):
-                part = next(f for f, p in zip(State._fields, x) if _bad_array(p))
-                name, x, expected = f"{name}.{part}", x[State._fields.index(part)], "an array of numbers"
-            else:
-                continue
-            raise HilaError(f"hila: argument '{name}': expected {expected}, got {_describe(x)}",
-                            name) from None
-        raise HilaError(f"hila: invalid argument types: {str(exc).splitlines()[0]}") from None
+    except TypeError as e:
+        exc = e
+    conv = tuple(_bf16(a) for a in args)
+    conv_kw = {n: _bf16(x) for n, x in kwargs.items()}
+    if any(a is not b for a, b in zip(conv, args)) or any(conv_kw[n] is not kwargs[n] for n in kwargs):
+        try:
+            return fn(*conv, **conv_kw)
+        except TypeError as e:
+            exc = e
+    for name, x, kind in (checks() if callable(checks) else checks):  # name what nanobind refused
+        if kind == "str" and not isinstance(x, str):
+            expected = f"a string ({', '.join(FORMS)})" if name == "form" else "a string"
+        elif kind == "int" and (not isinstance(x, (int, np.integer)) or isinstance(x, bool)):
+            expected = "an int"
+        elif kind == "array" and _bad_array(x):
+            expected = "an array of numbers (numpy, torch, cupy, jax: anything with __dlpack__)"
+        elif kind == "state" and x is not None and any(_bad_array(p) for p in x):
+            part = next(f for f, p in zip(State._fields, x) if _bad_array(p))
+            name, x, expected = f"{name}.{part}", x[State._fields.index(part)], "an array of numbers"
+        else:
+            continue
+        raise HilaError(f"hila: argument '{name}': expected {expected}, got {_describe(x)}",
+                        name) from None
+    raise HilaError(f"hila: invalid argument types: {str(exc).splitlines()[0]}") from None
 
 
 def _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens, **states_and_arrays) -> list:
@@ -509,6 +545,8 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *e
     """
     if extra or unknown or not isinstance(op, str):
         check_call("hila.forward", op, extra, unknown)
+    if q is None or k is None or v is None:
+        _required(q=q, k=k, v=v)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta, cu_seqlens = map(_arr, (q, k, v, g, lam, beta, cu_seqlens))
     init = _state(initial_state, "initial_state", op)
@@ -551,6 +589,8 @@ def backward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *
     """
     if extra or unknown or not isinstance(op, str):
         check_call("hila.backward", op, extra, unknown)
+    if q is None or k is None or v is None:
+        _required(q=q, k=k, v=v)
     if do is None:
         raise HilaError("hila: argument 'do': is required (the cotangent of o, [B, T, H, dv]), got None", "do")
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -593,6 +633,8 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
     """
     if extra or unknown or not isinstance(op, str):
         check_call("hila.step", op, extra, unknown)
+    if q is None or k is None or v is None:
+        _required(q=q, k=k, v=v)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state, "state", op)
@@ -642,6 +684,8 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *ext
     """
     if extra or unknown or not isinstance(op, str):
         check_call("hila.step_", op, extra, unknown)
+    if q is None or k is None or v is None:
+        _required(q=q, k=k, v=v)
     cfg = _config(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
     q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
     st = _state(state, "state", op)
@@ -769,6 +813,8 @@ class DecodeState:
         """One token for every sequence and head: q, k [N, G, dk], v [N, H, dv], g [N, H] or
         [N, H, P], lam [N, H, L], beta [N, H], all on the state's device. Returns o [N, H, dv]
         (dtype of v, allocated by q's array library); updates the state."""
+        if q is None or k is None or v is None:
+            _required(q=q, k=k, v=v)
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.empty(tuple(v.shape), _dtype_name(v))
@@ -783,8 +829,9 @@ class DecodeState:
 
     def view(self) -> State:
         """The current state as arrays aliasing hila's memory (numpy on the CPU, DLPack arrays for
-        ``torch.from_dlpack`` on CUDA); valid until the next step, load or reserve. Write the
-        state through :meth:`load`, not through these arrays."""
+        ``torch.from_dlpack`` on CUDA). The arrays keep their memory alive: after a step, load or
+        reserve that grows the state into new memory they show the state as it was (never freed
+        memory). Write the state through :meth:`load`, not through these arrays."""
         return State(*self._st.view())
 
     def state(self) -> State:
@@ -796,11 +843,11 @@ class DecodeState:
 
     def reserve(self, max_pos: int) -> None:
         """Grows the Fenwick slot capacity so positions up to ``max_pos`` need no reallocation."""
-        self._st.reserve(max_pos)
+        _call_C(self._st.reserve, [("max_pos", max_pos, "int")], max_pos)
 
     def position(self, seq: int) -> int:
         """Tokens consumed by sequence ``seq``."""
-        return self._st.position(seq)
+        return _call_C(self._st.position, [("seq", seq, "int")], seq)
 
     @property
     def positions(self) -> np.ndarray:

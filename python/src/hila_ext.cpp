@@ -20,6 +20,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -317,6 +320,49 @@ void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, cons
 // StateView), the library's decode kernel on every backend. The state (pos included) is advanced
 // in its own memory; a log-linear H needs bitlen(pos + 1) + 1 slots (never grown here). Arguments
 // are named as the Python caller names them (q, ..., o, state.pos, state.S, state.P, state.H).
+// Steps in place of one caller-owned state serialize: the state is identified by the address of
+// its positions, and a step holds that state's lock from reading the positions to writing them,
+// so two threads stepping one state never lose an update (on CUDA the lock covers the enqueue:
+// steps of one state belong on one stream). States at other addresses step in parallel.
+class StateLocks {
+ public:
+  class Guard {
+   public:
+    Guard(StateLocks& l, const void* key) : l_(l), key_(key) {
+      std::shared_ptr<std::mutex> m;
+      {
+        std::lock_guard<std::mutex> g(l_.mu_);
+        auto& e = l_.locks_[key_];
+        if (!e.m) e.m = std::make_shared<std::mutex>();
+        ++e.users;
+        m = e.m;
+      }
+      m_ = std::move(m);
+      m_->lock();
+    }
+    ~Guard() {
+      m_->unlock();
+      std::lock_guard<std::mutex> g(l_.mu_);
+      auto it = l_.locks_.find(key_);
+      if (--it->second.users == 0) l_.locks_.erase(it);
+    }
+
+   private:
+    StateLocks& l_;
+    const void* key_;
+    std::shared_ptr<std::mutex> m_;
+  };
+
+ private:
+  struct Entry {
+    std::shared_ptr<std::mutex> m;
+    int users = 0;
+  };
+  std::mutex mu_;
+  std::map<const void*, Entry> locks_;
+};
+StateLocks g_state_locks;
+
 void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
                   const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
                   uintptr_t stream) {
@@ -325,6 +371,7 @@ void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, co
   if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
   if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
   nb::gil_scoped_release nogil;
+  const StateLocks::Guard lock(g_state_locks, s.pos.data);
   try {
     hila::step(p, s);
   } catch (const Error& e) {
@@ -344,9 +391,11 @@ DType state_dtype(const std::string& name) {
   throw Error("dtype", "expected 'float32' or 'float64' for a decode state, got '" + name + "'");
 }
 
-// A state part as an array aliasing the DecodeState (kept alive by `owner`): a numpy array in host
-// memory; on a CUDA device a framework-neutral nanobind ndarray carrying the DLPack device (cuda,
-// index), which torch.from_dlpack / cupy.from_dlpack take without a copy.
+// A state part as an array aliasing the DecodeState's memory, kept alive by `owner` (a capsule
+// holding the blocks of the view: a later growth of the state moves it to new memory, the arrays
+// keep the old): a numpy array in host memory; on a CUDA device a framework-neutral nanobind
+// ndarray carrying the DLPack device (cuda, index), which torch.from_dlpack / cupy.from_dlpack take
+// without a copy.
 nb::object state_array(const TensorView& t, nb::handle owner) {
   size_t shape[hila::kMaxDims];
   for (int i = 0; i < t.ndim; ++i) shape[i] = static_cast<size_t>(t.shape[i]);
@@ -455,6 +504,22 @@ NB_MODULE(_C, m) {
         "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
 
   m.def(
+      "_bf16_view",
+      [](nb::object obj) {
+        nb::ndarray<uint16_t, nb::c_contig, nb::device::cpu> a;
+        if (!nb::try_cast(obj, a)) throw Error("array", "expected a C-contiguous uint16 host array");
+        size_t shape[hila::kMaxDims];
+        if (a.ndim() > static_cast<size_t>(hila::kMaxDims))
+          throw Error("array", "expected at most " + std::to_string(hila::kMaxDims) + " dimensions");
+        for (size_t i = 0; i < a.ndim(); ++i) shape[i] = a.shape(i);
+        return nb::ndarray<>(const_cast<uint16_t*>(a.data()), a.ndim(), shape, obj, nullptr,
+                             nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1},
+                             nb::device::cpu::value, 0);
+      },
+      "a"_a,
+      "Internal: a C-contiguous uint16 numpy array holding bfloat16 bits (ml_dtypes' bfloat16 viewed as "
+      "uint16) as a DLPack bfloat16 array aliasing it.");
+  m.def(
       "_workspace_span",
       [](const nb::object& a) {
         const Span s = span_of(a);
@@ -498,14 +563,22 @@ NB_MODULE(_C, m) {
           "state"_a)
       .def(
           "view",
-          [](nb::handle self) {
-            hila::DecodeState& s = nb::cast<hila::DecodeState&>(self);
-            const StateView v = s.view();
-            return nb::make_tuple(part_or_none(v.pos, self), part_or_none(v.S, self),
-                                  part_or_none(v.P, self), part_or_none(v.H, self));
+          [](hila::DecodeState& s) {
+            std::shared_ptr<const void> keep;
+            StateView v;
+            {
+              nb::gil_scoped_release nogil;  // the state's lock may be held by a step
+              v = s.view(keep);
+            }
+            nb::capsule owner(new std::shared_ptr<const void>(std::move(keep)), [](void* p) noexcept {
+              delete static_cast<std::shared_ptr<const void>*>(p);
+            });
+            return nb::make_tuple(part_or_none(v.pos, owner), part_or_none(v.S, owner),
+                                  part_or_none(v.P, owner), part_or_none(v.H, owner));
           },
           "(pos, S, P, H) aliasing the state (numpy in host memory, DLPack ndarrays on a CUDA "
-          "device); valid until the next step/load/reserve.")
+          "device). The arrays keep their memory alive: after a step, load or reserve that grows "
+          "the state into new memory they show the state as it was (writes to them are lost).")
       .def(
           "reserve",
           [](hila::DecodeState& s, int64_t max_pos) {
@@ -513,13 +586,23 @@ NB_MODULE(_C, m) {
             s.reserve(max_pos);
           },
           "max_pos"_a)
-      .def("position", &hila::DecodeState::position, "seq"_a)
+      .def(
+          "position",
+          [](const hila::DecodeState& s, int64_t seq) {
+            nb::gil_scoped_release nogil;  // the state's lock may be held by a step
+            return s.position(seq);
+          },
+          "seq"_a)
       .def_prop_ro("config", &hila::DecodeState::config)
       .def_prop_ro("batch", &hila::DecodeState::batch)
       .def_prop_ro("heads", &hila::DecodeState::heads)
       .def_prop_ro("dk", &hila::DecodeState::dk)
       .def_prop_ro("dv", &hila::DecodeState::dv)
-      .def_prop_ro("slots", &hila::DecodeState::slots)
+      .def_prop_ro("slots",
+                   [](const hila::DecodeState& s) {
+                     nb::gil_scoped_release nogil;
+                     return s.slots();
+                   })
       .def_prop_ro("dtype", [](const hila::DecodeState& s) { return std::string(hila::dtype_name(s.dtype())); })
       .def_prop_ro(
           "device",
@@ -530,7 +613,10 @@ NB_MODULE(_C, m) {
                        : std::make_tuple(static_cast<int>(nb::device::cpu::value), 0);
           },
           "The state's DLPack device (type, id): (1, 0) for the CPU, (2, index) for CUDA.")
-      .def_prop_ro("bytes_per_sequence", &hila::DecodeState::bytes_per_sequence);
+      .def_prop_ro("bytes_per_sequence", [](const hila::DecodeState& s) {
+        nb::gil_scoped_release nogil;
+        return s.bytes_per_sequence();
+      });
 
   m.def("op_names", [] {
     std::vector<std::string> v;

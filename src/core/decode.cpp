@@ -3,8 +3,14 @@
 // capacity as positions cross powers of two (docs/math/LOGLINEAR.md §8: grown, never truncated). The
 // memory lives on the state's device (CPU or CUDA); positions are also kept on the host, since slot
 // growth and the lam-length check need them before anything is launched.
+//
+// Sharing: every operation takes the state's lock, so steps from several threads serialize (none
+// is lost) and never see a state mid-growth. The memory blocks are reference-counted: a view taken
+// with an owner keeps the blocks it shows alive after a later growth moves the state elsewhere.
 #include <algorithm>
 #include <array>
+#include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -91,22 +97,51 @@ void copy_into(const TensorView& from, const TensorView& to, void* stream) {
 }  // namespace
 
 struct DecodeState::Impl {
+  using BlockPtr = std::shared_ptr<Block>;
   OpConfig cfg;
   OpTraits traits{};
   int64_t N = 0, H = 0, dk = 0, dv = 0, dvp = 0, Ls = 1;
   DType dtype = DType::f32;
   Device device{};
-  std::vector<int64_t> pos;  // the positions (CPU) or their host copy (CUDA)
-  Block dpos;                // CUDA: the positions on the device
-  Block counters;            // CUDA: the step kernel's counters (cuda/step.h), zero between steps
-  Block S, P, Hs;
+  std::recursive_mutex mu;   // every operation on the state (recursive: step validates through position())
+  std::vector<int64_t> pos;  // host copy of the positions, kept by step and load
+  BlockPtr hpos;             // CPU: the positions the views show (and the step advances)
+  BlockPtr dpos;             // CUDA: the positions on the device
+  BlockPtr counters;         // CUDA: the step kernel's counters (cuda/step.h), zero between steps
+  BlockPtr S, P, Hs;
 
   bool on_cuda() const { return device.type == DeviceType::cuda; }
   int64_t esize() const { return dtype_size(dtype); }
-  int64_t s_elems() const { return traits.has_S ? N * H * dk * (dk + 1) / 2 : 0; }
+  int64_t s_elems() const { return traits.has_S ? N * H * detail::packed_size(dk) : 0; }
   int64_t p_elems() const { return traits.has_P ? N * H * dk * dvp : 0; }
   int64_t h_elems(int64_t slots) const { return N * H * slots * dk * dvp; }
   size_t bytes(int64_t elems) const { return static_cast<size_t>(elems * esize()); }
+
+  // Total bytes at `slots` Fenwick slots, or -1 when the count overflows int64.
+  int64_t total_bytes(int64_t slots) const {
+    const int64_t packed = detail::packed_size(dk);
+    const int64_t parts[] = {traits.has_S ? detail::checked_product({N, H, packed < 0 ? -1 : packed, esize()}) : 0,
+                             traits.has_P ? detail::checked_product({N, H, dk, dvp, esize()}) : 0,
+                             detail::checked_product({N, H, slots, dk, dvp, esize()}),
+                             detail::checked_product({N, 16})};
+    int64_t total = 0;
+    for (int64_t b : parts)
+      if (b < 0 || !detail::add_ok(total, b, &total)) return -1;
+    return total;
+  }
+  // The memory of the state at `slots` slots fits in int64 and in hila::memory_limit().
+  void check_memory(int64_t slots) const {
+    const int64_t b = total_bytes(slots);
+    const std::string what = "a decode state of N = " + std::to_string(N) + " sequences, H = " + std::to_string(H) +
+                             ", dk = " + std::to_string(dk) + ", dv' = " + std::to_string(dvp) + ", " +
+                             std::to_string(slots) + " slots";
+    if (b < 0) throw Error("N/H/dk/dv", what + " has more bytes than int64 can count");
+    if (!on_cuda()) detail::check_host_bytes("N/H/dk/dv", double(b), what);
+  }
+  BlockPtr block(size_t bytes) const {
+    return detail::with_memory_errors("N/H/dk/dv", "a decode state",
+                                      [&] { return std::make_shared<Block>(bytes, device); });
+  }
 
   TensorView h_view(Block& b, int64_t slots) {
     return traits.loglinear ? TensorView::contiguous_view(b.data(), dtype, {N, H, slots, dk, dvp}, device)
@@ -115,19 +150,28 @@ struct DecodeState::Impl {
 
   StateView view() {
     StateView v;
-    v.pos = TensorView::contiguous_view(on_cuda() ? dpos.data() : pos.data(), DType::i64, {N}, device);
-    if (traits.has_S) v.S = TensorView::contiguous_view(S.data(), dtype, {N, H, dk * (dk + 1) / 2}, device);
-    if (traits.has_P) v.P = TensorView::contiguous_view(P.data(), dtype, {N, H, dk, dvp}, device);
-    v.H = h_view(Hs, Ls);
+    v.pos = TensorView::contiguous_view(on_cuda() ? dpos->data() : hpos->data(), DType::i64, {N}, device);
+    if (traits.has_S) v.S = TensorView::contiguous_view(S->data(), dtype, {N, H, detail::packed_size(dk)}, device);
+    if (traits.has_P) v.P = TensorView::contiguous_view(P->data(), dtype, {N, H, dk, dvp}, device);
+    v.H = h_view(*Hs, Ls);
     return v;
+  }
+  // The blocks a view shows, kept alive together.
+  std::shared_ptr<const void> owner() const {
+    return std::make_shared<const std::vector<BlockPtr>>(std::vector<BlockPtr>{hpos, dpos, S, P, Hs});
+  }
+  // The host positions into the block the CPU views show.
+  void publish_positions() {
+    if (!on_cuda()) std::copy(pos.begin(), pos.end(), static_cast<int64_t*>(hpos->data()));
   }
 
   // Grow the slot dimension of H (log-linear only), keeping the contents. On CUDA the copy is
-  // ordered on `stream` and completes before the old buffer is freed.
+  // ordered on `stream` and completes before the old buffer is released (views holding it keep it).
   void grow(int64_t slots, void* stream) {
     if (!traits.loglinear || slots <= Ls) return;
-    Block nh(bytes(h_elems(slots)), device);
-    copy_into(h_view(Hs, Ls), h_view(nh, slots), stream);
+    check_memory(slots);
+    BlockPtr nh = block(bytes(h_elems(slots)));
+    copy_into(h_view(*Hs, Ls), h_view(*nh, slots), stream);
 #ifdef HILA_WITH_CUDA
     if (on_cuda()) detail::cuda_synchronize(stream, device.index);
 #endif
@@ -166,17 +210,21 @@ DecodeState::DecodeState(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, 
   s.N = N, s.H = H, s.dk = dk, s.dv = dv, s.dvp = dv + (cfg.normalize ? 1 : 0);
   s.dtype = dtype;
   s.device = device;
-  s.pos.assign(static_cast<size_t>(N), 0);
+  s.Ls = s.traits.loglinear ? 2 : 1;  // slots(1): room for the first step
+  s.check_memory(s.Ls);               // every size below is then known to fit
+  detail::with_memory_errors("N/H/dk/dv", "a decode state", [&] { s.pos.assign(static_cast<size_t>(N), 0); });
+  s.hpos = detail::with_memory_errors("N/H/dk/dv", "a decode state", [&] {  // host memory on every device
+    return std::make_shared<Block>(s.on_cuda() ? 0 : static_cast<size_t>(N) * 8, Device{});
+  });
 #ifdef HILA_WITH_CUDA
   if (s.on_cuda()) {
-    s.dpos = Block(static_cast<size_t>(N) * 8, device);
-    s.counters = Block(detail::cuda_step_counter_bytes(N, H), device);
+    s.dpos = s.block(static_cast<size_t>(N) * 8);
+    s.counters = std::make_shared<Block>(detail::cuda_step_counter_bytes(N, H), device);
   }
 #endif
-  s.S = Block(s.bytes(s.s_elems()), device);
-  s.P = Block(s.bytes(s.p_elems()), device);
-  s.Ls = s.traits.loglinear ? 2 : 1;  // slots(1): room for the first step
-  s.Hs = Block(s.bytes(s.h_elems(s.Ls)), device);
+  s.S = s.block(s.bytes(s.s_elems()));
+  s.P = s.block(s.bytes(s.p_elems()));
+  s.Hs = s.block(s.bytes(s.h_elems(s.Ls)));
 }
 
 DecodeState::~DecodeState() = default;
@@ -190,31 +238,49 @@ int64_t DecodeState::dk() const { return impl_->dk; }
 int64_t DecodeState::dv() const { return impl_->dv; }
 DType DecodeState::dtype() const { return impl_->dtype; }
 Device DecodeState::device() const { return impl_->device; }
-int64_t DecodeState::slots() const { return impl_->Ls; }
+int64_t DecodeState::slots() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->Ls;
+}
 int64_t DecodeState::position(int64_t seq) const {
   if (seq < 0 || seq >= impl_->N)
     throw Error("seq", "expected 0 <= seq < " + std::to_string(impl_->N) + ", got " + std::to_string(seq));
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   return impl_->pos[seq];
 }
 // load() and reserve() copy on the default stream; on CUDA they first wait for the whole device,
 // so a step still running on another stream cannot race with them.
 void DecodeState::reserve(int64_t max_pos) {
   Impl& s = *impl_;
+  if (max_pos < 0 || max_pos > detail::kMaxPosition)
+    throw Error("max_pos", "expected a position in [0, 2^62], got " + std::to_string(max_pos));
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
   if (!s.traits.loglinear || state_slots(max_pos) <= s.Ls) return;
 #ifdef HILA_WITH_CUDA
   if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
 #endif
   s.grow(state_slots(max_pos), nullptr);
 }
-StateView DecodeState::view() { return impl_->view(); }
+StateView DecodeState::view() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->view();
+}
+
+StateView DecodeState::view(std::shared_ptr<const void>& owner) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  owner = impl_->owner();
+  return impl_->view();
+}
 
 int64_t DecodeState::bytes_per_sequence() const {
-  const Impl& s = *impl_;
+  Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
   return (s.s_elems() + s.p_elems() + s.h_elems(s.Ls)) * s.esize() / s.N + 8;
 }
 
 void DecodeState::load(const StateView& in) {
   Impl& s = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
   detail::check_state("state", in, s.cfg, s.N, s.H, s.dk, s.dv, nullptr, true, false, s.device);
   const std::vector<int64_t> pos = detail::read_positions(in.pos);
   detail::check_state("state", in, s.cfg, s.N, s.H, s.dk, s.dv, &pos, true, s.cfg.check_values, s.device);
@@ -224,10 +290,11 @@ void DecodeState::load(const StateView& in) {
   if (s.on_cuda()) detail::cuda_device_synchronize(s.device.index);
 #endif
   if (s.traits.loglinear) s.grow(std::max(need, in.H.shape[2]), nullptr);
-  s.pos = pos;
+  std::copy(pos.begin(), pos.end(), s.pos.begin());
+  s.publish_positions();
   if (s.on_cuda()) {
 #ifdef HILA_WITH_CUDA
-    detail::cuda_upload(s.dpos.data(), s.pos.data(), s.pos.size() * 8, s.device.index);
+    detail::cuda_upload(s.dpos->data(), s.pos.data(), s.pos.size() * 8, s.device.index);
 #endif
   }
   StateView dst = s.view();
@@ -240,12 +307,19 @@ void DecodeState::load(const StateView& in) {
 }
 
 void step(const StepParams& p, DecodeState& state) {
-  const detail::Resolved r = detail::resolve_step(p, state);
   DecodeState::Impl& s = *state.impl();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);  // one step at a time: none lost, none torn
+  const detail::Resolved r = detail::resolve_step(p, state);
   s.grow(s.slots_for_next_step(), p.stream);
-  detail::run_step(r, p, s.view(), s.on_cuda() ? s.counters.data() : nullptr);
-  if (s.on_cuda())  // the device copy advanced in the step's second kernel
-    for (int64_t& x : s.pos) ++x;
+  try {
+    detail::run_step(r, p, s.view(), s.on_cuda() ? s.counters->data() : nullptr);
+  } catch (...) {
+    // A CPU step that failed its output check has advanced the state already: keep the host copy
+    // of the positions true to it.
+    if (!s.on_cuda()) s.pos = detail::read_positions(s.view().pos);
+    throw;
+  }
+  for (int64_t& x : s.pos) ++x;  // the step advanced the view's positions (CPU) or the device copy
 }
 
 }  // namespace hila

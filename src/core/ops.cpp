@@ -88,13 +88,27 @@ int64_t levels_needed(int64_t n0, int64_t T) {
 StateShape state_shape(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk, int64_t dv,
                        int64_t max_pos) {
   const OpTraits t = op_traits(cfg.op);
+  if (N < 0 || H < 0 || dk < 0 || dv < 0 || max_pos < 0)
+    throw Error("state", "expected sizes and a position >= 0, got N = " + std::to_string(N) + ", H = " +
+                                   std::to_string(H) + ", dk = " + std::to_string(dk) + ", dv = " +
+                                   std::to_string(dv) + ", max_pos = " + std::to_string(max_pos));
   const int64_t dvp = dv + (cfg.normalize ? 1 : 0);
+  // Every part's element count must fit in int64 (shapes that wrap would size buffers wrongly).
+  int64_t packed = 0, nh = 0, n = 0, m = 0;
+  const bool ok = !__builtin_mul_overflow(dk, dk + 1, &packed) && !__builtin_mul_overflow(N, H, &nh) &&
+                  !__builtin_mul_overflow(nh, dk, &n) && !__builtin_mul_overflow(n, dvp, &n) &&
+                  !__builtin_mul_overflow(n, int64_t(64), &n) &&  // up to 64 Fenwick slots
+                  !__builtin_mul_overflow(nh, packed / 2, &m);
+  if (!ok)
+    throw Error("state", "the state of N = " + std::to_string(N) + " sequences, H = " + std::to_string(H) +
+                                   ", dk = " + std::to_string(dk) + ", dv = " + std::to_string(dv) +
+                                   " has more elements than int64 can count");
   StateShape s;
   s.S = t.has_S;
   s.P = t.has_P;
   s.H = true;
   s.levels = t.loglinear;
-  if (s.S) s.S_shape = {N, H, dk * (dk + 1) / 2};
+  if (s.S) s.S_shape = {N, H, packed / 2};
   if (s.P) s.P_shape = {N, H, dk, dvp};
   s.H_shape = t.loglinear ? std::vector<int64_t>{N, H, state_slots(max_pos), dk, dvp}
                           : std::vector<int64_t>{N, H, dk, dvp};

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "hila/tensor.h"
 
+#include <limits>
 #include <string>
 
 namespace hila {
@@ -32,9 +33,13 @@ std::string device_name(Device d) {
   return d.type == DeviceType::cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
 }
 
+// Saturates at INT64_MAX instead of wrapping (validation rejects such shapes by name).
 int64_t TensorView::numel() const {
+  for (int i = 0; i < ndim; ++i)
+    if (shape[i] == 0) return 0;
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(n, shape[i], &n)) return std::numeric_limits<int64_t>::max();
   return n;
 }
 

@@ -1,17 +1,140 @@
 // SPDX-License-Identifier: Apache-2.0
 // Input validation for every entry point. Each failure names the argument, what was expected and
 // what was given (docs/math/LOGLINEAR.md §11). Nothing is launched before all checks pass.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <omp.h>
 
 #include "core/access.h"
 #include "core/host_mirror.h"
 #include "core/problem.h"
 #include "hila/error.h"
 
+namespace hila {
+
+namespace {
+std::atomic<int64_t> g_memory_limit{0};  // set_memory_limit(); 0: not set
+
+// The machine's physical memory, lowered to the cgroup (v2 or v1) limit of this process if any.
+int64_t machine_memory() {
+  static const int64_t bytes = [] {
+    int64_t m = int64_t(sysconf(_SC_PHYS_PAGES)) * int64_t(sysconf(_SC_PAGESIZE));
+    if (m <= 0) m = std::numeric_limits<int64_t>::max();
+    for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+      if (FILE* f = std::fopen(path, "r")) {
+        long long v = 0;
+        if (std::fscanf(f, "%lld", &v) == 1 && v > 0) m = std::min<int64_t>(m, v);
+        std::fclose(f);
+      }
+    }
+    return m;
+  }();
+  return bytes;
+}
+}  // namespace
+
+int64_t parse_memory_size(const std::string& text, const std::string& arg) {
+  const std::string bad = "expected a size in bytes, optionally with a K, M, G or T suffix (powers of 1024), "
+                          "e.g. 512M or 16G, got '" + text + "'";
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw Error(arg, bad);
+  }
+  std::string unit = text.substr(used);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  if (!unit.empty() && (unit.back() == 'i')) unit.pop_back();
+  double mult = 1;
+  if (unit.size() == 1) {
+    const char* units = "KMGT";
+    const char* u = std::strchr(units, std::toupper(static_cast<unsigned char>(unit[0])));
+    if (!u || !*u) throw Error(arg, bad);
+    mult = std::ldexp(1.0, 10 * int(u - units + 1));
+  } else if (!unit.empty()) {
+    throw Error(arg, bad);
+  }
+  const double bytes = x * mult;
+  if (!std::isfinite(bytes) || bytes < 1 || bytes >= 9.2e18) throw Error(arg, bad + " (between 1 byte and 8 EiB)");
+  return static_cast<int64_t>(bytes);
+}
+
+int64_t memory_limit() {
+  int64_t m = machine_memory();
+  if (const char* env = std::getenv("HILA_MAX_MEMORY"); env && *env)
+    m = std::min(m, parse_memory_size(env, "HILA_MAX_MEMORY"));
+  if (const int64_t set = g_memory_limit.load(); set > 0) m = std::min(m, set);
+  return m;
+}
+
+void set_memory_limit(int64_t bytes) {
+  if (bytes < 0) throw Error("max_memory", "expected a size in bytes >= 0 (0: the default), got " + std::to_string(bytes));
+  g_memory_limit.store(bytes);
+}
+
+}  // namespace hila
+
 namespace hila::detail {
+
+int64_t checked_product(std::initializer_list<int64_t> sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes)
+    if (s < 0 || !mul_ok(n, s, &n)) return -1;
+  return n;
+}
+
+void check_extent(const std::string& name, const TensorView& t) {
+  if (!t.defined()) return;
+  int64_t n = dtype_size(t.dtype);
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) throw Error(name, "expected non-negative sizes, got " + t.shape_str());
+    if (!mul_ok(n, std::max<int64_t>(t.shape[i], 1), &n))
+      throw Error(name, "expected a shape whose non-zero sizes multiply to at most 2^63 bytes (an array "
+                        "numpy or torch could hold), got " + t.shape_str() + " of " + dtype_name(t.dtype));
+  }
+}
+
+int64_t host_memory_limit() { return memory_limit(); }
+
+namespace {
+std::string bytes_str(double b) {
+  char buf[64];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  double x = b;
+  while (x >= 1024 && u < 6) x /= 1024, ++u;
+  if (b >= 1e21) std::snprintf(buf, sizeof buf, "%.3g bytes", b);
+  else std::snprintf(buf, sizeof buf, "%.0f bytes (%.1f %s)", b, x, units[u]);
+  return buf;
+}
+}  // namespace
+
+void check_host_bytes(const std::string& arg, double bytes, const std::string& what) {
+  const int64_t limit = host_memory_limit();
+  if (bytes > double(limit))
+    throw Error(arg, "needs " + bytes_str(bytes) + " of host memory for " + what + ", more than the " +
+                         bytes_str(double(limit)) + " hila may take (the machine's memory, HILA_MAX_MEMORY or "
+                         "hila::set_memory_limit)");
+}
+
+void fail_allocation(const std::string& arg, const std::string& what, const char* why) {
+  throw Error(arg, "could not allocate host memory for " + what + " (" + why + "; limit " +
+                       bytes_str(double(host_memory_limit())) + ")");
+}
 
 namespace {
 
@@ -75,9 +198,13 @@ void expect_device(const std::string& name, const TensorView& t, Device d) {
     fail(name, "expected device " + device_name(d) + " (that of q), got " + device_name(t.device));
 }
 
-// Innermost dimension contiguous, no negative strides, data present.
+// Innermost dimension contiguous, no negative strides, data present. A tensor with no elements
+// addresses no memory: any strides (numpy 2 gives zero-size arrays all-zero strides) and any
+// pointer are accepted.
 void expect_strides(const std::string& name, const TensorView& t) {
-  if (t.numel() > 0 && t.data == nullptr) fail(name, "expected data, got a null pointer");
+  check_extent(name, t);
+  if (t.numel() == 0) return;
+  if (t.data == nullptr) fail(name, "expected data, got a null pointer");
   if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1)
     fail(name, "expected the innermost dimension to be contiguous (stride 1), got stride " +
                    std::to_string(t.stride[t.ndim - 1]));
@@ -112,10 +239,11 @@ std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
 
 // Value check of one tensor: every element finite (and, for log-gates, <= 0). Device tensors are
 // scanned on the device; only the first offending element is read back for the message.
+// Log-gates may be -inf: a state reset (docs/OPERATORS.md, "Resets").
 void check_elements(const std::string& name, const TensorView& dev_t, bool gates) {
-  const char* what = gates ? "expected finite log-gates <= 0 (value checks are on), got "
+  const char* what = gates ? "expected log-gates <= 0, finite or -inf (a reset) (value checks are on), got "
                            : "expected finite values (value checks are on), got ";
-  auto bad = [&](double x) { return !std::isfinite(x) || (gates && x > 0); };
+  auto bad = [&](double x) { return gates ? (std::isnan(x) || x > 0) : !std::isfinite(x); };
   const int64_t first = device_scan(dev_t, gates);
   if (first == -1) return;
   if (first >= 0) {  // element `first` in row-major order: read just that one
@@ -130,7 +258,11 @@ void check_elements(const std::string& name, const TensorView& dev_t, bool gates
     one.data = static_cast<char*>(dev_t.data) + off * dtype_size(dev_t.dtype);
     for (int i = 0; i < one.ndim; ++i) one.shape[i] = 1;
     const HostMirror m(one);
-    fail(name, what + std::to_string(load(m.view(), 0)) + " at " + idx_str(idx, dev_t.ndim));
+    const double x = load(m.view(), 0);
+    if (gates && std::isinf(x) && x < 0)  // the device scan's criterion: finite log-gates
+      fail(name, "got -inf (a state reset) at " + idx_str(idx, dev_t.ndim) + " on " +
+                     device_name(dev_t.device) + ": -inf log-gates (state resets) are computed by the CPU backend only");
+    fail(name, what + std::to_string(x) + " at " + idx_str(idx, dev_t.ndim));
   }
   const HostMirror m(dev_t);
   const TensorView& t = m.view();
@@ -164,6 +296,9 @@ void check_config(const OpConfig& c) {
   if (!std::isfinite(c.scale)) fail("scale", "expected a finite value, got " + std::to_string(c.scale));
   if (!std::isfinite(c.eps) || c.eps < 0)
     fail("eps", "expected a finite value >= 0, got " + std::to_string(c.eps));
+  if (c.normalize && !(c.eps > 0))
+    fail("eps", "expected eps > 0 with normalize (o = num / (den + eps); den is 0 where q or the state is 0), "
+                "got " + std::to_string(c.eps));
   if (!std::isfinite(c.ridge)) fail("ridge", "expected a finite value, got " + std::to_string(c.ridge));
 }
 
@@ -179,6 +314,9 @@ std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, D
   const TensorView& cu = mirror.view();
   std::vector<SeqInfo> seqs;
   if (!cu.defined()) {
+    check_host_bytes("q", double(B) * sizeof(SeqInfo),
+                     "the table of B = " + std::to_string(B) + " sequences");
+    with_memory_errors("q", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(B)); });
     for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T, 0});
     return seqs;
   }
@@ -190,6 +328,9 @@ std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, D
   expect_strides("cu_seqlens", cu);
   if (B != 1) fail("cu_seqlens", "expected batch size B = 1 with varlen, got B = " + std::to_string(B));
   const int64_t n = cu.shape[0];
+  check_host_bytes("cu_seqlens", double(n) * sizeof(SeqInfo),
+                   "the table of " + std::to_string(n - 1) + " sequences");
+  with_memory_errors("cu_seqlens", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(n - 1)); });
   int64_t prev = load_int(cu, 0);
   if (prev != 0) fail("cu_seqlens", "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
   for (int64_t i = 1; i < n; ++i) {
@@ -347,6 +488,137 @@ void check_optional_output(const std::string& name, const TensorView& t, const T
   check_output(name, t, s, like.dtype, like.device, "shape of " + input);
 }
 
+// ---- memory overlap of outputs with inputs and other outputs
+
+// Bytes [lo, hi) that a (non-empty) view addresses.
+bool byte_span(const TensorView& t, intptr_t& lo, intptr_t& hi) {
+  if (!t.defined() || t.numel() == 0 || !t.data) return false;
+  const intptr_t es = dtype_size(t.dtype), base = reinterpret_cast<intptr_t>(t.data);
+  intptr_t a = 0, b = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    const intptr_t ext = intptr_t(t.shape[i] - 1) * intptr_t(t.stride[i]) * es;
+    (ext < 0 ? a : b) += ext;
+  }
+  lo = base + a;
+  hi = base + b + es;
+  return true;
+}
+
+// Whether some element of `a` shares a byte with some element of `b`. Exact for views with the same
+// element size and strides whose dimensions nest (each stride at least the extent of the smaller
+// ones: any slices of one row-major buffer, such as q, k, v of a fused projection); otherwise any
+// overlap of the byte ranges counts.
+bool overlaps(const TensorView& a, const TensorView& b) {
+  intptr_t alo, ahi, blo, bhi;
+  if (!(a.device == b.device) || !byte_span(a, alo, ahi) || !byte_span(b, blo, bhi)) return false;
+  if (ahi <= blo || bhi <= alo) return false;
+  const int64_t es = dtype_size(a.dtype);
+  if (a.ndim != b.ndim || dtype_size(b.dtype) != es) return true;
+  struct Dim {
+    int64_t stride, na, nb;
+  };
+  std::vector<Dim> dims;
+  for (int i = 0; i < a.ndim; ++i) {
+    if (a.shape[i] == 1 && b.shape[i] == 1) continue;
+    if (a.stride[i] != b.stride[i] || a.stride[i] <= 0) return true;
+    dims.push_back({a.stride[i] * es, a.shape[i], b.shape[i]});
+  }
+  std::sort(dims.begin(), dims.end(), [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
+  int64_t extent = es;  // bytes spanned by the smaller dimensions
+  for (const Dim& d : dims) {
+    if (d.stride < extent) return true;  // not nested: be conservative
+    extent += (std::max(d.na, d.nb) - 1) * d.stride;
+  }
+  // b.data - a.data = sum_k e_k stride_k + r with e_k = i_k - j_k in [-(nb_k - 1), na_k - 1] and
+  // |r| < es; nesting leaves two candidates for e_k at each level, largest stride first.
+  const std::function<bool(int, int64_t)> hit = [&](int k, int64_t rem) -> bool {
+    if (k < 0) return rem > -es && rem < es;
+    const Dim& d = dims[size_t(k)];
+    const int64_t q = rem >= 0 ? rem / d.stride : -((-rem) / d.stride);
+    for (int64_t e : {q - 1, q, q + 1})
+      if (e >= -(d.nb - 1) && e <= d.na - 1 && hit(k - 1, rem - e * d.stride)) return true;
+    return false;
+  };
+  return hit(int(dims.size()) - 1, int64_t(reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data)));
+}
+
+using Named = std::pair<std::string, const TensorView*>;
+
+void add_state(std::vector<Named>& v, const std::string& name, const StateView& s, bool pos = true) {
+  if (pos) v.push_back({name + ".pos", &s.pos});
+  v.push_back({name + ".S", &s.S});
+  v.push_back({name + ".P", &s.P});
+  v.push_back({name + ".H", &s.H});
+}
+
+// Outputs must not share memory with inputs (they would be read after being overwritten) nor with
+// each other.
+void check_no_aliasing(const std::vector<Named>& outputs, const std::vector<Named>& inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [on, ot] = outputs[i];
+    for (const auto& [in, it] : inputs)
+      if (overlaps(*ot, *it))
+        fail(on, "shares memory with the input '" + in + "': an output must not alias an input");
+    for (size_t j = 0; j < i; ++j)
+      if (overlaps(*ot, *outputs[j].second))
+        fail(on, "shares memory with the output '" + outputs[j].first + "': outputs must not alias each other");
+  }
+}
+
+std::vector<Named> forward_inputs(const ForwardParams& p) {
+  std::vector<Named> in = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g},
+                           {"lam", &p.lam}, {"beta", &p.beta}, {"cu_seqlens", &p.cu_seqlens}};
+  add_state(in, "init", p.init);
+  return in;
+}
+
+// Host memory of the CPU backend's call (cpu/backend.cpp, cpu/primitive.cpp), estimated from the
+// sizes before anything is allocated: per (sequence, head) work item the gathered rows, the
+// segment matrices ([R, R] with R = T for the naive form, the chunk for chunk/scan), the states
+// (and, in the chunk backward, one incoming state per segment), times the items that run at once;
+// the backward also keeps dq and dk of every head until the group reduction. A rough upper
+// bound: its purpose is to fail up front, naming what is large, instead of exhausting memory.
+void check_cpu_memory(const Resolved& r, bool backward) {
+  if (r.seqs.empty()) return;
+  const double es = r.f64 ? 8 : 4, dk = double(r.dk), dvp = double(r.dvp), H = double(r.H);
+  const double N = double(r.seqs.size());
+  double n = 0, last = 0;
+  for (const SeqInfo& q : r.seqs) {
+    n = std::max(n, double(q.len));
+    last = std::max(last, double(q.n0 + q.len));
+  }
+  const double rows = r.form == Form::naive ? n : r.form == Form::serial ? std::min(n, 64.0)
+                                                                          : std::min(double(r.chunk), n);
+  const double slots = r.traits.loglinear ? double(bitlen(static_cast<uint64_t>(last)) + 1) : 1;
+  const double state = (r.traits.has_S ? dk * dk : 0) + (r.traits.has_P ? dk * dvp : 0) + slots * dk * dvp;
+  const double gathered = n * (3 * dk + 3 * dvp + double(r.nL) + 4) * (backward ? 3 : 1);
+  const double segmats = rows * rows * ((backward ? 12 : 6) + (r.traits.delta ? 6 : 0));
+  const double segs = rows > 0 ? std::ceil(n / rows) + 1 : 1;
+  double states = 4 * state;
+  if (backward || r.form == Form::scan) states += segs * state * (r.form == Form::scan ? 3 : 1);
+  const double threads = std::min<double>(std::max(1, omp_get_max_threads()), N * H);
+  const double per_item = es * (gathered + segmats + states);
+  const double kept = backward ? es * 2 * N * H * n * dk : 0;
+  const double total = per_item * threads + kept;
+  // Name what dominates.
+  if (segmats * es * threads >= total / 2) {
+    const std::string R = std::to_string(static_cast<int64_t>(rows));
+    check_host_bytes(r.form == Form::naive ? "form" : "chunk", total,
+                     std::string("the ") + form_name(r.form) + " form's [" + R + ", " + R + "] " +
+                         (r.f64 ? "float64" : "float32") + " matrices of each (sequence, head) on " +
+                         std::to_string(static_cast<int64_t>(threads)) + " threads" +
+                         (r.form == Form::naive ? " (use the chunk form)" : ""));
+  } else if (states * es * threads >= total / 2) {
+    check_host_bytes("q", total, "the per-head states (dk = " + std::to_string(r.dk) + ", dv' = " +
+                                     std::to_string(r.dvp) + ", " + std::to_string(static_cast<int64_t>(slots)) +
+                                     " slots) on " + std::to_string(static_cast<int64_t>(threads)) + " threads");
+  } else {
+    check_host_bytes("q", total, "the rows of " + std::to_string(static_cast<int64_t>(N)) + " sequences x " +
+                                     std::to_string(r.H) + " heads of up to " +
+                                     std::to_string(static_cast<int64_t>(n)) + " tokens");
+  }
+}
+
 Resolved resolve_common(const ForwardParams& p, bool o_required) {
   check_config(p.cfg);
   const int form = static_cast<int>(p.form);
@@ -369,8 +641,9 @@ Resolved resolve_common(const ForwardParams& p, bool o_required) {
     check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, nullptr, true, p.cfg.check_values, d.dev);
     const std::vector<int64_t> pos = read_positions(p.init.pos);
     for (int64_t i = 0; i < N; ++i) {
-      if (pos[i] > (int64_t(1) << 62) - r.seqs[i].len)
-        fail("init.pos", "expected n0 + T < 2^62, got n0 = " + std::to_string(pos[i]));
+      if (pos[i] > kMaxPosition - r.seqs[i].len)
+        fail("init.pos", "expected n0 + T <= 2^62 for sequence " + std::to_string(i) + " (T = " +
+                             std::to_string(r.seqs[i].len) + "), got n0 = " + std::to_string(pos[i]));
       r.seqs[i].n0 = pos[i];
     }
     r.has_init = true;
@@ -412,9 +685,9 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
     if (positions == nullptr) {  // an input state: its positions are read (outputs are only shaped)
       const std::vector<int64_t> pos = read_positions(s.pos);
       for (int64_t i = 0; i < N; ++i)
-        if (pos[i] < 0)
-          fail(nm + ".pos", "expected positions >= 0, got " + std::to_string(pos[i]) + " for sequence " +
-                                std::to_string(i));
+        if (pos[i] < 0 || pos[i] > kMaxPosition)
+          fail(nm + ".pos", "expected positions in [0, 2^62] (the bound of forward), got " + std::to_string(pos[i]) +
+                                " for sequence " + std::to_string(i));
     }
   }
   auto part = [&](const char* p, const TensorView& tv, bool has, std::vector<int64_t> shape,
@@ -435,7 +708,11 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
     expect_strides(pn, tv);
     if (values) check_finite(pn, tv);
   };
-  part("S", s.S, t.has_S, {N, H, dk * (dk + 1) / 2}, "[N, H, dk(dk+1)/2] packed symmetric S");
+  const int64_t packed = packed_size(dk);
+  if (t.has_S && packed < 0)
+    fail("q", "expected a head dim dk whose packed state S of dk(dk+1)/2 entries fits in int64, got dk = " +
+                  std::to_string(dk));
+  part("S", s.S, t.has_S, {N, H, packed}, "[N, H, dk(dk+1)/2] packed symmetric S");
   part("P", s.P, t.has_P, {N, H, dk, dvp}, "[N, H, dk, dv']");
   if (t.loglinear) {
     part("H", s.H, true, {N, H, 0, dk, dvp}, "[N, H, Ls, dk, dv'] Fenwick slots");
@@ -472,7 +749,14 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
 
 Resolved resolve_forward(const ForwardParams& p) {
   const StreamScope scope(p.stream);
-  return resolve_common(p, true);
+  Resolved r = resolve_common(p, true);
+  {
+    std::vector<Named> out = {{"o", &p.o}};
+    add_state(out, "final_state", p.final_state);
+    check_no_aliasing(out, forward_inputs(p));
+  }
+  if (p.q.device.type == DeviceType::cpu) check_cpu_memory(r, false);
+  return r;
 }
 
 Resolved resolve_backward(const BackwardParams& p) {
@@ -513,6 +797,19 @@ Resolved resolve_backward(const BackwardParams& p) {
     check_optional_output("d_init.P", p.d_init.P, p.init.P, "init.P");
     check_optional_output("d_init.H", p.d_init.H, p.init.H, "init.H");
   }
+  {
+    std::vector<Named> out = {{"o", &p.o}};
+    add_state(out, "final_state", p.final_state);
+    for (const auto& [n, t] : {Named{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}, {"dg", &p.dg},
+                               {"dlam", &p.dlam}, {"dbeta", &p.dbeta}})
+      out.push_back({n, t});
+    add_state(out, "d_init", p.d_init, false);
+    std::vector<Named> in = forward_inputs(p);
+    in.push_back({"d_o", &p.d_o});
+    add_state(in, "d_final", p.d_final, false);
+    check_no_aliasing(out, in);
+  }
+  if (dev.type == DeviceType::cpu) check_cpu_memory(r, true);
   return r;
 }
 
@@ -524,6 +821,7 @@ struct StepTarget {
   DType dtype;
   Device device;
   std::vector<int64_t> pos;
+  StateView state;  // the memory the step writes (for the aliasing check)
 };
 
 // q, k, v must match the state; validation of the step inputs shared by both step forms.
@@ -537,13 +835,17 @@ Resolved resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarge
   if (!(d.dev == st.device))
     fail("q", "expected device " + device_name(st.device) + " (the decode state's), got " +
                   device_name(d.dev));
-  if (d.dev.type == DeviceType::cuda) {
-    const DType want = d.dtype == DType::f64 ? DType::f64 : DType::f32;
-    if (st.dtype != want)
-      fail("state", std::string("expected a ") + dtype_name(want) + " state for " + dtype_name(d.dtype) +
-                        " inputs on a CUDA device (states are float32, float64 for float64 inputs), got " +
-                        dtype_name(st.dtype));
-  }
+  // States are float64 exactly for float64 inputs; the CPU also steps lower-precision inputs on a
+  // float64 state (more precise, never less), CUDA does not.
+  const DType want = d.dtype == DType::f64 ? DType::f64 : DType::f32;
+  if (st.dtype != want && (d.dev.type == DeviceType::cuda || d.dtype == DType::f64))
+    fail("state", std::string("expected a ") + dtype_name(want) + " state for " + dtype_name(d.dtype) +
+                      " inputs" + (d.dev.type == DeviceType::cuda ? " on a CUDA device" : "") +
+                      " (states are float32, float64 for float64 inputs), got " + dtype_name(st.dtype));
+  for (int64_t i = 0; i < d.B; ++i)
+    if (st.pos[i] < 0 || st.pos[i] >= kMaxPosition)
+      fail("state.pos", "expected positions in [0, 2^62) before a step (a step past 2^62 would leave the "
+                        "bound of forward), got " + std::to_string(st.pos[i]) + " for sequence " + std::to_string(i));
   Resolved r;
   r.cfg = p.cfg;
   r.traits = op_traits(p.cfg.op);
@@ -563,6 +865,15 @@ Resolved resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarge
                         std::to_string(need) + " (bitlen(pos)+1)");
     }
   check_output("o", p.o, {d.B, d.H, d.dv}, d.dtype, d.dev, "[N, H, dv] like v");
+  {
+    std::vector<Named> in = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"lam", &p.lam}, {"beta", &p.beta}};
+    add_state(in, "state", st.state);
+    check_no_aliasing({{"o", &p.o}}, in);
+    // the state is written in place: it must not alias the step's inputs either
+    std::vector<Named> parts;
+    add_state(parts, "state", st.state);
+    check_no_aliasing(parts, std::vector<Named>(in.begin(), in.begin() + 6));
+  }
   check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
   return r;
 }
@@ -581,7 +892,8 @@ Resolved resolve_step(const StepParams& p, const DecodeState& st) {
                           " as when the decode state was created, got " +
                           (p.cfg.normalize ? "true" : "false"));
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
-  StepTarget t{st.batch(), st.heads(), st.dk(), st.dv(), st.dtype(), st.device(), {}};
+  StepTarget t{st.batch(), st.heads(), st.dk(), st.dv(), st.dtype(), st.device(), {},
+               const_cast<DecodeState&>(st).view()};
   for (int64_t i = 0; i < st.batch(); ++i) t.pos.push_back(st.position(i));
   return resolve_step_inputs(p, d, t);
 }
@@ -612,7 +924,7 @@ Resolved resolve_step(const StepParams& p, const StateView& s) {
     if (part->defined() && part->dtype != dt)
       fail(name, std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " +
                      dtype_name(part->dtype));
-  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, pos};
+  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, pos, s};
   if (t.loglinear) {
     const int64_t Ls = s.H.shape[2];
     for (int64_t i = 0; i < d.B; ++i) {
@@ -627,6 +939,131 @@ Resolved resolve_step(const StepParams& p, const StateView& s) {
   // The state's values are not checked (a step's own output; checking would copy a device state to
   // the host every step); check_values covers the step inputs as for a DecodeState.
   return resolve_step_inputs(p, d, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output values (check_values on): a non-finite output is an error naming the output and, where
+// the inputs tell, the likely cause. Device tensors are scanned on the device (device_scan) and
+// copied to the host only to explain an error, so a backend's dispatcher can run these too.
+
+namespace {
+
+std::string num(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", x);
+  return buf;
+}
+
+// Largest |x| of a host tensor (0 if absent).
+double max_abs(const TensorView& t) {
+  double m = 0;
+  for_each(t, [&](int64_t off, const auto&) { m = std::max(m, std::fabs(load(t, off))); });
+  return m;
+}
+
+// Why outputs went non-finite, from the inputs: a divergent delta rule, magnitudes beyond the
+// compute precision (scale included), a normalize denominator at zero; else a generic overflow.
+std::string likely_cause(const Resolved& r, const TensorView& q_dev, const TensorView& k_dev,
+                         const TensorView& v_dev, const TensorView& beta_dev, bool with_t) {
+  const HostMirror hq(q_dev), hk(k_dev), hv(v_dev), hb(beta_dev);
+  const TensorView &q = hq.view(), &k = hk.view(), &v = hv.view(), &beta = hb.view();
+  const char* prec = r.f64 ? "float64" : "float32";
+  const double big = r.f64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
+  if (r.traits.delta && beta.defined()) {
+    // transition I - beta k k^T: eigenvalue 1 - beta |k|^2 along k, outside [-1, 1] unless
+    // beta |k|^2 in [0, 2]
+    const int64_t hpg = r.H / r.G;
+    std::string worst;
+    double wx = 0;
+    for_each(beta, [&](int64_t off, const auto& idx) {
+      const int nd = with_t ? 3 : 2;
+      const int64_t h = idx[nd - 1], grp = h / hpg;
+      double kk = 1;  // qk_l2norm: unit keys
+      if (!r.cfg.qk_l2norm) {
+        kk = 0;
+        const int64_t base = idx[0] * k.stride[0] + (with_t ? idx[1] * k.stride[1] + grp * k.stride[2] : grp * k.stride[1]);
+        for (int64_t c = 0; c < r.dk; ++c) {
+          const double x = load(k, base + c * k.stride[k.ndim - 1]);
+          kk += x * x;
+        }
+      }
+      const double x = load(beta, off) * kk;
+      const double dist = x < 0 ? -x : x - 2;
+      if (dist > 0 && dist > wx) {
+        wx = dist;
+        worst = num(x) + " at " + idx_str(idx, nd);
+      }
+    });
+    if (!worst.empty())
+      return "a divergent delta rule: beta |k|^2 = " + worst +
+             " lies outside [0, 2], so the erase I - beta k k^T expands the state (keep beta |k|^2 in [0, 2], "
+             "e.g. beta in [0, 2] with qk_l2norm)";
+  }
+  const double mq = max_abs(q), sq = std::fabs(r.scale) * mq, mk = max_abs(k), mv = max_abs(v);
+  if (!(sq <= big))
+    return "scale = " + num(r.scale) + " out of range: scale times max|q| = " + num(mq) + " is beyond " + prec;
+  const int order = r.traits.has_S && r.traits.has_P ? 3 : (r.traits.has_S || r.traits.has_P) ? 2 : 1;
+  const double logmag = order * (std::log10(std::max(sq, 1e-300)) + std::log10(std::max(mk, 1e-300))) +
+                        std::log10(std::max(mv, 1e-300)) +
+                        order * std::log10(double(std::max<int64_t>(r.dk, 1)) * double(std::max<int64_t>(r.T, 1)));
+  if (logmag > std::log10(big)) {
+    const bool scale_big = std::fabs(r.scale) > 1e6;
+    return std::string(scale_big ? "scale = " + num(r.scale) + " out of range: " : "") +
+           "magnitudes beyond " + prec + ": |scale| max|q| = " + num(sq) + ", max|k| = " +
+           num(mk) + ", max|v| = " + num(mv) + " give products up to about 1e" +
+           std::to_string(static_cast<int>(logmag)) + " in this order-" + std::to_string(order) +
+           " operator (the " + prec + " range ends near 1e" + std::to_string(static_cast<int>(std::log10(big))) +
+           ")" + (r.f64 ? "" : "; rescale the inputs or compute in float64");
+  }
+  if (r.cfg.normalize)
+    return "normalize: o = num / (den + eps) with den + eps = 0 or tiny (den is not sign-definite for signed "
+           "features; use nonnegative feature maps or a larger eps)";
+  return std::string("an overflow of ") + prec + " in the computation (check the magnitudes of q, k, v and scale)";
+}
+
+void check_output_finite(const std::string& name, const TensorView& dev_t,
+                         const std::function<std::string()>& cause) {
+  if (!dev_t.defined() || dev_t.numel() == 0) return;
+  const int64_t first = device_scan(dev_t, false);
+  if (first == -1) return;
+  const HostMirror m(dev_t);  // a device tensor (found bad on the device) is read back to name the element
+  const TensorView& t = m.view();
+  for_each(t, [&](int64_t off, const auto& idx) {
+    const double x = load(t, off);
+    if (!std::isfinite(x))
+      fail(name, "is not finite: " + num(x) + " at " + idx_str(idx, t.ndim) +
+                     " from finite inputs (value checks are on); likely cause: " + cause());
+  });
+}
+
+void check_state_finite(const std::string& name, const StateView& s, const std::function<std::string()>& cause) {
+  check_output_finite(name + ".S", s.S, cause);
+  check_output_finite(name + ".P", s.P, cause);
+  check_output_finite(name + ".H", s.H, cause);
+}
+
+}  // namespace
+
+void check_forward_outputs(const Resolved& r, const ForwardParams& p) {
+  if (!r.cfg.check_values) return;
+  auto cause = [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, true); };
+  check_output_finite("o", p.o, cause);
+  check_state_finite("final_state", p.final_state, cause);
+}
+
+void check_backward_outputs(const Resolved& r, const BackwardParams& p) {
+  if (!r.cfg.check_values) return;
+  check_forward_outputs(r, p);
+  auto cause = [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, true); };
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv},
+                                {"dg", &p.dg}, {"dlam", &p.dlam}, {"dbeta", &p.dbeta}})
+    check_output_finite(name, *t, cause);
+  check_state_finite("d_init", p.d_init, cause);
+}
+
+void check_step_outputs(const Resolved& r, const StepParams& p) {
+  if (!r.cfg.check_values) return;
+  check_output_finite("o", p.o, [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, false); });
 }
 
 }  // namespace hila::detail

@@ -366,14 +366,25 @@ void step_impl(const Resolved& r, const StepParams& p, const StateView& sv) {
 
 }  // namespace
 
+// Allocation failures (validation bounds the memory up front; this is the backstop) become
+// hila::Error("memory"), never an internal error.
 void cpu_forward(const Resolved& r, const ForwardParams& p) {
-  r.f64 ? forward_impl<double>(r, p) : forward_impl<float>(r, p);
+  with_memory_errors("memory", std::string("the CPU forward of ") + op_name(r.cfg.op), [&] {
+    r.f64 ? forward_impl<double>(r, p) : forward_impl<float>(r, p);
+  });
+  check_forward_outputs(r, p);
 }
 void cpu_backward(const Resolved& r, const BackwardParams& p) {
-  r.f64 ? backward_impl<double>(r, p) : backward_impl<float>(r, p);
+  with_memory_errors("memory", std::string("the CPU backward of ") + op_name(r.cfg.op), [&] {
+    r.f64 ? backward_impl<double>(r, p) : backward_impl<float>(r, p);
+  });
+  check_backward_outputs(r, p);
 }
 void cpu_step(const Resolved& r, const StepParams& p, const StateView& state) {
-  r.f64 ? step_impl<double>(r, p, state) : step_impl<float>(r, p, state);
+  with_memory_errors("memory", std::string("the CPU decode step of ") + op_name(r.cfg.op), [&] {
+    r.f64 ? step_impl<double>(r, p, state) : step_impl<float>(r, p, state);
+  });
+  check_step_outputs(r, p);
 }
 
 }  // namespace hila::detail

@@ -43,11 +43,18 @@ namespace {
 
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
 // absolute positions [s, e).
+//
+// Decays inside a segment are sums of log-gates over (j, i], and every one is summed directly
+// rather than as a difference of cumulative sums b_i - b_j: a reset token (g = -inf, or a finite g
+// so negative that exp(g) underflows) makes b_i huge or -inf, and b_i - b_j would then cancel the
+// gates that follow it (or give -inf - -inf = NaN). With direct sums a decay across a reset is
+// exactly 0 and a decay after it is exp of the gates after it alone, as in the serial form.
 template <class R>
 struct Seg {
   int64_t i0, i1, nr, s, e;
-  std::vector<R> b;    // chunk-local inclusive cumsum of g
-  R B = 0;             // b[nr-1]
+  std::vector<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
+  std::vector<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
+  R B = 0;             // sum of all g: decay exp(B) across the segment
   MRef<const R> q, k, v;
   // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
@@ -60,6 +67,9 @@ struct Seg {
     R c = 0;
     for (int64_t i = 0; i < nr; ++i) b[i] = (c += a.gate(i0 + i));
     B = nr ? b[nr - 1] : R(0);
+    rest.assign(static_cast<size_t>(nr), R(0));
+    c = 0;
+    for (int64_t j = nr - 1; j > 0; --j) rest[j - 1] = (c += a.gate(i0 + j));
     if (!a.delta) return;
     const int64_t dk = a.dk();
     bk = Mat<R>(nr, dk);
@@ -73,12 +83,22 @@ struct Seg {
     W = matmul<R>(Tm, false, bk, false);  // [R,R] x [R,dk]
   }
 
-  // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} exp(b_i - b_j) on j <= i (docs/math/LOGLINEAR.md §3.1).
-  Mat<R> mask(const PrimArgs<R>& a) const {
+  // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) on j <= i: the sum runs from the diagonal down
+  // each row (O(nr^2) adds, the cost of the mask itself), so E is exactly 0 across a reset.
+  Mat<R> decay(const PrimArgs<R>& a) const {
+    Mat<R> E(nr, nr);
+    for (int64_t i = 0; i < nr; ++i) {
+      R c = 0;
+      E(i, i) = 1;
+      for (int64_t j = i - 1; j >= 0; --j) E(i, j) = std::exp(c += a.gate(i0 + j + 1));
+    }
+    return E;
+  }
+  // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} E[i,j] on j <= i (docs/math/LOGLINEAR.md §3.1).
+  Mat<R> mask(const PrimArgs<R>& a, const Mat<R>& E) const {
     Mat<R> M(nr, nr);
     for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j)
-        M(i, j) = a.lambda(i0 + i, a.lv.level(s + i, s + j)) * std::exp(b[i] - b[j]);
+      for (int64_t j = 0; j <= i; ++j) M(i, j) = a.lambda(i0 + i, a.lv.level(s + i, s + j)) * E(i, j);
     return M;
   }
   // X = tril(q k^T) and D = X Tm (delta) or X (mamba): the un-masked intra-segment scores.
@@ -116,7 +136,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   if (O) {
     Mat<R> X, D;
     sg.scores(a, X, D);
-    Mat<R> P = sg.mask(a);  // P = M o D
+    Mat<R> P = sg.mask(a, sg.decay(a));  // P = M o D
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j <= i; ++j) P(i, j) *= D(i, j);
     Mat<R> bv(nr, dv);
@@ -153,7 +173,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   for (auto& [tl, m] : sg.token_groups(a)) {
     Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
     for (int64_t j = 0; j < nr; ++j) {
-      const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.B - sg.b[j]);
+      const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.rest[j]);
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
     }
     if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false);  // [R,R] x [R,dv]
@@ -172,7 +192,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   Mat<R> X, D;
   sg.scores(a, X, D);
   const Mat<R> Qt = sg.effective_q(a, D);
-  const Mat<R> M = sg.mask(a);
+  const Mat<R> E = sg.decay(a);
+  const Mat<R> M = sg.mask(a, E);
   std::vector<R> db(static_cast<size_t>(nr), R(0));
   R dB = 0;
   Mat<R> dQt(nr, dk), dTm, dW;
@@ -191,7 +212,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     Mat<R> Y(nr, dv);
     std::vector<R> coef(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
-      coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.B - sg.b[j]);
+      coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.rest[j]);
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
     const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false) : Y;
@@ -204,7 +225,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
       for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
-      const R w = std::exp(sg.B - sg.b[j]);
+      const R w = std::exp(sg.rest[j]);
       if (delta) dbeta[j] += w * m[j] * tY;
       const R dwm = coef[j] * tY;  // d/d(B - b_j)
       dB += dwm;
@@ -267,7 +288,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         const R dPij = dP(i, j);
         dD(i, j) = dPij * M(i, j);
         const R dM = dPij * D(i, j);
-        if (fen) dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dM * std::exp(sg.b[i] - sg.b[j]);
+        if (fen) dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dM * E(i, j);
         const R dG = dM * M(i, j);  // d/d(b_i - b_j)
         db[i] += dG;
         db[j] -= dG;
@@ -311,6 +332,10 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   db[nr - 1] += dB;
   R acc = 0;
   for (int64_t i = nr - 1; i >= 0; --i) G.dg[i0 + i] = (acc += db[i]);
+  // A reset token (exp(g) = 0 in R: g = -inf or below the underflow point) has dg = 0, as in the
+  // serial form (dg_t = a_t <Hbar_t, H_{t-1}>): the telescoped sum above leaves only rounding there.
+  for (int64_t i = 0; i < nr; ++i)
+    if (std::exp(a.gate(i0 + i)) == R(0)) G.dg[i0 + i] = 0;
   return dHin;
 }
 

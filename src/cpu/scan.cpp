@@ -97,9 +97,16 @@ HlaSummary<R> hla_summarize(const OpPlan& p, int64_t C, const HeadView<R>& x) {
   Mat<R> Odummy(n, dvp);
   a.k = key, a.v = val, a.g = x.g[p.gO];
   s.Y = slot0(prim_forward<R>(PForm::chunk, C, a, {}, Odummy), dk, dvp);
-  // cross terms (closed forms of docs/math/HLA.md §3.4, §5.3, §6.3), w_i = e^{bO_e - bO_i}
+  // cross terms (closed forms of docs/math/HLA.md §3.4, §5.3, §6.3), w_i = e^{bO_e - bO_i}, the
+  // exponent summed directly (sum_{i<r<n} gO_r) so that a reset token (g = -inf) gives exact
+  // zeros, never -inf - -inf
   std::vector<R> w(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) w[i] = std::exp(s.lO - bO[i]);
+  {
+    R c = 0;
+    const R* gO = x.g[p.gO];
+    w[n - 1] = 1;
+    for (int64_t i = n - 1; i > 0; --i) w[i - 1] = std::exp(c += gO ? gO[i] : R(0));
+  }
   auto wt = [&](const std::vector<R>& extra) {
     std::vector<R> out(w);
     for (int64_t i = 0; i < n; ++i) out[i] *= std::exp(extra[i]);
