@@ -62,6 +62,10 @@ def step(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Opt
 def _workspace_span(a: Array) -> Tuple[str, int]:
     """Internal (tests): how a workspace array from an allocator is read: (device, bytes)."""
 
+def _bf16_view(a: Array) -> Array:
+    """Internal (hila.ops): a C-contiguous uint16 host array holding bfloat16 bits (ml_dtypes'
+    bfloat16 viewed as uint16) as a DLPack bfloat16 array aliasing it."""
+
 def step_inplace(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
                  beta: Optional[Array], state: StateIn, *, o: Array, stream: int = 0) -> None:
     """hila::step(StepParams, StateView): one fused decode token on a caller-owned state, advanced
@@ -81,7 +85,8 @@ class DecodeState:
     def load(self, state: StateIn) -> None: ...
     def view(self) -> Tuple[Any, Optional[Any], Optional[Any], Any]:
         """(pos, S, P, H) aliasing the state: numpy arrays in host memory, DLPack ndarrays (for
-        torch.from_dlpack) on CUDA; valid until the next step/load/reserve."""
+        torch.from_dlpack) on CUDA. The arrays keep their memory alive: after a step, load or
+        reserve that grows the state into new memory they show the state as it was."""
     def reserve(self, max_pos: int) -> None: ...
     def position(self, seq: int) -> int: ...
     @property

@@ -60,7 +60,7 @@ def test_ml_dtypes_bfloat16_arrays_are_accepted():
     (lambda q: hila.forward("gla", q, q, q, chunk="64"), "chunk"),
     (lambda q: hila.forward("gla", q, q, q, form=3), "form"),
     (lambda q: hila.forward("gla", q, q, q, stream="x"), "stream"),
-    (lambda q: hila.forward("gla", q, q, q, initial_state=5), "state"),
+    (lambda q: hila.forward("gla", q, q, q, initial_state=5), "initial_state"),
     (lambda q: hila.backward("gla", q, q, q, do=[["x"]]), "do"),
     (lambda q: hila.DecodeState("gla", "2", 1, 4, 4), "batch"),
     (lambda q: hila.DecodeState("gla", 1, 1, 4, 4.5), "dv"),
