@@ -20,9 +20,18 @@ if(NOT _hila_cli_req STREQUAL "OFF")
   if(nlohmann_json_FOUND AND CLI11_FOUND)
     set(HILA_CLI_ENABLED ON)
   else()
-    set(_hila_cli_why "the hila CLI needs CLI11 and nlohmann_json >= 3.10 (found: CLI11 ${CLI11_FOUND}, "
-                      "nlohmann_json ${nlohmann_json_FOUND}); install them with `bash scripts/setup.sh` or "
-                      "`apt-get install libcli11-dev nlohmann-json3-dev`, or point CMAKE_PREFIX_PATH at them")
+    set(_hila_found_cli11 no)
+    set(_hila_found_json no)
+    if(CLI11_FOUND)
+      set(_hila_found_cli11 yes)
+    endif()
+    if(nlohmann_json_FOUND)
+      set(_hila_found_json yes)
+    endif()
+    string(CONCAT _hila_cli_why
+      "the hila CLI needs CLI11 and nlohmann_json >= 3.10 (found: CLI11 ${_hila_found_cli11}, "
+      "nlohmann_json ${_hila_found_json}); install them with `bash scripts/setup.sh` or "
+      "`apt-get install libcli11-dev nlohmann-json3-dev`, or point CMAKE_PREFIX_PATH at them")
     if(_hila_cli_req STREQUAL "ON")
       message(FATAL_ERROR "hila: HILA_BUILD_CLI=ON, but ${_hila_cli_why}; or configure with -DHILA_BUILD_CLI=OFF.")
     endif()
