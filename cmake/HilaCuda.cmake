@@ -37,7 +37,7 @@ if(NOT _hila_cuda_req STREQUAL "OFF")
     unset(CMAKE_CUDA_COMPILER CACHE)  # an earlier configure found none: look again
   endif()
   if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
-    find_program(_hila_nvcc nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH /usr/local/cuda PATH_SUFFIXES bin NO_CACHE)
+    find_program(_hila_nvcc nvcc PATHS ENV CUDA_HOME ENV CUDA_PATH /usr/local/cuda PATH_SUFFIXES bin NO_CACHE)  # after PATH
     if(_hila_nvcc)
       set(ENV{CUDACXX} "${_hila_nvcc}")  # for check_language's trial project
     endif()
