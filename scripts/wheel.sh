@@ -13,7 +13,7 @@
 # Env: HILA_WHEEL_CUDA=ON (default: fails without nvcc) or OFF (a CPU-only wheel);
 #      HILA_CUDA_GENCODE (nvcc -gencode flags, ;-separated; default: CMake's, see above);
 #      PYTHON (the interpreter the wheel is for, default python3); HILA_WHEEL_DIR (default dist).
-# ccache is used when installed. Building the CUDA kernels takes 20-40 minutes on 2 cores.
+# ccache is used when installed. With the CUDA kernels the build takes about 540 s of CPU time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh wheel

@@ -573,5 +573,5 @@ NB_MODULE(_C, m) {
     std::string why;
     const int n = hila::cuda_device_count(&why);
     return std::make_tuple(n, why);
-  }, "(CUDA devices this process can use, and when 0 why: the CUDA runtime's message).");
+  }, "(count, reason): the CUDA devices this process can use and, when none, the CUDA runtime's reason.");
 }
