@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Fresh machine -> every test: GoogleTest suites, `hila verify`, and the numpy-oracle tests of
-# the CLI, all through CTest; then the Python package, installed with pip and tested with pytest.
+# Fresh machine -> every test: GoogleTest suites, `hila verify`, the numpy-oracle tests of the CLI
+# and the CMake package tests, all through CTest; the GPU tests' smoke sets on the host emulator;
+# then the Python package, installed with pip and tested with pytest.
+# CUDA code is compiled only for a GPU that is present, or, with HILA_CUDA_COMPILE_CHECK=1 and no
+# GPU, for sm_90a and sm_80 without running it (CI: .ci/run); see scripts/cuda_target.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh python
-bash scripts/build.sh
+bash scripts/setup.sh test
+bash scripts/build.sh all
 (cd build && ctest --output-on-failure -j"$(nproc)" "$@")
 
 # The CUDA backend's kernels (tensor-core path included) on the host emulator, no GPU needed: a
@@ -60,10 +63,23 @@ EMU_UPLOAD='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_ini
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65'
 HILA_UPLOAD_KERNEL=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_UPLOAD_FILTER:-$EMU_UPLOAD}"
 
+# The Python package, with the same CUDA choice as build/ (a compile check stays in build/), and
+# without the console script (the CLI is tested through CTest; scripts/wheel.sh packages it).
+source scripts/cuda_target.sh
+hila_cuda_target
+pyargs=(-C cmake.define.HILA_BUILD_CLI=OFF)
+if [ "$HILA_CUDA_MODE" = AUTO ]; then
+  pyargs+=(-C cmake.define.HILA_CUDA=AUTO -C "cmake.define.HILA_CUDA_GENCODE=$HILA_CUDA_GENCODE_LIST")
+else
+  pyargs+=(-C cmake.define.HILA_CUDA=OFF)
+fi
+if command -v ccache >/dev/null 2>&1; then
+  pyargs+=(-C cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache -C cmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 PY=${PYTHON:-python3}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_ROOT_USER_ACTION=ignore
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation ./ 2>/dev/null ||
-  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --break-system-packages ./
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation "${pyargs[@]}" ./ 2>/dev/null ||
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --break-system-packages "${pyargs[@]}" ./
 "$PY" -m pytest -q python/tests
 
 # Fuzzing, bounded (about a minute): the safetensors reader and `hila run`'s validation under

@@ -117,3 +117,13 @@ def state_shape(cfg: Config, N: int, H: int, dk: int, dv: int, max_pos: int) -> 
     """{'pos': [N], 'S': [...] or None, 'P': [...] or None, 'H': [...]}"""
 def state_slots(n: int) -> int: ...
 def levels_needed(n0: int, T: int) -> int: ...
+
+__version__: str
+
+def build_info() -> dict:
+    """hila::build_info(): {'version': str, 'cuda': bool, 'cuda_version': str, 'cuda_archs':
+    list[str], 'cuda_gencode': str, 'openmp': bool, 'openmp_version': str, 'compiler': str,
+    'build_type': str}."""
+
+def cuda_device_count() -> Tuple[int, str]:
+    """hila::cuda_device_count(): (CUDA devices this process can use, and when 0 the reason)."""

@@ -638,4 +638,26 @@ NB_MODULE(_C, m) {
   m.def("state_shape", &state_shape_dict, "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "max_pos"_a);
   m.def("state_slots", &hila::state_slots, "n"_a);
   m.def("levels_needed", &hila::levels_needed, "n0"_a, "T"_a);
+
+  // What this build contains (hila::build_info) and whether its CUDA backend can run here.
+  m.attr("__version__") = hila::build_info().version;
+  m.def("build_info", [] {
+    const hila::BuildInfo& b = hila::build_info();
+    nb::dict d;
+    d["version"] = b.version;
+    d["cuda"] = b.cuda;
+    d["cuda_version"] = b.cuda_version;
+    d["cuda_archs"] = b.cuda_archs;
+    d["cuda_gencode"] = b.cuda_gencode;
+    d["openmp"] = b.openmp;
+    d["openmp_version"] = b.openmp_version;
+    d["compiler"] = b.compiler;
+    d["build_type"] = b.build_type;
+    return d;
+  });
+  m.def("cuda_device_count", [] {
+    std::string why;
+    const int n = hila::cuda_device_count(&why);
+    return std::make_tuple(n, why);
+  }, "(count, reason): the CUDA devices this process can use and, when none, the CUDA runtime's reason.");
 }
