@@ -3,7 +3,8 @@
 # Installs what hila needs to build and test on a fresh Debian/Ubuntu machine:
 # the compiler toolchain, GoogleTest, nlohmann-json and CLI11 from Debian packages, and from the
 # package index the Python packages of the oracle tests (numpy, safetensors, pytest) and of the
-# Python package (nanobind, scikit-build-core to build it; torch to test hila.torch).
+# Python package (nanobind, scikit-build-core to build it; torch to test hila.torch; tqdm and
+# matplotlib to test hila.experiments).
 # Idempotent: already-installed packages are skipped.
 set -euo pipefail
 
@@ -32,4 +33,9 @@ if [ "${1:-}" = "python" ] && ! "$PY" -c "import nanobind, scikit_build_core, to
   echo "setup: installing Python packages: nanobind scikit-build-core torch"
   "$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core torch 2>/dev/null ||
     "$PY" -m pip install -q --disable-pip-version-check --break-system-packages nanobind scikit-build-core torch
+fi
+if [ "${1:-}" = "python" ] && ! "$PY" -c "import tqdm, matplotlib" >/dev/null 2>&1; then
+  echo "setup: installing Python packages: tqdm matplotlib"
+  "$PY" -m pip install -q --disable-pip-version-check tqdm matplotlib 2>/dev/null ||
+    "$PY" -m pip install -q --disable-pip-version-check --break-system-packages tqdm matplotlib
 fi
