@@ -8,8 +8,7 @@ import csv
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("tqdm", reason="hila.experiments needs tqdm (pip install hila[experiments])")
-pytest.importorskip("matplotlib", reason="hila.experiments' report needs matplotlib (pip install hila[experiments])")
+pytest.importorskip("matplotlib", reason="the report of hila.experiments needs matplotlib")
 
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
@@ -150,7 +149,8 @@ def test_gated_deltanet_is_loglinear_gdn_with_constant_levels():
 def test_every_mixer_trains(name):
     """One step of every mixer in the model: finite loss and gradients everywhere, parameters move."""
     torch.manual_seed(0)
-    model = RecallLM(64, 16, name, max_len=32, shape=mixers.MixerShape(head_dim=8, state_size=8, chunk_size=16))
+    shape = mixers.MixerShape(head_dim=8, state_size=8, chunk_size=16)
+    model = RecallLM(64, 16, name, max_len=32, shape=shape)
     ids, labels = data.mqar(4, 32, 4, vocab_size=64, seed=1)
     pos, target = data.labelled(labels)
     loss, hits = model.loss(ids, pos, target)
@@ -192,7 +192,8 @@ def test_grid_spec():
     assert len(runs) == 8 and len({r.key() for r in runs}) == 8
     assert runs[0].dim == 64 and all(r.pairs == 16 for r in runs)
     niah = runner.grid("niah", ["gla"], [64], [1024, 2048], [0], [1e-3], needles=[1, 4])
-    assert [(r.seq_len, r.lengths, r.needles) for r in niah] == [(2048, "1024,2048", 1), (2048, "1024,2048", 4)]
+    assert [(r.seq_len, r.lengths, r.needles) for r in niah] == [(2048, "1024,2048", 1),
+                                                                 (2048, "1024,2048", 4)]
     with pytest.raises(hila.HilaError) as e:
         RunConfig(task="mqar", mixer="gla", dim=16, seq_len=256, lr=0.0)
     assert e.value.argument == "lr"
@@ -223,9 +224,10 @@ def test_niah_smoke_and_heatmap(tmp_path):
     """The needle smoke preset runs, writes one row per (length, depth) cell, and the report draws
     its heatmaps."""
     out = tmp_path / "results"
-    assert cli.main(["niah", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    assert cli.main(["niah", "--preset", "smoke", "--out", str(out)]) == 0  # with its progress bar
     rows = runner.read_rows(out / "niah.csv")
-    lengths, depths = cli.PRESETS["niah"]["smoke"]["lengths"], cli.PRESETS["niah"]["smoke"]["depths"].split(",")
+    preset = cli.PRESETS["niah"]["smoke"]
+    lengths, depths = preset["lengths"], preset["depths"].split(",")
     assert sorted((int(r["eval_len"]), float(r["depth"])) for r in rows) == sorted(
         (T, float(d)) for T in lengths for d in depths)
     assert all(0.0 <= float(r["cell_acc"]) <= 1.0 for r in rows)
@@ -237,3 +239,26 @@ def test_niah_smoke_and_heatmap(tmp_path):
 def test_report_without_results_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         cli.main(["report", "--results", str(tmp_path)])
+
+
+def test_parallel_workers_and_time_limit(tmp_path):
+    """Runs in spawned worker processes append their rows in the parent; a spent time limit
+    starts nothing."""
+    out = tmp_path / "mqar.csv"
+    runs = runner.grid("mqar", ["gla", "sdpa"], [16], [16], [0], [1e-3], pairs=2, vocab=16, steps=3, batch=4,
+                       train_examples=8, eval_examples=4, eval_every=3)
+    assert runner.execute(runs, out, parallel=2, devices=["cpu"], time_limit=0.0, progress=False) == 0
+    assert not out.exists()
+    assert runner.execute(runs, out, parallel=2, devices=["cpu"], progress=False, threads=1) == 0
+    rows = runner.read_rows(out)
+    assert sorted(r["mixer"] for r in rows) == ["gla", "sdpa"] and all(r["status"] == "ok" for r in rows)
+
+
+def test_progress_lines_without_tqdm(capsys):
+    from hila.experiments import train
+    bar = train._Lines(20, "run", True)
+    bar.set_postfix(dict(loss="1.0"))
+    for _ in range(20):
+        bar.update(1)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 10 and err[-1].startswith("run: 20/20") and "loss=1.0" in err[-1]

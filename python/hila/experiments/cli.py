@@ -23,12 +23,13 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
                     lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=3000, batch=64, train_examples=100_000,
                     eval_examples=1000, eval_every=500),
-        "smoke": dict(mixers=["gla", "hla2"], dims=[32], lengths=[64], seeds=[0], lrs=[1e-2], vocab=128,
-                      steps=300, batch=32, train_examples=8192, eval_examples=256, eval_every=100),
+        "smoke": dict(mixers=["gla", "hla2"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4, vocab=32,
+                      steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100, state_size=16),
     },
     "niah": {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
-                    seeds=[0], lrs=[3e-3], vocab=8192, steps=1500, batch=16, eval_examples=32, eval_every=500),
+                    seeds=[0], lrs=[3e-3], vocab=8192, steps=1500, batch=16, eval_examples=32,
+                    eval_every=500),
         "smoke": dict(mixers=["gla"], dims=[32], lengths=[64, 128], needles=[1], seeds=[0], lrs=[1e-2],
                       vocab=64, steps=150, batch=16, eval_examples=16, eval_every=150, depths="0,0.5,1"),
     },
@@ -45,8 +46,8 @@ def _csv_list(kind):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hila.experiments",
-                                description="Recall experiments with hila's layers (MQAR, needle in a haystack).")
+    p = argparse.ArgumentParser(prog="python -m hila.experiments", description="Recall experiments with "
+                                "hila's layers (MQAR, needle in a haystack).")
     sub = p.add_subparsers(dest="command", required=True)
     for task, what in (("mqar", "multi-query associative recall (Zoology's setup)"),
                        ("niah", "synthetic needle in a haystack, single and multi-needle")):
@@ -91,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--no-progress", action="store_true", help="no progress bars")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")
     r = sub.add_parser("report", help="summary tables (markdown) and plots (PNG) from the result CSVs")
-    r.add_argument("--results", type=Path, default=Path("experiments/results"), help="folder of mqar.csv / niah.csv")
+    r.add_argument("--results", type=Path, default=Path("experiments/results"),
+                   help="folder of mqar.csv / niah.csv (default experiments/results)")
     r.add_argument("--out", type=Path, help="output folder (default: the results folder)")
     return p
 

@@ -196,7 +196,7 @@ def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, see
     inputs.scatter_(1, start, torch.full_like(start, NEEDLE))
     inputs.scatter_(1, start + 1, keys)
     inputs.scatter_(1, start + 2, values)
-    order = _distinct(n, N, N, gen, device)                                      # query j asks needle order[:, j]
+    order = _distinct(n, N, N, gen, device)                      # [n, N]: query j asks needle order[:, j]
     qkey = H + QUERY_LEN * torch.arange(N, device=device) + 1                    # [N] key positions
     inputs[:, qkey - 1] = QUERY
     inputs[:, qkey] = keys.gather(1, order)

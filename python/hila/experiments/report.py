@@ -69,8 +69,14 @@ def mqar_cells(rows: List[Dict[str, str]]) -> Dict[Tuple, Dict[Tuple, Dict]]:
     return out
 
 
+# Settings that a task does not read (left out of its captions).
+_UNUSED = {"mqar": {"task", "needles", "lengths", "depths"},
+           "niah": {"task", "pairs", "train_examples", "power_a", "random_non_queries"}}
+
+
 def _fmt_setting(setting: Tuple) -> str:
-    return ", ".join(f"{k}={v}" for k, v in setting if v not in ("", None))
+    task = dict(setting).get("task", "")
+    return ", ".join(f"{k}={v}" for k, v in setting if v not in ("", None) and k not in _UNUSED.get(task, ()))
 
 
 def _mqar_markdown(cells_by_setting) -> str:
@@ -91,11 +97,12 @@ def _mqar_markdown(cells_by_setting) -> str:
                 row = []
                 for d in dims:
                     c = cells.get((m, d, T, K))
-                    row.append("" if c is None else
-                               f"{c['mean']:.1f} ({c['lo']:.1f}–{c['hi']:.1f})" if c["seeds"] > 1 else f"{c['mean']:.1f}")
+                    row.append("" if c is None else f"{c['mean']:.1f}"
+                               + (f" ({c['lo']:.1f}–{c['hi']:.1f})" if c["seeds"] > 1 else ""))
                 lines.append(f"| {m} | " + " | ".join(row) + " |")
             lines += ["", "Best learning rate / seeds / learning rates tried / parameters / ms per step:", "",
-                      "| mixer | " + " | ".join(f"d = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
+                      "| mixer | " + " | ".join(f"d = {d}" for d in dims) + " |",
+                      "|---|" + "---|" * len(dims)]
             for m in mixers:
                 row = []
                 for d in dims:
@@ -122,7 +129,8 @@ def _published_beside(cells, T, K) -> List[str]:
              "|---|" + "---|" * (2 * len(dims) + 1)]
     for m, (name, pub) in have:
         ours = [f"{cells[(m, d, T, K)]['mean']:.1f}" if (m, d, T, K) in cells else "" for d in dims]
-        lines.append(f"| {m} | " + " | ".join(ours) + f" | {name} | " + " | ".join(pub[d] for d in dims) + " |")
+        lines.append(f"| {m} | " + " | ".join(ours) + f" | {name} | "
+                     + " | ".join(pub[d] for d in dims) + " |")
     return lines + [""]
 
 
@@ -130,12 +138,15 @@ def _mqar_plot(cells_by_setting, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [(s, T, K) for s, cells in cells_by_setting.items() for T, K in sorted({(c[2], c[3]) for c in cells})]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    panels = [(s, T, K) for s, cells in cells_by_setting.items()
+              for T, K in sorted({(c[2], c[3]) for c in cells})]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False,
+                             layout="constrained")
     for ax, (setting, T, K) in zip(axes[0], panels):
         cells = cells_by_setting[setting]
         for m in sorted({c[0] for c in cells if c[2] == T}, key=_order):
-            pts = sorted((d, c["mean"]) for (mm, d, t, k), c in cells.items() if mm == m and t == T and k == K)
+            pts = sorted((d, c["mean"]) for (mm, d, t, k), c in cells.items()
+                         if mm == m and t == T and k == K)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     linestyle="--" if m == "sdpa" else "-", label=m)
         ax.set_xscale("log", base=2)
@@ -145,7 +156,6 @@ def _mqar_plot(cells_by_setting, path: Path) -> None:
         ax.set_title(f"MQAR T = {T}, {K} pairs", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -158,7 +168,9 @@ def _niah_cells(rows):
         group = (_setting(r, ("mixer", "seed", "needles")), int(r["needles"]))
         out[group][r["mixer"]][(int(r["eval_len"]), float(r["depth"]))].append(100 * float(r["cell_acc"]))
         meta[group][r["mixer"]] = r
-    return {g: {m: {c: mean(v) for c, v in cells.items()} for m, cells in ms.items()} for g, ms in out.items()}, meta
+    means = {g: {m: {c: mean(v) for c, v in cells.items()} for m, cells in ms.items()}
+             for g, ms in out.items()}
+    return means, meta
 
 
 def _niah_outputs(rows, out: Path) -> List[Path]:
@@ -167,7 +179,8 @@ def _niah_outputs(rows, out: Path) -> List[Path]:
     import matplotlib.pyplot as plt
     groups, meta = _niah_cells(rows)
     lines = ["# Needle in a haystack results", "",
-             "Accuracy (%) of retrieving the probe needle, averaged over the evaluated depths (and seeds).", ""]
+             "Accuracy (%) of retrieving the probe needle, averaged over the evaluated depths (and seeds).",
+             ""]
     paths = []
     for (setting, needles), mixers in sorted(groups.items(), key=lambda kv: kv[0][1]):
         lengths = sorted({c[0] for cells in mixers.values() for c in cells})
@@ -180,12 +193,14 @@ def _niah_outputs(rows, out: Path) -> List[Path]:
                   "|---|" + "---|" * (len(lengths) + 2)]
         for m in names:
             per_len = [mean(mixers[m][(T, d)] for d in depths if (T, d) in mixers[m]) for T in lengths]
+            ms = float(meta[(setting, needles)][m]["ms_per_step"])
             lines.append(f"| {m} | " + " | ".join(f"{a:.1f}" for a in per_len)
-                         + f" | {mean(per_len):.1f} | {float(meta[(setting, needles)][m]['ms_per_step']):.1f} |")
+                         + f" | {mean(per_len):.1f} | {ms:.1f} |")
         lines.append("")
         cols = min(len(names), 3)
         rows_n = -(-len(names) // cols)
-        fig, axes = plt.subplots(rows_n, cols, figsize=(3.6 * cols, 3.2 * rows_n), squeeze=False)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(3.8 * cols + 1, 3.2 * rows_n), squeeze=False,
+                                 layout="constrained")
         for ax in axes.flat[len(names):]:
             ax.axis("off")
         for ax, m in zip(axes.flat, names):
@@ -194,7 +209,8 @@ def _niah_outputs(rows, out: Path) -> List[Path]:
             ax.set_xticks(range(len(lengths)), [str(T) for T in lengths], fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
             ax.set_xlabel("length", fontsize=8)
-            ax.set_ylabel("needle depth", fontsize=8)
+            if ax in axes[:, 0]:
+                ax.set_ylabel("needle depth", fontsize=8)
             ax.set_title(m, fontsize=9)
             for i, row in enumerate(grid):
                 for j, a in enumerate(row):

@@ -141,7 +141,8 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
         finished += 1
         r = rows[0]
         print(f"hila.experiments: [{finished}/{len(todo)}] {cfg.label()}: acc {r['acc']:.4f} "
-              f"({r['status']}, {r['ms_per_step']:.1f} ms/step, {r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+              f"({r['status']}, {r['ms_per_step']:.1f} ms/step, {r['wall_s']:.0f} s)", file=sys.stderr,
+              flush=True)
 
     if parallel <= 1:
         from .train import run

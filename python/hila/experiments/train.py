@@ -67,7 +67,8 @@ class RunConfig:
 
     def __post_init__(self):
         if self.task not in TASKS:
-            raise HilaError(f"hila: argument 'task': expected one of {', '.join(TASKS)}, got '{self.task}'", "task")
+            raise HilaError(f"hila: argument 'task': expected one of {', '.join(TASKS)}, got "
+                            f"'{self.task}'", "task")
         for name in ("dim", "seq_len", "steps", "batch", "eval_examples", "layers", "vocab"):
             if int(getattr(self, name)) < 1:
                 raise HilaError(f"hila: argument '{name}': expected >= 1, got {getattr(self, name)}", name)
@@ -75,6 +76,9 @@ class RunConfig:
             raise HilaError(f"hila: argument 'lr': expected > 0, got {self.lr}", "lr")
         if self.task == "mqar" and self.pairs == 0:
             self.pairs = data.pairs_for_length(self.seq_len)
+        if self.task == "mqar" and self.train_examples < self.batch:
+            raise HilaError(f"hila: argument 'train_examples': expected at least one batch "
+                            f"({self.batch}), got {self.train_examples}", "train_examples")
         if self.task == "niah":
             if not self.lengths:
                 self.lengths = str(self.seq_len)
@@ -129,10 +133,37 @@ def _optimizer(model: torch.nn.Module, cfg: RunConfig, dev: torch.device) -> tor
 
 
 def _progress(total: int, desc: str, position: int, enabled: bool):
-    from tqdm import tqdm
+    """A tqdm bar on stderr (redrawn every 0.5 s on a terminal, every 30 s into a log); without
+    tqdm installed, a line every 10% of the steps."""
     tty = sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(total, desc, enabled)
     return tqdm(total=total, desc=desc, position=position, leave=position == 0, disable=not enabled,
                 mininterval=0.5 if tty else 30.0, dynamic_ncols=True, file=sys.stderr)
+
+
+class _Lines:
+    """The part of tqdm's interface the training loop uses, printing plain lines."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.enabled = total, desc, enabled
+        self.n, self.next, self.postfix, self.t0 = 0, max(1, total // 10), {}, time.time()
+
+    def set_postfix(self, values, refresh=True):
+        self.postfix = dict(values)
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.enabled and (self.n >= self.next or self.n == self.total):
+            self.next = self.n + max(1, self.total // 10)
+            shown = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"{self.desc}: {self.n}/{self.total} {time.time() - self.t0:.0f}s {shown}", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 class _Task:
