@@ -21,17 +21,19 @@ __all__ = ["main", "PRESETS"]
 PRESETS: Dict[str, Dict[str, Dict]] = {
     "mqar": {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
-                    lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=3000, batch=64, train_examples=100_000,
+                    lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
                     eval_examples=1000, eval_every=500),
-        "smoke": dict(mixers=["gla", "hla2"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4, vocab=32,
-                      steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100, state_size=16),
+        # hla3 passes the recall plateau early at this size (docs/EXPERIMENTS.md): one run, ~1 min.
+        "smoke": dict(mixers=["hla3"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4,
+                      vocab=32, steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100,
+                      state_size=16),
     },
     "niah": {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
-                    seeds=[0], lrs=[3e-3], vocab=8192, steps=1500, batch=16, eval_examples=32,
+                    seeds=[0], lrs=[3e-3], vocab=8192, steps=3000, batch=16, eval_examples=32,
                     eval_every=500),
-        "smoke": dict(mixers=["gla"], dims=[32], lengths=[64, 128], needles=[1], seeds=[0], lrs=[1e-2],
-                      vocab=64, steps=150, batch=16, eval_examples=16, eval_every=150, depths="0,0.5,1"),
+        "smoke": dict(mixers=["gla"], dims=[32], lengths=[32, 64], needles=[1], seeds=[0], lrs=[3e-3],
+                      vocab=64, steps=100, batch=16, eval_examples=16, eval_every=100, depths="0,0.5,1"),
     },
 }
 
@@ -87,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
         t.add_argument("--device", default="auto",
                        help="auto (CUDA when present), cpu, cuda, or a comma list of devices for the workers")
-        t.add_argument("--threads", type=int, help="torch CPU threads per worker")
+        t.add_argument("--threads", type=int, help="torch CPU threads per process (default: 1 on the CPU, "
+                       "cores / N with --parallel N)")
         t.add_argument("--time-limit", type=float, help="seconds after which no new run starts")
         t.add_argument("--no-progress", action="store_true", help="no progress bars")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")

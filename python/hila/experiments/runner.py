@@ -145,18 +145,23 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
               flush=True)
 
     if parallel <= 1:
-        from .train import run
-        if threads:
-            import torch
-            torch.set_num_threads(threads)
-        for cfg in todo:
-            if out_of_time():
-                break
-            try:
-                rows, err = run(cfg, device=devices[0], progress=progress), None
-            except Exception:
-                rows, err = None, traceback.format_exc()
-            record(cfg, rows, err)
+        import torch
+        from .train import resolve_device, run
+        before = torch.get_num_threads()
+        # One torch thread on the CPU by default: hila's OpenMP pool and torch's are different
+        # runtimes, and two pools of spinning threads on few cores slow both down.
+        torch.set_num_threads(threads or (1 if resolve_device(devices[0]).type == "cpu" else before))
+        try:
+            for cfg in todo:
+                if out_of_time():
+                    break
+                try:
+                    rows, err = run(cfg, device=devices[0], progress=progress), None
+                except Exception:
+                    rows, err = None, traceback.format_exc()
+                record(cfg, rows, err)
+        finally:
+            torch.set_num_threads(before)
     else:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         counter, lock = ctx.Value("i", 0), ctx.Lock()

@@ -51,8 +51,8 @@ class RunConfig:
     lengths: str = ""
     depths: str = ""
     vocab: int = 8192
-    steps: int = 3000
-    batch: int = 64
+    steps: int = 2000
+    batch: int = 128
     train_examples: int = 100_000
     eval_examples: int = 1000
     eval_every: int = 500
@@ -111,7 +111,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} torch thread{'s' if n > 1 else ''})"
 
 
 def _lr_at(step: int, cfg: RunConfig) -> float:
@@ -264,6 +265,7 @@ def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0)
     t_start = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
     if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(dev)
     torch.manual_seed(cfg.seed)
     model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
