@@ -147,8 +147,10 @@ def _mqar_plot(cells_by_setting, path: Path) -> None:
         for m in sorted({c[0] for c in cells if c[2] == T}, key=_order):
             pts = sorted((d, c["mean"]) for (mm, d, t, k), c in cells.items()
                          if mm == m and t == T and k == K)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle="--" if m == "sdpa" else "-", label=m)
+            i = _order(m)  # one color and marker per mixer, the same in every panel
+            style = "--" if m == "sdpa" else ":" if m.endswith("_normalized") else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^Dv"[i % 5],
+                    color=plt.cm.tab20(i % 20), linestyle=style, label=m)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("model dim")
         ax.set_ylabel("accuracy (%)")
