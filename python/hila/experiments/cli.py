@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command line of hila.experiments (``python -m hila.experiments {mqar,niah,report} ...``).
+
+Every setting has a flag; a preset fills the flags not given. ``--preset gpu`` (the default) is
+the full grid, sized for an H200 with several processes at once (``--parallel``); ``--preset
+smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .mixers import DEFAULT_MIXERS, MIXERS
+from .runner import GRID_AXES, execute, grid, parse_grid
+
+__all__ = ["main", "PRESETS"]
+
+# Grid axes (lists) and shared run settings of each task's presets.
+PRESETS: Dict[str, Dict[str, Dict]] = {
+    "mqar": {
+        "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
+                    lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
+                    eval_examples=1000, eval_every=500),
+        # hla3 passes the recall plateau early at this size (docs/EXPERIMENTS.md): one run, ~1 min.
+        "smoke": dict(mixers=["hla3"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4,
+                      vocab=32, steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100,
+                      state_size=16),
+    },
+    "niah": {
+        "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
+                    seeds=[0], lrs=[3e-3], vocab=8192, steps=3000, batch=16, eval_examples=32,
+                    eval_every=500),
+        "smoke": dict(mixers=["gla"], dims=[32], lengths=[32, 64], needles=[1], seeds=[0], lrs=[3e-3],
+                      vocab=64, steps=100, batch=16, eval_examples=16, eval_every=100, depths="0,0.5,1"),
+    },
+}
+
+_LISTS = dict(mixers=str, dims=int, lengths=int, seeds=int, lrs=float, needles=int)
+_SHARED = dict(vocab=int, steps=int, batch=int, train_examples=int, eval_examples=int, eval_every=int,
+               warmup=float, weight_decay=float, layers=int, head_dim=int, state_size=int, init_std=float,
+               pairs=int, power_a=float, depths=str)
+
+
+def _csv_list(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hila.experiments", description="Recall experiments with "
+                                "hila's layers (MQAR, needle in a haystack).")
+    sub = p.add_subparsers(dest="command", required=True)
+    for task, what in (("mqar", "multi-query associative recall (Zoology's setup)"),
+                       ("niah", "synthetic needle in a haystack, single and multi-needle")):
+        t = sub.add_parser(task, help=what, description=f"Train and evaluate {what}.")
+        t.add_argument("--preset", choices=sorted(PRESETS[task]), default="gpu",
+                       help="defaults of every flag not given (default: gpu)")
+        t.add_argument("--grid", help="sub-grid, e.g. 'mixers=gla,hla2 dims=16,32 seeds=0' (axes: "
+                       + ", ".join(GRID_AXES) + "); overrides the axis flags")
+        t.add_argument("--mixers", type=_csv_list(str), help=f"comma list of: {', '.join(MIXERS)}")
+        t.add_argument("--dims", type=_csv_list(int), help="model widths")
+        t.add_argument("--lengths", type=_csv_list(int),
+                       help="sequence lengths (niah: the lengths every run trains and is evaluated at)")
+        t.add_argument("--seeds", type=_csv_list(int))
+        t.add_argument("--lrs", type=_csv_list(float), help="learning rates (peak of warmup + cosine)")
+        if task == "niah":
+            t.add_argument("--needles", type=_csv_list(int), help="needles per sequence, e.g. 1,4")
+            t.add_argument("--depths", help="evaluation depths in [0, 1], comma list (default 0,0.1,...,1)")
+        else:
+            t.add_argument("--pairs", type=int, help="key-value pairs (default: Zoology's for the length)")
+            t.add_argument("--power-a", type=float, help="power law of the query gaps (default 0.01)")
+            t.add_argument("--random-non-queries", action="store_true",
+                           help="fill the non-query positions with random tokens instead of 0")
+            t.add_argument("--train-examples", type=int, help="size of the fixed training set")
+        t.add_argument("--vocab", type=int)
+        t.add_argument("--steps", type=int, help="optimizer steps per run")
+        t.add_argument("--batch", type=int)
+        t.add_argument("--eval-examples", type=int, help="test sequences (niah: per length x depth cell)")
+        t.add_argument("--eval-every", type=int, help="steps between evaluations (the learning curve)")
+        t.add_argument("--warmup", type=float, help="warmup fraction of the steps (default 0.1)")
+        t.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
+        t.add_argument("--layers", type=int, help="blocks (default 2)")
+        t.add_argument("--head-dim", type=int, help="largest head dim (default 64)")
+        t.add_argument("--state-size", type=int, help="Mamba-2 state size N of gla/loglinear (default 64)")
+        t.add_argument("--init-std", type=float, help="std of linear and embedding weights (default 0.02)")
+        t.add_argument("--out", type=Path, default=Path("experiments/results"),
+                       help=f"results folder; rows go to OUT/{task}.csv (default experiments/results)")
+        t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
+        t.add_argument("--device", default="auto",
+                       help="auto (CUDA when present), cpu, cuda, or a comma list of devices for the workers")
+        t.add_argument("--threads", type=int, help="torch CPU threads per process (default: 1 on the CPU, "
+                       "cores / N with --parallel N)")
+        t.add_argument("--time-limit", type=float, help="seconds after which no new run starts")
+        t.add_argument("--no-progress", action="store_true", help="no progress bars")
+        t.add_argument("--list", action="store_true", help="print the runs to do and exit")
+    r = sub.add_parser("report", help="summary tables (markdown) and plots (PNG) from the result CSVs")
+    r.add_argument("--results", type=Path, default=Path("experiments/results"),
+                   help="folder of mqar.csv / niah.csv (default experiments/results)")
+    r.add_argument("--out", type=Path, help="output folder (default: the results folder)")
+    return p
+
+
+def _runs(task: str, args) -> List:
+    preset = dict(PRESETS[task][args.preset])
+    axes = {a: preset.pop(a) for a in list(preset) if a in _LISTS}
+    for a in _LISTS:
+        if getattr(args, a, None) is not None:
+            axes[a] = getattr(args, a)
+    if args.grid:
+        for a, values in parse_grid(args.grid).items():
+            axes[a] = [_LISTS[a](v) for v in values]
+    shared = dict(preset)
+    for name in _SHARED:
+        if getattr(args, name, None) is not None:
+            shared[name] = getattr(args, name)
+    if getattr(args, "random_non_queries", False):
+        shared["random_non_queries"] = True
+    if task == "mqar":
+        axes.pop("needles", None)
+    return grid(task, **axes, **shared)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "report":
+        from .report import build_report
+        for path in build_report(args.results, args.out or args.results):
+            print(path)
+        return 0
+    runs = _runs(args.command, args)
+    csv_path = args.out / f"{args.command}.csv"
+    if args.list:
+        from .runner import done_keys
+        done = done_keys(csv_path)
+        for r in runs:
+            print(("done  " if r.key() in done else "todo  ") + r.label())
+        return 0
+    failures = execute(runs, csv_path, parallel=args.parallel, devices=args.device.split(","),
+                       time_limit=args.time_limit, progress=not args.no_progress, threads=args.threads)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Synthetic recall tasks: multi-query associative recall (MQAR, as in Zoology) and needle in a
+haystack (NIAH). Both return ``inputs`` int64 [n, T] and ``labels`` int64 [n, T], with
+``IGNORE`` (-100) everywhere except at the positions whose next token the model must produce.
+
+Every generator is vectorized torch code on a given device, seeded by a ``torch.Generator`` of that
+device: the same (arguments, seed, device type) gives the same examples.
+"""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._errors import HilaError
+
+__all__ = ["IGNORE", "ZOOLOGY_PAIRS", "pairs_for_length", "mqar", "niah", "NEEDLE", "QUERY",
+           "NIAH_FIRST_KEY", "NIAHBatch", "labelled"]
+
+IGNORE = -100
+
+# Key-value pairs per sequence length in Zoology's MQAR sweeps (64 -> 4, 128 -> 8, 256 -> 16,
+# 512 -> 64); 1024 -> 256 is Zoology's longest MQAR test configuration. Every entry satisfies
+# 4 * pairs <= T, Zoology's bound (two tokens per pair, and at least as many query slots).
+ZOOLOGY_PAIRS: Dict[int, int] = {64: 4, 128: 8, 256: 16, 512: 64, 1024: 256}
+
+_ROWS_PER_DRAW = 1 << 24  # bound on the [rows, choices] random matrix of one distinct-sample draw
+
+
+def pairs_for_length(seq_len: int) -> int:
+    """Zoology's number of key-value pairs for an MQAR sequence of ``seq_len`` tokens."""
+    if seq_len not in ZOOLOGY_PAIRS:
+        raise HilaError(f"hila: argument 'seq_len': Zoology's MQAR pairs are known for lengths "
+                        f"{sorted(ZOOLOGY_PAIRS)}, got {seq_len}; give the pairs explicitly",
+                        "seq_len")
+    return ZOOLOGY_PAIRS[seq_len]
+
+
+def labelled(labels: Tensor) -> Tuple[Tensor, Tensor]:
+    """The labelled positions of every row (labels != IGNORE, the same count k in each row) and
+    their labels: (pos [n, k], target [n, k]) int64, positions ascending."""
+    mask = labels != IGNORE
+    counts = mask.sum(1)
+    k = int(counts[0]) if counts.numel() else 0
+    if k == 0 or bool((counts != k).any()):
+        raise HilaError("hila: argument 'labels': expected the same positive number of labelled "
+                        f"positions in every row, got counts from {int(counts.min())} to "
+                        f"{int(counts.max())}", "labels")
+    pos = torch.sort(torch.where(mask, torch.arange(labels.shape[1], device=labels.device), labels.shape[1]),
+                     dim=1).values[:, :k]
+    return pos, labels.gather(1, pos)
+
+
+def _generator(seed: int, device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _distinct(n: int, k: int, m: int, gen: torch.Generator, device,
+              weights: Optional[Tensor] = None) -> Tensor:
+    """n rows of k distinct integers from [0, m), int64 [n, k] in random order.
+
+    Uniform: the top-k of uniform noise; with ``weights`` [m] (> 0): sampling without replacement
+    with probabilities proportional to the weights, by the Gumbel top-k trick
+    (argmax of log w + Gumbel noise, repeated without the chosen ones).
+    Drawn in row blocks so that one block's [rows, m] noise stays below _ROWS_PER_DRAW entries.
+    """
+    out = torch.empty(n, k, dtype=torch.int64, device=device)
+    step = max(1, _ROWS_PER_DRAW // max(m, 1))
+    logw = None if weights is None else weights.log().to(device)
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        u = torch.rand(rows, m, generator=gen, device=device)
+        if logw is not None:
+            u = logw - torch.log(-torch.log(u.clamp_min(1e-20)))      # Gumbel(log w)
+        out[r:r + rows] = u.topk(k, dim=1).indices
+    return out
+
+
+def mqar(n: int, seq_len: int, num_pairs: int, vocab_size: int = 8192, seed: int = 0,
+         power_a: float = 0.01, random_non_queries: bool = False,
+         device="cpu") -> Tuple[Tensor, Tensor]:
+    """Multi-query associative recall, following Zoology's generator (Arora et al. 2023).
+
+    Layout of one example of T = seq_len tokens with K = num_pairs:
+
+        positions 0 .. 2K-1:  k_1 v_1 k_2 v_2 ... k_K v_K      (keys distinct, values distinct)
+        positions 2K .. T-1:  every key once more, as a query, at position 2K + 2 gap_i; the label
+                              at that position is its value (the model predicts it as the next token)
+
+    Keys come from [1, V/2), values from [V/2, V) (V = vocab_size); the other positions hold 0, or
+    random tokens of the whole vocabulary with ``random_non_queries``. The gaps are K distinct draws
+    from {0, ..., (T - 2K)/2 - 1} with probability proportional to (gap + 1)^(power_a - 1): with
+    Zoology's power_a = 0.01 most queries come soon after the pairs, a few far away.
+
+    Returns (inputs [n, T], labels [n, T]) int64, labels IGNORE except at the K query positions.
+    """
+    T, K, V = int(seq_len), int(num_pairs), int(vocab_size)
+    if T < 4 or T % 2:
+        raise HilaError(f"hila: argument 'seq_len': expected an even length >= 4, got {T}", "seq_len")
+    if K < 1 or 4 * K > T:
+        raise HilaError(f"hila: argument 'num_pairs': expected 1 <= pairs <= seq_len / 4 = {T // 4}, "
+                        f"got {K}", "num_pairs")
+    if V // 2 - 1 < K:
+        raise HilaError(f"hila: argument 'vocab_size': expected at least {K} keys in [1, V/2), got "
+                        f"V = {V}", "vocab_size")
+    if n < 1:
+        raise HilaError(f"hila: argument 'n': expected >= 1 examples, got {n}", "n")
+    if not power_a > 0:
+        raise HilaError(f"hila: argument 'power_a': expected > 0, got {power_a}", "power_a")
+    gen = _generator(seed, device)
+    keys = _distinct(n, K, V // 2 - 1, gen, device) + 1                          # [n, K] in [1, V/2)
+    values = _distinct(n, K, V - V // 2, gen, device) + V // 2                   # [n, K] in [V/2, V)
+    space = (T - 2 * K) // 2
+    w = torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1.0)
+    gaps = _distinct(n, K, space, gen, device, weights=w)                        # [n, K]
+    inputs = torch.zeros(n, T, dtype=torch.int64, device=device)
+    labels = torch.full((n, T), IGNORE, dtype=torch.int64, device=device)
+    inputs[:, 0:2 * K:2], inputs[:, 1:2 * K:2] = keys, values
+    qpos = 2 * K + 2 * gaps                                                      # [n, K]
+    inputs.scatter_(1, qpos, keys)
+    labels.scatter_(1, qpos, values)
+    if random_non_queries:
+        filler = torch.randint(0, V, (n, T), generator=gen, device=device)
+        inputs = torch.where(inputs == 0, filler, inputs)
+    return inputs, labels
+
+
+# Needle in a haystack vocabulary: 0 unused, NEEDLE and QUERY markers, keys in
+# [NIAH_FIRST_KEY, NIAH_FIRST_KEY + half), values in the rest (half = (V - NIAH_FIRST_KEY) // 2).
+NEEDLE, QUERY, NIAH_FIRST_KEY = 1, 2, 3
+NEEDLE_LEN, QUERY_LEN = 3, 2
+
+
+class NIAHBatch(NamedTuple):
+    inputs: Tensor     # [n, T] int64
+    labels: Tensor     # [n, T] int64, IGNORE except at the query keys
+    depth: Tensor      # [n, T] float64: depth of the asked needle at a query key, NaN elsewhere
+    needle: Tensor     # [n, T] int64: index of the asked needle (0: the probe), -1 elsewhere
+    pos: Tensor        # [n, N] int64: the query key positions (labelled(labels)[0], without a sync)
+    target: Tensor     # [n, N] int64: their labels
+
+
+def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, seed: int = 0,
+         depth: Optional[float] = None, device="cpu") -> "NIAHBatch":
+    """Synthetic needle in a haystack with ``num_needles`` key-value needles and one query each.
+
+    Layout of one example of T = seq_len tokens with N = num_needles:
+
+        haystack of T - 2N tokens, drawn uniformly from the key and value tokens (so keys and values
+        also occur as distractors), holding N needles ``NEEDLE key value`` (3 tokens each, distinct
+        keys, non-overlapping, at slots of 3 tokens);
+        then N queries ``QUERY key`` in random order; the label at each query's key is its value.
+
+    The depth of a needle is the position of its NEEDLE marker over the last position a needle can
+    start at (0: first token, 1: right before the queries). ``depth=None`` places every needle at a
+    uniformly random slot; ``depth=d`` places needle 0 (the probe) at the slot nearest to depth d
+    and the others at random slots.
+
+    Returns a :class:`NIAHBatch`: inputs, labels [n, T] int64; at each query position the depth of
+    the needle it asks for (float64 [n, T], NaN elsewhere) and that needle's index (int64 [n, T],
+    -1 elsewhere; 0 is the probe); the query positions and their labels [n, N].
+    """
+    T, N, V = int(seq_len), int(num_needles), int(vocab_size)
+    half = (V - NIAH_FIRST_KEY) // 2
+    if N < 1:
+        raise HilaError(f"hila: argument 'num_needles': expected >= 1, got {N}", "num_needles")
+    slots = (T - QUERY_LEN * N) // NEEDLE_LEN
+    if slots < N:
+        raise HilaError(f"hila: argument 'seq_len': {T} tokens hold no {N} needles and their queries",
+                        "seq_len")
+    if half < N:
+        raise HilaError(f"hila: argument 'vocab_size': expected at least {NIAH_FIRST_KEY + 2 * N} "
+                        f"tokens, got {V}", "vocab_size")
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise HilaError(f"hila: argument 'depth': expected a fraction in [0, 1], got {depth}", "depth")
+    if n < 1:
+        raise HilaError(f"hila: argument 'n': expected >= 1 examples, got {n}", "n")
+    gen = _generator(seed, device)
+    H = T - QUERY_LEN * N                                                        # haystack length
+    inputs = torch.randint(NIAH_FIRST_KEY, NIAH_FIRST_KEY + 2 * half, (n, T), generator=gen, device=device)
+    labels = torch.full((n, T), IGNORE, dtype=torch.int64, device=device)
+    keys = _distinct(n, N, half, gen, device) + NIAH_FIRST_KEY                   # [n, N]
+    values = torch.randint(NIAH_FIRST_KEY + half, NIAH_FIRST_KEY + 2 * half, (n, N), generator=gen,
+                           device=device)
+    if depth is None:
+        slot = _distinct(n, N, slots, gen, device)                               # [n, N]
+    else:
+        probe = round(depth * (slots - 1))
+        # The other needles take distinct slots among the slots - 1 others: draw from [0, slots-1)
+        # and shift those at or past the probe by one.
+        rest = _distinct(n, N - 1, slots - 1, gen, device)
+        rest = rest + (rest >= probe).to(rest.dtype)
+        slot = torch.cat([torch.full((n, 1), probe, dtype=torch.int64, device=device), rest], 1)
+    start = slot * NEEDLE_LEN                                                    # [n, N]
+    inputs.scatter_(1, start, torch.full_like(start, NEEDLE))
+    inputs.scatter_(1, start + 1, keys)
+    inputs.scatter_(1, start + 2, values)
+    order = _distinct(n, N, N, gen, device)                      # [n, N]: query j asks needle order[:, j]
+    qkey = H + QUERY_LEN * torch.arange(N, device=device) + 1                    # [N] key positions
+    inputs[:, qkey - 1] = QUERY
+    inputs[:, qkey] = keys.gather(1, order)
+    labels[:, qkey] = values.gather(1, order)
+    needle = torch.full((n, T), -1, dtype=torch.int64, device=device)
+    needle[:, qkey] = order
+    depth_of = start.double() / max(H - NEEDLE_LEN, 1)                           # [n, N]
+    depths = torch.full((n, T), float("nan"), dtype=torch.float64, device=device)
+    depths[:, qkey] = depth_of.gather(1, order)
+    pos = qkey.expand(n, N)
+    return NIAHBatch(inputs, labels, depths, needle, pos, labels.gather(1, pos))

@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Runs a grid of experiments and appends their rows to a CSV file, skipping the runs already in it.
+
+A grid is the product of mixers x dims x lengths x seeds x lrs (and needles for niah) over one set
+of shared settings. Every finished run appends its rows at once (written by this process only, so
+parallel workers never interleave), so an interrupted grid keeps what it finished, and running the
+same command again (or over several calls, each with a time limit) completes it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import csv
+import itertools
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Set
+
+from .._errors import HilaError
+from .train import RunConfig
+
+__all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid"]
+
+GRID_AXES = ("mixers", "dims", "lengths", "seeds", "lrs", "needles")
+
+
+def parse_grid(spec: str) -> Dict[str, List[str]]:
+    """``"mixers=gla,hla2 dims=16,32 lrs=1e-3"`` (axes separated by spaces or ';') -> {axis: values}."""
+    out = {}
+    for part in spec.replace(";", " ").split():
+        name, sep, values = part.partition("=")
+        if not sep or name not in GRID_AXES or not values:
+            raise HilaError(f"hila: argument 'grid': expected AXIS=V1,V2,... with AXIS in "
+                            f"{', '.join(GRID_AXES)}, got '{part}'", "grid")
+        out[name] = [v for v in values.split(",") if v]
+    return out
+
+
+def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequence[int],
+         seeds: Sequence[int], lrs: Sequence[float], needles: Sequence[int] = (1,),
+         **shared) -> List[RunConfig]:
+    """The runs of the grid, largest models first (they take longest: started first, they pack
+    the parallel workers better). For niah, ``lengths`` are the lengths of one run (each run trains
+    and evaluates at all of them), not an axis."""
+    if task == "niah":
+        shared["lengths"] = ",".join(str(x) for x in lengths)
+        lengths = [max(lengths)]
+    runs = []
+    for mixer, dim, T, n, seed, lr in itertools.product(mixers, dims, lengths, needles, seeds, lrs):
+        kw = dict(shared, needles=int(n)) if task == "niah" else dict(shared)
+        runs.append(RunConfig(task=task, mixer=mixer, dim=int(dim), seq_len=int(T), lr=float(lr),
+                              seed=int(seed), **kw))
+    return sorted(runs, key=lambda c: -(c.dim * c.seq_len))
+
+
+def read_rows(path: Path) -> List[Dict[str, str]]:
+    if not Path(path).exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def done_keys(path: Path) -> Set[str]:
+    return {r["key"] for r in read_rows(path) if r.get("key")}
+
+
+def append_rows(path: Path, rows: List[Dict]) -> None:
+    """Appends rows to the CSV at path, creating it (and its folder) with a header when absent. A
+    row with columns the file lacks rewrites the file with the union of the columns (old rows
+    keep blanks there)."""
+    if not rows:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = read_rows(path)
+    fields = list(old[0].keys()) if old else []
+    new = [k for r in rows for k in r if k not in fields]
+    fields += list(dict.fromkeys(new))
+    if old and new:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(old + rows)
+        os.replace(tmp, path)
+        return
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if not old:
+            w.writeheader()
+        w.writerows(rows)
+
+
+# ---- parallel workers ---------------------------------------------------------------------------
+
+_SLOT = None  # this worker's index (its progress bar line and its device)
+
+
+def _init_worker(counter, lock, threads: int) -> None:
+    global _SLOT
+    with lock:
+        _SLOT = counter.value
+        counter.value += 1
+    import torch
+    torch.set_num_threads(threads)
+
+
+def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool):
+    from .train import run
+    slot = _SLOT or 0
+    try:
+        return run(cfg, device=devices[slot % len(devices)], progress=progress, position=slot + 1), None
+    except Exception:  # reported by the parent, which keeps going with the other runs
+        return None, traceback.format_exc()
+
+
+def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices: Sequence[str] = ("auto",),
+            time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None) -> int:
+    """Runs every run whose key is not in out_csv yet, ``parallel`` at a time (1: in this process),
+    appending each one's rows as it finishes. No run starts after ``time_limit`` seconds. Returns
+    the number of runs that failed with an error (diverged runs are results, not failures)."""
+    runs, done = list(runs), done_keys(out_csv)
+    todo = [r for r in runs if r.key() not in done]
+    print(f"hila.experiments: {len(todo)} runs to do, {len(runs) - len(todo)} already in {out_csv} "
+          f"(parallel {parallel})", file=sys.stderr, flush=True)
+    start, failures, finished = time.monotonic(), 0, 0
+
+    def out_of_time():
+        return time_limit is not None and time.monotonic() - start > time_limit
+
+    def record(cfg, rows, err):
+        nonlocal failures, finished
+        if err is not None:
+            failures += 1
+            print(f"hila.experiments: {cfg.label()} failed:\n{err}", file=sys.stderr, flush=True)
+            return
+        append_rows(out_csv, rows)
+        finished += 1
+        r = rows[0]
+        print(f"hila.experiments: [{finished}/{len(todo)}] {cfg.label()}: acc {r['acc']:.4f} "
+              f"({r['status']}, {r['ms_per_step']:.1f} ms/step, {r['wall_s']:.0f} s)", file=sys.stderr,
+              flush=True)
+
+    if parallel <= 1:
+        import torch
+        from .train import resolve_device, run
+        before = torch.get_num_threads()
+        # One torch thread on the CPU by default: hila's OpenMP pool and torch's are different
+        # runtimes, and two pools of spinning threads on few cores slow both down.
+        torch.set_num_threads(threads or (1 if resolve_device(devices[0]).type == "cpu" else before))
+        try:
+            for cfg in todo:
+                if out_of_time():
+                    break
+                try:
+                    rows, err = run(cfg, device=devices[0], progress=progress), None
+                except Exception:
+                    rows, err = None, traceback.format_exc()
+                record(cfg, rows, err)
+        finally:
+            torch.set_num_threads(before)
+    else:
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        counter, lock = ctx.Value("i", 0), ctx.Lock()
+        threads = threads or max(1, (os.cpu_count() or 1) // parallel)
+        with cf.ProcessPoolExecutor(parallel, mp_context=ctx, initializer=_init_worker,
+                                    initargs=(counter, lock, threads)) as pool:
+            queue, running = list(todo), {}
+            while queue or running:
+                while queue and len(running) < parallel and not out_of_time():
+                    cfg = queue.pop(0)
+                    running[pool.submit(_run_one, cfg, list(devices), progress)] = cfg
+                if not running:
+                    break
+                ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for fut in ready:
+                    cfg = running.pop(fut)
+                    try:
+                        rows, err = fut.result()
+                    except Exception:  # the worker process died
+                        rows, err = None, traceback.format_exc()
+                    record(cfg, rows, err)
+    left = len(todo) - finished - failures
+    if left:
+        print(f"hila.experiments: time limit reached, {left} runs left for the next call",
+              file=sys.stderr, flush=True)
+    return failures
+

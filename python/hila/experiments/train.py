@@ -1,0 +1,329 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One training run of a recall task: configuration, data, AdamW with warmup + cosine decay, a
+progress bar with loss and accuracy, periodic evaluation, and the result rows it produces.
+
+A run's rows hold its whole configuration (``key`` identifies it: runs with the same key are the
+same experiment), its learning curve, its final accuracy, its wall time and its device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+from .._errors import HilaError
+from . import data
+from .mixers import MixerShape
+from .model import RecallLM
+
+__all__ = ["RunConfig", "run", "resolve_device"]
+
+TASKS = ("mqar", "niah")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines one run (the fields of its ``key``), for both tasks.
+
+    mqar: sequences of ``seq_len`` tokens with ``pairs`` key-value pairs (0: Zoology's count for
+    the length), a fixed training set of ``train_examples`` sequences (as Zoology), a test set of
+    ``eval_examples`` sequences drawn with another seed.
+    niah: training batches drawn fresh at every step, each of one length of ``lengths`` (uniform),
+    with ``needles`` needles at random depths; evaluation at every length and every depth of
+    ``depths`` with ``eval_examples`` sequences per cell. ``seq_len`` is the longest length.
+    """
+
+    task: str
+    mixer: str
+    dim: int
+    seq_len: int
+    lr: float
+    seed: int = 0
+    pairs: int = 0
+    needles: int = 1
+    lengths: str = ""
+    depths: str = ""
+    vocab: int = 8192
+    steps: int = 2000
+    batch: int = 128
+    train_examples: int = 100_000
+    eval_examples: int = 1000
+    eval_every: int = 500
+    warmup: float = 0.1
+    weight_decay: float = 0.1
+    layers: int = 2
+    head_dim: int = 64
+    state_size: int = 64
+    init_std: float = 0.02
+    power_a: float = 0.01
+    random_non_queries: bool = False
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise HilaError(f"hila: argument 'task': expected one of {', '.join(TASKS)}, got "
+                            f"'{self.task}'", "task")
+        for name in ("dim", "seq_len", "steps", "batch", "eval_examples", "layers", "vocab"):
+            if int(getattr(self, name)) < 1:
+                raise HilaError(f"hila: argument '{name}': expected >= 1, got {getattr(self, name)}", name)
+        if not self.lr > 0:
+            raise HilaError(f"hila: argument 'lr': expected > 0, got {self.lr}", "lr")
+        if self.task == "mqar" and self.pairs == 0:
+            self.pairs = data.pairs_for_length(self.seq_len)
+        if self.task == "mqar" and self.train_examples < self.batch:
+            raise HilaError(f"hila: argument 'train_examples': expected at least one batch "
+                            f"({self.batch}), got {self.train_examples}", "train_examples")
+        if self.task == "niah":
+            if not self.lengths:
+                self.lengths = str(self.seq_len)
+            self.seq_len = max(self.length_list())
+            if not self.depths:
+                self.depths = ",".join(f"{i / 10:g}" for i in range(11))
+
+    def length_list(self) -> List[int]:
+        return [int(x) for x in str(self.lengths).split(",") if x]
+
+    def depth_list(self) -> List[float]:
+        return [float(x) for x in str(self.depths).split(",") if x]
+
+    def key(self) -> str:
+        """The run's identity: every field, in order (same key, same experiment)."""
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def label(self) -> str:
+        extra = f"kv{self.pairs}" if self.task == "mqar" else f"n{self.needles}"
+        return f"{self.mixer} d{self.dim} T{self.seq_len} {extra} lr{self.lr:g} s{self.seed}"
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto': the first CUDA device when torch sees one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    n = torch.get_num_threads()
+    return f"cpu ({n} torch thread{'s' if n > 1 else ''})"
+
+
+def _lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup over warmup * steps, then cosine decay to 0."""
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _optimizer(model: torch.nn.Module, cfg: RunConfig, dev: torch.device) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on vectors (biases, norms, gates) nor on ``_no_weight_decay`` params."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=dev.type == "cuda")
+
+
+def _progress(total: int, desc: str, position: int, enabled: bool):
+    """A tqdm bar on stderr (redrawn every 0.5 s on a terminal, every 30 s into a log); without
+    tqdm installed, a line every 10% of the steps."""
+    tty = sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(total, desc, enabled)
+    return tqdm(total=total, desc=desc, position=position, leave=position == 0, disable=not enabled,
+                mininterval=0.5 if tty else 30.0, dynamic_ncols=True, file=sys.stderr)
+
+
+class _Lines:
+    """The part of tqdm's interface the training loop uses, printing plain lines."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.enabled = total, desc, enabled
+        self.n, self.next, self.postfix, self.t0 = 0, max(1, total // 10), {}, time.time()
+
+    def set_postfix(self, values, refresh=True):
+        self.postfix = dict(values)
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.enabled and (self.n >= self.next or self.n == self.total):
+            self.next = self.n + max(1, self.total // 10)
+            shown = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"{self.desc}: {self.n}/{self.total} {time.time() - self.t0:.0f}s {shown}", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _Task:
+    """Training batches and evaluation of one task on one device."""
+
+    def __init__(self, cfg: RunConfig, dev: torch.device):
+        self.cfg, self.dev = cfg, dev
+
+    def batch(self, step: int):
+        raise NotImplementedError
+
+    def evaluate(self, model, cells: bool = False) -> Dict:
+        """{"acc": accuracy} (and "cells", the per-cell rows of niah, when ``cells``)."""
+        raise NotImplementedError
+
+
+class _MQAR(_Task):
+    def __init__(self, cfg, dev):
+        super().__init__(cfg, dev)
+        kw = dict(seq_len=cfg.seq_len, num_pairs=cfg.pairs, vocab_size=cfg.vocab, power_a=cfg.power_a,
+                  random_non_queries=cfg.random_non_queries, device=dev)
+        ids, labels = data.mqar(cfg.train_examples, seed=cfg.seed, **kw)
+        self.train = (ids, *data.labelled(labels))
+        ids, labels = data.mqar(cfg.eval_examples, seed=cfg.seed + 1_000_003, **kw)
+        self.test = (ids, *data.labelled(labels))
+        self.gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+        self.order, self.at = None, 0
+
+    def batch(self, step):
+        n, B = self.train[0].shape[0], self.cfg.batch
+        if self.order is None or self.at + B > n:  # a new epoch: reshuffle
+            self.order, self.at = torch.randperm(n, generator=self.gen, device=self.dev), 0
+        idx = self.order[self.at:self.at + B]
+        self.at += B
+        return tuple(t[idx] for t in self.train)
+
+    @torch.no_grad()
+    def evaluate(self, model, cells=False):
+        correct, total = _score(model, *self.test, self.cfg.batch)
+        return {"acc": correct / total}
+
+
+class _NIAH(_Task):
+    def __init__(self, cfg, dev):
+        super().__init__(cfg, dev)
+        self.rng = random.Random(cfg.seed)
+        self.lengths = cfg.length_list()
+
+    def batch(self, step):
+        T = self.rng.choice(self.lengths)
+        b = data.niah(self.cfg.batch, T, self.cfg.needles, self.cfg.vocab,
+                      seed=self.cfg.seed * 1_000_003 + step, device=self.dev)
+        return b.inputs, b.pos, b.target
+
+    @torch.no_grad()
+    def evaluate(self, model, cells: bool = False):
+        """Probe accuracy (needle 0 at the cell's depth) and all-needle accuracy, per cell when
+        ``cells``; "acc" is the mean probe accuracy over all cells. Eval data depend only on the
+        length, depth and needles, never on the run's seed: every model sees the same sequences."""
+        out, accs = [], []
+        for i, T in enumerate(self.lengths):
+            for j, d in enumerate(self.cfg.depth_list()):
+                b = data.niah(self.cfg.eval_examples, T, self.cfg.needles, self.cfg.vocab,
+                              seed=10_000_019 + 1000 * i + j, depth=d, device=self.dev)
+                probe = b.needle.gather(1, b.pos) == 0                                   # [n, N]
+                hits = _hits(model, b.inputs, b.pos, b.target, self.cfg.batch)
+                acc = hits[probe].float().mean().item()
+                accs.append(acc)
+                out.append(dict(eval_len=T, depth=d, cell_acc=round(acc, 5),
+                                cell_acc_all=round(hits.float().mean().item(), 5)))
+        res = {"acc": sum(accs) / len(accs)}
+        if cells:
+            res["cells"] = out
+        return res
+
+
+def _hits(model, ids, pos, target, batch) -> Tensor:
+    """Correct argmax predictions (bool [n, k]), in batches."""
+    model.eval()
+    hits = torch.cat([model.loss(ids[i:i + batch], pos[i:i + batch], target[i:i + batch])[1]
+                      for i in range(0, ids.shape[0], batch)])
+    model.train()
+    return hits
+
+
+def _score(model, ids, pos, target, batch):
+    hits = _hits(model, ids, pos, target, batch)
+    return int(hits.sum()), hits.numel()
+
+
+def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0) -> List[Dict]:
+    """Trains and evaluates one run. Returns its result rows: one for mqar; one per (evaluation
+    length, depth) cell for niah (the run's fields repeated in each).
+
+    A run whose loss stops being finite ends there with ``status`` 'diverged' and accuracy 0 (a
+    result of that learning rate, kept so that the run is not repeated); otherwise 'ok'.
+    """
+    t_start = time.perf_counter()
+    dev = resolve_device(device) if isinstance(device, str) else device
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    torch.manual_seed(cfg.seed)
+    model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
+                     shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
+    task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
+    opt = _optimizer(model, cfg, dev)
+    log_every = max(1, min(25, cfg.steps // 20))
+    bar = _progress(cfg.steps, cfg.label(), position, progress)
+    final, curve, status = {}, [], "ok"
+    loss_sum, loss_n, shown = None, 0, dict(loss="-", acc="-", eval="-")
+    _sync(dev)
+    t_train, eval_time = time.perf_counter(), 0.0
+    for step in range(1, cfg.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step - 1, cfg)
+        ids, pos, target = task.batch(step)
+        loss, hits = model.loss(ids, pos, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        loss_n += 1
+        is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+        if step % log_every and not is_eval:
+            continue
+        mean_loss = loss_sum.item() / loss_n  # the host syncs: once per log_every steps
+        if not math.isfinite(mean_loss):
+            status = "diverged"
+            curve.append(f"{step}:nan:0")
+            break
+        shown.update(loss=f"{mean_loss:.3f}", acc=f"{hits.float().mean().item():.3f}")
+        if is_eval:
+            t0 = time.perf_counter()
+            final = task.evaluate(model, cells=step == cfg.steps)
+            eval_time += time.perf_counter() - t0
+            curve.append(f"{step}:{mean_loss:.4f}:{final['acc']:.4f}")
+            shown["eval"] = f"{final['acc']:.3f}"
+            loss_sum, loss_n = None, 0
+        bar.set_postfix(shown, refresh=False)
+        bar.update(step - bar.n)
+    _sync(dev)
+    train_time = time.perf_counter() - t_train - eval_time
+    bar.close()
+    if status == "diverged":
+        final = {"acc": 0.0, "cells": [dict(eval_len=T, depth=d, cell_acc=0.0, cell_acc_all=0.0)
+                                       for T in cfg.length_list() for d in cfg.depth_list()]}
+    row = dict(dataclasses.asdict(cfg))
+    row.update(key=cfg.key(), status=status, acc=round(final["acc"], 5),
+               best_acc=round(max(float(c.split(":")[2]) for c in curve), 5),
+               final_loss=curve[-1].split(":")[1], curve=" ".join(curve), params=model.num_params(),
+               ms_per_step=round(1000 * train_time / step, 3), wall_s=round(time.perf_counter() - t_start, 2),
+               device=device_name(dev), torch=torch.__version__, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if cfg.task == "mqar":
+        return [row]
+    return [dict(row, **cell) for cell in final["cells"]]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

@@ -1,0 +1,265 @@
+# SPDX-License-Identifier: Apache-2.0
+"""hila.experiments: the task generators (positions of keys, values, queries and needles; labels
+ignored elsewhere), the first-order mixers against hila's log-linear layers, every mixer's
+training step, the CSV bookkeeping, and the smoke preset end to end on the CPU (accuracy well
+above chance, CSV rows, report table and PNGs)."""
+import csv
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("matplotlib", reason="the report of hila.experiments needs matplotlib")
+
+import hila  # noqa: E402
+import hila.torch as ht  # noqa: E402
+from hila.experiments import cli, data, mixers, runner  # noqa: E402
+from hila.experiments.model import RecallLM  # noqa: E402
+from hila.experiments.train import RunConfig  # noqa: E402
+
+IGN = data.IGNORE
+
+
+@pytest.mark.parametrize("random_non_queries", [False, True])
+def test_mqar_layout(random_non_queries):
+    n, T, K, V = 64, 64, 8, 128
+    ids, labels = data.mqar(n, T, K, vocab_size=V, seed=3, random_non_queries=random_non_queries)
+    assert ids.shape == labels.shape == (n, T) and ids.dtype == labels.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < V
+    for i in range(n):
+        keys, values = ids[i, 0:2 * K:2].tolist(), ids[i, 1:2 * K:2].tolist()
+        assert len(set(keys)) == K and all(1 <= k < V // 2 for k in keys)
+        assert len(set(values)) == K and all(V // 2 <= v < V for v in values)
+        pos = (labels[i] != IGN).nonzero().flatten().tolist()
+        assert len(pos) == K and all(p >= 2 * K and (p - 2 * K) % 2 == 0 for p in pos)
+        # each key is asked once; its label is its own value
+        assert sorted(ids[i, pos].tolist()) == sorted(keys)
+        pair = dict(zip(keys, values))
+        assert all(labels[i, p].item() == pair[ids[i, p].item()] for p in pos)
+        assert (labels[i, :2 * K] == IGN).all()
+        rest = [t for t in range(2 * K, T) if t not in pos]
+        if not random_non_queries:
+            assert (ids[i, rest] == 0).all()
+    # Zoology's power law (a = 0.01) puts most queries right after the pairs
+    first_gap = (labels[:, 2 * K] != IGN).float().mean().item()
+    assert first_gap > 0.5, first_gap
+    again, _ = data.mqar(n, T, K, vocab_size=V, seed=3, random_non_queries=random_non_queries)
+    other, _ = data.mqar(n, T, K, vocab_size=V, seed=4, random_non_queries=random_non_queries)
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+
+
+def test_mqar_arguments():
+    assert data.pairs_for_length(256) == 16 and data.pairs_for_length(512) == 64
+    for kw, arg in [(dict(num_pairs=17), "num_pairs"), (dict(seq_len=63), "seq_len"),
+                    (dict(vocab_size=9), "vocab_size"), (dict(power_a=0.0), "power_a")]:
+        args = dict(n=2, seq_len=64, num_pairs=4, vocab_size=128)
+        args.update(kw)
+        with pytest.raises(hila.HilaError) as e:
+            data.mqar(**args)
+        assert e.value.argument == arg
+    with pytest.raises(hila.HilaError) as e:
+        data.pairs_for_length(300)
+    assert e.value.argument == "seq_len"
+
+
+@pytest.mark.parametrize("needles,depth", [(1, None), (1, 0.0), (1, 1.0), (3, 0.5), (4, None)])
+def test_niah_layout(needles, depth):
+    n, T, V = 48, 96, 64
+    b = data.niah(n, T, needles, vocab_size=V, seed=5, depth=depth)
+    H = T - data.QUERY_LEN * needles
+    assert b.inputs.shape == b.labels.shape == b.depth.shape == b.needle.shape == (n, T)
+    assert int(b.inputs.max()) < V
+    # markers only where they belong: NEEDLE in the haystack once per needle, QUERY in the tail
+    assert ((b.inputs[:, :H] == data.NEEDLE).sum(1) == needles).all()
+    assert not (b.inputs[:, :H] == data.QUERY).any() and not (b.inputs[:, H:] == data.NEEDLE).any()
+    qkeys = [H + data.QUERY_LEN * j + 1 for j in range(needles)]
+    assert (b.inputs[:, [q - 1 for q in qkeys]] == data.QUERY).all()
+    mask = b.labels != IGN
+    assert mask[:, qkeys].all() and mask.sum() == n * needles
+    assert torch.isnan(b.depth[~mask]).all() and (b.needle[~mask] == -1).all()
+    for i in range(n):
+        starts = (b.inputs[i, :H] == data.NEEDLE).nonzero().flatten().tolist()
+        assert all(s % data.NEEDLE_LEN == 0 for s in starts)
+        pair = {b.inputs[i, s + 1].item(): (b.inputs[i, s + 2].item(), s) for s in starts}
+        assert len(pair) == needles and all(data.NIAH_FIRST_KEY <= k for k in pair)
+        asked = set()
+        for q in qkeys:
+            value, s = pair[b.inputs[i, q].item()]          # the query's key is a needle's key
+            assert b.labels[i, q].item() == value
+            assert abs(b.depth[i, q].item() - s / (H - data.NEEDLE_LEN)) < 1e-12
+            asked.add(b.needle[i, q].item())
+        assert asked == set(range(needles))
+        if depth is not None:
+            probe = [q for q in qkeys if b.needle[i, q].item() == 0][0]
+            slots = H // data.NEEDLE_LEN
+            assert abs(b.depth[i, probe].item() - depth) <= 1.0 / (slots - 1) + 1e-12
+    pos, target = data.labelled(b.labels)
+    assert pos.tolist() == [qkeys] * n and torch.equal(target, b.labels[:, qkeys])
+    assert torch.equal(b.pos, pos) and torch.equal(b.target, target)
+
+
+def test_labelled_needs_equal_counts():
+    labels = torch.full((2, 8), IGN)
+    labels[0, 3] = 5
+    with pytest.raises(hila.HilaError) as e:
+        data.labelled(labels)
+    assert e.value.argument == "labels"
+
+
+def _copy(dst, src, drop=()):
+    """Loads src's parameters into dst by name, cut to dst's shapes (rows of in_proj)."""
+    own = dst.state_dict()
+    for name, p in src.state_dict().items():
+        if name in own and not any(name.startswith(d) for d in drop):
+            own[name] = p[tuple(slice(0, s) for s in own[name].shape)].clone()
+    dst.load_state_dict(own)
+
+
+def test_mamba2_is_loglinear_mamba2_with_constant_levels():
+    """lam = softplus(0) at every level makes loglinear ln(2) x gla, which the output RMSNorm
+    (eps 0) and a zero skip D cannot tell apart."""
+    torch.manual_seed(0)
+    kw = dict(state_size=8, head_dim=16, chunk_size=16, norm_eps=0.0)
+    ll = ht.LogLinearMamba2(32, max_len=64, **kw).double()
+    plain = mixers.Mamba2(32, **kw).double()
+    with torch.no_grad():
+        ll.in_proj.weight[sum(plain.splits):] = 0          # dl = 0
+        ll.D.zero_()
+    _copy(plain, ll)
+    x = torch.randn(2, 50, 32, dtype=torch.float64)
+    y, ref = plain(x), ll(x)[0]
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-10, err
+
+
+def test_gated_deltanet_is_loglinear_gdn_with_constant_levels():
+    torch.manual_seed(0)
+    kw = dict(num_heads=2, head_dim=8, chunk_size=16, norm_eps=0.0)
+    ll = ht.LogLinearGatedDeltaNet(32, max_len=64, **kw).double()
+    with torch.no_grad():
+        ll.l_proj.weight.zero_()                           # lam = softplus(0) at every level
+    plain = mixers.GatedDeltaNet(32, **kw).double()
+    _copy(plain, ll)
+    x = torch.randn(2, 50, 32, dtype=torch.float64)
+    y, ref = plain(x), ll(x)[0]
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-10, err
+
+
+@pytest.mark.parametrize("name", list(mixers.MIXERS))
+def test_every_mixer_trains(name):
+    """One step of every mixer in the model: finite loss and gradients everywhere, parameters move."""
+    torch.manual_seed(0)
+    shape = mixers.MixerShape(head_dim=8, state_size=8, chunk_size=16)
+    model = RecallLM(64, 16, name, max_len=32, shape=shape)
+    ids, labels = data.mqar(4, 32, 4, vocab_size=64, seed=1)
+    pos, target = data.labelled(labels)
+    loss, hits = model.loss(ids, pos, target)
+    assert hits.shape == (4, 4) and torch.isfinite(loss)
+    loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    mixer_grads = [p.grad.abs().sum().item() for n, p in model.named_parameters() if ".mixer." in n]
+    assert sum(mixer_grads) > 0
+
+
+def test_build_mixer_errors():
+    with pytest.raises(hila.HilaError) as e:
+        mixers.build_mixer("mamba", 16, 32)
+    assert e.value.argument == "mixer"
+    assert mixers.MixerShape(head_dim=64).heads(96) == (2, 48)
+    with pytest.raises(hila.HilaError) as e:
+        mixers.build_mixer("hla2", 130, 32, mixers.MixerShape(head_dim=64))  # 3 heads of 43.3
+    assert e.value.argument == "dim"
+
+
+def test_csv_rows_append_and_grow_columns(tmp_path):
+    path = tmp_path / "sub" / "r.csv"
+    runner.append_rows(path, [dict(key="a", acc=0.5)])
+    runner.append_rows(path, [dict(key="b", acc=0.25)])
+    runner.append_rows(path, [dict(key="c", acc=1.0, extra="x")])
+    rows = runner.read_rows(path)
+    assert [r["key"] for r in rows] == ["a", "b", "c"] and rows[0]["extra"] == "" and rows[2]["extra"] == "x"
+    assert runner.done_keys(path) == {"a", "b", "c"}
+
+
+def test_grid_spec():
+    assert runner.parse_grid("mixers=gla,hla2 dims=16;lrs=1e-3,3e-3") == dict(
+        mixers=["gla", "hla2"], dims=["16"], lrs=["1e-3", "3e-3"])
+    with pytest.raises(hila.HilaError) as e:
+        runner.parse_grid("widths=16")
+    assert e.value.argument == "grid"
+    runs = runner.grid("mqar", ["gla", "sdpa"], [16, 64], [256], [0, 1], [1e-3], vocab=8192)
+    assert len(runs) == 8 and len({r.key() for r in runs}) == 8
+    assert runs[0].dim == 64 and all(r.pairs == 16 for r in runs)
+    niah = runner.grid("niah", ["gla"], [64], [1024, 2048], [0], [1e-3], needles=[1, 4])
+    assert [(r.seq_len, r.lengths, r.needles) for r in niah] == [(2048, "1024,2048", 1),
+                                                                 (2048, "1024,2048", 4)]
+    with pytest.raises(hila.HilaError) as e:
+        RunConfig(task="mqar", mixer="gla", dim=16, seq_len=256, lr=0.0)
+    assert e.value.argument == "lr"
+
+
+def test_smoke_preset_learns_mqar_and_reports(tmp_path):
+    """The smoke preset (a tiny MQAR: vocabulary 32, T = 32, 4 pairs; one hla3 model, about a
+    minute on a 2-core CPU): accuracy far above chance, one CSV row per run, a second call skips
+    them, and the report writes its table and plot."""
+    out = tmp_path / "results"
+    args = ["mqar", "--preset", "smoke", "--out", str(out), "--no-progress"]
+    assert cli.main(args) == 0
+    rows = runner.read_rows(out / "mqar.csv")
+    assert [r["mixer"] for r in rows] == cli.PRESETS["mqar"]["smoke"]["mixers"]
+    for r in rows:
+        # chance: 1 / 16 values (1 / 4 for a model that knows only which values are in context)
+        assert r["status"] == "ok" and float(r["acc"]) >= 0.8, (r["mixer"], r["acc"], r["curve"])
+        assert r["device"].startswith("cpu") and float(r["wall_s"]) > 0 and r["curve"].count(":") >= 2
+    assert cli.main(args) == 0
+    assert len(runner.read_rows(out / "mqar.csv")) == len(rows)          # nothing redone
+    assert cli.main(["report", "--results", str(out)]) == 0
+    table = (out / "mqar.md").read_text()
+    for r in rows:
+        assert f"| {r['mixer']} | " in table
+    assert (out / "mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_niah_smoke_and_heatmap(tmp_path):
+    """The needle smoke preset runs, writes one row per (length, depth) cell, and the report draws
+    its heatmaps."""
+    out = tmp_path / "results"
+    assert cli.main(["niah", "--preset", "smoke", "--out", str(out)]) == 0  # with its progress bar
+    rows = runner.read_rows(out / "niah.csv")
+    preset = cli.PRESETS["niah"]["smoke"]
+    lengths, depths = preset["lengths"], preset["depths"].split(",")
+    assert sorted((int(r["eval_len"]), float(r["depth"])) for r in rows) == sorted(
+        (T, float(d)) for T in lengths for d in depths)
+    assert all(0.0 <= float(r["cell_acc"]) <= 1.0 for r in rows)
+    assert cli.main(["report", "--results", str(out)]) == 0
+    assert "| gla |" in (out / "niah.md").read_text()
+    assert (out / "niah_n1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_results_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        cli.main(["report", "--results", str(tmp_path)])
+
+
+def test_parallel_workers_and_time_limit(tmp_path):
+    """Runs in spawned worker processes append their rows in the parent; a spent time limit
+    starts nothing."""
+    out = tmp_path / "mqar.csv"
+    runs = runner.grid("mqar", ["gla", "sdpa"], [16], [16], [0], [1e-3], pairs=2, vocab=16, steps=3, batch=4,
+                       train_examples=8, eval_examples=4, eval_every=3)
+    assert runner.execute(runs, out, parallel=2, devices=["cpu"], time_limit=0.0, progress=False) == 0
+    assert not out.exists()
+    assert runner.execute(runs, out, parallel=2, devices=["cpu"], progress=False, threads=1) == 0
+    rows = runner.read_rows(out)
+    assert sorted(r["mixer"] for r in rows) == ["gla", "sdpa"] and all(r["status"] == "ok" for r in rows)
+
+
+def test_progress_lines_without_tqdm(capsys):
+    from hila.experiments import train
+    bar = train._Lines(20, "run", True)
+    bar.set_postfix(dict(loss="1.0"))
+    for _ in range(20):
+        bar.update(1)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 10 and err[-1].startswith("run: 20/20") and "loss=1.0" in err[-1]
