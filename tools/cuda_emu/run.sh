@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Host emulation of hila's CUDA backend (no GPU needed): builds src/cuda/*.cu (rewritten by gen.py)
+# Host emulation of hila's CUDA backend (no GPU needed): builds src/cuda/**/*.cu (rewritten by gen.py)
 # and the GPU tests (tests/cuda/test_cuda_*.cpp) as host C++ and runs them:
 #   bash tools/cuda_emu/run.sh ['gtest filter' [more gtest flags]]
 #   e.g. bash tools/cuda_emu/run.sh 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65'
@@ -30,7 +30,9 @@ python3 "$ROOT/tools/cuda_emu/gen.py" "$ROOT" "$OUT" >/dev/null
 FL="-std=c++20 -O1 -g0 -pthread -fopenmp -fno-strict-aliasing -DHILA_WITH_CUDA=1 -DHILA_CUDA_EMU=1 -I$SHIM -I$ROOT/src -I$ROOT/include -I$ROOT/tools -I$ROOT/tests/cuda"
 echo "$CXX $FL" >"$OUT/flags.new"  # objects are rebuilt when the compiler, flags or shim change
 cmp -s "$OUT/flags.new" "$OUT/flags" || mv "$OUT/flags.new" "$OUT/flags"
-SRCS=("$OUT"/emu_*.cpp "$ROOT"/src/core/*.cpp "$ROOT"/src/cpu/*.cpp "$ROOT"/tools/problem.cpp "$ROOT"/tools/device.cpp "$ROOT"/tests/cuda/test_cuda_*.cpp)
+mapfile -t CUDA_CPP < <(find "$ROOT/src/cuda" -name '*.cpp' | sort)  # plain C++ of the backend (runtime/config.cpp)
+SRCS=("$OUT"/emu_*.cpp "${CUDA_CPP[@]}" "$ROOT"/src/api/*.cpp "$ROOT"/src/core/*.cpp "$ROOT"/src/cpu/*.cpp "$ROOT"/tools/problem.cpp
+      "$ROOT"/tools/device.cpp "$ROOT"/tests/cuda/test_cuda_*.cpp)
 {
   echo "BIN := $OUT/hila_cuda_tests_emu"
   objs=()

@@ -10,7 +10,7 @@
 #include <mutex>
 
 #include "cuda/common.cuh"
-#include "cuda/sm90.cuh"
+#include "cuda/prims/sm90.cuh"
 
 namespace hila::cuda::sm90 {
 

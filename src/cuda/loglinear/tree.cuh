@@ -34,8 +34,8 @@
 // 2 chunk0 and the sequence takes [2 chunk0, 2 chunk0 + 2 Nc); otherwise base comes from a per-call
 // table (TreeArgs::nbase) and a sequence takes at most 2 Nc + 2 bitlen(a0 + Nc) slots.
 #pragma once
-#include "cuda/mma.cuh"
-#include "cuda/tile.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/delta.cuh"
-#include "cuda/pack.cuh"
+#include "cuda/delta/delta.cuh"
+#include "cuda/prims/pack.cuh"
 
 namespace hila::cuda {
 

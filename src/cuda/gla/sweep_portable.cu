@@ -3,8 +3,8 @@
 #include <cub/block/block_scan.cuh>
 #include <optional>
 
-#include "cuda/gla.cuh"
-#include "cuda/runtime.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
 

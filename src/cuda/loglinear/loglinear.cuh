@@ -30,8 +30,8 @@
 #pragma once
 #include <vector>
 
-#include "cuda/gla.cuh"
-#include "cuda/runtime.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
 

@@ -25,8 +25,8 @@
 // the states).
 #pragma once
 #include "core/problem.h"
-#include "cuda/pack.cuh"
-#include "cuda/pack_levels.cuh"
+#include "cuda/prims/pack.cuh"
+#include "cuda/prims/levels.cuh"
 
 namespace hila::cuda {
 

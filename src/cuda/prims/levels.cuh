@@ -5,7 +5,7 @@
 //   ws      [N*H][Ls][dk][dv] in the compute type; slots not live at the sequence's position are 0.
 // "Flat" is the degenerate level structure of plain GLA / GDN: one slot (0), every pair at level 0.
 #pragma once
-#include "cuda/runtime.cuh"
+#include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
 

@@ -42,9 +42,9 @@
 #include <utility>
 
 #include "core/plan.h"
-#include "cuda/mma.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tile.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/runtime/runtime.cuh"
+#include "cuda/prims/tile.cuh"
 #include "cuda/step.h"
 #include "hila/error.h"
 

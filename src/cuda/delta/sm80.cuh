@@ -10,14 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/delta.cuh"
-#include "cuda/gla.cuh"
-#include "cuda/ll_tree.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/pack.cuh"
-#include "cuda/pack_levels.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tile.cuh"
+#include "cuda/delta/delta.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/prims/pack.cuh"
+#include "cuda/prims/levels.cuh"
+#include "cuda/runtime/runtime.cuh"
+#include "cuda/prims/tile.cuh"
 
 namespace hila::cuda::gdn {
 

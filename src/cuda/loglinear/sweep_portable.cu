@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Kernels of log-linear Mamba-2; see loglinear.cuh for the math, the layouts and the grid mapping.
-#include "cuda/loglinear.cuh"
+#include "cuda/loglinear/loglinear.cuh"
 
 #include <cstdlib>
 

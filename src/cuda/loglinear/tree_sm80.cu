@@ -6,11 +6,11 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/gla.cuh"
-#include "cuda/ll_tree.cuh"
-#include "cuda/loglinear.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/runtime.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/loglinear/loglinear.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
 

@@ -12,7 +12,7 @@
 // terms (ll_grad_kernel), the chunk's own terms (ll_intra_bwd_kernel) and the WY backward.
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
 // output accumulator and every accumulation are fp32.
-#include "cuda/gdn_tc.cuh"
+#include "cuda/delta/sm80.cuh"
 
 namespace hila::cuda {
 

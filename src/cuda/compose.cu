@@ -16,11 +16,11 @@
 #include "core/host_mirror.h"
 #include "core/plan.h"
 #include "cuda/backend.h"
-#include "cuda/delta.cuh"
-#include "cuda/gla.cuh"
-#include "cuda/loglinear.cuh"
-#include "cuda/pack.cuh"
-#include "cuda/runtime.cuh"
+#include "cuda/delta/delta.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/loglinear.cuh"
+#include "cuda/prims/pack.cuh"
+#include "cuda/runtime/runtime.cuh"
 #include "hila/error.h"
 
 namespace hila::cuda {

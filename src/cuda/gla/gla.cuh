@@ -11,8 +11,8 @@
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
 // and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
 #pragma once
-#include "cuda/mma.cuh"
-#include "cuda/tile.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
 

@@ -26,7 +26,7 @@
 // cotangents are stored in 16 bits as GEMM operands; U, dVn, the carries and every accumulation
 // are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
-#include "cuda/gdn_tc.cuh"
+#include "cuda/delta/sm80.cuh"
 
 namespace hila::cuda {
 

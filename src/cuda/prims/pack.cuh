@@ -2,7 +2,7 @@
 // Pack / unpack kernels between the caller's strided, sequence-first tensors and the head-major
 // buffers padded to multiples of 16 columns that the primitive kernels read.
 #pragma once
-#include "cuda/runtime.cuh"
+#include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
 

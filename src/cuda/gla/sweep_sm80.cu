@@ -18,11 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/gla.cuh"
-#include "cuda/ll_tree.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tile.cuh"
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/runtime/runtime.cuh"
+#include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
 
