@@ -8,12 +8,13 @@
 #include <utility>
 #include <vector>
 
+#include "api/dispatch.h"
 #include "core/access.h"
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
 #ifdef HILA_WITH_CUDA
-#include "cuda/step.h"
+#include "cuda/backend.h"
 #endif
 
 namespace hila {
@@ -98,7 +99,7 @@ struct DecodeState::Impl {
   Device device{};
   std::vector<int64_t> pos;  // the positions (CPU) or their host copy (CUDA)
   Block dpos;                // CUDA: the positions on the device
-  Block counters;            // CUDA: the step kernel's counters (cuda/step.h), zero between steps
+  Block counters;            // CUDA: the step kernel's counters (cuda/backend.h), zero between steps
   Block S, P, Hs;
 
   bool on_cuda() const { return device.type == DeviceType::cuda; }

@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The single place that turns a validated call into a backend call.
+// The single place that turns a validated call into a backend call: hila::forward, backward,
+// workspace_size and step (include/hila/ops.h) validate with src/core and run on the backend of
+// q's device (src/cpu or src/cuda).
 #include <string>
 
+#include "api/dispatch.h"
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
 #ifdef HILA_WITH_CUDA
 #include "cuda/backend.h"
-#include "cuda/step.h"
 #endif
 
 namespace hila {

@@ -1,283 +1,33 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA backend: packs the strided, sequence-first inputs into head-major buffers padded to
-// multiples of 16 columns (kernels then need no head-dim templates), runs the primitive kernels
-// on the caller's stream, and unpacks outputs, states and gradients (summing dq/dk over the heads
-// of a GQA group). Temporary buffers are stream-ordered allocations.
+// Every hila operator as a composition of primitives on the GPU, as cpu/compose.cpp does on the CPU
+// (HLA_SPEC §2, §11; LOGLINEAR_SPEC §7; core/plan.h decides the composition for both):
+//   gla / loglinear / gdn / loglinear_gdn:  O = prim(Q, K, V)
+//   hla2:  U = GLA_gS(Q, K, K) (+ ridge Q),  O = prim_gY(Q, U, V)
+//   ahla:  Hh = GLA_gP(Q, K, V),             O = prim_gE(Q, K, Hh)
+//   hla3:  U, Hh as above,                    O = prim_gX(Q, U, Hh)
+// The outer prim is the GLA primitive (gla/) or the log-linear one (loglinear/). Call packs the
+// strided, sequence-first inputs into head-major buffers padded to multiples of 16 columns (the
+// kernels then need no head-dim templates), or reads the caller's tensors in place where the
+// tensor-core kernels can; the primitives run on the caller's stream, and outputs, states and
+// gradients are unpacked (dq, dk summed over the heads of a GQA group). Temporary buffers come from
+// the call's arena or the stream-ordered pool (runtime/runtime.cuh).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
-#include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "core/host_mirror.h"
 #include "core/plan.h"
-#include "cuda/backend.h"
+#include "cuda/compose.cuh"
 #include "cuda/delta/delta.cuh"
 #include "cuda/gla/gla.cuh"
 #include "cuda/loglinear/loglinear.cuh"
 #include "cuda/prims/pack.cuh"
+#include "cuda/runtime/config.h"
 #include "cuda/runtime/runtime.cuh"
 #include "hila/error.h"
 
 namespace hila::cuda {
-
-[[noreturn]] void fail(cudaError_t e, const char* expr, const char* file, int line) {
-  throw std::runtime_error(std::string("hila: CUDA error ") + cudaGetErrorName(e) + " (" +
-                           cudaGetErrorString(e) + ") in " + expr + " at " + file + ":" +
-                           std::to_string(line));
-}
-
-namespace {
-
-class PinnedRing {
- public:
-  static constexpr size_t kBytes = size_t(4) << 20;
-  void upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!base_) HILA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&base_), kBytes));
-    const size_t need = (bytes + 255) & ~size_t(255);
-    if (need > kBytes) {  // larger than the ring: a plain (synchronizing) copy
-      HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
-      HILA_CUDA_CHECK(cudaStreamSynchronize(s));
-      return;
-    }
-    if (head_ + need > kBytes) head_ = 0;
-    // wait for earlier uploads whose bytes overlap [head_, head_ + need)
-    while (!pending_.empty()) {
-      const Pending& p = pending_.front();
-      const bool overlap = p.off < head_ + need && head_ < p.off + p.len;
-      if (!overlap && pending_.size() < 256) break;
-      HILA_CUDA_CHECK(cudaEventSynchronize(p.done));
-      HILA_CUDA_CHECK(cudaEventDestroy(p.done));
-      pending_.pop_front();
-    }
-    std::memcpy(base_ + head_, src, bytes);
-    HILA_CUDA_CHECK(cudaMemcpyAsync(dst, base_ + head_, bytes, cudaMemcpyHostToDevice, s));
-    cudaEvent_t e;
-    HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    HILA_CUDA_CHECK(cudaEventRecord(e, s));
-    pending_.push_back({head_, need, e});
-    head_ += need;
-  }
-
- private:
-  struct Pending {
-    size_t off, len;
-    cudaEvent_t done;
-  };
-  std::mutex mu_;
-  char* base_ = nullptr;
-  size_t head_ = 0;
-  std::deque<Pending> pending_;
-};
-
-void d2h(void* dst, const void* src, size_t bytes, int device, void* stream) {
-  DeviceScope scope(device);
-  const auto s = static_cast<cudaStream_t>(stream);
-  HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
-  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
-}
-
-// first[0] = min row-major index of an element that is non-finite (or > 0 for gates).
-__global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_t s0, int64_t s1, int64_t s2,
-                            int64_t s3, int64_t s4, int64_t n, bool contiguous, bool gates) {
-  const int64_t shape[5] = {s0, s1, s2, s3, s4};
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    int64_t off = e;
-    if (!contiguous) {
-      off = 0;
-      int64_t rem = e;
-      for (int i = nd - 1; i >= 0; --i) {
-        off += (rem % shape[i]) * t.s[i];
-        rem /= shape[i];
-      }
-    }
-    const double x = ld<double>(t, off);
-    if (!isfinite(x) || (gates && x > 0)) atomicMin(first, static_cast<unsigned long long>(e));
-  }
-}
-
-int64_t device_scan(const TensorView& t, bool gates, void* stream) {
-  if (t.ndim > 5) return -2;
-  DeviceScope scope(t.device.index);
-  const auto s = static_cast<cudaStream_t>(stream);
-  bool contiguous = true;
-  int64_t expect = 1, shape[5] = {1, 1, 1, 1, 1};
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    shape[i] = t.shape[i];
-    if (t.shape[i] != 1 && t.stride[i] != expect) contiguous = false;
-    expect *= t.shape[i];
-  }
-  DevBuf<unsigned long long> first(1, s);
-  HILA_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, sizeof(unsigned long long), s));
-  const int64_t n = t.numel();
-  HILA_LAUNCH(scan_kernel, n, s, first.get(), Strided(t), t.ndim, shape[0], shape[1], shape[2], shape[3], shape[4], n,
-              contiguous, gates);
-  unsigned long long host = 0;
-  HILA_CUDA_CHECK(cudaMemcpyAsync(&host, first.get(), sizeof(host), cudaMemcpyDeviceToHost, s));
-  HILA_CUDA_CHECK(cudaStreamSynchronize(s));
-  return host == ~0ull ? -1 : static_cast<int64_t>(host);
-}
-
-const bool g_registered = (detail::register_device_to_host(&d2h), detail::register_device_scan(&device_scan), true);
-
-}  // namespace
-
-void keep_pool_cached() {
-  static std::once_flag done[64];
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::call_once(done[dev & 63], [dev] {
-    cudaMemPool_t pool;
-    HILA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-    uint64_t keep = UINT64_MAX;
-    HILA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  });
-}
-
-namespace {
-// An upload inside CUDA graph capture: the bytes ride in the parameters of kernels (kept by value
-// in the graph's kernel nodes), 2 KB per launch. A copy from the pinned ring would be captured as
-// a copy node that reads the ring slot at every replay, after later calls may have reused it.
-struct UploadPiece {
-  unsigned char b[2048];
-};
-__global__ void upload_piece_kernel(unsigned char* dst, const UploadPiece p, unsigned n) {
-  for (unsigned i = threadIdx.x; i < n; i += blockDim.x) dst[i] = p.b[i];
-}
-// HILA_UPLOAD_KERNEL=1 (tests): kernel uploads always, in pieces of 16 bytes
-bool upload_forced() {
-  static const bool forced = [] {
-    const char* e = std::getenv("HILA_UPLOAD_KERNEL");
-    return e && std::strcmp(e, "1") == 0;
-  }();
-  return forced;
-}
-// kernel uploads while s is being captured
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  HILA_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
-  return st != cudaStreamCaptureStatusNone;
-}
-}  // namespace
-
-void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
-  if (dry_run()) return;
-  if (upload_forced() || capturing(s)) {
-    const size_t piece = upload_forced() ? 16 : sizeof(UploadPiece);
-    for (size_t off = 0; off < bytes; off += piece) {
-      UploadPiece p;
-      const size_t n = std::min(bytes - off, piece);
-      std::memcpy(p.b, static_cast<const unsigned char*>(src) + off, n);
-      upload_piece_kernel<<<1, 256, 0, s>>>(static_cast<unsigned char*>(dst) + off, p, unsigned(n));
-      HILA_CUDA_CHECK_LAUNCH();
-    }
-    return;
-  }
-  static PinnedRing rings[64];  // per device ordinal
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  rings[dev & 63].upload(dst, src, bytes, s);
-}
-
-namespace {
-thread_local Arena* t_arena = nullptr;
-constexpr size_t kAlign = 256;
-}  // namespace
-
-Arena::Arena(void* base, size_t bytes) {
-  if (!base) return;  // measuring: stand-in addresses from kAlign up, never dereferenced
-  base_ = (reinterpret_cast<uintptr_t>(base) + kAlign - 1) & ~uintptr_t(kAlign - 1);
-  const size_t skip = base_ - reinterpret_cast<uintptr_t>(base);
-  cap_ = bytes > skip ? bytes - skip : 0;
-}
-
-void* Arena::take(size_t bytes) {
-  const size_t off = top_, end = off + ((bytes + kAlign - 1) & ~(kAlign - 1));
-  if (!measuring() && end > cap_)  // workspace_size() measured this call's peak: only a changed call gets here
-    throw Error("workspace_bytes", "the workspace is too small for this call: it needs more than " +
-                                       std::to_string(cap_) + " bytes (query hila::workspace_size with the same params)");
-  blocks_.push_back({off, end, true});
-  top_ = end;
-  peak_ = std::max(peak_, top_);
-  return reinterpret_cast<void*>((measuring() ? kAlign : base_) + off);
-}
-
-void Arena::give(void* p) {
-  const size_t off = reinterpret_cast<uintptr_t>(p) - (measuring() ? kAlign : base_);
-  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
-    if (it->off == off && it->live) {
-      it->live = false;
-      break;
-    }
-  while (!blocks_.empty() && !blocks_.back().live) blocks_.pop_back();
-  top_ = blocks_.empty() ? 0 : blocks_.back().end;
-}
-
-namespace {
-// an event that has captured `from`'s work so far, waited for by `to`
-cudaError_t link(cudaStream_t from, cudaStream_t to) {
-  cudaEvent_t e;
-  cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-  if (err != cudaSuccess) return err;
-  err = cudaEventRecord(e, from);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(to, e, 0);
-  const cudaError_t d = cudaEventDestroy(e);  // released once the wait is satisfied
-  return err != cudaSuccess ? err : d;
-}
-}  // namespace
-
-SideStream::SideStream(cudaStream_t main) : main_(main), side_(main) {
-  static const bool off = [] {
-    const char* e = std::getenv("HILA_SIDE_STREAM");
-    return e && std::strcmp(e, "0") == 0;
-  }();
-  if (off || dry_run()) return;
-  // one non-blocking stream per (host thread, device), kept for the thread's lifetime
-  thread_local std::vector<cudaStream_t> streams;
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (streams.size() <= size_t(dev)) streams.resize(size_t(dev) + 1, nullptr);
-  if (!streams[size_t(dev)]) HILA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(dev)], cudaStreamNonBlocking));
-  side_ = streams[size_t(dev)];
-  HILA_CUDA_CHECK(link(main_, side_));
-}
-
-void SideStream::join() {
-  if (joined_ || side_ == main_) return;
-  joined_ = true;
-  HILA_CUDA_CHECK(link(side_, main_));
-}
-
-// an exception between fork and join: still order main after the side's work (no throw here)
-SideStream::~SideStream() {
-  if (!joined_ && side_ != main_) link(side_, main_);
-}
-
-Arena* current_arena() { return t_arena; }
-namespace {
-thread_local int t_no_alloc = 0;
-}
-NoAllocScope::NoAllocScope() { ++t_no_alloc; }
-NoAllocScope::~NoAllocScope() { --t_no_alloc; }
-void check_alloc_allowed() {
-  if (t_no_alloc > 0)
-    throw std::logic_error("hila: a temporary was requested for work on hila's side stream, which must not "
-                           "allocate (it would race with the caller's stream over the workspace); please report this");
-}
-bool poison_scratch() {
-  static const bool on = [] {
-    const char* e = std::getenv("HILA_POISON_SCRATCH");
-    return e && *e && std::strcmp(e, "0") != 0;
-  }();
-  return on;
-}
-ArenaScope::ArenaScope(Arena* a) : prev_(t_arena) { t_arena = a; }
-ArenaScope::~ArenaScope() { t_arena = prev_; }
 
 namespace {
 
@@ -303,16 +53,16 @@ struct Call {
   DevBuf<R> g[3], b[3];  // packed log-gates and their chunk-local cumsums, per gate column
   DevBuf<R> S0, P0, H0;  // packed initial states (dense)
   SeqTables seqs;
-  std::optional<LlTables> ll;  // log-linear outer primitive: segments, n0, Fenwick slots
+  std::optional<LoglinearTables> tables;  // log-linear outer primitive: segments, n0, Fenwick slots
   DevBuf<R> lam;               // [H][Ttot][nL]
-  // log-linear outer primitive in the chunk-parallel tree form (ll_tree.cuh): every sequence from a
+  // log-linear outer primitive in the chunk-parallel tree form (loglinear/tree.cuh): every sequence from a
   // chunk-aligned position (with its initial state when n0 > 0)
   const bool tree;
   static bool tree_form(const detail::Resolved& r, const ForwardParams& p) {
     if (!detail::OpPlan::make(r.cfg).fenwick) return false;
     return std::all_of(r.seqs.begin(), r.seqs.end(),
                        [&](const auto& x) { return x.n0 % kChunk == 0 && (x.n0 == 0 || p.init.H.defined()); }) &&
-           ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
+           loglinear_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
   }
 
   Call(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
@@ -335,7 +85,7 @@ struct Call {
     }
     if (p.init.P.defined()) P0 = pack_dense(p.init.P);
     if (plan.fenwick) {
-      ll.emplace(r, s);
+      tables.emplace(r, s);
       lam = DevBuf<R>(size_t(r.H * Ttot * r.nL), s);
       HILA_LAUNCH(pack_lam<R>, r.H * Ttot * r.nL, s, lam.get(), Strided(p.lam), r.T, r.H, Ttot, int(r.nL));
     }
@@ -343,38 +93,38 @@ struct Call {
   }
   // Outer state H: dense [N][H][dkp][dvp], or Fenwick [N][H][Ls][dkp][dvp] (LOGLINEAR_SPEC §8)
   // holding the slots live at n0 (initial) or at n0 + len (end of the call).
-  int64_t slots() const { return plan.fenwick ? ll->Ls : 1; }
+  int64_t slots() const { return plan.fenwick ? tables->Ls : 1; }
   DevBuf<R> pack_H(const TensorView& t, bool at_end) const {
     if (!plan.fenwick) return pack_dense(t);
-    const int64_t n = NH * ll->Ls * dkp * dvp;
+    const int64_t n = NH * tables->Ls * dkp * dvp;
     DevBuf<R> b(size_t(n), s);
-    HILA_LAUNCH(pack_levels<R>, n, s, b.get(), Strided(t), (at_end ? ll->d_nend : ll->d_n0).get(), NH, r.H,
-                int(t.shape[2]), ll->Ls, int(r.dk), int(r.dvp), dkp, dvp);
+    HILA_LAUNCH(pack_levels<R>, n, s, b.get(), Strided(t), (at_end ? tables->d_nend : tables->d_n0).get(), NH, r.H,
+                int(t.shape[2]), tables->Ls, int(r.dk), int(r.dvp), dkp, dvp);
     return b;
   }
   void unpack_H(const TensorView& out, const R* in) const {
     if (plan.fenwick)
       HILA_LAUNCH(unpack_levels<R>, NH * out.shape[2] * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(out.shape[2]),
-                  ll->Ls, int(r.dk), int(r.dvp), dkp, dvp);
+                  tables->Ls, int(r.dk), int(r.dvp), dkp, dvp);
     else
       HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(out), in, NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
   }
   // Arguments of the log-linear outer primitive; hst holds the live levels stored per segment.
-  LlArgs<T> ll_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr, bool want_final = false) const {
-    LlArgs<T> a;
+  LoglinearArgs<T> loglinear_args(const GlaArgs<T>& base, R* hst, R* dlam = nullptr, bool want_final = false) const {
+    LoglinearArgs<T> a;
     a.tree = tree, a.want_final = want_final;
     a.p = base;
     a.p.hbuf = nullptr;
     a.hst = hst;
-    a.lam = lam.get(), a.nL = int(r.nL), a.Ls = ll->Ls;
-    a.n0 = ll->d_n0.get(), a.seg0 = ll->d_seg0.get(), a.hoff = ll->d_hoff.get(), a.goff = ll->d_goff.get();
-    a.seg_seq = ll->d_seg_seq.get(), a.nseg = ll->nseg;
+    a.lam = lam.get(), a.nL = int(r.nL), a.Ls = tables->Ls;
+    a.n0 = tables->d_n0.get(), a.seg0 = tables->d_seg0.get(), a.hoff = tables->d_hoff.get(), a.goff = tables->d_goff.get();
+    a.seg_seq = tables->d_seg_seq.get(), a.nseg = tables->nseg;
     a.dlam = dlam;
     return a;
   }
   // The caller's [B, T, X, d] tensor in place, or packed into `buf` ([X][Ttot][dp], a ones column at `ones`).
   Operand<T> operand(const TensorView& t, int64_t X, int d, int dp, int ones, DevBuf<T>& buf) const {
-    if (ones < 0 && d == dp && (!plan.fenwick || tree) && !plan.delta && in_place_ok<T>(t, r.B, r.T))
+    if (ones < 0 && d == dp && (!plan.fenwick || tree) && in_place_ok<T>(t, r.B, r.T))
       return {static_cast<const T*>(t.data), t.stride[1], t.stride[2]};
     buf = DevBuf<T>(size_t(X * Ttot * dp), s);
     pack(buf.get(), t, X, d, dp, ones);
@@ -525,7 +275,7 @@ struct OutputTarget {
   DevBuf<T> buf;
   bool in_place = false;
   OutputTarget(const Call<T>& c, const TensorView& o, bool need_packed) {
-    in_place = !need_packed && !c.plan.normalize && (!c.plan.fenwick || c.tree) && !c.plan.delta &&
+    in_place = !need_packed && !c.plan.normalize && (!c.plan.fenwick || c.tree) &&
                in_place_ok<T>(o, c.r.B, c.r.T);
     if (!in_place) buf = DevBuf<T>(size_t(c.r.H * c.Ttot * c.dvp), c.s);
   }
@@ -568,7 +318,7 @@ struct HeadSplit {
     if (!detail::OpPlan::make(r.cfg).fenwick || !p.init.H.defined() ||
         std::all_of(r.seqs.begin(), r.seqs.end(), [](const auto& x) { return x.n0 % kChunk == 0; }))
       return false;
-    return ll_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
+    return loglinear_tree_usable<T>(pad16(r.dk), pad16(r.dvp));
   }
   const detail::Resolved& r;
   detail::Resolved head, rest;
@@ -663,13 +413,6 @@ void backward_split_head(const detail::Resolved& r, const BackwardParams& p, cud
   sp.copy_head_rows(p.dg, b1.dg), sp.copy_head_rows(p.dlam, b1.dlam);
 }
 
-template <class T>
-void forward_impl(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
-  if (r.traits.delta) return delta_forward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  if (HeadSplit<T>::wanted(r, p)) return forward_split_head<T>(r, p, s);
-  forward_call<T>(r, p, s);
-}
-
 // One forward of the composition (HLA_SPEC §11): the inner primitives, then the outer one.
 template <class T>
 void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
@@ -681,102 +424,139 @@ void forward_call(const detail::Resolved& r, const ForwardParams& p, cudaStream_
   GlaArgs<T> a = c.outer(in);
   O.attach(a, p.o);
   a.h0 = c.H0.get(), a.ht = Hf.get();
-  if (c.plan.fenwick) ll_forward<T>(c.ll_args(a, nullptr, nullptr, p.final_state.H.defined()), *c.ll, s);
+  if (c.plan.fenwick) loglinear_forward<T>(c.loglinear_args(a, nullptr, nullptr, p.final_state.H.defined()), *c.tables, s);
   else gla_forward<T>(a, s);
   if (!O.in_place) c.write_output(p.o, O.buf.get());
   c.write_states(p.final_state, in, Hf.get());
 }
 
+// VJP of the composition (HLA_SPEC §7.2), in the stages of run(): the outer primitive's forward,
+// the cotangents of O' and of the final states, the outer primitive's backward, then the inner
+// ones with the outer key / value gradients as their output cotangents, and the gradients out.
+// dq, dk, dv accumulate in the chunk kernels (GradSum), the last contribution writing the caller's
+// tensor where it can. Every temporary lives to the end of the call and is taken in the order of
+// the stages (the order the workspace size is measured in).
 template <class T>
-void backward_impl(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
-  if (r.traits.delta) return delta_backward<T>(r, p, s);  // gdn, loglinear_gdn: cuda/delta.cu
-  if (HeadSplit<T>::wanted(r, p)) return backward_split_head<T>(r, p, s);
-  backward_call<T>(r, p, s);
-}
-
-// VJP of the composition (HLA_SPEC §7.2): outer primitive first, then the inner ones with the
-// outer key / value gradients as their output cotangents. dq, dk, dv accumulate in the chunk
-// kernels (GradSum), the last contribution writing the caller's tensor where it can.
-template <class T>
-void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+struct BackwardCall {
   using R = Acc<T>;
-  const Call<T> c(r, p, s);
-  const auto& plan = c.plan;
-  const int64_t rowsK = r.H * c.Ttot * c.dkp, rowsV = r.H * c.Ttot * c.dvp;
-  const auto in = c.run_inner(true);
-  // outer forward: its chunk states, and O' only when normalizing (the cotangent needs it) or when o is asked for
-  DevBuf<R> Hf(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
-  DevBuf<StateOperand<T>> Hbuf(plan.fenwick ? 0 : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
-  GlaArgs<T> a = c.outer(in);
-  // log-linear: the tree form (no stored levels) or the sweep (the live levels entering each segment)
-  const bool tree = c.tree;
-  DevBuf<R> Hst(plan.fenwick && !tree ? size_t(c.ll->stored_levels() * r.H * c.dkp * c.dvp) : 0, s);
-  std::optional<OutputTarget<T>> O;
-  if (plan.normalize || p.o.defined()) {
-    O.emplace(c, p.o, plan.normalize);
-    O->attach(a, p.o);
+  const detail::Resolved& r;
+  const BackwardParams& p;
+  cudaStream_t s;
+  const Call<T> c;
+  const detail::OpPlan& plan;
+  const typename Call<T>::Inner in;
+  const int64_t rowsK, rowsV;                // elements of [H][Ttot][dkp], [H][Ttot][dvp]
+  GlaArgs<T> a;                              // the outer primitive
+  GlaArgs<T> fwd;                            // its forward, when it runs beside the reverse sweep
+  bool beside = false;
+  DevBuf<R> Hf;                              // the outer final state
+  DevBuf<StateOperand<T>> Hbuf;              // GLA outer: the state entering each chunk
+  DevBuf<R> Hst;                             // log-linear sweep: the live levels entering each segment
+  std::optional<OutputTarget<T>> O;          // O' (normalize needs it; o when asked for)
+  DevBuf<T> dObuf;                           // dO' packed, when not read in place
+  DevBuf<R> dSf, dPf, dHf;                   // final-state cotangents, packed
+  bool outer_gradout = false, fold_S = false;
+  std::optional<GradSum<T>> gq, gk, gv;
+  std::optional<PrimGradBufs<T>> go, gp, gs;  // outer, inner P, inner S
+  DevBuf<T> dU, dHh;                         // outer key / value gradients: the inner cotangents
+  DevBuf<R> dU32, dHh32;                     // the same in fp32, where the outer cannot write 16 bits
+  DevBuf<R> dlam;
+  const R* dg[3] = {};                       // per-primitive dg (per gate column)
+
+  BackwardCall(const detail::Resolved& r_, const BackwardParams& p_, cudaStream_t s_)
+      : r(r_), p(p_), s(s_), c(r_, p_, s_), plan(c.plan), in(c.run_inner(true)), rowsK(r_.H * c.Ttot * c.dkp),
+        rowsV(r_.H * c.Ttot * c.dvp) {}
+
+  void run() {
+    outer_forward();
+    cotangents();
+    outer_backward();
+    if (plan.has_P) inner_P_backward();
+    if (plan.has_S) inner_S_backward();
+    write_gradients();
   }
-  a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
-  // GLA outer without normalize: dO does not depend on O', so the forward runs inside
-  // gla_backward, beside the reverse sweep (the outputs it feeds are written after)
-  const GlaArgs<T> fwd = a;
-  const bool beside = !plan.fenwick && !plan.normalize;
-  if (plan.fenwick) {
-    if (!tree || a.o || p.final_state.H.defined())
-      ll_forward<T>(c.ll_args(a, Hst.get(), nullptr, p.final_state.H.defined()), *c.ll, s);
-  } else if (!beside) {
-    gla_forward<T>(a, s);
+
+  // The outer primitive's forward: its chunk states, and O' only when normalizing (the cotangent
+  // needs it) or when o is asked for. GLA outer without normalize: dO does not depend on O', so the
+  // forward runs inside gla_backward, beside the reverse sweep (the outputs it feeds are written
+  // after).
+  void outer_forward() {
+    Hf = DevBuf<R>(size_t(c.NH * c.slots() * c.dkp * c.dvp), s);
+    Hbuf = DevBuf<StateOperand<T>>(plan.fenwick ? 0 : size_t(c.seqs.nchunks * r.H * c.dkp * c.dvp), s);
+    a = c.outer(in);
+    // log-linear: the tree form (no stored levels) or the sweep (the live levels entering each segment)
+    Hst = DevBuf<R>(plan.fenwick && !c.tree ? size_t(c.tables->stored_levels() * r.H * c.dkp * c.dvp) : 0, s);
+    if (plan.normalize || p.o.defined()) {
+      O.emplace(c, p.o, plan.normalize);
+      O->attach(a, p.o);
+    }
+    a.h0 = c.H0.get(), a.ht = Hf.get(), a.hbuf = Hbuf.get();
+    fwd = a;
+    beside = !plan.fenwick && !plan.normalize;
+    if (plan.fenwick) {
+      if (!c.tree || a.o || p.final_state.H.defined())
+        loglinear_forward<T>(c.loglinear_args(a, Hst.get(), nullptr, p.final_state.H.defined()), *c.tables, s);
+    } else if (!beside) {
+      gla_forward<T>(a, s);
+    }
+    if (!beside) forward_outputs();
+    a.o = nullptr;
   }
-  auto forward_outputs = [&] {
+  void forward_outputs() const {
     if (p.o.defined() && !O->in_place) c.write_output(p.o, O->buf.get());
     c.write_states(p.final_state, in, Hf.get());
-  };
-  if (!beside) forward_outputs();
-  a.o = nullptr;
-  // cotangents of O' and of the final states
-  DevBuf<T> dObuf;
-  if (!plan.normalize && (!plan.fenwick || tree) && !plan.delta && in_place_ok<T>(p.d_o, r.B, r.T)) {
-    a.dO = static_cast<const T*>(p.d_o.data), a.dO_ld = p.d_o.stride[1], a.dO_hs = p.d_o.stride[2];
-  } else {
-    dObuf = DevBuf<T>(size_t(rowsV), s);
-    c.pack(dObuf.get(), p.d_o, r.H, int(r.dv), c.dvp, -1);
-    if (plan.normalize)
-      HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dObuf.get(), O->buf.get(), r.H * c.Ttot, int(r.dv), c.dvp,
-                  R(plan.eps));
-    a.dO = dObuf.get();
   }
-  DevBuf<R> dSf, dPf, dHf;
-  if (p.d_final.S.defined()) {
-    dSf = DevBuf<R>(size_t(c.NH * c.dkp * c.dkp), s);
-    HILA_LAUNCH(pack_sym<R>, c.NH * c.dkp * c.dkp, s, dSf.get(), Strided(p.d_final.S), c.NH, r.H, int(r.dk), c.dkp, true);
+
+  // Cotangents of O' (the caller's dO in place where the kernels read it; normalize: through the
+  // division, HLA_SPEC §4) and of the final states.
+  void cotangents() {
+    if (!plan.normalize && (!plan.fenwick || c.tree) && in_place_ok<T>(p.d_o, r.B, r.T)) {
+      a.dO = static_cast<const T*>(p.d_o.data), a.dO_ld = p.d_o.stride[1], a.dO_hs = p.d_o.stride[2];
+    } else {
+      dObuf = DevBuf<T>(size_t(rowsV), s);
+      c.pack(dObuf.get(), p.d_o, r.H, int(r.dv), c.dvp, -1);
+      if (plan.normalize)
+        HILA_LAUNCH(normalized_cotangent<T>, r.H * c.Ttot, s, dObuf.get(), O->buf.get(), r.H * c.Ttot, int(r.dv),
+                    c.dvp, R(plan.eps));
+      a.dO = dObuf.get();
+    }
+    if (p.d_final.S.defined()) {
+      dSf = DevBuf<R>(size_t(c.NH * c.dkp * c.dkp), s);
+      HILA_LAUNCH(pack_sym<R>, c.NH * c.dkp * c.dkp, s, dSf.get(), Strided(p.d_final.S), c.NH, r.H, int(r.dk), c.dkp,
+                  true);
+    }
+    if (p.d_final.P.defined()) dPf = c.pack_dense(p.d_final.P);
+    if (p.d_final.H.defined()) dHf = c.pack_H(p.d_final.H, true);
   }
-  if (p.d_final.P.defined()) dPf = c.pack_dense(p.d_final.P);
-  if (p.d_final.H.defined()) dHf = c.pack_H(p.d_final.H, true);
-  // outer, then the inner primitives with the outer key / value gradients as their output
-  // cotangents; dq, dk, dv collect in GradSums (the outer's kernels honor GradOut where they are
-  // the tensor-core GLA kernels or the tree form; the inner ones are GLA primitives)
-  const bool outer_gradout = kTensorCore<T> && (!plan.fenwick || tree) && !plan.delta;
-  GradSum<T> gq(c, p.dq, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), 1 + plan.has_P + plan.has_S);
-  // the inner S primitive's value is its key: the tensor-core kernels fold dv into dk
-  // (GlaArgs::value_is_key), one contribution; elsewhere two
-  // (HILA_FOLD_S=0: two, for A/B)
-  static const bool fold_env = [] {
-    const char* e = std::getenv("HILA_FOLD_S");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  const bool fold_S = kTensorCore<T> && fold_env;
-  GradSum<T> gk(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? (fold_S ? 1 : 2) : 1) + plan.has_P);
-  GradSum<T> gv(c, p.dv, r.H, 1, int(r.dv), c.dvp, R(1), 1);
-  PrimGradBufs<T> go(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
-  a.dht = dHf.get();
-  go.attach(a);
-  gq.route(a.dq, a.dq_out, outer_gradout);
-  // the outer key gradient dU (has_S) and value gradient dHh (has_P) are 16-bit GEMM operands of
-  // the inner backwards: written so directly where the outer honors GradOut (and dU is not also
-  // needed in fp32 for the ridge), else through an fp32 buffer
-  DevBuf<T> dU, dHh;
-  DevBuf<R> dU32, dHh32;
-  auto cotangent = [&](DevBuf<T>& d16, DevBuf<R>& d32, R*& out, GradOut<T>& gt, int dp, bool direct) {
+
+  // The outer primitive's backward. dq, dk, dv collect in GradSums (the outer's kernels honor
+  // GradOut where they are the tensor-core GLA kernels or the tree form; the inner ones are GLA
+  // primitives). The inner S primitive's value is its key: the tensor-core kernels fold dv into dk
+  // (GlaArgs::value_is_key), one contribution; elsewhere, and with HILA_FOLD_S=0 (for A/B), two.
+  void outer_backward() {
+    outer_gradout = kTensorCore<T> && (!plan.fenwick || c.tree);
+    gq.emplace(c, p.dq, r.G, c.rep, int(r.dk), c.dkp, R(r.scale), 1 + plan.has_P + plan.has_S);
+    fold_S = kTensorCore<T> && config().fold_s;
+    gk.emplace(c, p.dk, r.G, c.rep, int(r.dk), c.dkp, R(1), (plan.has_S ? (fold_S ? 1 : 2) : 1) + plan.has_P);
+    gv.emplace(c, p.dv, r.H, 1, int(r.dv), c.dvp, R(1), 1);
+    go.emplace(c, c.dvp, p.d_init.H.defined(), s, plan.fenwick);
+    a.dht = dHf.get();
+    go->attach(a);
+    gq->route(a.dq, a.dq_out, outer_gradout);
+    // the outer key gradient dU (has_S) and value gradient dHh (has_P) are 16-bit GEMM operands of
+    // the inner backwards: written so directly where the outer honors GradOut (and dU is not also
+    // needed in fp32 for the ridge), else through an fp32 buffer
+    if (plan.has_S) inner_cotangent(dU, dU32, a.dk_, a.dk_out, c.dkp, outer_gradout && plan.ridge == 0);
+    else gk->route(a.dk_, a.dk_out, outer_gradout);
+    if (plan.has_P) inner_cotangent(dHh, dHh32, a.dv_, a.dv_out, c.dvp, outer_gradout);
+    else gv->route(a.dv_, a.dv_out, outer_gradout);
+    dlam = DevBuf<R>(plan.fenwick ? size_t(r.H * c.Ttot * r.nL) : 0, s);
+    if (plan.fenwick) loglinear_backward<T>(c.loglinear_args(a, Hst.get(), dlam.get()), *c.tables, s);
+    else gla_backward<T>(a, s, beside ? &fwd : nullptr);
+    if (beside) forward_outputs();
+    dg[plan.gO] = go->dg.get();
+  }
+  void inner_cotangent(DevBuf<T>& d16, DevBuf<R>& d32, R*& out, GradOut<T>& gt, int dp, bool direct) {
     d16 = DevBuf<T>(size_t(r.H * c.Ttot * dp), s);
     if (direct) {
       gt = GradOut<T>{d16.get(), dp, c.Ttot * dp, 1.f};
@@ -784,174 +564,111 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
       d32 = DevBuf<R>(size_t(r.H * c.Ttot * dp), s);
       out = d32.get();
     }
-  };
-  if (plan.has_S) cotangent(dU, dU32, a.dk_, a.dk_out, c.dkp, outer_gradout && plan.ridge == 0);
-  else gk.route(a.dk_, a.dk_out, outer_gradout);
-  if (plan.has_P) cotangent(dHh, dHh32, a.dv_, a.dv_out, c.dvp, outer_gradout);
-  else gv.route(a.dv_, a.dv_out, outer_gradout);
-  DevBuf<R> dlam(plan.fenwick ? size_t(r.H * c.Ttot * r.nL) : 0, s);
-  if (plan.fenwick) ll_backward<T>(c.ll_args(a, Hst.get(), dlam.get()), *c.ll, s);
-  else gla_backward<T>(a, s, beside ? &fwd : nullptr);
-  if (beside) forward_outputs();
-  auto to16 = [&](DevBuf<T>& d16, const DevBuf<R>& d32, int64_t n) {
+  }
+  // the fp32 cotangent, where the outer wrote one, into its 16-bit operand
+  void to16(DevBuf<T>& d16, const DevBuf<R>& d32, int64_t n) const {
     if (d32.get()) HILA_LAUNCH((axpy_k<T, R>), n, s, d16.get(), d32.get(), n, R(1), false);
-  };
-  const R* dg[3] = {};
-  dg[plan.gO] = go.dg.get();
-  std::optional<PrimGradBufs<T>> gp, gs;
-  if (plan.has_P) {  // Hh = GLA_gP(Q, K, V'): cotangent = outer value gradient
+  }
+
+  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient.
+  void inner_P_backward() {
     to16(dHh, dHh32, rowsV);
     gp.emplace(c, c.dvp, p.d_init.P.defined(), s);
     GlaArgs<T> b = c.inner_P();
     b.hbuf = in.Pbuf.get(), b.ht = in.Pf.get(), b.h0 = c.P0.get(), b.dO = dHh.get(), b.dht = dPf.get();
     gp->attach(b);
-    gq.route(b.dq, b.dq_out, kTensorCore<T>);
-    gk.route(b.dk_, b.dk_out, kTensorCore<T>);
-    gv.route(b.dv_, b.dv_out, kTensorCore<T>);
+    gq->route(b.dq, b.dq_out, kTensorCore<T>);
+    gk->route(b.dk_, b.dk_out, kTensorCore<T>);
+    gv->route(b.dv_, b.dv_out, kTensorCore<T>);
     gla_backward<T>(b, s);
     dg[plan.gP] = gp->dg.get();
   }
-  if (plan.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q^: cotangent = outer key gradient
+
+  // U = GLA_gS(Q, K, K) + ridge Q^: its cotangent is the outer key gradient.
+  void inner_S_backward() {
     to16(dU, dU32, rowsK);
     if (plan.ridge != 0)  // dq^ += ridge dU (the unpack multiplies by scale)
-      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, gq.sum(), dU32.get(), rowsK, R(plan.ridge), true);
+      HILA_LAUNCH((axpy_k<R, R>), rowsK, s, gq->sum(), dU32.get(), rowsK, R(plan.ridge), true);
     gs.emplace(c, c.dkp, p.d_init.S.defined(), s);
     GlaArgs<T> b = c.inner_S();
     b.hbuf = in.Sbuf.get(), b.ht = in.Sf.get(), b.h0 = c.S0.get(), b.dO = dU.get(), b.dht = dSf.get();
     gs->attach(b);
-    gq.route(b.dq, b.dq_out, kTensorCore<T>);
-    gk.route(b.dk_, b.dk_out, kTensorCore<T>);
+    gq->route(b.dq, b.dq_out, kTensorCore<T>);
+    gk->route(b.dk_, b.dk_out, kTensorCore<T>);
     if (fold_S) {
       b.value_is_key = true;
     } else {  // the kernel writes dk, then adds it to dv's target in place (the same threads own
               // the same elements of both, dk = dv here)
-      gk.route(b.dv_, b.dv_out, kTensorCore<T>);
+      gk->route(b.dv_, b.dv_out, kTensorCore<T>);
     }
     gla_backward<T>(b, s);
     dg[plan.gS] = gs->dg.get();
   }
-  gq.finish(), gk.finish(), gv.finish();
-  if (p.dg.defined()) {
-    const int prims = r.traits.num_primitives;
-    if (r.gate_cols == 1) {  // tied: sum over primitives (into the outer's buffer)
-      for (int i = 0; i < prims; ++i)
-        if (i != plan.gO) HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, go.dg.get(), dg[i], r.H * c.Ttot, R(1), true);
-      HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), go.dg.get(), r.T, r.H, c.Ttot, 0);
-    } else {
-      for (int i = 0; i < prims; ++i)
-        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i], r.T, r.H, c.Ttot, i);
+
+  // dq, dk, dv (where the last contribution did not write them), dg (summed over the primitives
+  // with tied gates), the initial-state cotangents and dlam into the caller's tensors.
+  void write_gradients() const {
+    gq->finish(), gk->finish(), gv->finish();
+    if (p.dg.defined()) {
+      const int prims = r.traits.num_primitives;
+      if (r.gate_cols == 1) {  // tied: sum over primitives (into the outer's buffer)
+        for (int i = 0; i < prims; ++i)
+          if (i != plan.gO) HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, go->dg.get(), dg[i], r.H * c.Ttot, R(1), true);
+        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), go->dg.get(), r.T, r.H, c.Ttot, 0);
+      } else {
+        for (int i = 0; i < prims; ++i)
+          HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i], r.T, r.H, c.Ttot, i);
+      }
     }
+    if (p.d_init.S.defined())
+      HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), gs->dh0.get(), c.NH, r.H,
+                  int(r.dk), c.dkp, true);
+    if (p.d_init.P.defined())
+      HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), gp->dh0.get(), c.NH, r.H, int(r.dk),
+                  int(r.dvp), c.dkp, c.dvp);
+    if (p.d_init.H.defined()) c.unpack_H(p.d_init.H, go->dh0.get());
+    if (p.dlam.defined())
+      HILA_LAUNCH(unpack_lam<R>, r.H * c.Ttot * r.nL, s, Strided(p.dlam), dlam.get(), r.T, r.H, c.Ttot, int(r.nL));
   }
-  if (p.d_init.S.defined())
-    HILA_LAUNCH(unpack_sym<R>, c.NH * r.dk * (r.dk + 1) / 2, s, Strided(p.d_init.S), gs->dh0.get(), c.NH, r.H, int(r.dk), c.dkp, true);
-  if (p.d_init.P.defined())
-    HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), gp->dh0.get(), c.NH, r.H, int(r.dk), int(r.dvp), c.dkp, c.dvp);
-  if (p.d_init.H.defined()) c.unpack_H(p.d_init.H, go.dh0.get());
-  if (p.dlam.defined())
-    HILA_LAUNCH(unpack_lam<R>, r.H * c.Ttot * r.nL, s, Strided(p.dlam), dlam.get(), r.T, r.H, c.Ttot, int(r.nL));
-}
-
-template <template <class> class F, class... Args>
-void by_dtype(DType dt, Args&&... args) {
-  switch (dt) {
-    case DType::bf16: F<__nv_bfloat16>::run(args...); break;
-    case DType::f16: F<__half>::run(args...); break;
-    case DType::f32: F<float>::run(args...); break;
-    case DType::f64: F<double>::run(args...); break;
-    default: throw Error("q", std::string("expected a floating dtype, got ") + dtype_name(dt));
-  }
-}
-template <class T>
-struct Fwd {
-  static void run(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) { forward_impl<T>(r, p, s); }
-};
-template <class T>
-struct Bwd {
-  static void run(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) { backward_impl<T>(r, p, s); }
 };
 
 template <class T>
-size_t smem_need_t(int dk, int dv, bool fenwick) {
-  return fenwick ? std::max(gla_smem_need<T>(dk, dv), ll_smem_need<T>(dk, dv)) : gla_smem_need<T>(dk, dv);
-}
-size_t smem_need(DType dt, int dk, int dv, bool fenwick) {
-  switch (dt) {
-    case DType::bf16: return smem_need_t<__nv_bfloat16>(dk, dv, fenwick);
-    case DType::f16: return smem_need_t<__half>(dk, dv, fenwick);
-    case DType::f32: return smem_need_t<float>(dk, dv, fenwick);
-    default: return smem_need_t<double>(dk, dv, fenwick);
-  }
+void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+  BackwardCall<T>(r, p, s).run();
 }
 
 }  // namespace
+
+// The delta family (gdn, loglinear_gdn) is its outer primitive alone (OpPlan: no inner primitives,
+// no normalize), as in cpu/compose.cpp, but that primitive reads the caller's tensors rather than
+// Call's operands: its kernels take other layouts than the GLA kernels (the portable ones unpadded
+// head dims, the tensor-core ones their own packing), l2-normalised q and k whose raw copies the
+// backward's chain rule needs, and beta; packing them as Call does would change what a call
+// allocates (its workspace size) and runs. delta/delta.cu is that primitive's entry.
+template <class T>
+void compose_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+  if (detail::OpPlan::make(r.cfg).delta) return delta_forward<T>(r, p, s);
+  if (HeadSplit<T>::wanted(r, p)) return forward_split_head<T>(r, p, s);
+  forward_call<T>(r, p, s);
+}
+
+template <class T>
+void compose_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+  if (detail::OpPlan::make(r.cfg).delta) return delta_backward<T>(r, p, s);
+  if (HeadSplit<T>::wanted(r, p)) return backward_split_head<T>(r, p, s);
+  backward_call<T>(r, p, s);
+}
+
+template <class T>
+size_t compose_smem_need(int dk, int dv, bool fenwick) {
+  return fenwick ? std::max(gla_smem_need<T>(dk, dv), loglinear_smem_need<T>(dk, dv)) : gla_smem_need<T>(dk, dv);
+}
+
+#define HILA_INSTANTIATE(T)                                                                        \
+  template void compose_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);   \
+  template void compose_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t); \
+  template size_t compose_smem_need<T>(int, int, bool);
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
+#undef HILA_INSTANTIATE
 
 }  // namespace hila::cuda
-
-namespace hila::detail {
-
-void cuda_check_supported(const Resolved& r, DType dt) {
-  if (r.form != Form::chunk)
-    throw Error("form", std::string("expected chunk on a CUDA device (the naive, serial and scan forms "
-                                    "run on the CPU backend), got ") + form_name(r.form));
-  // The GLA family takes any power of two up to kChunk (its kernels hold a shorter chunk like a
-  // partial one); the log-linear and delta kernels index levels and WY blocks by the 64-row chunk.
-  const bool fixed = r.traits.loglinear || r.traits.delta;
-  if (fixed ? r.chunk != cuda::kChunk : (r.chunk < 1 || r.chunk > cuda::kChunk || (r.chunk & (r.chunk - 1))))
-    throw Error("chunk", std::string("expected ") +
-                             (fixed ? std::to_string(cuda::kChunk) + " for " + op_name(r.cfg.op)
-                                    : "a power of two up to " + std::to_string(cuda::kChunk)) +
-                             " on a CUDA device, got " + std::to_string(r.chunk));
-  if (r.traits.delta) return;  // the delta sweeps keep their matrices in global scratch (cuda/delta.cu)
-  const size_t optin = cuda::smem_optin();
-  const size_t need = cuda::smem_need(dt, cuda::pad16(r.dk), cuda::pad16(r.dvp), r.traits.loglinear);
-  if (need > optin)
-    throw Error("dk", std::string("expected head dims whose tiles fit in shared memory (") +
-                          std::to_string(optin) + " bytes per block on this device), got dk = " +
-                          std::to_string(r.dk) + ", dv = " + std::to_string(r.dv) + " in " + dtype_name(dt) +
-                          ", which needs " + std::to_string(need) + "; use bfloat16/float16 or smaller head dims");
-}
-
-namespace {
-// Runs Impl (Fwd / Bwd) on the caller's workspace when there is one (after checking its size and
-// device), else on the pool.
-template <template <class> class Impl, class P>
-void run_call(const Resolved& r, const P& p) {
-  cuda::DeviceScope scope(p.q.device.index);
-  cuda_check_supported(r, p.q.dtype);
-  const auto s = static_cast<cudaStream_t>(p.stream);
-  if (!p.workspace) return cuda::by_dtype<Impl>(p.q.dtype, r, p, s);
-  cudaPointerAttributes at{};
-  HILA_CUDA_CHECK(cudaPointerGetAttributes(&at, p.workspace));
-  if ((at.type != cudaMemoryTypeDevice && at.type != cudaMemoryTypeManaged) || at.device != p.q.device.index)
-    throw Error("workspace", "expected device memory on " + device_name(p.q.device) + " (like q), got " +
-                                 (at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged
-                                      ? "memory of cuda:" + std::to_string(at.device)
-                                      : std::string("host memory")));
-  const size_t need = cuda_workspace_size(r, p);
-  if (p.workspace_bytes < need)
-    throw Error("workspace_bytes", "expected at least " + std::to_string(need) +
-                                       " bytes for this call (hila::workspace_size), got " + std::to_string(p.workspace_bytes));
-  cuda::Arena arena(p.workspace, p.workspace_bytes);
-  const cuda::ArenaScope in(&arena);
-  cuda::by_dtype<Impl>(p.q.dtype, r, p, s);
-}
-
-template <template <class> class Impl, class P>
-size_t measure(const Resolved& r, const P& p) {
-  cuda::DeviceScope scope(p.q.device.index);
-  cuda_check_supported(r, p.q.dtype);
-  cuda::Arena arena(nullptr, 0);
-  {
-    const cuda::ArenaScope in(&arena);
-    cuda::by_dtype<Impl>(p.q.dtype, r, p, static_cast<cudaStream_t>(p.stream));
-  }
-  return arena.peak() ? arena.peak() + 256 : 0;  // + the slack of aligning the caller's pointer
-}
-}  // namespace
-
-void cuda_forward(const Resolved& r, const ForwardParams& p) { run_call<cuda::Fwd>(r, p); }
-void cuda_backward(const Resolved& r, const BackwardParams& p) { run_call<cuda::Bwd>(r, p); }
-size_t cuda_workspace_size(const Resolved& r, const ForwardParams& p) { return measure<cuda::Fwd>(r, p); }
-size_t cuda_workspace_size(const Resolved& r, const BackwardParams& p) { return measure<cuda::Bwd>(r, p); }
-
-}  // namespace hila::detail

@@ -31,7 +31,7 @@ struct LlCase {
   double ridge = 0;
   bool extra = false;  // lam with extra levels, init / final states with extra Fenwick capacity
   // no final state asked for and no final-state cotangent, as a training step calls it: with 16-bit
-  // operands (and no initial state) this is the chunk-parallel tree form (ll_tree.cuh)
+  // operands (and no initial state) this is the chunk-parallel tree form (src/cuda/loglinear/tree.cuh)
   bool stateless = false;
   // HILA_LOGLINEAR_TREE_SWEEP for the call: "1" builds the tree with the sweep kernel, "0"
   // chunk-parallel (the default picks by the number of blocks: the small cases here take "0")
@@ -294,8 +294,10 @@ TEST_P(CudaLogLinearForward, ForwardOnlyMatchesNaive) {
   p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
   if (c.budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", c.budget, 1);
   else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  hila::cuda::reload_config();  // the library reads its knobs once (src/cuda/runtime/config.h)
   forward(p);
   unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  hila::cuda::reload_config();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double eo = rel_err(o.fetch(), ref.o), eh = rel_err(fH.fetch(), ref.final_state.H);
   std::printf("  %-32s o rel err %.2e, H_T rel err %.2e\n", c.name.c_str(), eo, eh);
@@ -310,7 +312,7 @@ INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
                          [](const auto& info) { return info.param.name; });
 
 // Prefill continuation: a forward from an initial Fenwick state, asking for the final state. With
-// 16-bit operands this is the tree form seeded with the initial levels (ll_tree.cuh), after the
+// 16-bit operands this is the tree form seeded with the initial levels (src/cuda/loglinear/tree.cuh), after the
 // segment sweep over the rows before the first multiple of 64 when a position is unaligned.
 struct ContCase {
   Op op;

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA decode steps (src/cuda/step.cu) against the CPU float64 naive forward on the same rounded
+// CUDA decode steps (src/cuda/step/) against the CPU float64 naive forward on the same rounded
 // inputs: a prefill state of n tokens (CPU naive, float64, then rounded to the state dtype) is
 // loaded into a CUDA DecodeState, m tokens are decoded on the GPU, and every decoded o and the
 // final state are compared with one full forward over n + m tokens. Covers every operator (HLA

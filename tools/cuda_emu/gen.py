@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Turns every .cu file under src/cuda into host C++ for the emulator (see run.sh: src/cuda/x/y.cu
-# becomes OUT/emu_x_y.cpp), and the headers under src/cuda that hold kernels with dynamic shared
-# memory into copies under OUT/cuda/ (same relative path), which the generated sources find first (a
-# quoted include looks in the including file's directory before -I):
+# becomes OUT/emu_x_y.cpp), and the headers under src/cuda that declare shared memory into copies
+# under OUT/cuda/ (same relative path), which the generated sources find first (a quoted include
+# looks in the including file's directory before -I; so such a header must be included by the .cu
+# files themselves, not through another header):
 #   - `extern __shared__ [__align__(n)] TYPE name[];` becomes a pointer to the emulator's dynamic
 #     shared-memory buffer, other `__shared__` variables become function statics (one block runs at
 #     a time);
@@ -122,7 +123,7 @@ for cu in sorted(src.rglob('*.cu')):
     print(f'gen.py: {cu.relative_to(root)}: {n} launches rewritten')
 for h in sorted(src.rglob('*.cuh')):
     dst = out / 'cuda' / h.relative_to(src)
-    if not re.search(r'extern\s+__shared__', h.read_text()):
+    if not re.search(r'\b__shared__\b', h.read_text()):
         dst.unlink(missing_ok=True)  # a stale copy would shadow the header
         continue
     body, n = convert(h)

@@ -12,7 +12,7 @@
 # Each CUDA thread is a std::thread (one block at a time, __syncthreads = std::barrier); warps run
 # their 32 lanes in lock-step at warp operations (per-warp barrier + scratch), which emulates
 # __shfl*_sync / __ballot_sync, mma.sync m16n8k16 (bf16, f16; fp32 accumulators) and ldmatrix x4
-# (.trans) with the PTX fragment layouts, so the tensor-core kernels (src/cuda/gla_tc.cu) run as
+# (.trans) with the PTX fragment layouts, so the tensor-core kernels (src/cuda/gla/*_sm80.cu) run as
 # written. cp.async is queued per thread and lands at wait_group (src_bytes zero-fill honoured).
 # smem_gemm's WMMA is replaced by the FMA path with the same bf16/f16 operand rounding. Dynamic
 # shared memory is poisoned (0xff) at every block start; device allocations are poisoned too.

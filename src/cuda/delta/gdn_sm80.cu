@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Plain Gated DeltaNet (gdn) on tensor cores, in the fla form of LOGLINEAR_SPEC §6.4 (the gated UT
+// Plain Gated DeltaNet (gdn) on the sm80 tier (tensor cores, delta.cuh), in the fla form of LOGLINEAR_SPEC §6.4 (the gated UT
 // inverse, which equals the plain recurrence; oracles gdn_chunk_plain, gdn_plain_vjp_chunk). Per
 // chunk of C = 64 rows, with the chunk-local cumsum b of the log-gates, B = b[C-1], w = e^{B-b}:
 //   Tg = (I + tril_-1(diag(beta) (Gam o K K^T)))^-1     [C,C], Gam_ij = e^{b_i - b_j}
 //   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (fp32)
 // along the chunks of a sequence, with S the state entering the chunk:
 //   Vn = U - W S                 [C,dk]x[dk,dv]        S <- e^B S + K^T diag(w) Vn
-// and the output is GLA's with Vn for the values (gla_tc.cu output kernel):
+// and the output is GLA's with Vn for the values (gla/output_sm80.cu):
 //   O  = diag(e^b) Q^ S + (tril(Q^ K^T) o Gam) Vn      (Q^ = scale q)
 // Backward, with dS the cotangent of the state at the chunk's end and A = tril(Q^ K^T) o Gam:
 //   dVn = A^T dO + diag(w) K dS                        (the GLA dv, with Vn for v)
@@ -26,7 +26,13 @@
 // cotangents are stored in 16 bits as GEMM operands; U, dVn, the carries and every accumulation
 // are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
+#include "core/plan.h"
+#include "cuda/delta/delta.cuh"
+#include "cuda/delta/gdn_call_sm80.cuh"
 #include "cuda/delta/sm80.cuh"
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/prims/pack.cuh"
+#include "cuda/runtime/config.h"
 
 namespace hila::cuda {
 
@@ -67,13 +73,13 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
     for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {
       const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
       const bool in = i < nr;
-      tc::cp_async16(s.U + i * kLdU + j, in ? Uh + (r0 + i) * a.dv + v0 + j : Uh, in ? 16 : 0);
+      mma::cp_async16(s.U + i * kLdU + j, in ? Uh + (r0 + i) * a.dv + v0 + j : Uh, in ? 16 : 0);
     }
-    tc::cp_async_commit();
+    mma::cp_async_commit();
   };
   if (nch > 0) issue(0), issue_u(0);
   for (int c = 0; c < nch; ++c) {
-    tc::cp_async_wait<0>();
+    mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed (U too); chunk c-1's reads of Ss, Vns and the other stage are done
     if (c + 1 < nch) issue(c + 1);
     const int st = c % kSweepStages, nr = rows_in(len, c);
@@ -85,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
     {  // (2) Vn = U - W Ss
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
       float x[4][4];
-      tc::zero(x);
-      tc::warp_gemm<T, 4, false, true>(x, s.W(st), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
+      mma::zero(x);
+      mma::warp_gemm<T, 4, false, true>(x, s.W(st), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
       const float* Ut = s.U;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
           const float2 u = col < bv ? *reinterpret_cast<const float2*>(Ut + i * kLdU + col) : make_float2(0.f, 0.f);
-          const uint32_t y = tc::pack2<T>(u.x - x[j][2 * hf], u.y - x[j][2 * hf + 1]);  // columns >= bv: 0
+          const uint32_t y = mma::pack2<T>(u.x - x[j][2 * hf], u.y - x[j][2 * hf + 1]);  // columns >= bv: 0
           *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = y;
           if (i < nr && col < bv) *reinterpret_cast<uint32_t*>(Vn + (int64_t(h) * a.Ttot + r0 + i) * a.dv + v0 + col) = y;
         }
@@ -143,20 +149,20 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     const int st = c & 1;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     const int nr = rows_in(len, c);
-    tc::async_rows(s.Q(st), s.ldk, Qh, qld, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.dO(st), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
+    mma::async_rows(s.Q(st), s.ldk, Qh, qld, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.dO(st), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
     for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {  // dvi [C, bv] fp32, rows >= nr zero
       const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
       const bool in = i < nr;
-      tc::cp_async16(s.dvi(st) + i * kLdU + j, in ? dvih + (r0 + i) * a.dv + v0 + j : dvih, in ? 16 : 0);
+      mma::cp_async16(s.dvi(st) + i * kLdU + j, in ? dvih + (r0 + i) * a.dv + v0 + j : dvih, in ? 16 : 0);
     }
     if (threadIdx.x < kChunk) {
       const bool in = b && int(threadIdx.x) < nr;
-      tc::cp_async4(s.b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dvih, in ? 4 : 0);
+      mma::cp_async4(s.b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dvih, in ? 4 : 0);
     }
-    tc::cp_async_commit();
+    mma::cp_async_commit();
   };
   // this thread's entries of S_out, the state at the end of the chunk (16-bit, from hbuf), loaded a
   // chunk ahead into registers; after the last chunk it is the final state, read from ht
@@ -171,12 +177,12 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
         so16[j][hf] = active && j < nt ? *reinterpret_cast<const uint32_t*>(So + soff(j, hf)) : 0u;
   };
   if (nch > 0) issue(nch - 1);
-  else tc::cp_async_commit();
+  else mma::cp_async_commit();
   for (int c = nch - 1; c >= 0; --c) {
-    tc::cp_async_wait<0>();
+    mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed; chunk c+1's reads of dSs, dVns and the other stage are done
     if (c > 0) issue(c - 1);
-    else tc::cp_async_commit();
+    else mma::cp_async_commit();
     const int st = c & 1, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
     // (1) the cotangent at the chunk's end, 16-bit; this block's part of <dS, S_out>
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const float2 so = c + 1 == nch ? *reinterpret_cast<const float2*>(a.ht + sidx + soff(j, hf))
-                                           : tc::unpack2<T>(so16[j][hf]);
+                                           : mma::unpack2<T>(so16[j][hf]);
             part += acc[j][2 * hf] * so.x + acc[j][2 * hf + 1] * so.y;
           }
       for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
@@ -207,8 +213,8 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     {  // (2) dVn = dvi + diag(e^{B-b}) K dSs
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
       float x[4][4];
-      tc::zero(x);
-      tc::warp_gemm<T, 4, false, true>(x, s.K(st), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
+      mma::zero(x);
+      mma::warp_gemm<T, 4, false, true>(x, s.K(st), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
       const float* Dt = s.dvi(st);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -218,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
           const float wi = __expf(B - bt[i]);
           const float2 u = col < bv ? *reinterpret_cast<const float2*>(Dt + i * kLdU + col) : make_float2(0.f, 0.f);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) =
-              tc::pack2<T>(u.x + wi * x[j][2 * hf], u.y + wi * x[j][2 * hf + 1]);  // columns >= bv: 0
+              mma::pack2<T>(u.x + wi * x[j][2 * hf], u.y + wi * x[j][2 * hf + 1]);  // columns >= bv: 0
         }
     }
     __syncthreads();
@@ -229,9 +235,9 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
     if (active) {
-      tc::warp_gemm_tn_weighted<T, 8>(acc, s.Q(st), s.ldk, 16 * w, s.dO(st), kLd, nt, kChunk,
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.Q(st), s.ldk, 16 * w, s.dO(st), kLd, nt, kChunk,
                                       [&](int k) { return sc * __expf(bt[k]); });
-      tc::warp_gemm_tn_weighted<T, 8>(acc, s.W(st), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.W(st), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
     }
   }
   store_state(a.dh0 ? a.dh0 + sidx : nullptr, acc, active, a.dv, v0, bv);
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 
 // The state sweep: Vn, the states entering each chunk (hbuf) and the final states (ht).
 template <class T>
-void gdn_sweep(GdnTc<T>& x) {
+void gdn_sweep(GdnCall<T>& x) {
   x.Vn = DevBuf<T>(size_t(x.r.H * x.Ttot * x.dv), x.s);
   x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
   x.a.hbuf = x.hbuf.get();
@@ -257,25 +263,24 @@ void gdn_sweep(GdnTc<T>& x) {
 }  // namespace
 
 template <class T>
-bool gdn_tc_usable(const detail::Resolved& r, bool backward) {
+bool gdn_sm80_usable(const detail::Resolved& r, bool backward) {
   if constexpr (!kTensorCore<T>) {
     return false;
   } else {
     if (r.cfg.op != Op::gdn) return false;
-    if (const char* env = std::getenv("HILA_GDN_TC"); env && std::strcmp(env, "0") == 0) return false;
     const int dk = pad16(r.dk), dv = pad16(r.dv);
-    if (dk > kMaxD || dv > 256) return false;
+    if (!heuristics::delta_sm80(dk, dv, config().gdn_tc)) return false;
     const size_t optin = smem_optin();
-    size_t need = std::max({wy_smem(dk, dv, backward), sweep_smem(dk), tc_output_smem(dk, dv, sizeof(T))});
-    if (backward) need = std::max({need, rsweep_smem(dk), tc_bwd_smem(dk, dv), wy_bwd_smem(dk, dv)});
+    size_t need = std::max({wy_smem(dk, dv, backward), sweep_smem(dk), gla_output_smem(dk, dv, sizeof(T))});
+    if (backward) need = std::max({need, rsweep_smem(dk), gla_bwd_chunk_smem(dk, dv), wy_bwd_smem(dk, dv)});
     return need <= optin;
   }
 }
 
 template <class T>
-void gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
-    GdnTc<T> x(r, p, s, false);
+    GdnCall<T> x(r, p, s, false);
     x.wy();
     gdn_sweep(x);
     x.output(p.o);
@@ -286,10 +291,10 @@ void gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStrea
 // The backward (file comment): the forward recomputed with Tg and dvi, the reverse sweep, GLA's
 // chunk gradients on Vn (dq^, GLA's part of dk, dVn, dc), then the WY backward.
 template <class T>
-void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     using R = Acc<T>;
-    GdnTc<T> x(r, p, s, true);
+    GdnCall<T> x(r, p, s, true);
     const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
@@ -325,18 +330,12 @@ void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStr
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
     a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get();
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
-    tc_bwd_chunk(a, s);
+    gla_bwd_chunk(a, s);
     if (nch > 0) {  // the WY backward
       WyBwdArgs<T> wb;
       wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
       wb.dk = dk_wy.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
-      GlaArgs<T> b = x.a;  // the raw values v
-      const size_t bytes = wy_bwd_smem(int(dk), int(dv));
-      set_smem(wy_bwd_kernel<T>, bytes);
-      if (!dry_run()) {  // dry run: workspace_size
-        wy_bwd_kernel<T><<<dim3(unsigned(nch), unsigned(H)), kThreads, bytes, s>>>(b, wb);
-        HILA_CUDA_CHECK_LAUNCH();
-      }
+      launch_wy_bwd(x.a, wb, s);  // the raw values v
     }
     x.write_grads(p, dq.get(), dk_gla.get(), dk_wy.get(), dvb.get(), dg.get(), dbeta.get());
     if (p.d_init.H.defined())
@@ -345,10 +344,10 @@ void gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStr
   }
 }
 
-#define HILA_INSTANTIATE(T)                                                                          \
-  template bool gdn_tc_usable<T>(const detail::Resolved&, bool);                                     \
-  template void gdn_tc_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
-  template void gdn_tc_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
+#define HILA_INSTANTIATE(T)                                                                            \
+  template bool gdn_sm80_usable<T>(const detail::Resolved&, bool);                                     \
+  template void gdn_sm80_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
+  template void gdn_sm80_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -1,18 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// loglinear_gdn on tensor cores (LOGLINEAR_SPEC §6.4, §6.5) for calls whose sequences start at
-// position 0 without an initial state, in the gated WY form of gdn_tc.cu with the chunk levels
-// carried by one launch of level sweeps per level. Per chunk (wy_kernel with LlWy, gdn_tc.cuh):
+// loglinear_gdn on the sm80 tier (tensor cores, delta.cuh; LOGLINEAR_SPEC §6.4, §6.5) for calls
+// whose sequences start at position 0 without an initial state, in the gated WY form of
+// gdn_sm80.cu with the chunk levels carried by one launch of level sweeps per level. Per chunk
+// (wy_kernel with LoglinearWy, wy_sm80.cu):
 //   M = (tril(Q^ K^T) o Gam) Tg diag(beta)   Qeff = diag(e^b) Q^ - M diag(e^b) K   O = (M o Lam) V
 // and chunk N reads, for every set bit m-1 of N, the level-(p + m) state S_N^m through Qeff:
 //   O_N += diag(lam^{p+m}) Qeff S_N^m.
 // Every level's state sees the same erase as plain GDN, S <- e^B S + K^T diag(e^{B-b}) (-W S), so
-// each level is a GDN-like sweep over the second half of its aligned blocks (ll_level_sweep_kernel),
+// each level is a GDN-like sweep over the second half of its aligned blocks (loglinear_level_sweep_kernel),
 // started from the sum of the lower levels at the block's middle (E) plus the chunk before it. The
-// backward (section comment above LlRsweepArgs) reverses the level sweeps, then forms the level
-// terms (ll_grad_kernel), the chunk's own terms (ll_intra_bwd_kernel) and the WY backward.
+// backward (section comment above LoglinearRsweepArgs) reverses the level sweeps, then forms the level
+// terms (loglinear_grad_kernel), the chunk's own terms (loglinear_intra_bwd_kernel) and the WY backward.
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
 // output accumulator and every accumulation are fp32.
+#include "cuda/delta/delta.cuh"
+#include "cuda/delta/gdn_call_sm80.cuh"
 #include "cuda/delta/sm80.cuh"
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/prims/levels.cuh"
+#include "cuda/prims/pack.cuh"
+#include "cuda/runtime/config.h"
 
 namespace hila::cuda {
 
@@ -35,7 +43,7 @@ namespace {
 // fin[p + m]. Grid (N x H, ceil((chunks + 1) / 2^m), dv tiles of 64), 8 warps; the state in
 // registers as in delta_sweep_kernel; per chunk W, K, b double-buffered, Qeff and lam in one buffer.
 template <class T>
-struct LlSweepArgs {
+struct LoglinearSweepArgs {
   const T* W = nullptr;       // [H][Ttot][dk]
   const T* U = nullptr;       // [H][Ttot][dv] (16-bit)
   const T* qeff = nullptr;    // [H][Ttot][dk]
@@ -49,7 +57,7 @@ struct LlSweepArgs {
 };
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> a, LlSweepArgs<T> x, int m) {
+__global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaArgs<T> a, LoglinearSweepArgs<T> x, int m) {
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk, true);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -75,25 +83,25 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
     if (!x.o) return;
     const int64_t r0 = row0 + c * kChunk;
     const int nr = rows_in(len, c);
-    tc::async_rows(s.Qe(), s.ldk, Qh, a.dk, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.Qe(), s.ldk, Qh, a.dk, r0, nr, 0, a.dk, kChunk);
     if (threadIdx.x < kChunk) {
       const bool in = int(threadIdx.x) < nr;
-      tc::cp_async4(s.lam + threadIdx.x,
+      mma::cp_async4(s.lam + threadIdx.x,
                     in ? static_cast<const void*>(x.lam + (int64_t(h) * a.Ttot + r0 + threadIdx.x) * x.nL + kLogChunk + m)
                        : Wh,
                     in ? 4 : 0);
     }
-    tc::cp_async_commit();
+    mma::cp_async_commit();
   };
   float acc[8][4];  // rows 16w + g (+8), columns v0 + 8j + 2t (+1)
-  tc::zero(acc);
+  mma::zero(acc);
   {  // S = K^T diag(e^{B-b}) U over chunk mid - 1 (U [C, bv] into Vns), then + E[mid]
     const int64_t c = mid - 1;
     const int nr = rows_in(len, c);
     issue(c);
-    tc::async_rows(s.Vns, kLd, Uh, a.dv, row0 + c * kChunk, nr, v0, bv, kChunk);
-    tc::cp_async_commit();
-    tc::cp_async_wait<0>();
+    mma::async_rows(s.Vns, kLd, Uh, a.dv, row0 + c * kChunk, nr, v0, bv, kChunk);
+    mma::cp_async_commit();
+    mma::cp_async_wait<0>();
     __syncthreads();
     if (mid < stop) issue(mid);
     erase_add(acc, active, s.K(int(c % kSweepStages)), s.ldk, s.Vns, nt, s.b(int(c % kSweepStages)), nr);
@@ -109,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
     if (mid < stop) issue_q(mid);
   }
   for (int64_t c = mid; c < stop; ++c) {
-    tc::cp_async_wait<0>();
+    mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed; chunk c-1's reads of Ss, Vns and the other stage are done
     if (c + 1 < stop) issue(c + 1);
     const int sg = int(c % kSweepStages), nr = rows_in(len, c);
@@ -120,15 +128,15 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
     {  // (2) Vn = -W Ss -> Vns;  o += diag(lam^{p+m}) Qeff Ss   [C,dk]x[dk,64] each
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
       float y[4][4], z[4][4];
-      tc::zero(y), tc::zero(z);
-      tc::warp_gemm<T, 4, false, true>(y, s.W(sg), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
-      if (x.o) tc::warp_gemm<T, 4, false, true>(z, s.Qe(), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
+      mma::zero(y), mma::zero(z);
+      mma::warp_gemm<T, 4, false, true>(y, s.W(sg), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
+      if (x.o) mma::warp_gemm<T, 4, false, true>(z, s.Qe(), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = tc::pack2<T>(-y[j][2 * hf], -y[j][2 * hf + 1]);
+          *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = mma::pack2<T>(-y[j][2 * hf], -y[j][2 * hf + 1]);
           if (x.o && i < nr && col < bv) {
             float2* o = reinterpret_cast<float2*>(x.o + (int64_t(h) * a.Ttot + r0 + i) * a.dv + v0 + col);
             const float lm = s.lam[i];
@@ -158,17 +166,17 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
 }
 
 
-// ---- loglinear_gdn backward (LOGLINEAR_SPEC §6.5 in the level form of ll_level_sweep_kernel) ----
+// ---- loglinear_gdn backward (LOGLINEAR_SPEC §6.5 in the level form of loglinear_level_sweep_kernel) ----
 // With S_N^m the level-m state entering chunk N (m in R(N): the set bits m-1 of N) and dT_N^m the
 // cotangent of that state after chunk N's erase, dNew_N the cotangent of chunk N's own tokens
 // K^T diag(w) U (= dMid[N+1], the cotangent of the state at the start of the level whose first
 // chunk is N+1), w = e^{B-b}:
 //   reverse level sweeps:  dS_N^m = e^B dT_N^m - W^T diag(w) K dT_N^m + Qeff^T diag(lam^{p+m}) dO_N
-//   ll_grad_kernel:        G = sum_m dT^m S^m^T  [dk,dk];  dQeff = sum_m diag(lam^{p+m}) dO S^m^T;
+//   loglinear_grad_kernel:        G = sum_m dT^m S^m^T  [dk,dk];  dQeff = sum_m diag(lam^{p+m}) dO S^m^T;
 //                          dlam_i^{p+m} = dO_i . (Qeff S^m)_i;  dU = diag(w) K dNew;  dW = -diag(w) K G;
 //                          dK = diag(w) (U dNew^T - W G^T);  dw_i = (K dNew)_i . U_i - (K G)_i . W_i,
 //                          db_i = -w_i dw_i, and at the last row dB = sum_i w_i dw_i + e^B tr(G)
-//   ll_intra_bwd_kernel:   through O = (M o Lam) V, Qeff = diag(e^b) Q^ - M diag(e^b) K, M = P TgU,
+//   loglinear_intra_bwd_kernel:   through O = (M o Lam) V, Qeff = diag(e^b) Q^ - M diag(e^b) K, M = P TgU,
 //                          P = tril(Q^ K^T) o Gam: dM, dLam (-> dlam by the level table), dV, dQ^,
 //                          dK, db and dTgU = P^T dM for the WY backward
 //   wy_bwd_kernel:         dTg from dU, dW and dTgU; dk, dv, dbeta, and dg = the chunk's reverse cumsum of db.
@@ -177,18 +185,18 @@ __global__ void __launch_bounds__(kThreads, 2) ll_level_sweep_kernel(GlaArgs<T> 
 // cotangent in registers as in delta_rsweep_kernel; per chunk (last first) Qeff, K, W [C, dk],
 // dO [C, 64] and lam^{p+m}, b double-buffered (lam in the dvi slot of RsweepTiles).
 template <class T>
-struct LlRsweepArgs {
+struct LoglinearRsweepArgs {
   const T* W = nullptr;        // [H][Ttot][dk]
   const T* qeff = nullptr;     // [H][Ttot][dk]
   const float* lam = nullptr;  // [H][Ttot][nL]
   int nL = 0;
   float* dmid = nullptr;       // [nchunks + 1][H][dk][dv]
-  T* dmid16 = nullptr;         // the same in 16 bits (ll_grad_kernel's GEMM operand)
+  T* dmid16 = nullptr;         // the same in 16 bits (loglinear_grad_kernel's GEMM operand)
   T* dhl = nullptr;            // [top][nchunks][H][dk][dv]: dT at the chunks that read level m
 };
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) ll_level_rsweep_kernel(GlaArgs<T> a, LlRsweepArgs<T> x, int m) {
+__global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArgs<T> a, LoglinearRsweepArgs<T> x, int m) {
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -213,24 +221,24 @@ __global__ void __launch_bounds__(kThreads) ll_level_rsweep_kernel(GlaArgs<T> a,
     const int sg = int(c & 1);
     const int64_t r0 = row0 + c * kChunk;
     const int nr = rows_in(len, c);
-    tc::async_rows(s.Q(sg), s.ldk, Qh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.K(sg), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.W(sg), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
-    tc::async_rows(s.dO(sg), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
+    mma::async_rows(s.Q(sg), s.ldk, Qh, a.dk, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.K(sg), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.W(sg), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.dO(sg), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
     if (threadIdx.x < kChunk) {
       const bool in = int(threadIdx.x) < nr;
-      tc::cp_async4(s.dvi(sg) + threadIdx.x,
+      mma::cp_async4(s.dvi(sg) + threadIdx.x,
                     in ? static_cast<const void*>(x.lam + (int64_t(h) * a.Ttot + r0 + threadIdx.x) * x.nL + kLogChunk + m)
                        : Wh,
                     in ? 4 : 0);
       const bool inb = b && in;
-      tc::cp_async4(s.b(sg) + threadIdx.x, inb ? static_cast<const void*>(b + r0 + threadIdx.x) : Wh, inb ? 4 : 0);
+      mma::cp_async4(s.b(sg) + threadIdx.x, inb ? static_cast<const void*>(b + r0 + threadIdx.x) : Wh, inb ? 4 : 0);
     }
-    tc::cp_async_commit();
+    mma::cp_async_commit();
   };
   issue(stop - 1);
   for (int64_t c = stop - 1; c >= mid; --c) {
-    tc::cp_async_wait<0>();
+    mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed; chunk c+1's reads of dSs, dVns and the other stage are done
     if (c > mid) issue(c - 1);
     const int sg = int(c & 1), nr = rows_in(len, c);
@@ -242,15 +250,15 @@ __global__ void __launch_bounds__(kThreads) ll_level_rsweep_kernel(GlaArgs<T> a,
     {  // (2) dVn = diag(e^{B-b}) K dSs
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
       float y[4][4];
-      tc::zero(y);
-      tc::warp_gemm<T, 4, false, true>(y, s.K(sg), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
+      mma::zero(y);
+      mma::warp_gemm<T, 4, false, true>(y, s.K(sg), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
           const float wi = __expf(B - bt[i]);
-          *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) = tc::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
+          *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) = mma::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
         }
     }
     __syncthreads();
@@ -262,8 +270,8 @@ __global__ void __launch_bounds__(kThreads) ll_level_rsweep_kernel(GlaArgs<T> a,
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
     if (active) {
-      tc::warp_gemm_tn_weighted<T, 8>(acc, s.W(sg), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
-      tc::warp_gemm_tn_weighted<T, 8>(acc, s.Q(sg), s.ldk, 16 * w, s.dO(sg), kLd, nt, kChunk,
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.W(sg), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.Q(sg), s.ldk, 16 * w, s.dO(sg), kLd, nt, kChunk,
                                       [&](int k) { return lm[k]; });
     }
   }
@@ -271,13 +279,13 @@ __global__ void __launch_bounds__(kThreads) ll_level_rsweep_kernel(GlaArgs<T> a,
   stash_state(acc, active, s.dSs, x.dmid16 + ((c0 + mid) * a.H + h) * mat, a.dk, a.dv, v0, bv);
 }
 
-// ll_grad_kernel: the level terms of one chunk (the section comment); grid (nchunks, H), 8 warps.
+// loglinear_grad_kernel: the level terms of one chunk (the section comment); grid (nchunks, H), 8 warps.
 // Warp w: rows 16w of G [dk, dk]; rows 16 (w % 4) and the column half w / 4 of every [C, d] product.
 // Smem (16-bit): K, W, Qeff [C, dk+8]; dO, U [C, dv+8]; two buffers of S [dk, max(dk,dv)+8] and dT
 // [dk, dv+8] (the next level's arrive while this one is used; after the levels G goes over S and
 // dNew over dT); fp32 per-row sums.
 template <class T>
-struct LlGradArgs {
+struct LoglinearGradArgs {
   const T* W = nullptr;        // [H][Ttot][dk]
   const T* U = nullptr;        // [H][Ttot][dv]
   const T* qeff = nullptr;     // [H][Ttot][dk]
@@ -286,7 +294,7 @@ struct LlGradArgs {
   const T *hl = nullptr, *dhl = nullptr;  // [top][nchunks][H][dk][dv]
   const T* dmid = nullptr;                // [nchunks + 1][H][dk][dv] (16-bit)
   float* dqeff = nullptr;                 // [H][Ttot][dk] out
-  T* dqeff16 = nullptr;                   // the same in 16 bits (ll_intra_bwd_kernel's GEMM operand)
+  T* dqeff16 = nullptr;                   // the same in 16 bits (loglinear_intra_bwd_kernel's GEMM operand)
   T *dw = nullptr, *du = nullptr;         // [H][Ttot][dk], [H][Ttot][dv] out (16-bit, for wy_bwd_kernel)
   float* dk = nullptr;                    // [H][Ttot][dk] out
   float* db = nullptr;                    // [H][Ttot] out
@@ -294,11 +302,11 @@ struct LlGradArgs {
 };
 
 template <class T>
-struct LlGradTiles {
+struct LoglinearGradTiles {
   T *K, *W, *Qe, *dO, *U, *S[2], *dT[2];
   float *red, *w;
   int ldk, ldv, lds;
-  __host__ __device__ LlGradTiles(char* base, int dk, int dv, size_t* bytes = nullptr)
+  __host__ __device__ LoglinearGradTiles(char* base, int dk, int dv, size_t* bytes = nullptr)
       : ldk(ld_of(dk)), ldv(ld_of(dv)), lds(ld_of(dk > dv ? dk : dv)) {
     Carve c{base};
     K = c.take<T>(size_t(kChunk) * ldk);
@@ -317,10 +325,10 @@ struct LlGradTiles {
 };
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradArgs<T> x) {
+__global__ void __launch_bounds__(kThreads) loglinear_grad_kernel(GlaArgs<T> a, LoglinearGradArgs<T> x) {
   extern __shared__ __align__(128) char smem[];
   const int dk = a.dk, dv = a.dv;
-  LlGradTiles<T> s(smem, dk, dv);
+  LoglinearGradTiles<T> s(smem, dk, dv);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rb = w & 3, ch = w >> 2, i0 = 16 * rb + g, i1 = i0 + 8;
   const ChunkItem it(a);
@@ -328,54 +336,54 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
   const int h = it.h, seq = it.seq, nr = it.nr;
   const int64_t nch = (a.len[seq] + kChunk - 1) / kChunk, mat = int64_t(dk) * dv;
   int ck0, nkt, cv0, nvt;
-  tc::col_half(dk, ch, ck0, nkt);
-  tc::col_half(dv, ch, cv0, nvt);
-  tc::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
+  mma::col_half(dk, ch, ck0, nkt);
+  mma::col_half(dv, ch, cv0, nvt);
+  mma::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
                  kChunk);
-  tc::async_rows(s.W, s.ldk, x.W + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
-  tc::async_rows(s.Qe, s.ldk, x.qeff + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
-  tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
-  tc::async_rows(s.U, s.ldv, x.U + int64_t(h) * a.Ttot * dv, dv, r0, nr, 0, dv, kChunk);
+  mma::async_rows(s.W, s.ldk, x.W + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
+  mma::async_rows(s.Qe, s.ldk, x.qeff + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
+  mma::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
+  mma::async_rows(s.U, s.ldv, x.U + int64_t(h) * a.Ttot * dv, dv, r0, nr, 0, dv, kChunk);
   // the levels read by chunk c: its set bits m - 1, ascending (level after m: m + 1 + ctz(c >> m))
   auto next_level = [&](int m) { return (c >> m) ? m + 1 + ctz64u(uint64_t(c >> m)) : 0; };
   auto issue_level = [&](int m, int buf) {
     const int64_t lv = (((m - 1) * a.nchunks + cg) * a.H + h) * mat;
-    tc::async_rows(s.S[buf], s.lds, x.hl + lv, dv, 0, dk, 0, dv, dk);
-    tc::async_rows(s.dT[buf], s.ldv, x.dhl + lv, dv, 0, dk, 0, dv, dk);
+    mma::async_rows(s.S[buf], s.lds, x.hl + lv, dv, 0, dk, 0, dv, dk);
+    mma::async_rows(s.dT[buf], s.ldv, x.dhl + lv, dv, 0, dk, 0, dv, dk);
   };
   const int first = next_level(0);
   if (first) issue_level(first, 0);
-  tc::cp_async_commit();
+  mma::cp_async_commit();
   const float* bh = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float B = gate_at(bh, r0, nr - 1, nr);
   if (threadIdx.x < kChunk) s.w[threadIdx.x] = int(threadIdx.x) < nr ? __expf(B - gate_at(bh, r0, threadIdx.x, nr)) : 0.f;
   float G[16][4], dq[8][4];
-  tc::zero(G), tc::zero(dq);
+  mma::zero(G), mma::zero(dq);
   const bool grow = 16 * w < dk;
   for (int m = first, buf = 0; m; m = next_level(m), buf ^= 1) {
-    tc::cp_async_wait<0>();
+    mma::cp_async_wait<0>();
     __syncthreads();  // level m is in (the first time: K, W, Qeff, dO, U too); the other buffer is free
     if (const int n = next_level(m)) {
       issue_level(n, buf ^ 1);
-      tc::cp_async_commit();
+      mma::cp_async_commit();
     }
     const T *S = s.S[buf], *dT = s.dT[buf];
-    if (grow) tc::warp_gemm<T, 16, false, false>(G, dT, s.ldv, 16 * w, S, s.lds, 0, dk / 8, 0, dv);  // dT S^T
+    if (grow) mma::warp_gemm<T, 16, false, false>(G, dT, s.ldv, 16 * w, S, s.lds, 0, dk / 8, 0, dv);  // dT S^T
     const float l0 = i0 < nr ? x.lam[(rowbase + i0) * x.nL + kLogChunk + m] : 0.f;
     const float l1 = i1 < nr ? x.lam[(rowbase + i1) * x.nL + kLogChunk + m] : 0.f;
     {  // dQeff += diag(lam) dO S^T   [C,dv]x[dv,dk]
       float y[8][4];
-      tc::zero(y);
-      tc::warp_gemm<T, 8, false, false>(y, s.dO, s.ldv, 16 * rb, S, s.lds, ck0, nkt, 0, dv);
+      mma::zero(y);
+      mma::warp_gemm<T, 8, false, false>(y, s.dO, s.ldv, 16 * rb, S, s.lds, ck0, nkt, 0, dv);
 #pragma unroll
       for (int j = 0; j < 8; ++j) dq[j][0] += l0 * y[j][0], dq[j][1] += l0 * y[j][1], dq[j][2] += l1 * y[j][2], dq[j][3] += l1 * y[j][3];
     }
     {  // dlam^{p+m} = rowsum(dO o Qeff S)   [C,dk]x[dk,dv]
       float z[8][4];
-      tc::zero(z);
-      tc::warp_gemm<T, 8, false, true>(z, s.Qe, s.ldk, 16 * rb, S, s.lds, cv0, nvt, 0, dk);
+      mma::zero(z);
+      mma::warp_gemm<T, 8, false, true>(z, s.Qe, s.ldk, 16 * rb, S, s.lds, cv0, nvt, 0, dk);
       float d0 = 0.f, d1 = 0.f;
-      tc::dot_rows<T, 8>(z, s.dO, s.ldv, i0, i1, cv0, nvt, d0, d1);
+      mma::dot_rows<T, 8>(z, s.dO, s.ldv, i0, i1, cv0, nvt, d0, d1);
       d0 += __shfl_xor_sync(0xffffffffu, d0, 1), d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
       d1 += __shfl_xor_sync(0xffffffffu, d1, 1), d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
       if (t == 0) s.red[i0 * 4 + ch] = d0, s.red[i1 * 4 + ch] = d1;
@@ -385,8 +393,8 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
       x.dlam[(rowbase + threadIdx.x) * x.nL + kLogChunk + m] = s.red[threadIdx.x * 4] + s.red[threadIdx.x * 4 + 1];
   }
   // dNew (16-bit) into dT[0]; G -> 16-bit over S[0]; tr(G)
-  tc::async_rows(s.dT[0], s.ldv, x.dmid + ((cg + 1) * a.H + h) * mat, dv, 0, c + 1 < nch ? dk : 0, 0, dv, dk);
-  tc::cp_async_commit();
+  mma::async_rows(s.dT[0], s.ldv, x.dmid + ((cg + 1) * a.H + h) * mat, dv, 0, c + 1 < nch ? dk : 0, 0, dv, dk);
+  mma::cp_async_commit();
   float tr = 0.f;
   T* const Gs = s.S[0];
   T* const dN = s.dT[0];
@@ -396,22 +404,22 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
     for (int hf = 0; hf < 2; ++hf) {
       const int r = 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
       if (grow && col < dk) {
-        *reinterpret_cast<uint32_t*>(Gs + r * s.lds + col) = tc::pack2<T>(G[j][2 * hf], G[j][2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(Gs + r * s.lds + col) = mma::pack2<T>(G[j][2 * hf], G[j][2 * hf + 1]);
         tr += (r == col ? G[j][2 * hf] : 0.f) + (r == col + 1 ? G[j][2 * hf + 1] : 0.f);
       }
     }
   for (int o = 16; o > 0; o >>= 1) tr += __shfl_xor_sync(0xffffffffu, tr, o);
   if (lane == 0) s.w[kChunk + w] = tr;
-  tc::cp_async_wait<0>();
+  mma::cp_async_wait<0>();
   __syncthreads();  // G, dNew, the traces (and, without levels, K, W, Qeff, dO, U) are in
   const float w0 = s.w[i0], w1 = s.w[i1];
   float dw0 = 0.f, dw1 = 0.f;  // this thread's parts of dw_i
   {  // dW = -diag(w) K G  [C,dk]x[dk,dk]; (K G)_i . W_i
     float y[8][4];
-    tc::zero(y);
-    tc::warp_gemm<T, 8, false, true>(y, s.K, s.ldk, 16 * rb, Gs, s.lds, ck0, nkt, 0, dk);
+    mma::zero(y);
+    mma::warp_gemm<T, 8, false, true>(y, s.K, s.ldk, 16 * rb, Gs, s.lds, ck0, nkt, 0, dk);
     float d0 = 0.f, d1 = 0.f;
-    tc::dot_rows<T, 8>(y, s.W, s.ldk, i0, i1, ck0, nkt, d0, d1);
+    mma::dot_rows<T, 8>(y, s.W, s.ldk, i0, i1, ck0, nkt, d0, d1);
     dw0 -= d0, dw1 -= d1;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -422,15 +430,15 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
           const float wi = hf ? w1 : w0;
           if (i < nr)
             *reinterpret_cast<uint32_t*>(x.dw + (rowbase + i) * dk + ck0 + 8 * j + 2 * t) =
-                tc::pack2<T>(-wi * y[j][2 * hf], -wi * y[j][2 * hf + 1]);
+                mma::pack2<T>(-wi * y[j][2 * hf], -wi * y[j][2 * hf + 1]);
         }
   }
   {  // dU = diag(w) K dNew  [C,dk]x[dk,dv]; (K dNew)_i . U_i
     float y[8][4];
-    tc::zero(y);
-    tc::warp_gemm<T, 8, false, true>(y, s.K, s.ldk, 16 * rb, dN, s.ldv, cv0, nvt, 0, dk);
+    mma::zero(y);
+    mma::warp_gemm<T, 8, false, true>(y, s.K, s.ldk, 16 * rb, dN, s.ldv, cv0, nvt, 0, dk);
     float d0 = 0.f, d1 = 0.f;
-    tc::dot_rows<T, 8>(y, s.U, s.ldv, i0, i1, cv0, nvt, d0, d1);
+    mma::dot_rows<T, 8>(y, s.U, s.ldv, i0, i1, cv0, nvt, d0, d1);
     dw0 += d0, dw1 += d1;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -441,14 +449,14 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
           const float wi = hf ? w1 : w0;
           if (i < nr)
             *reinterpret_cast<uint32_t*>(x.du + (rowbase + i) * dv + cv0 + 8 * j + 2 * t) =
-                tc::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
+                mma::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
         }
   }
   {  // dK = diag(w) (U dNew^T - W G^T)   [C,dv]x[dv,dk], [C,dk]x[dk,dk]
     float y[8][4], z[8][4];
-    tc::zero(y), tc::zero(z);
-    tc::warp_gemm<T, 8, false, false>(y, s.U, s.ldv, 16 * rb, dN, s.ldv, ck0, nkt, 0, dv);
-    tc::warp_gemm<T, 8, false, false>(z, s.W, s.ldk, 16 * rb, Gs, s.lds, ck0, nkt, 0, dk);
+    mma::zero(y), mma::zero(z);
+    mma::warp_gemm<T, 8, false, false>(y, s.U, s.ldv, 16 * rb, dN, s.ldv, ck0, nkt, 0, dv);
+    mma::warp_gemm<T, 8, false, false>(z, s.W, s.ldk, 16 * rb, Gs, s.lds, ck0, nkt, 0, dk);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nkt)
@@ -462,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
             *reinterpret_cast<float2*>(x.dqeff + (rowbase + i) * dk + ck0 + 8 * j + 2 * t) =
                 make_float2(dq[j][2 * hf], dq[j][2 * hf + 1]);
             *reinterpret_cast<uint32_t*>(x.dqeff16 + (rowbase + i) * dk + ck0 + 8 * j + 2 * t) =
-                tc::pack2<T>(dq[j][2 * hf], dq[j][2 * hf + 1]);
+                mma::pack2<T>(dq[j][2 * hf], dq[j][2 * hf + 1]);
           }
         }
   }
@@ -487,13 +495,13 @@ __global__ void __launch_bounds__(kThreads) ll_grad_kernel(GlaArgs<T> a, LlGradA
   }
 }
 
-// ll_intra_bwd_kernel: the chunk's own terms (the section comment); grid (nchunks, H), 8 warps,
-// after ll_grad_kernel (it adds to that kernel's dk and db and writes the in-chunk levels of dlam).
+// loglinear_intra_bwd_kernel: the chunk's own terms (the section comment); grid (nchunks, H), 8 warps,
+// after loglinear_grad_kernel (it adds to that kernel's dk and db and writes the in-chunk levels of dlam).
 // Warp w: rows 16 (w % 4); columns 32 (w / 4) of the [C, C] products, the column half w / 4 of the
 // [C, d] ones. Smem (16-bit): Q, K, dQeff [C, dk+8]; V, dO [C, dv+8]; TgU, P, Mb, M o Lam, dM, dP o Gam
 // [C, 72]; fp32 per row: b, beta, lam and dlam of levels 0..p, db.
 template <class T>
-struct LlIntraArgs {
+struct LoglinearIntraArgs {
   const float* beta = nullptr;   // [H][Ttot]
   const float* lam = nullptr;    // [H][Ttot][nL]
   int nL = 0;
@@ -509,11 +517,11 @@ struct LlIntraArgs {
 };
 
 template <class T>
-struct LlIntraTiles {
+struct LoglinearIntraTiles {
   T *Q, *K, *dQe, *V, *dO, *TgU, *P, *Mb, *Pl, *dM, *dPg;
   float *b, *beta, *lam, *dlam, *db;
   int ldk, ldv;
-  __host__ __device__ LlIntraTiles(char* base, int dk, int dv, size_t* bytes = nullptr) : ldk(ld_of(dk)), ldv(ld_of(dv)) {
+  __host__ __device__ LoglinearIntraTiles(char* base, int dk, int dv, size_t* bytes = nullptr) : ldk(ld_of(dk)), ldv(ld_of(dv)) {
     Carve c{base};
     for (T** x : {&Q, &K, &dQe}) *x = c.take<T>(size_t(kChunk) * ldk);
     for (T** x : {&V, &dO}) *x = c.take<T>(size_t(kChunk) * ldv);
@@ -528,29 +536,29 @@ struct LlIntraTiles {
 };
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, LlIntraArgs<T> x) {
+__global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T> a, LoglinearIntraArgs<T> x) {
   extern __shared__ __align__(128) char smem[];
   const int dk = a.dk, dv = a.dv;
-  LlIntraTiles<T> s(smem, dk, dv);
+  LoglinearIntraTiles<T> s(smem, dk, dv);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rb = w & 3, ch = w >> 2, m0 = 16 * rb, n0 = 32 * ch, i0 = m0 + g, i1 = i0 + 8;
   const ChunkItem it(a);
   const int64_t cg = it.cg, r0 = it.r0, rowbase = it.rowbase;
   const int h = it.h, nr = it.nr;
   int ck0, nkt, cv0, nvt;
-  tc::col_half(dk, ch, ck0, nkt);
-  tc::col_half(dv, ch, cv0, nvt);
+  mma::col_half(dk, ch, ck0, nkt);
+  mma::col_half(dv, ch, cv0, nvt);
   const bool lower = n0 <= m0 + 15;
-  tc::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
+  mma::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, dk), row_ld(a.q_ld, dk), r0, nr, 0, dk,
                  kChunk);
-  tc::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
+  mma::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, dk), row_ld(a.k_ld, dk), r0, nr, 0, dk,
                  kChunk);
-  tc::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
+  mma::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, dv), row_ld(a.v_ld, dv), r0, nr, 0, dv,
                  kChunk);
-  tc::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
-  tc::async_rows(s.TgU, kLd, x.tg + (cg * a.H + h) * kChunk * kChunk, kChunk, 0, kChunk, 0, kChunk, kChunk);
-  tc::async_rows(s.dQe, s.ldk, x.dqeff16 + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
-  tc::cp_async_commit();
+  mma::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, dv), row_ld(a.dO_ld, dv), r0, nr, 0, dv, kChunk);
+  mma::async_rows(s.TgU, kLd, x.tg + (cg * a.H + h) * kChunk * kChunk, kChunk, 0, kChunk, 0, kChunk, kChunk);
+  mma::async_rows(s.dQe, s.ldk, x.dqeff16 + int64_t(h) * a.Ttot * dk, dk, r0, nr, 0, dk, kChunk);
+  mma::cp_async_commit();
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
     s.beta[i] = i < nr ? x.beta[rowbase + i] : 0.f;
@@ -562,7 +570,7 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
     s.lam[e] = i < nr && l < x.nL ? x.lam[(rowbase + i) * x.nL + l] : 0.f;
     s.dlam[e] = 0.f;
   }
-  tc::cp_async_wait<0>();
+  mma::cp_async_wait<0>();
   __syncthreads();
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {  // TgU = Tg diag(beta), in place
     const int i = e / kChunk, j = e % kChunk;
@@ -571,10 +579,10 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   const float sc = float(a.scale);
   // P = scale tril(Q K^T) o Gam (kept in registers), dPl = tril(dO V^T)
   float pp[4][4], dp[4][4];
-  tc::zero(pp), tc::zero(dp);
+  mma::zero(pp), mma::zero(dp);
   if (lower) {
-    tc::warp_gemm<T, 4, false, false>(pp, s.Q, s.ldk, m0, s.K, s.ldk, n0, 4, 0, dk);
-    tc::warp_gemm<T, 4, false, false>(dp, s.dO, s.ldv, m0, s.V, s.ldv, n0, 4, 0, dv);
+    mma::warp_gemm<T, 4, false, false>(pp, s.Q, s.ldk, m0, s.K, s.ldk, n0, 4, 0, dk);
+    mma::warp_gemm<T, 4, false, false>(dp, s.dO, s.ldv, m0, s.V, s.ldv, n0, 4, 0, dv);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -590,14 +598,14 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
       *reinterpret_cast<uint32_t*>(s.P + (m0 + g + 8 * hf) * kLd + n0 + 8 * j + 2 * t) =
-          tc::pack2<T>(pp[j][2 * hf], pp[j][2 * hf + 1]);
+          mma::pack2<T>(pp[j][2 * hf], pp[j][2 * hf + 1]);
   __syncthreads();  // TgU and P are complete
   {  // M = P TgU; dLam = dPl o M (to dlam by level); dM = dPl o Lam - (dQeff K^T) o e^{b_j}; Mb, M o Lam
     float mm[4][4], dmb[4][4];
-    tc::zero(mm), tc::zero(dmb);
+    mma::zero(mm), mma::zero(dmb);
     if (lower) {
-      tc::warp_gemm<T, 4, false, true>(mm, s.P, kLd, m0, s.TgU, kLd, n0, 4, n0, m0 + 16);
-      tc::warp_gemm<T, 4, false, false>(dmb, s.dQe, s.ldk, m0, s.K, s.ldk, n0, 4, 0, dk);
+      mma::warp_gemm<T, 4, false, true>(mm, s.P, kLd, m0, s.TgU, kLd, n0, 4, n0, m0 + 16);
+      mma::warp_gemm<T, 4, false, false>(dmb, s.dQe, s.ldk, m0, s.K, s.ldk, n0, 4, 0, dk);
     }
     float colb[4][2] = {};
 #pragma unroll
@@ -620,9 +628,9 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
             colb[j][e] -= dmb[j][q] * mb[e];         // db_j from Mb = M diag(e^b)
           }
         }
-        *reinterpret_cast<uint32_t*>(s.Mb + i * kLd + col) = tc::pack2<T>(mb[0], mb[1]);
-        *reinterpret_cast<uint32_t*>(s.Pl + i * kLd + col) = tc::pack2<T>(pl[0], pl[1]);
-        *reinterpret_cast<uint32_t*>(s.dM + i * kLd + col) = tc::pack2<T>(dm[0], dm[1]);
+        *reinterpret_cast<uint32_t*>(s.Mb + i * kLd + col) = mma::pack2<T>(mb[0], mb[1]);
+        *reinterpret_cast<uint32_t*>(s.Pl + i * kLd + col) = mma::pack2<T>(pl[0], pl[1]);
+        *reinterpret_cast<uint32_t*>(s.dM + i * kLd + col) = mma::pack2<T>(dm[0], dm[1]);
       }
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -639,8 +647,8 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   // dV = (M o Lam)^T dO  [C,C]x[C,dv]
   {
     float y[8][4];
-    tc::zero(y);
-    tc::warp_gemm<T, 8, true, true>(y, s.Pl, kLd, m0, s.dO, s.ldv, cv0, nvt, m0, kChunk);
+    mma::zero(y);
+    mma::warp_gemm<T, 8, true, true>(y, s.Pl, kLd, m0, s.dO, s.ldv, cv0, nvt, m0, kChunk);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nvt)
@@ -654,9 +662,9 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   }
   {  // dP = dM TgU^T (lower with its diagonal); db from P's Gam; dP o Gam; dTgU = P^T dM
     float y[4][4], u[4][4];
-    tc::zero(y), tc::zero(u);
-    if (lower) tc::warp_gemm<T, 4, false, false>(y, s.dM, kLd, m0, s.TgU, kLd, n0, 4, 0, m0 + 16);
-    tc::warp_gemm<T, 4, true, true>(u, s.P, kLd, m0, s.dM, kLd, n0, 4, m0, kChunk);
+    mma::zero(y), mma::zero(u);
+    if (lower) mma::warp_gemm<T, 4, false, false>(y, s.dM, kLd, m0, s.TgU, kLd, n0, 4, 0, m0 + 16);
+    mma::warp_gemm<T, 4, true, true>(u, s.P, kLd, m0, s.dM, kLd, n0, 4, m0, kChunk);
     float row[2] = {0.f, 0.f}, colp[4][2] = {};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -674,7 +682,7 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
             v[e] = y[j][q] * __expf(s.b[i] - s.b[cc]);
           }
         }
-        *reinterpret_cast<uint32_t*>(s.dPg + i * kLd + col) = tc::pack2<T>(v[0], v[1]);
+        *reinterpret_cast<uint32_t*>(s.dPg + i * kLd + col) = mma::pack2<T>(v[0], v[1]);
         *reinterpret_cast<float2*>(x.dtgu + ((cg * a.H + h) * kChunk + i) * kChunk + col) =
             make_float2(u[j][2 * hf], u[j][2 * hf + 1]);
       }
@@ -699,8 +707,8 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   __syncthreads();  // dP o Gam complete
   {  // dQ^ = (dP o Gam) K + diag(e^b) dQeff; db_i += e^{b_i} q^_i . dQeff_i
     float y[8][4];
-    tc::zero(y);
-    tc::warp_gemm<T, 8, false, true>(y, s.dPg, kLd, m0, s.K, s.ldk, ck0, nkt, 0, m0 + 16);
+    mma::zero(y);
+    mma::warp_gemm<T, 8, false, true>(y, s.dPg, kLd, m0, s.K, s.ldk, ck0, nkt, 0, m0 + 16);
     float d[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -711,7 +719,7 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
           if (i >= nr) continue;
           const float eb = __expf(s.b[i]);
           const float2 dqe = *reinterpret_cast<const float2*>(x.dqeff + (rowbase + i) * dk + col);
-          const float2 q = tc::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Q + i * s.ldk + col));
+          const float2 q = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Q + i * s.ldk + col));
           d[hf] += sc * eb * (q.x * dqe.x + q.y * dqe.y);
           *reinterpret_cast<float2*>(x.dq + (rowbase + i) * dk + col) =
               make_float2(y[j][2 * hf] + eb * dqe.x, y[j][2 * hf + 1] + eb * dqe.y);
@@ -726,9 +734,9 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
   }
   {  // dk += scale (dP o Gam)^T Q - Mb^T dQeff   [C,C]x[C,dk] twice
     float y[8][4], z[8][4];
-    tc::zero(y), tc::zero(z);
-    tc::warp_gemm<T, 8, true, true>(y, s.dPg, kLd, m0, s.Q, s.ldk, ck0, nkt, m0, kChunk);
-    tc::warp_gemm<T, 8, true, true>(z, s.Mb, kLd, m0, s.dQe, s.ldk, ck0, nkt, m0, kChunk);
+    mma::zero(y), mma::zero(z);
+    mma::warp_gemm<T, 8, true, true>(y, s.dPg, kLd, m0, s.Q, s.ldk, ck0, nkt, m0, kChunk);
+    mma::warp_gemm<T, 8, true, true>(z, s.Mb, kLd, m0, s.dQe, s.ldk, ck0, nkt, m0, kChunk);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nkt)
@@ -751,37 +759,37 @@ __global__ void __launch_bounds__(kThreads) ll_intra_bwd_kernel(GlaArgs<T> a, Ll
 }
 
 
-size_t ll_grad_smem(int dk, int dv) { return layout_bytes<LlGradTiles<__nv_bfloat16>>(dk, dv); }
-size_t ll_intra_smem(int dk, int dv) { return layout_bytes<LlIntraTiles<__nv_bfloat16>>(dk, dv); }
+size_t loglinear_grad_smem(int dk, int dv) { return layout_bytes<LoglinearGradTiles<__nv_bfloat16>>(dk, dv); }
+size_t loglinear_intra_smem(int dk, int dv) { return layout_bytes<LoglinearIntraTiles<__nv_bfloat16>>(dk, dv); }
 
 }  // namespace
 
 template <class T>
-bool ll_gdn_tc_usable(const detail::Resolved& r, bool backward) {
+bool loglinear_gdn_sm80_usable(const detail::Resolved& r, bool backward) {
   if constexpr (!kTensorCore<T>) {
     return false;
   } else {
     if (r.cfg.op != Op::loglinear_gdn || r.has_init) return false;
-    if (const char* env = std::getenv("HILA_GDN_TC"); env && std::strcmp(env, "0") == 0) return false;
+    if (!config().gdn_tc) return false;
     for (const auto& q : r.seqs)
       if (q.n0 != 0) return false;
     const int dk = pad16(r.dk), dv = pad16(r.dv);
-    if (dk > kMaxD || dv > 256) return false;
+    if (!heuristics::delta_sm80(dk, dv, true)) return false;
     const size_t optin = smem_optin();
     size_t need = std::max(wy_smem(dk, dv, false, true), sweep_smem(dk, true));
     if (backward)
-      need = std::max({need, rsweep_smem(dk), ll_grad_smem(dk, dv), ll_intra_smem(dk, dv), wy_bwd_smem(dk, dv)});
+      need = std::max({need, rsweep_smem(dk), loglinear_grad_smem(dk, dv), loglinear_intra_smem(dk, dv), wy_bwd_smem(dk, dv)});
     return need <= optin;
   }
 }
 
-// loglinear_gdn's forward pass on tensor cores (LlWy, ll_level_sweep_kernel), shared by the forward
+// loglinear_gdn's forward pass on tensor cores (LoglinearWy, loglinear_level_sweep_kernel), shared by the forward
 // and the backward: the WY chunks write W, U, Qeff, the intra output (fp32) and the final state's
 // in-chunk levels; then the level sweeps m = 1 .. top, each adding its reads to the output,
 // carrying E and leaving its final-state level (and, for the backward, the states in hl).
 template <class T>
-struct LlGdnTc {
-  GdnTc<T> x;
+struct LoglinearGdnCall {
+  GdnCall<T> x;
   const detail::Resolved& r;
   cudaStream_t s;
   int64_t H, Ttot, dk, dv, nch;
@@ -791,7 +799,7 @@ struct LlGdnTc {
   DevBuf<float> lam, fws, O, E;
   DevBuf<T> qeff, u16, hl;
 
-  LlGdnTc(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
+  LoglinearGdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
       : x(r_, p, s_, backward), r(r_), s(s_), H(r_.H), Ttot(x.Ttot), dk(x.dk), dv(x.dv), nch(x.seqs.nchunks),
         nL(int(r_.nL)), fin(p.final_state.H.defined()) {
     for (const auto& q : r.seqs) {
@@ -811,19 +819,19 @@ struct LlGdnTc {
     qeff = DevBuf<T>(size_t(H * Ttot * dk), s);
     u16 = DevBuf<T>(size_t(H * Ttot * dv), s);
     O = DevBuf<float>(o.defined() ? size_t(H * Ttot * dv) : 0, s);
-    LlWy<T> lw;
+    LoglinearWy<T> lw;
     lw.lam = lam.get(), lw.nL = nL, lw.qeff = qeff.get(), lw.u16 = u16.get(), lw.o = O.get(), lw.fin = fws.get();
     lw.Ls = Ls;
     x.wy(tg, nullptr, lw);
     E = DevBuf<float>(top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
     if (tg) hl = DevBuf<T>(size_t(top * nch * H * dk * dv), s);
-    LlSweepArgs<T> la;
+    LoglinearSweepArgs<T> la;
     la.W = x.W.get(), la.U = u16.get(), la.qeff = qeff.get(), la.lam = lam.get(), la.nL = nL;
     la.E = E.get(), la.o = O.get(), la.fin = fws.get(), la.Ls = Ls, la.hl = hl.get();
     const size_t bytes = sweep_smem(int(dk), true);
-    set_smem(ll_level_sweep_kernel<T>, bytes);
+    set_smem(loglinear_level_sweep_kernel<T>, bytes);
     for (int m = 1; m <= top && !dry_run(); ++m) {
-      ll_level_sweep_kernel<T><<<grid(m), kThreads, bytes, s>>>(x.a, la, m);
+      loglinear_level_sweep_kernel<T><<<grid(m), kThreads, bytes, s>>>(x.a, la, m);
       HILA_CUDA_CHECK_LAUNCH();
     }
     if (Ttot > 0 && o.defined()) unpack_to<float>(o, O.get(), r, H, 1, int(r.dv), int(dv), 1.f, s);
@@ -842,22 +850,22 @@ struct LlGdnTc {
 };
 
 template <class T>
-void ll_gdn_tc_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+void loglinear_gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
-    LlGdnTc<T> c(r, p, s, false);
+    LoglinearGdnCall<T> c(r, p, s, false);
     c.forward(p.o, p.final_state);
   }
 }
 
-// loglinear_gdn's backward on tensor cores (the section comment above LlRsweepArgs): the forward
-// recomputed with Tg and the level states, the reverse level sweeps m = top .. 1, ll_grad_kernel,
-// ll_intra_bwd_kernel, then the WY backward.
+// loglinear_gdn's backward on tensor cores (the section comment above LoglinearRsweepArgs): the forward
+// recomputed with Tg and the level states, the reverse level sweeps m = top .. 1, loglinear_grad_kernel,
+// loglinear_intra_bwd_kernel, then the WY backward.
 template <class T>
-void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     using R = Acc<T>;
-    LlGdnTc<T> c(r, p, s, true);
-    GdnTc<T>& x = c.x;
+    LoglinearGdnCall<T> c(r, p, s, true);
+    GdnCall<T>& x = c.x;
     const int64_t H = r.H, Ttot = c.Ttot, dk = c.dk, dv = c.dv, nch = c.nch;
     const int nL = c.nL;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
@@ -866,13 +874,13 @@ void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cuda
     // reverse level sweeps: dhl, and dMid (over E, which the forward no longer needs)
     DevBuf<T> dhl(size_t(c.top * nch * H * dk * dv), s), dmid16(c.top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
     {
-      LlRsweepArgs<T> ra;
+      LoglinearRsweepArgs<T> ra;
       ra.W = x.W.get(), ra.qeff = c.qeff.get(), ra.lam = c.lam.get(), ra.nL = nL, ra.dmid = c.E.get(),
       ra.dmid16 = dmid16.get(), ra.dhl = dhl.get();
       const size_t bytes = rsweep_smem(int(dk));
-      set_smem(ll_level_rsweep_kernel<T>, bytes);
+      set_smem(loglinear_level_rsweep_kernel<T>, bytes);
       for (int m = c.top; m >= 1 && !dry_run(); --m) {
-        ll_level_rsweep_kernel<T><<<c.grid(m), kThreads, bytes, s>>>(x.a, ra, m);
+        loglinear_level_rsweep_kernel<T><<<c.grid(m), kThreads, bytes, s>>>(x.a, ra, m);
         HILA_CUDA_CHECK_LAUNCH();
       }
     }
@@ -884,32 +892,29 @@ void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cuda
     DevBuf<T> dW(size_t(H * Ttot * dk), s), dU(size_t(H * Ttot * dv), s);
     if (nch > 0 && !dry_run()) {
       const dim3 grid{unsigned(nch), unsigned(H)};
-      LlGradArgs<T> ga;
+      LoglinearGradArgs<T> ga;
       ga.W = x.W.get(), ga.U = c.u16.get(), ga.qeff = c.qeff.get(), ga.lam = c.lam.get(), ga.nL = nL;
       ga.hl = c.hl.get(), ga.dhl = dhl.get(), ga.dmid = dmid16.get();
       ga.dqeff = dqeff.get(), ga.dqeff16 = dqeff16.get(), ga.dw = dW.get(), ga.du = dU.get(), ga.dk = dka.get(), ga.db = db.get(),
       ga.dlam = dlam.get();
-      size_t bytes = ll_grad_smem(int(dk), int(dv));
-      set_smem(ll_grad_kernel<T>, bytes);
-      ll_grad_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ga);
+      size_t bytes = loglinear_grad_smem(int(dk), int(dv));
+      set_smem(loglinear_grad_kernel<T>, bytes);
+      loglinear_grad_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ga);
       HILA_CUDA_CHECK_LAUNCH();
-      LlIntraArgs<T> ia;
+      LoglinearIntraArgs<T> ia;
       ia.beta = x.beta.get(), ia.lam = c.lam.get(), ia.nL = nL, ia.tg = tg.get(), ia.dqeff = dqeff.get();
       ia.dqeff16 = dqeff16.get();
       ia.dq = dq.get(), ia.dk = dka.get(), ia.dv = dvb.get(), ia.db = db.get(), ia.dlam = dlam.get(),
       ia.dtgu = dtgu.get();
-      bytes = ll_intra_smem(int(dk), int(dv));
-      set_smem(ll_intra_bwd_kernel<T>, bytes);
-      ll_intra_bwd_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ia);
+      bytes = loglinear_intra_smem(int(dk), int(dv));
+      set_smem(loglinear_intra_bwd_kernel<T>, bytes);
+      loglinear_intra_bwd_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ia);
       HILA_CUDA_CHECK_LAUNCH();
       WyBwdArgs<T> wb;
       wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dU.get(), wb.sdot = nullptr, wb.nvt = 0;
       wb.dk = dkw.get(), wb.dv = dvb.get(), wb.dg = db.get(), wb.dbeta = dbeta.get();
       wb.dw = dW.get(), wb.dtgu = dtgu.get(), wb.dv_add = true;
-      bytes = wy_bwd_smem(int(dk), int(dv));
-      set_smem(wy_bwd_kernel<T>, bytes);
-      wy_bwd_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, wb);
-      HILA_CUDA_CHECK_LAUNCH();
+      launch_wy_bwd(x.a, wb, s);
     }
     x.write_grads(p, dq.get(), dka.get(), dkw.get(), dvb.get(), db.get(), dbeta.get());
     if (Ttot > 0) {
@@ -919,10 +924,10 @@ void ll_gdn_tc_backward(const detail::Resolved& r, const BackwardParams& p, cuda
   }
 }
 
-#define HILA_INSTANTIATE(T)                                                                          \
-  template bool ll_gdn_tc_usable<T>(const detail::Resolved&, bool);                                  \
-  template void ll_gdn_tc_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);   \
-  template void ll_gdn_tc_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
+#define HILA_INSTANTIATE(T)                                                                                  \
+  template bool loglinear_gdn_sm80_usable<T>(const detail::Resolved&, bool);                                 \
+  template void loglinear_gdn_sm80_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);  \
+  template void loglinear_gdn_sm80_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -1,17 +1,79 @@
 // SPDX-License-Identifier: Apache-2.0
-// Kernels and host driver of the delta-rule primitive (gdn, loglinear_gdn); see delta.cuh for the
-// math, layouts and grid. Each device routine below mirrors the CPU routine of the same role in
-// src/cpu/primitive.cpp (Seg, seg_forward, seg_backward) so the two can be read side by side.
+// The portable tier of the delta-rule primitive (delta.cuh; LOGLINEAR_SPEC §6), every dtype: Gated
+// DeltaNet and log-linear Gated DeltaNet in one implementation, plain GDN being the flat level
+// structure (one state slot, lambda = 1). It reproduces the CPU segment routines of
+// src/cpu/primitive.cpp (seg_forward / seg_backward) segment by segment.
+//
+// Segments are the maximal row ranges [s, e) inside one chunk of 64 aligned to absolute positions
+// (§3.3); per segment, with R = e - s rows, chunk-local cumsum b of the gates and B = b[R-1]:
+//   Tm = (I + tril_-1(diag(beta) K K^T))^-1   [R,R] unit lower triangular, forward substitution
+//   W  = Tm diag(beta) K;  X = tril(Q^ K^T);  D = X Tm;  Q~ = Q^ - D diag(beta) K
+//   O  = (D o M) diag(beta) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^b) Q~ H[l]
+//   H'[l(e, sigma_l(s))] += e^B (H[l] - K^T (W H[l]))        (the erase acts on every live level)
+//   H'[l'] += K^T Tm diag(beta e^{B-b} 1[l(e, s+j) = l']) V  (new tokens, by target level)
+// Phases: (1) per (segment, head), in parallel: Tm, W, Q~, K~ = Tm^T K and the intra output;
+// (2) per (sequence, head), sequentially over its segments: the level states and the reads
+// (storing the live levels entering every segment for the backward: popcount(s) matrices, or one
+// flat); backward (§6.5): (3) the reverse sweep of one adjoint per level, storing the adjoints at
+// every segment end; (4) per (segment, head), in parallel: every gradient of the segment's rows.
+//
+// Layouts: q, k packed [G][Ttot][dk] (T), v, dO [H][Ttot][dv] (T), g, beta [H][Ttot], lam
+// [H][Ttot][nL] (compute type R = Acc<T>); level workspace [N*H][Ls][dk][dv] (R).
+// Grid: blocks of kThreads take items (segment x head for phases 1 and 4, sequence x head for the
+// sweeps 2 and 3) grid-stride. Per-segment matrices live in a per-block fp32 (fp64 for fp64
+// inputs) scratch area in global memory (L1/L2 resident); every GEMM is a shared-memory tiled FMA
+// block GEMM: correctness first, every product in the compute type (no bf16 rounding of Tm, W or
+// the states). Each device routine below mirrors the CPU routine of the same role in src/cpu/primitive.cpp
+// (Seg, seg_forward, seg_backward) so the two can be read side by side.
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "core/plan.h"
 #include "cuda/delta/delta.cuh"
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/prims/levels.cuh"
 #include "cuda/prims/pack.cuh"
 
 namespace hila::cuda {
 
 namespace {
+
+template <class T>
+struct DeltaArgs {
+  using R = Acc<T>;
+  const T *q = nullptr, *k = nullptr, *v = nullptr;  // [G][Ttot][dk], [G][Ttot][dk], [H][Ttot][dv]
+  int rep = 1;                                      // q/k group of head h: h / rep
+  const R* g = nullptr;                             // [H][Ttot], nullptr = ungated
+  const R* beta = nullptr;                          // [H][Ttot]
+  const R* lam = nullptr;                           // [H][Ttot][nL] (Fenwick only)
+  int nL = 0;
+  LvlGrid grid;
+  bool l2norm = false;                              // q, k -> x / sqrt(|x|^2 + 1e-6) before scale
+  R scale = 1;
+  int H = 1, N = 1, dk = 1, dv = 1, Ls = 1;
+  int64_t Ttot = 0;
+  // segment tables (device): sequence -> [seg0, seg0 + nseg); segment -> packed row, position,
+  // rows, offsets of its stored levels at s and at e (in matrices per head)
+  int64_t nseg = 0;
+  const int64_t *seq_seg0 = nullptr, *seq_nseg = nullptr;
+  const int64_t *seg_row = nullptr, *seg_pos = nullptr, *seg_nr = nullptr, *seg_hoff = nullptr, *seg_dhoff = nullptr;
+  R* ws = nullptr;       // forward: initial state in, final state out; backward: d_final in, d_init out
+  R* scratch = nullptr;  // per resident block
+  int64_t scratch_elems = 0;
+  // per-segment matrices of phase 1, rows of [H][Ttot][d]: W, Q~, K~ = Tm^T K, K (normalised);
+  // Oi = (D o M) diag(beta) V, the intra-segment output (only when o is wanted)
+  R *Wb = nullptr, *Qtb = nullptr, *Ktb = nullptr, *Kb = nullptr, *Oi = nullptr;
+  // forward
+  T* o = nullptr;        // [H][Ttot][dv], nullptr: states only
+  R* hbuf = nullptr;     // [sum_seg nlive(s)][H][dk][dv]: live levels entering each segment
+  // backward (hbuf from a forward with hbuf set)
+  R* dhbuf = nullptr;    // [sum_seg nlive(e)][H][dk][dv]: adjoints of the live levels at each end
+  const T* dO = nullptr;                             // [H][Ttot][dv]
+  R *dq = nullptr, *dk_ = nullptr, *dv_ = nullptr;   // [H][Ttot][dk | dk | dv], w.r.t. q^ and k
+  R *dg = nullptr, *dbeta = nullptr, *dlam = nullptr;  // [H][Ttot], [H][Ttot], [H][Ttot][nL]
+};
+
 
 constexpr int kThreads = 256;
 constexpr int kSeg = 64;    // rows per segment at most: the chunk (a power of two, §2.6)
@@ -210,7 +272,7 @@ __device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
     if (a.l2norm) {
       R ss = 0;
       for (int cc = 0; cc < dk; ++cc) ss += m[cc] * m[cc];
-      f /= sqrt(ss + R(kL2Eps));
+      f /= sqrt(ss + R(detail::kL2NormEps));
     }
     if (f != R(1))
       for (int cc = 0; cc < dk; ++cc) m[cc] *= f;
@@ -706,8 +768,7 @@ struct DeltaCall {
     int dev = 0, sms = 1;
     HILA_CUDA_CHECK(cudaGetDevice(&dev));
     HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    // resident blocks (each with its scratch): up to 4 per SM over the larger item count
-    blocks = int(std::clamp<int64_t>(std::max(sweep_items(), nseg * r.H), 1, 4 * int64_t(sms)));
+    blocks = heuristics::delta_portable_blocks(std::max(sweep_items(), nseg * r.H), sms);
     Scratch<R> probe(nullptr, dk, dv, &scratch_elems);
   }
 
@@ -786,20 +847,8 @@ struct DeltaCall {
 }  // namespace
 
 template <class T>
-void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r, int dk, int dkp,
-                      Acc<T> mult, cudaStream_t s) {
-  const int64_t rows = r.G * r.B * r.T;
-  if (rows == 0 || dry_run()) return;  // dry run: workspace_size
-  delta_unpack_qk<T><<<grid_for(rows * 32), 256, 0, s>>>(Strided(out), dx, dx2, x, r.T, r.G, int(r.H / r.G), r.B * r.T,
-                                                         dk, dkp, mult, r.cfg.qk_l2norm);
-  HILA_CUDA_CHECK_LAUNCH();
-}
-
-template <class T>
-void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+void delta_portable_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  if (gdn_tc_usable<T>(r, false)) return gdn_tc_forward<T>(r, p, s);
-  if (ll_gdn_tc_usable<T>(r, false)) return ll_gdn_tc_forward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   DevBuf<R> ws = c.pack_levels(p.init.H, c.pos0);
   DevBuf<R> scratch = c.scratch();
@@ -814,10 +863,8 @@ void delta_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream
 }
 
 template <class T>
-void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+void delta_portable_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   using R = Acc<T>;
-  if (gdn_tc_usable<T>(r, true)) return gdn_tc_backward<T>(r, p, s);
-  if (!p.d_final.H.defined() && ll_gdn_tc_usable<T>(r, true)) return ll_gdn_tc_backward<T>(r, p, s);
   const DeltaCall<T> c(r, p, s);
   const int64_t Ttot = c.Ttot, H = r.H, dk = c.dk, dv = c.dv;
   DevBuf<R> scratch = c.scratch();
@@ -868,11 +915,9 @@ void delta_backward(const detail::Resolved& r, const BackwardParams& p, cudaStre
   c.unpack_levels(p.d_init.H, dws.get());
 }
 
-#define HILA_INSTANTIATE(T)                                                                         \
-  template void launch_unpack_qk<T>(const TensorView&, const Acc<T>*, const Acc<T>*, const T*, const detail::Resolved&, int, int, \
-                                    Acc<T>, cudaStream_t);                                          \
-  template void delta_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
-  template void delta_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
+#define HILA_INSTANTIATE(T)                                                                                \
+  template void delta_portable_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t); \
+  template void delta_portable_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

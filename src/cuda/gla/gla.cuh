@@ -1,22 +1,30 @@
 // SPDX-License-Identifier: Apache-2.0
 // The GLA primitive on the GPU (HLA_SPEC §1, §7.1), on packed head-major buffers:
-//   x [heads][Ttot][d_pad] (d_pad a multiple of 16, zero padded), sequences are row ranges.
-// Forward: one block per (value tile of 64 columns, sequence x head) sweeps the chunks of its
-// sequence in order, keeping its [dk, 64] state tile in fp32 shared memory:
-//   O_c = (Gamma_c o Q^_c K_c^T) V_c + diag(e^b) Q^_c H            [C,dk]x[dk,C], [C,C]x[C,64], [C,dk]x[dk,64]
-//   H  <- e^B H + K_c^T diag(e^{B-b}) V_c                          [dk,C]x[C,64]
-// Backward: the same sweep stores the state entering every chunk (hbuf); a reverse sweep stores
-// the state cotangent at every chunk end (dhbuf); then one block per (chunk, head) forms
+//   x [heads][Ttot][d_pad] (d_pad a multiple of 16, zero padded), sequences are row ranges;
+// the tensor-core tiers also read and write the caller's [B, T, H, d] tensors in place (GlaArgs).
+// Per chunk c of C rows, with b the chunk-local cumsum of the log-gates and B = b[C-1]:
+//   O_c = (Gamma_c o Q^_c K_c^T) V_c + diag(e^b) Q^_c H            [C,dk]x[dk,C], [C,C]x[C,dv], [C,dk]x[dk,dv]
+//   H  <- e^B H + K_c^T diag(e^{B-b}) V_c                          [dk,C]x[C,dv]
+// Backward: the forward's sweep stores the state entering every chunk (hbuf); a reverse sweep
+// stores the state cotangent at every chunk end (dhbuf); then the chunks are independent:
 //   dA = (dO V^T) o Gamma;  dQ^ = dA K + diag(e^b) dO Hp^T;  dK = dA^T Q^ + diag(w) V dH^T;
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
 // and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
+// Stages, one file per stage and kernel tier (gla.cu chooses the tier):
+//   gates           gates.cu                            chunk cumsum b, dg
+//   state sweep     sweep_{portable,sm80,sm90}.cu       H through the chunks (forward / reverse)
+//   output          sweep_portable.cu, output_sm80.cu   O from the states entering the chunks
+//   fused forward   fused_fwd_{sm80,sm90}.cu            sweep and output in one kernel
+//   chunk grads     bwd_chunk_{portable,sm80,sm90}.cu   dq, dk, dv, dc per chunk
+// Tiers: portable (fp32 / fp64, shared-memory tile GEMMs), sm80 (bf16 / fp16 on mma.sync), sm90
+// (sm_90a: TMA + wgmma).
 #pragma once
 #include "cuda/prims/mma.cuh"
 #include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
 
-constexpr int kBV = 64;     // value columns per block in the sequential sweeps
+constexpr int kBV = 64;     // value columns per block in the portable sweeps
 
 // Per-chunk states stored for later kernels are GEMM operands only: 16-bit for the tensor-core
 // path, the accumulator type otherwise. The carries themselves stay in Acc<T>.
@@ -76,56 +84,89 @@ struct GlaArgs {
   R* dg = nullptr;                                  // [H][Ttot]
 };
 
-// b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot] (no-op without gates).
+// ---- the primitive (gla.cu) --------------------------------------------------------------------------
+// Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
+template <class T>
+void gla_forward(const GlaArgs<T>& a, cudaStream_t stream);
+// Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg.
+// With `recompute`, that forward (its b and hbuf given: it allocates nothing) runs first, on a
+// side stream beside the reverse sweep.
+template <class T>
+void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* recompute = nullptr);
+// Shared memory the kernels need for these head dims (bytes); 0 if they do not fit the device.
+template <class T>
+size_t gla_smem_need(int dk, int dv);
+
+// ---- its stages, for the other primitives built on them (log-linear tree, delta rule) ------------------
+// gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot]
+// (no-op without gates); dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus
+// <dht, ht> at the last token).
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
-// Tensor-core path (bf16/fp16; gla_tc.cu): the state sweep (reverse = cotangent sweep) and the
-// chunk-parallel output kernel, which reads hbuf.
-template <class T>
-void tc_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
-// The log-linear tree built by the sweep (ll_tree.cuh; needs ta.beta, writes ta.node16): one block
-// per (sequence x head, 64 x 64 state tile), tc_sweep_blocks of them, with a per-block fp32 level
-// stack of lstk levels (tc_tree_sweep_stack floats).
-struct TreeArgs;
-template <class T>
-void tc_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
-template <class T>
-int64_t tc_sweep_blocks(const GlaArgs<T>& a);
-template <class T>
-size_t tc_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
-// With `tree` (log-linear tree form, ll_tree.cuh) the state terms read the tree nodes instead of
-// hbuf / dhbuf and the intra block carries lam.
-template <class T>
-void tc_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
-// The forward in one kernel (state in registers, no per-chunk states through global memory unless
-// a.hbuf is set): for dk <= 128, dv a multiple of 64 and enough opt-in shared memory, chosen when
-// its (sequence x head x 64-column value tile) blocks fill the GPU (HILA_GLA_FUSED=0/1 forces the
-// choice among the calls it can run).
-template <class T>
-bool tc_fused_forward_wanted(const GlaArgs<T>& a);
-template <class T>
-void tc_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
-template <class T>
-void tc_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);  // per-chunk dq, dk, dv, dc
-// The same on Hopper (gla_sm90.cu: TMA + wgmma) for dk, dv in {64, 128}: false (nothing launched)
-// where it does not apply (not an sm_90a device or build, other head dims, layouts TMA cannot
-// describe, HILA_GLA_SM90=0), and tc_bwd_chunk then runs the portable kernel.
-template <class T>
-bool tc_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
-// The state sweep on Hopper (gla_sm90.cu) for dk, dv multiples of 64; false as above.
-template <class T>
-bool tc_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
-// The log-linear tree build in that sweep (tc_tree_sweep's arguments); false as above.
-template <class T>
-bool tc_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
-// The one-kernel forward on Hopper (gla_sm90.cu) for dk of 64 or 128, dv a multiple of 64; false as above.
-template <class T>
-bool tc_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
-size_t tc_output_smem(int dk, int dv, size_t esize);
-size_t tc_bwd_smem(int dk, int dv, bool tree = false);
-// dg: reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus <dht, ht> at the last token).
 template <class T>
 void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
+// bf16 / fp16 (gla.cu picks the tier of each: sm90 where heuristics.h chooses it, else sm80):
+// the state sweep (reverse: the cotangent sweep; stores hbuf / dhbuf);
+template <class T>
+void gla_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+// the log-linear tree built by the sweep (loglinear/tree.cuh; needs ta.beta, writes ta.node16): one
+// block per (sequence x head, 64 x 64 state tile), gla_sweep_blocks of them, with a per-block fp32
+// level stack of lstk levels (gla_tree_sweep_stack floats);
+struct TreeArgs;
+template <class T>
+void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+template <class T>
+int64_t gla_sweep_blocks(const GlaArgs<T>& a);
+template <class T>
+size_t gla_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
+// the chunk-parallel output kernel, which reads hbuf (with `tree`: the tree's nodes, and the intra
+// block carries lam);
+template <class T>
+void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
+// the forward in one kernel (state in registers, no per-chunk states through global memory unless
+// a.hbuf is set), for the calls heuristics::gla_fused_forward chooses;
+template <class T>
+void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
+// the per-chunk gradients dq, dk, dv, dc (with `tree`: from the tree's nodes and dZ).
+template <class T>
+void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
+// Shared memory of the sm80 output and chunk-gradient kernels, and of the sm80 fused forward.
+size_t gla_output_smem(int dk, int dv, size_t esize);
+size_t gla_bwd_chunk_smem(int dk, int dv, bool tree = false);
+size_t gla_fused_forward_smem(int dk);
+
+// ---- the tiers' launchers (one file per stage and tier) ----------------------------------------------
+// portable (fp32 / fp64; sweep_portable.cu, bwd_chunk_portable.cu): the forward sweep writes o too.
+template <class T>
+void gla_sweep_portable(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+template <class T>
+void gla_bwd_chunk_portable(const GlaArgs<T>& a, cudaStream_t stream);
+template <class T>
+size_t gla_sweep_portable_smem(int dk);
+template <class T>
+size_t gla_bwd_chunk_portable_smem(int dk, int dv);
+// sm80 (bf16 / fp16 on mma.sync; sweep_sm80.cu, output_sm80.cu, fused_fwd_sm80.cu, bwd_chunk_sm80.cu).
+template <class T>
+void gla_sweep_sm80(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+template <class T>
+void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+template <class T>
+void gla_output_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree);
+template <class T>
+void gla_fused_forward_sm80(const GlaArgs<T>& a, cudaStream_t stream);
+template <class T>
+void gla_bwd_chunk_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree);
+// sm90 (sm_90a: TMA + wgmma; sweep_sm90.cu, fused_fwd_sm90.cu, bwd_chunk_sm90.cu), for the calls
+// heuristics.h gives them: false (nothing launched) where this device does not run the build's
+// sm_90a code or TMA cannot describe the operands, and gla.cu then runs the sm80 kernel.
+template <class T>
+bool gla_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
+template <class T>
+bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+template <class T>
+bool gla_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
+template <class T>
+bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 
 // Effective layout of an operand with d (padded) columns.
 __host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }
@@ -141,21 +182,9 @@ __device__ __forceinline__ void store_grad2(float* out, int ld, const GradOut<T>
     v0 += x.x, v1 += x.y;
   }
   if (gt.p)
-    *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + r * gt.ld + col) = tc::pack2<T>(gt.mult * v0, gt.mult * v1);
+    *reinterpret_cast<uint32_t*>(gt.p + h * gt.hs + r * gt.ld + col) = mma::pack2<T>(gt.mult * v0, gt.mult * v1);
   else
     *reinterpret_cast<float2*>(out + prow * ld + col) = make_float2(v0, v1);
 }
-
-// Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
-template <class T>
-void gla_forward(const GlaArgs<T>& a, cudaStream_t stream);
-// Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg.
-// With `recompute`, that forward (its b and hbuf given: it allocates nothing) runs first, on a
-// side stream beside the reverse sweep.
-template <class T>
-void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* recompute = nullptr);
-// Shared memory the kernels need for these head dims (bytes); 0 if they do not fit the device.
-template <class T>
-size_t gla_smem_need(int dk, int dv);
 
 }  // namespace hila::cuda

@@ -1,5 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Log-linear Mamba-2 on the GPU (LOGLINEAR_SPEC §2-5), on the packed head-major buffers of gla.cuh.
+// Log-linear Mamba-2 on the GPU (LOGLINEAR_SPEC §2-5), on the packed head-major buffers of
+// gla/gla.cuh. Two forms: the segment sweep (portable tier, every dtype: sweep_portable.cu) and the
+// chunk-parallel tree form (bf16 / fp16 on the GLA sm80 / sm90 kernels: tree.cuh, tree_sm80.cu);
+// loglinear.cu runs the form compose.cu chose. The sweep's math:
 //   o_t = sum_{n0<=s<=t} lam_t^{l(t,s)} Gamma_{t,s} (q^_t.k_s) v_s + e^{c_t} sum_{l live at n0} lam_t^{l(t,sigma_l(n0))} H0[l]^T q^_t
 // with l(t,s) = bitlen(t xor s) on absolute int64 positions. A call is cut into segments [s,e)
 // that never cross an absolute multiple of kChunk (§3.3); per segment, rows i, j:
@@ -8,16 +11,16 @@
 //   H'[L] += K^T diag(e^{B-b} 1[l(e, s+j) = L]) V               (new tokens by target level)
 // Fenwick states are fp32 (fp64 for fp64) [N][H][Ls][dk][dv], slot = level, canonical (§2.5).
 //
-// Forward: one block per (value tile of 64 columns, sequence x head) sweeps its segments in order;
+// Sweep forward: one block per (value tile of 64 columns, sequence x head) sweeps its segments in order;
 //   the level states live in the final-state buffer (global, L2-resident), one [dk, 64] tile each.
 //   When the live levels entering each segment are stored (always in the backward; in a forward
 //   when they fit a quarter of the free memory) the sweep carries the states alone and the outputs
 //   run chunk-parallel, one block per (segment, head) over all dv columns.
 // Calls from chunk-aligned positions (training from 0 or from a state, prefill, continuation;
-//   a call from an unaligned position is split by backend.cu into the rows up to the next aligned
+//   a call from an unaligned position is split by compose.cu into the rows up to the next aligned
 //   one, swept, and the rest) with 16-bit operands take the chunk-parallel tree form instead
-//   (ll_tree.cuh, loglinear_tree.cu; LlArgs::tree).
-// Backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
+//   (loglinear/tree.cuh, loglinear/tree_sm80.cu; LoglinearArgs::tree).
+// Sweep backward (§5.2): (1) the same sweep stores the live levels entering every segment (compact:
 //   popcount(s) tiles per segment at hoff[g]); (2) a reverse sweep per (value tile, sequence x
 //   head) carries one adjoint per live level, stores the adjoints of the levels the segment's own
 //   tokens land in (goff[g]: one tile per aligned chunk, at most p+1 for the last segment) and the
@@ -38,14 +41,14 @@ namespace hila::cuda {
 // Per-call segment tables: per sequence its start position n0 and first global segment; per
 // segment the offsets of its stored incoming levels (hoff, popcount(s)) and of the adjoints of its
 // new-token levels (goff). Ls = Fenwick slots of the internal states, max_i bitlen(n0_i + len_i) + 1.
-struct LlTables {
+struct LoglinearTables {
   std::vector<int64_t> n0, nend, seg0, hoff, goff;
   DevBuf<int64_t> d_n0, d_nend, d_seg0, d_hoff, d_goff;
   DevBuf<int> d_seg_seq;
   int64_t nseg = 0;
   int Ls = 1;
   int64_t stored_levels() const { return hoff.back(); }  // tiles of hst per head
-  LlTables(const detail::Resolved& r, cudaStream_t s);
+  LoglinearTables(const detail::Resolved& r, cudaStream_t s);
 };
 
 // Arguments: `p` carries the GLA fields with the same meaning (q, k, v, g, sizes, sequence rows,
@@ -53,7 +56,7 @@ struct LlTables {
 // [N][H][Ls][dk][dv]. Unless `tree`, p.ht is required by the forward (it is the working state) and
 // p.dh0 by the backward (the working adjoint).
 template <class T>
-struct LlArgs {
+struct LoglinearArgs {
   using R = Acc<T>;
   GlaArgs<T> p;
   const R* lam = nullptr;            // [H][Ttot][nL]
@@ -72,27 +75,34 @@ struct LlArgs {
 
 // Forward: writes p.o (if set), p.ht (final canonical state) and hst (if set).
 template <class T>
-void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
+void loglinear_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
 // Backward: needs the inputs, p.dO, p.dht (optional), and writes p.dq, p.dk_, p.dv_, p.dg, dlam,
-// p.dh0 (d_init). Reads hst when set (from an ll_forward with hst, [t.stored_levels()][H][dk][dv]);
+// p.dh0 (d_init). Reads hst when set (from a loglinear_forward with hst, [t.stored_levels()][H][dk][dv]);
 // otherwise recomputes it. Allocates dst and dBpart on the stream.
 template <class T>
-void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
-// Chunk-parallel tree form (ll_tree.cuh, loglinear_tree.cu), taken by ll_forward / ll_backward
-// when a.tree, where ll_tree_usable: 16-bit operands, 32 <= dk <= 128, dv <= 128, and
-// HILA_LOGLINEAR_TREE is not 0. The caller sets it when every sequence starts at a chunk-aligned
-// position (n0 % kChunk == 0; the initial state p.h0 when n0 > 0); the forward writes the final
-// state p.ht when want_final, the backward takes the final-state cotangent p.dht when set and
-// writes dH0 into p.dh0 when set. Unlike the sweep it reads q, k, v, dO and writes o, dq, dk, dv in
-// the callers' row layouts (GlaArgs::*_ld, *_hs).
+void loglinear_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
+
+// The segment sweep (sweep_portable.cu), and the shared memory its kernels need for these head
+// dims (bytes).
 template <class T>
-bool ll_tree_usable(int dk, int dv);
+void loglinear_sweep_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
 template <class T>
-void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
+void loglinear_sweep_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
 template <class T>
-void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream);
-// Shared memory the kernels need for these head dims (bytes).
+size_t loglinear_smem_need(int dk, int dv);
+
+// Chunk-parallel tree form (tree.cuh, tree_sm80.cu), taken by loglinear_forward / loglinear_backward
+// when a.tree, where loglinear_tree_usable: 16-bit operands, 32 <= dk <= 128, dv <= 128, its
+// kernels' shared memory, and HILA_LOGLINEAR_TREE is not 0 (heuristics::loglinear_tree). The caller
+// sets it when every sequence starts at a chunk-aligned position (n0 % kChunk == 0; the initial
+// state p.h0 when n0 > 0); the forward writes the final state p.ht when want_final, the backward
+// takes the final-state cotangent p.dht when set and writes dH0 into p.dh0 when set. Unlike the
+// sweep it reads q, k, v, dO and writes o, dq, dk, dv in the callers' row layouts (GlaArgs::*_ld, *_hs).
 template <class T>
-size_t ll_smem_need(int dk, int dv);
+bool loglinear_tree_usable(int dk, int dv);
+template <class T>
+void loglinear_tree_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
+template <class T>
+void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream);
 
 }  // namespace hila::cuda

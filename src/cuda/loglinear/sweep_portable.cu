@@ -1,16 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// Kernels of log-linear Mamba-2; see loglinear.cuh for the math, the layouts and the grid mapping.
+// The log-linear primitive's segment sweep, portable tier (every dtype; shared-memory tile GEMMs,
+// WMMA for bf16 / fp16): the segment tables and the kernels of the forward and backward sweeps and
+// of the chunk-parallel outputs and gradients. loglinear.cuh has the math, the layouts and the grid
+// mapping.
+#include "cuda/dispatch/heuristics.h"
 #include "cuda/loglinear/loglinear.cuh"
-
-#include <cstdlib>
+#include "cuda/runtime/config.h"
 
 namespace hila::cuda {
 
 namespace {
 
-constexpr int kLogChunk = 6;  // p = log2(kChunk): levels inside a chunk are 0..p (§2.6)
 constexpr int kVT = 64;       // value columns per block in the sweeps (state tiles [dk, kVT])
-static_assert((1 << kLogChunk) == kChunk, "kLogChunk must match kChunk");
 
 // ---- levels (§2.1, §2.2) on absolute int64 positions (n >= 0) ------------------------------------
 __host__ __device__ __forceinline__ int bitlen64(int64_t x) {
@@ -116,7 +117,7 @@ static_assert(kVT <= kChunk, "FwdSmem::P holds [C, C] scores and [C, kVT] weight
 // level(l, m) points at element (0, v0) of live level l (the m-th live level of s) as a fp32
 // matrix with row stride p.dv.
 template <class T, class Level>
-__device__ void segment_output(const LlArgs<T>& a, FwdSmem<T>& s, const Seg& sg, int h, int v0, int bv, Level level) {
+__device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const Seg& sg, int h, int v0, int bv, Level level) {
   using R = Acc<T>;
   const GlaArgs<T>& p = a.p;
   const R* lam = a.lam + int64_t(h) * p.Ttot * a.nL;
@@ -152,7 +153,7 @@ __device__ void segment_output(const LlArgs<T>& a, FwdSmem<T>& s, const Seg& sg,
 
 // grid (dv / 64, N * H): one [dk, 64] column tile of every level state per block, kept in p.ht.
 template <class T>
-__global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
+__global__ void __launch_bounds__(256) loglinear_fwd_kernel(LoglinearArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(256) ll_fwd_kernel(LlArgs<T> a) {
 
 // Chunk-parallel outputs from the stored live levels (hst): grid (nseg, H), all dv columns.
 template <class T>
-__global__ void __launch_bounds__(256) ll_out_kernel(LlArgs<T> a) {
+__global__ void __launch_bounds__(256) loglinear_out_kernel(LoglinearArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
@@ -266,7 +267,7 @@ struct RevSmem {
 // sum_l <dH'[l(e, sigma_l(s))], H[l]> (the gate gradient of the re-key) to dBpart;
 // dH[l] = e^B dH'[l(e, sigma_l(s))] (un-merge = copy); dH[l] += Q^^T diag(lam e^b) dO (reads).
 template <class T>
-__global__ void __launch_bounds__(256) ll_bwd_dh_kernel(LlArgs<T> a) {
+__global__ void __launch_bounds__(256) loglinear_bwd_dh_kernel(LoglinearArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
@@ -378,7 +379,7 @@ struct GradSmem {
 
 // grid (nseg, H), 256 threads. The block owns the rows of its segment in dq, dk, dv, dg, dlam.
 template <class T>
-__global__ void __launch_bounds__(256) ll_bwd_chunk_kernel(LlArgs<T> a) {
+__global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<T> a) {
   using R = Acc<T>;
   extern __shared__ __align__(128) char smem[];
   const GlaArgs<T>& p = a.p;
@@ -553,18 +554,18 @@ size_t grad_bytes(int dk, int dv) {
 }
 
 template <class T>
-void launch_sweep_fwd(const LlArgs<T>& a, cudaStream_t stream) {
+void launch_sweep_fwd(const LoglinearArgs<T>& a, cudaStream_t stream) {
   const size_t bytes = fwd_bytes<T>(a.p.dk);
-  set_smem(ll_fwd_kernel<T>, bytes);
+  set_smem(loglinear_fwd_kernel<T>, bytes);
   if (!dry_run()) {  // dry run: workspace_size
-    ll_fwd_kernel<T><<<dim3((a.p.dv + kVT - 1) / kVT, a.p.N * a.p.H), 256, bytes, stream>>>(a);
+    loglinear_fwd_kernel<T><<<dim3((a.p.dv + kVT - 1) / kVT, a.p.N * a.p.H), 256, bytes, stream>>>(a);
     HILA_CUDA_CHECK_LAUNCH();
   }
 }
 
 }  // namespace
 
-LlTables::LlTables(const detail::Resolved& r, cudaStream_t s) {
+LoglinearTables::LoglinearTables(const detail::Resolved& r, cudaStream_t s) {
   std::vector<int> seg_seq;
   hoff.push_back(0);
   goff.push_back(0);
@@ -596,59 +597,54 @@ LlTables::LlTables(const detail::Resolved& r, cudaStream_t s) {
 }
 
 template <class T>
-size_t ll_smem_need(int dk, int dv) {
+size_t loglinear_smem_need(int dk, int dv) {
   return std::max({fwd_bytes<T>(dk), rev_bytes<T>(dk), grad_bytes<T>(dk, dv)});
 }
 
 // Bytes of stored live levels (hst) a forward-only call may allocate to run its outputs
-// chunk-parallel: a quarter of the free device memory, or HILA_LOGLINEAR_STORE_BUDGET (bytes; 0
-// keeps the outputs in the sweep, which the tests use to cover both paths). With a caller's
-// workspace (and in its size query) a quarter of the total: the choice, hence the size, must not
-// depend on what is free at the moment (the workspace itself takes memory between the two).
+// chunk-parallel (heuristics::loglinear_store_budget; HILA_LOGLINEAR_STORE_BUDGET replaces it).
 size_t hst_budget() {
-  if (const char* env = std::getenv("HILA_LOGLINEAR_STORE_BUDGET")) return size_t(std::strtoull(env, nullptr, 10));
+  if (const auto& knob = config().loglinear_store_budget) return *knob;
   size_t free = 0, total = 0;
   HILA_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return (current_arena() ? total : free) / 4;
+  return heuristics::loglinear_store_budget(free, total, current_arena() != nullptr);
 }
 
 template <class T>
-void ll_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
+void loglinear_sweep_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream) {
   using R = Acc<T>;
-  if (a.p.N == 0 || a.p.H == 0) return;
-  if (a.tree) return ll_tree_forward(a, t, stream);
   // The sweep is parallel over (value tile, sequence x head) only. When the live levels entering
   // each segment are (or may be) stored, it carries the states alone and the outputs run in one
   // block per (segment, head).
   const size_t optin = smem_optin();
   const size_t ob = out_bytes<T>(a.p.dk, a.p.dv);
   const size_t hst_bytes = size_t(t.stored_levels()) * a.p.H * a.p.dk * a.p.dv * sizeof(R);
-  if (!a.p.o || t.nseg == 0 || ob > optin || (!a.hst && hst_bytes > hst_budget())) {
+  const heuristics::Device d{0, optin};
+  if (!heuristics::loglinear_outputs_chunk_parallel(a.p.o != nullptr, t.nseg, ob, d, a.hst != nullptr, hst_bytes,
+                                                    hst_budget)) {
     launch_sweep_fwd(a, stream);
     return;
   }
   DevBuf<R> hst;
-  LlArgs<T> b = a;
+  LoglinearArgs<T> b = a;
   if (!b.hst && hst_bytes > 0) b.hst = (hst = DevBuf<R>(hst_bytes / sizeof(R), stream)).get();
   b.p.o = nullptr;
   launch_sweep_fwd(b, stream);
   b.p.o = a.p.o;
-  set_smem(ll_out_kernel<T>, ob);
+  set_smem(loglinear_out_kernel<T>, ob);
   if (!dry_run()) {  // dry run: workspace_size
-    ll_out_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, ob, stream>>>(b);
+    loglinear_out_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, ob, stream>>>(b);
     HILA_CUDA_CHECK_LAUNCH();
   }
 }
 
 template <class T>
-void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
+void loglinear_sweep_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t stream) {
   using R = Acc<T>;
-  if (a.p.N == 0 || a.p.H == 0) return;
-  if (a.tree) return ll_tree_backward(a, t, stream);
   const int64_t tile = int64_t(a.p.dk) * a.p.dv;
   const int ntiles = (a.p.dv + kVT - 1) / kVT;
   DevBuf<R> ht, hst, dst(size_t(t.goff.back() * a.p.H * tile), stream), dBpart(size_t(t.nseg * a.p.H * ntiles), stream);
-  LlArgs<T> b = a;
+  LoglinearArgs<T> b = a;
   b.dst = dst.get(), b.dBpart = dBpart.get();
   if (!a.hst && t.hoff.back() > 0) {  // states only, storing the live levels entering every segment
     ht = DevBuf<R>(size_t(int64_t(a.p.N) * a.p.H * a.Ls * tile), stream);
@@ -657,26 +653,26 @@ void ll_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t stream) {
     launch_sweep_fwd(b, stream);
   }
   const size_t rb = rev_bytes<T>(a.p.dk);
-  set_smem(ll_bwd_dh_kernel<T>, rb);
+  set_smem(loglinear_bwd_dh_kernel<T>, rb);
   if (!dry_run()) {  // dry run: workspace_size
-    ll_bwd_dh_kernel<T><<<dim3(ntiles, a.p.N * a.p.H), 256, rb, stream>>>(b);
+    loglinear_bwd_dh_kernel<T><<<dim3(ntiles, a.p.N * a.p.H), 256, rb, stream>>>(b);
     HILA_CUDA_CHECK_LAUNCH();
   }
   if (!dry_run()) HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(R), stream));
   if (t.nseg > 0) {
     const size_t gb = grad_bytes<T>(a.p.dk, a.p.dv);
-    set_smem(ll_bwd_chunk_kernel<T>, gb);
+    set_smem(loglinear_bwd_chunk_kernel<T>, gb);
     if (!dry_run()) {  // dry run: workspace_size
-      ll_bwd_chunk_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, gb, stream>>>(b);
+      loglinear_bwd_chunk_kernel<T><<<dim3(unsigned(t.nseg), a.p.H), 256, gb, stream>>>(b);
       HILA_CUDA_CHECK_LAUNCH();
     }
   }
 }
 
 #define HILA_INSTANTIATE(T)                                                      \
-  template void ll_forward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);  \
-  template void ll_backward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t); \
-  template size_t ll_smem_need<T>(int, int);
+  template void loglinear_sweep_forward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t);  \
+  template void loglinear_sweep_backward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t); \
+  template size_t loglinear_smem_need<T>(int, int);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -21,11 +21,11 @@
 //   dlam[i, p+m] = e^{b_i+gap} q^_i.(dO node_m^T)_i, dlam[i, LUT] from the intra block, dc = q^.dq^ - k.dk
 //   (the initial levels' reads enter q^.dq^ like any other, so dg needs no extra term), and
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
-//   A final-state cotangent dHT (final state as in ll_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
+//   A final-state cotangent dHT (final state as in loglinear_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
 //   the pending node of level m before the push-down, w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
 //   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}), and <dHT, HT> to dg at the
 //   last row (the GLA identity dg = revcumsum(q.dq - k.dk) + <dHT, HT>).
-//   The parts of long reading ranges (ll_wkv_kernel kPart) need a0 = 0.
+//   The parts of long reading ranges (loglinear_wkv_kernel kPart) need a0 = 0.
 // All nodes, their cotangents and beta are fp32.
 //
 // Layout (SeqNodes): level m of a sequence holds the nodes j in [lo_m, hi_m), lo_m = max(0,
@@ -39,8 +39,6 @@
 
 namespace hila::cuda {
 
-constexpr int kLogChunk = 6;  // p = log2(kChunk): in-chunk levels 0..p (§2.6)
-static_assert((1 << kLogChunk) == kChunk, "kLogChunk must match kChunk");
 
 __host__ __device__ __forceinline__ int bitlen64u(uint64_t x) {
 #ifdef __CUDA_ARCH__
@@ -96,14 +94,14 @@ struct TreeArgs {
   const int* slot_seq = nullptr;  // [slots]: the sequence of each node slot (nullptr: chunk_seq[slot / 2])
   const float* h0 = nullptr;
   float* dh0 = nullptr;           // backward: the initial state's adjoint, same layout (nullptr: not wanted)
-  int Ls = 0;  // Fenwick slots of h0, dh0 and dht (LlArgs::Ls)
+  int Ls = 0;  // Fenwick slots of h0, dh0 and dht (LoglinearArgs::Ls)
   // forward with a final state: the nodes pending after the full chunks of each sequence (the
   // set bits m-1 of a0 + len / C), fp32 [N][H][lpend][dk][dv] at level m, written by the tree build
   float* pend = nullptr;
   int lpend = 0;
   // backward with a final-state cotangent dht (Fenwick [N][H][Ls][dk][dv] fp32): the pending node
   // at level m gains fcoef[seq][h][m] dht[p + m] in the push-down ([N][H][lpend]); the last partial
-  // chunk's rows gain fin_dk [N][H][C][dk], fin_dv [N][H][C][dv] in dk, dv (ll_final_bwd_kernel)
+  // chunk's rows gain fin_dk [N][H][C][dk], fin_dv [N][H][C][dv] in dk, dv (loglinear_final_bwd_kernel)
   const float* dht = nullptr;
   const float *fcoef = nullptr, *fin_dk = nullptr, *fin_dv = nullptr;
 };
@@ -145,7 +143,7 @@ __device__ __forceinline__ T* node16_at(const TreeArgs& ta, int64_t slot, int h,
   return static_cast<T*>(const_cast<void*>(ta.node16)) + (slot * H + h) * int64_t(dk) * dv;
 }
 
-// The tree build inside a state sweep (gla_tc.cu's sweep_kernel<kTree>, gla_sm90.cu's
+// The tree build inside a state sweep (gla/sweep_sm80.cu's sweep_kernel<kTree>, gla/sweep_sm90.cu's
 // sweep_sm90_kernel<kTree>): one block of kThreads per (sequence x head, 64 x 64 state tile) with the
 // tile in registers, thread element (j, e) at state row k0 + 16w + g + 8(e >> 1) and column
 // v0 + 8j + 2t + (e & 1) (w the warp, g = lane / 4, t = lane % 4; the mma.sync accumulator layout and
@@ -191,7 +189,7 @@ __device__ __forceinline__ void tree_seed(const TreeArgs& ta, const SeqNodes& sn
         at(j, e) = (active && j < nt) ? src[int64_t(r + (e >> 1) * 8) * dv + c0 + 8 * j + (e & 1)] : 0.f;
     stk.put(m, at);
     if (active)
-      tc::store_tile16(node16_at<T>(ta, sn.slot(m, (sn.a0 >> (m - 1)) - 1), h, H, dk, dv), dv, r, c0, nt, at);
+      mma::store_tile16(node16_at<T>(ta, sn.slot(m, (sn.a0 >> (m - 1)) - 1), h, H, dk, dv), dv, r, c0, nt, at);
   }
 }
 
@@ -205,12 +203,12 @@ __device__ __forceinline__ void tree_close(const TreeArgs& ta, const SeqNodes& s
   int m = 1;
   int64_t i = sn.a0 + c;
   while (i & 1) {
-    stk.add(m, tc::fexp(ta.beta[sn.slot(m, i) * H + h]), at);
+    stk.add(m, mma::fexp(ta.beta[sn.slot(m, i) * H + h]), at);
     i >>= 1, ++m;
   }
   stk.put(m, at);
   if (active)
-    tc::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
+    mma::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
 }
 
 // After the last full chunk (nch of them): the pending nodes, level m for each set bit m-1 of
@@ -237,7 +235,7 @@ __device__ __forceinline__ void tree_pending(const TreeArgs& ta, const SeqNodes&
 template <class T>
 __device__ __forceinline__ void async_node(T* s, int ld, const TreeArgs& ta, int64_t slot, int h, int H, int dk, int dv,
                                            int v0, int bv) {
-  tc::async_rows(s, ld, node16_at<T>(ta, slot, h, H, dk, dv), dv, 0, dk, v0, bv, dk);
+  mma::async_rows(s, ld, node16_at<T>(ta, slot, h, H, dk, dv), dv, 0, dk, v0, bv, dk);
 }
 
 }  // namespace hila::cuda

@@ -1,15 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// Chunk-parallel tree form of log-linear Mamba-2 on tensor cores (ll_tree.cuh has the math and
-// the node layout). The chunk kernels are the GLA core's (gla_tc.cu) with the tree operands; this
+// Chunk-parallel tree form of log-linear Mamba-2 on tensor cores (loglinear/tree.cuh has the math and
+// the node layout). The chunk kernels are the GLA core's (gla/output_sm80.cu, gla/bwd_chunk_sm80.cu) with the tree operands; this
 // file builds the tree: beta, Z and the node levels (forward), the node cotangents and their
 // push-down (backward).
-#include <cstdlib>
-#include <cstring>
-
+#include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/gla.cuh"
 #include "cuda/loglinear/tree.cuh"
 #include "cuda/loglinear/loglinear.cuh"
 #include "cuda/prims/mma.cuh"
+#include "cuda/runtime/config.h"
 #include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
@@ -29,10 +28,10 @@ __device__ __forceinline__ int64_t chunks_of(const int64_t* len, int seq) {
   return (len[seq] + kChunk - 1) / kChunk;
 }
 
-// beta of every node (ll_tree.cuh): one block per (sequence, head); level by level. The chunks
+// beta of every node (loglinear/tree.cuh): one block per (sequence, head); level by level. The chunks
 // before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0.
 template <class T>
-__global__ void __launch_bounds__(256) ll_beta_kernel(GlaArgs<T> a, TreeArgs ta, float* beta) {
+__global__ void __launch_bounds__(256) loglinear_beta_kernel(GlaArgs<T> a, TreeArgs ta, float* beta) {
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int64_t len = a.len[seq], nc = (len + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
@@ -64,7 +63,7 @@ __global__ void __launch_bounds__(256) ll_beta_kernel(GlaArgs<T> a, TreeArgs ta,
 //     slot chunk0 + (m - split) nb + b (nb = ceil(nc / kSplit) blocks per level), gap from the
 //     block start.
 template <class T, WkvMode kMode>
-__global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, float* out, T* out16, int split) {
+__global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeArgs ta, float* out, T* out16, int split) {
   constexpr bool kQdO = kMode != kZ;
   extern __shared__ __align__(128) char smem[];
   constexpr size_t kTileBytes = size_t(kChunk) * kLdTile * sizeof(T);
@@ -125,9 +124,9 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
     const int st = i % kStages;
     const int64_t cn = c_begin + i, r0 = row0 + cn * kChunk;
     const int nr = rows_in(len, cn);
-    tc::async_rows(Xs(st), kLdTile, X, ldx, r0, nr, k0, bk, kChunk);
-    tc::async_rows(Ys(st), kLdTile, Y, ldy, r0, nr, v0, bv, kChunk);
-    tc::cp_async_commit();
+    mma::async_rows(Xs(st), kLdTile, X, ldx, r0, nr, k0, bk, kChunk);
+    mma::async_rows(Ys(st), kLdTile, Y, ldy, r0, nr, v0, bv, kChunk);
+    mma::cp_async_commit();
     const float B = b ? b[r0 + nr - 1] : 0.f;
     if (threadIdx.x < kChunk) {
       const int r = threadIdx.x;
@@ -142,20 +141,20 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
   };
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < n) issue(i);
-    else tc::cp_async_commit();
+    else mma::cp_async_commit();
   }
   float acc[8][4];
-  tc::zero(acc);
+  mma::zero(acc);
   for (int i = 0; i < n; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
-    tc::cp_async_wait<kStages - 2>();
+    mma::cp_async_wait<kStages - 2>();
     __syncthreads();
     if (i + kStages - 1 < n) issue(i + kStages - 1);
-    else tc::cp_async_commit();
+    else mma::cp_async_commit();
     const int st = i % kStages;
     const float* ws = Ws(st);
     if (active)  // [64 (dk), C] x [C, 64 (dv)]
-      tc::warp_gemm_tn_weighted<T, 8>(acc, Xs(st), kLdTile, 16 * w, Ys(st), kLdTile, nt, kChunk,
+      mma::warp_gemm_tn_weighted<T, 8>(acc, Xs(st), kLdTile, 16 * w, Ys(st), kLdTile, nt, kChunk,
                                       [&](int k) { return ws[k]; });
   }
   if (!active) return;
@@ -167,7 +166,7 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
       for (int hf = 0; hf < 2; ++hf) {
         const int64_t x = at + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t;
         *reinterpret_cast<float2*>(out + x) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
-        if (kMode == kZ) *reinterpret_cast<uint32_t*>(out16 + x) = tc::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+        if (kMode == kZ) *reinterpret_cast<uint32_t*>(out16 + x) = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
       }
 }
 
@@ -181,10 +180,9 @@ __global__ void __launch_bounds__(128) ll_wkv_kernel(GlaArgs<T> a, TreeArgs ta, 
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
 //         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3.
-constexpr int kMaxLevels = 64;
 
 template <class T, bool kDown>
-__global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
+__global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
                                                       TreeArgs ta, const float* node, T* n16, const float* parts,
                                                       int split) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
@@ -204,7 +202,7 @@ __global__ void __launch_bounds__(256) ll_tree_kernel(const int64_t* lens, const
   auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + (slot * H + h) * tile + e); };
   auto put = [&](int64_t slot, float4 x) {
     uint2 u;
-    u.x = tc::pack2<T>(x.x, x.y), u.y = tc::pack2<T>(x.z, x.w);
+    u.x = mma::pack2<T>(x.x, x.y), u.y = mma::pack2<T>(x.z, x.w);
     *reinterpret_cast<uint2*>(n16 + (slot * H + h) * tile + e) = u;
   };
   auto axpy = [](float4& y, float f, const float4& x) { y.x += f * x.x, y.y += f * x.y, y.z += f * x.z, y.w += f * x.w; };
@@ -286,9 +284,9 @@ size_t wkv_smem() {
   return kStages * (2 * size_t(kChunk) * kLdTile * sizeof(T) + kChunk * sizeof(float));
 }
 
-// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (ll_tree.cuh:
+// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (loglinear/tree.cuh:
 // 2 nchunks slots when every sequence starts at position 0, else the SeqNodes totals with their
-// bases in ta.nbase). Built by the tree sweep (gla_tc.cu) when it has enough blocks to fill the GPU
+// bases in ta.nbase). Built by the tree sweep (gla/sweep_sm80.cu, gla/sweep_sm90.cu) when it has enough blocks to fill the GPU
 // (sequences x heads x 64 x 64 tiles >= half the SMs); otherwise chunk-parallel: Z (fp32 and 16-bit,
 // one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
 // sequence, the depth of the up pass's stacks.
@@ -302,7 +300,7 @@ struct Tree {
   DevBuf<float> beta;
   DevBuf<T> node16;
   TreeArgs ta;
-  Tree(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
+  Tree(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
     std::vector<int64_t> va0, vbase;
     std::vector<int> vseq;
     for (size_t i = 0; i < t.n0.size(); ++i) {
@@ -334,7 +332,7 @@ struct Tree {
 //     ((a0 + nf) >> (m-1) == a0 >> (m-1): the re-key of the initial level is the identity)
 //   all other slots zero.
 template <class T>
-__global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht) {
+__global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht) {
   __shared__ __align__(128) T Ks[kChunk * kLdTile];
   __shared__ __align__(128) T Vs[kChunk * kLdTile];
   __shared__ float bs[kChunk];
@@ -349,23 +347,23 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
   const int r = int(len - nf * kChunk);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (r > 0) {
-    tc::async_rows(Ks, kLdTile, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, r, k0,
+    mma::async_rows(Ks, kLdTile, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, r, k0,
                    bk, kChunk);
-    tc::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, r, v0,
+    mma::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, r, v0,
                    bv, kChunk);
   }
-  tc::cp_async_commit();
+  mma::cp_async_commit();
   if (threadIdx.x < kChunk) bs[threadIdx.x] = (b && int(threadIdx.x) < r) ? b[r0 + threadIdx.x] : 0.f;
-  tc::cp_async_wait<0>();
+  mma::cp_async_wait<0>();
   __syncthreads();
   const float Br = r > 0 ? bs[r - 1] : 0.f;
   for (int l = 0; l < ta.Ls; ++l) {
     float acc[8][4];
-    tc::zero(acc);
+    mma::zero(acc);
     if (l >= 1 && l <= kLogChunk && ((r >> (l - 1)) & 1)) {
       const int lo = (r >> l) << l, hi = lo + (1 << (l - 1));
       if (active)  // [64 (dk), C] x [C, 64 (dv)] over the bucket's rows
-        tc::warp_gemm_tn_weighted<T, 8>(acc, Ks, kLdTile, 16 * w, Vs, kLdTile, nt, kChunk,
+        mma::warp_gemm_tn_weighted<T, 8>(acc, Ks, kLdTile, 16 * w, Vs, kLdTile, nt, kChunk,
                                         [&](int k) { return k >= lo && k < hi ? __expf(Br - bs[k]) : 0.f; });
     } else if (l > kLogChunk && ((n >> (l - kLogChunk - 1)) & 1)) {
       const int m = l - kLogChunk;
@@ -398,14 +396,14 @@ __global__ void __launch_bounds__(128) ll_final_kernel(GlaArgs<T> a, TreeArgs ta
   }
 }
 
-// The final-state cotangent dHT = ta.dht in a tree backward (ll_tree.cuh); grid N x H, 256 threads:
+// The final-state cotangent dHT = ta.dht in a tree backward (loglinear/tree.cuh); grid N x H, 256 threads:
 //   fcoef[m] = e^{gap_m(n) + B_r} for the pending node of each set bit m-1 of n = a0 + nf (the
 //     push-down adds fcoef[m] dHT[p + m] to it; B_r: the partial chunk's total, 0 without one);
 //   the partial chunk's rows s < r (level l = bitlen(r xor s), w = e^{B_r - b_s}), fp32:
 //     fin_dk[s] = w dHT[l] v_s   [dk, dv] x [dv]      fin_dv[s] = w dHT[l]^T k_s   [dv, dk] x [dk]
 //   an empty sequence: dH0 = dHT (its final state is its initial one) when dh0 is set.
 template <class T>
-__global__ void __launch_bounds__(256) ll_final_bwd_kernel(GlaArgs<T> a, TreeArgs ta, float* fcoef, float* fin_dk,
+__global__ void __launch_bounds__(256) loglinear_final_bwd_kernel(GlaArgs<T> a, TreeArgs ta, float* fcoef, float* fin_dk,
                                                            float* fin_dv, float* dh0) {
   __shared__ float bs[kChunk];
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
@@ -454,9 +452,9 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
                 int64_t slots = 0) {
   const unsigned items = unsigned(kMode == kRead ? slots : p.nchunks);
   const dim3 grid(items, p.H, unsigned(((p.dk + kTile - 1) / kTile) * ((p.dv + kTile - 1) / kTile)));
-  set_smem(ll_wkv_kernel<T, kMode>, wkv_smem<T>());
+  set_smem(loglinear_wkv_kernel<T, kMode>, wkv_smem<T>());
   if (dry_run()) return;  // dry run: workspace_size
-  ll_wkv_kernel<T, kMode><<<grid, 128, wkv_smem<T>(), s>>>(p, ta, out, out16, split);
+  loglinear_wkv_kernel<T, kMode><<<grid, 128, wkv_smem<T>(), s>>>(p, ta, out, out16, split);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -464,7 +462,7 @@ template <class T, bool kDown>
 void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
                  const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels) {
   if (dry_run()) return;  // dry run: workspace_size
-  ll_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
+  loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
       len, chunk0, H, tile, ta, node, n16, parts, split);
   HILA_CUDA_CHECK_LAUNCH();
 }
@@ -473,14 +471,12 @@ void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64
 template <class T>
 void build_tree(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
   if (!dry_run()) {  // dry run: workspace_size
-    ll_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
+    loglinear_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
     HILA_CUDA_CHECK_LAUNCH();
   }
-  const char* env = std::getenv("HILA_LOGLINEAR_TREE_SWEEP");  // 0 / 1: force the choice (tests)
-  const bool sweep = env ? std::strcmp(env, "0") != 0 : 2 * tc_sweep_blocks(p) >= sm_count();
-  if (sweep) {
-    DevBuf<float> stack(tc_tree_sweep_stack(p, lstk), s);
-    tc_tree_sweep(p, tr.ta, stack.get(), lstk, s);
+  if (heuristics::loglinear_tree_build_in_sweep(gla_sweep_blocks(p), sm_count(), config().loglinear_tree_sweep)) {
+    DevBuf<float> stack(gla_tree_sweep_stack(p, lstk), s);
+    gla_tree_sweep(p, tr.ta, stack.get(), lstk, s);
   } else {
     DevBuf<float> z(size_t(tr.slots * p.H * p.dk * p.dv), s);
     launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
@@ -491,20 +487,18 @@ void build_tree(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
 }  // namespace
 
 template <class T>
-bool ll_tree_usable(int dk, int dv) {
+bool loglinear_tree_usable(int dk, int dv) {
   if constexpr (!kTensorCore<T>) {
     return false;
   } else {
-    if (const char* env = std::getenv("HILA_LOGLINEAR_TREE"); env && std::strcmp(env, "0") == 0) return false;
-    // one dQ pass per warp (dk <= 128) that every warp takes part in (dk >= 32); dv tiles of the output
-    if (dk < 32 || dk > 128 || dv > 128) return false;
+    if (!heuristics::loglinear_tree(true, dk, dv, config().loglinear_tree)) return false;
     const size_t optin = smem_optin();
-    return std::max({tc_bwd_smem(dk, dv, true), tc_output_smem(dk, dv, sizeof(T)), wkv_smem<T>()}) <= optin;
+    return std::max({gla_bwd_chunk_smem(dk, dv, true), gla_output_smem(dk, dv, sizeof(T)), wkv_smem<T>()}) <= optin;
   }
 }
 
 template <class T>
-void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
+void loglinear_tree_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     if ((!a.p.o && !a.want_final) || a.p.N == 0 || a.p.H == 0) return;
     Tree<T> tr(a, t, s);
@@ -512,9 +506,9 @@ void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     DevBuf<float> pend(a.want_final ? size_t(int64_t(a.p.N) * a.p.H * lstk * a.p.dk * a.p.dv) : 0, s);
     tr.ta.pend = pend.get(), tr.ta.lpend = a.want_final ? lstk : 0;
     if (a.p.nchunks > 0) build_tree(a.p, tr, lstk, s);
-    if (a.p.o && a.p.nchunks > 0) tc_output(a.p, s, &tr.ta);
+    if (a.p.o && a.p.nchunks > 0) gla_output(a.p, s, &tr.ta);
     if (a.want_final && !dry_run()) {  // dry run: workspace_size
-      ll_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+      loglinear_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
                            128, 0, s>>>(a.p, tr.ta, a.p.ht);
       HILA_CUDA_CHECK_LAUNCH();
     }
@@ -522,7 +516,7 @@ void ll_tree_forward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
 }
 
 template <class T>
-void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
+void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     if (a.p.N == 0 || a.p.H == 0) return;
     const int64_t tile = int64_t(a.p.dk) * a.p.dv, NH = int64_t(a.p.N) * a.p.H;
@@ -533,7 +527,7 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     }
     Tree<T> tr(a, t, s);
     tr.ta.dh0 = a.p.dh0;
-    // a final-state cotangent: the pending nodes (for HT, the dg term) and the ll_final_bwd_kernel terms
+    // a final-state cotangent: the pending nodes (for HT, the dg term) and the loglinear_final_bwd_kernel terms
     const bool fin = a.p.dht != nullptr;
     DevBuf<float> pend(fin ? size_t(NH * tr.lstk * tile) : 0, s), HT(fin ? size_t(NH * a.Ls * tile) : 0, s);
     DevBuf<float> fcoef(fin ? size_t(NH * tr.lstk) : 0, s);
@@ -545,10 +539,10 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     }
     if (a.p.nchunks > 0) build_tree(a.p, tr, tr.lstk, s);
     if (fin && !dry_run()) {  // dry run: workspace_size
-      ll_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
+      loglinear_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
       HILA_CUDA_CHECK_LAUNCH();
       if (a.p.nchunks > 0) {
-        ll_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+        loglinear_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
                              128, 0, s>>>(a.p, tr.ta, HT.get());
         HILA_CUDA_CHECK_LAUNCH();
       }
@@ -559,15 +553,14 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
     // parts of the long reading ranges: (top - 5) ceil(nc / 16) <= nc slots per sequence while every
     // sequence starts at 0 and has at most 2^20 chunks; otherwise the ranges are summed whole (from
     // n0 > 0 a range within the call has at most nc chunks, the length of the tree sweep)
-    const int split =
-        !tr.shifted && a.p.Ttot / kChunk + a.p.N <= (int64_t(1) << 20) ? kSplitLevel : kMaxLevels;
+    const int split = heuristics::loglinear_tree_parts(tr.shifted, a.p.Ttot, a.p.N, kChunk) ? kSplitLevel : kMaxLevels;
     DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
     launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
     launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
                          parts.get(), split);
     tr.ta.dz16 = dz16.get();
-    tc_bwd_chunk(a.p, s, &tr.ta);
+    gla_bwd_chunk(a.p, s, &tr.ta);
     // dg = reverse cumsum of q.dq - k.dk, plus <dHT, HT> at the last row: gla_dg reduces its
     // [N][H][dk][dv] states, so the Fenwick [N][H][Ls][dk][dv] ones pass as dk' = Ls dk rows
     GlaArgs<T> p = a.p;
@@ -577,9 +570,9 @@ void ll_tree_backward(const LlArgs<T>& a, const LlTables& t, cudaStream_t s) {
 }
 
 #define HILA_INSTANTIATE(T)                                                          \
-  template bool ll_tree_usable<T>(int, int);                                         \
-  template void ll_tree_forward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);  \
-  template void ll_tree_backward<T>(const LlArgs<T>&, const LlTables&, cudaStream_t);
+  template bool loglinear_tree_usable<T>(int, int);                                         \
+  template void loglinear_tree_forward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t);  \
+  template void loglinear_tree_backward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -12,7 +12,7 @@
 #pragma once
 #include "cuda/common.cuh"
 
-namespace hila::cuda::tc {
+namespace hila::cuda::mma {
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -316,4 +316,4 @@ __device__ __forceinline__ void store_tile16(T* dst, int ld, int r, int c0, int 
             pack2<T>(at(j, 2 * hf), at(j, 2 * hf + 1));
 }
 
-}  // namespace hila::cuda::tc
+}  // namespace hila::cuda::mma

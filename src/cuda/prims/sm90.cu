@@ -11,6 +11,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/prims/sm90.cuh"
+#include "cuda/runtime/config.h"
 
 namespace hila::cuda::sm90 {
 
@@ -29,11 +30,8 @@ bool encode_tile_map(CUtensorMap* map, bool, const void* base, int rank, const u
   std::memcpy(map, &m, sizeof m);
   return true;
 }
-// HILA_EMU_SM90=1 runs the sm_90a kernels on the emulator (the portable ones otherwise)
-bool runs_sm90a(const void*) {
-  const char* env = std::getenv("HILA_EMU_SM90");
-  return env && std::strcmp(env, "1") == 0;
-}
+// HILA_EMU_SM90=1 runs the sm_90a kernels on the emulator (the sm80 ones otherwise)
+bool runs_sm90a(const void*) { return config().emu_sm90; }
 #else
 namespace {
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {

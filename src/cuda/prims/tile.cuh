@@ -9,6 +9,9 @@ namespace hila::cuda {
 
 constexpr int kChunk = 64;  // tokens per chunk (a power of two; 64 fits the tile GEMMs)
 static_assert(kChunk == 64, "chunk_cumsum scans two gates per lane of one warp");
+constexpr int kLogChunk = 6;  // p = log2(kChunk): the levels inside a chunk are 0..p (LOGLINEAR_SPEC §2.6)
+static_assert((1 << kLogChunk) == kChunk, "kLogChunk must match kChunk");
+constexpr int kMaxLevels = 64;  // levels of an int64 position: bitlen(n) <= 64
 
 // Shared-memory carve-out: bump allocator over the dynamic buffer, 128-byte aligned pieces.
 struct Carve {
@@ -123,18 +126,5 @@ size_t layout_bytes(A... sizes) {
   return b;
 }
 
-// Dynamic shared memory one block may opt into on the current device (bytes).
-inline size_t smem_optin() {
-  int dev = 0, optin = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return size_t(optin);
-}
-
-// Opts a kernel into `bytes` of dynamic shared memory.
-template <class F>
-void set_smem(F* kernel, size_t bytes) {
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-}
 
 }  // namespace hila::cuda

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-side runtime pieces shared by every CUDA operator family: stream-ordered buffers, the
-// strided-tensor view that pack/unpack kernels read, launch helpers, the per-call sequence tables
-// and the device scope of a call.
+// strided-tensor view that pack/unpack kernels read, launch helpers, the per-call sequence tables,
+// the device scope of a call and the device's limits. Defined here and in this folder's .cu files:
+// arena.cu (Arena, scopes, poisoning, the pool), upload.cu (upload_async), streams.cu (SideStream),
+// device.cu (CUDA errors, the value scans validation reads, a DecodeState's device memory);
+// config.h has the environment knobs.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -9,6 +12,7 @@
 
 #include "core/problem.h"
 #include "cuda/common.cuh"
+#include "cuda/dispatch/heuristics.h"
 #include "hila/tensor.h"
 
 namespace hila::cuda {
@@ -73,7 +77,7 @@ class NoAllocScope {
 };
 void check_alloc_allowed();  // throws inside a NoAllocScope
 
-// HILA_POISON_SCRATCH=1 (the GPU tests set it; read once): every temporary is filled with 0xff
+// HILA_POISON_SCRATCH=1 (the GPU tests set it; config.h): every temporary is filled with 0xff
 // (NaN in every float dtype) unless it is asked for zeroed, and is followed by kScratchGuard more
 // such bytes. A kernel that reads scratch it never wrote, or a little past a buffer (into the next
 // arena block, where compute-sanitizer sees nothing), then gets NaN and fails its test.
@@ -160,7 +164,7 @@ __device__ void st(const Strided& t, int64_t off, R x) {
   }
 }
 
-inline unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4)); }
+inline unsigned grid_for(int64_t n) { return heuristics::grid_stride_blocks(n); }
 inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
 #define HILA_LAUNCH(kernel, n, s, ...)                        \
   do {                                                        \
@@ -248,6 +252,23 @@ inline int sm_count() {
     return x;
   }();
   return n;
+}
+
+// Dynamic shared memory one block may opt into on the current device (bytes).
+inline size_t smem_optin() {
+  int dev = 0, optin = 0;
+  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return size_t(optin);
+}
+
+// What the launch policies (dispatch/heuristics.h) know of the device.
+inline heuristics::Device device_info() { return heuristics::Device{sm_count(), smem_optin()}; }
+
+// Opts a kernel into `bytes` of dynamic shared memory.
+template <class F>
+void set_smem(F* kernel, size_t bytes) {
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace hila::cuda
