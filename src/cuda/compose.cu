@@ -210,11 +210,7 @@ struct Call {
     if (fin.P.defined())
       HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dvp, s, Strided(fin.P), in.Pf.get(), NH, r.H, int(r.dk), int(r.dvp), dkp, dvp);
     if (fin.H.defined()) unpack_H(fin.H, Hf);
-    if (fin.pos.defined()) {
-      std::vector<int64_t> pos;
-      for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-      upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
-    }
+    upload_final_positions(fin.pos, r, s);
   }
 };
 

@@ -103,11 +103,7 @@ template <class T>
 void GdnCall<T>::write_final(const StateView& fin) {
   if (fin.H.defined())
     HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dv, s, Strided(fin.H), ht.get(), NH, r.H, int(r.dk), int(r.dv), dk, dv);
-  if (fin.pos.defined()) {
-    std::vector<int64_t> pos;
-    for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-    upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
-  }
+  upload_final_positions(fin.pos, r, s);
 }
 
 template struct GdnCall<__nv_bfloat16>;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Plain Gated DeltaNet (gdn) on the sm80 tier (tensor cores, delta.cuh), in the fla form of LOGLINEAR_SPEC §6.4 (the gated UT
-// inverse, which equals the plain recurrence; oracles gdn_chunk_plain, gdn_plain_vjp_chunk). Per
-// chunk of C = 64 rows, with the chunk-local cumsum b of the log-gates, B = b[C-1], w = e^{B-b}:
+// Plain Gated DeltaNet (gdn) on the sm80 tier (tensor cores, delta.cuh), in the fla form of
+// LOGLINEAR_SPEC §6.4 (the gated UT inverse, which equals the plain recurrence; oracles
+// gdn_chunk_plain, gdn_plain_vjp_chunk). Per chunk of C = 64 rows, with the chunk-local cumsum b
+// of the log-gates, B = b[C-1], w = e^{B-b}:
 //   Tg = (I + tril_-1(diag(beta) (Gam o K K^T)))^-1     [C,C], Gam_ij = e^{b_i - b_j}
 //   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (fp32)
 // along the chunks of a sequence, with S the state entering the chunk:
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const SweepItem it(a);
   const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
   const bool active = it.active;
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
           const float2 u = col < bv ? *reinterpret_cast<const float2*>(Ut + i * kLdU + col) : make_float2(0.f, 0.f);
           const uint32_t y = mma::pack2<T>(u.x - x[j][2 * hf], u.y - x[j][2 * hf + 1]);  // columns >= bv: 0
           *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = y;
@@ -129,6 +131,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const SweepItem it(a);
   const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
   const bool active = it.active;
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   // this thread's entries of S_out, the state at the end of the chunk (16-bit, from hbuf), loaded a
   // chunk ahead into registers; after the last chunk it is the final state, read from ht
   uint32_t so16[8][2] = {};
-  auto soff = [&](int j, int hf) { return int64_t(16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t; };
+  auto soff = [&](int j, int hf) { return int64_t(fr.row(16 * w, hf)) * a.dv + fr.col(v0, j); };
   auto prefetch_so = [&](int64_t cnext) {  // hbuf of chunk cnext
     const T* So = a.hbuf + (cnext * a.H + h) * int64_t(a.dk) * a.dv;
 #pragma unroll
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
           const float wi = __expf(B - bt[i]);
           const float2 u = col < bv ? *reinterpret_cast<const float2*>(Dt + i * kLdU + col) : make_float2(0.f, 0.f);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) =

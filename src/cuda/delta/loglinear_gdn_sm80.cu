@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk, true);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const SweepItem it(a);
   const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
   const bool active = it.active;
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (active && j < nt) acc[j][e] += src[int64_t(16 * w + g + (e >> 1) * 8) * a.dv + v0 + 8 * j + 2 * t + (e & 1)];
+          if (active && j < nt) acc[j][e] += src[int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(v0, j, e)];
     }
     __syncthreads();  // Vns is read
     if (mid < stop) issue_q(mid);
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
           *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = mma::pack2<T>(-y[j][2 * hf], -y[j][2 * hf + 1]);
           if (x.o && i < nr && col < bv) {
             float2* o = reinterpret_cast<float2*>(x.o + (int64_t(h) * a.Ttot + r0 + i) * a.dv + v0 + col);
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (active && j < nt) {
-          float* d = dst + int64_t(16 * w + g + (e >> 1) * 8) * a.dv + v0 + 8 * j + 2 * t + (e & 1);
+          float* d = dst + int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(v0, j, e);
           *d = m == 1 ? acc[j][e] : *d + acc[j][e];
         }
   }
@@ -200,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const SweepItem it(a);
   const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
   const bool active = it.active;
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
           const float wi = __expf(B - bt[i]);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) = mma::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
         }
@@ -330,6 +332,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_grad_kernel(GlaArgs<T> a, 
   const int dk = a.dk, dv = a.dv;
   LoglinearGradTiles<T> s(smem, dk, dv);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int rb = w & 3, ch = w >> 2, i0 = 16 * rb + g, i1 = i0 + 8;
   const ChunkItem it(a);
   const int64_t cg = it.cg, c = it.c, r0 = it.r0, rowbase = it.rowbase;
@@ -402,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_grad_kernel(GlaArgs<T> a, 
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+      const int r = fr.row(16 * w, hf), col = fr.col(0, j);
       if (grow && col < dk) {
         *reinterpret_cast<uint32_t*>(Gs + r * s.lds + col) = mma::pack2<T>(G[j][2 * hf], G[j][2 * hf + 1]);
         tr += (r == col ? G[j][2 * hf] : 0.f) + (r == col + 1 ? G[j][2 * hf + 1] : 0.f);
@@ -541,6 +544,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
   const int dk = a.dk, dv = a.dv;
   LoglinearIntraTiles<T> s(smem, dk, dv);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int rb = w & 3, ch = w >> 2, m0 = 16 * rb, n0 = 32 * ch, i0 = m0 + g, i1 = i0 + 8;
   const ChunkItem it(a);
   const int64_t cg = it.cg, r0 = it.r0, rowbase = it.rowbase;
@@ -588,7 +592,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = m0 + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * t + (e & 1);
+      const int i = fr.row_of(m0, e), col = fr.col_of(n0, j, e);
       const bool in = col <= i;
       pp[j][e] = in ? sc * __expf(s.b[i] - s.b[col]) * pp[j][e] : 0.f;
       dp[j][e] = in ? dp[j][e] : 0.f;
@@ -597,7 +601,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
-      *reinterpret_cast<uint32_t*>(s.P + (m0 + g + 8 * hf) * kLd + n0 + 8 * j + 2 * t) =
+      *reinterpret_cast<uint32_t*>(s.P + fr.row(m0, hf) * kLd + fr.col(n0, j)) =
           mma::pack2<T>(pp[j][2 * hf], pp[j][2 * hf + 1]);
   __syncthreads();  // TgU and P are complete
   {  // M = P TgU; dLam = dPl o M (to dlam by level); dM = dPl o Lam - (dQeff K^T) o e^{b_j}; Mb, M o Lam
@@ -612,7 +616,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+        const int i = fr.row(m0, hf), col = fr.col(n0, j);
         float mb[2], pl[2], dm[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -670,7 +674,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+        const int i = fr.row(m0, hf), col = fr.col(n0, j);
         float v[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -783,7 +787,8 @@ bool loglinear_gdn_sm80_usable(const detail::Resolved& r, bool backward) {
   }
 }
 
-// loglinear_gdn's forward pass on tensor cores (LoglinearWy, loglinear_level_sweep_kernel), shared by the forward
+// loglinear_gdn's forward pass on tensor cores (LoglinearWy, loglinear_level_sweep_kernel), shared
+// by the forward
 // and the backward: the WY chunks write W, U, Qeff, the intra output (fp32) and the final state's
 // in-chunk levels; then the level sweeps m = 1 .. top, each adding its reads to the output,
 // carrying E and leaving its final-state level (and, for the backward, the states in hl).
@@ -841,11 +846,7 @@ struct LoglinearGdnCall {
       HILA_LAUNCH(lvl_unpack_state<float>, x.NH * f.H.shape[2] * r.dk * r.dv, s, Strided(f.H), fws.get(), x.NH, H, Ls,
                   f.H.shape[2], int(r.dk), int(r.dv), int(dk), int(dv), lg);
     }
-    if (f.pos.defined()) {
-      std::vector<int64_t> pos;
-      for (const auto& q : r.seqs) pos.push_back(q.len);
-      upload_async(f.pos.data, pos.data(), pos.size() * 8, s);
-    }
+    upload_final_positions(f.pos, r, s);  // n0 = 0
   }
 };
 

@@ -34,6 +34,7 @@
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/prims/levels.cuh"
 #include "cuda/prims/pack.cuh"
+#include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
 
@@ -76,7 +77,7 @@ struct DeltaArgs {
 
 
 constexpr int kThreads = 256;
-constexpr int kSeg = 64;    // rows per segment at most: the chunk (a power of two, §2.6)
+constexpr int kSeg = kChunk;  // rows per segment at most: the chunk (a power of two, §2.6)
 
 // Per-block scratch matrices (row-major, leading dimension = column count). Rows <= kSeg.
 template <class R>
@@ -836,11 +837,7 @@ struct DeltaCall {
   }
   void write_final(const StateView& fin, const R* ws) const {
     unpack_levels(fin.H, ws);
-    if (fin.pos.defined() && !dry_run()) {
-      std::vector<int64_t> pos;
-      for (const auto& x : r.seqs) pos.push_back(x.n0 + x.len);
-      upload_async(fin.pos.data, pos.data(), pos.size() * 8, s);
-    }
+    upload_final_positions(fin.pos, r, s);
   }
 };
 

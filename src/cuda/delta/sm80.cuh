@@ -48,12 +48,13 @@ struct SweepItem {
 template <class T>
 __device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out, int dk, int dv, int v0, int bv) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (active && j < bv / 8)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+        const int r = fr.row(16 * w, hf), col = fr.col(0, j);
         const uint32_t x = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(Ss + r * kLd + col) = x;
         if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + v0 + col) = x;
@@ -66,23 +67,25 @@ __device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out
 // The fp32 state tile from / to columns [v0, v0+bv) of a [dk][dv] fp32 matrix (nullptr on load: 0).
 __device__ inline void load_state(float (&acc)[8][4], bool active, const float* src, int dv, int v0, int bv) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+      const int r = fr.row_of(16 * w, e), col = fr.col_of(v0, j, e);
       acc[j][e] = (src && active && j < bv / 8) ? src[int64_t(r) * dv + col] : 0.f;
     }
 }
 __device__ inline void store_state(float* dst, const float (&acc)[8][4], bool active, int dv, int v0, int bv) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   if (!dst || !active) return;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (j < bv / 8)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+        const int r = fr.row_of(16 * w, e), col = fr.col_of(v0, j, e);
         dst[int64_t(r) * dv + col] = acc[j][e];
       }
 }

@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
   const bool bwd = dvi != nullptr, lg = ll.qeff != nullptr, qp = bwd || lg;
   WyTiles<T> s(smem, a.dk, a.dv, bwd, lg);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int64_t cg = blockIdx.x;
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+        const int i = fr.row(m0, hf), col = fr.col(n0, j);
         float gm[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         if (j < nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const int i = m0 + g + 8 * hf, col = c0 + 8 * j + 2 * t;
+            const int i = fr.row(m0, hf), col = fr.col(c0, j);
             if (i >= nr) continue;
             fix(i, col, acc[j][2 * hf], acc[j][2 * hf + 1]);
             auto* o = out + (int64_t(h) * a.Ttot + r0 + i) * d + col;
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + g + 8 * hf, col = n0 + 8 * j + 2 * t;
+        const int i = fr.row(m0, hf), col = fr.col(n0, j);
         float mb[2], pl[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         if (j < nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
-            *reinterpret_cast<uint32_t*>(s.Y + (m0 + g + 8 * hf) * s.ldv + c0 + 8 * j + 2 * t) =
+            *reinterpret_cast<uint32_t*>(s.Y + fr.row(m0, hf) * s.ldv + fr.col(c0, j)) =
                 mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
     }
     __syncthreads();
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         if (j < nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            dst[int64_t(16 * w + g + (e >> 1) * 8) * a.dv + c0 + 8 * j + 2 * t + (e & 1)] = acc[j][e];
+            dst[int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(c0, j, e)] = acc[j][e];
     }
   }
 }

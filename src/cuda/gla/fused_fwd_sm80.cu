@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   T* const Hs = reinterpret_cast<T*>(smem + kFusedStages * stage_bytes);  // [2][dk][ldv]
   T* const Ps = Hs + 2 * dk * ldv;                                         // [C][kLdTile]
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int rb = w & 3, ch = w >> 2;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * kFusedV;
   const bool active = 16 * w < dk;  // this warp owns state rows
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+      const int r = fr.row_of(16 * w, e), col = fr.col_of(v0, j, e);
       acc[j][e] = (a.h0 && active) ? a.h0[sidx + int64_t(r) * a.dv + col] : 0.f;
     }
   // the state entering chunk i as a 16-bit operand: into smem buffer i % 2 (and a.hbuf if set)
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+        const int r = fr.row(16 * w, hf), col = fr.col(0, j);
         const uint32_t x = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(dst + r * ldv + col) = x;
         if (hb) *reinterpret_cast<uint32_t*>(hb + int64_t(r) * a.dv + col) = x;
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+        const int r = fr.row_of(16 * w, e), col = fr.col_of(v0, j, e);
         a.ht[sidx + int64_t(r) * a.dv + col] = acc[j][e];
       }
   }

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   float* gates = reinterpret_cast<float*>(smem + L::kB);     // [stages][C]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);  // [stages]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.y * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq], chunk0 = a.chunk0[seq];
   const int nch = int((len + a.C - 1) / a.C);
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         acc[m][4 * j + e] =
-            a.h0 ? a.h0[sidx + int64_t(64 * m + 16 * w + g + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
+            a.h0 ? a.h0[sidx + int64_t(fr.row_of(64 * m + 16 * w, e)) * a.dv + fr.col_of(v0, j, e)] : 0.f;
   init_ring(full, kFwdStages, tid);
   // chunk i -> stage i % 2 (every thread commits one cp.async group per call)
   auto issue = [&](int i) {
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int r = 64 * m + 16 * w + g + 8 * hf, col = 8 * j + 2 * t;
+          const int r = fr.row(64 * m + 16 * w, hf), col = fr.col(0, j);
           *reinterpret_cast<uint32_t*>(dst + swz(DK, r, col)) =
               mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
         }

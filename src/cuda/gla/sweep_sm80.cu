@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   auto Vs = [&](int st) { return reinterpret_cast<T*>(smem + st * SweepStage::kBytes + SweepStage::kTileBytes); };
   auto bs = [&](int st) { return reinterpret_cast<float*>(smem + st * SweepStage::kBytes + 2 * SweepStage::kTileBytes); };
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int k0 = blockIdx.y * kTile, v0 = blockIdx.z * vtile;
   const int bk = min(kTile, a.dk - k0), bv = min(vtile, a.dv - v0), nt = bv / 8;
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+      const int r = fr.row_of(k0 + 16 * w, e), col = fr.col_of(v0, j, e);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
   const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       if (j < nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = k0 + 16 * w + g + (e >> 1) * 8, col = v0 + 8 * j + 2 * t + (e & 1);
+          const int r = fr.row_of(k0 + 16 * w, e), col = fr.col_of(v0, j, e);
           fin[sidx + int64_t(r) * a.dv + col] = R(acc[j][e]);
         }
   }

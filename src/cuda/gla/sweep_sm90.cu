@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   float* gates = reinterpret_cast<float*>(smem + S * kStage);                      // [S][C]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * (kStage + kChunk * 4));  // [S]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int k0 = blockIdx.y * 64, v0 = blockIdx.z * NV;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       for (int j = 0; j < NV / 8; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-          *reinterpret_cast<uint32_t*>(stg + swz(64, 16 * w + g + 8 * hf, 8 * j + 2 * t)) =
+          *reinterpret_cast<uint32_t*>(stg + swz(64, fr.row(16 * w, hf), fr.col(0, j))) =
               mma::pack2<T>(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
       fence_async_smem();
       __syncthreads();

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Chunk-parallel tree form of log-linear Mamba-2 on tensor cores (loglinear/tree.cuh has the math and
-// the node layout). The chunk kernels are the GLA core's (gla/output_sm80.cu, gla/bwd_chunk_sm80.cu) with the tree operands; this
-// file builds the tree: beta, Z and the node levels (forward), the node cotangents and their
-// push-down (backward).
+// Chunk-parallel tree form of log-linear Mamba-2 on tensor cores (loglinear/tree.cuh has the math
+// and the node layout). The chunk kernels are the GLA core's (gla.cuh: gla_output, gla_bwd_chunk)
+// with the tree operands; this file builds the tree: beta, Z and the node levels (forward), the node
+// cotangents and their push-down (backward).
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/gla.cuh"
 #include "cuda/loglinear/tree.cuh"
@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
   auto Ys = [&](int st) { return reinterpret_cast<T*>(smem + st * kStage + kTileBytes); };
   auto Ws = [&](int st) { return reinterpret_cast<float*>(smem + st * kStage + 2 * kTileBytes); };
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int h = blockIdx.y, nvt = (a.dv + kTile - 1) / kTile;
   const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
   const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
     if (j < nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int64_t x = at + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t;
+        const int64_t x = at + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j);
         *reinterpret_cast<float2*>(out + x) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
         if (kMode == kZ) *reinterpret_cast<uint32_t*>(out16 + x) = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
       }
@@ -284,10 +285,10 @@ size_t wkv_smem() {
   return kStages * (2 * size_t(kChunk) * kLdTile * sizeof(T) + kChunk * sizeof(float));
 }
 
-// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (loglinear/tree.cuh:
+// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (tree.cuh:
 // 2 nchunks slots when every sequence starts at position 0, else the SeqNodes totals with their
-// bases in ta.nbase). Built by the tree sweep (gla/sweep_sm80.cu, gla/sweep_sm90.cu) when it has enough blocks to fill the GPU
-// (sequences x heads x 64 x 64 tiles >= half the SMs); otherwise chunk-parallel: Z (fp32 and 16-bit,
+// bases in ta.nbase). Built by the tree sweep (gla_tree_sweep) when it has enough blocks to fill
+// the GPU (heuristics::loglinear_tree_build_in_sweep); otherwise chunk-parallel: Z (fp32 and 16-bit,
 // one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
 // sequence, the depth of the up pass's stacks.
 template <class T>
@@ -337,6 +338,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
   __shared__ __align__(128) T Vs[kChunk * kLdTile];
   __shared__ float bs[kChunk];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, nvt = (a.dv + kTile - 1) / kTile;
   const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
   const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
         if (active && j < nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const float2 x = *reinterpret_cast<const float2*>(src + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t);
+            const float2 x = *reinterpret_cast<const float2*>(src + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j));
             acc[j][2 * hf] = f * x.x, acc[j][2 * hf + 1] = f * x.y;
           }
     }
@@ -391,7 +393,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
       if (active && j < nt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-          *reinterpret_cast<float2*>(dst + int64_t(k0 + 16 * w + g + 8 * hf) * a.dv + v0 + 8 * j + 2 * t) =
+          *reinterpret_cast<float2*>(dst + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j)) =
               make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
   }
 }
@@ -527,7 +529,7 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     }
     Tree<T> tr(a, t, s);
     tr.ta.dh0 = a.p.dh0;
-    // a final-state cotangent: the pending nodes (for HT, the dg term) and the loglinear_final_bwd_kernel terms
+    // a final-state cotangent: the pending nodes (for HT, the dg term) and loglinear_final_bwd_kernel's terms
     const bool fin = a.p.dht != nullptr;
     DevBuf<float> pend(fin ? size_t(NH * tr.lstk * tile) : 0, s), HT(fin ? size_t(NH * a.Ls * tile) : 0, s);
     DevBuf<float> fcoef(fin ? size_t(NH * tr.lstk) : 0, s);

@@ -108,6 +108,17 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* B, int ld, 
   ldsm_x4_t(b, B + (k0 + (l & 7) + (((l >> 3) & 1) << 3)) * ld + n0 + ((l >> 4) << 3));
 }
 
+// A lane's place in an m16n8 accumulator tile (the C / D fragment above; a wgmma m64 accumulator
+// repeats it per warp, rows 16w..): element e = 2 hf + c (c = e & 1) of n-tile j sits at row
+// m0 + g + 8 hf and column n0 + 8 j + 2 t + c, with g = lane / 4, t = lane % 4.
+struct Frag {
+  int g, t;
+  __device__ __forceinline__ int row(int m0, int hf) const { return m0 + g + 8 * hf; }
+  __device__ __forceinline__ int col(int n0, int j) const { return n0 + 8 * j + 2 * t; }
+  __device__ __forceinline__ int row_of(int m0, int e) const { return m0 + g + (e >> 1) * 8; }
+  __device__ __forceinline__ int col_of(int n0, int j, int e) const { return n0 + 8 * j + 2 * t + (e & 1); }
+};
+
 template <int NT>
 __device__ __forceinline__ void zero(float (&x)[NT][4]) {
 #pragma unroll

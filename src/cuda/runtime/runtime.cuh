@@ -209,6 +209,15 @@ struct SeqTables {
   }
 };
 
+// A final state's positions (pos: [N] int64 on the device, undefined: nothing to write): n0 + len of
+// every sequence of the call.
+inline void upload_final_positions(const TensorView& pos, const detail::Resolved& r, cudaStream_t s) {
+  if (!pos.defined()) return;
+  std::vector<int64_t> p;
+  for (const auto& x : r.seqs) p.push_back(x.n0 + x.len);
+  upload_async(pos.data, p.data(), p.size() * 8, s);
+}
+
 // Device and stream of a call: the device of q, made current for the duration.
 class DeviceScope {
  public:
