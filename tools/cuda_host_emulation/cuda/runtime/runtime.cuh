@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host stand-in for src/cuda/runtime.cuh (see run.sh): host buffers (poisoned with NaN like fresh
-// device memory), strided loads/stores of float / double, sequential launches.
+// Host stand-in for src/cuda/runtime/runtime.cuh (see run.sh): host buffers (poisoned with NaN like
+// fresh device memory), strided loads/stores of float / double, sequential launches, host uploads.
 #pragma once
 #include <algorithm>
 #include <vector>
@@ -50,6 +50,13 @@ template <class R> void st(const Strided& t, int64_t off, R x) {
   }
 }
 inline unsigned grid_for(int64_t) { return 1; }
+inline bool dry_run() { return false; }
+inline void upload_async(void* d, const void* s, size_t n, cudaStream_t) { std::memcpy(d, s, n); }
+inline void upload_final_positions(const TensorView& pos, const detail::Resolved& r, cudaStream_t) {
+  if (!pos.defined()) return;
+  int64_t* p = static_cast<int64_t*>(pos.data);
+  for (const auto& x : r.seqs) *p++ = x.n0 + x.len;
+}
 inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
 #define HILA_LAUNCH(kernel, n, s, ...) do { blockIdx.x = 0; gridDim.x = 1; blockDim.x = 1; threadIdx.x = 0; kernel(__VA_ARGS__); } while (0)
 struct SeqTables {
