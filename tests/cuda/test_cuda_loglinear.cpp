@@ -171,7 +171,7 @@ std::vector<LlCase> cases() {
 class CudaLogLinear : public ::testing::TestWithParam<LlCase> {};
 
 TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const LlCase c = GetParam();
   const bool init = !c.init_pos.empty();
   ProblemSpec s;
@@ -312,7 +312,7 @@ INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
                          [](const auto& info) { return info.param.name; });
 
 // Prefill continuation: a forward from an initial Fenwick state, asking for the final state. With
-// 16-bit operands this is the tree form seeded with the initial levels (src/cuda/loglinear/tree.cuh), after the
+// 16-bit operands this is the tree form seeded with the initial levels (loglinear/tree.cuh), after the
 // segment sweep over the rows before the first multiple of 64 when a position is unaligned.
 struct ContCase {
   Op op;

@@ -159,7 +159,7 @@ std::vector<Case> cases() {
 class CudaOps : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const Case c = GetParam();
   ProblemSpec s;
   s.cfg.op = c.op;

@@ -28,7 +28,7 @@ using hila::tools::have_gpu;
 using hila::tools::make_problem;
 using hila::tools::rel_err;
 
-constexpr const char* kNoGpu = "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+constexpr const char* kNoGpu = "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
 
 struct StepCase {
   std::string name;

@@ -5,7 +5,7 @@
 Compiles each .cu file under src/cuda for one target (default sm_90a, the Hopper path) with `-Xptxas -v` and
 prints one line per kernel instance: registers, spill stores / loads (bytes), static shared memory.
 Occupancy follows from the registers (65536 per SM) and the dynamic shared memory the launches ask
-for; a change that adds registers or spills shows here before it reaches the GPU machine.
+for; a change that adds registers or spills shows here before it runs on a GPU.
 
   python3 tools/kernel_resources/kernel_resources.py [--arch sm_90a] [--filter bfloat16] [--wide] [file.cu ...]
 """
