@@ -24,6 +24,7 @@ using namespace gla_sm80;
 // head x value tile) blocks to fill the GPU (heuristics::gla_fused_forward).
 // Dynamic smem: kFusedStages x {Q, K [C, dk+8], V [C, 72] (16-bit), b [C]}, H [2][dk, 72], P [C, 72].
 constexpr int kFusedV = 64, kFusedThreads = 256, kFusedStages = 3, kFusedLdv = kFusedV + 8;
+static_assert(kFusedV == 64, "heuristics::gla_fused_forward counts 64-column value tiles");
 
 __host__ __device__ inline size_t fused_stage_bytes(int dk) {
   return (size_t(2) * kChunk * (dk + 8) + size_t(kChunk) * kFusedLdv) * 2 + kChunk * sizeof(float);
