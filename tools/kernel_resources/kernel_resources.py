@@ -30,7 +30,7 @@ def demangle(names):
 
 
 def short(name):
-    name = re.sub(r"hila::cuda::(\(anonymous namespace\)::)?", "", name)
+    name = name.replace("(anonymous namespace)::", "").replace("hila::cuda::", "")
     depth, cut = 0, len(name)
     for i, ch in enumerate(name):  # drop the argument list: the first '(' outside template brackets
         if ch == "<":

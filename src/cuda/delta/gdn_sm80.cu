@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   // this thread's entries of S_out, the state at the end of the chunk (16-bit, from hbuf), loaded a
   // chunk ahead into registers; after the last chunk it is the final state, read from ht
   uint32_t so16[8][2] = {};
-  auto soff = [&](int j, int hf) { return int64_t(fr.row(16 * w, hf)) * a.dv + fr.col(v0, j); };
+  auto soff = [&](int j, int hf) { return fr.off<int64_t>(16 * w, hf, a.dv, v0, j); };
   auto prefetch_so = [&](int64_t cnext) {  // hbuf of chunk cnext
     const T* So = a.hbuf + (cnext * a.H + h) * int64_t(a.dk) * a.dv;
 #pragma unroll

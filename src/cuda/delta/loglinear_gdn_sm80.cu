@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (active && j < nt) acc[j][e] += src[int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(v0, j, e)];
+          if (active && j < nt) acc[j][e] += src[fr.off_of<int64_t>(16 * w, e, a.dv, v0, j)];
     }
     __syncthreads();  // Vns is read
     if (mid < stop) issue_q(mid);
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (active && j < nt) {
-          float* d = dst + int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(v0, j, e);
+          float* d = fr.at_of<int64_t>(dst, 16 * w, e, a.dv, v0, j);
           *d = m == 1 ? acc[j][e] : *d + acc[j][e];
         }
   }
@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
-      *reinterpret_cast<uint32_t*>(s.P + fr.row(m0, hf) * kLd + fr.col(n0, j)) =
+      *reinterpret_cast<uint32_t*>(fr.at<int>(s.P, m0, hf, kLd, n0, j)) =
           mma::pack2<T>(pp[j][2 * hf], pp[j][2 * hf + 1]);
   __syncthreads();  // TgU and P are complete
   {  // M = P TgU; dLam = dPl o M (to dlam by level); dM = dPl o Lam - (dQeff K^T) o e^{b_j}; Mb, M o Lam

@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         if (j < nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
-            *reinterpret_cast<uint32_t*>(s.Y + fr.row(m0, hf) * s.ldv + fr.col(c0, j)) =
+            *reinterpret_cast<uint32_t*>(fr.at<int>(s.Y, m0, hf, s.ldv, c0, j)) =
                 mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
     }
     __syncthreads();
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         if (j < nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            dst[int64_t(fr.row_of(16 * w, e)) * a.dv + fr.col_of(c0, j, e)] = acc[j][e];
+            dst[fr.off_of<int64_t>(16 * w, e, a.dv, c0, j)] = acc[j][e];
     }
   }
 }

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         acc[m][4 * j + e] =
-            a.h0 ? a.h0[sidx + int64_t(fr.row_of(64 * m + 16 * w, e)) * a.dv + fr.col_of(v0, j, e)] : 0.f;
+            a.h0 ? a.h0[fr.at_of<int64_t>(sidx, 64 * m + 16 * w, e, a.dv, v0, j)] : 0.f;
   init_ring(full, kFwdStages, tid);
   // chunk i -> stage i % 2 (every thread commits one cp.async group per call)
   auto issue = [&](int i) {

@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
     if (j < nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int64_t x = at + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j);
+        const int64_t x = fr.at<int64_t>(at, k0 + 16 * w, hf, a.dv, v0, j);
         *reinterpret_cast<float2*>(out + x) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
         if (kMode == kZ) *reinterpret_cast<uint32_t*>(out16 + x) = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
       }
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
         if (active && j < nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const float2 x = *reinterpret_cast<const float2*>(src + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j));
+            const float2 x = *reinterpret_cast<const float2*>(fr.at<int64_t>(src, k0 + 16 * w, hf, a.dv, v0, j));
             acc[j][2 * hf] = f * x.x, acc[j][2 * hf + 1] = f * x.y;
           }
     }
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
       if (active && j < nt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-          *reinterpret_cast<float2*>(dst + int64_t(fr.row(k0 + 16 * w, hf)) * a.dv + fr.col(v0, j)) =
+          *reinterpret_cast<float2*>(fr.at<int64_t>(dst, k0 + 16 * w, hf, a.dv, v0, j)) =
               make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
   }
 }

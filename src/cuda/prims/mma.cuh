@@ -111,12 +111,33 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* B, int ld, 
 // A lane's place in an m16n8 accumulator tile (the C / D fragment above; a wgmma m64 accumulator
 // repeats it per warp, rows 16w..): element e = 2 hf + c (c = e & 1) of n-tile j sits at row
 // m0 + g + 8 hf and column n0 + 8 j + 2 t + c, with g = lane / 4, t = lane % 4.
+//   row / col (row_of / col_of: by element e) give the indices;
+//   at<I>(base, ...) gives base + I(row) * ld + col, the element's place in a row-major matrix of
+//   leading dimension ld (I: the type the row is widened to; base a pointer or an offset), and
+//   off<I>(...) the same offset without a base. They add the column's terms one by one, as the
+//   address expressions they replace did, so that the kernels compile to the same code.
 struct Frag {
   int g, t;
   __device__ __forceinline__ int row(int m0, int hf) const { return m0 + g + 8 * hf; }
   __device__ __forceinline__ int col(int n0, int j) const { return n0 + 8 * j + 2 * t; }
   __device__ __forceinline__ int row_of(int m0, int e) const { return m0 + g + (e >> 1) * 8; }
   __device__ __forceinline__ int col_of(int n0, int j, int e) const { return n0 + 8 * j + 2 * t + (e & 1); }
+  template <class I, class B, class L>
+  __device__ __forceinline__ auto at(B base, int m0, int hf, L ld, int n0, int j) const {
+    return base + I(m0 + g + 8 * hf) * ld + n0 + 8 * j + 2 * t;
+  }
+  template <class I, class B, class L>
+  __device__ __forceinline__ auto at_of(B base, int m0, int e, L ld, int n0, int j) const {
+    return base + I(m0 + g + (e >> 1) * 8) * ld + n0 + 8 * j + 2 * t + (e & 1);
+  }
+  template <class I, class L>
+  __device__ __forceinline__ I off(int m0, int hf, L ld, int n0, int j) const {
+    return I(m0 + g + 8 * hf) * ld + n0 + 8 * j + 2 * t;
+  }
+  template <class I, class L>
+  __device__ __forceinline__ I off_of(int m0, int e, L ld, int n0, int j) const {
+    return I(m0 + g + (e >> 1) * 8) * ld + n0 + 8 * j + 2 * t + (e & 1);
+  }
 };
 
 template <int NT>
