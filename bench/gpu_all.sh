@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One call on the GPU machine: CUDA tests, compute-sanitizer, the Python suite on CUDA, and the
-# benchmark with its anchors in the same run. Binaries are built on the development machine and
-# carried in $BIN (see docs/PERFORMANCE.md); fla wheels in $WHL; the spec oracles in $SPEC.
-#   STAGES="tests demo sanitizer python bench anchors" BIN=.dev/bin WHL=.dev/whl SPEC=.dev/spec bash bench/gpu_all.sh
+# One call on a GPU machine: CUDA tests, compute-sanitizer, the Python suite on CUDA, and the
+# benchmark with its anchors in the same run. The binaries (hila_cuda_tests, hila_bench, hila) are
+# built beforehand (see docs/PERFORMANCE.md) and given in $BIN, or as an xz archive $BINS_TAR that is
+# unpacked there; fla wheels in $WHL; the specification's oracles (for the Python suite) in $SPEC.
+#   STAGES="tests demo sanitizer python bench anchors" BIN=bin WHL=whl SPEC=spec bash bench/gpu_all.sh
 # Stage `tests`: TEST_SHARDS=4 runs four gtest shards side by side; TESTS_TIMEOUT (default 300 s) each.
 # Stage `sanitizer`: memcheck and racecheck (SAN_TOOLS) side by side; SAN_FILTER replaces its default test filter, SAN_EXTRA ("pattern:pattern") adds to it.
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
 # log-linear paper's configuration; anchors sections ANCHORS="ceil sdpa fla fla_loglinear fla_gdn").
 # Prefill and continuation (forwards with states) rows too: BENCH_ARGS="--prefill".
-# fla's Triton compiles: SAVE_TRITON_CACHE=1 returns $OUT/triton_cache.tgz; carried as
-# .dev/triton_cache.tgz (or TRITON_CACHE_TAR) it is unpacked before the anchors of a later call.
-# Stage `ab`: the same binary under several settings (AB_ENVS, default the sm_90a kernels off /
+# fla's Triton compiles: SAVE_TRITON_CACHE=1 writes $OUT/triton_cache.tgz; given as TRITON_CACHE_TAR
+# (default .dev/triton_cache.tgz) it is unpacked before the anchors of a later call.
+# Stage `ab`: the same benchmark under several settings (AB_ENVS, default the sm_90a kernels off /
 # backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
 # "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
-# binaries of main before a change): AB_ENVS="tar:.dev/bins_prev.tar.xz;default". AB_ROUNDS=2
-# repeats the settings in turn (interleaved rounds; the table shows each round's column).
+# binaries of the previous commit): AB_ENVS="tar:bins_base.tar.xz;default". AB_ROUNDS=2 repeats the
+# settings in turn (interleaved rounds; the table shows each round's column). AB_DECODE=1 also
+# times the decode step under each setting (AB_DECODE_OPS, AB_BATCHES, AB_POSITIONS): ab_decode.csv
+# and a µs table.
 # What comes back in $OUT (default ./gpu-out), refreshed after every stage so that a run cut short
-# still returns it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv
-# and the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT). The
-# device tool returns at most 8 files of $OUT per call: a call that runs this script more than
-# once should give the extra runs an OUT outside $OUT and copy back only the CSVs it needs.
+# still has it: summary.txt, logs.tgz (every log), hila.csv, anchors.csv, decode.csv, ab.csv and
+# the report (bench.csv, bench.png, table.md). Logs are written under $LOGS (not $OUT).
 set -uo pipefail
 BIN=${BIN:-.dev/bin}
 WHL=${WHL:-.dev/whl}
@@ -31,8 +32,8 @@ STAGES=${STAGES:-tests sanitizer python bench anchors}
 SHAPES=${SHAPES:-32:1024,8:4096,2:16384,1:65536}
 OPS=${OPS:-gla,hla2,ahla,hla3}
 mkdir -p "$OUT" "$LOGS"
-# the binaries may come as one xz archive (three stripped binaries are ~100 MB, the archive ~12 MB,
-# under the 64 MiB carry limit): unpacked into $BIN first
+# the binaries may come as one xz archive (three stripped binaries are ~100 MB, the archive ~12 MB):
+# unpacked into $BIN first
 BINS_TAR=${BINS_TAR:-.dev/bins.tar.xz}
 if [ -f "$BINS_TAR" ]; then mkdir -p "$BIN" && tar xJf "$BINS_TAR" -C "$BIN"; fi
 OUT_ABS=$(cd "$OUT" && pwd)
@@ -150,6 +151,37 @@ print("op,B,T,direction," + ",".join(envs))
 for k in dict.fromkeys(key(r) for r in rows if r["direction"] in ("fwd", "fwdbwd")):
     print(",".join(k) + "," + ",".join("%.3f" % float(cells[(k, e)]) if (k, e) in cells else "-" for e in envs))
 PY
+  if [ "${AB_DECODE:-0}" = 1 ]; then  # the decode step under the same settings (hila_bench --decode)
+    first=1
+    for round in $(seq 1 ${AB_ROUNDS:-1}); do
+      k=0
+      for e in "${envs[@]}"; do
+        k=$((k + 1))
+        bench="$BIN/hila_bench" lbl=${e:-default}
+        if [[ $e == tar:* ]]; then
+          bench="${AB_BINS:-/tmp/hila-ab-bins}/$k/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
+        fi
+        [ "$e" = default ] && e=""
+        env $e timeout 240 "$bench" --decode --reps ${REPS:-20} --ops "${AB_DECODE_OPS:-gla,hla2,loglinear,loglinear_gdn}" \
+          --batches "${AB_BATCHES:-1,16,256}" --positions "${AB_POSITIONS:-4096,65536}" >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
+        note "ab decode [$lbl] round $round rc=$?"
+        if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab_decode.csv"; first=0; fi
+        lbl=${lbl// /+}; lbl=${lbl//,/|}
+        [ ${AB_ROUNDS:-1} -gt 1 ] && lbl="$lbl@r$round"
+        tail -n +2 "$LOGS/ab_part.csv" | sed "s/^/${lbl},/" >>"$OUT/ab_decode.csv"
+      done
+    done
+    python3 - "$OUT/ab_decode.csv" <<'PY'  # µs per step per (op, N, pos), one column per setting
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+envs = list(dict.fromkeys(r["env"] for r in rows))
+key = lambda r: (r["op"], r["N"], r["pos"])
+cells = {(key(r), r["env"]): r["us_per_step"] for r in rows}
+print("op,N,pos," + ",".join(envs))
+for k in dict.fromkeys(key(r) for r in rows):
+    print(",".join(k) + "," + ",".join("%.2f" % float(cells[(k, e)]) if (k, e) in cells else "-" for e in envs))
+PY
+  fi
 fi
 if has decode; then
   timeout 200 "$BIN/hila_bench" --decode --reps 20 --batches 1,16,256 --positions ${DECODE_POSITIONS:-4096,65536} \
@@ -170,9 +202,9 @@ if has anchors; then  # each section under its own time limit, so that a slow on
     note "anchors $sec rc=$? $(tail -1 "$LOGS/anchors.err")"
     if [ $first = 1 ]; then cat "$LOGS/anchors_part.csv" >"$OUT/anchors.csv"; first=0; else tail -n +2 "$LOGS/anchors_part.csv" >>"$OUT/anchors.csv"; fi
   done
-  if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then  # back in $OUT (the device tool returns files up to 16 MiB)
+  if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then  # into $OUT, for TRITON_CACHE_TAR of a later call
     tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
-    note "triton cache $(du -h "$OUT/triton_cache.tgz" | cut -f1) (carry it as .dev/triton_cache.tgz)"
+    note "triton cache $(du -h "$OUT/triton_cache.tgz" | cut -f1) (TRITON_CACHE_TAR of a later call)"
   fi
 fi
 if [ -s "$OUT/hila.csv" ]; then

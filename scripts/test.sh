@@ -13,7 +13,7 @@ bash scripts/build.sh all
 
 # The CUDA backend's kernels (tensor-core path included) on the host emulator, no GPU needed: a
 # smoke set of the GPU tests that checks indexing, barriers and the backend's wiring on every run
-# (tools/cuda_emu; docs/DEVELOPING.md). The whole GPU suite runs on the GPU machine.
+# (tools/cuda_emu; docs/DEVELOPING.md). The whole GPU suite runs on a machine with a GPU.
 EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f32_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T65:'\
@@ -41,7 +41,7 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Ops/CudaWorkspace.*/gla_bf16_in_place:CudaWorkspaceErrors.*:CudaStepErrors.*:'\
 'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex'
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
-# The Hopper kernels (TMA + wgmma, src/cuda/gla_sm90.cu) on the same emulator: its host versions
+# The Hopper kernels (TMA + wgmma, src/cuda/gla/*_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
 # fused forward (with its TMA stores of the chunk states), with strided views, varlen, the HLA
 # gradient sums, chunks shorter than the 64-row tiles and the log-linear tree build.

@@ -8,6 +8,10 @@
 
 namespace hila::detail {
 
+// qk_l2norm (gdn, loglinear_gdn): q, k -> x / sqrt(|x|^2 + kL2NormEps) before the scale
+// (docs/math/LOGLINEAR.md §6.1); the same constant on every backend.
+inline constexpr double kL2NormEps = 1e-6;
+
 struct OpPlan {
   Op op = Op::gla;
   bool has_S = false, has_P = false, fenwick = false, delta = false, normalize = false;

@@ -67,9 +67,6 @@ Resolved resolve_step(const StepParams& p, const DecodeState& st);
 // The functional step on a caller-owned state: also checks the state (shapes, dtypes, device,
 // Fenwick slots for pos + 1).
 Resolved resolve_step(const StepParams& p, const StateView& state);
-// Runs a validated step on the backend of q's device. `counters`: a CUDA DecodeState's step
-// counters (see cuda/step.h), or nullptr.
-void run_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters = nullptr);
 // Validate a state against an op's layout for N sequences (name: "init", "d_final", ...).
 // want_pos: check pos; canonical: check dead Fenwick slots are zero (value checks on).
 void check_state(const char* name, const StateView& s, const OpConfig& cfg, int64_t N, int64_t H,

@@ -23,8 +23,6 @@ using cpu::PForm;
 
 namespace {
 
-constexpr double kL2Eps = 1e-6;  // docs/math/LOGLINEAR.md §6.1
-
 // Offset of (b, row, head) in a tensor laid out [B, T, heads, ...] (with_t) or [N, heads, ...].
 int64_t base(const TensorView& t, bool with_t, int64_t b, int64_t row, int64_t head) {
   return with_t ? b * t.stride[0] + row * t.stride[1] + head * t.stride[2]
@@ -46,7 +44,7 @@ void l2norm_rows(Mat<R>& x) {
   for (int64_t i = 0; i < x.r; ++i) {
     R s = 0;
     for (int64_t c = 0; c < x.c; ++c) s += x(i, c) * x(i, c);
-    const R inv = R(1) / std::sqrt(s + R(kL2Eps));
+    const R inv = R(1) / std::sqrt(s + R(kL2NormEps));
     for (int64_t c = 0; c < x.c; ++c) x(i, c) *= inv;
   }
 }
@@ -275,7 +273,7 @@ template <class R>
 void l2norm_backward_row(const R* x, R* dy, int64_t n) {
   R s = 0;
   for (int64_t c = 0; c < n; ++c) s += x[c] * x[c];
-  const R nrm = std::sqrt(s + R(kL2Eps));
+  const R nrm = std::sqrt(s + R(kL2NormEps));
   R ydy = 0;
   for (int64_t c = 0; c < n; ++c) ydy += x[c] / nrm * dy[c];
   for (int64_t c = 0; c < n; ++c) dy[c] = (dy[c] - x[c] / nrm * ydy) / nrm;

@@ -10,15 +10,18 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/runtime/config.h"
 #include "problem.h"
 
 namespace hila::tools {
 
 // Runs f with the environment variable `name` set to `value` (left unset when nullptr), unsetting
-// it afterwards; returns what f threw, or "".
+// it afterwards; returns what f threw, or "". The library reads its knobs once (src/cuda/runtime/
+// config.h): they are re-read after each change.
 template <class F>
 std::string with_env(const char* name, const char* value, F f) {
   if (value) setenv(name, value, 1);
+  hila::cuda::reload_config();
   std::string err;
   try {
     f();
@@ -26,11 +29,12 @@ std::string with_env(const char* name, const char* value, F f) {
     err = e.what();
   }
   unsetenv(name);
+  hila::cuda::reload_config();
   return err;
 }
 
-// Every GPU test process poisons the library's temporaries (runtime.cuh, poison_scratch): set
-// before main, read at the first temporary.
+// Every GPU test process poisons the library's temporaries (runtime/runtime.cuh, poison_scratch):
+// set before main, read with the other knobs at the first call.
 inline const bool kPoisonScratch = setenv("HILA_POISON_SCRATCH", "1", 0) == 0;
 
 inline bool have_gpu() {

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA gdn / loglinear_gdn (LOGLINEAR_SPEC §6) against the CPU float64 oracle on the same rounded
+// CUDA gdn / loglinear_gdn (docs/math/LOGLINEAR.md §6) against the CPU float64 oracle on the same rounded
 // inputs: forward output and final state, and every gradient (dq, dk, dv, dg, dbeta, dlam, d_init).
 // The oracle is the naive masked-matrix form (O(T^3) for the delta rule) up to T = 300 and the
 // float64 chunk form beyond (itself checked against the naive form by hila_tests). Plain gdn in
-// bf16/fp16 runs the tensor-core path (gdn_tc.cu) in both directions; loglinear_gdn in bf16/fp16
-// from position 0 without an initial state runs its tensor-core forward (ll_gdn_tc.cu), and its
-// tensor-core backward without a final-state cotangent (the *_train_tc cases); the other cases run
-// the FMA segment sweep (delta.cu). Without a GPU every test is skipped with a printed reason, so CI
-// still compiles this file.
+// bf16/fp16 runs the tensor-core path (src/cuda/delta/gdn_sm80.cu) in both directions;
+// loglinear_gdn in bf16/fp16 from position 0 without an initial state runs its tensor-core forward
+// (src/cuda/delta/loglinear_gdn_sm80.cu), and its tensor-core backward without a final-state
+// cotangent (the *_train_tc cases); the other cases run the FMA segment sweep
+// (src/cuda/delta/segment_portable.cu). Without a GPU every test is skipped with a printed reason,
+// so CI still compiles this file.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -63,7 +64,7 @@ std::vector<DeltaCase> cases() {
     cs.push_back({op, DType::f64, 1, 0, 1, 2, 16, 24, {0, 37, 0, 64, 65, 1, 130, 0}, true, true,
                   {5, 64, 13, 200, 0, 127, 9, 3}, true, 1e-10, n + "_f64_varlen_init_l2norm"});
   }
-  // plain gdn in 16 bits at a longer length: the tensor-core forward and backward (gdn_tc.cu)
+  // plain gdn in 16 bits at a longer length: the tensor-core forward and backward (delta/gdn_sm80.cu)
   cs.push_back({Op::gdn, DType::bf16, 1, 4096, 1, 2, 128, 128, {}, true, true, {0}, true, 1e-2,
                 "gdn_bf16_T4096_init_l2norm"});
   // dv = 256 (four value tiles per sweep; the backward's kernels fit shared memory with dk <= 64)
@@ -99,7 +100,7 @@ std::vector<DeltaCase> cases() {
 class CudaDelta : public ::testing::TestWithParam<DeltaCase> {};
 
 TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const DeltaCase c = GetParam();
   ProblemSpec s;
   s.cfg.op = c.op;
@@ -192,7 +193,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDelta, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
 // The forward alone at longer lengths: gdn (with an initial state) and loglinear_gdn (from position
-// 0, no initial state) in 16 bits run the tensor-core path (gdn_tc.cu), against the float64 chunk
+// 0, no initial state) in 16 bits run the tensor-core path (delta/gdn_sm80.cu), against the float64 chunk
 // oracle; HILA_GDN_TC=0 runs the FMA segment sweep on the same inputs.
 struct DeltaFwdCase {
   Op op;
@@ -205,7 +206,7 @@ void PrintTo(const DeltaFwdCase& c, std::ostream* os) { *os << c.name; }
 class CudaDeltaForward : public ::testing::TestWithParam<DeltaFwdCase> {};
 
 TEST_P(CudaDeltaForward, GdnForwardMatchesFloat64Oracle) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const DeltaFwdCase c = GetParam();
   ProblemSpec s;
   s.cfg.op = c.op;

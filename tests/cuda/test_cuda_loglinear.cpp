@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA log-linear Mamba-2 and the log-linear HLA family (LOGLINEAR_SPEC §3-5, §7) against the CPU
+// CUDA log-linear Mamba-2 and the log-linear HLA family (docs/math/LOGLINEAR.md §3-5, §7) against the CPU
 // float64 naive form (the oracle) on the same rounded inputs: o, final state, dq, dk, dv, dg, dlam,
 // d_init. Initial states sit at unaligned positions (n0 % 64 != 0, and past 2^17), sequences are
 // packed with empty ones, the caller's Fenwick capacity may exceed what a position needs.
@@ -31,7 +31,7 @@ struct LlCase {
   double ridge = 0;
   bool extra = false;  // lam with extra levels, init / final states with extra Fenwick capacity
   // no final state asked for and no final-state cotangent, as a training step calls it: with 16-bit
-  // operands (and no initial state) this is the chunk-parallel tree form (ll_tree.cuh)
+  // operands (and no initial state) this is the chunk-parallel tree form (src/cuda/loglinear/tree.cuh)
   bool stateless = false;
   // HILA_LOGLINEAR_TREE_SWEEP for the call: "1" builds the tree with the sweep kernel, "0"
   // chunk-parallel (the default picks by the number of blocks: the small cases here take "0")
@@ -171,7 +171,7 @@ std::vector<LlCase> cases() {
 class CudaLogLinear : public ::testing::TestWithParam<LlCase> {};
 
 TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const LlCase c = GetParam();
   const bool init = !c.init_pos.empty();
   ProblemSpec s;
@@ -179,7 +179,7 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   s.cfg.normalize = c.normalize;
   s.cfg.gates = c.untied ? Gates::untied : Gates::tied;
   s.cfg.ridge = c.ridge;
-  s.nonneg = c.normalize;  // keeps the denominators away from zero (HLA_SPEC §4)
+  s.nonneg = c.normalize;  // keeps the denominators away from zero (docs/math/HLA.md §4)
   s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.seqlens = c.seqlens;
   s.gated = true;
@@ -294,8 +294,10 @@ TEST_P(CudaLogLinearForward, ForwardOnlyMatchesNaive) {
   p.final_state.pos = fpos.view(), p.final_state.H = fH.view();
   if (c.budget) setenv("HILA_LOGLINEAR_STORE_BUDGET", c.budget, 1);
   else unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  hila::cuda::reload_config();  // the library reads its knobs once (src/cuda/runtime/config.h)
   forward(p);
   unsetenv("HILA_LOGLINEAR_STORE_BUDGET");
+  hila::cuda::reload_config();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const double eo = rel_err(o.fetch(), ref.o), eh = rel_err(fH.fetch(), ref.final_state.H);
   std::printf("  %-32s o rel err %.2e, H_T rel err %.2e\n", c.name.c_str(), eo, eh);
@@ -310,7 +312,7 @@ INSTANTIATE_TEST_SUITE_P(Paths, CudaLogLinearForward,
                          [](const auto& info) { return info.param.name; });
 
 // Prefill continuation: a forward from an initial Fenwick state, asking for the final state. With
-// 16-bit operands this is the tree form seeded with the initial levels (ll_tree.cuh), after the
+// 16-bit operands this is the tree form seeded with the initial levels (loglinear/tree.cuh), after the
 // segment sweep over the rows before the first multiple of 64 when a position is unaligned.
 struct ContCase {
   Op op;
@@ -408,7 +410,7 @@ TEST_P(CudaLogLinearContinue, ForwardFromStateMatchesNaive) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLogLinearContinue, ::testing::ValuesIn(cont_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Too few lam levels is rejected before any launch on the CUDA path too (LOGLINEAR_SPEC §2.3).
+// Too few lam levels is rejected before any launch on the CUDA path too (docs/math/LOGLINEAR.md §2.3).
 TEST(CudaLogLinear, TooFewLevelsIsAnError) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
   ProblemSpec s;

@@ -30,7 +30,7 @@ struct Case {
   bool normalize = false, untied = false;
   double ridge = 0;
   const char* fused = nullptr;  // HILA_GLA_FUSED for the calls: "1" / "0" forces the one-kernel GLA forward on / off
-  // HILA_GLA_SM90 for the calls: on Hopper "0" keeps the portable sweep and backward kernels, "1"
+  // HILA_GLA_SM90 for the calls: on Hopper "0" keeps the sm80 sweep and backward kernels, "1"
   // takes the sm_90a ones wherever they apply (the sweep's block-count threshold skipped)
   const char* sm90 = nullptr;
   int64_t chunk = 64;  // the chunk size C (the GLA family takes powers of two up to 64 on CUDA)
@@ -53,7 +53,7 @@ std::vector<Case> cases() {
   // enough sequence x head blocks (>= one per SM) for the sweep's full 64-column value tiles
   // (few blocks take half-width tiles; every case above does)
   cs.push_back({Op::gla, DType::bf16, 1, 130, 160, 160, 64, 64, {}, true, true, 1e-2, "gla_bf16_d64_H160_wide_grid"});
-  // the one-kernel GLA forward (tc_fused_forward), forced on: T = 1, partial and full chunks,
+  // the one-kernel GLA forward (src/cuda/gla/fused_fwd_*.cu), forced on: T = 1, partial and full chunks,
   // varlen with empty sequences, GQA, initial state, dk < 64 and dv = 2 value tiles; the HLA
   // compositions call it for their inner and outer forwards (and with hbuf in the backward)
   for (int64_t T : {1, 63, 65, 1000})
@@ -69,8 +69,8 @@ std::vector<Case> cases() {
     cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                   std::string(op_name(op)) + "_bf16_varlen_init_fused", false, false, 0, "1"});
   // on Hopper the cases above run the TMA + wgmma state sweeps (dk, dv multiples of 64) and backward
-  // chunk kernel (dk, dv of 64 or 128) of gla_sm90.cu; mixed head dims for them, and the portable
-  // kernels forced there
+  // chunk kernel (dk, dv of 64 or 128) of src/cuda/gla/*_sm90.cu; mixed head dims for them, and the
+  // sm80 kernels forced there
   cs.push_back({Op::gla, DType::bf16, 2, 200, 2, 8, 128, 64, {}, true, true, 1e-2, "gla_bf16_dk128_dv64_gqa4"});
   cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                 "gla_f16_dk64_dv128_varlen_init"});
@@ -92,7 +92,7 @@ std::vector<Case> cases() {
     cs.push_back({op, DType::bf16, 1, 0, 1, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
                   std::string(op_name(op)) + "_bf16_varlen_init_sm90", false, false, 0, "0", "1"});
   // the fused forward: on Hopper the "_fused" cases above run the sm_90a one (dk 64 or 128); the
-  // portable one forced there
+  // sm80 one forced there (the "_portable" cases: the kernels that run on any tensor-core GPU)
   cs.push_back({Op::gla, DType::bf16, 2, 1000, 1, 4, 128, 128, {}, true, true, 1e-2, "gla_bf16_d128_T1000_fused_portable",
                 false, false, 0, "1", "0"});
   cs.push_back({Op::gla, DType::f16, 1, 0, 1, 4, 64, 128, {0, 100, 0, 64, 1, 257}, true, true, 1e-2,
@@ -105,7 +105,7 @@ std::vector<Case> cases() {
                 "hla2_bf16_varlen_init_portable_bwd", false, false, 0, nullptr, "0"});
   // chunk sizes below 64: every kernel holds a chunk of C rows in its 64-row tiles like a partial
   // chunk (rows past C zero-filled or masked), chunks starting at multiples of C; on every path
-  // (sm_90a fused / sweeps / backward, portable tensor-core, FMA) and through the compositions
+  // (sm_90a fused / sweeps / backward, sm80 tensor-core, FMA) and through the compositions
   for (int64_t C : {32, 16}) {
     const std::string sc = "_chunk" + std::to_string(C);
     cs.push_back({Op::gla, DType::bf16, 2, 1000, 1, 4, 128, 128, {}, true, true, 1e-2, "gla_bf16_d128_T1000" + sc,
@@ -128,7 +128,7 @@ std::vector<Case> cases() {
                 0, nullptr, nullptr, 1});
   cs.push_back({Op::hla2, DType::bf16, 2, 70, 1, 4, 64, 64, {}, true, true, 1e-2, "hla2_bf16_d64_T70_chunk8", false, false,
                 0, nullptr, nullptr, 8});
-  // the HLA family: compositions of the GLA kernels (HLA_SPEC §11)
+  // the HLA family: compositions of the GLA kernels (docs/math/HLA.md §11)
   for (Op op : {Op::hla2, Op::ahla, Op::hla3}) {
     const std::string n = op_name(op);
     for (int64_t T : {1, 65, 1000})
@@ -159,14 +159,14 @@ std::vector<Case> cases() {
 class CudaOps : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaOps, ForwardBackwardMatchNaiveFloat64) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const Case c = GetParam();
   ProblemSpec s;
   s.cfg.op = c.op;
   s.cfg.normalize = c.normalize;
   s.cfg.gates = c.untied ? Gates::untied : Gates::tied;
   s.cfg.ridge = c.ridge;
-  s.nonneg = c.normalize;  // keeps the denominators away from zero (HLA_SPEC §4)
+  s.nonneg = c.normalize;  // keeps the denominators away from zero (docs/math/HLA.md §4)
   s.B = c.B, s.T = c.T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.seqlens = c.seqlens;
   s.gated = c.gated;

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA decode steps (src/cuda/step.cu) against the CPU float64 naive forward on the same rounded
+// CUDA decode steps (src/cuda/step/) against the CPU float64 naive forward on the same rounded
 // inputs: a prefill state of n tokens (CPU naive, float64, then rounded to the state dtype) is
 // loaded into a CUDA DecodeState, m tokens are decoded on the GPU, and every decoded o and the
 // final state are compared with one full forward over n + m tokens. Covers every operator (HLA
@@ -28,7 +28,7 @@ using hila::tools::have_gpu;
 using hila::tools::make_problem;
 using hila::tools::rel_err;
 
-constexpr const char* kNoGpu = "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+constexpr const char* kNoGpu = "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
 
 struct StepCase {
   std::string name;
@@ -51,7 +51,7 @@ ProblemSpec spec_of(const StepCase& c, int64_t T) {
   s.cfg.gates = c.untied ? Gates::untied : Gates::tied;
   s.cfg.ridge = c.ridge;
   s.cfg.qk_l2norm = c.l2;
-  s.nonneg = c.normalize;  // keeps the denominators away from zero (HLA_SPEC §4)
+  s.nonneg = c.normalize;  // keeps the denominators away from zero (docs/math/HLA.md §4)
   s.B = c.N, s.T = T, s.G = c.G, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
   s.init_state = !c.init_pos.empty();
   s.init_pos = c.init_pos;
@@ -250,7 +250,7 @@ void expect_error(const std::string& ctx, F&& f, const std::string& arg, const s
 
 // Prefill(n) on the GPU (chunk form, final state written on the device), then decode(m) on the GPU
 // from that state, equals one full forward, for every n in 0..300 (n = 64 * 2^k and 64 * 2^k +- 1
-// included; LOGLINEAR_SPEC §3.5). One naive float64 reference per case. `chunk`: the prefill's C.
+// included; docs/math/LOGLINEAR.md §3.5). One naive float64 reference per case. `chunk`: the prefill's C.
 void prefill_then_decode(const StepCase& c, int64_t chunk = 64) {
   constexpr int64_t kMaxN = 300;
   const Problem low = cast_problem(make_problem(spec_of(c, kMaxN + c.m)), c.dtype);

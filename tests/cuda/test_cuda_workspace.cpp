@@ -92,7 +92,7 @@ void expect_exact_workspace(const WsCase& c, Run run) {
 class CudaWorkspace : public ::testing::TestWithParam<WsCase> {};
 
 TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_backward(low, Form::chunk, 64, cuda0(), tmp); });
@@ -101,7 +101,7 @@ TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
 // The sizes: positive on the device, larger for backward than for forward, growing with T, and
 // independent of the data.
 TEST_P(CudaWorkspace, SizeQuery) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
   DeviceMirror m(cuda0());
@@ -130,7 +130,7 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaWorkspace, ::testing::ValuesIn(ws_cases()),
 class CudaWorkspaceForward : public ::testing::TestWithParam<WsCase> {};
 
 TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_forward(low, Form::chunk, 64, cuda0(), tmp); });
@@ -159,7 +159,7 @@ INSTANTIATE_TEST_SUITE_P(
 class CudaGraph : public ::testing::TestWithParam<WsCase> {};
 
 TEST_P(CudaGraph, CapturedCallsReplayToTheDirectResults) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
   for (const bool bwd : {false, true}) {
@@ -197,7 +197,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 TEST(CudaWorkspaceErrors, TooSmallOrNotDeviceMemory) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on the GPU machine)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const Problem low = ws_problem(ws_cases()[2]);  // hla2: inner and outer temporaries
   DeviceMirror m(cuda0());
   Buffer o(low.v.dtype, std::vector<int64_t>(low.v.shape));

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-# Turns src/cuda/*.cu into host C++ for the emulator (see run.sh), and the headers of src/cuda that
-# hold kernels with dynamic shared memory into copies under OUT/cuda/, which the generated sources
-# find first (a quoted include looks in the including file's directory before -I):
+# Turns every .cu file under src/cuda into host C++ for the emulator (see run.sh: src/cuda/x/y.cu
+# becomes OUT/emu_x_y.cpp), and the headers under src/cuda that declare shared memory into copies
+# under OUT/cuda/ (same relative path), which the generated sources find first (a quoted include
+# looks in the including file's directory before -I; so such a header must be included by the .cu
+# files themselves, not through another header):
 #   - `extern __shared__ [__align__(n)] TYPE name[];` becomes a pointer to the emulator's dynamic
 #     shared-memory buffer, other `__shared__` variables become function statics (one block runs at
 #     a time);
@@ -14,7 +16,7 @@ import re
 import sys
 
 root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-HEAD = '''#include "cuda/runtime.cuh"
+HEAD = '''#include "cuda/runtime/runtime.cuh"
 #undef HILA_LAUNCH
 #define HILA_LAUNCH(kernel, n, s, ...)                                       \\
   do {                                                                       \\
@@ -113,15 +115,22 @@ def emit(dst, text):
         dst.write_text(text)
 
 
-for cu in sorted((root / 'src/cuda').glob('*.cu')):
+src = root / 'src/cuda'
+for cu in sorted(src.rglob('*.cu')):
+    rel = cu.relative_to(src)
     body, n = convert(cu)
-    emit(out / f'emu_{cu.stem}.cpp', HEAD + f'#line 1 "{cu}"\n' + body)
+    emit(out / f"emu_{'_'.join(rel.with_suffix('').parts)}.cpp", HEAD + f'#line 1 "{cu}"\n' + body)
     print(f'gen.py: {cu.relative_to(root)}: {n} launches rewritten')
-(out / 'cuda').mkdir(exist_ok=True)
-for h in sorted((root / 'src/cuda').glob('*.cuh')):
-    if not re.search(r'extern\s+__shared__', h.read_text()):
-        (out / 'cuda' / h.name).unlink(missing_ok=True)  # a stale copy would shadow the header
+for h in sorted(src.rglob('*.cuh')):
+    dst = out / 'cuda' / h.relative_to(src)
+    if not re.search(r'\b__shared__\b', h.read_text()):
+        dst.unlink(missing_ok=True)  # a stale copy would shadow the header
         continue
     body, n = convert(h)
-    emit(out / 'cuda' / h.name, f'#line 1 "{h}"\n' + body)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    emit(dst, f'#line 1 "{h}"\n' + body)
     print(f'gen.py: {h.relative_to(root)}: {n} launches rewritten (header)')
+# generated sources of .cu files that no longer exist would be compiled and linked: remove them
+for old in out.glob('emu_*.cpp'):
+    if not any(old.name == f"emu_{'_'.join(cu.relative_to(src).with_suffix('').parts)}.cpp" for cu in src.rglob('*.cu')):
+        old.unlink()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Host emulation of hila's CUDA backend (no GPU needed): builds src/cuda/*.cu (rewritten by gen.py)
+# Host emulation of hila's CUDA backend (no GPU needed): builds src/cuda/**/*.cu (rewritten by gen.py)
 # and the GPU tests (tests/cuda/test_cuda_*.cpp) as host C++ and runs them:
 #   bash tools/cuda_emu/run.sh ['gtest filter' [more gtest flags]]
 #   e.g. bash tools/cuda_emu/run.sh 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65'
@@ -12,7 +12,7 @@
 # Each CUDA thread is a std::thread (one block at a time, __syncthreads = std::barrier); warps run
 # their 32 lanes in lock-step at warp operations (per-warp barrier + scratch), which emulates
 # __shfl*_sync / __ballot_sync, mma.sync m16n8k16 (bf16, f16; fp32 accumulators) and ldmatrix x4
-# (.trans) with the PTX fragment layouts, so the tensor-core kernels (src/cuda/gla_tc.cu) run as
+# (.trans) with the PTX fragment layouts, so the tensor-core kernels (src/cuda/gla/*_sm80.cu) run as
 # written. cp.async is queued per thread and lands at wait_group (src_bytes zero-fill honoured).
 # smem_gemm's WMMA is replaced by the FMA path with the same bf16/f16 operand rounding. Dynamic
 # shared memory is poisoned (0xff) at every block start; device allocations are poisoned too.
@@ -30,7 +30,9 @@ python3 "$ROOT/tools/cuda_emu/gen.py" "$ROOT" "$OUT" >/dev/null
 FL="-std=c++20 -O1 -g0 -pthread -fopenmp -fno-strict-aliasing -DHILA_WITH_CUDA=1 -DHILA_CUDA_EMU=1 -I$SHIM -I$ROOT/src -I$ROOT/include -I$ROOT/tools -I$ROOT/tests/cuda"
 echo "$CXX $FL" >"$OUT/flags.new"  # objects are rebuilt when the compiler, flags or shim change
 cmp -s "$OUT/flags.new" "$OUT/flags" || mv "$OUT/flags.new" "$OUT/flags"
-SRCS=("$OUT"/emu_*.cpp "$ROOT"/src/core/*.cpp "$ROOT"/src/cpu/*.cpp "$ROOT"/tools/problem.cpp "$ROOT"/tools/device.cpp "$ROOT"/tests/cuda/test_cuda_*.cpp)
+mapfile -t CUDA_CPP < <(find "$ROOT/src/cuda" -name '*.cpp' | sort)  # plain C++ of the backend (runtime/config.cpp)
+SRCS=("$OUT"/emu_*.cpp "${CUDA_CPP[@]}" "$ROOT"/src/api/*.cpp "$ROOT"/src/core/*.cpp "$ROOT"/src/cpu/*.cpp "$ROOT"/tools/problem.cpp
+      "$ROOT"/tools/device.cpp "$ROOT"/tests/cuda/test_cuda_*.cpp)
 {
   echo "BIN := $OUT/hila_cuda_tests_emu"
   objs=()

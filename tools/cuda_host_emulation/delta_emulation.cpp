@@ -1,9 +1,49 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host emulation of src/cuda/delta.cu (see run.sh): the CUDA driver and kernels run on the CPU with
-// the stand-in headers of this folder, against the CPU naive float64 oracle, in float64 and float32.
+// Host emulation of the delta rule's portable kernels (src/cuda/delta/segment_portable.cu; see
+// run.sh): their driver and kernels run on the CPU with the stand-in headers of this folder, against
+// the CPU naive float64 oracle, in float64 and float32.
 // EMU_QUICK=1 skips the T = 1000 cases; EMU_BIG=1 runs only the multi-tile head dims (dk 80, dv 130);
 // EMU_F32_LONG=1 only float32 at T = 1000, d = 64 (chunk-form oracle).
 #include "delta_emu.inc"
+
+#include <cmath>
+
+// Host stand-in for src/cuda/delta/qk.cu's launch_unpack_qk (its kernel takes a warp per row): dq or
+// dk per group = mult * the sum over the group's heads of dx (+ dx2), then through the l2
+// normalisation of the raw input x (docs/math/LOGLINEAR.md §6.1) when the call asks for it.
+namespace hila::cuda {
+template <class T>
+void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r,
+                      int dk, int dkp, Acc<T> mult, cudaStream_t) {
+  using R = Acc<T>;
+  const Strided o(out);
+  const int64_t G = r.G, rep = r.H / r.G, Ttot = r.B * r.T;
+  std::vector<R> dy(static_cast<size_t>(dk));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t row = 0; row < Ttot; ++row) {
+      for (int c = 0; c < dk; ++c) {
+        R sum = 0;
+        for (int64_t j = 0; j < rep; ++j) {
+          const int64_t e = ((g * rep + j) * Ttot + row) * dkp + c;
+          sum += dx2 ? dx[e] + dx2[e] : dx[e];
+        }
+        dy[size_t(c)] = mult * sum;
+      }
+      const T* xr = x + (g * Ttot + row) * dkp;
+      R inv = 1, ydy = 0;
+      if (r.cfg.qk_l2norm) {
+        R ss = 0, xdy = 0;
+        for (int c = 0; c < dk; ++c) ss += R(xr[c]) * R(xr[c]), xdy += R(xr[c]) * dy[size_t(c)];
+        inv = R(1) / std::sqrt(ss + R(detail::kL2NormEps));
+        ydy = xdy * inv;
+      }
+      const int64_t b = row / r.T, t = row % r.T;
+      for (int c = 0; c < dk; ++c)
+        st<R>(o, b * o.s[0] + t * o.s[1] + g * o.s[2] + c * o.s[3],
+              r.cfg.qk_l2norm ? (dy[size_t(c)] - R(xr[c]) * inv * ydy) * inv : dy[size_t(c)]);
+    }
+}
+}  // namespace hila::cuda
 #include "problem.h"
 #include <cstdio>
 #include <cstdlib>
@@ -33,7 +73,7 @@ double run_case(const char* name, ProblemSpec s, DType dt, double tol, Form orac
   bp.dq = r.dq.view(); bp.dk = r.dk.view(); bp.dv = r.dv.view(); bp.dg = r.dg.view(); bp.dlam = r.dlam.view();
   bp.dbeta = r.dbeta.view(); bp.d_init = r.d_init.view();
   const detail::Resolved rs = detail::resolve_backward(bp);
-  hila::cuda::delta_backward<T>(rs, bp, nullptr);
+  hila::cuda::delta_portable_backward<T>(rs, bp, nullptr);
   // forward entry
   Result f;
   f.o = Buffer(dt, {s.B, low.spec.T, s.H, s.dv}); f.o.poison();
@@ -42,7 +82,7 @@ double run_case(const char* name, ProblemSpec s, DType dt, double tol, Form orac
   ForwardParams fp = low.forward_params(Form::chunk, 64);
   fp.o = f.o.view(); fp.final_state = f.final_state.view();
   const detail::Resolved rf = detail::resolve_forward(fp);
-  hila::cuda::delta_forward<T>(rf, fp, nullptr);
+  hila::cuda::delta_portable_forward<T>(rf, fp, nullptr);
   double worst = 0;
   auto cmp = compare(r, ref, 1e-3);
   cmp.push_back({"fwd.o", rel_err(f.o, ref.o)});

@@ -2,12 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Registers, spills and static shared memory of every CUDA kernel, from ptxas, without a GPU.
 
-Compiles each src/cuda/*.cu for one target (default sm_90a, the Hopper path) with `-Xptxas -v` and
+Compiles each .cu file under src/cuda for one target (default sm_90a, the Hopper path) with `-Xptxas -v` and
 prints one line per kernel instance: registers, spill stores / loads (bytes), static shared memory.
 Occupancy follows from the registers (65536 per SM) and the dynamic shared memory the launches ask
-for; a change that adds registers or spills shows here before it reaches the GPU machine.
+for; a change that adds registers or spills shows here before it runs on a GPU.
 
-  python3 tools/kernel_resources/kernel_resources.py [--arch sm_90a] [--filter bfloat16] [file.cu ...]
+  python3 tools/kernel_resources/kernel_resources.py [--arch sm_90a] [--filter bfloat16] [--wide] [file.cu ...]
 """
 import argparse
 import concurrent.futures
@@ -30,7 +30,7 @@ def demangle(names):
 
 
 def short(name):
-    name = re.sub(r"hila::cuda::(\(anonymous namespace\)::)?", "", name)
+    name = name.replace("(anonymous namespace)::", "").replace("hila::cuda::", "")
     depth, cut = 0, len(name)
     for i, ch in enumerate(name):  # drop the argument list: the first '(' outside template brackets
         if ch == "<":
@@ -63,28 +63,34 @@ def resources(src, arch, nvcc):
             rows.append([name, int(m.group(1)), spill, smem])
     for r, d in zip(rows, demangle([r[0] for r in rows])):
         r[0] = short(d)
-    return os.path.basename(src), rows
+    return os.path.relpath(src, os.path.join(ROOT, "src/cuda")), rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="*", help="sources (default: every src/cuda/*.cu)")
+    ap.add_argument("files", nargs="*", help="sources (default: every .cu file under src/cuda)")
     ap.add_argument("--arch", default="sm_90a", help="sm_90a (default) or sm_80")
     ap.add_argument("--filter", default="", help="only kernels whose name contains this (e.g. bfloat16)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--wide", action="store_true", help="full kernel names, tab-separated (for diffs)")
     a = ap.parse_args()
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not os.path.exists(nvcc):
         sys.exit("kernel_resources: nvcc not found (PATH or /usr/local/cuda/bin)")
-    srcs = a.files or sorted(os.path.join(ROOT, "src/cuda", f) for f in os.listdir(os.path.join(ROOT, "src/cuda"))
+    srcs = a.files or sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "src/cuda")) for f in fs
                              if f.endswith(".cu"))
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as ex:
         results = list(ex.map(lambda s: resources(s, a.arch, nvcc), srcs))
-    print(f"{'file':16s} {'kernel':72s} {'regs':>4s} {'spill st/ld':>12s} {'smem':>6s}")
+    if not a.wide:
+        print(f"{'file':26s} {'kernel':72s} {'regs':>4s} {'spill st/ld':>12s} {'smem':>6s}")
     for fname, rows in results:
         for name, regs, (st, ld), smem in rows:
-            if a.filter in name:
-                print(f"{fname:16s} {name[:72]:72s} {regs:4d} {f'{st}/{ld}':>12s} {smem:6d}")
+            if a.filter not in name:
+                continue
+            if a.wide:
+                print(f"{fname}\t{name}\t{regs}\t{st}/{ld}\t{smem}")
+            else:
+                print(f"{fname:26s} {name[:72]:72s} {regs:4d} {f'{st}/{ld}':>12s} {smem:6d}")
 
 
 if __name__ == "__main__":

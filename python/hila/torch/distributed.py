@@ -663,7 +663,7 @@ class _Call:
 
     def map_parts(self, piece: _Piece, rows: Tuple[int, int], key: Tensor, val: Tensor,
                   U: Optional[Tensor], Hv: Optional[Tensor], L: int) -> Dict[str, Tensor]:
-        """The action parts of a piece's map from its zero-carry quantities (HLA_SPEC §3.4, §5.3,
+        """The action parts of a piece's map from its zero-carry quantities (docs/math/HLA.md §3.4, §5.3,
         §6.3, the outer parts per Fenwick level of the piece's end): rho, the outer state
         Y_X = sum_j w_j key_j val_j^T, and the cross terms hla2: Z = sum w e^{bS} q^ v'^T;
         ahla: R = sum w e^{bP} k q^^T; hla3: Phi = sum w e^{bS} q^ h^T, Psi = sum w e^{bP} u q^^T,

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host stand-in for src/cuda/common.cuh (see run.sh): the CUDA keywords delta.cu uses, one OS thread
-// per CUDA thread with a std::barrier for __syncthreads (or one thread per block), blocks in sequence.
-// float / double only.
+// Host stand-in for src/cuda/common.cuh (see run.sh): the CUDA keywords the portable delta-rule
+// kernels use, one OS thread per CUDA thread with a std::barrier for __syncthreads (or one thread
+// per block), blocks in sequence. float / double only: the 16-bit types are plain floats here, so
+// that the pack kernels of other dtypes compile (they do not run).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -31,9 +32,23 @@ constexpr int cudaSuccess = 0;
 #include <algorithm>
 using std::min;
 using std::max;
-struct __nv_bfloat16 {};
-struct __half {};
+struct __nv_bfloat16 {
+  float v = 0;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float x) : v(x) {}
+  operator float() const { return v; }
+};
+struct __half {
+  float v = 0;
+  __half() = default;
+  __half(float x) : v(x) {}
+  operator float() const { return v; }
+};
+struct uint4 { unsigned x = 0, y = 0, z = 0, w = 0; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+#define HILA_FOR_EACH_DTYPE(M) M(float) M(double)
 namespace hila::cuda {
+template <class T> constexpr bool kTensorCore = false;
 template <class T> using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 template <class T> inline T to(float x) { return static_cast<T>(x); }
 template <class T> inline T to(double x) { return static_cast<T>(x); }

@@ -1,0 +1,112 @@
+// SPDX-License-Identifier: Apache-2.0
+// One gdn / loglinear_gdn call's packed operands on the delta rule's sm80 tier (gdn_call_sm80.cuh).
+#include <vector>
+
+#include "cuda/delta/delta.cuh"
+#include "cuda/delta/gdn_call_sm80.cuh"
+#include "cuda/prims/pack.cuh"
+
+namespace hila::cuda::gdn {
+
+template <class T>
+GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool keep_raw)
+    : r(r_), s(s_), seqs(r_, s_, kChunk), dk(pad16(r_.dk)), dv(pad16(r_.dv)), rep(int(r_.H / r_.G)),
+      Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
+  const bool l2 = r.cfg.qk_l2norm && Ttot > 0;
+  const size_t nqk = size_t(r.G * Ttot * dk);
+  q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
+  T* qp = q.get();
+  T* kp = k.get();
+  if (l2 && keep_raw) {  // pack into the raw copies, normalise into q, k
+    q_raw = DevBuf<T>(nqk, s), k_raw = DevBuf<T>(nqk, s);
+    qp = q_raw.get(), kp = k_raw.get();
+  }
+  pack_to<T>(qp, p.q, r, r.G, int(r.dk), dk, -1, s);
+  pack_to<T>(kp, p.k, r, r.G, int(r.dk), dk, -1, s);
+  a.v = operand(p.v, r.H, int(r.dv), dv, v, a.v_ld, a.v_hs);
+  if (l2) {  // one warp per row
+    launch_l2norm_rows<T>(qp, q.get(), r.G * Ttot, int(r.dk), dk, s);
+    launch_l2norm_rows<T>(kp, k.get(), r.G * Ttot, int(r.dk), dk, s);
+  }
+  if (r.gate_cols > 0) {
+    g = DevBuf<R>(size_t(r.H * Ttot), s);
+    HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
+  }
+  beta = DevBuf<R>(size_t(r.H * Ttot), s);
+  HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, beta.get(), Strided(p.beta), r.T, r.H, Ttot, 0);
+  a.q = q.get(), a.k = k.get(), a.q_div = a.k_div = rep, a.v_div = 1;
+  a.g = g.get(), a.H = int(r.H), a.N = int(N), a.Ttot = Ttot, a.dk = dk, a.dv = dv;
+  a.row0 = seqs.d_row0.get(), a.len = seqs.d_len.get(), a.chunk0 = seqs.d_chunk0.get();
+  a.chunk_seq = seqs.d_chunk_seq.get(), a.nchunks = seqs.nchunks;
+  a.scale = R(r.scale);
+  if (a.g) {
+    bsum = DevBuf<R>(size_t(r.H * Ttot), s);
+    gla_chunk_cumsum(a, bsum.get(), s);
+    a.b = bsum.get();
+  }
+  if (p.init.H.defined()) {
+    h0 = DevBuf<R>(size_t(NH * dk * dv), s);
+    HILA_LAUNCH(pack_state<R>, NH * dk * dv, s, h0.get(), Strided(p.init.H), NH, r.H, int(r.dk), int(r.dv), dk, dv);
+  }
+  ht = DevBuf<R>(size_t(NH * dk * dv), s);
+  a.h0 = h0.get(), a.ht = ht.get();
+}
+
+template <class T>
+const T* GdnCall<T>::operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld,
+                             int64_t& hs) const {
+  if (d == dp && in_place_ok<T>(t, r.B, r.T)) {
+    ld = t.stride[1], hs = t.stride[2];
+    return static_cast<const T*>(t.data);
+  }
+  buf = DevBuf<T>(size_t(X * Ttot * dp), s);
+  pack_to<T>(buf.get(), t, r, X, d, dp, -1, s);
+  ld = hs = 0;
+  return buf.get();
+}
+
+template <class T>
+void GdnCall<T>::wy(T* tg, float* dvi, LoglinearWy<T> ll) {
+  W = DevBuf<T>(size_t(r.H * Ttot * dk), s);
+  if (!ll.qeff) U = DevBuf<float>(size_t(r.H * Ttot * dv), s);
+  if (seqs.nchunks == 0) return;
+  launch_wy(a, beta.get(), W.get(), U.get(), tg, dvi, ll, s);
+}
+
+template <class T>
+void GdnCall<T>::output(const TensorView& o) {
+  if (seqs.nchunks == 0 || !o.defined()) return;
+  const bool direct = int(r.dv) == dv && in_place_ok<T>(o, r.B, r.T);
+  DevBuf<T> O(direct ? 0 : size_t(r.H * Ttot * dv), s);
+  GlaArgs<T> b = a;
+  b.v = Vn.get(), b.v_ld = b.v_hs = 0;
+  b.o = direct ? static_cast<T*>(o.data) : O.get();
+  if (direct) b.o_ld = o.stride[1], b.o_hs = o.stride[2];
+  gla_output(b, s);
+  if (!direct) unpack_to<T>(o, O.get(), r, r.H, 1, int(r.dv), dv, R(1), s);
+}
+
+template <class T>
+void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb,
+                           const R* dg, const R* dbeta) const {
+  if (Ttot == 0) return;
+  const T* qx = q_raw.get() ? q_raw.get() : q.get();
+  const T* kx = k_raw.get() ? k_raw.get() : k.get();
+  if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, qx, r, int(r.dk), dk, R(r.scale), s);
+  if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, kx, r, int(r.dk), dk, R(1), s);
+  if (p.dv.defined()) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);
+  if (p.dg.defined()) HILA_LAUNCH(unpack_gates<R>, r.H * Ttot, s, Strided(p.dg), dg, r.T, r.H, Ttot, 0);
+  if (p.dbeta.defined()) HILA_LAUNCH(unpack_gates<R>, r.H * Ttot, s, Strided(p.dbeta), dbeta, r.T, r.H, Ttot, 0);
+}
+
+template <class T>
+void GdnCall<T>::write_final(const StateView& fin) {
+  if (fin.H.defined())
+    HILA_LAUNCH(unpack_state<R>, NH * r.dk * r.dv, s, Strided(fin.H), ht.get(), NH, r.H, int(r.dk), int(r.dv), dk, dv);
+  upload_final_positions(fin.pos, r, s);
+}
+
+template struct GdnCall<__nv_bfloat16>;
+template struct GdnCall<__half>;
+
+}  // namespace hila::cuda::gdn

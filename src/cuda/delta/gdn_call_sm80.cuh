@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: Apache-2.0
+// One gdn / loglinear_gdn call on the delta rule's sm80 tier (gdn_call_sm80.cu): its packed
+// operands and the forward pass that gdn_sm80.cu and loglinear_gdn_sm80.cu share.
+#pragma once
+#include "core/problem.h"
+#include "cuda/delta/wy_sm80.cuh"
+#include "cuda/gla/gla.cuh"
+
+namespace hila::cuda::gdn {
+
+// One call's packed operands and the forward pass shared by the forward and the backward: q, k
+// [G][Ttot][dk] (l2-normalised when asked; the raw copies are kept in q_raw, k_raw for the
+// backward's chain rule), v [H][Ttot][dv], the gates' chunk cumsum b and beta [H][Ttot], the
+// initial and final states [N][H][dk][dv] (fp32), W, U, Vn and the states entering each chunk.
+template <class T>
+struct GdnCall {
+  using R = Acc<T>;
+  const detail::Resolved& r;
+  cudaStream_t s;
+  SeqTables seqs;
+  int dk, dv, rep;
+  int64_t Ttot, N, NH;
+  DevBuf<T> q, k, q_raw, k_raw, v, W, Vn, hbuf;
+  DevBuf<R> g, beta, bsum, h0, ht;
+  DevBuf<float> U;
+  GlaArgs<T> a;
+
+  GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool keep_raw);
+  // The caller's [B, T, X, d] tensor read in place (ld, hs set), or packed into buf [X][Ttot][dp].
+  const T* operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld, int64_t& hs) const;
+  // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.
+  // With ll.qeff set, loglinear_gdn's Qeff, intra output and final in-chunk levels too (LoglinearWy).
+  void wy(T* tg = nullptr, float* dvi = nullptr, LoglinearWy<T> ll = {});
+  // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
+  void output(const TensorView& o);
+  // The gradients into the caller's tensors: dq (w.r.t. q^, times scale), dk = dk1 + dk2, dv, dg, dbeta
+  // (packed [H][Ttot][..] fp32), through the l2norm chain when it is on.
+  void write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb, const R* dg,
+                   const R* dbeta) const;
+  void write_final(const StateView& fin);
+};
+
+}  // namespace hila::cuda::gdn

@@ -1,0 +1,357 @@
+// SPDX-License-Identifier: Apache-2.0
+// Plain Gated DeltaNet (gdn) on the sm80 tier (tensor cores, delta.cuh), in the fla form of
+// docs/math/LOGLINEAR.md §6.4 (the gated UT inverse, which equals the plain recurrence; oracles
+// gdn_chunk_plain, gdn_plain_vjp_chunk). Per chunk of C = 64 rows, with the chunk-local cumsum b
+// of the log-gates, B = b[C-1], w = e^{B-b}:
+//   Tg = (I + tril_-1(diag(beta) (Gam o K K^T)))^-1     [C,C], Gam_ij = e^{b_i - b_j}
+//   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (fp32)
+// along the chunks of a sequence, with S the state entering the chunk:
+//   Vn = U - W S                 [C,dk]x[dk,dv]        S <- e^B S + K^T diag(w) Vn
+// and the output is GLA's with Vn for the values (gla/output_sm80.cu):
+//   O  = diag(e^b) Q^ S + (tril(Q^ K^T) o Gam) Vn      (Q^ = scale q)
+// Backward, with dS the cotangent of the state at the chunk's end and A = tril(Q^ K^T) o Gam:
+//   dVn = A^T dO + diag(w) K dS                        (the GLA dv, with Vn for v)
+//   dS_in = e^B dS + Q^T diag(scale e^b) dO - W^T dVn  (the reverse sweep)
+//   dq^, the GLA part of dk and dc = q^.dq^ - k.dk: GLA's chunk gradients with Vn for v
+//   dW = -dVn S^T, dU = dVn, then through W, U and Tg:  tU = Tg^T dU, tW = Tg^T dW,
+//   dTg = dU (beta V)^T + dW (beta e^b K)^T, dN = -tril_-1(Tg^T dTg Tg^T),
+//   dv = diag(beta) tU, dk += diag(beta e^b) tW + (dAkk + dAkk^T) K with dAkk = diag(beta) dN o Gam,
+//   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
+//   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
+//   the chunk's last row; dg is its reverse cumsum inside the chunk.
+// Kernels: wy_kernel (chunk-parallel: Tg in fp32 by 16 x 16 blocks, W and U by mma; for the
+// backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
+// (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
+// backward: delta_rsweep_kernel (the reverse sweep of dS, fp32 in registers), GLA's chunk-gradient
+// kernel on Vn, then wy_bwd_kernel (chunk-parallel). W, Vn, Tg and the per-chunk states and
+// cotangents are stored in 16 bits as GEMM operands; U, dVn, the carries and every accumulation
+// are fp32.
+// Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
+#include "core/plan.h"
+#include "cuda/delta/delta.cuh"
+#include "cuda/delta/gdn_call_sm80.cuh"
+#include "cuda/delta/sm80.cuh"
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/prims/pack.cuh"
+#include "cuda/runtime/config.h"
+
+namespace hila::cuda {
+
+using namespace gdn;
+
+namespace {
+
+// The state sweep; grid (N x H, 1, dv tiles of 64), 8 warps, warp w owns state rows [16w, 16w+16)
+// (those < dk) and columns [v0, v0+64) in registers. Per chunk, double-buffered W, K [C, dk]
+// (16-bit) and the gates arrive by cp.async, and U [C, 64] (fp32) in one buffer, loaded for the
+// next chunk once (2) has read it (one buffer keeps the block within half an SM's shared memory,
+// two blocks per SM); then
+//   (1) S -> 16-bit Ss (and hbuf: the state entering the chunk, for the output kernel)
+//   (2) Vn = U - W Ss    [C,dk]x[dk,64]: warp w rows 16 (w % 4), columns 32 (w / 4); to Vns and Vn
+//   (3) S = e^B S + K^T diag(e^{B-b}) Vns
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, const T* W, const float* U, T* Vn) {
+  extern __shared__ __align__(128) char smem[];
+  SweepTiles<T> s(smem, a.dk);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
+  const SweepItem it(a);
+  const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
+  const bool active = it.active;
+  const int64_t len = it.len, row0 = it.row0;
+  const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
+  const float* Uh = U + int64_t(h) * a.Ttot * a.dv;
+  const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const int64_t kld = row_ld(a.k_ld, a.dk);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
+  float acc[8][4];  // rows 16w + g (+8), columns v0 + 8j + 2t (+1)
+  load_state(acc, active, a.h0 ? a.h0 + sidx : nullptr, a.dv, v0, bv);
+  auto issue = [&](int64_t c) { s.issue(c, Wh, Kh, kld, b, row0, len, a.dk); };  // W, K, b of chunk c
+  auto issue_u = [&](int c) {  // U [C, bv] fp32, rows >= nr zero
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int nr = rows_in(len, c);
+    for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {
+      const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
+      const bool in = i < nr;
+      mma::cp_async16(s.U + i * kLdU + j, in ? Uh + (r0 + i) * a.dv + v0 + j : Uh, in ? 16 : 0);
+    }
+    mma::cp_async_commit();
+  };
+  if (nch > 0) issue(0), issue_u(0);
+  for (int c = 0; c < nch; ++c) {
+    mma::cp_async_wait<0>();
+    __syncthreads();  // chunk c has landed (U too); chunk c-1's reads of Ss, Vns and the other stage are done
+    if (c + 1 < nch) issue(c + 1);
+    const int st = c % kSweepStages, nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    // (1) the state entering the chunk, 16-bit
+    stash_state(acc, active, s.Ss, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv : nullptr,
+                a.dk, a.dv, v0, bv);
+    __syncthreads();
+    {  // (2) Vn = U - W Ss
+      const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
+      float x[4][4];
+      mma::zero(x);
+      mma::warp_gemm<T, 4, false, true>(x, s.W(st), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
+      const float* Ut = s.U;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
+          const float2 u = col < bv ? *reinterpret_cast<const float2*>(Ut + i * kLdU + col) : make_float2(0.f, 0.f);
+          const uint32_t y = mma::pack2<T>(u.x - x[j][2 * hf], u.y - x[j][2 * hf + 1]);  // columns >= bv: 0
+          *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = y;
+          if (i < nr && col < bv) *reinterpret_cast<uint32_t*>(Vn + (int64_t(h) * a.Ttot + r0 + i) * a.dv + v0 + col) = y;
+        }
+    }
+    __syncthreads();  // U and Ss are read
+    if (c + 1 < nch) issue_u(c + 1);
+    erase_add(acc, active, s.K(st), s.ldk, s.Vns, nt, s.b(st), nr);  // (3)
+  }
+  store_state(a.ht ? a.ht + sidx : nullptr, acc, active, a.dv, v0, bv);
+}
+
+
+// The reverse sweep of the backward; grid (N x H, 1, dv tiles of 64), 8 warps, warp w owns the
+// cotangent rows [16w, 16w+16) (those < dk) and columns [v0, v0+64) in registers, from dS_T (a.dht,
+// else 0). Per chunk, last first, double-buffered Q, K, W [C, dk], dO [C, 64] (16-bit), dvi [C, 64]
+// (fp32) and the gates arrive by cp.async; then
+//   (1) dS -> 16-bit dSs (and dhbuf: the cotangent at the chunk's end, for the gradient kernels)
+//   (2) dVn = dvi + diag(w) K dSs    [C,dk]x[dk,64]: warp w rows 16 (w % 4), columns 32 (w / 4)
+//   (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn    [dk,C]x[C,64], twice
+// and the cotangent of the initial state goes to a.dh0. With (1) each block also forms its part of
+// <dS, S_out> (S_out: the state at the chunk's end, the next chunk's entering state in hbuf or the
+// final state ht) for the WY backward's dB: sdot [nchunks][H][dv tiles].
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, const T* W, const float* dvi, float* sdot) {
+  extern __shared__ __align__(128) char smem[];
+  RsweepTiles<T> s(smem, a.dk);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
+  const SweepItem it(a);
+  const int seq = it.seq, h = it.h, v0 = it.v0, bv = it.bv, nt = it.nt, nch = it.nch;
+  const bool active = it.active;
+  const int64_t len = it.len, row0 = it.row0;
+  const T* Qh = a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk);
+  const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const int64_t qld = row_ld(a.q_ld, a.dk), kld = row_ld(a.k_ld, a.dk);
+  const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
+  const T* dOh = a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv);
+  const int64_t dold = row_ld(a.dO_ld, a.dv);
+  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv;
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
+  const float sc = float(a.scale);
+  float acc[8][4];  // rows 16w + g (+8), columns v0 + 8j + 2t (+1)
+  load_state(acc, active, a.dht ? a.dht + sidx : nullptr, a.dv, v0, bv);
+  auto issue = [&](int c) {
+    const int st = c & 1;
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    const int nr = rows_in(len, c);
+    mma::async_rows(s.Q(st), s.ldk, Qh, qld, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
+    mma::async_rows(s.dO(st), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
+    for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {  // dvi [C, bv] fp32, rows >= nr zero
+      const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
+      const bool in = i < nr;
+      mma::cp_async16(s.dvi(st) + i * kLdU + j, in ? dvih + (r0 + i) * a.dv + v0 + j : dvih, in ? 16 : 0);
+    }
+    if (threadIdx.x < kChunk) {
+      const bool in = b && int(threadIdx.x) < nr;
+      mma::cp_async4(s.b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dvih, in ? 4 : 0);
+    }
+    mma::cp_async_commit();
+  };
+  // this thread's entries of S_out, the state at the end of the chunk (16-bit, from hbuf), loaded a
+  // chunk ahead into registers; after the last chunk it is the final state, read from ht
+  uint32_t so16[8][2] = {};
+  auto soff = [&](int j, int hf) { return fr.off<int64_t>(16 * w, hf, a.dv, v0, j); };
+  auto prefetch_so = [&](int64_t cnext) {  // hbuf of chunk cnext
+    const T* So = a.hbuf + (cnext * a.H + h) * int64_t(a.dk) * a.dv;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        so16[j][hf] = active && j < nt ? *reinterpret_cast<const uint32_t*>(So + soff(j, hf)) : 0u;
+  };
+  if (nch > 0) issue(nch - 1);
+  else mma::cp_async_commit();
+  for (int c = nch - 1; c >= 0; --c) {
+    mma::cp_async_wait<0>();
+    __syncthreads();  // chunk c has landed; chunk c+1's reads of dSs, dVns and the other stage are done
+    if (c > 0) issue(c - 1);
+    else mma::cp_async_commit();
+    const int st = c & 1, nr = rows_in(len, c);
+    const int64_t cg = a.chunk0[seq] + c;
+    // (1) the cotangent at the chunk's end, 16-bit; this block's part of <dS, S_out>
+    stash_state(acc, active, s.dSs, a.dhbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dk, a.dv, v0, bv);
+    {
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (active && j < nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const float2 so = c + 1 == nch ? *reinterpret_cast<const float2*>(a.ht + sidx + soff(j, hf))
+                                           : mma::unpack2<T>(so16[j][hf]);
+            part += acc[j][2 * hf] * so.x + acc[j][2 * hf + 1] * so.y;
+          }
+      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+      if (lane == 0) s.red[w] = part;
+      if (c > 0) prefetch_so(cg);  // S_out of chunk c-1: the state entering chunk c
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float x = 0.f;
+      for (int k = 0; k < kThreads / 32; ++k) x += s.red[k];
+      sdot[(cg * a.H + h) * gridDim.z + blockIdx.z] = x;
+    }
+    const float* bt = s.b(st);
+    const float B = bt[nr - 1];
+    {  // (2) dVn = dvi + diag(e^{B-b}) K dSs
+      const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
+      float x[4][4];
+      mma::zero(x);
+      mma::warp_gemm<T, 4, false, true>(x, s.K(st), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
+      const float* Dt = s.dvi(st);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = fr.row(m0, hf), col = fr.col(n0, j);
+          const float wi = __expf(B - bt[i]);
+          const float2 u = col < bv ? *reinterpret_cast<const float2*>(Dt + i * kLdU + col) : make_float2(0.f, 0.f);
+          *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) =
+              mma::pack2<T>(u.x + wi * x[j][2 * hf], u.y + wi * x[j][2 * hf + 1]);  // columns >= bv: 0
+        }
+    }
+    __syncthreads();
+    // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn
+    const float decay = __expf(B);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+    if (active) {
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.Q(st), s.ldk, 16 * w, s.dO(st), kLd, nt, kChunk,
+                                      [&](int k) { return sc * __expf(bt[k]); });
+      mma::warp_gemm_tn_weighted<T, 8>(acc, s.W(st), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
+    }
+  }
+  store_state(a.dh0 ? a.dh0 + sidx : nullptr, acc, active, a.dv, v0, bv);
+}
+
+
+
+// The state sweep: Vn, the states entering each chunk (hbuf) and the final states (ht).
+template <class T>
+void gdn_sweep(GdnCall<T>& x) {
+  x.Vn = DevBuf<T>(size_t(x.r.H * x.Ttot * x.dv), x.s);
+  x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
+  x.a.hbuf = x.hbuf.get();
+  if (x.NH == 0) return;
+  const size_t bytes = sweep_smem(x.dk);
+  set_smem(delta_sweep_kernel<T>, bytes);
+  if (dry_run()) return;  // dry run: workspace_size
+  delta_sweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, x.s>>>(
+      x.a, x.W.get(), x.U.get(), x.Vn.get());
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+template <class T>
+bool gdn_sm80_usable(const detail::Resolved& r, bool backward) {
+  if constexpr (!kTensorCore<T>) {
+    return false;
+  } else {
+    if (r.cfg.op != Op::gdn) return false;
+    const int dk = pad16(r.dk), dv = pad16(r.dv);
+    if (!heuristics::delta_sm80(dk, dv, config().gdn_tc)) return false;
+    const size_t optin = smem_optin();
+    size_t need = std::max({wy_smem(dk, dv, backward), sweep_smem(dk), gla_output_smem(dk, dv, sizeof(T))});
+    if (backward) need = std::max({need, rsweep_smem(dk), gla_bwd_chunk_smem(dk, dv), wy_bwd_smem(dk, dv)});
+    return need <= optin;
+  }
+}
+
+template <class T>
+void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
+  if constexpr (kTensorCore<T>) {
+    GdnCall<T> x(r, p, s, false);
+    x.wy();
+    gdn_sweep(x);
+    x.output(p.o);
+    x.write_final(p.final_state);
+  }
+}
+
+// The backward (file comment): the forward recomputed with Tg and dvi, the reverse sweep, GLA's
+// chunk gradients on Vn (dq^, GLA's part of dk, dVn, dc), then the WY backward.
+template <class T>
+void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
+  if constexpr (kTensorCore<T>) {
+    using R = Acc<T>;
+    GdnCall<T> x(r, p, s, true);
+    const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
+    DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
+    x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
+    DevBuf<float> dvi(size_t(H * Ttot * dv), s);
+    x.wy(tg.get(), dvi.get());
+    gdn_sweep(x);
+    x.output(p.o);
+    x.write_final(p.final_state);
+    // the reverse sweep: dhbuf (the cotangents at the chunk ends), dS_0 and the parts of <dS, S_out>
+    DevBuf<R> dht(p.d_final.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
+    DevBuf<R> dh0(p.d_init.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
+    if (p.d_final.H.defined())
+      HILA_LAUNCH(pack_state<R>, x.NH * dk * dv, s, dht.get(), Strided(p.d_final.H), x.NH, H, int(r.dk), int(r.dv),
+                  int(dk), int(dv));
+    const int nvt = int((dv + kVT - 1) / kVT);
+    DevBuf<T> dhbuf(size_t(nch * H * dk * dv), s);
+    DevBuf<float> sdot(size_t(nch * H * nvt), s);
+    GlaArgs<T> a = x.a;
+    a.dht = dht.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
+    if (x.NH > 0) {
+      const size_t bytes = rsweep_smem(int(dk));
+      set_smem(delta_rsweep_kernel<T>, bytes);
+      if (!dry_run()) {  // dry run: workspace_size
+        delta_rsweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned(nvt)), kThreads, bytes, s>>>(a, x.W.get(), dvi.get(),
+                                                                                              sdot.get());
+        HILA_CUDA_CHECK_LAUNCH();
+      }
+    }
+    // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc
+    DevBuf<R> dq(size_t(H * Ttot * dk), s), dk_gla(size_t(H * Ttot * dk), s), dk_wy(size_t(H * Ttot * dk), s);
+    DevBuf<R> dg(size_t(H * Ttot), s), dvb(size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
+    DevBuf<T> dvn(size_t(H * Ttot * dv), s);
+    a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
+    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get();
+    a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
+    gla_bwd_chunk(a, s);
+    if (nch > 0) {  // the WY backward
+      WyBwdArgs<T> wb;
+      wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
+      wb.dk = dk_wy.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
+      launch_wy_bwd(x.a, wb, s);  // the raw values v
+    }
+    x.write_grads(p, dq.get(), dk_gla.get(), dk_wy.get(), dvb.get(), dg.get(), dbeta.get());
+    if (p.d_init.H.defined())
+      HILA_LAUNCH(unpack_state<R>, x.NH * r.dk * r.dv, s, Strided(p.d_init.H), dh0.get(), x.NH, H, int(r.dk),
+                  int(r.dv), int(dk), int(dv));
+  }
+}
+
+#define HILA_INSTANTIATE(T)                                                                            \
+  template bool gdn_sm80_usable<T>(const detail::Resolved&, bool);                                     \
+  template void gdn_sm80_forward<T>(const detail::Resolved&, const ForwardParams&, cudaStream_t);      \
+  template void gdn_sm80_backward<T>(const detail::Resolved&, const BackwardParams&, cudaStream_t);
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cuda

@@ -1,0 +1,208 @@
+// SPDX-License-Identifier: Apache-2.0
+// Every launch policy of the CUDA backend: which kernel tier runs a stage, tile widths, ring
+// depths, block counts. Pure host functions of the call's shape, the device's limits and the knobs
+// (runtime/config.h), each with the measurement or the reason behind its constants. Plain C++ (no
+// CUDA): tests/test_heuristics.cpp checks them on the CPU. What a kernel can run at all (head dims
+// its tiles hold, shared memory it needs, layouts TMA can describe) stays with the kernel; what is
+// chosen among the kernels that can run is decided here.
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/runtime/config.h"
+
+namespace hila::cuda::heuristics {
+
+// What a policy needs to know of the device (runtime/runtime.cuh queries it once per device).
+struct Device {
+  int64_t sms = 0;        // multiprocessors
+  size_t smem_optin = 0;  // dynamic shared memory one block may opt into (bytes)
+};
+
+// ---- grid-stride elementwise kernels (HILA_LAUNCH) ---------------------------------------------
+
+// Blocks of 256 threads for n elements: one element per thread, at most 4 x 65535 blocks (more
+// than any GPU keeps resident; the kernels stride over the rest).
+constexpr unsigned grid_stride_blocks(int64_t n) {
+  return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65535 * 4));
+}
+
+// ---- GLA (gla/) -----------------------------------------------------------------------------------
+
+// TMA tile coordinates are 32-bit: the rows of the packed inputs (Ttot plus a chunk of reach past
+// the end) and, where the per-chunk states are read or written by TMA, their rows
+// (nchunks x H x dk plus one state) must stay below 2^31.
+constexpr bool tma_rows_fit(int64_t Ttot, int64_t chunk) { return Ttot + chunk < (int64_t(1) << 31); }
+constexpr bool tma_state_rows_fit(int64_t nchunks, int64_t H, int64_t dk) {
+  return (nchunks * H + 1) * dk < (int64_t(1) << 31);
+}
+
+// sm80 state sweep: value columns per block. One block sweeps each (sequence x head, 64 x 64
+// state tile); with fewer such tiles than SMs the value tile is halved to 32 columns, so that at
+// least about one block per SM sweeps.
+constexpr int gla_sm80_sweep_vtile(int64_t seq_heads, int dk, int dv, int64_t sms) {
+  const int64_t ktiles = (dk + 63) / 64, vtiles = (dv + 63) / 64;
+  return seq_heads * ktiles * vtiles < sms && dv % 32 == 0 ? 32 : 64;
+}
+
+// Forward in one kernel (the state sweep and the output fused: one block per (sequence x head,
+// 64-column value tile) walks all of its chunks) or in two (the sweep, then the chunk-parallel
+// output kernel). The fused kernel holds dk <= 128 and dv a multiple of 64 in `smem` bytes of
+// shared memory (175 KB at dk = 128: past the opt-in of sm_80, 163 KB, and of consumer parts).
+// Among the calls it can run: fused while its blocks fill about the GPU (H200, H = 16, dv = 128:
+// 0.82x the two-kernel time at 128 blocks on 132 SMs, 1.45x at 64 blocks), the two kernels for few
+// long sequences. HILA_GLA_FUSED=0|1 forces the choice among the calls it can run.
+constexpr bool gla_fused_forward(bool has_output, int dk, int dv, int64_t seq_heads, size_t smem, const Device& d,
+                                 Force knob) {
+  if (!has_output || dk > 128 || dv % 64 != 0 || smem > d.smem_optin) return false;
+  if (knob != Force::automatic) return knob == Force::on;
+  return 4 * seq_heads * (dv / 64) >= 3 * d.sms;
+}
+
+// sm90 state sweep (TMA + wgmma, 64 x 64 state tiles) in place of the sm80 one, for dk and dv
+// multiples of 64. Value tiles of 64 columns: 128 (the key tile read once for both halves, 2
+// blocks per SM) was slower on the H200 at B = 8, T = 4K (forward / reverse sweep 282 / 287 us
+// against 258 / 254). With few blocks the sm80 sweep wins, as it halves its value tile to double
+// them (B = 1, T = 64K, 64 blocks: gla forward 1.37 ms here against 1.31; at 128 blocks this one
+// wins, 0.52 against 0.63 ms at B = 2, T = 16K): this one from 3/4 of the SMs up.
+// HILA_GLA_SM90=1 takes it at any block count (tests), =0 or a list without "sweep" never.
+constexpr bool gla_sm90_sweep(int dk, int dv, int64_t Ttot, int64_t nchunks, int64_t H, int64_t seq_heads,
+                              const Device& d, const Sm90Kernels& k) {
+  if (!k.sweep || dk % 64 || dv % 64 || !tma_rows_fit(Ttot, 64) || !tma_state_rows_fit(nchunks, H, dk)) return false;
+  const int64_t blocks = seq_heads * (dk / 64) * (dv / 64);
+  return !(4 * blocks < 3 * d.sms && !k.forced);
+}
+
+// Ring depth of the sm90 sweep (stages of `stage_bytes`, each chunk's key and value tiles, gates
+// and mbarrier): the deepest of 8, 6, 4 that still fits every block of the grid in one wave
+// (1 KB of each block's shared memory left for alignment), at least 3 (a stage in the wgmma, one
+// being formed and the refill target).
+constexpr int gla_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stage_bytes) {
+  const int64_t per_sm = (blocks + d.sms - 1) / d.sms;
+  const int64_t fit = (int64_t(d.smem_optin) / per_sm - 1024) / int64_t(stage_bytes);
+  return fit >= 8 ? 8 : fit >= 6 ? 6 : fit >= 4 ? 4 : 3;
+}
+
+// sm90 backward chunk kernel (one warpgroup per (chunk, head), dk and dv of 64 or 128, the
+// per-chunk states by TMA) in place of the sm80 one wherever it applies: faster at every measured
+// shape. HILA_GLA_SM90=0, or a list without "bwd", keeps the sm80 kernel.
+constexpr bool gla_sm90_bwd_chunk(int dk, int dv, bool has_states, int64_t Ttot, int64_t nchunks, int64_t H,
+                                  const Sm90Kernels& k) {
+  if (!k.bwd) return false;
+  if ((dk != 64 && dk != 128) || (dv != 64 && dv != 128) || !has_states) return false;
+  return tma_rows_fit(Ttot, 64) && tma_state_rows_fit(nchunks, H, dk);
+}
+
+// sm90 one-kernel forward (dk of 64 or 128, dv a multiple of 64) in place of the sm80 one wherever
+// it applies, once gla_fused_forward has chosen the one-kernel form. HILA_GLA_SM90=0, or a list
+// without "fwd", keeps the sm80 kernel.
+constexpr bool gla_sm90_fused_forward(int dk, int dv, bool has_output, bool stores_states, int64_t Ttot,
+                                      int64_t nchunks, int64_t H, const Sm90Kernels& k) {
+  if (!k.fwd || (dk != 64 && dk != 128) || dv % 64 || !has_output) return false;
+  return tma_rows_fit(Ttot, 64) && (!stores_states || tma_state_rows_fit(nchunks, H, dk));
+}
+
+// ---- log-linear (loglinear/) -----------------------------------------------------------------------
+
+// The chunk-parallel tree form (16-bit operands; loglinear/tree_sm80.cu) for calls its kernels
+// hold: one dQ pass per warp that every warp takes part in (32 <= dk <= 128), dv tiles of the
+// output kernel (dv <= 128); the caller checks their shared memory. HILA_LOGLINEAR_TREE=0 keeps
+// the segment sweep.
+constexpr bool loglinear_tree(bool tensor_core, int dk, int dv, bool knob) {
+  return tensor_core && knob && dk >= 32 && dk <= 128 && dv <= 128;
+}
+
+// The tree's nodes built inside the state sweep (one block per (sequence x head, 64 x 64 tile),
+// `sweep_blocks` of them) or chunk-parallel (Z per chunk, then the levels): the sweep once its
+// blocks fill at least half the SMs (tree_sweep_chunk_ab_h200_2026-12-02.csv).
+// HILA_LOGLINEAR_TREE_SWEEP=0|1 forces the choice.
+constexpr bool loglinear_tree_build_in_sweep(int64_t sweep_blocks, int64_t sms, Force knob) {
+  if (knob != Force::automatic) return knob == Force::on;
+  return 2 * sweep_blocks >= sms;
+}
+
+// The tree backward sums long reading ranges in parts (one per aligned block of 16 chunks, levels
+// m >= 6): (top - 5) ceil(nc / 16) <= nc slots per sequence while every sequence starts at 0 and
+// has at most 2^20 chunks; otherwise the ranges are summed whole (from n0 > 0 a range within the
+// call has at most nc chunks, the length of the tree sweep).
+constexpr bool loglinear_tree_parts(bool shifted, int64_t Ttot, int64_t N, int64_t chunk) {
+  return !shifted && Ttot / chunk + N <= (int64_t(1) << 20);
+}
+
+// Bytes of stored live levels a forward-only segment-sweep call may allocate to run its outputs
+// chunk-parallel: a quarter of the free device memory; with a caller's workspace (and in its size
+// query) a quarter of the total, since the choice, hence the size, must not depend on what is free
+// at the moment (the workspace itself takes memory between the two). HILA_LOGLINEAR_STORE_BUDGET
+// (bytes; 0 keeps the outputs in the sweep, which the tests use to cover both paths) replaces it.
+constexpr size_t loglinear_store_budget(size_t free_bytes, size_t total_bytes, bool workspace) {
+  return (workspace ? total_bytes : free_bytes) / 4;
+}
+
+// Segment sweep forward: the outputs inside the sweep (one block per (value tile, sequence x head)
+// walks the segments) or chunk-parallel after a states-only sweep (one block per (segment, head),
+// reading the live levels the sweep stored): chunk-parallel whenever it can run, i.e. with an
+// output, segments, its kernel's shared memory (`out_smem`) within the opt-in and the stored levels
+// given or within budget() (called only when it decides: it queries the free memory).
+template <class Budget>
+constexpr bool loglinear_outputs_chunk_parallel(bool has_output, int64_t nseg, size_t out_smem, const Device& d,
+                                                bool levels_given, size_t level_bytes, Budget budget) {
+  return has_output && nseg > 0 && out_smem <= d.smem_optin && (levels_given || level_bytes <= budget());
+}
+
+// ---- delta rule (delta/) ------------------------------------------------------------------------------
+
+// gdn / loglinear_gdn on tensor cores (the sm80 tier: WY chunks, state sweeps, the GLA output and
+// chunk-gradient kernels) for bf16 / fp16 calls its kernels hold: padded dk <= 128 (one 16-row
+// state slice per warp), dv <= 256; the caller checks their shared memory. The portable segment
+// kernels otherwise. HILA_GDN_TC=0 keeps the portable kernels.
+constexpr bool delta_sm80(int dk, int dv, bool knob) { return knob && dk <= 128 && dv <= 256; }
+
+// Resident blocks of the portable delta kernels, each with its own scratch in global memory: up to
+// 4 per SM, over the larger of the item counts (sweep items, segment x head items).
+constexpr int delta_portable_blocks(int64_t items, int64_t sms) {
+  return int(std::clamp<int64_t>(items, 1, 4 * sms));
+}
+
+// ---- decode step (step/) -------------------------------------------------------------------------------
+
+// Ring of state tiles in flight per step block: at most 3 stages (the kernel's wait switch has a
+// case per count), within 32 KB (one [128, 64] fp32 stage: more stages measured slower at
+// dk = 128, fewer resident blocks per SM), but at least one.
+inline constexpr int kStepMaxStages = 3;
+inline constexpr int kStepRingBytes = 32 * 1024;
+
+// Column tiles of a step: all of dv' in one block for normalize (the denominator column) and for S
+// without the counters a DecodeState owns (the functional step), or when there are enough
+// (sequence, head) blocks to fill the device (then each S is read once, not once per tile); else
+// tiles of `cols` columns.
+constexpr int step_tiles(bool normalize, bool has_S, bool counters, int64_t seq_heads, int dvp, int cols,
+                         int64_t sms) {
+  const bool one_tile = normalize || (has_S && (!counters || seq_heads >= 4 * sms));
+  return one_tile ? 1 : (dvp + cols - 1) / cols;
+}
+
+// S in shared memory (one copy, then u = S q and the update from it) when the block's threads
+// cover its rows (dk <= threads) and it is at most 40 KB; else the register sweep over global S.
+constexpr bool step_s_in_smem(bool has_S, int dk, int threads, size_t sym_bytes) {
+  return has_S && dk <= threads && sym_bytes <= 40 * 1024;
+}
+
+// Ring depth: no more stages than the block has items (P's column chunks, then H's live slots per
+// column chunk: at most kStepMaxStages of them for Fenwick states), within kStepRingBytes (at least
+// one stage), and then as many as fit the device's shared memory (smem_of(stages) bytes).
+template <class SmemOf>
+constexpr int step_ring_stages(int64_t max_items, int item_bytes, size_t optin, SmemOf smem_of) {
+  int stages = int(std::max<int64_t>(1, std::min<int64_t>({kStepMaxStages, max_items, kStepRingBytes / item_bytes})));
+  while (stages > 1 && smem_of(stages) > optin) --stages;
+  return stages;
+}
+
+// State rows each thread holds in registers (the kernel's kRows template, rows r = warp + warps j):
+// the smallest of 4, 8, 16, 32, 64 that covers dk over the warps.
+constexpr int step_rows(int dk, int warps) {
+  const int rows = (dk + warps - 1) / warps;
+  return rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
+}
+
+}  // namespace hila::cuda::heuristics

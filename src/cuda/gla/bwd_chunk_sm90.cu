@@ -1,0 +1,251 @@
+// SPDX-License-Identifier: Apache-2.0
+// GLA chunk gradients, sm90 tier (sm_90a: TMA + wgmma; gla/sm90.cuh), in place of the sm80 kernel
+// where it applies (gla.cu, heuristics::gla_sm90_bwd_chunk). The math of bwd_chunk_sm80.cu (gla.cuh,
+// docs/math/HLA.md §7.1), one warpgroup per (chunk, head):
+//   P  = scale (Gamma o Q K^T)            dA = Gamma o (dO V^T)            [C,dk]x[dk,C], [C,dv]x[dv,C]
+//   dQ^ = diag(e^b) dO Hp^T + dA K                                          [C,dv]x[dv,dk] + [C,C]x[C,dk]
+//   dK = diag(w) V dH^T + scale dA^T Q^                                     [C,dv]x[dv,dk] + [C,C]x[C,dk]
+//   dV = diag(w) K dH + P^T dO                                              [C,dk]x[dk,dv] + [C,C]x[C,dv]
+//   dc = scale q^.dq^ - k.dk per row, w = e^{B-b}
+// Every product is one m64nN wgmma chain (C = 64 rows = the warpgroup's M), operands in shared
+// memory: the swizzled tiles serve K-major and, through the transpose flags, MN-major reads, so
+// no tile is stored twice. Hp and dH share one buffer (dH lands once dQ has read Hp), which keeps
+// the block at 112 KB for dk = dv = 128: two blocks per SM, one's loads under the other's math.
+#include "cuda/dispatch/static_switch.h"
+#include "cuda/gla/sm90.cuh"
+
+namespace hila::cuda {
+
+namespace {
+
+using namespace gla_sm90;
+
+// Shared memory: 16-bit swizzled tiles (sm90.cuh), then the gates and the two mbarriers.
+template <int DK, int DV>
+struct BwdSm90Layout {
+  static constexpr uint32_t kQ = 0, kK = kQ + kChunk * DK * 2, kV = kK + kChunk * DK * 2, kdO = kV + kChunk * DV * 2,
+                            kS = kdO + kChunk * DV * 2,  // Hp, then dH: [DK][DV]
+      kP = kS + DK * DV * 2, kdA = kP + kChunk * kChunk * 2, kB = kdA + kChunk * kChunk * 2,
+                            kBar = kB + kChunk * 4, kBytes = kBar + 16;
+};
+
+template <class T, int DK, int DV, bool kFold = false>
+__global__ void __launch_bounds__(kSm90Threads, 2)
+    bwd_chunk_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                          const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mdo,
+                          const __grid_constant__ CUtensorMap mh, const __grid_constant__ CUtensorMap mdh,
+                          unsigned order, GlaArgs<T> a) {
+#if HILA_SM90A
+  using L = BwdSm90Layout<DK, DV>;
+  using namespace sm90;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  float* bs = reinterpret_cast<float*>(smem + L::kB);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const int nr = rows_in(a.len[seq], c, a.C);
+  const int srow = int((cg * a.H + h) * DK);  // row of this chunk's state in hbuf / dhbuf [.., DV]
+  if (tid == 0) {
+    mbar_init(&bar[0], 1), mbar_init(&bar[1], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    mbar_expect_tx(&bar[0], kChunk * (2 * DK + 2 * DV) * 2 + DK * DV * 2);  // Q, K, V, dO, Hp
+    // bit i of `order`: input map i is swapped (input_map)
+    auto in = [&](uint32_t off, const CUtensorMap* map, int i, int cb, int x) {
+      load_rows(smem + off + cb * kChunk * 128, map, &bar[0], (order >> i) & 1, 64 * cb, r0, x);
+    };
+    for (int cb = 0; cb < DK / 64; ++cb) in(L::kQ, &mq, 0, cb, h / a.q_div), in(L::kK, &mk, 1, cb, h / a.k_div);
+    for (int cb = 0; cb < DV / 64; ++cb) {
+      in(L::kV, &mv, 2, cb, h / a.v_div), in(L::kdO, &mdo, 3, cb, h);
+      tma_load_2d(smem + L::kS + cb * DK * 128, &mh, &bar[0], 64 * cb, srow);
+    }
+    // the fp32 rows the epilogue adds (GradOut::add: the earlier primitives' dq, dk of a
+    // composition), into L2 now rather than one dependent load per element at the end; dv's add
+    // written by this block's own dk is not ready yet
+    const int64_t prow = int64_t(h) * a.Ttot + r0;
+    if (a.dq_out.add) prefetch_l2(a.dq_out.add + prow * DK, uint32_t(nr * DK * 4));
+    if (a.dk_out.add) prefetch_l2(a.dk_out.add + prow * DK, uint32_t(nr * DK * 4));
+  }
+  const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (tid < kChunk) bs[tid] = gate_at(bg, r0, tid, nr);
+  __syncthreads();
+  mbar_wait(&bar[0], 0);
+  if (nr < kChunk) {  // rows past the sequence hold the next one's tokens (or TMA's zeros): zero them
+    for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads) {
+      const int r = nr + e / 8, q = e % 8;
+      const uint4 z = make_uint4(0, 0, 0, 0);
+      for (int cb = 0; cb < DK / 64; ++cb) {
+        *reinterpret_cast<uint4*>(smem + L::kQ + cb * kChunk * 128 + r * 128 + q * 16) = z;
+        *reinterpret_cast<uint4*>(smem + L::kK + cb * kChunk * 128 + r * 128 + q * 16) = z;
+      }
+      for (int cb = 0; cb < DV / 64; ++cb) {
+        *reinterpret_cast<uint4*>(smem + L::kV + cb * kChunk * 128 + r * 128 + q * 16) = z;
+        *reinterpret_cast<uint4*>(smem + L::kdO + cb * kChunk * 128 + r * 128 + q * 16) = z;
+      }
+    }
+    fence_async_smem();
+    __syncthreads();
+  }
+  const float sc = float(a.scale), B = bs[kChunk - 1];
+  const int i0 = 16 * w + g, i1 = i0 + 8;
+  const float bi0 = bs[i0], bi1 = bs[i1];
+  // P and dA: [C,dk]x[dk,C] and [C,dv]x[dv,C], masked and gated, to shared memory (16-bit)
+  {
+    float x[32], y[32];
+    wg_fence();
+    wgmma_chain<T, 64, 0, 0>(x, s0 + L::kQ, kChunk, s0 + L::kK, kChunk, DK / 16);
+    wgmma_chain<T, 64, 0, 0>(y, s0 + L::kdO, kChunk, s0 + L::kV, kChunk, DV / 16);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(x), fence_regs(y);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
+        const float bi = hf ? bi1 : bi0;
+        const bool in = i < nr;
+        const float g0 = in && col <= i ? mma::fexp(bi - bs[col]) : 0.f;
+        const float g1 = in && col + 1 <= i ? mma::fexp(bi - bs[col + 1]) : 0.f;
+        const uint32_t off = swz(kChunk, i, col);
+        *reinterpret_cast<uint32_t*>(smem + L::kP + off) =
+            mma::pack2<T>(x[4 * j + 2 * hf] * sc * g0, x[4 * j + 2 * hf + 1] * sc * g1);
+        *reinterpret_cast<uint32_t*>(smem + L::kdA + off) =
+            mma::pack2<T>(y[4 * j + 2 * hf] * g0, y[4 * j + 2 * hf + 1] * g1);
+      }
+    fence_async_smem();
+    __syncthreads();
+  }
+  const int64_t rowbase = int64_t(h) * a.Ttot + r0;
+  // acc (N columns, the wgmma fragment) of rows < nr to the fp32 per-head buffer out [H][Ttot][N]
+  // or the caller's tensor (GradOut; store_grad2)
+  auto store = [&](float* out, const GradOut<T>& gt, const auto& acc) {
+    constexpr int N = int(sizeof(acc) / sizeof(float)) * 2;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0;
+        if (i < nr)
+          store_grad2(out, N, gt, h, r0 + i, rowbase + i, 8 * j + 2 * t, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+      }
+  };
+  // sum over this thread's columns of acc o X for rows i0 (d0) and i1 (d1); X a swizzled [C][N] tile
+  auto dot_rows = [&](const auto& acc, uint32_t X, float& d0, float& d1) {
+    constexpr int N = int(sizeof(acc) / sizeof(float)) * 2;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      const float2 x0 = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(smem + X + swz(kChunk, i0, 8 * j + 2 * t)));
+      const float2 x1 = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(smem + X + swz(kChunk, i1, 8 * j + 2 * t)));
+      d0 += acc[4 * j] * x0.x + acc[4 * j + 1] * x0.y;
+      d1 += acc[4 * j + 2] * x1.x + acc[4 * j + 3] * x1.y;
+    }
+  };
+  // acc <- diag(f_row) acc + s acc2 (rows i0, i1)
+  auto combine = [&](auto& acc, const auto& acc2, float f0, float f1, float s) {
+    constexpr int N = int(sizeof(acc) / sizeof(float)) * 2;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      acc[4 * j] = acc[4 * j] * f0 + s * acc2[4 * j], acc[4 * j + 1] = acc[4 * j + 1] * f0 + s * acc2[4 * j + 1];
+      acc[4 * j + 2] = acc[4 * j + 2] * f1 + s * acc2[4 * j + 2];
+      acc[4 * j + 3] = acc[4 * j + 3] * f1 + s * acc2[4 * j + 3];
+    }
+  };
+  float dc0 = 0.f, dc1 = 0.f;  // this thread's partial dc of rows i0, i1
+  {  // dQ^ = diag(e^b) dO Hp^T + dA K: B = Hp K-major [dk][dv], K read MN-major
+    float acc[DK / 2], acc2[DK / 2];
+    wgmma_pair<T, DK, 0, 0, 0, 1>(acc, s0 + L::kdO, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kK);
+    __syncthreads();  // Hp read by every warp: dH may overwrite it
+    if (tid == 0) {
+      mbar_expect_tx(&bar[1], DK * DV * 2);  // dH
+      for (int cb = 0; cb < DV / 64; ++cb) tma_load_2d(smem + L::kS + cb * DK * 128, &mdh, &bar[1], 64 * cb, srow);
+    }
+    combine(acc, acc2, mma::fexp(bi0), mma::fexp(bi1), 1.f);
+    store(a.dq, a.dq_out, acc);
+    float d0 = 0.f, d1 = 0.f;
+    dot_rows(acc, L::kQ, d0, d1);
+    dc0 += sc * d0, dc1 += sc * d1;
+  }
+  const float w0 = mma::fexp(B - bi0), w1 = mma::fexp(B - bi1);
+  constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
+  static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
+  mbar_wait(&bar[1], 0);
+  {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
+    float acc[DK / 2], acc2[DK / 2];
+    wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
+    combine(acc, acc2, w0, w1, sc);
+    float d0 = 0.f, d1 = 0.f;
+    dot_rows(acc, L::kK, d0, d1);  // dc reads the key-role gradient alone
+    dc0 -= d0, dc1 -= d1;
+    if constexpr (fold) {  // dK + dV, dV = diag(w) K dH + P^T dO: P^T dO added into acc in place
+      wg_fence();
+      wgmma_chain<T, DK, 0, 1>(acc2, s0 + L::kK, kChunk, s0 + L::kS, DK, DK / 16);
+      wgmma_chain<T, DK, 1, 1>(acc, s0 + L::kP, kChunk, s0 + L::kdO, kChunk, kChunk / 16, true);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(acc), fence_regs(acc2);
+      combine(acc2, acc, w0, w1, 1.f);
+      store(a.dk_, a.dk_out, acc2);
+    } else {
+      store(a.dk_, a.dk_out, acc);
+    }
+  }
+  if constexpr (!fold) {  // dV = diag(w) K dH + P^T dO: dH read MN-major ([dk][dv], dv contiguous); P and dO MN-major
+    float acc[DV / 2], acc2[DV / 2];
+    wgmma_pair<T, DV, 0, 1, 1, 1>(acc, s0 + L::kK, kChunk, s0 + L::kS, DK, DK / 16, acc2, s0 + L::kP, s0 + L::kdO);
+    combine(acc, acc2, w0, w1, 1.f);
+    store(a.dv_, a.dv_out, acc);
+  }
+  dc0 += __shfl_xor_sync(0xffffffffu, dc0, 1), dc0 += __shfl_xor_sync(0xffffffffu, dc0, 2);
+  dc1 += __shfl_xor_sync(0xffffffffu, dc1, 1), dc1 += __shfl_xor_sync(0xffffffffu, dc1, 2);
+  if (t == 0) {
+    if (i0 < nr) a.dg[rowbase + i0] = dc0;
+    if (i1 < nr) a.dg[rowbase + i1] = dc1;
+  }
+#else
+  __trap();  // launched only where runs_sm90a() holds
+#endif
+}
+
+
+}  // namespace
+
+// Once gla.cu has chosen this tier (heuristics::gla_sm90_bwd_chunk: dk, dv of 64 or 128, the
+// per-chunk states given); false where this device does not run the build's sm_90a code or TMA
+// cannot describe the operands.
+template <class T>
+bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
+  const int dk = a.dk, dv = a.dv;
+  auto pick = [&](auto kernel, size_t bytes) -> bool {
+    if (!ready_sm90(kernel, bytes)) return false;
+    if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
+    // q, k, v, dO: input_map; hbuf, dhbuf: state_map
+    CUtensorMap m[6];
+    unsigned order = 0;
+    bool sw_do = false;
+    if (!qkv_maps(a, m, order) || !input_map(&m[3], sw_do, a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) ||
+        !state_map(&m[4], a, a.hbuf, dk) || !state_map(&m[5], a, a.dhbuf, dk))
+      return false;
+    order |= unsigned(sw_do) << 3;
+    kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
+                                                                                       m[5], order, a);
+    HILA_CUDA_CHECK_LAUNCH();
+    return true;
+  };
+  return HILA_HEADDIM_SWITCH(dk, DK, [&] {
+    if (a.value_is_key)  // the inner S primitive: dk = dv
+      return pick(bwd_chunk_sm90_kernel<T, DK, DK, true>, BwdSm90Layout<DK, DK>::kBytes);
+    return HILA_HEADDIM_SWITCH(dv, DV, [&] { return pick(bwd_chunk_sm90_kernel<T, DK, DV>, BwdSm90Layout<DK, DV>::kBytes); });
+  });
+}
+
+template bool gla_bwd_chunk_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t);
+template bool gla_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
+
+}  // namespace hila::cuda

@@ -1,0 +1,120 @@
+// SPDX-License-Identifier: Apache-2.0
+// Pieces shared by the GLA kernels of the sm90 tier (sm_90a: TMA loads and stores into 128-byte
+// swizzled shared memory, wgmma; prims/sm90.cuh): one warpgroup per block, the TMA row loads, the
+// paired wgmma chains, the state fragments, and on the host the tensor maps of the inputs and of the
+// per-chunk states, and the check that this device runs the build's sm_90a code.
+#pragma once
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/prims/sm90.cuh"
+#include "cuda/runtime/runtime.cuh"
+
+namespace hila::cuda::gla_sm90 {
+
+constexpr int kSm90Threads = 128;  // one warpgroup
+
+#if HILA_SM90A
+// A chunk's rows r0.. of head x, columns c0..c0+63, of an input tensor map (see input_map): one
+// swizzled [C][64] block at dst.
+__device__ __forceinline__ void load_rows(char* dst, const CUtensorMap* map, uint64_t* bar, bool swapped, int c0,
+                                          int64_t r0, int x) {
+  if (swapped) sm90::tma_load_3d(dst, map, bar, c0, x, int(r0));
+  else sm90::tma_load_3d(dst, map, bar, c0, int(r0), x);
+}
+
+// acc = A1 B1 over k1 steps of 16 and acc2 = A2 B2 over the chunk (C / 16 steps), issued together
+// and waited for. Operands are 16-bit swizzled tiles at shared addresses (rows: the tile's rows),
+// read K-major or, with TA / TB = 1, MN-major (sm90.cuh).
+template <class T, int N, int TA1, int TB1, int TA2, int TB2>
+__device__ __forceinline__ void wgmma_pair(float (&acc)[N / 2], uint32_t a1, int ra1, uint32_t b1, int rb1, int k1,
+                                           float (&acc2)[N / 2], uint32_t a2, uint32_t b2) {
+  using namespace sm90;
+  wg_fence();
+  wgmma_chain<T, N, TA1, TB1>(acc, a1, ra1, b1, rb1, k1);
+  wgmma_chain<T, N, TA2, TB2>(acc2, a2, kChunk, b2, kChunk, kChunk / 16);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(acc), fence_regs(acc2);
+}
+#endif
+
+// A 16-bit input (q, k, v or dO) as a 3-d tensor map: columns, then rows and heads in increasing
+// stride order (a caller's [B, T, H, d] tensor has its heads inside its rows: `swapped`), box
+// {64, C rows, 1 head}. False where TMA cannot describe it.
+template <class T>
+bool input_map(CUtensorMap* m, bool& swapped, const T* p, int64_t ld, int64_t hs, int d, int heads, int64_t Ttot) {
+  const uint64_t rs = uint64_t(row_ld(ld, d)), hstr = uint64_t(head_stride(hs, Ttot, d));
+  swapped = hstr < rs;
+  const uint64_t dims[3] = {uint64_t(d), swapped ? uint64_t(heads) : uint64_t(Ttot),
+                            swapped ? uint64_t(Ttot) : uint64_t(heads)};
+  const uint64_t strides[2] = {swapped ? hstr : rs, swapped ? rs : hstr};
+  const uint32_t box[3] = {64, swapped ? 1u : uint32_t(kChunk), swapped ? uint32_t(kChunk) : 1u};
+  return sm90::encode_tile_map(m, std::is_same_v<T, __half>, p, 3, dims, strides, box);
+}
+template <class T>
+int src_heads(const GlaArgs<T>& a, int div) {
+  return (a.H + div - 1) / div;
+}
+
+
+constexpr uint32_t kSweepTile = kChunk * 64 * 2;  // one swizzled [C, 64] 16-bit block
+
+// One m64 slab of a [dk][dv] fp32 state as a wgmma accumulator fragment of N columns: this
+// thread's rows r, r + 8 (r = slab row 16w + g plus the slab's first row) and columns
+// c0 + 8j + 2t (+1), at acc[4j + 2hf + e], stored to the state whose row 0, column 0 is st ([.][ld]).
+// (The kernels' loads of a state stay inline: through a helper like this one they compiled to
+// different machine code, and this build's GPU runs checked the inline form.)
+template <int N>
+__device__ __forceinline__ void store_state_frag(const float (&acc)[N / 2], float* st, int64_t ld, int r, int c0, int t) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      *reinterpret_cast<float2*>(st + int64_t(r + 8 * hf) * ld + c0 + 8 * j + 2 * t) =
+          make_float2(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+}
+#if HILA_SM90A
+// The mbarriers of an n-stage TMA ring, initialised by one thread and visible to the block.
+__device__ __forceinline__ void init_ring(uint64_t* full, int n, int tid) {
+  if (tid == 0) {
+    for (int st = 0; st < n; ++st) sm90::mbar_init(&full[st], 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+}
+#endif
+
+// An sm_90a kernel readied for launch with `bytes` of shared memory and the max-shared carveout;
+// false where this device does not run the build's sm_90a code.
+template <class K>
+bool ready_sm90(K kernel, size_t bytes) {
+  if (!sm90::runs_sm90a(reinterpret_cast<const void*>(kernel))) return false;
+  set_smem(kernel, bytes);
+  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       int(cudaSharedmemCarveoutMaxShared)));
+  return true;
+}
+// Tensor maps m[0..2] of q, k, v (input_map) and their swapped bits 0..2 in `order`.
+template <class T>
+bool qkv_maps(const GlaArgs<T>& a, CUtensorMap* m, unsigned& order) {
+  bool sw[3];
+  if (!input_map(&m[0], sw[0], a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
+      !input_map(&m[1], sw[1], a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+      !input_map(&m[2], sw[2], a.v, a.v_ld, a.v_hs, a.dv, src_heads(a, a.v_div), a.Ttot))
+    return false;
+  order = unsigned(sw[0]) | unsigned(sw[1]) << 1 | unsigned(sw[2]) << 2;
+  return true;
+}
+
+// Per-chunk 16-bit states (hbuf, dhbuf: [nchunks][H][dk][dv]) as a 2-d tensor map [nchunks*H*dk][dv],
+// box {64 columns, rows}: rows = dk, one chunk's and head's rows, or 64, a slab of them.
+template <class T>
+bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p, int rows) {
+  const uint64_t dims[2] = {uint64_t(a.dv), uint64_t(a.nchunks * a.H * a.dk)}, strides[1] = {uint64_t(a.dv)};
+  const uint32_t box[2] = {64, uint32_t(rows)};
+  return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
+}
+
+
+}  // namespace hila::cuda::gla_sm90

@@ -1,0 +1,581 @@
+// SPDX-License-Identifier: Apache-2.0
+// Chunk-parallel tree form of log-linear Mamba-2 on tensor cores (loglinear/tree.cuh has the math
+// and the node layout). The chunk kernels are the GLA core's (gla.cuh: gla_output, gla_bwd_chunk)
+// with the tree operands; this file builds the tree: beta, Z and the node levels (forward), the node
+// cotangents and their push-down (backward).
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
+#include "cuda/loglinear/loglinear.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/runtime/config.h"
+#include "cuda/runtime/runtime.cuh"
+
+namespace hila::cuda {
+
+namespace {
+
+constexpr int kTile = 64;           // dk and dv tile of the node GEMMs
+constexpr int kLdTile = kTile + 8;  // padded smem row (16-bit elements)
+constexpr int kStages = 3;          // cp.async pipeline depth over the chunks of a node's range
+// Long reading ranges are summed in parts: levels m >= kSplitLevel (ranges of 2^{m-1} > kSplit
+// chunks) take one part per aligned block of kSplit chunks, combined in the push-down.
+constexpr int kSplit = 16, kSplitLevel = 6, kSplitBetaLevel = 5;  // node level kSplitBetaLevel spans kSplit chunks
+static_assert((1 << (kSplitBetaLevel - 1)) == kSplit && kSplitLevel == kSplitBetaLevel + 1, "split levels");
+enum WkvMode { kZ, kRead, kPart };
+
+__device__ __forceinline__ int64_t chunks_of(const int64_t* len, int seq) {
+  return (len[seq] + kChunk - 1) / kChunk;
+}
+
+// beta of every node (loglinear/tree.cuh): one block per (sequence, head); level by level. The chunks
+// before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0.
+template <class T>
+__global__ void __launch_bounds__(256) loglinear_beta_kernel(GlaArgs<T> a, TreeArgs ta, float* beta) {
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int64_t len = a.len[seq], nc = (len + kChunk - 1) / kChunk;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot + a.row0[seq] : nullptr;
+  int64_t off = sn.base;
+  for (int64_t j = sn.lo(1) + threadIdx.x; j < sn.hi(1); j += blockDim.x) {  // beta_1[j] = B_j (local cumsum at the last row)
+    const int64_t c = j - sn.a0;
+    beta[(off + j - sn.lo(1)) * a.H + h] = c >= 0 && b ? b[c * kChunk + rows_in(len, c) - 1] : 0.f;
+  }
+  for (int m = 1, top = sn.top(); m < top; ++m) {
+    __syncthreads();
+    const int64_t next = off + sn.count(m), lo = sn.lo(m);
+    auto child = [&](int64_t i) { return i >= lo ? beta[(off + i - lo) * a.H + h] : 0.f; };  // below lo: pure prefix
+    for (int64_t j = sn.lo(m + 1) + threadIdx.x; j < sn.hi(m + 1); j += blockDim.x)
+      beta[(next + j - sn.lo(m + 1)) * a.H + h] = child(2 * j) + child(2 * j + 1);
+    off = next;
+  }
+}
+
+// out[slot] = sum over chunks N of a range of Xt_N^T diag(w_N) Y_N, fp32 [dk][dv] per (slot, head);
+// grid (items, H, dk tiles x dv tiles of 64), 4 warps, warp w rows [16w, 16w+16) of the dk tile.
+//   kZ (one chunk per item):  X = K, Y = V, w = e^{B-b}, slot = node_1 of the chunk; also to out16
+//     (the 16-bit GEMM-operand copy of node level 1).
+//   kRead (backward, a0 = 0; the read cotangent R of node (m, j) < split levels, one node slot per item):  X = Q, Y = dO
+//     over the chunks that read the node (j even: [(j+1) 2^{m-1}, (j+2) 2^{m-1}); j odd: none, R = 0
+//     and the slot is left unwritten),
+//     w = scale lam^{p+m} e^{b + gap}, gap the sum of the totals of the range's earlier chunks.
+//   kPart (levels m >= split): the same over block b of kSplit chunks of a reading range, into
+//     slot chunk0 + (m - split) nb + b (nb = ceil(nc / kSplit) blocks per level), gap from the
+//     block start.
+template <class T, WkvMode kMode>
+__global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeArgs ta, float* out, T* out16, int split) {
+  constexpr bool kQdO = kMode != kZ;
+  extern __shared__ __align__(128) char smem[];
+  constexpr size_t kTileBytes = size_t(kChunk) * kLdTile * sizeof(T);
+  constexpr size_t kStage = 2 * kTileBytes + kChunk * sizeof(float);
+  auto Xs = [&](int st) { return reinterpret_cast<T*>(smem + st * kStage); };
+  auto Ys = [&](int st) { return reinterpret_cast<T*>(smem + st * kStage + kTileBytes); };
+  auto Ws = [&](int st) { return reinterpret_cast<float*>(smem + st * kStage + 2 * kTileBytes); };
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
+  const int h = blockIdx.y, nvt = (a.dv + kTile - 1) / kTile;
+  const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
+  const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
+  const bool active = 16 * w < bk;
+  int seq, m = 1;
+  int64_t c_begin, c_end, slot;
+  if constexpr (kMode == kRead) {
+    slot = blockIdx.x;
+    seq = ta.slot_seq ? ta.slot_seq[slot] : a.chunk_seq[slot >> 1];
+    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
+    int64_t u = slot - sn.base;
+    for (;; ++m) {  // node (m, lo_m + u) of the sequence
+      const int64_t cnt = sn.count(m);
+      if (cnt == 0 || m >= split) return;  // a spare slot, or a level summed in parts
+      if (u < cnt) break;
+      u -= cnt;
+    }
+    const int64_t j = sn.lo(m) + u;
+    if (j & 1) return;  // read by the chunks N with N >> (m-1) = j + 1 and bit m-1 set: none (R = 0)
+    // the reading chunks of the call (relative): [(j+1) 2^{m-1}, (j+2) 2^{m-1}) from a0 on
+    c_begin = max(int64_t((j + 1) << (m - 1)), sn.a0) - sn.a0;
+    c_end = min(int64_t((j + 2) << (m - 1)), sn.a0 + sn.nc) - sn.a0;
+  } else if constexpr (kMode == kPart) {
+    slot = blockIdx.x;
+    seq = a.chunk_seq[slot];
+    const int64_t nc = chunks_of(a.len, seq), nb = (nc + kSplit - 1) / kSplit, u = slot - a.chunk0[seq];
+    m = split + int(u / nb);
+    c_begin = (u % nb) * kSplit;
+    if (m > bitlen64u(uint64_t(nc)) || !((c_begin >> (m - 1)) & 1)) return;  // no such level / not read
+    c_end = min(c_begin + kSplit, nc);
+  } else {
+    const int64_t cg = blockIdx.x;
+    seq = a.chunk_seq[cg];
+    c_begin = cg - a.chunk0[seq], c_end = c_begin + 1;
+    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
+    slot = sn.slot(1, sn.a0 + c_begin);
+  }
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  const T* X = kQdO ? a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk)
+                     : a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const T* Y = kQdO ? a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv) : a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const int64_t ldx = kQdO ? row_ld(a.q_ld, a.dk) : row_ld(a.k_ld, a.dk);
+  const int64_t ldy = kQdO ? row_ld(a.dO_ld, a.dv) : row_ld(a.v_ld, a.dv);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const float sc = float(a.scale);
+  const int n = int(c_end > c_begin ? c_end - c_begin : 0);
+  float gap = 0.f;  // kRead / kPart: log-decay from the node's end to the start of the chunk being issued
+  // chunk i of the range -> stage i % kStages: X / Y tiles (rows >= nr zero-filled) and the weights
+  auto issue = [&](int i) {
+    const int st = i % kStages;
+    const int64_t cn = c_begin + i, r0 = row0 + cn * kChunk;
+    const int nr = rows_in(len, cn);
+    mma::async_rows(Xs(st), kLdTile, X, ldx, r0, nr, k0, bk, kChunk);
+    mma::async_rows(Ys(st), kLdTile, Y, ldy, r0, nr, v0, bv, kChunk);
+    mma::cp_async_commit();
+    const float B = b ? b[r0 + nr - 1] : 0.f;
+    if (threadIdx.x < kChunk) {
+      const int r = threadIdx.x;
+      float x = 0.f;
+      if (r < nr) {
+        const float bi = b ? b[r0 + r] : 0.f;
+        x = kQdO ? sc * ta.lam[(int64_t(h) * a.Ttot + r0 + r) * ta.nL + kLogChunk + m] * __expf(bi + gap) : __expf(B - bi);
+      }
+      Ws(st)[r] = x;
+    }
+    gap += B;
+  };
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < n) issue(i);
+    else mma::cp_async_commit();
+  }
+  float acc[8][4];
+  mma::zero(acc);
+  for (int i = 0; i < n; ++i) {
+    // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
+    mma::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (i + kStages - 1 < n) issue(i + kStages - 1);
+    else mma::cp_async_commit();
+    const int st = i % kStages;
+    const float* ws = Ws(st);
+    if (active)  // [64 (dk), C] x [C, 64 (dv)]
+      mma::warp_gemm_tn_weighted<T, 8>(acc, Xs(st), kLdTile, 16 * w, Ys(st), kLdTile, nt, kChunk,
+                                      [&](int k) { return ws[k]; });
+  }
+  if (!active) return;
+  const int64_t at = (slot * a.H + h) * int64_t(a.dk) * a.dv;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int64_t x = fr.at<int64_t>(at, k0 + 16 * w, hf, a.dv, v0, j);
+        *reinterpret_cast<float2*>(out + x) = make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+        if (kMode == kZ) *reinterpret_cast<uint32_t*>(out16 + x) = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
+      }
+}
+
+// The tree, elementwise in fp32, along the chunks of a sequence in order; grid (element blocks,
+// N x H), four elements per thread, per-level registers in `stk` (a binary counter).
+//   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
+//         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
+//         (levels >= 2, even i; level 1 comes from the Z kernel), and with `pend` the nodes
+//         pending at the end (TreeArgs::pend).
+//   down: D_m[i] = R_m[i] + c D_{m+1}[i/2], c = e^{beta_m[i+1]} (i even) or 1 (i odd), with R the
+//         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
+//         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
+//         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3.
+
+template <class T, bool kDown>
+__global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
+                                                      TreeArgs ta, const float* node, T* n16, const float* parts,
+                                                      int split) {
+  const int seq = blockIdx.y / H, h = blockIdx.y % H;
+  const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
+  const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
+  const int64_t base = sn.base, a0 = sn.a0;
+  const int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (nc == 0 || e >= tile) return;
+  const int top = sn.top();           // levels 1..top hold nodes
+  int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
+  off[1] = 0;
+  for (int m = 1; m <= top; ++m) {
+    lo[m] = sn.lo(m);
+    if (m < top) off[m + 1] = off[m] + sn.count(m);
+  }
+  auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
+  auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + (slot * H + h) * tile + e); };
+  auto put = [&](int64_t slot, float4 x) {
+    uint2 u;
+    u.x = mma::pack2<T>(x.x, x.y), u.y = mma::pack2<T>(x.z, x.w);
+    *reinterpret_cast<uint2*>(n16 + (slot * H + h) * tile + e) = u;
+  };
+  auto axpy = [](float4& y, float f, const float4& x) { y.x += f * x.x, y.y += f * x.y, y.z += f * x.z, y.w += f * x.w; };
+  auto decay = [&](int m, int64_t i) { return __expf(ta.beta[idx(m, i) * H + h]); };
+  float4 stk[kMaxLevels + 1];
+  if constexpr (!kDown) {
+    // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
+    for (int m = 1; m <= top && (a0 >> (m - 1)); ++m)
+      if ((a0 >> (m - 1)) & 1) {
+        stk[m] = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e);
+        put(idx(m, (a0 >> (m - 1)) - 1), stk[m]);
+      }
+    const int64_t nf = lens[seq] / kChunk;  // full chunks
+    for (int64_t j = a0; j < a0 + nf; ++j) {
+      float4 cur = load(idx(1, j));  // Z_j = node_1[j]
+      int m = 1;
+      int64_t i = j;
+      while (i & 1) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
+        axpy(cur, decay(m, i), stk[m]);
+        i >>= 1, ++m;
+        if (!(i & 1)) put(idx(m, i), cur);
+      }
+      stk[m] = cur;  // a left child (i even), pending its sibling
+    }
+    if (ta.pend)
+      for (int m = 1; m < ta.lpend; ++m)
+        if (((a0 + nf) >> (m - 1)) & 1)
+          *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
+  } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
+    // the final-state cotangent of the pending node (m, i): fcoef dHT[p + m] (TreeArgs::dht)
+    const int64_t nend = a0 + lens[seq] / kChunk;
+    auto add_final = [&](float4& d, int m, int64_t i) {
+      if (ta.dht && m < ta.lpend && ((nend >> (m - 1)) & 1) && i == (nend >> (m - 1)) - 1)
+        axpy(d, ta.fcoef[(int64_t(seq) * H + h) * ta.lpend + m],
+             *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e));
+    };
+    for (int64_t j = 0; j < nc; ++j) {
+      // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
+      const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1);
+      for (int m = mtop; m >= 1; --m) {
+        const int64_t i = (a0 + j) >> (m - 1);
+        float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < sn.hi(m)) {  // a complete node (pending ones get no cotangent: no final-state cotangent)
+          if (m < split) {
+            if (!(i & 1)) d = load(idx(m, i));  // odd nodes are never read: R = 0
+          } else if (!(i & 1) && ((i + 1) << (m - 1)) < nc) {  // R from the parts of its reading range
+            const int64_t nb = (nc + kSplit - 1) / kSplit, c1 = min((i + 2) << (m - 1), nc);
+            float gap = 0.f;
+            for (int64_t b = ((i + 1) << (m - 1)) / kSplit; b * kSplit < c1; ++b) {
+              axpy(d, __expf(gap), *reinterpret_cast<const float4*>(
+                                       parts + ((chunk0[seq] + (m - split) * nb + b) * H + h) * tile + e));
+              if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
+            }
+          }
+          add_final(d, m, i);
+          if (m < top && (i >> 1) < sn.hi(m + 1)) {
+            const float c = (i & 1) ? 1.f : decay(m, i + 1);
+            axpy(d, c, stk[m + 1]);
+          }
+        }
+        stk[m] = d;
+      }
+      if (j == 0 && ta.dh0)  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
+        for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
+          if (!((a0 >> (m - 1)) & 1)) continue;
+          const int64_t i0 = (a0 >> (m - 1)) - 1;
+          float4 d = load(idx(m, i0));  // its reads (R), and dHT when no full chunk of the call reached it
+          add_final(d, m, i0);
+          if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
+          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
+        }
+      put(chunk0[seq] + j, stk[1]);
+    }
+  }
+}
+
+template <class T>
+size_t wkv_smem() {
+  return kStages * (2 * size_t(kChunk) * kLdTile * sizeof(T) + kChunk * sizeof(float));
+}
+
+// The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (tree.cuh:
+// 2 nchunks slots when every sequence starts at position 0, else the SeqNodes totals with their
+// bases in ta.nbase). Built by the tree sweep (gla_tree_sweep) when it has enough blocks to fill
+// the GPU (heuristics::loglinear_tree_build_in_sweep); otherwise chunk-parallel: Z (fp32 and 16-bit,
+// one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
+// sequence, the depth of the up pass's stacks.
+template <class T>
+struct Tree {
+  int64_t slots = 0;
+  int lstk = 1;
+  bool shifted = false;  // some sequence starts at n0 > 0
+  DevBuf<int64_t> a0, nbase;
+  DevBuf<int> slot_seq;
+  DevBuf<float> beta;
+  DevBuf<T> node16;
+  TreeArgs ta;
+  Tree(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
+    std::vector<int64_t> va0, vbase;
+    std::vector<int> vseq;
+    for (size_t i = 0; i < t.n0.size(); ++i) {
+      SeqNodes sn;
+      sn.a0 = t.n0[i] / kChunk, sn.nc = (t.nend[i] - t.n0[i] + kChunk - 1) / kChunk, sn.base = slots;
+      shifted = shifted || sn.a0 > 0;
+      va0.push_back(sn.a0), vbase.push_back(sn.base);
+      slots += sn.total();
+      vseq.resize(size_t(slots), int(i));
+      lstk = std::max(lstk, sn.top() + 1);
+    }
+    if (shifted) {
+      a0 = SeqTables::upload(va0, s), nbase = SeqTables::upload(vbase, s), slot_seq = SeqTables::upload(vseq, s);
+      ta.a0 = a0.get(), ta.nbase = nbase.get(), ta.slot_seq = slot_seq.get(), ta.h0 = a.p.h0;
+    } else {
+      slots = 2 * a.p.nchunks;  // base = 2 chunk0
+    }
+    beta = DevBuf<float>(size_t(slots * a.p.H), s);
+    node16 = DevBuf<T>(size_t(slots * a.p.H * a.p.dk * a.p.dv), s);
+    ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.Ls = a.Ls, ta.node16 = node16.get(), ta.beta = beta.get();
+  }
+};
+
+// The final canonical state of a tree-form forward (§2.5, §3.4) at n = n0 + len = (a0 + nf) C + r,
+// into ht [N][H][Ls][dk][dv] (every slot written); grid (N x H, 1, dk tiles x dv tiles of 64), 4 warps:
+//   levels l <= p live in r:  K^T diag(e^{B_r - b} 1[bucket l of r]) V over the partial chunk's rows
+//   levels p + m, bit m-1 of a0 + nf set:  e^{gap_m(a0 + nf) + B_r} X_m   (B_r: the partial chunk's
+//     total), X_m = pend[m], or H0[p + m] when no full chunk of the call reached that node
+//     ((a0 + nf) >> (m-1) == a0 >> (m-1): the re-key of the initial level is the identity)
+//   all other slots zero.
+template <class T>
+__global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, TreeArgs ta, float* ht) {
+  __shared__ __align__(128) T Ks[kChunk * kLdTile];
+  __shared__ __align__(128) T Vs[kChunk * kLdTile];
+  __shared__ float bs[kChunk];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, nvt = (a.dv + kTile - 1) / kTile;
+  const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
+  const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
+  const bool active = 16 * w < bk;
+  const int64_t len = a.len[seq], nf = len / kChunk, nc = (len + kChunk - 1) / kChunk, r0 = a.row0[seq] + nf * kChunk;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int64_t n = sn.a0 + nf;  // absolute chunk of the end position
+  const int r = int(len - nf * kChunk);
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (r > 0) {
+    mma::async_rows(Ks, kLdTile, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, r, k0,
+                   bk, kChunk);
+    mma::async_rows(Vs, kLdTile, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, r, v0,
+                   bv, kChunk);
+  }
+  mma::cp_async_commit();
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = (b && int(threadIdx.x) < r) ? b[r0 + threadIdx.x] : 0.f;
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  const float Br = r > 0 ? bs[r - 1] : 0.f;
+  for (int l = 0; l < ta.Ls; ++l) {
+    float acc[8][4];
+    mma::zero(acc);
+    if (l >= 1 && l <= kLogChunk && ((r >> (l - 1)) & 1)) {
+      const int lo = (r >> l) << l, hi = lo + (1 << (l - 1));
+      if (active)  // [64 (dk), C] x [C, 64 (dv)] over the bucket's rows
+        mma::warp_gemm_tn_weighted<T, 8>(acc, Ks, kLdTile, 16 * w, Vs, kLdTile, nt, kChunk,
+                                        [&](int k) { return k >= lo && k < hi ? __expf(Br - bs[k]) : 0.f; });
+    } else if (l > kLogChunk && ((n >> (l - kLogChunk - 1)) & 1)) {
+      const int m = l - kLogChunk;
+      float gap = 0.f;  // nf = 0: every node below is an initial level (beta = 0)
+      if (nf > 0)
+        for_each_read(ta, sn, n, h, a.H, [&](int mm, int64_t, float gm) {
+          if (mm == m) gap = gm;
+        });
+      const float f = __expf(gap + Br);
+      const bool initial = (n >> (m - 1)) == (sn.a0 >> (m - 1));
+      const float* src = initial ? ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + l) * int64_t(a.dk) * a.dv
+                                 : ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (active && j < nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const float2 x = *reinterpret_cast<const float2*>(fr.at<int64_t>(src, k0 + 16 * w, hf, a.dv, v0, j));
+            acc[j][2 * hf] = f * x.x, acc[j][2 * hf + 1] = f * x.y;
+          }
+    }
+    float* dst = ht + ((int64_t(seq) * a.H + h) * ta.Ls + l) * int64_t(a.dk) * a.dv;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (active && j < nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<float2*>(fr.at<int64_t>(dst, k0 + 16 * w, hf, a.dv, v0, j)) =
+              make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
+  }
+}
+
+// The final-state cotangent dHT = ta.dht in a tree backward (loglinear/tree.cuh); grid N x H, 256 threads:
+//   fcoef[m] = e^{gap_m(n) + B_r} for the pending node of each set bit m-1 of n = a0 + nf (the
+//     push-down adds fcoef[m] dHT[p + m] to it; B_r: the partial chunk's total, 0 without one);
+//   the partial chunk's rows s < r (level l = bitlen(r xor s), w = e^{B_r - b_s}), fp32:
+//     fin_dk[s] = w dHT[l] v_s   [dk, dv] x [dv]      fin_dv[s] = w dHT[l]^T k_s   [dv, dk] x [dk]
+//   an empty sequence: dH0 = dHT (its final state is its initial one) when dh0 is set.
+template <class T>
+__global__ void __launch_bounds__(256) loglinear_final_bwd_kernel(GlaArgs<T> a, TreeArgs ta, float* fcoef, float* fin_dk,
+                                                           float* fin_dv, float* dh0) {
+  __shared__ float bs[kChunk];
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int64_t len = a.len[seq], nf = len / kChunk, nc = (len + kChunk - 1) / kChunk;
+  const int r = int(len - nf * kChunk);
+  const int64_t tile = int64_t(a.dk) * a.dv, sh = int64_t(seq) * a.H + h;
+  const float* dht = ta.dht + sh * ta.Ls * tile;
+  if (len == 0) {
+    if (dh0)
+      for (int64_t e = threadIdx.x; e < ta.Ls * tile; e += blockDim.x) dh0[sh * ta.Ls * tile + e] = dht[e];
+    return;
+  }
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int64_t n = sn.a0 + nf, r0 = a.row0[seq] + nf * kChunk;
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  if (threadIdx.x < kChunk) bs[threadIdx.x] = b && int(threadIdx.x) < r ? b[r0 + threadIdx.x] : 0.f;
+  __syncthreads();
+  const float Br = r > 0 ? bs[r - 1] : 0.f;
+  if (threadIdx.x == 0)
+    for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t, float gap) {
+      if (m < ta.lpend) fcoef[sh * ta.lpend + m] = __expf(gap + Br);
+    });
+  const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
+  const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
+  const int64_t ldv = row_ld(a.v_ld, a.dv), ldk = row_ld(a.k_ld, a.dk);
+  for (int64_t e = threadIdx.x; e < int64_t(r) * a.dk; e += blockDim.x) {  // fin_dk
+    const int i = int(e / a.dk), c = int(e % a.dk), l = 32 - __clz(r ^ i);
+    const float* M = dht + int64_t(l) * tile + int64_t(c) * a.dv;
+    const T* vr = v + (r0 + i) * ldv;
+    float x = 0.f;
+    for (int j = 0; j < a.dv; ++j) x += M[j] * float(vr[j]);
+    fin_dk[(sh * kChunk + i) * a.dk + c] = __expf(Br - bs[i]) * x;
+  }
+  for (int64_t e = threadIdx.x; e < int64_t(r) * a.dv; e += blockDim.x) {  // fin_dv
+    const int i = int(e / a.dv), c = int(e % a.dv), l = 32 - __clz(r ^ i);
+    const float* M = dht + int64_t(l) * tile + c;
+    const T* kr = k + (r0 + i) * ldk;
+    float x = 0.f;
+    for (int j = 0; j < a.dk; ++j) x += M[int64_t(j) * a.dv] * float(kr[j]);
+    fin_dv[(sh * kChunk + i) * a.dv + c] = __expf(Br - bs[i]) * x;
+  }
+}
+
+template <class T, WkvMode kMode>
+void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, int split, cudaStream_t s,
+                int64_t slots = 0) {
+  const unsigned items = unsigned(kMode == kRead ? slots : p.nchunks);
+  const dim3 grid(items, p.H, unsigned(((p.dk + kTile - 1) / kTile) * ((p.dv + kTile - 1) / kTile)));
+  set_smem(loglinear_wkv_kernel<T, kMode>, wkv_smem<T>());
+  if (dry_run()) return;  // dry run: workspace_size
+  loglinear_wkv_kernel<T, kMode><<<grid, 128, wkv_smem<T>(), s>>>(p, ta, out, out16, split);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, bool kDown>
+void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
+                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels) {
+  if (dry_run()) return;  // dry run: workspace_size
+  loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
+      len, chunk0, H, tile, ta, node, n16, parts, split);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+// beta, Z into node level 1, and the upper node levels (and tr.ta.pend when set, lstk levels).
+template <class T>
+void build_tree(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
+  if (!dry_run()) {  // dry run: workspace_size
+    loglinear_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
+    HILA_CUDA_CHECK_LAUNCH();
+  }
+  if (heuristics::loglinear_tree_build_in_sweep(gla_sweep_blocks(p), sm_count(), config().loglinear_tree_sweep)) {
+    DevBuf<float> stack(gla_tree_sweep_stack(p, lstk), s);
+    gla_tree_sweep(p, tr.ta, stack.get(), lstk, s);
+  } else {
+    DevBuf<float> z(size_t(tr.slots * p.H * p.dk * p.dv), s);
+    launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
+    launch_tree<T, false>(p.len, p.chunk0, p.N * p.H, p.H, int64_t(p.dk) * p.dv, tr.ta, z.get(), tr.node16.get(), s);
+  }
+}
+
+}  // namespace
+
+template <class T>
+bool loglinear_tree_usable(int dk, int dv) {
+  if constexpr (!kTensorCore<T>) {
+    return false;
+  } else {
+    if (!heuristics::loglinear_tree(true, dk, dv, config().loglinear_tree)) return false;
+    const size_t optin = smem_optin();
+    return std::max({gla_bwd_chunk_smem(dk, dv, true), gla_output_smem(dk, dv, sizeof(T)), wkv_smem<T>()}) <= optin;
+  }
+}
+
+template <class T>
+void loglinear_tree_forward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
+  if constexpr (kTensorCore<T>) {
+    if ((!a.p.o && !a.want_final) || a.p.N == 0 || a.p.H == 0) return;
+    Tree<T> tr(a, t, s);
+    const int lstk = tr.lstk;
+    DevBuf<float> pend(a.want_final ? size_t(int64_t(a.p.N) * a.p.H * lstk * a.p.dk * a.p.dv) : 0, s);
+    tr.ta.pend = pend.get(), tr.ta.lpend = a.want_final ? lstk : 0;
+    if (a.p.nchunks > 0) build_tree(a.p, tr, lstk, s);
+    if (a.p.o && a.p.nchunks > 0) gla_output(a.p, s, &tr.ta);
+    if (a.want_final && !dry_run()) {  // dry run: workspace_size
+      loglinear_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+                           128, 0, s>>>(a.p, tr.ta, a.p.ht);
+      HILA_CUDA_CHECK_LAUNCH();
+    }
+  }
+}
+
+template <class T>
+void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
+  if constexpr (kTensorCore<T>) {
+    if (a.p.N == 0 || a.p.H == 0) return;
+    const int64_t tile = int64_t(a.p.dk) * a.p.dv, NH = int64_t(a.p.N) * a.p.H;
+    if (!dry_run()) {  // dry run: workspace_size
+      HILA_CUDA_CHECK(cudaMemsetAsync(a.dlam, 0, size_t(a.p.H) * a.p.Ttot * a.nL * sizeof(float), s));
+      // dH0: the initial levels' cotangents from the push-down (dHT for empty sequences), zero elsewhere
+      if (a.p.dh0) HILA_CUDA_CHECK(cudaMemsetAsync(a.p.dh0, 0, size_t(NH * a.Ls * tile) * sizeof(float), s));
+    }
+    Tree<T> tr(a, t, s);
+    tr.ta.dh0 = a.p.dh0;
+    // a final-state cotangent: the pending nodes (for HT, the dg term) and loglinear_final_bwd_kernel's terms
+    const bool fin = a.p.dht != nullptr;
+    DevBuf<float> pend(fin ? size_t(NH * tr.lstk * tile) : 0, s), HT(fin ? size_t(NH * a.Ls * tile) : 0, s);
+    DevBuf<float> fcoef(fin ? size_t(NH * tr.lstk) : 0, s);
+    DevBuf<float> fin_dk(fin ? size_t(NH * kChunk * a.p.dk) : 0, s), fin_dv(fin ? size_t(NH * kChunk * a.p.dv) : 0, s);
+    if (fin) {
+      tr.ta.pend = pend.get(), tr.ta.lpend = tr.lstk;
+      tr.ta.dht = a.p.dht, tr.ta.fcoef = fcoef.get();
+      tr.ta.fin_dk = fin_dk.get(), tr.ta.fin_dv = fin_dv.get();
+    }
+    if (a.p.nchunks > 0) build_tree(a.p, tr, tr.lstk, s);
+    if (fin && !dry_run()) {  // dry run: workspace_size
+      loglinear_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
+      HILA_CUDA_CHECK_LAUNCH();
+      if (a.p.nchunks > 0) {
+        loglinear_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
+                             128, 0, s>>>(a.p, tr.ta, HT.get());
+        HILA_CUDA_CHECK_LAUNCH();
+      }
+    }
+    if (a.p.nchunks == 0) return;
+    DevBuf<float> dnode(size_t(tr.slots * a.p.H * tile), s);
+    DevBuf<T> dz16(size_t(a.p.nchunks * a.p.H * tile), s);
+    // parts of the long reading ranges: (top - 5) ceil(nc / 16) <= nc slots per sequence while every
+    // sequence starts at 0 and has at most 2^20 chunks; otherwise the ranges are summed whole (from
+    // n0 > 0 a range within the call has at most nc chunks, the length of the tree sweep)
+    const int split = heuristics::loglinear_tree_parts(tr.shifted, a.p.Ttot, a.p.N, kChunk) ? kSplitLevel : kMaxLevels;
+    DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
+    launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
+    if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
+    launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
+                         parts.get(), split);
+    tr.ta.dz16 = dz16.get();
+    gla_bwd_chunk(a.p, s, &tr.ta);
+    // dg = reverse cumsum of q.dq - k.dk, plus <dHT, HT> at the last row: gla_dg reduces its
+    // [N][H][dk][dv] states, so the Fenwick [N][H][Ls][dk][dv] ones pass as dk' = Ls dk rows
+    GlaArgs<T> p = a.p;
+    p.dht = fin ? a.p.dht : nullptr, p.ht = HT.get(), p.dk = a.Ls * a.p.dk;
+    gla_dg(p, s);
+  }
+}
+
+#define HILA_INSTANTIATE(T)                                                          \
+  template bool loglinear_tree_usable<T>(int, int);                                         \
+  template void loglinear_tree_forward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t);  \
+  template void loglinear_tree_backward<T>(const LoglinearArgs<T>&, const LoglinearTables&, cudaStream_t);
+HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cuda

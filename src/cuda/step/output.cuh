@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+// The decode step's last stage (block.cuh): o in v's dtype from o' (normalize: o'[:dv] / (o'[dv] +
+// eps), the denominator column dv being in this block, tiles == 1), and pos += 1 by the last block
+// of the sequence to finish (with the DecodeState's counters).
+#pragma once
+#include "cuda/step/block.cuh"
+
+namespace hila::cuda::decode {
+
+template <class T, int kRows, bool kFenwick>
+__device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::output() {
+  T* o = a.o + n * a.os0 + h * a.os1;
+  const int oend = min(cend, a.dv);
+  if (a.normalize) {
+    const R den = s_oraw[a.dv] + a.eps;
+    for (int c = cbeg + tid; c < oend; c += kThreads) o[c] = to<T>(s_oraw[c] / den);
+  } else {
+    for (int c = cbeg + tid; c < oend; c += kThreads) o[c] = to<T>(s_oraw[c]);
+  }
+  // the last block of sequence n (every thread of every block has read t by now) advances pos
+  if (a.seq_count && tid == 0) {
+    unsigned* cnt = a.seq_count + n;
+    if (atomicAdd(cnt, 1u) == unsigned(a.H * a.tiles - 1)) {
+      *cnt = 0;
+      a.pos[n * a.poss] = t + 1;
+    }
+  }
+}
+
+}  // namespace hila::cuda::decode

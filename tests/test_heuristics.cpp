@@ -1,0 +1,247 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend's launch policies (src/cuda/dispatch/heuristics.h) and the parsing of its
+// environment knobs (src/cuda/runtime/config.h): pure host functions, checked on the CPU with the
+// limits of an H200 (132 SMs, 227 KB of opt-in shared memory per block) and of an A100.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/runtime/config.h"
+
+namespace hila::cuda {
+namespace {
+
+namespace h = heuristics;
+
+constexpr h::Device kH200{132, 232448};
+constexpr h::Device kA100{108, 166912};
+
+// ---- environment knobs -------------------------------------------------------------------------
+
+std::map<std::string, std::string> g_env;
+const char* fake_env(const char* name) {
+  const auto it = g_env.find(name);
+  return it == g_env.end() ? nullptr : it->second.c_str();
+}
+Config parse(std::map<std::string, std::string> env) {
+  g_env = std::move(env);
+  return Config::parse(&fake_env);
+}
+
+TEST(Config, DefaultsWithoutKnobs) {
+  const Config c = parse({});
+  EXPECT_FALSE(c.upload_kernel);
+  EXPECT_TRUE(c.side_stream);
+  EXPECT_FALSE(c.poison_scratch);
+  EXPECT_TRUE(c.fold_s);
+  EXPECT_TRUE(c.gla_sm90.sweep && c.gla_sm90.bwd && c.gla_sm90.fwd);
+  EXPECT_FALSE(c.gla_sm90.forced);
+  EXPECT_EQ(c.gla_fused, Force::automatic);
+  EXPECT_TRUE(c.gdn_tc);
+  EXPECT_TRUE(c.loglinear_tree);
+  EXPECT_EQ(c.loglinear_tree_sweep, Force::automatic);
+  EXPECT_FALSE(c.loglinear_store_budget.has_value());
+  EXPECT_FALSE(c.emu_sm90);
+}
+
+TEST(Config, SwitchesTakeTheirValues) {
+  const Config c = parse({{"HILA_UPLOAD_KERNEL", "1"}, {"HILA_SIDE_STREAM", "0"}, {"HILA_FOLD_S", "0"},
+                          {"HILA_GDN_TC", "0"}, {"HILA_LOGLINEAR_TREE", "0"}, {"HILA_EMU_SM90", "1"}});
+  EXPECT_TRUE(c.upload_kernel);
+  EXPECT_FALSE(c.side_stream);
+  EXPECT_FALSE(c.fold_s);
+  EXPECT_FALSE(c.gdn_tc);
+  EXPECT_FALSE(c.loglinear_tree);
+  EXPECT_TRUE(c.emu_sm90);
+  // only the exact value switches: "2" is not "1", "no" is not "0"
+  const Config d = parse({{"HILA_UPLOAD_KERNEL", "2"}, {"HILA_SIDE_STREAM", "no"}, {"HILA_EMU_SM90", "yes"}});
+  EXPECT_FALSE(d.upload_kernel);
+  EXPECT_TRUE(d.side_stream);
+  EXPECT_FALSE(d.emu_sm90);
+}
+
+TEST(Config, PoisonScratchIsOnForAnySetValueButEmptyAndZero) {
+  EXPECT_TRUE(parse({{"HILA_POISON_SCRATCH", "1"}}).poison_scratch);
+  EXPECT_TRUE(parse({{"HILA_POISON_SCRATCH", "yes"}}).poison_scratch);
+  EXPECT_FALSE(parse({{"HILA_POISON_SCRATCH", "0"}}).poison_scratch);
+  EXPECT_FALSE(parse({{"HILA_POISON_SCRATCH", ""}}).poison_scratch);
+}
+
+TEST(Config, Sm90KernelList) {
+  const Config one = parse({{"HILA_GLA_SM90", "1"}});
+  EXPECT_TRUE(one.gla_sm90.sweep && one.gla_sm90.bwd && one.gla_sm90.fwd && one.gla_sm90.forced);
+  const Config none = parse({{"HILA_GLA_SM90", "0"}});
+  EXPECT_FALSE(none.gla_sm90.sweep || none.gla_sm90.bwd || none.gla_sm90.fwd || none.gla_sm90.forced);
+  const Config empty = parse({{"HILA_GLA_SM90", ""}});
+  EXPECT_FALSE(empty.gla_sm90.sweep || empty.gla_sm90.bwd || empty.gla_sm90.fwd);
+  const Config list = parse({{"HILA_GLA_SM90", "bwd,fwd"}});
+  EXPECT_FALSE(list.gla_sm90.sweep);
+  EXPECT_TRUE(list.gla_sm90.bwd && list.gla_sm90.fwd);
+  EXPECT_FALSE(list.gla_sm90.forced);
+  const Config prefix = parse({{"HILA_GLA_SM90", "sweeps,bw"}});  // whole words only
+  EXPECT_FALSE(prefix.gla_sm90.sweep || prefix.gla_sm90.bwd || prefix.gla_sm90.fwd);
+}
+
+TEST(Config, ForcedChoicesAndBudget) {
+  EXPECT_EQ(parse({{"HILA_GLA_FUSED", "0"}}).gla_fused, Force::off);
+  EXPECT_EQ(parse({{"HILA_GLA_FUSED", "1"}}).gla_fused, Force::on);
+  EXPECT_EQ(parse({{"HILA_GLA_FUSED", ""}}).gla_fused, Force::on);  // set, and not 0
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SWEEP", "0"}}).loglinear_tree_sweep, Force::off);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SWEEP", "1"}}).loglinear_tree_sweep, Force::on);
+  const Config b = parse({{"HILA_LOGLINEAR_STORE_BUDGET", "4096"}});
+  ASSERT_TRUE(b.loglinear_store_budget.has_value());
+  EXPECT_EQ(*b.loglinear_store_budget, 4096u);
+  EXPECT_EQ(*parse({{"HILA_LOGLINEAR_STORE_BUDGET", "0"}}).loglinear_store_budget, 0u);
+}
+
+// ---- launch policies -----------------------------------------------------------------------------
+
+TEST(Heuristics, GridStrideBlocks) {
+  EXPECT_EQ(h::grid_stride_blocks(0), 1u);
+  EXPECT_EQ(h::grid_stride_blocks(256), 1u);
+  EXPECT_EQ(h::grid_stride_blocks(257), 2u);
+  EXPECT_EQ(h::grid_stride_blocks(int64_t(1) << 40), 65535u * 4);
+}
+
+TEST(Heuristics, Sm80SweepHalvesItsValueTileWhenTilesAreFewerThanSms) {
+  // 4 sequence x heads, 128 x 128 states: 16 tiles < 132 SMs
+  EXPECT_EQ(h::gla_sm80_sweep_vtile(4, 128, 128, kH200.sms), 32);
+  EXPECT_EQ(h::gla_sm80_sweep_vtile(132, 64, 64, kH200.sms), 64);
+  EXPECT_EQ(h::gla_sm80_sweep_vtile(131, 64, 64, kH200.sms), 32);
+  EXPECT_EQ(h::gla_sm80_sweep_vtile(4, 64, 48, kH200.sms), 64);  // 48 columns: no 32-column tiles
+}
+
+TEST(Heuristics, FusedForwardFromThreeQuartersOfTheSms) {
+  const size_t smem = 100000;
+  // dv = 128: two 64-column tiles per sequence x head; 4 x blocks >= 3 x 132 from 99 blocks
+  EXPECT_FALSE(h::gla_fused_forward(true, 128, 128, 49, smem, kH200, Force::automatic));
+  EXPECT_TRUE(h::gla_fused_forward(true, 128, 128, 50, smem, kH200, Force::automatic));
+  EXPECT_TRUE(h::gla_fused_forward(true, 64, 64, 99, smem, kH200, Force::automatic));
+  EXPECT_FALSE(h::gla_fused_forward(true, 64, 64, 98, smem, kH200, Force::automatic));
+  // forced either way among the calls it can run
+  EXPECT_TRUE(h::gla_fused_forward(true, 128, 128, 1, smem, kH200, Force::on));
+  EXPECT_FALSE(h::gla_fused_forward(true, 128, 128, 1000, smem, kH200, Force::off));
+  // calls it cannot run, forced or not
+  EXPECT_FALSE(h::gla_fused_forward(false, 128, 128, 1000, smem, kH200, Force::on));
+  EXPECT_FALSE(h::gla_fused_forward(true, 256, 128, 1000, smem, kH200, Force::on));
+  EXPECT_FALSE(h::gla_fused_forward(true, 128, 96, 1000, smem, kH200, Force::on));
+  EXPECT_FALSE(h::gla_fused_forward(true, 128, 128, 1000, 175000, kA100, Force::on));  // past sm_80's opt-in
+  EXPECT_TRUE(h::gla_fused_forward(true, 128, 128, 1000, 175000, kH200, Force::automatic));
+}
+
+TEST(Heuristics, Sm90SweepFromThreeQuartersOfTheSms) {
+  const Sm90Kernels all, forced{true, true, true, true}, no_sweep{false, true, true, false};
+  // 64 x 64 tiles: 99 blocks of 132 SMs
+  EXPECT_TRUE(h::gla_sm90_sweep(64, 64, 1 << 20, 1 << 14, 16, 99, kH200, all));
+  EXPECT_FALSE(h::gla_sm90_sweep(64, 64, 1 << 20, 1 << 14, 16, 98, kH200, all));
+  EXPECT_TRUE(h::gla_sm90_sweep(128, 128, 1 << 20, 1 << 14, 16, 25, kH200, all));  // 100 blocks
+  EXPECT_TRUE(h::gla_sm90_sweep(64, 64, 1 << 20, 1 << 14, 16, 1, kH200, forced));
+  EXPECT_FALSE(h::gla_sm90_sweep(64, 64, 1 << 20, 1 << 14, 16, 1000, kH200, no_sweep));
+  EXPECT_FALSE(h::gla_sm90_sweep(96, 64, 1 << 20, 1 << 14, 16, 1000, kH200, forced));  // dk not a multiple of 64
+  // TMA coordinates are 32-bit: the rows of the inputs, and of the per-chunk states
+  EXPECT_FALSE(h::gla_sm90_sweep(64, 64, (int64_t(1) << 31) - 64, 1, 1, 1000, kH200, forced));
+  EXPECT_TRUE(h::gla_sm90_sweep(64, 64, (int64_t(1) << 31) - 65, 1, 1, 1000, kH200, forced));
+  EXPECT_FALSE(h::gla_sm90_sweep(128, 128, 1 << 20, int64_t(1) << 21, 8, 1000, kH200, forced));
+}
+
+TEST(Heuristics, Sm90SweepRingFitsOneWave) {
+  const size_t stage = 2 * 8192 + 64 * 4 + 8;  // a 64-column key and value block, gates, mbarrier
+  EXPECT_EQ(h::gla_sm90_sweep_stages(132, kH200, stage), 8);  // one block per SM
+  EXPECT_EQ(h::gla_sm90_sweep_stages(264, kH200, stage), 6);  // two
+  EXPECT_EQ(h::gla_sm90_sweep_stages(396, kH200, stage), 4);  // three
+  EXPECT_EQ(h::gla_sm90_sweep_stages(528, kH200, stage), 3);  // four: at least 3
+  EXPECT_EQ(h::gla_sm90_sweep_stages(100000, kH200, stage), 3);
+}
+
+TEST(Heuristics, Sm90ChunkKernels) {
+  const Sm90Kernels all, only_sweep{true, false, false, false};
+  EXPECT_TRUE(h::gla_sm90_bwd_chunk(64, 128, true, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_bwd_chunk(64, 128, true, 1 << 20, 1 << 14, 16, only_sweep));
+  EXPECT_FALSE(h::gla_sm90_bwd_chunk(192, 128, true, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_bwd_chunk(64, 64, false, 1 << 20, 1 << 14, 16, all));  // no per-chunk states
+  EXPECT_TRUE(h::gla_sm90_fused_forward(128, 192, true, false, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_fused_forward(96, 128, true, false, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_fused_forward(128, 128, false, false, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_fused_forward(64, 64, true, false, 1 << 20, 1 << 14, 16, only_sweep));
+  // the per-chunk states' rows count only where they are stored
+  EXPECT_TRUE(h::gla_sm90_fused_forward(128, 128, true, false, 1 << 20, int64_t(1) << 21, 8, all));
+  EXPECT_FALSE(h::gla_sm90_fused_forward(128, 128, true, true, 1 << 20, int64_t(1) << 21, 8, all));
+}
+
+TEST(Heuristics, LogLinear) {
+  EXPECT_TRUE(h::loglinear_tree(true, 64, 128, true));
+  EXPECT_FALSE(h::loglinear_tree(false, 64, 128, true));  // 16-bit operands only
+  EXPECT_FALSE(h::loglinear_tree(true, 16, 64, true));    // every warp takes part in dQ: dk >= 32
+  EXPECT_FALSE(h::loglinear_tree(true, 144, 64, true));
+  EXPECT_FALSE(h::loglinear_tree(true, 64, 144, true));
+  EXPECT_FALSE(h::loglinear_tree(true, 64, 64, false));  // HILA_LOGLINEAR_TREE=0
+  // the tree build in the sweep from half the SMs
+  EXPECT_TRUE(h::loglinear_tree_build_in_sweep(66, 132, Force::automatic));
+  EXPECT_FALSE(h::loglinear_tree_build_in_sweep(65, 132, Force::automatic));
+  EXPECT_TRUE(h::loglinear_tree_build_in_sweep(1, 132, Force::on));
+  EXPECT_FALSE(h::loglinear_tree_build_in_sweep(1000, 132, Force::off));
+  // parts of long reading ranges: sequences from 0, up to 2^20 chunks
+  EXPECT_TRUE(h::loglinear_tree_parts(false, 64 * ((int64_t(1) << 20) - 8), 8, 64));
+  EXPECT_FALSE(h::loglinear_tree_parts(false, 64 * ((int64_t(1) << 20) - 8), 9, 64));
+  EXPECT_FALSE(h::loglinear_tree_parts(true, 4096, 1, 64));
+  // a quarter of the free memory, of the total with a workspace
+  EXPECT_EQ(h::loglinear_store_budget(400, 1000, false), 100u);
+  EXPECT_EQ(h::loglinear_store_budget(400, 1000, true), 250u);
+}
+
+TEST(Heuristics, LogLinearOutputsChunkParallelAskTheBudgetLast) {
+  int asked = 0;
+  auto budget = [&] {
+    ++asked;
+    return size_t(1000);
+  };
+  EXPECT_TRUE(h::loglinear_outputs_chunk_parallel(true, 4, 1000, kH200, false, 1000, budget));
+  EXPECT_FALSE(h::loglinear_outputs_chunk_parallel(true, 4, 1000, kH200, false, 1001, budget));
+  EXPECT_EQ(asked, 2);
+  EXPECT_TRUE(h::loglinear_outputs_chunk_parallel(true, 4, 1000, kH200, true, 1 << 30, budget));  // levels given
+  EXPECT_FALSE(h::loglinear_outputs_chunk_parallel(false, 4, 1000, kH200, false, 0, budget));    // no output
+  EXPECT_FALSE(h::loglinear_outputs_chunk_parallel(true, 0, 1000, kH200, false, 0, budget));     // no segment
+  EXPECT_FALSE(h::loglinear_outputs_chunk_parallel(true, 4, 300000, kH200, false, 0, budget));   // smem
+  EXPECT_EQ(asked, 2);  // the free memory is queried only when it decides
+}
+
+TEST(Heuristics, DeltaRule) {
+  EXPECT_TRUE(h::delta_sm80(128, 256, true));
+  EXPECT_FALSE(h::delta_sm80(144, 64, true));
+  EXPECT_FALSE(h::delta_sm80(64, 272, true));
+  EXPECT_FALSE(h::delta_sm80(64, 64, false));  // HILA_GDN_TC=0
+  EXPECT_EQ(h::delta_portable_blocks(0, 132), 1);
+  EXPECT_EQ(h::delta_portable_blocks(100, 132), 100);
+  EXPECT_EQ(h::delta_portable_blocks(100000, 132), 528);
+}
+
+TEST(Heuristics, DecodeStep) {
+  // one tile: normalize, or S ops without counters or with enough (sequence, head) blocks
+  EXPECT_EQ(h::step_tiles(true, false, true, 4, 129, 64, 132), 1);
+  EXPECT_EQ(h::step_tiles(false, true, false, 4, 129, 64, 132), 1);
+  EXPECT_EQ(h::step_tiles(false, true, true, 528, 129, 64, 132), 1);
+  EXPECT_EQ(h::step_tiles(false, true, true, 527, 129, 64, 132), 3);
+  EXPECT_EQ(h::step_tiles(false, false, false, 4, 128, 64, 132), 2);
+  EXPECT_TRUE(h::step_s_in_smem(true, 128, 256, 128 * 129 / 2 * 4));
+  EXPECT_FALSE(h::step_s_in_smem(true, 160, 256, 160 * 161 / 2 * 4 * 2));  // past 40 KB
+  EXPECT_FALSE(h::step_s_in_smem(true, 320, 256, 1000));                   // more rows than threads
+  EXPECT_FALSE(h::step_s_in_smem(false, 64, 256, 1000));
+  auto smem = [](int stages) { return size_t(stages) * 40000; };
+  EXPECT_EQ(h::step_ring_stages(8, 128 * 64 * 4, 232448, smem), 1);      // one 32 KB stage
+  EXPECT_EQ(h::step_ring_stages(8, 64 * 64 * 4, 232448, smem), 2);       // two 16 KB stages
+  EXPECT_EQ(h::step_ring_stages(8, 32 * 64 * 4, 232448, smem), 3);       // at most 3
+  EXPECT_EQ(h::step_ring_stages(2, 32 * 64 * 4, 232448, smem), 2);       // no more than the items
+  EXPECT_EQ(h::step_ring_stages(8, 32 * 64 * 4, 90000, smem), 2);        // within the opt-in
+  EXPECT_EQ(h::step_ring_stages(8, 1024 * 64 * 4, 232448, smem), 1);     // at least one
+  EXPECT_EQ(h::step_rows(32, 8), 4);
+  EXPECT_EQ(h::step_rows(33, 8), 8);
+  EXPECT_EQ(h::step_rows(128, 8), 16);
+  EXPECT_EQ(h::step_rows(256, 8), 32);
+  EXPECT_EQ(h::step_rows(512, 8), 64);
+}
+
+}  // namespace
+}  // namespace hila::cuda
