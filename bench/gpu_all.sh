@@ -3,8 +3,8 @@
 # One call on a GPU machine: CUDA tests, compute-sanitizer, the Python suite on CUDA, and the
 # benchmark with its anchors in the same run. The binaries (hila_cuda_tests, hila_bench, hila) are
 # built beforehand (see docs/PERFORMANCE.md) and given in $BIN, or as an xz archive $BINS_TAR that is
-# unpacked there; fla wheels in $WHL; the specification's oracles (for the Python suite) in $SPEC.
-#   STAGES="tests demo sanitizer python bench anchors" BIN=bin WHL=whl SPEC=spec bash bench/gpu_all.sh
+# unpacked there; fla wheels in $WHL; the Python extension as an archive $PY_TAR.
+#   STAGES="tests demo sanitizer python bench anchors" BIN=bin WHL=whl bash bench/gpu_all.sh
 # Stage `tests`: TEST_SHARDS=4 runs four gtest shards side by side; TESTS_TIMEOUT (default 300 s) each.
 # Stage `sanitizer`: memcheck and racecheck (SAN_TOOLS) side by side; SAN_FILTER replaces its default test filter, SAN_EXTRA ("pattern:pattern") adds to it.
 # Other head shapes: BENCH_ARGS="--H 48 --dk 128 --dv 64 --G 1" ANCHOR_ARGS="--H 48 --dk 128 --dv 64" (the
@@ -25,7 +25,6 @@
 set -uo pipefail
 BIN=${BIN:-.dev/bin}
 WHL=${WHL:-.dev/whl}
-SPEC=${SPEC:-.dev/spec}
 OUT=${OUT:-gpu-out}
 LOGS=${LOGS:-/tmp/hila-gpu-logs}
 STAGES=${STAGES:-tests sanitizer python bench anchors}
@@ -79,15 +78,21 @@ if has sanitizer; then
     note "$tool rc=$(cat "$LOGS/sanitizer_$tool.rc") $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer_$tool.log" | tail -1)"
   done
 fi
-if has python; then  # the extension built here for this GPU only (PY_GENCODE), all cores; pytest on 8 workers
+if has python; then  # pytest on CUDA, 8 workers: the extension from $PY_TAR (built beforehand for this
+  # GPU and this machine's Python, see docs/PERFORMANCE.md), else built here (PY_GENCODE, all cores)
   t0=$SECONDS
-  (CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
-     --target /tmp/hsite -Ccmake.define.HILA_CUDA=ON \
-     "-Ccmake.define.HILA_CUDA_GENCODE=${PY_GENCODE:--gencode=arch=compute_90a,code=sm_90a}" \
-     -Cbuild-dir=/tmp/hbuild . >"$LOGS/pybuild.log" 2>&1 &&
-   PYTHONPATH=/tmp/hsite HILA_SPEC_DIR="$SPEC" HILA_TEST_DEVICES=cuda timeout 300 \
-     python3 -m pytest -q -n ${PYTEST_WORKERS:-8} --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} \
-     >"$LOGS/pytest.log" 2>&1)
+  PY_TAR=${PY_TAR:-.dev/py312.tar.xz}
+  if [ -f "$PY_TAR" ]; then
+    mkdir -p /tmp/hpy && tar xJf "$PY_TAR" -C /tmp/hpy && rm -rf /tmp/hsite && mv /tmp/hpy/* /tmp/hsite
+  else
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
+      --target /tmp/hsite -Ccmake.define.HILA_CUDA=ON -Ccmake.define.HILA_BUILD_CLI=OFF \
+      "-Ccmake.define.HILA_CUDA_GENCODE=${PY_GENCODE:--gencode=arch=compute_90a,code=sm_90a}" \
+      -Cbuild-dir=/tmp/hbuild . >"$LOGS/pybuild.log" 2>&1
+  fi
+  PYTHONPATH=/tmp/hsite HILA_TEST_DEVICES=cuda timeout ${PYTEST_TIMEOUT:-300} \
+    python3 -m pytest -q -n ${PYTEST_WORKERS:-8} --maxfail=10 -p no:cacheprovider python/tests ${PYTEST_ARGS:-} \
+    >"$LOGS/pytest.log" 2>&1
   rc=$?
   grep -E "^(E  |FAILED|ERROR)|Error|error:" "$LOGS/pytest.log" | head -40
   tail -3 "$LOGS/pytest.log"
