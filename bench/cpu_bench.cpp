@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Times hila's CPU backend (hila::forward / hila::backward on host float32 tensors, chunk form,
-// check_values off) and prints CSV rows:
+// check_values off unless --check) and prints CSV rows:
 //   op,B,T,H,d,direction,reps,wall_us,cpu_us,thread_us,checksum
 // wall_us, cpu_us (process CPU time: every OpenMP thread) and thread_us (the calling thread's CPU
 // time) are medians over `reps` calls after warm-up. "fwd" is one forward writing o; "bwd" is one
@@ -9,10 +9,11 @@
 // comparison; the tests hold the precision).
 //
 //   cpu_bench [--ops gla,hla2,loglinear,gdn] [--shapes tiny,medium,large | BxTxHxd,...]
-//             [--dirs fwd,bwd] [--reps N] [--seconds S] [--chunk C] [--form chunk]
+//             [--dirs fwd,bwd] [--reps N] [--seconds S] [--chunk C] [--form chunk] [--check]
 // Shapes: tiny 1x64x2x16, medium 2x1024x4x64, large 1x8192x8x128 (B x T x H x d, dk = dv = d).
 // A row stops at --reps calls or after --seconds of timed calls (default 2000 calls, 2 s), with at
-// least 3 calls. Build: cmake -DHILA_BUILD_CPU_BENCH=ON, target cpu_bench.
+// least 3 calls. --check turns the value checks on (inputs and outputs scanned, as the default
+// hila.torch call does). Build: cmake -DHILA_BUILD_CPU_BENCH=ON, target cpu_bench.
 #include <time.h>
 
 #include <algorithm>
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
   int64_t reps = 2000, chunk = 64;
   double seconds = 2.0;
   std::string form = "chunk";
+  bool check = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -101,6 +103,7 @@ int main(int argc, char** argv) {
     else if (a == "--seconds") seconds = std::atof(next().c_str());
     else if (a == "--chunk") chunk = std::atoll(next().c_str());
     else if (a == "--form") form = next();
+    else if (a == "--check") check = true;
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/cpu_bench.cpp)\n", a.c_str());
       return 2;
@@ -112,7 +115,7 @@ int main(int argc, char** argv) {
     for (const std::string& opn : ops) {
       hila::tools::ProblemSpec ps;
       ps.cfg.op = hila::parse_op(opn);
-      ps.cfg.check_values = false;
+      ps.cfg.check_values = check;
       ps.B = S.B, ps.T = S.T, ps.G = S.H, ps.H = S.H, ps.dk = S.d, ps.dv = S.d;
       ps.dtype = hila::DType::f32;
       ps.seed = 1;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -231,6 +233,63 @@ void for_each(const TensorView& t, F f) {
   }
 }
 
+// First element of a host tensor failing the value check, as a row-major index (-1: none):
+// log-gates must be <= 0 or -inf (NaN and x > 0 fail), everything else finite. Rows (the
+// innermost dimension, contiguous or not) are scanned with a typed loop that ORs the test over
+// the row (vectorisable); only a failing row is searched element by element.
+int64_t host_scan(const TensorView& t, bool gates) {
+  if (!t.defined() || t.numel() == 0) return -1;
+  const int nd = t.ndim;
+  const int64_t n = nd ? t.shape[nd - 1] : 1, inner = nd ? t.stride[nd - 1] : 1;
+  const int64_t rows = t.numel() / n;
+  auto scan_row = [&](const auto* x) -> int64_t {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+    auto bad = [gates](double v) { return gates ? !(v <= 0) : !(std::fabs(v) <= 1.7976931348623157e308); };
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      bool any = false;
+      if (inner == 1) {
+        for (int64_t c = 0; c < n; ++c)
+          any |= gates ? !(x[c] <= T(0)) : !(std::fabs(x[c]) <= std::numeric_limits<T>::max());
+      } else {
+        any = true;  // strided row: searched below
+      }
+      if (!any) return -1;
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      double v;
+      if constexpr (std::is_same_v<T, uint16_t>) v = bf16_to_float(x[c * inner]);
+      else v = static_cast<double>(x[c * inner]);
+      if (bad(v)) return c;
+    }
+    return -1;
+  };
+  std::array<int64_t, kMaxDims> idx{};
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t off = 0;
+    for (int i = 0; i + 1 < nd; ++i) off += idx[i] * t.stride[i];
+    int64_t c = -1;
+    switch (t.dtype) {
+      case DType::f32: c = scan_row(static_cast<const float*>(t.data) + off); break;
+      case DType::f64: c = scan_row(static_cast<const double*>(t.data) + off); break;
+      case DType::bf16: c = scan_row(static_cast<const uint16_t*>(t.data) + off); break;
+      case DType::f16: c = scan_row(static_cast<const _Float16*>(t.data) + off); break;
+      default: return -1;  // integer tensors hold no non-finite values
+    }
+    if (c >= 0) return r * n + c;
+    for (int i = nd - 2; i >= 0; --i) {
+      if (++idx[i] < t.shape[i]) break;
+      idx[i] = 0;
+    }
+  }
+  return -1;
+}
+
+// device_scan for device tensors, host_scan for host ones: -1 when every element passes, else
+// the row-major index of the first that fails.
+int64_t scan(const TensorView& t, bool gates) {
+  return t.device.type == DeviceType::cpu ? host_scan(t, gates) : device_scan(t, gates);
+}
+
 std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
   std::string r = "[";
   for (int i = 0; i < nd; ++i) r += (i ? ", " : "") + std::to_string(idx[i]);
@@ -244,7 +303,7 @@ void check_elements(const std::string& name, const TensorView& dev_t, bool gates
   const char* what = gates ? "expected log-gates <= 0, finite or -inf (a reset) (value checks are on), got "
                            : "expected finite values (value checks are on), got ";
   auto bad = [&](double x) { return gates ? (std::isnan(x) || x > 0) : !std::isfinite(x); };
-  const int64_t first = device_scan(dev_t, gates);
+  const int64_t first = scan(dev_t, gates);
   if (first == -1) return;
   if (first >= 0) {  // element `first` in row-major order: read just that one
     std::array<int64_t, kMaxDims> idx{};
@@ -1024,7 +1083,7 @@ std::string likely_cause(const Resolved& r, const TensorView& q_dev, const Tenso
 void check_output_finite(const std::string& name, const TensorView& dev_t,
                          const std::function<std::string()>& cause) {
   if (!dev_t.defined() || dev_t.numel() == 0) return;
-  const int64_t first = device_scan(dev_t, false);
+  const int64_t first = scan(dev_t, false);
   if (first == -1) return;
   const HostMirror m(dev_t);  // a device tensor (found bad on the device) is read back to name the element
   const TensorView& t = m.view();

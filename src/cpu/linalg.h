@@ -39,7 +39,10 @@ struct Mat {
   operator MRef<const R>() const { return ref(); }
 };
 
-// C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set.
+// C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set. Every case runs as
+// row updates c_i += a * b_k with a unit-stride inner loop (what the compiler vectorises): a
+// transposed B is first copied to B^T [kk, n] (kk n copies against m n kk multiply-adds).
+// Rounding: each C(i, j) is summed over k in order, as the plain triple loop does.
 template <class R>
 void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha = R(1),
           R beta = R(0)) {
@@ -50,44 +53,40 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) C(i, j) *= beta;
   }
-  if (!tA && !tB) {  // rows of C accumulate rows of B: unit-stride inner loop
-    for (int64_t i = 0; i < m; ++i) {
-      R* c = C.row(i);
+  if (m == 0 || n == 0 || kk == 0) return;
+  std::vector<R> bt;
+  if (tB) {  // B [n, kk] -> B^T [kk, n]
+    bt.resize(static_cast<size_t>(kk * n));
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t k = 0; k < kk; ++k) bt[k * n + j] = B(j, k);
+    B = MRef<const R>{bt.data(), kk, n, n};
+  }
+  // C row i, columns [j, j + W): W accumulators held in registers across the sum over k
+  // (zero entries of A, e.g. the upper triangle of a causal mask, are skipped).
+  constexpr int64_t W = 16;
+  const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // A(i, k) of op(A) = A.p[i sa_row + k sa_k]
+  for (int64_t i = 0; i < m; ++i) {
+    R* __restrict c = C.row(i);
+    const R* ai = A.p + i * sa_row;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      R acc[W];
+      for (int64_t t = 0; t < W; ++t) acc[t] = c[j + t];
       for (int64_t k = 0; k < kk; ++k) {
-        const R a = alpha * A(i, k);
+        const R a = alpha * ai[k * sa_k];
         if (a == R(0)) continue;
-        const R* b = B.row(k);
-        for (int64_t j = 0; j < n; ++j) c[j] += a * b[j];
+        const R* __restrict b = B.row(k) + j;
+        for (int64_t t = 0; t < W; ++t) acc[t] += a * b[t];
       }
+      for (int64_t t = 0; t < W; ++t) c[j + t] = acc[t];
     }
-  } else if (!tA && tB) {  // dot products of rows
-    for (int64_t i = 0; i < m; ++i) {
-      const R* a = A.row(i);
-      for (int64_t j = 0; j < n; ++j) {
-        const R* b = B.row(j);
-        R s = 0;
-        for (int64_t k = 0; k < kk; ++k) s += a[k] * b[k];
-        C(i, j) += alpha * s;
-      }
-    }
-  } else if (tA && !tB) {  // outer-product accumulation over k
+    if (j == n) continue;
     for (int64_t k = 0; k < kk; ++k) {
-      const R* a = A.row(k);
-      const R* b = B.row(k);
-      for (int64_t i = 0; i < m; ++i) {
-        const R ai = alpha * a[i];
-        if (ai == R(0)) continue;
-        R* c = C.row(i);
-        for (int64_t j = 0; j < n; ++j) c[j] += ai * b[j];
-      }
+      const R a = alpha * ai[k * sa_k];
+      if (a == R(0)) continue;
+      const R* __restrict b = B.row(k);
+      for (int64_t t = j; t < n; ++t) c[t] += a * b[t];
     }
-  } else {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) {
-        R s = 0;
-        for (int64_t k = 0; k < kk; ++k) s += A(k, i) * B(j, k);
-        C(i, j) += alpha * s;
-      }
   }
 }
 

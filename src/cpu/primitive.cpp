@@ -83,14 +83,18 @@ struct Seg {
     W = matmul<R>(Tm, false, bk, false);  // [R,R] x [R,dk]
   }
 
-  // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) on j <= i: the sum runs from the diagonal down
-  // each row (O(nr^2) adds, the cost of the mask itself), so E is exactly 0 across a reset.
+  // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) = prod_{j<r<=i} a_r, a_r = exp(g_r), on j <= i:
+  // the product runs from the diagonal down each row (nr exps and O(nr^2) multiplies, the cost
+  // of the mask itself), so E is exactly 0 across a reset (a_r = 0) and, after one, the product
+  // of the gates after it alone.
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
+    std::vector<R> at(static_cast<size_t>(nr));
+    for (int64_t r = 0; r < nr; ++r) at[r] = std::exp(a.gate(i0 + r));
     for (int64_t i = 0; i < nr; ++i) {
-      R c = 0;
+      R c = 1;
       E(i, i) = 1;
-      for (int64_t j = i - 1; j >= 0; --j) E(i, j) = std::exp(c += a.gate(i0 + j + 1));
+      for (int64_t j = i - 1; j >= 0; --j) E(i, j) = (c *= at[j + 1]);
     }
     return E;
   }
