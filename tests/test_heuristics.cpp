@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's launch policies (src/cuda/dispatch/heuristics.h) and the parsing of its
 // environment knobs (src/cuda/runtime/config.h): pure host functions, checked on the CPU with the
-// limits of an H200 (132 SMs, 227 KB of opt-in shared memory per block) and of an A100.
+// limits of an H200 (132 SMs, 227 KB of opt-in shared memory per block) and of an A100. Last, the
+// CPU backend's one launch policy (src/cpu/backend.h: when a call runs in parallel).
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <map>
 #include <string>
 
+#include "cpu/backend.h"
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/runtime/config.h"
 
@@ -241,6 +243,21 @@ TEST(Heuristics, DecodeStep) {
   EXPECT_EQ(h::step_rows(128, 8), 16);
   EXPECT_EQ(h::step_rows(256, 8), 32);
   EXPECT_EQ(h::step_rows(512, 8), 64);
+}
+
+// ---- CPU backend ---------------------------------------------------------------------------------
+
+TEST(Heuristics, CpuParallelOnlyForSeveralItemsAndMuchWork) {
+  using hila::detail::cpu_parallel;
+  using hila::detail::kCpuParallelWork;
+  // a tiny training call (1 sequence x 2 heads, T = 64, d = 16: ~2^17 multiply-adds) is serial
+  EXPECT_FALSE(cpu_parallel(2, 3 * 64 * 16 * (16 + 3 * 16)));
+  EXPECT_FALSE(cpu_parallel(1, kCpuParallelWork * 8));  // one item: nothing to share
+  EXPECT_FALSE(cpu_parallel(4, kCpuParallelWork / 4 - 1));
+  EXPECT_TRUE(cpu_parallel(4, kCpuParallelWork / 4));
+  EXPECT_TRUE(cpu_parallel(8 * 4, 8192 * 128 * (128 + 3 * 128)));  // 8 x 8192 x 4 heads of d = 128
+  EXPECT_FALSE(cpu_parallel(0, 1 << 30));
+  EXPECT_FALSE(cpu_parallel(16, 0));
 }
 
 }  // namespace

@@ -231,13 +231,14 @@ int64_t work(const Resolved& r) {
 
 PForm pform(Form f) { return static_cast<PForm>(static_cast<int>(f)); }
 
-// Run body(seq, head) over all pairs, in parallel when there is enough work (`work`: a rough
-// count of multiply-adds per pair); rethrow the first exception afterwards.
+// Run body(seq, head) over all pairs, in parallel when cpu_parallel says the work pays for a
+// parallel region (`work`: a rough count of multiply-adds per pair); rethrow the first exception
+// afterwards.
 template <class F>
 void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
   std::exception_ptr err;
   std::mutex mu;
-  const bool parallel = N * H > 1 && N * H * work > (int64_t(1) << 18);
+  const bool parallel = cpu_parallel(N * H, work);
 #pragma omp parallel for schedule(dynamic) if (parallel)
   for (int64_t item = 0; item < N * H; ++item) {
     try {
