@@ -39,6 +39,13 @@ struct Mat {
   operator MRef<const R>() const { return ref(); }
 };
 
+// C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k]
+// (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load time).
+void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k, const float* B,
+               int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha);
+void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
+               const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha);
+
 // C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set. Every case runs as
 // row updates c_i += a * b_k with a unit-stride inner loop (what the compiler vectorises): a
 // transposed B is first copied to B^T [kk, n] (kk n copies against m n kk multiply-adds).
@@ -61,33 +68,8 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
       for (int64_t k = 0; k < kk; ++k) bt[k * n + j] = B(j, k);
     B = MRef<const R>{bt.data(), kk, n, n};
   }
-  // C row i, columns [j, j + W): W accumulators held in registers across the sum over k
-  // (zero entries of A, e.g. the upper triangle of a causal mask, are skipped).
-  constexpr int64_t W = 16;
-  const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // A(i, k) of op(A) = A.p[i sa_row + k sa_k]
-  for (int64_t i = 0; i < m; ++i) {
-    R* __restrict c = C.row(i);
-    const R* ai = A.p + i * sa_row;
-    int64_t j = 0;
-    for (; j + W <= n; j += W) {
-      R acc[W];
-      for (int64_t t = 0; t < W; ++t) acc[t] = c[j + t];
-      for (int64_t k = 0; k < kk; ++k) {
-        const R a = alpha * ai[k * sa_k];
-        if (a == R(0)) continue;
-        const R* __restrict b = B.row(k) + j;
-        for (int64_t t = 0; t < W; ++t) acc[t] += a * b[t];
-      }
-      for (int64_t t = 0; t < W; ++t) c[j + t] = acc[t];
-    }
-    if (j == n) continue;
-    for (int64_t k = 0; k < kk; ++k) {
-      const R a = alpha * ai[k * sa_k];
-      if (a == R(0)) continue;
-      const R* __restrict b = B.row(k);
-      for (int64_t t = j; t < n; ++t) c[t] += a * b[t];
-    }
-  }
+  const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // op(A)(i, k) = A.p[i sa_row + k sa_k]
+  gemm_rows(C.p, C.ld, A.p, sa_row, sa_k, B.p, B.ld, m, n, kk, alpha);
 }
 
 template <class R>
