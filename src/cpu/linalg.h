@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Small dense row-major matrices and the GEMM loops the CPU forms are written in.
-// Deliberately plain: the CPU backend is the reference and the oracle, not the fast path.
+// Plain loops (the CPU backend is the reference and the oracle), except the inner product loops
+// of gemm (linalg.cpp), which are tiled for registers.
 #pragma once
 #include <algorithm>
 #include <cstdint>
