@@ -372,7 +372,7 @@ void check_index_values(const std::vector<int64_t>& idx, int64_t P) {
   for (size_t i = 0; i < idx.size(); ++i) {
     const int64_t x = idx[i];
     if (x < -1 || x >= P)
-      fail("state_indices", "expected pool rows in [0, " + std::to_string(P) + ") or -1 (padding), got " +
+      fail("state_indices", "expected distinct pool rows in [0, " + std::to_string(P) + ") or -1 (padding), got " +
                                 std::to_string(x) + " for sequence " + std::to_string(i));
     if (x >= 0) seen.push_back(x);
   }

@@ -117,9 +117,30 @@ void* cuda_alloc_zeroed(size_t bytes, int device) {
   if (bytes == 0) return nullptr;
   cuda::DeviceScope scope(device);
   void* p = nullptr;
-  HILA_CUDA_CHECK(cudaMalloc(&p, bytes));
-  HILA_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e == cudaErrorMemoryAllocation) cuda::fail_device_memory(bytes, device, "a decode state");
+  HILA_CUDA_CHECK(e);
+  const cudaError_t z = cudaMemset(p, 0, bytes);
+  if (z != cudaSuccess) {
+    cudaFree(p);
+    HILA_CUDA_CHECK(z);
+  }
   return p;
+}
+
+void cuda_check_memory(double total, double fresh, int device, const std::string& what) {
+  const int64_t limit = configured_memory_limit();
+  if (limit > 0 && total > double(limit))
+    throw Error("N/H/dk/dv", "needs " + bytes_str(total) + " of device memory on cuda:" + std::to_string(device) +
+                                 " for " + what + ", more than the " + bytes_str(double(limit)) +
+                                 " hila may take (HILA_MAX_MEMORY or hila::set_memory_limit)");
+  cuda::DeviceScope scope(device);
+  size_t free_b = 0, dev_total = 0;
+  HILA_CUDA_CHECK(cudaMemGetInfo(&free_b, &dev_total));
+  if (fresh > double(free_b))
+    throw Error("N/H/dk/dv", "needs " + bytes_str(fresh) + " of new device memory on cuda:" + std::to_string(device) +
+                                 " for " + what + ", more than the " + bytes_str(double(free_b)) + " free (of " +
+                                 bytes_str(double(dev_total)) + ")");
 }
 
 void cuda_free(void* p, int device) noexcept {
