@@ -230,8 +230,10 @@ def test_opcheck_step_inplace(op, device):
     st = ht.zero_state(op, 2, 2, 3, 2, max_len=16, dtype=torch.float64, device=device)
     st = st._replace(pos=torch.tensor([3, 6], device=device))
     tok = [x[k][:, 0] if k in x else None for k in ("q", "k", "v", "g", "lam", "beta")]
+    # hla3: the caller's position bound; loglinear_gdn: the two rows as a pool, swapped
+    extra = (None, 15) if op == "hla3" else (torch.tensor([1, 0], dtype=torch.int32, device=device), -1)
     torch.library.opcheck(torch.ops.hila.step_.default,
-                          (*tok, *st, op, 0.0, False, 1e-6, 0.0, False, True))
+                          (*tok, *st, op, 0.0, False, 1e-6, 0.0, False, True, *extra))
 
 
 def test_compile_fullgraph_step_inplace(device):

@@ -430,8 +430,9 @@ def _lm(mixer, device, dtype=torch.float32):
 @pytest.mark.parametrize("mixer", ("hla", "loglinear_gdn"))
 def test_generate_graph_switch_gives_the_same_tokens(mixer, device, step_calls):
     """greedy tokens with cuda_graph=True (default) and False are identical. On CUDA with a
-    capturable model the graph replays the steps (the layers' Python runs for the first two
-    decode steps only); on the CPU, and for log-linear mixers, both decode eagerly."""
+    capturable model (every model: the log-linear layers pass max_position) the graph replays
+    the steps (the layers' Python runs for the first two decode steps only); on the CPU both
+    decode eagerly."""
     require_device(device, "hla2" if mixer == "hla" else "loglinear_gdn")
     model = _lm(mixer, device)
     gen = torch.Generator().manual_seed(3)
@@ -447,7 +448,7 @@ def test_generate_graph_switch_gives_the_same_tokens(mixer, device, step_calls):
     assert eager_steps == (n - 1) * layers
     replayed = device.startswith("cuda") and model.decode_graph_capturable
     assert len(step_calls) == (2 * layers if replayed else (n - 1) * layers), len(step_calls)
-    assert model.decode_graph_capturable == (mixer == "hla")
+    assert model.decode_graph_capturable
 
 
 GRAPH_LAYERS = {
@@ -456,6 +457,8 @@ GRAPH_LAYERS = {
     "hla3-untied-normalize": lambda: ht.HLAAttention(64, num_heads=2, head_dim=16, op="hla3", gates="untied",
                                                      normalize=True),
     "loglinear_gdn": lambda: ht.LogLinearGatedDeltaNet(64, max_len=128, num_heads=2, head_dim=16),
+    "loglinear_hla2": lambda: ht.HLAAttention(64, num_heads=2, head_dim=16, op="loglinear_hla2", max_len=128),
+    "loglinear-mamba2": lambda: ht.LogLinearMamba2(64, max_len=128, state_size=16, head_dim=16),
 }
 
 
@@ -468,9 +471,7 @@ def test_layer_decode_step_in_a_cuda_graph_equals_eager(name, device):
     torch.manual_seed(0)
     layer = GRAPH_LAYERS[name]().to(device).eval()
     require_device(device, layer.op)
-    if not hops._graph_capturable(layer.op):
-        pytest.skip(f"{layer.op}: hila::step reads log-linear positions on the host, which a CUDA "
-                    "graph capture forbids (decode of such layers stays eager)")
+    assert hops._graph_capturable(layer.op)
     N, T0, steps = 3, 11, 32
     x = torch.randn(N, T0 + steps, 64, device=device)
     with torch.no_grad():

@@ -364,8 +364,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optio
                 init_S: Optional[Tensor], init_P: Optional[Tensor], init_H: Optional[Tensor],
                 op: str, form: str, chunk: int, scale: float, normalize: bool, eps: float,
                 ridge: float, qk_l2norm: bool, check_values: bool, output_final_state: bool,
-                final_slots: int, cu_seqlens_cpu: Optional[Tensor],
-                init_pos_cpu: Optional[Tensor]) -> _Out5:
+                final_slots: int, cu_seqlens_cpu: Optional[Tensor] = None,
+                init_pos_cpu: Optional[Tensor] = None) -> _Out5:
     spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
     o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
                            _init_or_none(init_pos, init_S, init_P, init_H), output_final_state,
@@ -376,7 +376,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optio
 @_forward_op.register_fake
 def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, form, chunk, scale,
       normalize, eps, ridge, qk_l2norm, check_values, output_final_state, final_slots,
-      cu_seqlens_cpu, init_pos_cpu):
+      cu_seqlens_cpu=None, init_pos_cpu=None):
     o = v.new_empty(v.shape)
     if not output_final_state:
         return (o,) + _present(_NO_STATE, q)
@@ -428,8 +428,8 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Opti
                  do: Tensor, d_final_S: Optional[Tensor], d_final_P: Optional[Tensor],
                  d_final_H: Optional[Tensor], op: str, form: str, chunk: int, scale: float,
                  normalize: bool, eps: float, ridge: float, qk_l2norm: bool,
-                 check_values: bool, cu_seqlens_cpu: Optional[Tensor],
-                 init_pos_cpu: Optional[Tensor]) -> _Grads9:
+                 check_values: bool, cu_seqlens_cpu: Optional[Tensor] = None,
+                 init_pos_cpu: Optional[Tensor] = None) -> _Grads9:
     spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
     d_final = (d_final_S, d_final_P, d_final_H)
     grads = _backward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
@@ -442,7 +442,7 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Opti
 @_backward_op.register_fake
 def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, do, d_final_S,
       d_final_P, d_final_H, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values,
-      cu_seqlens_cpu, init_pos_cpu):
+      cu_seqlens_cpu=None, init_pos_cpu=None):
     like = (q, k, v, g, lam, beta, init_S, init_P, init_H)
     return _present([None if x is None else x.new_empty(x.shape) for x in like], q)
 
@@ -494,15 +494,15 @@ _step_op.register_autograd(_step_backward, setup_context=_step_setup)
 def _step_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
                      beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
                      H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
-                     qk_l2norm: bool, check_values: bool, state_indices: Optional[Tensor],
-                     max_position: int) -> Tensor:
+                     qk_l2norm: bool, check_values: bool, state_indices: Optional[Tensor] = None,
+                     max_position: int = -1) -> Tensor:
     spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
     return _step_inplace_call(spec, q, k, v, g, lam, beta, pos, S, P, H, state_indices, max_position)
 
 
 @_step_inplace_op.register_fake
 def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_l2norm, check_values,
-      state_indices, max_position):
+      state_indices=None, max_position=-1):
     return v.new_empty(v.shape)
 
 
