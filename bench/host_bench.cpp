@@ -7,7 +7,7 @@
 // with the median over --reps batches of --iters calls each (defaults 15 and 2000):
 //   resolve_forward / resolve_backward / resolve_step   validation alone (B = 1, T = 4 / N = 1)
 //   forward / backward / step                           the whole CPU call (the same shapes)
-//   step_max_position                                   the StateView step with StepParams::max_position
+//   step_max_position                                   the same step with StepParams::max_position
 // Run: build/bench/hila_host_bench [--reps N] [--iters N] [--ops gla,loglinear,...]
 #include <algorithm>
 #include <chrono>
@@ -183,6 +183,12 @@ int main(int argc, char** argv) {
       row("step", [&] {
         c.rewind();
         hila::step(c.sp, c.st);
+      });
+      hila::StepParams bounded = c.sp;
+      bounded.max_position = 100;  // within the state's 8 slots and lam's 8 levels
+      row("step_max_position", [&] {
+        c.rewind();
+        hila::step(bounded, c.st);
       });
     }
   }

@@ -618,11 +618,11 @@ def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices,
     given = pool
     st, idx, bare, in_place = prepare_pool(op, pool, state_indices, q, N, "initial_state")
     scale = float(scale or 0.0)
-    if not in_place:
+    if not in_place:  # (its padding rows copy a real row: the caller's positions do not apply)
         o = gathered_forward(op, q, k, v, g, pool=st, idx=idx, bare=bare, N=N, lam=lam, beta=beta,
                              cu_seqlens=cu, cu_seqlens_cpu=cu_host, form=form, chunk=chunk,
                              scale=scale or None, normalize=normalize, eps=eps, ridge=ridge,
-                             qk_l2norm=qk_l2norm, check_values=check_values, init_pos_cpu=init_pos_cpu)
+                             qk_l2norm=qk_l2norm, check_values=check_values)
         return o, given
     pos_host = init_pos_cpu
     if bare:  # gla / gdn pools keep no positions: every sequence starts at 0

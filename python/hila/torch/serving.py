@@ -220,8 +220,9 @@ def gathered_forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tenso
     rows = _gather(pool, plan, N)
     init = State(*(None if r is None else r[:N] for r in rows))
     slots = pool.H.shape[2] if _ops.op_traits(op)["loglinear"] and pool.H.dim() == 5 else None
+    pos_cpu = torch.zeros(N, dtype=torch.int64) if bare else None  # a bare pool: every row at 0
     o, fin = forward(op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=cu_seqlens, initial_state=init,
-                     output_final_state=True, final_slots=slots, **options)
+                     output_final_state=True, final_slots=slots, init_pos_cpu=pos_cpu, **options)
     _scatter(pool, rows, fin, plan, N)
     if cu_seqlens is None:
         keep = plan.valid.view(N, 1, 1, 1)
