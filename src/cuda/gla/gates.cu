@@ -11,7 +11,8 @@ namespace hila::cuda {
 
 namespace {
 
-// b[h][row] = chunk-local inclusive cumsum of g; grid (nchunks, H), one warp.
+// b[h][row] = chunk-local inclusive cumsum of g, segmented at the resets (prims/tile.cuh); grid
+// (nchunks, H), one warp.
 template <class T>
 __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   using R = Acc<T>;
@@ -22,7 +23,7 @@ __global__ void __launch_bounds__(32) cumsum_kernel(GlaArgs<T> a, Acc<T>* b) {
   const R* g = a.g + int64_t(h) * a.Ttot;
   const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
   R x0 = i0 < nr ? g[r0 + i0] : R(0), x1 = i1 < nr ? g[r0 + i1] : R(0);
-  warp_pair_cumsum(x0, x1);
+  warp_pair_cumsum(x0, x1, i0 < nr && is_reset_gate(x0), i1 < nr && is_reset_gate(x1));
   R* out = b + int64_t(h) * a.Ttot + r0;
   if (i0 < nr) out[i0] = x0;
   if (i1 < nr) out[i1] = x1;
