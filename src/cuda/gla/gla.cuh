@@ -106,13 +106,10 @@ template <class T>
 size_t gla_smem_need(int dk, int dv);
 
 // ---- its stages, for the other primitives built on them (log-linear tree, delta rule) ------------------
-// gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot]
-// (no-op without gates); dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus
-// <dht, ht> at the last token).
+// gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot],
+// segmented at resets (prims/tile.cuh; no-op without gates).
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
-template <class T>
-void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
 // bf16 / fp16 (gla.cu picks the tier of each: sm90 where heuristics.h chooses it, else sm80):
 // the state sweep (reverse: the cotangent sweep; stores hbuf / dhbuf);
 template <class T>
@@ -135,7 +132,8 @@ void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree =
 // a.hbuf is set), for the calls heuristics::gla_fused_forward chooses;
 template <class T>
 void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
-// the per-chunk gradients dq, dk, dv, dc (with `tree`: from the tree's nodes and dZ).
+// the per-chunk gradients dq, dk, dv, dg (with `tree`, from the tree's nodes and dZ, or a.dg_rows: the
+// rows' dc in place of dg).
 template <class T>
 void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 // Shared memory of the sm80 output and chunk-gradient kernels, and of the sm80 fused forward.

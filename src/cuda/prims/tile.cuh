@@ -191,6 +191,15 @@ __device__ __forceinline__ Resets chunk_resets(const R* bs, int nr) {
   return Resets{uint64_t(hi) << 32 | lo};
 }
 
+// The total log-gate of a chunk from its segmented cumsum b[0 .. nr) (global or shared memory):
+// b[nr-1], or -inf when a row is a reset (the decay across the chunk is exactly 0). One thread.
+template <class R>
+__device__ __forceinline__ R chunk_total(const R* b, int nr) {
+  for (int i = 0; i < nr; ++i)
+    if (is_reset_mark(b[i])) return -INFINITY;
+  return nr > 0 ? b[nr - 1] : R(0);
+}
+
 // The gate gradient of one chunk's rows (docs/math/HLA.md §7.1, "gate gradient per chunk"):
 //   dg_i = D + sum_{i <= r < nr} dc_r,   0 at a reset row,
 // with dc the per-row q^.dq^ - k.dk (lane l holds rows 2l, 2l+1 in x0, x1; 0 from row nr on) and
