@@ -86,7 +86,8 @@ struct Scratch {
   R *V, *bV, *O, *T1, *Y, *U, *dY, *dY2, *E, *dE, *cdO, *dO, *dv, *dbv;      // [64][dv]
   R *KK, *Tm, *X, *D, *P, *dTm, *dD, *dP, *dG, *t1, *t2, *dA, *dXm;          // [64][64]
   R *Hn, *dX;                                                                // [dk][dv]
-  R *beta, *b, *db, *dbeta, *coef, *rowtmp;                                  // [64]
+  R *beta, *db, *dbeta, *coef, *rowtmp;                                      // [64]
+  double* b;  // [64] the gate cumsum in double (prims/tile.cuh, chunk_cumsum says why)
   __host__ __device__ Scratch(R* base, int ncol_k, int ncol_v, int64_t* elems = nullptr) {
     int64_t used = 0;
     auto take = [&](int64_t n) {
@@ -98,7 +99,8 @@ struct Scratch {
     for (R** m : {&V, &bV, &O, &T1, &Y, &U, &dY, &dY2, &E, &dE, &cdO, &dO, &dv, &dbv}) *m = take(int64_t(kSeg) * ncol_v);
     for (R** m : {&KK, &Tm, &X, &D, &P, &dTm, &dD, &dP, &dG, &t1, &t2, &dA, &dXm}) *m = take(kSeg * kSeg);
     for (R** m : {&Hn, &dX}) *m = take(int64_t(ncol_k) * ncol_v);
-    for (R** m : {&beta, &b, &db, &dbeta, &coef, &rowtmp}) *m = take(kSeg);
+    for (R** m : {&beta, &db, &dbeta, &coef, &rowtmp}) *m = take(kSeg);
+    b = reinterpret_cast<double*>(take(int64_t(kSeg) * int64_t(sizeof(double) / sizeof(R))));  // 128-byte aligned
     if (elems) *elems = used;
   }
 };
@@ -206,7 +208,7 @@ struct Ctx {
   const DeltaArgs<T>& a;
   Scratch<R>& S;
   const SegCtx& c;
-  R B = 0;
+  double B = 0;
   Resets rs;  // the segment's reset rows (prims/tile.cuh): every decay below is exact under resets
   __device__ int64_t mat() const { return int64_t(a.dk) * a.dv; }
   // offset of the segment's row 0 in a per-head [H][Ttot][d] buffer
@@ -214,15 +216,15 @@ struct Ctx {
   __device__ R lam(int i, int l) const { return a.grid.fenwick ? a.lam[rows(a.nL) + int64_t(i) * a.nL + l] : R(1); }
   // mixing mask M[i,j] = lam_i^{l(s+i, s+j)} e^{b_i - b_j}, j <= i (docs/math/LOGLINEAR.md §3.1)
   __device__ R mask(int i, int j) const {
-    return j < rs.last(i) ? R(0) : lam(i, a.grid.level(c.s + i, c.s + j)) * exp(S.b[i] - S.b[j]);
+    return j < rs.last(i) ? R(0) : lam(i, a.grid.level(c.s + i, c.s + j)) * exp(R(S.b[i] - S.b[j]));
   }
   // read coefficient of stored level l at row i: lam_i^{l(s+i, sigma_l(s))} e^{b_i}
   __device__ R read_coef(int i, int l) const {
-    return rs.upto(i) ? R(0) : lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(S.b[i]);
+    return rs.upto(i) ? R(0) : lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(R(S.b[i]));
   }
   // e^B, the decay across the segment, and e^{B - b_j}, row j's weight in the state at its end
-  __device__ R decay_all() const { return rs.any() ? R(0) : R(exp(B)); }
-  __device__ R decay_out(int j) const { return rs.after(j) ? R(0) : R(exp(B - S.b[j])); }
+  __device__ R decay_all() const { return rs.any() ? R(0) : R(exp(R(B))); }
+  __device__ R decay_out(int j) const { return rs.after(j) ? R(0) : R(exp(R(B - S.b[j]))); }
   // live level l of the state entering the segment, and the adjoint of level l of the state at e
   // (compact stores: the live levels of a position in increasing order)
   __device__ R* state_in(int l) const { return a.hbuf + ((c.hoff + a.grid.rank(c.s, l)) * a.H + c.h) * mat(); }
@@ -269,14 +271,14 @@ __device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
   }
   for (int i = threadIdx.x; i < nr; i += blockDim.x) S.beta[i] = a.beta[x.rows(1) + i];
   if (threadIdx.x == 0) {  // the cumsum segmented at resets, reset rows marked (prims/tile.cuh)
-    R acc = 0;
+    double acc = 0;
     for (int i = 0; i < nr; ++i) {
       const R g = a.g ? a.g[x.rows(1) + i] : R(0);
       if (is_reset_gate(g)) {
         acc = 0;
-        S.b[i] = -R(0);
+        S.b[i] = -0.0;
       } else {
-        S.b[i] = (acc += g) + R(0);
+        S.b[i] = (acc += double(g)) + 0.0;
       }
     }
   }
@@ -589,7 +591,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     bgemm<R>(S.Yr, dk, S.dO, dv, false, H, dv, true, nr, dk, dv, R(1), R(0));         // [R,dv] x [dv,dk]
     for (int i = threadIdx.x; i < nr; i += blockDim.x) {
       const int lvl = a.grid.read_level(c.s + i, c.s, l);
-      const R eb = x.rs.upto(i) ? R(0) : R(exp(S.b[i]));
+      const R eb = x.rs.upto(i) ? R(0) : R(exp(R(S.b[i])));
       const R cf = x.lam(i, lvl) * eb;
       R qY = 0;
       for (int cc = 0; cc < dk; ++cc) {
@@ -631,7 +633,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
       s += S.dG[i * kSeg + j];
       if (fen && j >= x.rs.last(i))
         dlam[int64_t(i) * nL + a.grid.level(c.s + i, c.s + j)] +=
-            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * exp(S.b[i] - S.b[j]);
+            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * exp(R(S.b[i] - S.b[j]));
     }
     S.db[i] += s;
   }

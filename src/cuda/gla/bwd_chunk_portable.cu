@@ -14,7 +14,8 @@ template <class T>
 struct BwdSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
-  R *A, *X, *b, *dc, *red;
+  R *A, *X, *dc, *red;
+  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ BwdSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -30,7 +31,7 @@ struct BwdSmem {
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
     X = c.take<R>(kChunk * ldx);
-    b = c.take<R>(kChunk);
+    b = c.take<double>(kChunk);
     dc = c.take<R>(kChunk);
     red = c.take<R>(8);  // per-warp parts of <dH, H_end>
     if (bytes) *bytes = c.used;
@@ -61,19 +62,19 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   }
   chunk_cumsum(s.b, a.g ? a.g + int64_t(h) * a.Ttot : nullptr, r0, nr);
   const Resets rs = chunk_resets(s.b, nr);
-  const R B = s.b[kChunk - 1];
+  const double B = s.b[kChunk - 1];
   // P = scale Gamma o (Q K^T);  dA = Gamma o (dO V^T)
   smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, dk, false);
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
+    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * a.scale * exp(R(s.b[i] - s.b[j])) : R(0);
     s.P[i * s.ldc + j] = to<T>(x);
   }
   __syncthreads();
   smem_gemm<T, false, true>(s.A, s.ldcr, s.dO, s.ldv, s.V, s.ldv, kChunk, kChunk, dv, false);
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * exp(s.b[i] - s.b[j]) : R(0);
+    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * exp(R(s.b[i] - s.b[j])) : R(0);
     s.dA[i * s.ldc + j] = to<T>(x);
   }
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {  // Q <- Q^ = scale Q
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hp, s.ldv, kChunk, dk, dv, false);
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
     const int i = e / dk;
-    s.X[i * s.ldx + e % dk] *= rs.upto(i) ? R(0) : R(exp(s.b[i]));
+    s.X[i * s.ldx + e % dk] *= rs.upto(i) ? R(0) : R(exp(R(s.b[i])));
   }
   __syncthreads();
   smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, true);
@@ -109,14 +110,14 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.dH, s.ldv, kChunk, dk, dv, false);
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
     const int i = e / dk;
-    s.X[i * s.ldx + e % dk] *= rs.after(i) ? R(0) : R(exp(B - s.b[i]));
+    s.X[i * s.ldx + e % dk] *= rs.after(i) ? R(0) : R(exp(R(B - s.b[i])));
   }
   __syncthreads();
   {  // <dH, H_end> = e^B <dH, Hp> + sum_j k_j . (w_j V dH^T)_j  (rows >= nr: K is zero)
     R part = 0;
     if (threadIdx.x < kChunk)
       for (int j = 0; j < dk; ++j) part += from<R>(s.K[threadIdx.x * s.ldk + j]) * s.X[threadIdx.x * s.ldx + j];
-    const R eB = rs.any() ? R(0) : R(exp(B));
+    const R eB = rs.any() ? R(0) : exp(R(B));
     for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
       const int i = e / dv, j = e % dv;
       part += eB * from<R>(s.Hp[i * s.ldv + j]) * from<R>(s.dH[i * s.ldv + j]);
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.dH, s.ldv, kChunk, dv, dk, false);
   for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) {
     const int i = e / dv;
-    s.X[i * s.ldx + e % dv] *= rs.after(i) ? R(0) : R(exp(B - s.b[i]));
+    s.X[i * s.ldx + e % dv] *= rs.after(i) ? R(0) : R(exp(R(B - s.b[i])));
   }
   __syncthreads();
   smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);

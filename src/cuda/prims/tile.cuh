@@ -140,14 +140,16 @@ __device__ __forceinline__ void warp_pair_suffix_sum(R& x0, R& x1) {
 }
 
 // Chunk-local segmented cumsum of the gates (above): b[i] for i < nr (b[i] = b[nr-1] beyond, a marker
-// included). One warp, two gates per lane.
-template <class R>
-__device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
+// included), summed in B (the portable kernels: double, so that a decay exp(b_i - b_j) rounds once,
+// in its exponent, instead of carrying the rounding of two sums of magnitude |b|); the resets are
+// those of the gates' own type R. One warp, two gates per lane; ends with a barrier.
+template <class B, class R>
+__device__ void chunk_cumsum(B* b, const R* g, int64_t r0, int nr) {
   if (threadIdx.x < 32) {
     const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
-    R x0 = (g && i0 < nr) ? g[r0 + i0] : R(0);
-    R x1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
-    warp_pair_cumsum(x0, x1, i0 < nr && is_reset_gate(x0), i1 < nr && is_reset_gate(x1));
+    const R y0 = (g && i0 < nr) ? g[r0 + i0] : R(0), y1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
+    B x0 = B(y0), x1 = B(y1);
+    warp_pair_cumsum(x0, x1, i0 < nr && is_reset_gate(y0), i1 < nr && is_reset_gate(y1));
     b[i0] = x0;
     b[i1] = x1;
   }
