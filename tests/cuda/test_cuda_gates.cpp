@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CUDA kernels' gates (docs/OPERATORS.md, "Gates"; docs/math/HLA.md §7.1, §8.4):
+// The CUDA kernels' gates (docs/OPERATORS.md, "Gates"; docs/math/HLA.md §7.1, §8.3):
 //  * CudaResets: state resets (g = -inf, -1e30, -1e6: exp(g) = 0) are exact on every kernel path
 //    of every operator, forward and backward: the CUDA chunk form against the CPU serial form in
 //    float64 on the same rounded inputs (the naive form where the serial backward does not

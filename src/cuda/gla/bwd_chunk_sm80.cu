@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   if constexpr (!kTree) {  // dH landed
     mma::cp_async_wait<0>();
     __syncthreads();
-    if (!rs.any()) {  // e^B <dH, Hp>, pairs of columns
+    if (!rs.any() && !a.dg_rows) {  // e^B <dH, Hp>, pairs of columns
       const int half = dv / 2;
       for (int e = threadIdx.x; e < dk * half; e += kBwdThreads) {
         const int r = e / half, col = 2 * (e % half);
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     mma::zero(acc), mma::zero(acc2);
     mma::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     mma::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
-    if constexpr (!kTree) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+    if (!kTree && !a.dg_rows) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
       float d0 = 0.f, d1 = 0.f;
       dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
       dpart += w0 * d0 + w1 * d1;

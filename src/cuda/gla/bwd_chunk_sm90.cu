@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
   mbar_wait(&bar[1], 0);
   float dpart = 0.f;  // this thread's part of <dH, H_end>: e^B <dH, Hp> over its slice, then the writes
-  if (!rs.any()) {
+  if (!rs.any() && !a.dg_rows) {
 #pragma unroll
     for (int p = 0; p < kSlice; ++p) {
       const uint4 y = *reinterpret_cast<const uint4*>(smem + L::kS + (tid + p * kSm90Threads) * 16);
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
-    {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+    if (!a.dg_rows) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
       float d0 = 0.f, d1 = 0.f;
       dot_rows(acc, L::kK, d0, d1);
       dpart += w0 * d0 + w1 * d1;

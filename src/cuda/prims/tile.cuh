@@ -73,7 +73,7 @@ __device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
   return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
 }
 
-// ---- Gates and resets (docs/OPERATORS.md "Resets", docs/math/HLA.md §8.4) ----------------------------
+// ---- Gates and resets (docs/OPERATORS.md "Resets", docs/math/HLA.md §8.3) ----------------------------
 // A reset row: exp(g) == 0 in the compute precision R (g = -inf, or below the underflow point:
 // about -103.97 in float32, -745.13 in float64). It multiplies the state before the row by 0.
 template <class R>
