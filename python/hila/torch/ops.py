@@ -124,6 +124,12 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _needs_copy(x: Tensor) -> bool:
+    """Whether the library cannot read x in place: its innermost stride is not 1 (the test of
+    :func:`_in`, written out there to spare a call per tensor)."""
+    return not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1
+
+
 def _in(x: Optional[Tensor]):
     """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
     stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
@@ -535,6 +541,20 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
         return 1  # malformed inputs: the op reports them by name
 
 
+def _scale_arg(scale) -> float:
+    """The scale option as the custom ops take it: 0.0 for None or 0 (dk^-1/2), else a float
+    (HilaError naming 'scale' for what is not a number)."""
+    x = _ops._number("scale", scale)
+    return 0.0 if x is None else x
+
+
+def _default_checks(q) -> bool:
+    """What ``check_values=None`` (the default of hila.torch) means for a call on q: the value
+    checks on for CPU tensors (a host pass over inputs and outputs), off for device tensors, where
+    every check is a device scan plus one synchronisation (docs/PYTHON.md, "Value checks")."""
+    return getattr(q, "is_cpu", True)
+
+
 def _requires_grad(*xs) -> bool:
     return any(x is not None and x.requires_grad for x in xs)
 
@@ -551,7 +571,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
-            qk_l2norm: bool = False, check_values: bool = True,
+            qk_l2norm: bool = False, check_values: Optional[bool] = None,
             state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
             max_seqlen: Optional[int] = None, **unknown) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
@@ -565,9 +585,10 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     state, else read from the data (one device read, none with ``cu_seqlens_cpu``; pass it
     explicitly under torch.compile, and to spare the read).
 
-    ``check_values`` scans every input for non-finite values and positive gates before computing
-    (O(size) work; on CUDA a device scan plus one synchronisation per input): turn it off in
-    training loops once the inputs are known to be sane.
+    ``check_values``: scan the inputs (and initial state) for non-finite values and positive
+    gates before computing, and the outputs for non-finite values after. None (the default): on
+    for CPU tensors, off for CUDA tensors, where each scanned tensor costs a device scan and a
+    synchronisation; True checks on every device (debugging), False nowhere.
 
     ``initial_state`` may be a bare tensor ``[N, H, dk, dv]`` for ``gla`` and ``gdn`` (fla's
     convention; positions 0). Serving hooks (docs/SERVING.md): ``state_indices`` (int32/int64 [N])
@@ -579,6 +600,8 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.forward", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
                     cu_seqlens=cu_seqlens)
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
         from .serving import pooled_forward
         return pooled_forward(op, q, k, v, g, pool=initial_state, state_indices=state_indices, lam=lam,
@@ -591,7 +614,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         final_slots = _final_slots(op, q.shape[1], q.shape[0],
                                    cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, init[0],
                                    max_seqlen)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -619,20 +642,23 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
 def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-         check_values: bool = True, **unknown) -> Tuple[Tensor, State]:
+         check_values: Optional[bool] = None, **unknown) -> Tuple[Tensor, State]:
     """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
 
     q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
     :class:`hila.State` before the token (a bare [N, H, dk, dv] tensor for gla / gdn). Returns
     ``(o [N, H, dv], new_state)``; the new state has the shapes of ``state`` (a log-linear H keeps
     its slot capacity: allocate it for the longest sequence to come, see :func:`zero_state`).
+    ``check_values`` as in :func:`forward` (None: on for CPU tensors, off on CUDA).
     """
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if check_values is None:
+        check_values = _default_checks(q)
     state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -652,7 +678,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
 def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, state_indices: Optional[Tensor] = None, **unknown) -> Tensor:
+          check_values: Optional[bool] = None, state_indices: Optional[Tensor] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -660,16 +686,23 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
     Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
-    ``check_values`` scans the step's inputs (on CUDA: one synchronisation); a decode loop that
-    validated its prefill turns it off. Returns o [N, H, dv].
+    ``check_values`` scans the step's inputs (None, the default: on the CPU only; True on CUDA
+    too, at one synchronisation per scanned input). Returns o [N, H, dv].
 
     ``state_indices`` (int32/int64 [N], serving: docs/SERVING.md): ``state`` is a pool whose row
     ``state_indices[i]`` sequence i reads and advances; rows with index -1 are padding (output 0,
     no state touched).
     """
+    if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
+        o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                        check_values)
+        if o is not None:
+            return o
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
         from .serving import pooled_step_
         return pooled_step_(op, q, k, v, g, pool=state, state_indices=state_indices, lam=lam,
@@ -677,7 +710,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                             qk_l2norm=qk_l2norm, check_values=check_values)
     state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
@@ -688,6 +721,60 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
                                 float(eps), float(ridge), qk_l2norm, check_values)
+
+
+_STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
+atexit.register(_STEP_SPECS.clear)
+_CONTIGUOUS = torch.contiguous_format
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                check_values) -> Optional[Tensor]:
+    """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
+    serving indices, on the direct road) with the least host work: the configuration from a dict
+    keyed by the options as given, one ``torch.empty_like`` for o, one DLPack capsule per tensor
+    and nothing else. Returns None where it does not apply (or an argument is not a tensor), and
+    the caller then takes the general road, which names what is wrong. Inputs whose innermost
+    stride is not 1 are not copied here: the library rejects them while validating, before it
+    writes anything, and the general road then runs the call on contiguous copies."""
+    pos, S, P, H = state
+    if pos is None or H is None:
+        return None
+    try:
+        if check_values is None:
+            check_values = q.is_cpu
+        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
+            return None
+        key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
+        if spec is None:
+            if not isinstance(op, str):
+                return None
+            spec = _spec(op, "chunk", 64, _scale_arg(scale), normalize, eps, ridge, qk_l2norm,
+                         check_values)
+            if len(_STEP_SPECS) >= 256:
+                _STEP_SPECS.clear()
+            _STEP_SPECS[key] = spec
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
+        if _POISON[0]:
+            _ops._poison(o)
+        _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
+                        None if g is None else _capsule(g), None if lam is None else _capsule(lam),
+                        None if beta is None else _capsule(beta),
+                        (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
+                         _capsule(H)), o=_capsule(o), stream=_stream(q))
+    except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
+        return None                      # nothing was written, the general road names it
+    except HilaError:
+        if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
+                   for x in (q, k, v, g, lam, beta)):
+            return None  # rejected while validating: the general road copies (or names) these inputs
+        raise
+    # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
+    _increment_version((pos, H) if S is None and P is None else
+                       tuple(x for x in (pos, S, P, H) if x is not None))
+    return o
 
 
 def _graph_capturable(op: str) -> bool:
