@@ -460,6 +460,42 @@ def test_strided_step_inputs_take_the_general_road(request):
     assert e.value.argument == "scale"
 
 
+@pytest.mark.parametrize("op", ("gla", "hla3", "loglinear_gdn"))
+def test_bound_state_steps_follow_the_state_memory(op, device, request):
+    """From its second step, a State stepped by step_ is bound to the extension once (hila.torch
+    keeps the binding in the State's __dict__): 6 steps give the custom op's bits; a part re-pointed
+    at other memory (.data =, set_) is rebound before the next step, which reads and advances the
+    new memory; copies and pickles of a State carry no binding."""
+    import copy
+    import pickle
+    require_device(device, op)
+    x, state, mask = torch_inputs(op, device, T=6, n0=[5, 9])  # positions up to 15: 5 Fenwick slots
+    x = {k: v.detach() for k, v in x.items()}
+    parts = [None if s is None else s.detach().clone() for s in state[1:]]
+    if mask is not None:
+        parts[2] = parts[2] * mask
+    st = hila.State(state[0].clone(), *parts)
+    ref = hila.State(*(None if p is None else p.clone() for p in st))
+    with torch.no_grad():
+        for t in range(6):
+            tok = {k: v[:, t] for k, v in x.items()}
+            o = ht.step_(op, **tok, state=st)
+            _setflag(request, hops._FAST, False)
+            o_ref = ht.step_(op, **tok, state=ref)
+            _setflag(request, hops._FAST, True)
+            assert torch.equal(o, o_ref), t
+            if t == 2:
+                assert isinstance(st.__dict__[hops._BOUND][1], hila._C.BoundState)
+                st.H.data = st.H.clone()                      # new memory, same values
+                st.pos.set_(st.pos.clone())
+                ref.H.mul_(1.0)
+        assert st.__dict__[hops._BOUND][1] is not None        # rebound after the re-pointing
+    for a, b in zip(st, ref):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for other in (copy.copy(st), copy.deepcopy(st), pickle.loads(pickle.dumps(st))):
+        assert type(other) is hila.State and not other.__dict__ and other.pos.tolist() == st.pos.tolist()
+
+
 def test_fast_path_switch():
     prev = ht.eager_fast_path(False)
     try:

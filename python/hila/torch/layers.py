@@ -402,7 +402,8 @@ class LogLinearGatedDeltaNet(_Mixer):
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
         call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
         q, k, v = self._qkv(call, x)
-        beta = torch.sigmoid(at_least_f32(self.b_proj(x))) * (2.0 if self.allow_neg_eigval else 1.0)
+        beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
+        beta = beta * 2.0 if self.allow_neg_eigval else beta
         g, _ = self.gate(self.a_proj(x))
         lam = self.levels(self.l_proj(x)) if self.levels is not None else None
         o = call.mix(q, k, v, g, lam=lam, beta=beta, qk_l2norm=True, scale=self.scale)

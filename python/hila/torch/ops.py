@@ -759,11 +759,17 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
         if _POISON[0]:
             _ops._poison(o)
-        _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
-                        None if g is None else _capsule(g), None if lam is None else _capsule(lam),
-                        None if beta is None else _capsule(beta),
-                        (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
-                         _capsule(H)), o=_capsule(o), stream=_stream(q))
+        bound = _bound_state(state, pos, S, P, H)
+        if bound is not None:
+            bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
+                       None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
+                       _capsule(o), _stream(q))
+        else:
+            _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
+                            None if g is None else _capsule(g), None if lam is None else _capsule(lam),
+                            None if beta is None else _capsule(beta),
+                            (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
+                             _capsule(H)), o=_capsule(o), stream=_stream(q))
     except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
         return None                      # nothing was written, the general road names it
     except HilaError:
@@ -775,6 +781,35 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
     _increment_version((pos, H) if S is None and P is None else
                        tuple(x for x in (pos, S, P, H) if x is not None))
     return o
+
+
+_BOUND = "_hila_step"  # the key, in a State's __dict__, of what _bound_state keeps there
+
+
+def _bound_state(state: State, pos, S, P, H):
+    """The extension's binding of ``state`` (``_C.BoundState``: its tensors taken over DLPack once,
+    so a step converts only the token's tensors), made at the second step of the same State object
+    and kept in its ``__dict__``; None at the first step (a State stepped once, e.g. the copy a
+    functional layer step makes, is not worth binding) and after its tensors were re-pointed.
+
+    What is kept: (data pointers of the parts, binding, their storages). The pointers are compared
+    before each use: a part whose memory changed (``set_``, ``resize_``, ``.data =``) makes a new
+    binding. The storages are held so that memory the parts left cannot be freed and handed to
+    another tensor at the same address while the binding lives (equal pointers then mean the same
+    memory)."""
+    ptrs = ((pos.data_ptr(), H.data_ptr()) if S is None and P is None else
+            (pos.data_ptr(), None if S is None else S.data_ptr(), None if P is None else P.data_ptr(),
+             H.data_ptr()))
+    kept = state.__dict__.get(_BOUND)
+    if kept is not None and kept[0] == ptrs:
+        if kept[1] is not None:
+            return kept[1]
+        parts = (pos, S, P, H)
+        bound = _C.BoundState(tuple(None if x is None else _capsule(x) for x in parts))
+        state.__dict__[_BOUND] = (ptrs, bound, tuple(x.untyped_storage() for x in parts if x is not None))
+        return bound
+    state.__dict__[_BOUND] = (ptrs, None, ())
+    return None
 
 
 def _graph_capturable(op: str) -> bool:
