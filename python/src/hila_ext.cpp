@@ -376,15 +376,8 @@ class StateLocks {
 };
 StateLocks g_state_locks;
 
-void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
-                  const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
-                  uintptr_t stream, const OptIn& state_indices, int64_t max_position) {
-  hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
-  p.state_indices = view_of("state_indices", state_indices);
-  p.max_position = max_position;
-  const StateView s = state_of("state", std::optional<StateOut>(state));
-  if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
-  if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
+// hila::step on a caller-owned state under its lock (the GIL released).
+void step_locked(const hila::StepParams& p, const StateView& s) {
   nb::gil_scoped_release nogil;
   const StateLocks::Guard lock(g_state_locks, s.pos.data);
   try {
@@ -397,6 +390,42 @@ void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, co
     throw Error("state" + arg.substr(4), what);
   }
 }
+
+StateView caller_state(const StateOut& state) {
+  const StateView s = state_of("state", std::optional<StateOut>(state));
+  if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
+  if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
+  return s;
+}
+
+void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
+                  const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
+                  uintptr_t stream, const OptIn& state_indices, int64_t max_position) {
+  hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+  p.state_indices = view_of("state_indices", state_indices);
+  p.max_position = max_position;
+  step_locked(p, caller_state(state));
+}
+
+// A caller-owned state bound once for many in-place steps (hila.torch's decode loop): its parts
+// are taken over DLPack once and held (so their arrays stay alive while this object lives); a
+// step then converts only the token's arrays. The steps are step_inplace's: the same validation
+// of every argument by hila::step, the same lock, the same errors. The caller must not re-point
+// the state's arrays at other memory (hila.torch compares their data pointers before each step).
+class BoundState {
+ public:
+  explicit BoundState(const StateOut& state) : parts_(state), view_(caller_state(parts_)) {}
+  void step(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
+            const OptIn& beta, const Out& o, uintptr_t stream, int64_t max_position) const {
+    hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+    p.max_position = max_position;
+    step_locked(p, view_);
+  }
+
+ private:
+  StateOut parts_;
+  StateView view_;
+};
 
 // ---------------------------------------------------------------------------------- DecodeState
 
@@ -552,6 +581,13 @@ NB_MODULE(_C, m) {
         "hila::step(StepParams, StateView): one fused decode step on a caller-owned state "
         "(pos, S, P, H), updated in place; writes o. state_indices: int32 [N] rows of a state pool "
         "(-1: padding); max_position: the caller's bound on the positions (no host read).");
+
+  nb::class_<BoundState>(m, "BoundState",
+                         "A caller-owned state (pos, S, P, H) taken over once for many step_inplace calls.")
+      .def(nb::init<const StateOut&>(), "state"_a)
+      .def("step", &BoundState::step, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
+           "beta"_a.none(), "o"_a, "stream"_a, "max_position"_a = -1,
+           "step_inplace on the bound state: one fused decode step, the state advanced in place; writes o.");
 
   nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
       .def(

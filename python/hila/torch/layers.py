@@ -18,9 +18,10 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
   ``use_cache=True``), which then returns that same, advanced, LayerState (see
   :mod:`hila.torch.cache`). A step that needs a gradient runs the differentiable
   ``torch.ops.hila.step``.
-* ``check_values=False`` skips the operator's O(size) scan for non-finite inputs and positive
-  gates (on CUDA a device scan and one synchronisation per input): turn it off in GPU training
-  loops. Decode steps never scan: a model is checked once, at its prefill.
+* ``check_values`` (the operator's scan for non-finite values and positive gates): None, the
+  default, checks on the CPU and not on CUDA, where every scanned tensor costs a device scan and a
+  synchronisation; True checks on every device (debugging), False nowhere. Decode steps never
+  scan: a model is checked once, at its prefill.
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
   state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
   int) spares log-linear layers a device read for their ``max_len`` check.
@@ -181,7 +182,7 @@ class _Mixer(nn.Module):
     """What every hila layer has: operator, mode, chunk size and (log-linear) level weights."""
 
     def __init__(self, op: str, mode: str, chunk_size: int, heads: int, max_len: Optional[int],
-                 layer_idx: Optional[int], check_values: bool):
+                 layer_idx: Optional[int], check_values: Optional[bool]):
         super().__init__()
         self.check_values = check_values
         if mode not in _MODES:
@@ -244,7 +245,7 @@ class HLAAttention(_Mixer):
                  gates: str = "tied", normalize: bool = False, ridge: float = 0.0,
                  scale: Optional[float] = None, use_output_gate: bool = True,
                  norm_eps: float = 1e-5, max_len: Optional[int] = None,
-                 check_values: bool = True, layer_idx: Optional[int] = None):
+                 check_values: Optional[bool] = None, layer_idx: Optional[int] = None):
         super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
         if not self.traits["hla_family"]:
             raise HilaError(f"hila: argument 'op': expected an HLA operator (hla2, ahla, hla3 or a "
@@ -308,7 +309,7 @@ class LogLinearMamba2(_Mixer):
     def __init__(self, hidden_size: int, max_len: int, state_size: int = 128, expand: int = 2,
                  head_dim: int = 64, n_groups: int = 1, conv_size: int = 4, mode: str = "chunk",
                  chunk_size: int = 64, A_init="arange", dt_min: float = 1e-3, dt_max: float = 0.1,
-                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: bool = True,
+                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: Optional[bool] = None,
                  layer_idx: Optional[int] = None, bias: bool = False, conv_bias: bool = True,
                  D_has_hdim: bool = False, norm_before_gate: bool = False):
         inner = expand * hidden_size
@@ -373,7 +374,7 @@ class LogLinearGatedDeltaNet(_Mixer):
                  expand_v: float = 2.0, num_qk_groups: Optional[int] = None, conv_size: int = 4,
                  mode: str = "chunk", chunk_size: int = 64, A_init=(0.0, 16.0),
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 norm_eps: float = 1e-5, check_values: bool = True, layer_idx: Optional[int] = None,
+                 norm_eps: float = 1e-5, check_values: Optional[bool] = None, layer_idx: Optional[int] = None,
                  op: str = "loglinear_gdn", b_bias: bool = True, conv_bias: bool = False,
                  use_output_gate: bool = True, scale: Optional[float] = 1.0,
                  allow_neg_eigval: bool = False):
@@ -411,7 +412,8 @@ class LogLinearGatedDeltaNet(_Mixer):
         call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
                           cu_seqlens_cpu)
         q, k, v = self._qkv(call, x)
-        beta = torch.sigmoid(at_least_f32(self.b_proj(x))) * (2.0 if self.allow_neg_eigval else 1.0)
+        beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
+        beta = beta * 2.0 if self.allow_neg_eigval else beta
         g, _ = self.gate(self.a_proj(x))
         lam = self.levels(self.l_proj(x)) if self.levels is not None else None
         o = call.mix(q, k, v, g, lam=lam, beta=beta, qk_l2norm=True, scale=self.scale)

@@ -124,6 +124,12 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _needs_copy(x: Tensor) -> bool:
+    """Whether the library cannot read x in place: its innermost stride is not 1 (the test of
+    :func:`_in`, written out there to spare a call per tensor)."""
+    return not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1
+
+
 def _in(x: Optional[Tensor]):
     """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
     stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
@@ -617,7 +623,7 @@ def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices,
     N = q.shape[0] if cu is None else cu.shape[0] - 1
     given = pool
     st, idx, bare, in_place = prepare_pool(op, pool, state_indices, q, N, "initial_state")
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if not in_place:  # (its padding rows copy a real row: the caller's positions do not apply)
         o = gathered_forward(op, q, k, v, g, pool=st, idx=idx, bare=bare, N=N, lam=lam, beta=beta,
                              cu_seqlens=cu, cu_seqlens_cpu=cu_host, form=form, chunk=chunk,
@@ -642,6 +648,20 @@ def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices,
     return o, given
 
 
+def _scale_arg(scale) -> float:
+    """The scale option as the custom ops take it: 0.0 for None or 0 (dk^-1/2), else a float
+    (HilaError naming 'scale' for what is not a number)."""
+    x = _ops._number("scale", scale)
+    return 0.0 if x is None else x
+
+
+def _default_checks(q) -> bool:
+    """What ``check_values=None`` (the default of hila.torch) means for a call on q: the value
+    checks on for CPU tensors (a host pass over inputs and outputs), off for device tensors, where
+    every check is a device scan plus one synchronisation (docs/PYTHON.md, "Value checks")."""
+    return getattr(q, "is_cpu", True)
+
+
 def _requires_grad(*xs) -> bool:
     return any(x is not None and x.requires_grad for x in xs)
 
@@ -658,7 +678,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
-            qk_l2norm: bool = False, check_values: bool = True,
+            qk_l2norm: bool = False, check_values: Optional[bool] = None,
             state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
             max_seqlen: Optional[int] = None, init_pos_cpu: Optional[Tensor] = None,
             **unknown) -> Tuple[Tensor, Optional[State]]:
@@ -673,9 +693,10 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     state, else read from the data (one device read, none with ``cu_seqlens_cpu``; pass it
     explicitly under torch.compile, and to spare the read).
 
-    ``check_values`` scans every input for non-finite values and positive gates before computing
-    (O(size) work; on CUDA a device scan plus one synchronisation per input): turn it off in
-    training loops once the inputs are known to be sane.
+    ``check_values``: scan the inputs (and initial state) for non-finite values and positive
+    gates before computing, and the outputs for non-finite values after. None (the default): on
+    for CPU tensors, off for CUDA tensors, where each scanned tensor costs a device scan and a
+    synchronisation; True checks on every device (debugging), False nowhere.
 
     ``initial_state`` may be a bare tensor ``[N, H, dk, dv]`` for ``gla`` and ``gdn`` (fla's
     convention; positions 0). Serving hooks (docs/SERVING.md): ``state_indices`` (int32/int64 [N])
@@ -692,6 +713,8 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         _check_call("hila.torch.forward", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
                     cu_seqlens=cu_seqlens)
     cu_host = _host_copy(cu_seqlens, cu_seqlens_cpu)
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
         return _pooled_forward(op, q, k, v, g, lam, beta, cu_seqlens, cu_host, initial_state,
                                state_indices, init_pos_cpu, direct, form, chunk, scale, normalize,
@@ -704,7 +727,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         final_slots = _final_slots(op, q.shape[1], q.shape[0],
                                    cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
                                    init[0] if pos_host is None else pos_host, max_seqlen)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -734,20 +757,23 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
 def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-         check_values: bool = True, **unknown) -> Tuple[Tensor, State]:
+         check_values: Optional[bool] = None, **unknown) -> Tuple[Tensor, State]:
     """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
 
     q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
     :class:`hila.State` before the token (a bare [N, H, dk, dv] tensor for gla / gdn). Returns
     ``(o [N, H, dv], new_state)``; the new state has the shapes of ``state`` (a log-linear H keeps
     its slot capacity: allocate it for the longest sequence to come, see :func:`zero_state`).
+    ``check_values`` as in :func:`forward` (None: on for CPU tensors, off on CUDA).
     """
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if check_values is None:
+        check_values = _default_checks(q)
     state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -767,7 +793,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
 def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, state_indices: Optional[Tensor] = None,
+          check_values: Optional[bool] = None, state_indices: Optional[Tensor] = None,
           max_position: Optional[int] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
@@ -776,8 +802,8 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
     Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
-    ``check_values`` scans the step's inputs (on CUDA: one synchronisation); a decode loop that
-    validated its prefill turns it off. Returns o [N, H, dv].
+    ``check_values`` scans the step's inputs (None, the default: on the CPU only; True on CUDA
+    too, at one synchronisation per scanned input). Returns o [N, H, dv].
 
     ``state_indices`` (int32/int64 [N], serving: docs/SERVING.md): ``state`` is a pool whose row
     ``state_indices[i]`` sequence i reads and advances; rows with index -1 are padding (output 0,
@@ -791,11 +817,18 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     position lies outside ``[0, max_position]`` then gets NaN in its row of o and its state is left
     unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead).
     """
+    if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
+        o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                        check_values, -1 if max_position is None else max_position)
+        if o is not None:
+            return o
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
     mp = -1 if max_position is None else max_position
     idx = None
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
         from .serving import gathered_step_, prepare_pool
         state, idx, bare, in_place = prepare_pool(op, state, state_indices, q, q.shape[0], "state")
@@ -809,7 +842,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     else:
         state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             if idx is not None or not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
@@ -820,6 +853,95 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
                                 float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
+
+
+_STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
+atexit.register(_STEP_SPECS.clear)
+_CONTIGUOUS = torch.contiguous_format
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                check_values, max_position) -> Optional[Tensor]:
+    """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
+    serving indices, on the direct road) with the least host work: the configuration from a dict
+    keyed by the options as given, one ``torch.empty_like`` for o, one DLPack capsule per tensor
+    and nothing else. Returns None where it does not apply (or an argument is not a tensor), and
+    the caller then takes the general road, which names what is wrong. Inputs whose innermost
+    stride is not 1 are not copied here: the library rejects them while validating, before it
+    writes anything, and the general road then runs the call on contiguous copies."""
+    pos, S, P, H = state
+    if pos is None or H is None:
+        return None
+    try:
+        if check_values is None:
+            check_values = q.is_cpu
+        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
+            return None
+        key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
+        if spec is None:
+            if not isinstance(op, str):
+                return None
+            spec = _spec(op, "chunk", 64, _scale_arg(scale), normalize, eps, ridge, qk_l2norm,
+                         check_values)
+            if len(_STEP_SPECS) >= 256:
+                _STEP_SPECS.clear()
+            _STEP_SPECS[key] = spec
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
+        if _POISON[0]:
+            _ops._poison(o)
+        bound = _bound_state(state, pos, S, P, H)
+        if bound is not None:
+            bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
+                       None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
+                       _capsule(o), _stream(q), max_position)
+        else:
+            _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
+                            None if g is None else _capsule(g), None if lam is None else _capsule(lam),
+                            None if beta is None else _capsule(beta),
+                            (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
+                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position)
+    except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
+        return None                      # nothing was written, the general road names it
+    except HilaError:
+        if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
+                   for x in (q, k, v, g, lam, beta)):
+            return None  # rejected while validating: the general road copies (or names) these inputs
+        raise
+    # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
+    _increment_version((pos, H) if S is None and P is None else
+                       tuple(x for x in (pos, S, P, H) if x is not None))
+    return o
+
+
+_BOUND = "_hila_step"  # the key, in a State's __dict__, of what _bound_state keeps there
+
+
+def _bound_state(state: State, pos, S, P, H):
+    """The extension's binding of ``state`` (``_C.BoundState``: its tensors taken over DLPack once,
+    so a step converts only the token's tensors), made at the second step of the same State object
+    and kept in its ``__dict__``; None at the first step (a State stepped once, e.g. the copy a
+    functional layer step makes, is not worth binding) and after its tensors were re-pointed.
+
+    What is kept: (data pointers of the parts, binding, their storages). The pointers are compared
+    before each use: a part whose memory changed (``set_``, ``resize_``, ``.data =``) makes a new
+    binding. The storages are held so that memory the parts left cannot be freed and handed to
+    another tensor at the same address while the binding lives (equal pointers then mean the same
+    memory)."""
+    ptrs = ((pos.data_ptr(), H.data_ptr()) if S is None and P is None else
+            (pos.data_ptr(), None if S is None else S.data_ptr(), None if P is None else P.data_ptr(),
+             H.data_ptr()))
+    kept = state.__dict__.get(_BOUND)
+    if kept is not None and kept[0] == ptrs:
+        if kept[1] is not None:
+            return kept[1]
+        parts = (pos, S, P, H)
+        bound = _C.BoundState(tuple(None if x is None else _capsule(x) for x in parts))
+        state.__dict__[_BOUND] = (ptrs, bound, tuple(x.untyped_storage() for x in parts if x is not None))
+        return bound
+    state.__dict__[_BOUND] = (ptrs, None, ())
+    return None
 
 
 def _graph_capturable(op: str) -> bool:
