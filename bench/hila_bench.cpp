@@ -21,6 +21,9 @@
 // to be compared with the device's copy bandwidth (printed to stderr first); host_us is the median
 // host time of the step() call itself (validation, planning, the launch), which the event-timed
 // us_per_step includes when the GPU waits for it (small N).
+// --decode-view: the same, but each step runs on the DecodeState's memory as a caller-owned
+// StateView with StepParams::max_position (the step a CUDA graph captures: no host read of the
+// positions, no counters), so host_us is that path's host time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -202,7 +205,7 @@ double step_state_bytes(const hila::OpConfig& cfg, int64_t dk, int64_t dv, int64
 }
 
 void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t dv, int reps, int warmup,
-                const std::vector<int64_t>& batches, const std::vector<int64_t>& positions) {
+                const std::vector<int64_t>& batches, const std::vector<int64_t>& positions, bool as_view) {
   using namespace hila;
   const Device dev{DeviceType::cuda, 0};
   {  // the reference: device-to-device copy bandwidth (read + write), on stderr
@@ -258,7 +261,10 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
         sp.g = TensorView::contiguous_view(g.p, DType::f32, {N, H}, dev);
         if (tr.loglinear) sp.lam = TensorView::contiguous_view(lam.p, DType::bf16, {N, H, L}, dev);
         if (tr.delta) sp.beta = TensorView::contiguous_view(beta.p, DType::bf16, {N, H}, dev);
-        for (int i = 0; i < warmup; ++i) step(sp, ds);
+        StateView sv;
+        if (as_view) sv = ds.view(), sp.max_position = T + steps - 1;  // the slots of reserve(T + steps)
+        auto one_step = [&] { as_view ? step(sp, sv) : step(sp, ds); };
+        for (int i = 0; i < warmup; ++i) one_step();
         CK(cudaDeviceSynchronize());
         cudaEvent_t a, b;
         CK(cudaEventCreate(&a));
@@ -267,10 +273,10 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
         std::vector<double> host_us;  // the host's part: step() from call to return (the launch enqueued)
         double state_bytes = 0;
         for (int i = 0; i < reps; ++i) {
-          state_bytes += double(N * H) * step_state_bytes(cfg, dk, dv, ds.position(0));
+          state_bytes += double(N * H) * step_state_bytes(cfg, dk, dv, T + (as_view ? warmup + i : ds.position(0) - T));
           CK(cudaEventRecord(a));
           const auto h0 = std::chrono::steady_clock::now();
-          step(sp, ds);
+          one_step();
           host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
           CK(cudaEventRecord(b));
           CK(cudaEventSynchronize(b));
@@ -352,12 +358,15 @@ int main(int argc, char** argv) {
   int64_t H = 16, d = 128, dk = 0, dv = 0, G = 0;  // dk, dv default to d; G (q/k groups) to H
   int64_t chunk = 64;                              // --chunk: the chunk size C of the forward / backward calls
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
-  bool decode = false, prefill = false, l2norm = false;
+  bool decode = false, prefill = false, l2norm = false, decode_view = false;
   bool ops_given = false;
   std::vector<int64_t> batches = {1, 16, 256}, positions = {4096, 65536, 1048576};
-  auto is_flag = [](const std::string& a) { return a == "--decode" || a == "--prefill" || a == "--l2norm"; };
+  auto is_flag = [](const std::string& a) {
+    return a == "--decode" || a == "--decode-view" || a == "--prefill" || a == "--l2norm";
+  };
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--decode") decode = true;
+    if (std::string(argv[i]) == "--decode-view") decode = decode_view = true;
     if (std::string(argv[i]) == "--prefill") prefill = true;
     if (std::string(argv[i]) == "--l2norm") l2norm = true;
   }
@@ -402,7 +411,8 @@ int main(int argc, char** argv) {
   if (!dv) dv = d;
   if (!G) G = H;
   if (decode) {
-    run_decode(ops_given ? ops : all_ops(), H, dk, dv, std::max(reps, 20), std::max(warmup, 3), batches, positions);
+    run_decode(ops_given ? ops : all_ops(), H, dk, dv, std::max(reps, 20), std::max(warmup, 3), batches, positions,
+               decode_view);
     return 0;
   }
   std::printf("impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms\n");

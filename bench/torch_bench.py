@@ -4,8 +4,9 @@
 
 * ``train``: per operator and shape (bf16, H = 16, d = 128 by default; B x T = 32x1K, 8x4K,
   2x16K, 1x64K), forward and forward + backward through ``hila.torch.forward`` +
-  ``torch.autograd.grad``, as a user calls it (``check_values`` on, the default) and with
-  ``check_values=False``; the C++ bench's time for the same call (``hila_bench``, run for that
+  ``torch.autograd.grad``, as a user calls it (default arguments: ``check_values=None``, no value
+  scans on CUDA), with ``check_values=False`` and with ``check_values=True`` (the scans forced on,
+  as when debugging); the C++ bench's time for the same call (``hila_bench``, run for that
   operator just before); their ratio; and fla's time where fla has the operator
   (``chunk_simple_gla`` for gla / hla2 / ahla / hla3, ``chunk_gated_delta_rule`` for gdn).
   Timed as ``hila_bench`` and ``bench/anchors.py`` time: a 256 MB memset clears the L2 cache
@@ -20,7 +21,9 @@
   its CUDA graph), next to the GPU time of the kernels one eager step launches (torch.profiler).
 * ``step``: one ``hila.torch.step_`` from Python at N = 1 (fp32 state at position 4096 for the
   log-linear operators, 0 otherwise; event-timed with a synchronisation per step, and its host
-  time) against ``hila_bench --decode --batches 1`` (a C++ ``DecodeState`` step).
+  time; default arguments and ``check_values=True``) against ``hila_bench --decode --batches 1``
+  (a C++ ``DecodeState`` step), and the Python part of the host time alone (the same call with
+  the extension's ``step_inplace`` replaced by a no-op).
 
 Writes ``torch_bench.csv`` and ``torch_bench.png`` (matplotlib) under ``--out`` and prints short
 tables last. Each section, and each operator in it, runs under its own try/except: a failure is
@@ -117,6 +120,13 @@ def find_hila_bench(given):
 
 # ----------------------------------------------------------------------------- train
 
+# hila.torch as a user calls it (default arguments: check_values=None, which checks CPU tensors
+# and not CUDA ones), with the checks off, and with them forced on (debugging)
+IMPLS = (("hila_torch", None), ("hila_torch_nocheck", False), ("hila_torch_checked", True))
+NOTE = {None: "default arguments (check_values=None)", False: "check_values=False",
+        True: "check_values=True"}
+
+
 def train_inputs(op, B, T, H, d, device, sets=2):
     import hila
     t = hila.op_traits(op)
@@ -147,8 +157,9 @@ def rotate(items):
 
 
 def time_torch(timer, op, sets, check_values, l2norm):
+    """check_values None: the call with its default arguments (no check_values passed)."""
     import hila.torch as ht
-    kw = dict(check_values=check_values, qk_l2norm=l2norm)
+    kw = dict(qk_l2norm=l2norm) if check_values is None else dict(check_values=check_values, qk_l2norm=l2norm)
     nxt = rotate(sets)
 
     def fwd():
@@ -210,10 +221,9 @@ def section_train(a, device, out, cpp):
                 try:
                     sets = train_inputs(op, B, T, a.H, a.d, device)
                     base = dict(section="train", op=op, B=B, T=T, H=a.H, d=a.d)
-                    for impl, cv in (("hila_torch", True), ("hila_torch_nocheck", False)):
+                    for impl, cv in IMPLS:
                         for dirn, (ms, sync) in time_torch(timer, op, sets, cv, a.l2norm).items():
-                            out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync,
-                                            note="check_values=True (default)" if cv else "check_values=False"))
+                            out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync, note=NOTE[cv]))
                     for dirn in ("fwd", "fwdbwd"):
                         if (B, T, dirn) in ref:
                             ms, sync = ref[(B, T, dirn)]
@@ -349,26 +359,29 @@ def section_step(a, device, out, cpp):
             if t["delta"]:
                 tok["beta"] = torch.rand(1, H, device=device, dtype=dtype)
             base = dict(section="step", op=op, B=1, T=pos, H=H, d=d, direction="step")
-            for impl, cv in (("hila_torch", True), ("hila_torch_nocheck", False)):
+            for impl, cv in IMPLS:
+                kw = {} if cv is None else dict(check_values=cv)
                 with torch.no_grad():
                     for _ in range(10):
-                        ht.step_(op, **tok, state=st, check_values=cv)
+                        ht.step_(op, **tok, state=st, **kw)
                     host, dev_ms = [], []
                     for _ in range(reps):
                         if device.type == "cuda":
                             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                             e0.record()
                         h0 = time.perf_counter()
-                        ht.step_(op, **tok, state=st, check_values=cv)
+                        ht.step_(op, **tok, state=st, **kw)
                         host.append((time.perf_counter() - h0) * 1e6)
                         if device.type == "cuda":
                             e1.record()
                             e1.synchronize()
                             dev_ms.append(e0.elapsed_time(e1))
+                    py = python_part_us(lambda: ht.step_(op, **tok, state=st, **kw), reps, st)
                 ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
                 out.append(dict(base, impl=impl, ms=ms, host_us=statistics.median(host),
-                                note=("check_values=True (default)" if cv else "check_values=False") +
-                                     "; caller-owned state (hila::step on a StateView)"))
+                                note=NOTE[cv] + "; caller-owned state (hila::step on a StateView)"))
+                out.append(dict(base, impl=impl + "_python", ms=py / 1e3, host_us=py,
+                                note=NOTE[cv] + "; Python part only: the extension call replaced by a no-op"))
             if cpp:
                 for r in hila_bench_rows(cpp, ["--decode", "--reps", reps, "--ops", op, "--batches", 1, "--positions",
                                                max(pos, 4096), "--H", H, "--d", d]):
@@ -378,6 +391,41 @@ def section_step(a, device, out, cpp):
         except Exception:
             failed(f"step {op}")
         flush_csv(a, out)
+
+
+def python_part_us(call, reps, state):
+    """Median host time (µs) of call() with hila's extension calls (hila._C.step_inplace, and the
+    step of a bound state, hila._C.BoundState) replaced by no-ops: what the Python side of
+    hila.torch.step_ costs (o is allocated, nothing runs)."""
+    import hila.torch.ops as hops
+    real = hops._C
+
+    class NoStep:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def step(self, *args, **kwargs):
+            return None
+
+    class NoKernel:
+        def __getattr__(self, name):
+            if name == "step_inplace":
+                return lambda *a, **k: None
+            return NoStep if name == "BoundState" else getattr(real, name)
+    state.__dict__.pop(hops._BOUND, None)  # the real binding of the timed steps: made again afterwards
+    hops._C = NoKernel()
+    try:
+        for _ in range(10):
+            call()
+        ts = []
+        for _ in range(max(reps, 200)):
+            t0 = time.perf_counter()
+            call()
+            ts.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        hops._C = real
+        state.__dict__.pop(hops._BOUND, None)
+    return statistics.median(ts)
 
 
 # ----------------------------------------------------------------------------- report
@@ -399,17 +447,18 @@ def tables(rows):
     train = [r for r in rows if r["section"] == "train"]
     if train:
         fla = "fla_guard_lifted" if any(r["impl"] == "fla_guard_lifted" for r in train) else "fla"
-        lines += ["", "train (ms): hila.torch default / check_values=False, the C++ bench on the same call, "
-                  "their ratio, fla", "",
-                  "| op | B | T | dir | hila.torch | hila.torch nocheck | C++ | nocheck / C++ | fla | nocheck / fla |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "train (ms): hila.torch with default arguments / check_values=False / check_values=True, "
+                  "the C++ bench on the same call, their ratio, fla", "",
+                  "| op | B | T | dir | hila.torch | nocheck | checked | C++ | default / C++ | fla | default / fla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for op, B, T, dirn in dict.fromkeys((r["op"], r["B"], r["T"], r["direction"]) for r in train):
             h = get("train", op, B, T, dirn, "hila_torch")
             n = get("train", op, B, T, dirn, "hila_torch_nocheck")
+            k = get("train", op, B, T, dirn, "hila_torch_checked")
             c = get("train", op, B, T, dirn, "hila_cpp")
             fl = get("train", op, B, T, dirn, fla)
-            lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {f(n)} | {f(c)} | {ratio(n, c)} | {f(fl)} | "
-                         f"{ratio(n, fl)} |")
+            lines.append(f"| {op} | {B} | {T} | {dirn} | {f(h)} | {f(n)} | {f(k)} | {f(c)} | {ratio(h, c)} | "
+                         f"{f(fl)} | {ratio(h, fl)} |")
     dec = [r for r in rows if r["section"] == "decode"]
     if dec:
         lines += ["", "decode (ms per token; kernels: GPU time of one eager step's kernels)", "",
@@ -421,15 +470,17 @@ def tables(rows):
             lines.append(f"| {op} | {B} | {f(e)} | {f(g)} | {f(k)} | {ratio(e, k)} | {ratio(g, k)} |")
     step = [r for r in rows if r["section"] == "step"]
     if step:
-        lines += ["", "step at N = 1 (µs: device time with a sync per step; host: time in the call)", "",
-                  "| op | hila.torch.step_ | host | nocheck | host | C++ step | host | nocheck / C++ |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "step at N = 1 (µs: device time with a sync per step; host: time in the call; Python: the "
+                  "host time with the extension call a no-op)", "",
+                  "| op | hila.torch.step_ | host | Python | checked | host | C++ step | host | default / C++ |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for op in dict.fromkeys(r["op"] for r in step):
             cell = {r["impl"]: r for r in step if r["op"] == op}
             us = lambda i, k="ms": None if i not in cell else (cell[i][k] * 1e3 if k == "ms" else cell[i][k])  # noqa: E731
-            lines.append(f"| {op} | {f(us('hila_torch'))} | {f(us('hila_torch', 'host_us'))} | {f(us('hila_torch_nocheck'))} | "
-                         f"{f(us('hila_torch_nocheck', 'host_us'))} | {f(us('hila_cpp'))} | {f(us('hila_cpp', 'host_us'))} | "
-                         f"{ratio(us('hila_torch_nocheck'), us('hila_cpp'))} |")
+            lines.append(f"| {op} | {f(us('hila_torch'))} | {f(us('hila_torch', 'host_us'))} | "
+                         f"{f(us('hila_torch_python', 'host_us'))} | {f(us('hila_torch_checked'))} | "
+                         f"{f(us('hila_torch_checked', 'host_us'))} | {f(us('hila_cpp'))} | {f(us('hila_cpp', 'host_us'))} | "
+                         f"{ratio(us('hila_torch'), us('hila_cpp'))} |")
     return "\n".join(lines)
 
 
@@ -449,7 +500,7 @@ def plot(rows, path):
             pts = []
             for B, T in dict.fromkeys((r["B"], r["T"]) for r in train if r["op"] == op):
                 n = next((r["ms"] for r in train if (r["op"], r["B"], r["T"], r["direction"], r["impl"]) ==
-                          (op, B, T, dirn, "hila_torch_nocheck")), None)
+                          (op, B, T, dirn, "hila_torch")), None)
                 c = next((r["ms"] for r in train if (r["op"], r["B"], r["T"], r["direction"], r["impl"]) ==
                           (op, B, T, dirn, "hila_cpp")), None)
                 if n and c:
@@ -459,7 +510,7 @@ def plot(rows, path):
     ax.axhline(1.05, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("T (B·T = 32K tokens)")
-    ax.set_ylabel("hila.torch (check_values=False) / C++")
+    ax.set_ylabel("hila.torch (default arguments) / C++")
     ax.set_title("training calls: hila.torch over the C++ bench")
     if ax.lines[1:]:
         ax.legend(fontsize=6, ncol=2)

@@ -104,6 +104,22 @@ struct ForwardParams {
   StateView init;      // optional initial state
   TensorView o;        // output [B, T, H, dv], dtype of v
   StateView final_state;  // optional output
+  // Host copies that spare the reads of device values (each one a device synchronization on CUDA):
+  //   cu_seqlens_host  a CPU tensor with the shape, dtype and values of cu_seqlens;
+  //   init_pos_host    CPU int64 [N]: the positions the N sequences start from (init.pos, or with
+  //                    state_indices init.pos[state_indices[i]], 0 for padding rows).
+  // Validated as tensors (CPU, shape, dtype). With check_values off their values are trusted (the
+  // call plans from them); with check_values on they are compared with the device copies.
+  TensorView cu_seqlens_host, init_pos_host;
+  // Serving pools (inference; forward only): int32 [N] on q's device. `init` is then a pool of P
+  // rows ([P] positions, [P, H, ...] parts): sequence i starts from row state_indices[i], and its
+  // final state goes to that row of `final_state` (a pool of P rows too; usually the same tensors
+  // as init, updated in place). Index -1 marks a padding sequence: it reads no row (it starts from
+  // a zero state at position 0), writes none, and its rows of o are 0. Real indices must be
+  // distinct and < P: checked on the CPU, and on CUDA when the indices are read anyway
+  // (check_values on, or no init_pos_host); otherwise a row outside [-1, P) gives NaN in o for its
+  // sequence and writes nothing.
+  TensorView state_indices;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr: the default stream)
   // Optional device memory for the call's temporaries (CUDA): workspace_size(p) bytes or more, on
   // the device of q, any alignment, not used by other work until the call's kernels are done (it
@@ -153,6 +169,22 @@ struct StepParams {
   TensorView beta;  // [N, H]; delta ops only
   TensorView o;     // output [N, H, dv]
   void* stream = nullptr;  // cudaStream_t for CUDA tensors
+  // The caller's bound on the positions the step starts from (-1: none). With it a step on a CUDA
+  // StateView reads nothing back to the host (no synchronization, no allocation: CUDA graphs can
+  // capture it) for every operator: the Fenwick slots and λ levels are checked against it
+  // (state.H has >= state_slots(max_position + 1) slots, lam >= bitlen(max_position) + 1 levels),
+  // and the kernel checks each sequence's position: one outside [0, max_position] gets NaN in its
+  // rows of o and its state (pos included) is left unchanged. On the CPU, and on CUDA with
+  // check_values on, the positions are read and such a position is a hila::Error("state.pos").
+  int64_t max_position = -1;
+  // Serving pools (StateView steps): int32 [N] on the state's device. The state is then a pool of
+  // P rows (pos [P], S, P, H [P, ...]); sequence i reads and advances row state_indices[i]. Index
+  // -1 marks a padding row: nothing of the pool is read or written, and o is 0 for that sequence.
+  // Real indices must be distinct and < P: checked on the CPU, and on CUDA when the indices are
+  // read anyway (check_values on, or a log-linear step without max_position); otherwise the
+  // kernel gives a row outside [-1, P) NaN in o and writes nothing (duplicates are the caller's
+  // to avoid). Not for DecodeState steps.
+  TensorView state_indices;
 };
 
 // Thread safety: every member function takes the state's own lock, so one DecodeState may be
@@ -210,10 +242,10 @@ void step(const StepParams& p, DecodeState& state);
 // Validated: the state's layout (as an initial state's) and device (q's), its float parts all
 // float32 or all float64 (on CUDA: float64 exactly for float64 inputs), and log-linear H with
 // bitlen(pos + 1) + 1 slots for every sequence (the slot the step merges into; never grown here).
-// As for a DecodeState, check_values covers the step inputs, not the state's values. The host
-// reads the positions (one device synchronization) only for log-linear operators, whose slot
-// capacity and λ levels depend on them; on CUDA the other operators' steps do not synchronize
-// when check_values is off.
+// As for a DecodeState, check_values covers the step inputs, not the state's values. On CUDA with
+// check_values off the host reads nothing back (no synchronization, no allocation) except the
+// positions of a log-linear step without max_position (its slot capacity and λ levels depend on
+// them) and, for such a step on a pool, state_indices. With check_values on, o is scanned too.
 void step(const StepParams& p, const StateView& state);
 
 }  // namespace hila

@@ -73,6 +73,17 @@ def step_inplace(cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], 
     slots or more): q, k [N, G, dk], v [N, H, dv], g [N, H] or [N, H, P], lam [N, H, L],
     beta [N, H]; writes o [N, H, dv]. Errors name q, ..., o, state.pos, state.S, state.P, state.H."""
 
+class BoundState:
+    """A caller-owned state (pos, S, P, H) taken over once (the arrays are held while this object
+    lives) for many in-place steps; each step is step_inplace's, with the same validation, lock and
+    errors. The arrays must keep pointing at the same memory (hila.torch checks their data
+    pointers before each step)."""
+
+    def __init__(self, state: StateIn) -> None: ...
+    def step(self, cfg: Config, q: Array, k: Array, v: Array, g: Optional[Array], lam: Optional[Array],
+             beta: Optional[Array], o: Array, stream: int) -> None:
+        """step_inplace(cfg, q, k, v, g, lam, beta, <the bound state>, o=o, stream=stream)."""
+
 class DecodeState:
     """hila::DecodeState: an owning decode state for N sequences x H heads, in host memory or on a
     CUDA device (DLPack device type 1: CPU, 2: CUDA)."""

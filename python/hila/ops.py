@@ -46,7 +46,14 @@ FORMS: Tuple[str, ...] = tuple(_C.form_names())
 """Form names: naive serial chunk scan."""
 
 
-class State(NamedTuple):
+class _StateParts(NamedTuple):
+    pos: Optional[Array]
+    S: Optional[Array]
+    P: Optional[Array]
+    H: Optional[Array]
+
+
+class State(_StateParts):
     """A recurrent state in hila's single format (docs/STATES.md), for N sequences and H value heads.
 
     Attributes:
@@ -56,12 +63,14 @@ class State(NamedTuple):
         H: [N, H, dk, dv'] outer state, or [N, H, Ls, dk, dv'] Fenwick slots for log-linear operators.
 
     dv' = dv + 1 with ``normalize``. dtype float64 for float64 inputs, float32 otherwise.
+
+    A named tuple. Its instances also carry a ``__dict__``, where ``hila.torch.step_`` keeps what it
+    prepared for stepping this state again (its arrays taken over by the extension once); copies
+    and pickles hold only the four parts.
     """
 
-    pos: Optional[Array]
-    S: Optional[Array]
-    P: Optional[Array]
-    H: Optional[Array]
+    def __reduce__(self):
+        return (State, tuple(self))
 
 
 class Grads(NamedTuple):

@@ -189,11 +189,17 @@ void attach_workspace(P& p, const Alloc& alloc, nb::object& keep) {
   p.workspace_bytes = ws.bytes;
 }
 
+// Host copies of device values (cu_seqlens, initial positions) that spare their reads.
+struct HostCopies {
+  OptIn cu_seqlens, init_pos;
+};
+
 // The inputs forward and backward share (BackwardParams extends ForwardParams).
 void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& form, int64_t chunk,
                 const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
                 const OptIn& beta, const OptIn& cu_seqlens, const std::optional<StateIn>& init,
-                const OptOut& o, const std::optional<StateOut>& final_state, uintptr_t stream) {
+                const OptOut& o, const std::optional<StateOut>& final_state, uintptr_t stream,
+                const HostCopies& host) {
   p.form = hila::parse_form(form);
   p.chunk = chunk;
   p.q = view_of("q", q);
@@ -206,6 +212,8 @@ void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& 
   p.init = state_of("init", init);
   p.o = view_of("o", o);
   p.final_state = state_of("final_state", final_state);
+  p.cu_seqlens_host = view_of("cu_seqlens_host", host.cu_seqlens);
+  p.init_pos_host = view_of("init_pos_host", host.init_pos);
   p.cfg = with_gates(cfg, p.g, 3);
   set_stream(p, stream);
 }
@@ -213,9 +221,12 @@ void set_inputs(hila::ForwardParams& p, const OpConfig& cfg, const std::string& 
 void forward(const OpConfig& cfg, const std::string& form, int64_t chunk, const In& q, const In& k,
              const In& v, const OptIn& g, const OptIn& lam, const OptIn& beta,
              const OptIn& cu_seqlens, const std::optional<StateIn>& init, const Out& o,
-             const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace) {
+             const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace,
+             const OptIn& cu_seqlens_host, const OptIn& init_pos_host, const OptIn& state_indices) {
   hila::ForwardParams p;
-  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
+  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream,
+             HostCopies{cu_seqlens_host, init_pos_host});
+  p.state_indices = view_of("state_indices", state_indices);
   nb::object keep;
   attach_workspace(p, workspace, keep);
   nb::gil_scoped_release nogil;
@@ -228,9 +239,11 @@ void backward(const OpConfig& cfg, const std::string& form, int64_t chunk, const
               const std::optional<StateIn>& d_final, const OptOut& dq, const OptOut& dk,
               const OptOut& dv, const OptOut& dg, const OptOut& dlam, const OptOut& dbeta,
               const std::optional<StateOut>& d_init, const OptOut& o,
-              const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace) {
+              const std::optional<StateOut>& final_state, uintptr_t stream, const Alloc& workspace,
+              const OptIn& cu_seqlens_host, const OptIn& init_pos_host) {
   hila::BackwardParams p;
-  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream);
+  set_inputs(p, cfg, form, chunk, q, k, v, g, lam, beta, cu_seqlens, init, o, final_state, stream,
+             HostCopies{cu_seqlens_host, init_pos_host});
   p.d_o = view_of("d_o", d_o);
   p.d_final = state_of("d_final", d_final);
   p.dq = view_of("dq", dq);
@@ -363,13 +376,8 @@ class StateLocks {
 };
 StateLocks g_state_locks;
 
-void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
-                  const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
-                  uintptr_t stream) {
-  const hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
-  const StateView s = state_of("state", std::optional<StateOut>(state));
-  if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
-  if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
+// hila::step on a caller-owned state under its lock (the GIL released).
+void step_locked(const hila::StepParams& p, const StateView& s) {
   nb::gil_scoped_release nogil;
   const StateLocks::Guard lock(g_state_locks, s.pos.data);
   try {
@@ -382,6 +390,42 @@ void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, co
     throw Error("state" + arg.substr(4), what);
   }
 }
+
+StateView caller_state(const StateOut& state) {
+  const StateView s = state_of("state", std::optional<StateOut>(state));
+  if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
+  if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
+  return s;
+}
+
+void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
+                  const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
+                  uintptr_t stream, const OptIn& state_indices, int64_t max_position) {
+  hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+  p.state_indices = view_of("state_indices", state_indices);
+  p.max_position = max_position;
+  step_locked(p, caller_state(state));
+}
+
+// A caller-owned state bound once for many in-place steps (hila.torch's decode loop): its parts
+// are taken over DLPack once and held (so their arrays stay alive while this object lives); a
+// step then converts only the token's arrays. The steps are step_inplace's: the same validation
+// of every argument by hila::step, the same lock, the same errors. The caller must not re-point
+// the state's arrays at other memory (hila.torch compares their data pointers before each step).
+class BoundState {
+ public:
+  explicit BoundState(const StateOut& state) : parts_(state), view_(caller_state(parts_)) {}
+  void step(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
+            const OptIn& beta, const Out& o, uintptr_t stream, int64_t max_position) const {
+    hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+    p.max_position = max_position;
+    step_locked(p, view_);
+  }
+
+ private:
+  StateOut parts_;
+  StateView view_;
+};
 
 // ---------------------------------------------------------------------------------- DecodeState
 
@@ -489,16 +533,21 @@ NB_MODULE(_C, m) {
   m.def("forward", &forward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
         "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), nb::kw_only(),
         "o"_a, "final_state"_a.none() = nb::none(), "stream"_a = 0, "workspace"_a.none() = nb::none(),
+        "cu_seqlens_host"_a.none() = nb::none(), "init_pos_host"_a.none() = nb::none(),
+        "state_indices"_a.none() = nb::none(),
         "hila::forward: writes o (and final_state) in place. workspace: optional alloc(nbytes) -> byte "
-        "array on the call's device for its temporaries (None: the device's stream-ordered pool).");
+        "array on the call's device for its temporaries (None: the device's stream-ordered pool). "
+        "cu_seqlens_host / init_pos_host: host copies of cu_seqlens and of the initial positions "
+        "(spare their device reads); state_indices: int32 [N] rows of init / final_state pools.");
   m.def("backward", &backward, "cfg"_a, "form"_a, "chunk"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(),
         "lam"_a.none(), "beta"_a.none(), "cu_seqlens"_a.none(), "init"_a.none(), "d_o"_a,
         "d_final"_a.none(), nb::kw_only(), "dq"_a.none() = nb::none(), "dk"_a.none() = nb::none(),
         "dv"_a.none() = nb::none(), "dg"_a.none() = nb::none(), "dlam"_a.none() = nb::none(),
         "dbeta"_a.none() = nb::none(), "d_init"_a.none() = nb::none(), "o"_a.none() = nb::none(),
         "final_state"_a.none() = nb::none(), "stream"_a = 0, "workspace"_a.none() = nb::none(),
-        "hila::backward: writes the requested gradients (and o, final_state) in place. workspace: as "
-        "in forward.");
+        "cu_seqlens_host"_a.none() = nb::none(), "init_pos_host"_a.none() = nb::none(),
+        "hila::backward: writes the requested gradients (and o, final_state) in place. workspace, "
+        "cu_seqlens_host, init_pos_host: as in forward.");
   m.def("step", &step_state, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "state_out"_a, "stream"_a = 0,
         "One decode step on a caller-owned state (pos, S, P, H); writes o and state_out.");
@@ -528,8 +577,17 @@ NB_MODULE(_C, m) {
       "a"_a, "Internal (tests): how a workspace array from an allocator is read: (device, bytes).");
   m.def("step_inplace", &step_inplace, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "stream"_a = 0,
+        "state_indices"_a.none() = nb::none(), "max_position"_a = -1,
         "hila::step(StepParams, StateView): one fused decode step on a caller-owned state "
-        "(pos, S, P, H), updated in place; writes o.");
+        "(pos, S, P, H), updated in place; writes o. state_indices: int32 [N] rows of a state pool "
+        "(-1: padding); max_position: the caller's bound on the positions (no host read).");
+
+  nb::class_<BoundState>(m, "BoundState",
+                         "A caller-owned state (pos, S, P, H) taken over once for many step_inplace calls.")
+      .def(nb::init<const StateOut&>(), "state"_a)
+      .def("step", &BoundState::step, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
+           "beta"_a.none(), "o"_a, "stream"_a, "max_position"_a = -1,
+           "step_inplace on the bound state: one fused decode step, the state advanced in place; writes o.");
 
   nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
       .def(

@@ -330,7 +330,7 @@ def _error_cases(group, lens):
         xs.update({k: v for k, v in kw.items() if k in xs})
         try:
             o, _ = hd.forward(op, xs["q"], xs["k"], xs["v"], xs["g"], lam=xs.get("lam"), beta=xs.get("beta"),
-                              group=group, shard_lens=lens, chunk=CHUNK)
+                              group=group, shard_lens=lens, chunk=CHUNK, check_values=True)  # also on CUDA
             return "ok" if torch.isfinite(o).all() else "non-finite"
         except hila.HilaError as e:
             return f"HilaError({e.argument}): {e}"

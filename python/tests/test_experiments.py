@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib", reason="the report of hila.experiments needs m
 
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
-from hila.experiments import cli, data, mixers, runner  # noqa: E402
+from hila.experiments import cli, data, mixers, runner, train  # noqa: E402
 from hila.experiments.model import RecallLM  # noqa: E402
 from hila.experiments.train import RunConfig  # noqa: E402
 
@@ -199,6 +199,78 @@ def test_grid_spec():
     assert e.value.argument == "lr"
 
 
+def test_gpu_small_presets_cover_the_table_with_one_lr_per_family():
+    """mqar --preset gpu-small: every default mixer x 4 dims x 2 lengths x 2 seeds, one learning
+    rate each (its family's); niah --preset gpu-small: every mixer x N = 1, 4 at D = 64. A grid
+    with per-mixer learning rates must name one for every mixer."""
+    for task, n in (("mqar", 9 * 4 * 2 * 2), ("niah", 9 * 2)):
+        args = cli._parser().parse_args([task, "--preset", "gpu-small"])
+        runs = cli._runs(task, args)
+        assert len(runs) == n and len({r.key() for r in runs}) == n
+        assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
+        assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
+    assert set(cli.FAMILY_LRS) == set(mixers.MIXERS)
+    args = cli._parser().parse_args(["mqar", "--preset", "gpu-small", "--lrs", "1e-3,1e-2"])
+    assert {r.lr for r in cli._runs("mqar", args)} == {1e-3, 1e-2}        # --lrs overrides the families
+    with pytest.raises(hila.HilaError) as e:
+        runner.grid("mqar", ["gla", "sdpa"], [16], [256], [0], {"gla": [1e-3]})
+    assert e.value.argument == "lrs"
+
+
+def test_worker_threads():
+    """Workers on GPUs run one torch thread each (their host work is one thread launching
+    kernels); CPU workers share the cores."""
+    import os
+    assert runner.worker_threads(["cuda:0", "cuda:1"], 12) == 1
+    assert runner.worker_threads(["cpu"], 2) == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_training_loop_synchronizes_only_at_log_points(monkeypatch):
+    """On CUDA the training loop reads the device (synchronises) at its log points and
+    evaluations only: under torch.cuda.set_sync_debug_mode("error") a run whose evaluations and
+    log reads are allowed to synchronise completes, and the log reads number steps / log_every."""
+    if not torch.cuda.is_available():
+        pytest.skip("checks CUDA synchronisations: needs a CUDA device")
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def allowed(fn):
+        def call(*a, **k):
+            prev = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(prev)
+        return call
+
+    def counted_tolist(self):
+        reads.append(1)
+        return allowed(tolist)(self)
+
+    optimizer = train._optimizer
+
+    def optimizer_then_check(*args):  # built after the model and the data: the loop starts next
+        opt = optimizer(*args)
+        torch.cuda.set_sync_debug_mode("error")
+        return opt
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    monkeypatch.setattr(train, "_sync", allowed(train._sync))
+    monkeypatch.setattr(train._MQAR, "evaluate", allowed(train._MQAR.evaluate))
+    monkeypatch.setattr(train, "_optimizer", optimizer_then_check)
+    cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=64, lr=1e-3, pairs=4, vocab=64, steps=60,
+                    batch=8, train_examples=64, eval_examples=16, eval_every=30, head_dim=16, state_size=16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    prev = torch.cuda.get_sync_debug_mode()
+    try:
+        rows = train.run(cfg, device=dev, progress=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    assert rows[0]["status"] == "ok"
+    assert len(reads) == cfg.steps // max(1, min(100, cfg.steps // 20)), len(reads)
+
+
 def test_smoke_preset_learns_mqar_and_reports(tmp_path):
     """The smoke preset (a tiny MQAR: vocabulary 32, T = 32, 4 pairs; one hla3 model, about a
     minute on a 2-core CPU): accuracy far above chance, one CSV row per run, a second call skips
@@ -208,10 +280,15 @@ def test_smoke_preset_learns_mqar_and_reports(tmp_path):
     assert cli.main(args) == 0
     rows = runner.read_rows(out / "mqar.csv")
     assert [r["mixer"] for r in rows] == cli.PRESETS["mqar"]["smoke"]["mixers"]
+    dev = train.resolve_device("auto")  # the device the run chose: CUDA where torch sees a GPU
     for r in rows:
         # chance: 1 / 16 values (1 / 4 for a model that knows only which values are in context)
         assert r["status"] == "ok" and float(r["acc"]) >= 0.8, (r["mixer"], r["acc"], r["curve"])
-        assert r["device"].startswith("cpu") and float(r["wall_s"]) > 0 and r["curve"].count(":") >= 2
+        assert float(r["wall_s"]) > 0 and r["curve"].count(":") >= 2
+        if dev.type == "cpu":
+            assert r["device"].startswith("cpu ("), r["device"]
+        else:
+            assert r["device"] == torch.cuda.get_device_name(dev), r["device"]
     assert cli.main(args) == 0
     assert len(runner.read_rows(out / "mqar.csv")) == len(rows)          # nothing redone
     assert cli.main(["report", "--results", str(out)]) == 0

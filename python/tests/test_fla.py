@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from hila.torch import fla  # noqa: E402
-from helpers import require_device  # noqa: E402
+from helpers import chunk_for, require_device  # noqa: E402
 
 F64 = torch.float64
 
@@ -330,7 +330,8 @@ def test_hla_functions_equal_native(op, device):
     name = op.replace("loglinear_", "log_linear_")
     chunk_fn, rec_fn = getattr(fla, f"chunk_{name}"), getattr(fla, f"fused_recurrent_{name}")
     args = (q, k, v, g) + ((lam,) if loglinear else ())
-    kw = dict(normalize=True, chunk_size=8) if op.endswith("hla3") else dict(ridge=0.1 if "hla2" in op else 0.0)
+    kw = (dict(normalize=True, chunk_size=chunk_for(device, 8, op)) if op.endswith("hla3")
+          else dict(ridge=0.1 if "hla2" in op else 0.0))
     o, st = chunk_fn(*args, output_final_state=True, **kw)
     o_ref, fin = ht.forward(op, q, k, v, g, lam=lam, output_final_state=True, form="chunk",
                             chunk=kw.pop("chunk_size", 64), **kw)

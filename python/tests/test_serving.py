@@ -220,38 +220,59 @@ def test_state_pool_errors():
         (), (3, 10), (3, 4, 6), (3, hila.state_slots(1000), 4, 6))
 
 
-@pytest.mark.parametrize("op", ["gla", "hla2", "gdn"])
+@pytest.mark.parametrize("op", hila.OPS)
 def test_pooled_decode_in_a_cuda_graph(op, device):
-    """The pooled decode step of 64 requests captured in a CUDA graph and replayed equals
-    per-sequence decode bit for bit (no device sync may happen inside the step)."""
+    """The pooled decode step of 64 requests (8 of them padding rows) captured in a CUDA graph and
+    replayed for 3 tokens equals per-sequence decode bit for bit, for every operator: the step
+    reads nothing back to the host (check_values=False, and max_position for the log-linear
+    ones), which a capture would refuse."""
     if device != "cuda":
-        pytest.skip("CUDA graphs need a CUDA device")
+        pytest.skip("CUDA graphs need a CUDA device (this test captures a pooled decode step)")
     require_device(device, op)
-    N, slots = 64, 80
-    pool = ht.allocate_state_pool(op, slots, H, DK, DV, max_len=64, dtype=torch.float32, device=device)
-    pool.H.normal_()
+    N, slots, max_len, steps = 64, 80, 64, 3
+    pool = ht.allocate_state_pool(op, slots, H, DK, DV, max_len=max_len, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    pool.H.normal_(generator=gen)
     if pool.S is not None:
-        pool.S.normal_()
-    idx = torch.randperm(slots, device=device)[:N].to(torch.int32)
+        pool.S.normal_(generator=gen)
+    if pool.P is not None:
+        pool.P.normal_(generator=gen)
+    # rows at different positions, room for `steps` more tokens (dead Fenwick slots are never read)
+    pool.pos.copy_(torch.randint(0, max_len - steps, (slots,), generator=gen, device=device))
+    idx = torch.randperm(slots, device=device, generator=gen)[:N].to(torch.int32)
     idx[::9] = -1
-    tok = _inputs(op, (N, H, DK), (N, H, DV), (N, H), 11, device, dtype=torch.float32)
+    toks = [_inputs(op, (N, H, DK), (N, H, DV), (N, H), 11 + t, device, dtype=torch.float32)
+            for t in range(steps)]
     ref = hila.State(*(None if x is None else x.clone() for x in pool))
+    static = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in toks[0].items()}
+    bound = dict(check_values=False, max_position=max_len - 1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph
-        ht.step_(op, **tok, state=hila.State(*(None if x is None else x.clone() for x in pool)),
-                 state_indices=idx, check_values=False)
+    with torch.cuda.stream(stream):  # warm-up outside the graph, on a copy of the pool
+        ht.step_(op, **static, state=hila.State(*(None if x is None else x.clone() for x in pool)),
+                 state_indices=idx, **bound)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o = ht.step_(op, **tok, state=pool, state_indices=idx, check_values=False)
-    graph.replay()
+        o = ht.step_(op, **static, state=pool, state_indices=idx, **bound)
+    outs = []
+    for t in range(steps):
+        for k, v in toks[t].items():
+            if torch.is_tensor(v):
+                static[k].copy_(v)
+        graph.replay()
+        outs.append(o.clone())
     torch.cuda.synchronize()
     for j, r in enumerate(idx.tolist()):
         if r < 0:
-            assert (o[j] == 0).all()
+            assert all((x[j] == 0).all() for x in outs)
             continue
         st = _row_state(ref, r)
-        o_j = ht.step_(op, **_rows(tok, slice(j, j + 1)), state=st, check_values=False)
-        assert torch.equal(o[j], o_j[0])
+        for t in range(steps):
+            o_j = ht.step_(op, **_rows(toks[t], slice(j, j + 1)), state=st, check_values=False)
+            assert torch.equal(outs[t][j], o_j[0]), (op, j, t)
         _assert_rows_equal(pool, r, st)
+    untouched = sorted(set(range(slots)) - set(idx.tolist()))
+    for x, y in zip(pool, ref):
+        if x is not None:
+            assert torch.equal(x[untouched], y[untouched])

@@ -170,7 +170,7 @@ def _error_cases(device):
         ("integer q", "q", lambda: call(q=tok["q"].int(), k=tok["k"].int())),
         ("k dtype differs", "k", lambda: call(k=tok["k"].float())),
         ("too few levels", "lam", lambda: call(lam=tok["lam"][..., :2].contiguous())),
-        ("positive gate", "g", lambda: call(g=-tok["g"])),
+        ("positive gate", "g", lambda: call(g=-tok["g"], check_values=True)),  # value checks: CPU default
     ]
 
 
@@ -195,8 +195,8 @@ def test_step_inplace_leaves_the_state_alone_on_error(device):
     st = ht.zero_state("hla2", 2, 2, 5, 3, dtype=torch.float64, device=device)
     ht.step_("hla2", **_at(x, 0), state=st)
     before = _clone(st)
-    with pytest.raises(hila.HilaError):
-        ht.step_("hla2", **{**_at(x, 0), "g": -_at(x, 0)["g"]}, state=st)
+    with pytest.raises(hila.HilaError):  # a positive gate (value checks are on by default on the CPU only)
+        ht.step_("hla2", **{**_at(x, 0), "g": -_at(x, 0)["g"]}, state=st, check_values=True)
     for a, b in zip(st, before):
         assert a is None or torch.equal(a, b)
 
@@ -230,8 +230,10 @@ def test_opcheck_step_inplace(op, device):
     st = ht.zero_state(op, 2, 2, 3, 2, max_len=16, dtype=torch.float64, device=device)
     st = st._replace(pos=torch.tensor([3, 6], device=device))
     tok = [x[k][:, 0] if k in x else None for k in ("q", "k", "v", "g", "lam", "beta")]
+    # hla3: the caller's position bound; loglinear_gdn: the two rows as a pool, swapped
+    extra = (None, 15) if op == "hla3" else (torch.tensor([1, 0], dtype=torch.int32, device=device), -1)
     torch.library.opcheck(torch.ops.hila.step_.default,
-                          (*tok, *st, op, 0.0, False, 1e-6, 0.0, False, True))
+                          (*tok, *st, op, 0.0, False, 1e-6, 0.0, False, True, *extra))
 
 
 def test_compile_fullgraph_step_inplace(device):

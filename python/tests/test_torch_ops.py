@@ -122,10 +122,11 @@ def _opcheck_forward_cases(device):
     x, state, _ = _inputs("hla3", device, n0=[3, 6])
     y, _, _ = _inputs("loglinear_gdn", device, B=1, T=9)
     cu = torch.tensor([0, 4, 9], device=device)
+    # the host copies of the initial positions and of cu_seqlens (CPU tensors beside device ones)
     hla3 = (x["q"], x["k"], x["v"], x["g"], None, None, None, *state,
-            "hla3", "chunk", 4, 0.0, False, 1e-6, 0.0, False, True, True, 1)
+            "hla3", "chunk", 4, 0.0, False, 1e-6, 0.0, False, True, True, 1, None, state[0].cpu())
     gdn = (y["q"], y["k"], y["v"], y["g"], y["lam"], y["beta"], cu, None, None, None, None,
-           "loglinear_gdn", "chunk", 4, 0.5, False, 1e-6, 0.0, True, True, True, 5)
+           "loglinear_gdn", "chunk", 4, 0.5, False, 1e-6, 0.0, True, True, True, 5, cu.cpu(), None)
     return {"hla3-state": hla3, "loglinear_gdn-varlen": gdn}
 
 
@@ -146,7 +147,19 @@ def test_opcheck_backward(device):
     dH = torch.zeros(2, 2, hila.state_slots(13), 3, 2, dtype=torch.float64, device=device)
     torch.library.opcheck(torch.ops.hila.backward.default, (
         x["q"], x["k"], x["v"], x["g"], x["lam"], None, None, *state, do, dS, None, dH,
-        "loglinear_hla2", "chunk", 4, 0.0, False, 1e-6, 0.0, False, True))
+        "loglinear_hla2", "chunk", 4, 0.0, False, 1e-6, 0.0, False, True, None, state[0].cpu()))
+
+
+def test_opcheck_forward_pool(device):
+    """the pooled forward (state_indices, the pool written in place) as a custom op"""
+    require_device(device, "loglinear", "chunk", 4)
+    y, _, _ = _inputs("loglinear", device, B=1, T=9)
+    cu = torch.tensor([0, 4, 9], device=device)
+    pool = ht.allocate_state_pool("loglinear", 3, 2, 3, 2, max_len=16, dtype=torch.float64, device=device)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.hila.forward_pool_.default, (
+        *(y[k].detach() for k in ("q", "k", "v", "g", "lam")), None, cu, idx, *pool,
+        "loglinear", "chunk", 4, 0.0, False, 1e-6, 0.0, False, True, cu.cpu(), None))
 
 
 @pytest.mark.parametrize("op", ("ahla", "loglinear"))

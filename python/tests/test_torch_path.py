@@ -163,6 +163,16 @@ def _run(op, x, state, mask, form, chunk, cu, opts):
     return [t.detach() for t in outs] + [fin.pos] + list(grads)
 
 
+def _on_cpu(x, state, mask, cu):
+    """CPU copies of a case's inputs (float tensors as new leaves requiring grad as the originals
+    do): the float64 naive reference runs on the CPU backend, the only one with that form."""
+    leaf = lambda t: t.detach().cpu().requires_grad_(t.requires_grad)  # noqa: E731
+    xs = {k: leaf(v) for k, v in x.items()}
+    st = None if state is None else [None if s is None else (s.cpu() if not s.is_floating_point() else leaf(s))
+                                     for s in state]
+    return xs, st, None if mask is None else mask.cpu(), None if cu is None else cu.cpu()
+
+
 @pytest.mark.parametrize("road", ("direct", "custom_op"))
 @pytest.mark.parametrize("op,case", POISON_CASES, ids=_case_id)
 def test_poisoned_outputs_are_fully_written(op, case, road, device, request):
@@ -182,8 +192,10 @@ def test_poisoned_outputs_are_fully_written(op, case, road, device, request):
     _setflag(request, hops._FAST, road == "direct")
     got = _run(op, x, state, mask, "chunk", chunk, cu, opts)
     _setflag(request, hops._FAST, True)
-    want = _run(op, x, state, mask, "naive", chunk, cu, opts)
+    xc, sc, mc, cuc = _on_cpu(x, state, mask, cu)  # the naive form runs on the CPU backend only
+    want = _run(op, xc, sc, mc, "naive", chunk, cuc, opts)
     for i, (a, b) in enumerate(zip(got, want)):
+        b = b.to(a.device)
         if not a.is_floating_point():
             assert torch.equal(a, b), (i, a, b)
             continue
@@ -199,7 +211,7 @@ def test_poisoned_decode_outputs_are_fully_written(device, request):
     op = "loglinear_hla3"
     x, _, _ = torch_inputs(op, device, T=9)
     x = {k: v.detach() for k, v in x.items()}
-    full, _ = ht.forward(op, **x, form="naive")
+    full = ht.forward(op, **{k: v.cpu() for k, v in x.items()}, form="naive")[0].to(device)  # CPU-only form
     _setflag(request, hila.ops._POISON_OUTPUTS, True)
     _, st = ht.forward(op, **{k: v[:, :7] for k, v in x.items()}, output_final_state=True,
                        final_slots=hila.state_slots(16), chunk=chunk_for(device, 4, op))
@@ -348,6 +360,142 @@ def test_arguments_that_are_not_tensors_are_named_on_both_roads(request, road, g
     assert err.value.argument == "check_values"
 
 
+# ----------------------------------------------------------------------------- value checks by default
+
+@pytest.mark.parametrize("road", ("direct", "custom_op"))
+def test_default_checks_values_on_the_cpu(road, request):
+    """check_values=None (the default of hila.torch) checks CPU tensors: a positive gate or a NaN
+    input is a HilaError naming it, in forward (also with gradients), step and step_; an explicit
+    False skips the scan."""
+    _setflag(request, hops._FAST, road == "direct")
+    x, _, _ = torch_inputs("gla", "cpu", B=2, T=5, H=2, dk=4, dv=3)
+    bad_g = {**x, "g": x["g"].detach().abs().requires_grad_()}
+    bad_q = {**x, "q": x["q"].detach().clone()}
+    bad_q["q"][1, 2, 0, 1] = float("nan")
+    for bad, arg in ((bad_g, "g"), (bad_q, "q")):
+        for leaves in (bad, {k: v.detach() for k, v in bad.items()}):
+            with pytest.raises(hila.HilaError) as e:
+                ht.forward("gla", **leaves)
+            assert e.value.argument == arg, str(e.value)
+        tok = {k: v.detach()[:, 2] for k, v in bad.items()}
+        for call in (lambda: ht.step("gla", **tok, state=ht.zero_state("gla", 2, 2, 4, 3, dtype=torch.float64)),
+                     lambda: ht.step_("gla", **tok, state=ht.zero_state("gla", 2, 2, 4, 3, dtype=torch.float64))):
+            with pytest.raises(hila.HilaError) as e:
+                call()
+            assert e.value.argument == arg, str(e.value)
+    o, _ = ht.forward("gla", **{k: v.detach() for k, v in bad_g.items()}, check_values=False)
+    assert o.shape == x["v"].shape
+    assert hops._default_checks(torch.empty(1)) and not hops._default_checks(torch.empty(1, device="meta"))
+
+
+def _host_runs_ahead(fn, device):
+    """Whether fn() returns while the GPU is still busy with earlier work (a spin kernel of 10^9
+    clock cycles, about half a second): it then waited for nothing, i.e. neither torch nor hila
+    synchronised the device inside it. torch.cuda.set_sync_debug_mode("error") also raises on
+    torch's own synchronising calls (hila's are not torch's, hence the spin)."""
+    torch.cuda.synchronize(device)
+    spin = torch.cuda.Event(enable_timing=False)
+    torch.cuda._sleep(1_000_000_000)
+    spin.record()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    ahead = not spin.query()
+    torch.cuda.synchronize(device)
+    return ahead
+
+
+@pytest.mark.parametrize("op", ("gla", "hla2", "gdn", "loglinear_gdn"))
+def test_default_training_calls_do_not_synchronize_on_cuda(op, device):
+    """On CUDA the defaults of hila.torch (check_values=None: no value scans there) let a forward
+    + backward, and a layer's training call, run without a device synchronisation: the host gets
+    back before the GPU has finished earlier work."""
+    if not device.startswith("cuda"):
+        pytest.skip("checks device synchronisation: needs a CUDA device")
+    require_device(device, op)
+    x, _, _ = _float_inputs(op, device, dtype=torch.bfloat16, B=2, T=128, H=2, dk=32, dv=32)
+    do = torch.randn_like(x["v"])
+
+    def train_step():
+        o, _ = ht.forward(op, **x, qk_l2norm=hila.op_traits(op)["delta"])
+        torch.autograd.grad(o, list(x.values()), do)
+
+    train_step()  # first-call work (configuration, kernel loading) outside the check
+    assert _host_runs_ahead(train_step, device), f"{op}: a default forward + backward synchronised"
+    if op in ("hla2", "loglinear_gdn"):
+        torch.manual_seed(0)
+        layer = (ht.HLAAttention(64, num_heads=2, head_dim=32, op="hla2") if op == "hla2" else
+                 ht.LogLinearGatedDeltaNet(64, max_len=256, num_heads=2, head_dim=32)).to(device)
+        xl = torch.randn(2, 128, 64, device=device, requires_grad=True)
+
+        def layer_step():
+            y, _ = layer(xl)
+            y.square().mean().backward()
+
+        layer_step()
+        assert _host_runs_ahead(layer_step, device), f"{op}: a default layer call synchronised"
+
+
+def test_strided_step_inputs_take_the_general_road(request):
+    """step_ on inputs whose innermost stride is not 1 (which the decode fast path passes as they
+    are, and the library refuses before writing anything) gives the result of contiguous inputs,
+    bit for bit, advancing the state once."""
+    x, _, _ = torch_inputs("hla2", "cpu", T=1, dk=4, dv=3)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    wide = torch.stack([tok["q"], torch.zeros_like(tok["q"])], -1)       # [N, G, dk, 2]
+    strided = {**tok, "q": wide[..., 0]}                                  # innermost stride 2
+    assert strided["q"].stride(-1) == 2 and torch.equal(strided["q"], tok["q"])
+    a = ht.zero_state("hla2", 2, 2, 4, 3, dtype=torch.float64)
+    b = ht.zero_state("hla2", 2, 2, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        oa = ht.step_("hla2", **tok, state=a)
+        ob = ht.step_("hla2", **strided, state=b)
+    assert torch.equal(oa, ob) and b.pos.tolist() == [1, 1]
+    assert all(p is None or torch.equal(p, r) for p, r in zip(a, b))
+    with pytest.raises(hila.HilaError) as e:   # an option the fast path cannot hash: named as before
+        ht.step_("hla2", **tok, state=b, scale=[0.5])
+    assert e.value.argument == "scale"
+
+
+@pytest.mark.parametrize("op", ("gla", "hla3", "loglinear_gdn"))
+def test_bound_state_steps_follow_the_state_memory(op, device, request):
+    """From its second step, a State stepped by step_ is bound to the extension once (hila.torch
+    keeps the binding in the State's __dict__): 6 steps give the custom op's bits; a part re-pointed
+    at other memory (.data =, set_) is rebound before the next step, which reads and advances the
+    new memory; copies and pickles of a State carry no binding."""
+    import copy
+    import pickle
+    require_device(device, op)
+    x, state, mask = torch_inputs(op, device, T=6, n0=[5, 9])  # positions up to 15: 5 Fenwick slots
+    x = {k: v.detach() for k, v in x.items()}
+    parts = [None if s is None else s.detach().clone() for s in state[1:]]
+    if mask is not None:
+        parts[2] = parts[2] * mask
+    st = hila.State(state[0].clone(), *parts)
+    ref = hila.State(*(None if p is None else p.clone() for p in st))
+    with torch.no_grad():
+        for t in range(6):
+            tok = {k: v[:, t] for k, v in x.items()}
+            o = ht.step_(op, **tok, state=st)
+            _setflag(request, hops._FAST, False)
+            o_ref = ht.step_(op, **tok, state=ref)
+            _setflag(request, hops._FAST, True)
+            assert torch.equal(o, o_ref), t
+            if t == 2:
+                assert isinstance(st.__dict__[hops._BOUND][1], hila._C.BoundState)
+                st.H.data = st.H.clone()                      # new memory, same values
+                st.pos.set_(st.pos.clone())
+                ref.H.mul_(1.0)
+        assert st.__dict__[hops._BOUND][1] is not None        # rebound after the re-pointing
+    for a, b in zip(st, ref):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for other in (copy.copy(st), copy.deepcopy(st), pickle.loads(pickle.dumps(st))):
+        assert type(other) is hila.State and not other.__dict__ and other.pos.tolist() == st.pos.tolist()
+
+
 def test_fast_path_switch():
     prev = ht.eager_fast_path(False)
     try:
@@ -394,7 +542,7 @@ def step_calls(monkeypatch):
 def test_layer_decode_steps_skip_value_checks(device, step_calls):
     """a layer built with check_values=True checks its prefill, not its decode steps."""
     require_device(device, "hla2")
-    layer = ht.HLAAttention(32, num_heads=2, head_dim=8, op="hla2").to(device)
+    layer = ht.HLAAttention(32, num_heads=2, head_dim=8, op="hla2", check_values=True).to(device)
     x = torch.randn(2, 6, 32, device=device)
     with torch.no_grad():
         _, st = layer(x[:, :5], use_cache=True)
@@ -430,8 +578,9 @@ def _lm(mixer, device, dtype=torch.float32):
 @pytest.mark.parametrize("mixer", ("hla", "loglinear_gdn"))
 def test_generate_graph_switch_gives_the_same_tokens(mixer, device, step_calls):
     """greedy tokens with cuda_graph=True (default) and False are identical. On CUDA with a
-    capturable model the graph replays the steps (the layers' Python runs for the first two
-    decode steps only); on the CPU, and for log-linear mixers, both decode eagerly."""
+    capturable model (every model: the log-linear layers pass max_position) the graph replays
+    the steps (the layers' Python runs for the first two decode steps only); on the CPU both
+    decode eagerly."""
     require_device(device, "hla2" if mixer == "hla" else "loglinear_gdn")
     model = _lm(mixer, device)
     gen = torch.Generator().manual_seed(3)
@@ -447,7 +596,7 @@ def test_generate_graph_switch_gives_the_same_tokens(mixer, device, step_calls):
     assert eager_steps == (n - 1) * layers
     replayed = device.startswith("cuda") and model.decode_graph_capturable
     assert len(step_calls) == (2 * layers if replayed else (n - 1) * layers), len(step_calls)
-    assert model.decode_graph_capturable == (mixer == "hla")
+    assert model.decode_graph_capturable
 
 
 GRAPH_LAYERS = {
@@ -456,6 +605,8 @@ GRAPH_LAYERS = {
     "hla3-untied-normalize": lambda: ht.HLAAttention(64, num_heads=2, head_dim=16, op="hla3", gates="untied",
                                                      normalize=True),
     "loglinear_gdn": lambda: ht.LogLinearGatedDeltaNet(64, max_len=128, num_heads=2, head_dim=16),
+    "loglinear_hla2": lambda: ht.HLAAttention(64, num_heads=2, head_dim=16, op="loglinear_hla2", max_len=128),
+    "loglinear-mamba2": lambda: ht.LogLinearMamba2(64, max_len=128, state_size=16, head_dim=16),
 }
 
 
@@ -468,9 +619,7 @@ def test_layer_decode_step_in_a_cuda_graph_equals_eager(name, device):
     torch.manual_seed(0)
     layer = GRAPH_LAYERS[name]().to(device).eval()
     require_device(device, layer.op)
-    if not hops._graph_capturable(layer.op):
-        pytest.skip(f"{layer.op}: hila::step reads log-linear positions on the host, which a CUDA "
-                    "graph capture forbids (decode of such layers stays eager)")
+    assert hops._graph_capturable(layer.op)
     N, T0, steps = 3, 11, 32
     x = torch.randn(N, T0 + steps, 64, device=device)
     with torch.no_grad():

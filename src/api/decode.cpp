@@ -130,14 +130,19 @@ struct DecodeState::Impl {
       if (b < 0 || !detail::add_ok(total, b, &total)) return -1;
     return total;
   }
-  // The memory of the state at `slots` slots fits in int64 and in hila::memory_limit().
-  void check_memory(int64_t slots) const {
+  // The memory of the state at `slots` slots fits in int64 and in hila::memory_limit() (host), or
+  // in the configured limit and the device's free memory (CUDA; `growing`: the new H block only,
+  // the rest is allocated already).
+  void check_memory(int64_t slots, bool growing = false) const {
     const int64_t b = total_bytes(slots);
     const std::string what = "a decode state of N = " + std::to_string(N) + " sequences, H = " + std::to_string(H) +
                              ", dk = " + std::to_string(dk) + ", dv' = " + std::to_string(dvp) + ", " +
                              std::to_string(slots) + " slots";
     if (b < 0) throw Error("N/H/dk/dv", what + " has more bytes than int64 can count");
     if (!on_cuda()) detail::check_host_bytes("N/H/dk/dv", double(b), what);
+#ifdef HILA_WITH_CUDA
+    else detail::cuda_check_memory(double(b), growing ? double(h_elems(slots)) * double(esize()) : double(b), device.index, what);
+#endif
   }
   BlockPtr block(size_t bytes) const {
     return detail::with_memory_errors("N/H/dk/dv", "a decode state",
@@ -170,7 +175,7 @@ struct DecodeState::Impl {
   // ordered on `stream` and completes before the old buffer is released (views holding it keep it).
   void grow(int64_t slots, void* stream) {
     if (!traits.loglinear || slots <= Ls) return;
-    check_memory(slots);
+    check_memory(slots, true);
     BlockPtr nh = block(bytes(h_elems(slots)));
     copy_into(h_view(*Hs, Ls), h_view(*nh, slots), stream);
 #ifdef HILA_WITH_CUDA

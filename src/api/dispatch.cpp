@@ -5,6 +5,7 @@
 #include <string>
 
 #include "api/dispatch.h"
+#include "core/host_mirror.h"
 #include "core/problem.h"
 #include "cpu/backend.h"
 #include "hila/error.h"
@@ -35,6 +36,8 @@ void check_workspace(const ForwardParams& p) {
 }
 }  // namespace
 
+// The output checks (check_values) run here for every backend: on the CPU over host memory, on a
+// device through the device scan, on the call's stream.
 void forward(const ForwardParams& p) {
   check_workspace(p);
   const detail::Resolved r = detail::resolve_forward(p);
@@ -42,9 +45,12 @@ void forward(const ForwardParams& p) {
 #ifdef HILA_WITH_CUDA
     detail::cuda_forward(r, p);
 #endif
-    return;
+  } else {
+    detail::cpu_forward(r, p);
   }
-  detail::cpu_forward(r, p);
+  if (!r.cfg.check_values) return;
+  const detail::StreamScope scope(p.stream);
+  detail::check_forward_outputs(r, p);
 }
 
 void backward(const BackwardParams& p) {
@@ -54,9 +60,12 @@ void backward(const BackwardParams& p) {
 #ifdef HILA_WITH_CUDA
     detail::cuda_backward(r, p);
 #endif
-    return;
+  } else {
+    detail::cpu_backward(r, p);
   }
-  detail::cpu_backward(r, p);
+  if (!r.cfg.check_values) return;
+  const detail::StreamScope scope(p.stream);
+  detail::check_backward_outputs(r, p);
 }
 
 // The size query validates like the call (without the value scans) and dry-runs the backend.
@@ -83,9 +92,12 @@ void run_step(const Resolved& r, const StepParams& p, const StateView& state, vo
 #ifdef HILA_WITH_CUDA
     cuda_step(r, p, state, counters);
 #endif
-    return;
+  } else {
+    cpu_step(r, p, state);
   }
-  cpu_step(r, p, state);
+  if (!r.cfg.check_values) return;
+  const StreamScope scope(p.stream);
+  check_step_outputs(r, p);
 }
 }  // namespace detail
 

@@ -23,6 +23,11 @@ void register_device_scan(DeviceScanFn fn);
 // -2 when no scan is registered for t's device (the caller falls back to a HostMirror).
 int64_t device_scan(const TensorView& t, bool gates);
 
+// Reads of device memory by the host so far in this process (device copies of HostMirror and
+// device scans; each one synchronizes with the device). Tests use it to check that a call reads
+// nothing back (a CUDA graph can capture no such read).
+int64_t device_reads();
+
 // The stream of the call being validated on this thread, for the duration of a scope.
 class StreamScope {
  public:

@@ -11,7 +11,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <stdexcept>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -99,7 +102,7 @@ int64_t checked_product(std::initializer_list<int64_t> sizes) {
   return n;
 }
 
-void check_extent(const std::string& name, const TensorView& t) {
+void check_extent(const char* name, const TensorView& t) {
   if (!t.defined()) return;
   int64_t n = dtype_size(t.dtype);
   for (int i = 0; i < t.ndim; ++i) {
@@ -112,7 +115,13 @@ void check_extent(const std::string& name, const TensorView& t) {
 
 int64_t host_memory_limit() { return memory_limit(); }
 
-namespace {
+int64_t configured_memory_limit() {
+  int64_t m = 0;
+  if (const char* env = std::getenv("HILA_MAX_MEMORY"); env && *env) m = parse_memory_size(env, "HILA_MAX_MEMORY");
+  if (const int64_t set = g_memory_limit.load(); set > 0) m = m > 0 ? std::min(m, set) : set;
+  return m;
+}
+
 std::string bytes_str(double b) {
   char buf[64];
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
@@ -123,7 +132,6 @@ std::string bytes_str(double b) {
   else std::snprintf(buf, sizeof buf, "%.0f bytes (%.1f %s)", b, x, units[u]);
   return buf;
 }
-}  // namespace
 
 void check_host_bytes(const std::string& arg, double bytes, const std::string& what) {
   const int64_t limit = host_memory_limit();
@@ -142,68 +150,80 @@ namespace {
 
 int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
-// Error text is built with std::string only (no iostreams): it runs inside host processes of every
-// kind, Python extensions included.
-std::string shape_of(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
+// Validation runs on every call (a decode step included), so its success path builds no strings
+// and allocates nothing beyond the sequence table: argument names are literals, messages are
+// built only in the branch that throws. Error text uses std::string only (no iostreams): it runs
+// inside host processes of every kind, Python extensions included.
+[[noreturn]] void fail(const char* arg, const std::string& what) { throw Error(arg, what); }
+
+// A shape to compare with, up to kMaxDims sizes, without a heap allocation.
+struct Shape {
+  int n = 0;
+  int64_t d[kMaxDims] = {};
+  Shape(std::initializer_list<int64_t> s) {
+    for (int64_t x : s) d[n++] = x;
+  }
+  std::string str() const {
+    std::string r = "[";
+    for (int i = 0; i < n; ++i) r += (i ? ", " : "") + std::to_string(d[i]);
+    return r + "]";
+  }
+};
+
+void require(const char* name, const TensorView& t, const char* why) {
+  if (!t.defined()) fail(name, std::string("is required ") + why + ", got nothing");
 }
 
-[[noreturn]] void fail(const std::string& arg, const std::string& what) { throw Error(arg, what); }
-
-void require(const std::string& name, const TensorView& t, const std::string& why) {
-  if (!t.defined()) fail(name, "is required " + why + ", got nothing");
+// note: a const char* or a callable returning the note (called on failure only)
+template <class Note>
+void expect_shape(const char* name, const TensorView& t, const Shape& s, Note&& note) {
+  bool ok = t.ndim == s.n;
+  for (int i = 0; ok && i < t.ndim; ++i) ok = t.shape[i] == s.d[i];
+  if (!ok) {
+    const std::string n = describe(note);
+    fail(name, "expected shape " + s.str() + (n.empty() ? "" : " (" + n + ")") + ", got " + t.shape_str());
+  }
 }
 
-void forbid(const std::string& name, const TensorView& t, const std::string& why) {
-  if (t.defined()) fail(name, "expected no tensor (" + why + "), got " + t.shape_str());
-}
-
-void expect_shape(const std::string& name, const TensorView& t, const std::vector<int64_t>& s,
-                  const std::string& note = "") {
-  bool ok = t.ndim == static_cast<int>(s.size());
-  for (int i = 0; ok && i < t.ndim; ++i) ok = t.shape[i] == s[i];
-  if (!ok)
-    fail(name, "expected shape " + shape_of(s) + (note.empty() ? "" : " (" + note + ")") +
-                   ", got " + t.shape_str());
-}
-
-void expect_ndim(const std::string& name, const TensorView& t, int nd, const std::string& layout) {
+void expect_ndim(const char* name, const TensorView& t, int nd, const char* layout) {
   if (t.ndim != nd)
-    fail(name, "expected " + std::to_string(nd) + " dimensions " + layout + ", got " +
-                   std::to_string(t.ndim) + " dimensions " + t.shape_str());
+    fail(name, "expected " + std::to_string(nd) + " dimensions " + layout + ", got " + std::to_string(t.ndim) +
+                   " dimensions " + t.shape_str());
   for (int i = 0; i < nd; ++i)
     if (t.shape[i] < 0) fail(name, "expected non-negative sizes, got " + t.shape_str());
 }
 
-void expect_float(const std::string& name, const TensorView& t) {
+void expect_float(const char* name, const TensorView& t) {
   if (!is_float(t.dtype))
     fail(name, std::string("expected a floating dtype (float64, float32, bfloat16, float16), got ") +
                    dtype_name(t.dtype));
 }
 
-void expect_dtype(const std::string& name, const TensorView& t, DType d, const std::string& why) {
+void expect_dtype(const char* name, const TensorView& t, DType d, const char* why) {
   if (t.dtype != d)
-    fail(name, std::string("expected dtype ") + dtype_name(d) + " (" + why + "), got " +
-                   dtype_name(t.dtype));
+    fail(name, std::string("expected dtype ") + dtype_name(d) + " (" + why + "), got " + dtype_name(t.dtype));
 }
 
-void expect_state_dtype(const std::string& name, const TensorView& t) {
+void expect_state_dtype(const char* name, const TensorView& t) {
   if (t.dtype != DType::f32 && t.dtype != DType::f64)
     fail(name, std::string("expected float32 or float64 (states are kept in fp32 or fp64), got ") +
                    dtype_name(t.dtype));
 }
 
-void expect_device(const std::string& name, const TensorView& t, Device d) {
+void expect_device(const char* name, const TensorView& t, Device d, const char* whose = "that of q") {
   if (!(t.device == d))
-    fail(name, "expected device " + device_name(d) + " (that of q), got " + device_name(t.device));
+    fail(name, "expected device " + device_name(d) + " (" + whose + "), got " + device_name(t.device));
+}
+
+void expect_host(const char* name, const TensorView& t, const char* what) {
+  if (t.device.type != DeviceType::cpu)
+    fail(name, std::string("expected a CPU tensor (") + what + "), got one on " + device_name(t.device));
 }
 
 // Innermost dimension contiguous, no negative strides, data present. A tensor with no elements
 // addresses no memory: any strides (numpy 2 gives zero-size arrays all-zero strides) and any
 // pointer are accepted.
-void expect_strides(const std::string& name, const TensorView& t) {
+void expect_strides(const char* name, const TensorView& t) {
   check_extent(name, t);
   if (t.numel() == 0) return;
   if (t.data == nullptr) fail(name, "expected data, got a null pointer");
@@ -212,8 +232,8 @@ void expect_strides(const std::string& name, const TensorView& t) {
                    std::to_string(t.stride[t.ndim - 1]));
   for (int i = 0; i < t.ndim; ++i)
     if (t.stride[i] < 0 && t.shape[i] > 1)
-      fail(name, "expected non-negative strides, got stride " + std::to_string(t.stride[i]) +
-                     " in dimension " + std::to_string(i));
+      fail(name, "expected non-negative strides, got stride " + std::to_string(t.stride[i]) + " in dimension " +
+                     std::to_string(i));
 }
 
 // Visit every element of a (strided) tensor.
@@ -299,7 +319,7 @@ std::string idx_str(const std::array<int64_t, kMaxDims>& idx, int nd) {
 // Value check of one tensor: every element finite (and, for log-gates, <= 0). Device tensors are
 // scanned on the device; only the first offending element is read back for the message.
 // Log-gates may be -inf: a state reset (docs/OPERATORS.md, "Resets").
-void check_elements(const std::string& name, const TensorView& dev_t, bool gates) {
+void check_elements(const char* name, const TensorView& dev_t, bool gates) {
   const char* what = gates ? "expected log-gates <= 0, finite or -inf (a reset) (value checks are on), got "
                            : "expected finite values (value checks are on), got ";
   auto bad = [&](double x) { return gates ? (std::isnan(x) || x > 0) : !std::isfinite(x); };
@@ -318,9 +338,6 @@ void check_elements(const std::string& name, const TensorView& dev_t, bool gates
     for (int i = 0; i < one.ndim; ++i) one.shape[i] = 1;
     const HostMirror m(one);
     const double x = load(m.view(), 0);
-    if (gates && std::isinf(x) && x < 0)  // the device scan's criterion: finite log-gates
-      fail(name, "got -inf (a state reset) at " + idx_str(idx, dev_t.ndim) + " on " +
-                     device_name(dev_t.device) + ": -inf log-gates (state resets) are computed by the CPU backend only");
     fail(name, what + std::to_string(x) + " at " + idx_str(idx, dev_t.ndim));
   }
   const HostMirror m(dev_t);
@@ -331,30 +348,26 @@ void check_elements(const std::string& name, const TensorView& dev_t, bool gates
   });
 }
 
-void check_finite(const std::string& name, const TensorView& t) { check_elements(name, t, false); }
-void check_gates(const std::string& name, const TensorView& t) { check_elements(name, t, true); }
+void check_finite(const char* name, const TensorView& t) { check_elements(name, t, false); }
+void check_gates(const char* name, const TensorView& t) { check_elements(name, t, true); }
 
 // Options that only some operators take.
 void check_config(const OpConfig& c) {
   const int id = static_cast<int>(c.op);
   if (id < 0 || id > 9) fail("op", "expected a valid hila::Op, got id " + std::to_string(id));
   const OpTraits t = op_traits(c.op);
-  const std::string on = std::string(" for operator ") + op_name(c.op);
-  if (c.normalize && !t.hla_family)
-    fail("normalize", "expected false" + on + " (only the HLA family normalizes), got true");
+  auto on = [&] { return std::string(" for operator ") + op_name(c.op); };
+  if (c.normalize && !t.hla_family) fail("normalize", "expected false" + on() + " (only the HLA family normalizes), got true");
   if (c.gates == Gates::untied && !t.hla_family)
-    fail("gates", "expected tied" + on + " (a single primitive has one gate), got untied");
+    fail("gates", "expected tied" + on() + " (a single primitive has one gate), got untied");
   if (c.ridge != 0 && !t.has_S)
-    fail("ridge", "expected 0" + on + " (the ridge applies to the metric S of hla2), got " +
-                      std::to_string(c.ridge));
+    fail("ridge", "expected 0" + on() + " (the ridge applies to the metric S of hla2), got " + std::to_string(c.ridge));
   if (c.ridge != 0 && (c.op == Op::hla3 || c.op == Op::loglinear_hla3))
-    fail("ridge", "expected 0" + on + " (the ridge is defined for hla2), got " +
-                      std::to_string(c.ridge));
+    fail("ridge", "expected 0" + on() + " (the ridge is defined for hla2), got " + std::to_string(c.ridge));
   if (c.qk_l2norm && !t.delta)
-    fail("qk_l2norm", "expected false" + on + " (only gdn and loglinear_gdn take it), got true");
+    fail("qk_l2norm", "expected false" + on() + " (only gdn and loglinear_gdn take it), got true");
   if (!std::isfinite(c.scale)) fail("scale", "expected a finite value, got " + std::to_string(c.scale));
-  if (!std::isfinite(c.eps) || c.eps < 0)
-    fail("eps", "expected a finite value >= 0, got " + std::to_string(c.eps));
+  if (!std::isfinite(c.eps) || c.eps < 0) fail("eps", "expected a finite value >= 0, got " + std::to_string(c.eps));
   if (c.normalize && !(c.eps > 0))
     fail("eps", "expected eps > 0 with normalize (o = num / (den + eps); den is 0 where q or the state is 0), "
                 "got " + std::to_string(c.eps));
@@ -363,47 +376,133 @@ void check_config(const OpConfig& c) {
 
 void check_chunk(int64_t C) {
   if (C < 1 || (C & (C - 1)) != 0)
-    fail("chunk", "expected a power of two >= 1 (chunks must align with Fenwick levels), got " +
-                      std::to_string(C));
+    fail("chunk", "expected a power of two >= 1 (chunks must align with Fenwick levels), got " + std::to_string(C));
 }
 
-// The sequence table: B sequences of T rows, or varlen from cu_seqlens (B == 1).
-std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, int64_t B, int64_t T, Device dev) {
-  const HostMirror mirror(cu_dev);
-  const TensorView& cu = mirror.view();
+// ---- state names: "init.pos", ... as literals (a state part's name is built once, not per call)
+
+struct PartNames {
+  const char *pos, *S, *P, *H;
+};
+PartNames part_names(const char* base) {
+  static const struct {
+    const char* base;
+    PartNames n;
+  } kNames[] = {{"init", {"init.pos", "init.S", "init.P", "init.H"}},
+                {"final_state", {"final_state.pos", "final_state.S", "final_state.P", "final_state.H"}},
+                {"d_final", {"d_final.pos", "d_final.S", "d_final.P", "d_final.H"}},
+                {"d_init", {"d_init.pos", "d_init.S", "d_init.P", "d_init.H"}},
+                {"state", {"state.pos", "state.S", "state.P", "state.H"}}};
+  for (const auto& e : kNames)
+    if (std::strcmp(e.base, base) == 0) return e.n;
+  // another name (not used inside hila): built once per name, kept for the process
+  static std::mutex mu;
+  static std::map<std::string, std::array<std::string, 4>> store;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& e = store[base];
+  if (e[0].empty()) e = {std::string(base) + ".pos", std::string(base) + ".S", std::string(base) + ".P", std::string(base) + ".H"};
+  return {e[0].c_str(), e[1].c_str(), e[2].c_str(), e[3].c_str()};
+}
+
+// ---- int tensors read on the host
+
+std::vector<int64_t> read_ints(const TensorView& dev_t) {
+  const HostMirror m(dev_t);
+  const TensorView& t = m.view();
+  std::vector<int64_t> out(static_cast<size_t>(t.shape[0]));
+  for (int64_t i = 0; i < t.shape[0]; ++i) out[size_t(i)] = load_int(t, i * t.stride[0]);
+  return out;
+}
+
+// state_indices: int32 [N] on `dev` (its values are not read here).
+void check_index_tensor(const TensorView& idx, int64_t N, Device dev) {
+  expect_dtype("state_indices", idx, DType::i32, "pool rows, -1 for padding");
+  expect_shape("state_indices", idx, {N}, "one pool row per sequence of the call");
+  expect_device("state_indices", idx, dev, "that of the state");
+  expect_strides("state_indices", idx);
+}
+
+// Real rows in [0, P) and distinct, padding -1.
+void check_index_values(const std::vector<int64_t>& idx, int64_t P) {
+  std::vector<int64_t> seen;
+  for (size_t i = 0; i < idx.size(); ++i) {
+    const int64_t x = idx[i];
+    if (x < -1 || x >= P)
+      fail("state_indices", "expected distinct pool rows in [0, " + std::to_string(P) + ") or -1 (padding), got " +
+                                std::to_string(x) + " for sequence " + std::to_string(i));
+    if (x >= 0) seen.push_back(x);
+  }
+  std::sort(seen.begin(), seen.end());
+  for (size_t i = 1; i < seen.size(); ++i)
+    if (seen[i] == seen[i - 1])
+      fail("state_indices", "expected distinct pool rows (two sequences cannot share a state), got row " +
+                                std::to_string(seen[i]) + " twice");
+}
+
+// The pool rows a state holds: its pos length (or the first size of H).
+int64_t state_rows(const StateView& s) {
+  if (s.pos.defined() && s.pos.ndim >= 1) return s.pos.shape[0];
+  if (s.H.defined() && s.H.ndim >= 1) return s.H.shape[0];
+  return 0;
+}
+
+// The sequence table: B sequences of T rows, or varlen from cu_seqlens (B == 1), read from the
+// host copy cu_host when there is one (compared with the device's when values are checked).
+std::vector<SeqInfo> make_seqs(const TensorView& cu_dev, const TensorView& cu_host, int64_t B, int64_t T,
+                               Device dev, bool values) {
   std::vector<SeqInfo> seqs;
-  if (!cu.defined()) {
-    check_host_bytes("q", double(B) * sizeof(SeqInfo),
-                     "the table of B = " + std::to_string(B) + " sequences");
+  if (!cu_dev.defined()) {
+    if (cu_host.defined())
+      fail("cu_seqlens_host", "expected no tensor (a host copy of cu_seqlens, which is not given), got " +
+                                  cu_host.shape_str());
+    check_host_bytes_lazy("q", double(B) * sizeof(SeqInfo),
+                          [&] { return "the table of B = " + std::to_string(B) + " sequences"; });
     with_memory_errors("q", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(B)); });
     for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T, 0});
     return seqs;
   }
+  const TensorView& cu = cu_dev;
   if (cu.dtype != DType::i32 && cu.dtype != DType::i64)
     fail("cu_seqlens", std::string("expected dtype int32 or int64, got ") + dtype_name(cu.dtype));
-  if (cu.ndim != 1 || cu.shape[0] < 2)
-    fail("cu_seqlens", "expected shape [N+1] with N >= 1, got " + cu.shape_str());
-  expect_device("cu_seqlens", cu_dev, dev);
+  if (cu.ndim != 1 || cu.shape[0] < 2) fail("cu_seqlens", "expected shape [N+1] with N >= 1, got " + cu.shape_str());
+  expect_device("cu_seqlens", cu, dev);
   expect_strides("cu_seqlens", cu);
   if (B != 1) fail("cu_seqlens", "expected batch size B = 1 with varlen, got B = " + std::to_string(B));
   const int64_t n = cu.shape[0];
-  check_host_bytes("cu_seqlens", double(n) * sizeof(SeqInfo),
-                   "the table of " + std::to_string(n - 1) + " sequences");
+  const char* src = "cu_seqlens";
+  if (cu_host.defined()) {
+    src = "cu_seqlens_host";
+    expect_host(src, cu_host, "a host copy of cu_seqlens");
+    expect_dtype(src, cu_host, cu.dtype, "that of cu_seqlens");
+    expect_shape(src, cu_host, {n}, "that of cu_seqlens");
+    expect_strides(src, cu_host);
+  }
+  check_host_bytes_lazy("cu_seqlens", double(n) * sizeof(SeqInfo),
+                        [&] { return "the table of " + std::to_string(n - 1) + " sequences"; });
   with_memory_errors("cu_seqlens", "the table of sequences", [&] { seqs.reserve(static_cast<size_t>(n - 1)); });
-  int64_t prev = load_int(cu, 0);
-  if (prev != 0) fail("cu_seqlens", "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
+  const HostMirror mirror(cu_host.defined() ? TensorView{} : cu_dev);
+  const TensorView& h = cu_host.defined() ? cu_host : mirror.view();
+  int64_t prev = load_int(h, 0);
+  if (prev != 0) fail(src, "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
   for (int64_t i = 1; i < n; ++i) {
-    const int64_t x = load_int(cu, i * cu.stride[0]);
+    const int64_t x = load_int(h, i * h.stride[0]);
     if (x < prev)
-      fail("cu_seqlens", "expected non-decreasing offsets, got cu_seqlens[" + std::to_string(i) +
-                             "] = " + std::to_string(x) + " < cu_seqlens[" + std::to_string(i - 1) +
-                             "] = " + std::to_string(prev));
+      fail(src, "expected non-decreasing offsets, got cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(x) +
+                    " < cu_seqlens[" + std::to_string(i - 1) + "] = " + std::to_string(prev));
     seqs.push_back({0, prev, x - prev, 0});
     prev = x;
   }
   if (prev != T)
-    fail("cu_seqlens", "expected the last offset to equal T = " + std::to_string(T) + ", got " +
-                           std::to_string(prev));
+    fail(src, "expected the last offset to equal T = " + std::to_string(T) + ", got " + std::to_string(prev));
+  if (cu_host.defined() && values) {  // the host copy against the device's (value checks are on)
+    const HostMirror d(cu_dev);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = load_int(h, i * h.stride[0]), b = load_int(d.view(), i * d.view().stride[0]);
+      if (a != b)
+        fail("cu_seqlens_host", "expected the values of cu_seqlens (value checks are on), got " + std::to_string(a) +
+                                    " at index " + std::to_string(i) + " where cu_seqlens holds " + std::to_string(b));
+    }
+  }
   return seqs;
 }
 
@@ -414,14 +513,13 @@ struct Dims {
 };
 
 // q, k [B,T,G,dk], v [B,T,H,dv] (or the step layout without T).
-Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bool with_t,
-               const OpConfig& cfg) {
+Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bool with_t, const OpConfig& cfg) {
   const int nd = with_t ? 4 : 3;
-  const std::string lq = with_t ? "[B, T, G, dk]" : "[N, G, dk]";
-  const std::string lv = with_t ? "[B, T, H, dv]" : "[N, H, dv]";
-  require("q", q, "(queries " + lq + ")");
-  require("k", k, "(keys " + lq + ")");
-  require("v", v, "(values " + lv + ")");
+  const char* lq = with_t ? "[B, T, G, dk]" : "[N, G, dk]";
+  const char* lv = with_t ? "[B, T, H, dv]" : "[N, H, dv]";
+  require("q", q, with_t ? "(queries [B, T, G, dk])" : "(queries [N, G, dk])");
+  require("k", k, with_t ? "(keys [B, T, G, dk])" : "(keys [N, G, dk])");
+  require("v", v, with_t ? "(values [B, T, H, dv])" : "(values [N, H, dv])");
   expect_ndim("q", q, nd, lq);
   expect_float("q", q);
   expect_strides("q", q);
@@ -434,7 +532,7 @@ Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bo
   d.dk = q.shape[nd - 1];
   if (d.G < 1) fail("q", "expected at least one group (G >= 1), got " + q.shape_str());
   if (d.dk < 1) fail("q", "expected head dim dk >= 1, got " + q.shape_str());
-  std::vector<int64_t> qs(q.shape.begin(), q.shape.begin() + nd);
+  const Shape qs = with_t ? Shape{d.B, d.T, d.G, d.dk} : Shape{d.B, d.G, d.dk};
   expect_shape("k", k, qs, "same as q");
   expect_dtype("k", k, q.dtype, "same as q");
   expect_device("k", k, d.dev);
@@ -445,68 +543,65 @@ Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bo
   expect_strides("v", v);
   d.H = v.shape[nd - 2];
   d.dv = v.shape[nd - 1];
-  std::vector<int64_t> vs = qs;
-  vs[nd - 2] = d.H;
-  vs[nd - 1] = d.dv;
   if (d.dv < 1) fail("v", "expected value dim dv >= 1, got " + v.shape_str());
   if (d.H < 1 || d.H % d.G != 0)
-    fail("v", "expected the number of value heads H to be a multiple of the q/k groups G = " +
-                  std::to_string(d.G) + ", got H = " + std::to_string(d.H));
-  vs[nd - 1] = d.dv;
-  expect_shape("v", v, vs, std::string("batch") + (with_t ? " and T" : "") + " as q");
+    fail("v", "expected the number of value heads H to be a multiple of the q/k groups G = " + std::to_string(d.G) +
+                  ", got H = " + std::to_string(d.H));
+  expect_shape("v", v, with_t ? Shape{d.B, d.T, d.H, d.dv} : Shape{d.B, d.H, d.dv},
+               with_t ? "batch and T as q" : "batch as q");
   d.dvp = d.dv + (cfg.normalize ? 1 : 0);
   return d;
 }
 
-// g, lam, beta for a call over the leading dims `lead` ([B,T] or [N]).
-int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView& lam,
-                      const TensorView& beta, const std::vector<int64_t>& lead, const Dims& d) {
+// g, lam, beta for a call over the leading dims [B, T] (with_t) or [N].
+int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView& lam, const TensorView& beta,
+                      bool with_t, const Dims& d) {
   const OpTraits t = op_traits(cfg.op);
-  const std::string on = std::string("operator ") + op_name(cfg.op);
+  auto lead = [&](std::initializer_list<int64_t> tail) {
+    Shape s = with_t ? Shape{d.B, d.T} : Shape{d.B};
+    for (int64_t x : tail) s.d[s.n++] = x;
+    return s;
+  };
   int gate_cols = 0;
   if (g.defined()) {
-    std::vector<int64_t> gs = lead;
-    gs.push_back(d.H);
-    if (cfg.gates == Gates::untied) gs.push_back(t.num_primitives);
-    expect_shape("g", g, gs,
-                 cfg.gates == Gates::untied
-                     ? "untied gates: one column per primitive of " + std::string(op_name(cfg.op))
-                     : "one log-gate per token and value head");
+    const bool untied = cfg.gates == Gates::untied;
+    expect_shape("g", g, untied ? lead({d.H, t.num_primitives}) : lead({d.H}), [&] {
+      return untied ? "untied gates: one column per primitive of " + std::string(op_name(cfg.op))
+                    : std::string("one log-gate per token and value head");
+    });
     expect_float("g", g);
     expect_device("g", g, d.dev);
     expect_strides("g", g);
-    gate_cols = cfg.gates == Gates::untied ? t.num_primitives : 1;
+    gate_cols = untied ? t.num_primitives : 1;
   }
   if (t.loglinear) {
-    require("lam", lam, "by " + on + " (Fenwick level weights)");
-    expect_ndim("lam", lam, static_cast<int>(lead.size()) + 2, "[..., H, L]");
-    std::vector<int64_t> ls = lead;
-    ls.push_back(d.H);
-    ls.push_back(lam.shape[lam.ndim - 1]);
-    expect_shape("lam", lam, ls, "leading dims as v, then L levels");
+    if (!lam.defined())
+      fail("lam", std::string("is required by operator ") + op_name(cfg.op) + " (Fenwick level weights), got nothing");
+    expect_ndim("lam", lam, with_t ? 4 : 3, "[..., H, L]");
+    expect_shape("lam", lam, lead({d.H, lam.shape[lam.ndim - 1]}), "leading dims as v, then L levels");
     expect_float("lam", lam);
     expect_device("lam", lam, d.dev);
     expect_strides("lam", lam);
-  } else {
-    forbid("lam", lam, on + " has no Fenwick levels");
+  } else if (lam.defined()) {
+    fail("lam", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no Fenwick levels), got " +
+                    lam.shape_str());
   }
   if (t.delta) {
-    require("beta", beta, "by " + on + " (delta-rule step sizes)");
-    std::vector<int64_t> bs = lead;
-    bs.push_back(d.H);
-    expect_shape("beta", beta, bs, "one step size per token and value head");
+    if (!beta.defined())
+      fail("beta", std::string("is required by operator ") + op_name(cfg.op) + " (delta-rule step sizes), got nothing");
+    expect_shape("beta", beta, lead({d.H}), "one step size per token and value head");
     expect_float("beta", beta);
     expect_device("beta", beta, d.dev);
     expect_strides("beta", beta);
-  } else {
-    forbid("beta", beta, on + " has no delta rule");
+  } else if (beta.defined()) {
+    fail("beta", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no delta rule), got " +
+                     beta.shape_str());
   }
   return gate_cols;
 }
 
-void check_values(const OpConfig& cfg, const TensorView& q, const TensorView& k,
-                  const TensorView& v, const TensorView& g, const TensorView& lam,
-                  const TensorView& beta) {
+void check_values(const OpConfig& cfg, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& g, const TensorView& lam, const TensorView& beta) {
   if (!cfg.check_values) return;
   check_finite("q", q);
   check_finite("k", k);
@@ -516,35 +611,36 @@ void check_values(const OpConfig& cfg, const TensorView& q, const TensorView& k,
   if (beta.defined()) check_finite("beta", beta);
 }
 
-void check_levels(const Resolved& r, const TensorView& lam) {
+void check_levels(const Resolved& r) {
   if (!r.traits.loglinear) return;
   for (size_t i = 0; i < r.seqs.size(); ++i) {
     const SeqInfo& s = r.seqs[i];
     const int64_t need = levels_needed(s.n0, s.len);
     if (r.nL < need)
-      fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
-                      " covering positions " + std::to_string(s.n0) + ".." +
-                      std::to_string(s.n0 + s.len - 1) + " needs " + std::to_string(need) +
+      fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) + " covering positions " +
+                      std::to_string(s.n0) + ".." + std::to_string(s.n0 + s.len - 1) + " needs " + std::to_string(need) +
                       " (bitlen(n0+T-1)+1); missing levels are never treated as zero");
   }
 }
 
-void check_output(const std::string& name, const TensorView& t, const std::vector<int64_t>& shape,
-                  DType dt, Device dev, const std::string& what) {
-  require(name, t, "(" + what + ")");
+void check_output(const char* name, const TensorView& t, const Shape& shape, DType dt, Device dev, const char* what) {
+  if (!t.defined()) fail(name, std::string("is required (") + what + "), got nothing");
   expect_shape(name, t, shape, what);
   expect_dtype(name, t, dt, "same as the input");
   expect_device(name, t, dev);
   expect_strides(name, t);
 }
 
-void check_optional_output(const std::string& name, const TensorView& t, const TensorView& like,
-                           const std::string& input) {
+void check_optional_output(const char* name, const TensorView& t, const TensorView& like, const char* input) {
   if (!t.defined()) return;
   if (!like.defined())
-    fail(name, "expected no tensor (input '" + input + "' was not given), got " + t.shape_str());
-  std::vector<int64_t> s(like.shape.begin(), like.shape.begin() + like.ndim);
-  check_output(name, t, s, like.dtype, like.device, "shape of " + input);
+    fail(name, std::string("expected no tensor (input '") + input + "' was not given), got " + t.shape_str());
+  bool ok = t.ndim == like.ndim;
+  for (int i = 0; ok && i < t.ndim; ++i) ok = t.shape[i] == like.shape[i];
+  if (!ok) fail(name, "expected shape " + like.shape_str() + " (shape of " + input + "), got " + t.shape_str());
+  expect_dtype(name, t, like.dtype, "same as the input");
+  expect_device(name, t, like.device);
+  expect_strides(name, t);
 }
 
 // ---- memory overlap of outputs with inputs and other outputs
@@ -563,6 +659,21 @@ bool byte_span(const TensorView& t, intptr_t& lo, intptr_t& hi) {
   return true;
 }
 
+struct OverlapDim {
+  int64_t stride, na, nb;
+};
+
+// b.data - a.data = sum_k e_k stride_k + r with e_k = i_k - j_k in [-(nb_k - 1), na_k - 1] and
+// |r| < es; nesting leaves two candidates for e_k at each level, largest stride first.
+bool overlap_hit(const OverlapDim* dims, int k, int64_t rem, int64_t es) {
+  if (k < 0) return rem > -es && rem < es;
+  const OverlapDim& d = dims[k];
+  const int64_t q = rem >= 0 ? rem / d.stride : -((-rem) / d.stride);
+  for (int64_t e : {q - 1, q, q + 1})
+    if (e >= -(d.nb - 1) && e <= d.na - 1 && overlap_hit(dims, k - 1, rem - e * d.stride, es)) return true;
+  return false;
+}
+
 // Whether some element of `a` shares a byte with some element of `b`. Exact for views with the same
 // element size and strides whose dimensions nest (each stride at least the extent of the smaller
 // ones: any slices of one row-major buffer, such as q, k, v of a fused projection); otherwise any
@@ -573,61 +684,85 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   if (ahi <= blo || bhi <= alo) return false;
   const int64_t es = dtype_size(a.dtype);
   if (a.ndim != b.ndim || dtype_size(b.dtype) != es) return true;
-  struct Dim {
-    int64_t stride, na, nb;
-  };
-  std::vector<Dim> dims;
+  OverlapDim dims[kMaxDims];
+  int nd = 0;
   for (int i = 0; i < a.ndim; ++i) {
     if (a.shape[i] == 1 && b.shape[i] == 1) continue;
     if (a.stride[i] != b.stride[i] || a.stride[i] <= 0) return true;
-    dims.push_back({a.stride[i] * es, a.shape[i], b.shape[i]});
+    dims[nd++] = {a.stride[i] * es, a.shape[i], b.shape[i]};
   }
-  std::sort(dims.begin(), dims.end(), [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
+  for (int i = 1; i < nd; ++i)  // by stride (insertion sort of at most kMaxDims)
+    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) std::swap(dims[j], dims[j - 1]);
   int64_t extent = es;  // bytes spanned by the smaller dimensions
-  for (const Dim& d : dims) {
-    if (d.stride < extent) return true;  // not nested: be conservative
-    extent += (std::max(d.na, d.nb) - 1) * d.stride;
+  for (int i = 0; i < nd; ++i) {
+    if (dims[i].stride < extent) return true;  // not nested: be conservative
+    extent += (std::max(dims[i].na, dims[i].nb) - 1) * dims[i].stride;
   }
-  // b.data - a.data = sum_k e_k stride_k + r with e_k = i_k - j_k in [-(nb_k - 1), na_k - 1] and
-  // |r| < es; nesting leaves two candidates for e_k at each level, largest stride first.
-  const std::function<bool(int, int64_t)> hit = [&](int k, int64_t rem) -> bool {
-    if (k < 0) return rem > -es && rem < es;
-    const Dim& d = dims[size_t(k)];
-    const int64_t q = rem >= 0 ? rem / d.stride : -((-rem) / d.stride);
-    for (int64_t e : {q - 1, q, q + 1})
-      if (e >= -(d.nb - 1) && e <= d.na - 1 && hit(k - 1, rem - e * d.stride)) return true;
-    return false;
-  };
-  return hit(int(dims.size()) - 1, int64_t(reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data)));
+  return overlap_hit(dims, nd - 1, int64_t(reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data)), es);
 }
 
-using Named = std::pair<std::string, const TensorView*>;
-
-void add_state(std::vector<Named>& v, const std::string& name, const StateView& s, bool pos = true) {
-  if (pos) v.push_back({name + ".pos", &s.pos});
-  v.push_back({name + ".S", &s.S});
-  v.push_back({name + ".P", &s.P});
-  v.push_back({name + ".H", &s.H});
-}
+// Named tensors of a call, in a fixed array (no allocation).
+struct Named {
+  const char* name;
+  const TensorView* t;
+};
+struct NamedList {
+  Named v[24];
+  int n = 0;
+  void add(const char* name, const TensorView& t) {
+    if (!t.defined()) return;
+    if (n == int(sizeof v / sizeof v[0])) throw std::logic_error("hila: NamedList is full; please report this");
+    v[n++] = {name, &t};
+  }
+  void add_state(const PartNames& nm, const StateView& s, bool pos = true) {
+    if (pos) add(nm.pos, s.pos);
+    add(nm.S, s.S);
+    add(nm.P, s.P);
+    add(nm.H, s.H);
+  }
+};
 
 // Outputs must not share memory with inputs (they would be read after being overwritten) nor with
 // each other.
-void check_no_aliasing(const std::vector<Named>& outputs, const std::vector<Named>& inputs) {
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    const auto& [on, ot] = outputs[i];
-    for (const auto& [in, it] : inputs)
-      if (overlaps(*ot, *it))
-        fail(on, "shares memory with the input '" + in + "': an output must not alias an input");
-    for (size_t j = 0; j < i; ++j)
-      if (overlaps(*ot, *outputs[j].second))
-        fail(on, "shares memory with the output '" + outputs[j].first + "': outputs must not alias each other");
+void check_no_aliasing(const NamedList& outputs, const NamedList& inputs) {
+  for (int i = 0; i < outputs.n; ++i) {
+    const Named& o = outputs.v[i];
+    for (int j = 0; j < inputs.n; ++j)
+      if (overlaps(*o.t, *inputs.v[j].t))
+        fail(o.name, std::string("shares memory with the input '") + inputs.v[j].name +
+                         "': an output must not alias an input");
+    for (int j = 0; j < i; ++j)
+      if (overlaps(*o.t, *outputs.v[j].t))
+        fail(o.name, std::string("shares memory with the output '") + outputs.v[j].name +
+                         "': outputs must not alias each other");
   }
 }
 
-std::vector<Named> forward_inputs(const ForwardParams& p) {
-  std::vector<Named> in = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g},
-                           {"lam", &p.lam}, {"beta", &p.beta}, {"cu_seqlens", &p.cu_seqlens}};
-  add_state(in, "init", p.init);
+// Whether two views are the same tensor (a pool read and written in place).
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (!a.defined() || !b.defined() || a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype ||
+      !(a.device == b.device))
+    return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.stride[i] != b.stride[i])) return false;
+  return true;
+}
+
+// The inputs of a forward; with a pool updated in place (state_indices, final_state parts equal to
+// init's) the init parts that are also outputs are left out (checked as outputs).
+NamedList forward_inputs(const ForwardParams& p) {
+  NamedList in;
+  in.add("q", p.q), in.add("k", p.k), in.add("v", p.v), in.add("g", p.g), in.add("lam", p.lam);
+  in.add("beta", p.beta), in.add("cu_seqlens", p.cu_seqlens), in.add("state_indices", p.state_indices);
+  const PartNames nm = part_names("init");
+  const bool pool = p.state_indices.defined();
+  auto add = [&](const char* name, const TensorView& t, const TensorView& fin) {
+    if (!(pool && same_view(t, fin))) in.add(name, t);
+  };
+  add(nm.pos, p.init.pos, p.final_state.pos);
+  add(nm.S, p.init.S, p.final_state.S);
+  add(nm.P, p.init.P, p.final_state.P);
+  add(nm.H, p.init.H, p.final_state.H);
   return in;
 }
 
@@ -659,23 +794,169 @@ void check_cpu_memory(const Resolved& r, bool backward) {
   const double per_item = es * (gathered + segmats + states);
   const double kept = backward ? es * 2 * N * H * n * dk : 0;
   const double total = per_item * threads + kept;
+  if (total <= double(host_memory_limit())) return;
   // Name what dominates.
+  const std::string nthreads = std::to_string(static_cast<int64_t>(threads));
   if (segmats * es * threads >= total / 2) {
     const std::string R = std::to_string(static_cast<int64_t>(rows));
     check_host_bytes(r.form == Form::naive ? "form" : "chunk", total,
                      std::string("the ") + form_name(r.form) + " form's [" + R + ", " + R + "] " +
-                         (r.f64 ? "float64" : "float32") + " matrices of each (sequence, head) on " +
-                         std::to_string(static_cast<int64_t>(threads)) + " threads" +
-                         (r.form == Form::naive ? " (use the chunk form)" : ""));
+                         (r.f64 ? "float64" : "float32") + " matrices of each (sequence, head) on " + nthreads +
+                         " threads" + (r.form == Form::naive ? " (use the chunk form)" : ""));
   } else if (states * es * threads >= total / 2) {
     check_host_bytes("q", total, "the per-head states (dk = " + std::to_string(r.dk) + ", dv' = " +
                                      std::to_string(r.dvp) + ", " + std::to_string(static_cast<int64_t>(slots)) +
-                                     " slots) on " + std::to_string(static_cast<int64_t>(threads)) + " threads");
+                                     " slots) on " + nthreads + " threads");
   } else {
     check_host_bytes("q", total, "the rows of " + std::to_string(static_cast<int64_t>(N)) + " sequences x " +
                                      std::to_string(r.H) + " heads of up to " +
                                      std::to_string(static_cast<int64_t>(n)) + " tokens");
   }
+}
+
+// Row r of a tensor whose first dimension is the pool's (or the batch's).
+TensorView row_of(const TensorView& t, int64_t r) {
+  TensorView v = t;
+  v.data = static_cast<char*>(t.data) + r * t.stride[0] * dtype_size(t.dtype);
+  v.shape[0] = 1;
+  return v;
+}
+
+// A state's layout for `rows` rows (pos [rows] int64, S / P / H per the operator), nothing read.
+void state_layout(const PartNames& nm, const StateView& s, const OpConfig& cfg, int64_t rows, int64_t H, int64_t dk,
+                  int64_t dv, bool want_pos, Device dev) {
+  const OpTraits t = op_traits(cfg.op);
+  const int64_t dvp = dv + (cfg.normalize ? 1 : 0);
+  if (want_pos) {
+    require(nm.pos, s.pos, "(int64 [N] positions of the state)");
+    expect_shape(nm.pos, s.pos, {rows}, "one position per sequence");
+    expect_dtype(nm.pos, s.pos, DType::i64, "positions are int64");
+    expect_device(nm.pos, s.pos, dev);
+    expect_strides(nm.pos, s.pos);
+  }
+  auto part = [&](const char* pn, const char* p, const TensorView& tv, bool has, const Shape& shape,
+                  const char* layout, bool levels) {
+    if (!has) {
+      if (tv.defined())
+        fail(pn, std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no state part " + p + "), got " +
+                     tv.shape_str());
+      return;
+    }
+    require(pn, tv, layout);
+    Shape sh = shape;
+    if (levels) {
+      expect_ndim(pn, tv, 5, layout);
+      sh.d[2] = tv.shape[2];
+    }
+    expect_shape(pn, tv, sh, layout);
+    expect_state_dtype(pn, tv);
+    expect_device(pn, tv, dev);
+    expect_strides(pn, tv);
+  };
+  const int64_t packed = packed_size(dk);
+  if (t.has_S && packed < 0)
+    fail("q", "expected a head dim dk whose packed state S of dk(dk+1)/2 entries fits in int64, got dk = " +
+                  std::to_string(dk));
+  part(nm.S, "S", s.S, t.has_S, {rows, H, packed}, "([N, H, dk(dk+1)/2] packed symmetric S)", false);
+  part(nm.P, "P", s.P, t.has_P, {rows, H, dk, dvp}, "([N, H, dk, dv'])", false);
+  if (t.loglinear) part(nm.H, "H", s.H, true, {rows, H, 0, dk, dvp}, "([N, H, Ls, dk, dv'] Fenwick slots)", true);
+  else part(nm.H, "H", s.H, true, {rows, H, dk, dvp}, "([N, H, dk, dv'])", false);
+}
+
+// A state against its sequences' positions (nullptr: none known): the Fenwick slots they need
+// and, with `values`, finite parts whose dead slots are zero (canonical). seq_rows: the state row
+// of each sequence (-1: none) for a pool, nullptr when sequence i is row i.
+void state_levels(const PartNames& nm, const StateView& s, const OpConfig& cfg, int64_t H, int64_t dk, int64_t dv,
+                  const std::vector<int64_t>* positions, const std::vector<int64_t>* seq_rows, bool values) {
+  const OpTraits t = op_traits(cfg.op);
+  const int64_t dvp = dv + (cfg.normalize ? 1 : 0);
+  if (values) {
+    if (!seq_rows) {
+      if (s.S.defined()) check_finite(nm.S, s.S);
+      if (s.P.defined()) check_finite(nm.P, s.P);
+      check_finite(nm.H, s.H);
+    } else {  // a pool: the rows the call reads
+      for (int64_t r : *seq_rows) {
+        if (r < 0) continue;
+        if (s.S.defined()) check_finite(nm.S, row_of(s.S, r));
+        if (s.P.defined()) check_finite(nm.P, row_of(s.P, r));
+        check_finite(nm.H, row_of(s.H, r));
+      }
+    }
+  }
+  if (!t.loglinear || !positions) return;
+  const int64_t Ls = s.H.shape[2];
+  const int64_t N = int64_t(positions->size());
+  const HostMirror whole(values && !seq_rows ? s.H : TensorView{});
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t row = seq_rows ? (*seq_rows)[size_t(i)] : i;
+    if (row < 0) continue;
+    const int64_t n = (*positions)[size_t(i)];
+    const int64_t need = bitlen(static_cast<uint64_t>(n)) + 1;
+    if (Ls < need)
+      fail(nm.H, "has " + std::to_string(Ls) + " level slots, but position " + std::to_string(n) + " of sequence " +
+                     std::to_string(i) + " needs " + std::to_string(need) + " (bitlen(pos)+1)");
+    if (!values) continue;
+    const HostMirror one(seq_rows ? row_of(s.H, row) : TensorView{});
+    const TensorView& hv = seq_rows ? one.view() : whole.view();
+    const int64_t hr = seq_rows ? 0 : i;
+    for (int64_t l = 0; l < Ls; ++l) {
+      const bool live = l >= 1 && l <= 63 && ((n >> (l - 1)) & 1);
+      if (live) continue;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < dk; ++r)
+          for (int64_t c = 0; c < dvp; ++c)
+            if (load(hv, offset(hv, {hr, h, l, r, c})) != 0)
+              fail(nm.H, "is not canonical at position " + std::to_string(n) + ": slot " + std::to_string(l) +
+                             " of sequence " + std::to_string(i) +
+                             (l == 0 ? " must be zero (slot 0 is the diagonal level, never stored)"
+                                     : " must be zero (bit " + std::to_string(l - 1) + " of the position is clear)") +
+                             ", got a non-zero entry");
+    }
+  }
+}
+
+// Positions of an input state in [0, 2^62] (the bound of forward).
+void check_position_range(const char* name, const std::vector<int64_t>& pos, const std::vector<int64_t>* seq_rows) {
+  for (size_t i = 0; i < pos.size(); ++i) {
+    if (seq_rows && (*seq_rows)[i] < 0) continue;
+    if (pos[i] < 0 || pos[i] > kMaxPosition)
+      fail(name, "expected positions in [0, 2^62] (the bound of forward), got " + std::to_string(pos[i]) +
+                     " for sequence " + std::to_string(i));
+  }
+}
+
+// The positions the N sequences of a forward start from: init_pos_host when given (compared with
+// the device's with value checks on), else read from init.pos; with a pool, init.pos at the rows
+// state_indices names (0 for padding). The indices are read (and checked) where the positions are
+// read, and on the CPU; `idx` gets them then.
+std::vector<int64_t> init_positions(const ForwardParams& p, int64_t N, int64_t rows, bool pool, Device dev,
+                                    std::vector<int64_t>& idx) {
+  const bool host = p.init_pos_host.defined();
+  if (host) {
+    expect_host("init_pos_host", p.init_pos_host, "a host copy of the initial positions");
+    expect_dtype("init_pos_host", p.init_pos_host, DType::i64, "positions are int64");
+    expect_shape("init_pos_host", p.init_pos_host, {N}, "one position per sequence");
+    expect_strides("init_pos_host", p.init_pos_host);
+  }
+  const bool read_dev = !host || p.cfg.check_values;
+  if (pool && (read_dev || dev.type == DeviceType::cpu)) {
+    idx = read_ints(p.state_indices);
+    check_index_values(idx, rows);
+  }
+  std::vector<int64_t> pos = host ? read_ints(p.init_pos_host) : std::vector<int64_t>{};
+  if (!read_dev) return pos;
+  const std::vector<int64_t> all = read_ints(p.init.pos);
+  std::vector<int64_t> seq(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) seq[size_t(i)] = pool ? (idx[size_t(i)] < 0 ? 0 : all[size_t(idx[size_t(i)])]) : all[size_t(i)];
+  if (!host) return seq;
+  for (int64_t i = 0; i < N; ++i)
+    if (pos[size_t(i)] != seq[size_t(i)])
+      fail("init_pos_host", "expected the initial positions of init.pos (value checks are on), got " +
+                                std::to_string(pos[size_t(i)]) + " for sequence " + std::to_string(i) + " where init.pos" +
+                                (pool ? "[state_indices[" + std::to_string(i) + "]]" : std::string()) + " holds " +
+                                std::to_string(seq[size_t(i)]));
+  return pos;
 }
 
 Resolved resolve_common(const ForwardParams& p, bool o_required) {
@@ -690,31 +971,50 @@ Resolved resolve_common(const ForwardParams& p, bool o_required) {
   r.form = p.form;
   r.chunk = p.chunk;
   r.B = d.B, r.T = d.T, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
-  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B, d.T}, d);
+  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, true, d);
   r.nL = p.lam.defined() ? p.lam.shape[3] : 0;
   r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
   r.f64 = d.dtype == DType::f64 || p.form == Form::naive;
-  r.seqs = make_seqs(p.cu_seqlens, d.B, d.T, d.dev);
+  r.seqs = make_seqs(p.cu_seqlens, p.cu_seqlens_host, d.B, d.T, d.dev, p.cfg.check_values);
   const int64_t N = static_cast<int64_t>(r.seqs.size());
+  const bool pool = p.state_indices.defined();
+  int64_t rows = N;
+  if (pool) {
+    if (!p.init.defined())
+      fail("state_indices", "expected an initial state pool (init) for the indices to address, got no initial state");
+    check_index_tensor(p.state_indices, N, d.dev);
+    rows = state_rows(p.init);
+    r.pooled = true;
+    r.pool_rows = rows;
+  }
   if (p.init.defined()) {
-    check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, nullptr, true, p.cfg.check_values, d.dev);
-    const std::vector<int64_t> pos = read_positions(p.init.pos);
+    const PartNames nm = part_names("init");
+    state_layout(nm, p.init, p.cfg, rows, d.H, d.dk, d.dv, true, d.dev);
+    const std::vector<int64_t> pos = init_positions(p, N, rows, pool, d.dev, r.rows);
+    const std::vector<int64_t>* seq_rows = pool && !r.rows.empty() ? &r.rows : nullptr;
+    check_position_range(p.init_pos_host.defined() ? "init_pos_host" : nm.pos, pos, seq_rows);
     for (int64_t i = 0; i < N; ++i) {
-      if (pos[i] > kMaxPosition - r.seqs[i].len)
-        fail("init.pos", "expected n0 + T <= 2^62 for sequence " + std::to_string(i) + " (T = " +
-                             std::to_string(r.seqs[i].len) + "), got n0 = " + std::to_string(pos[i]));
-      r.seqs[i].n0 = pos[i];
+      if (pos[size_t(i)] > kMaxPosition - r.seqs[size_t(i)].len)
+        fail(p.init_pos_host.defined() ? "init_pos_host" : "init.pos",
+             "expected n0 + T <= 2^62 for sequence " + std::to_string(i) + " (T = " +
+                 std::to_string(r.seqs[size_t(i)].len) + "), got n0 = " + std::to_string(pos[size_t(i)]));
+      r.seqs[size_t(i)].n0 = pos[size_t(i)];
     }
     r.has_init = true;
-    check_state("init", p.init, p.cfg, N, d.H, d.dk, d.dv, &pos, true, p.cfg.check_values, d.dev);
+    // with a pool on CUDA and no indices read (check_values off), the canonical check is off too
+    state_levels(nm, p.init, p.cfg, d.H, d.dk, d.dv, &pos, seq_rows, p.cfg.check_values && (!pool || seq_rows));
+  } else if (p.init_pos_host.defined()) {
+    fail("init_pos_host", "expected no tensor (no initial state was given), got " + p.init_pos_host.shape_str());
   }
-  check_levels(r, p.lam);
+  check_levels(r);
   if (o_required || p.o.defined())
     check_output("o", p.o, {d.B, d.T, d.H, d.dv}, d.dtype, d.dev, "[B, T, H, dv] like v");
   if (p.final_state.defined()) {
-    std::vector<int64_t> fin;
-    for (const SeqInfo& s : r.seqs) fin.push_back(s.n0 + s.len);
-    check_state("final_state", p.final_state, p.cfg, N, d.H, d.dk, d.dv, &fin, true, false, d.dev);
+    std::vector<int64_t> fin(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) fin[size_t(i)] = r.seqs[size_t(i)].n0 + r.seqs[size_t(i)].len;
+    const PartNames nm = part_names("final_state");
+    state_layout(nm, p.final_state, p.cfg, rows, d.H, d.dk, d.dv, true, d.dev);
+    state_levels(nm, p.final_state, p.cfg, d.H, d.dk, d.dv, &fin, nullptr, false);
   }
   check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
   return r;
@@ -722,96 +1022,23 @@ Resolved resolve_common(const ForwardParams& p, bool o_required) {
 
 }  // namespace
 
-std::vector<int64_t> read_positions(const TensorView& dev_pos) {
-  const HostMirror m(dev_pos);
-  const TensorView& pos = m.view();
-  std::vector<int64_t> out(static_cast<size_t>(pos.shape[0]));
-  for (int64_t i = 0; i < pos.shape[0]; ++i) out[i] = load_int(pos, i * pos.stride[0]);
-  return out;
-}
+std::vector<int64_t> read_positions(const TensorView& dev_pos) { return read_ints(dev_pos); }
 
-void check_state(const char* name, const StateView& s, const OpConfig& cfg, int64_t N, int64_t H,
-                 int64_t dk, int64_t dv, const std::vector<int64_t>* positions, bool want_pos,
-                 bool values, Device dev) {
-  const std::string nm = name;
-  const OpTraits t = op_traits(cfg.op);
-  const int64_t dvp = dv + (cfg.normalize ? 1 : 0);
-  if (want_pos) {
-    require(nm + ".pos", s.pos, "(int64 [N] positions of the state)");
-    expect_shape(nm + ".pos", s.pos, {N}, "one position per sequence");
-    expect_dtype(nm + ".pos", s.pos, DType::i64, "positions are int64");
-    expect_device(nm + ".pos", s.pos, dev);
-    if (positions == nullptr) {  // an input state: its positions are read (outputs are only shaped)
-      const std::vector<int64_t> pos = read_positions(s.pos);
-      for (int64_t i = 0; i < N; ++i)
-        if (pos[i] < 0 || pos[i] > kMaxPosition)
-          fail(nm + ".pos", "expected positions in [0, 2^62] (the bound of forward), got " + std::to_string(pos[i]) +
-                                " for sequence " + std::to_string(i));
-    }
-  }
-  auto part = [&](const char* p, const TensorView& tv, bool has, std::vector<int64_t> shape,
-                  const std::string& layout) {
-    const std::string pn = nm + "." + p;
-    if (!has) {
-      forbid(pn, tv, std::string("operator ") + op_name(cfg.op) + " has no state part " + p);
-      return;
-    }
-    require(pn, tv, "(" + layout + ")");
-    if (t.loglinear && std::string(p) == "H") {
-      expect_ndim(pn, tv, 5, layout);
-      shape[2] = tv.shape[2];
-    }
-    expect_shape(pn, tv, shape, layout);
-    expect_state_dtype(pn, tv);
-    expect_device(pn, tv, dev);
-    expect_strides(pn, tv);
-    if (values) check_finite(pn, tv);
-  };
-  const int64_t packed = packed_size(dk);
-  if (t.has_S && packed < 0)
-    fail("q", "expected a head dim dk whose packed state S of dk(dk+1)/2 entries fits in int64, got dk = " +
-                  std::to_string(dk));
-  part("S", s.S, t.has_S, {N, H, packed}, "[N, H, dk(dk+1)/2] packed symmetric S");
-  part("P", s.P, t.has_P, {N, H, dk, dvp}, "[N, H, dk, dv']");
-  if (t.loglinear) {
-    part("H", s.H, true, {N, H, 0, dk, dvp}, "[N, H, Ls, dk, dv'] Fenwick slots");
-  } else {
-    part("H", s.H, true, {N, H, dk, dvp}, "[N, H, dk, dv']");
-  }
-  if (!t.loglinear || !positions) return;
-  const int64_t Ls = s.H.shape[2];
-  const HostMirror hm(values ? s.H : TensorView{});
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t n = (*positions)[i];
-    const int64_t need = bitlen(static_cast<uint64_t>(n)) + 1;
-    if (Ls < need)
-      fail(nm + ".H", "has " + std::to_string(Ls) + " level slots, but position " + std::to_string(n) +
-                          " of sequence " + std::to_string(i) + " needs " + std::to_string(need) +
-                          " (bitlen(pos)+1)");
-    if (!values) continue;
-    for (int64_t l = 0; l < Ls; ++l) {
-      const bool live = l >= 1 && l <= 63 && ((n >> (l - 1)) & 1);
-      if (live) continue;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t r = 0; r < dk; ++r)
-          for (int64_t c = 0; c < dvp; ++c)
-            if (load(hm.view(), offset(hm.view(), {i, h, l, r, c})) != 0)
-              fail(nm + ".H", "is not canonical at position " + std::to_string(n) + ": slot " +
-                                  std::to_string(l) + " of sequence " + std::to_string(i) +
-                                  (l == 0 ? " must be zero (slot 0 is the diagonal level, never stored)"
-                                          : " must be zero (bit " + std::to_string(l - 1) +
-                                                " of the position is clear)") +
-                                  ", got a non-zero entry");
-    }
-  }
+void check_state(const char* name, const StateView& s, const OpConfig& cfg, int64_t rows, int64_t H, int64_t dk,
+                 int64_t dv, const std::vector<int64_t>* positions, bool want_pos, bool values, Device dev) {
+  const PartNames nm = part_names(name);
+  state_layout(nm, s, cfg, rows, H, dk, dv, want_pos, dev);
+  if (positions) check_position_range(nm.pos, *positions, nullptr);
+  state_levels(nm, s, cfg, H, dk, dv, positions, nullptr, values);
 }
 
 Resolved resolve_forward(const ForwardParams& p) {
   const StreamScope scope(p.stream);
   Resolved r = resolve_common(p, true);
   {
-    std::vector<Named> out = {{"o", &p.o}};
-    add_state(out, "final_state", p.final_state);
+    NamedList out;
+    out.add("o", p.o);
+    out.add_state(part_names("final_state"), p.final_state);
     check_no_aliasing(out, forward_inputs(p));
   }
   if (p.q.device.type == DeviceType::cpu) check_cpu_memory(r, false);
@@ -820,13 +1047,13 @@ Resolved resolve_forward(const ForwardParams& p) {
 
 Resolved resolve_backward(const BackwardParams& p) {
   const StreamScope scope(p.stream);
-  if (static_cast<int>(p.form) >= 0 && static_cast<int>(p.form) <= 3 &&
-      static_cast<int>(p.cfg.op) >= 0 && static_cast<int>(p.cfg.op) <= 9 &&
-      !supports(p.cfg.op, p.form, true))
-    fail("form", std::string("expected a form with a backward for operator ") + op_name(p.cfg.op) +
-                     " (naive or chunk" +
-                     (supports(p.cfg.op, Form::serial, true) ? ", or serial" : "") + "), got " +
-                     form_name(p.form));
+  if (static_cast<int>(p.form) >= 0 && static_cast<int>(p.form) <= 3 && static_cast<int>(p.cfg.op) >= 0 &&
+      static_cast<int>(p.cfg.op) <= 9 && !supports(p.cfg.op, p.form, true))
+    fail("form", std::string("expected a form with a backward for operator ") + op_name(p.cfg.op) + " (naive or chunk" +
+                     (supports(p.cfg.op, Form::serial, true) ? ", or serial" : "") + "), got " + form_name(p.form));
+  if (p.state_indices.defined())
+    fail("state_indices", "expected no tensor in a backward (state pools are for inference: forward and step), got " +
+                              p.state_indices.shape_str());
   Resolved r = resolve_common(p, false);
   const DType dt = p.q.dtype;
   const Device dev = p.q.device;
@@ -834,13 +1061,15 @@ Resolved resolve_backward(const BackwardParams& p) {
   if (p.cfg.check_values) check_finite("d_o", p.d_o);
   const int64_t N = static_cast<int64_t>(r.seqs.size());
   if (p.d_final.defined()) {
-    std::vector<int64_t> fin;
-    for (const SeqInfo& s : r.seqs) fin.push_back(s.n0 + s.len);
-    check_state("d_final", p.d_final, p.cfg, N, r.H, r.dk, r.dv, &fin, false, false, dev);
+    std::vector<int64_t> fin(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) fin[size_t(i)] = r.seqs[size_t(i)].n0 + r.seqs[size_t(i)].len;
+    const PartNames nm = part_names("d_final");
+    state_layout(nm, p.d_final, p.cfg, N, r.H, r.dk, r.dv, false, dev);
+    state_levels(nm, p.d_final, p.cfg, r.H, r.dk, r.dv, &fin, nullptr, false);
     if (p.cfg.check_values) {
-      check_finite("d_final.S", p.d_final.S);
-      check_finite("d_final.P", p.d_final.P);
-      check_finite("d_final.H", p.d_final.H);
+      if (p.d_final.S.defined()) check_finite("d_final.S", p.d_final.S);
+      if (p.d_final.P.defined()) check_finite("d_final.P", p.d_final.P);
+      if (p.d_final.H.defined()) check_finite("d_final.H", p.d_final.H);
     }
   }
   check_optional_output("dq", p.dq, p.q, "q");
@@ -850,22 +1079,21 @@ Resolved resolve_backward(const BackwardParams& p) {
   check_optional_output("dlam", p.dlam, p.lam, "lam");
   check_optional_output("dbeta", p.dbeta, p.beta, "beta");
   if (p.d_init.defined()) {
-    if (!p.init.defined())
-      fail("d_init", "expected no tensors (no initial state was given), got a state");
+    if (!p.init.defined()) fail("d_init", "expected no tensors (no initial state was given), got a state");
     check_optional_output("d_init.S", p.d_init.S, p.init.S, "init.S");
     check_optional_output("d_init.P", p.d_init.P, p.init.P, "init.P");
     check_optional_output("d_init.H", p.d_init.H, p.init.H, "init.H");
   }
   {
-    std::vector<Named> out = {{"o", &p.o}};
-    add_state(out, "final_state", p.final_state);
-    for (const auto& [n, t] : {Named{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}, {"dg", &p.dg},
-                               {"dlam", &p.dlam}, {"dbeta", &p.dbeta}})
-      out.push_back({n, t});
-    add_state(out, "d_init", p.d_init, false);
-    std::vector<Named> in = forward_inputs(p);
-    in.push_back({"d_o", &p.d_o});
-    add_state(in, "d_final", p.d_final, false);
+    NamedList out;
+    out.add("o", p.o);
+    out.add_state(part_names("final_state"), p.final_state);
+    out.add("dq", p.dq), out.add("dk", p.dk), out.add("dv", p.dv), out.add("dg", p.dg);
+    out.add("dlam", p.dlam), out.add("dbeta", p.dbeta);
+    out.add_state(part_names("d_init"), p.d_init, false);
+    NamedList in = forward_inputs(p);
+    in.add("d_o", p.d_o);
+    in.add_state(part_names("d_final"), p.d_final, false);
     check_no_aliasing(out, in);
   }
   if (dev.type == DeviceType::cpu) check_cpu_memory(r, true);
@@ -874,67 +1102,96 @@ Resolved resolve_backward(const BackwardParams& p) {
 
 namespace {
 
-// What a step runs against: the state's op, sizes, dtype, device and positions.
+// What a step runs against: the state's sizes, dtype, device, and the positions of the sequences
+// where they are known on the host (-1 for a padding row), else nullptr.
 struct StepTarget {
   int64_t N, H, dk, dv;
   DType dtype;
   Device device;
-  std::vector<int64_t> pos;
-  StateView state;  // the memory the step writes (for the aliasing check)
+  const std::vector<int64_t>* pos;
+  const StateView* state;
 };
 
+void check_max_position(int64_t m) {
+  if (m < -1 || m >= kMaxPosition)
+    fail("max_position", "expected -1 (none) or the largest position a step starts from, in [0, 2^62), got " +
+                             std::to_string(m));
+}
+
 // q, k, v must match the state; validation of the step inputs shared by both step forms.
-Resolved resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarget& st) {
+void resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarget& st, Resolved& r) {
   if (d.B != st.N || d.H != st.H || d.dk != st.dk || d.dv != st.dv)
-    fail("q", "expected N = " + std::to_string(st.N) + ", H = " + std::to_string(st.H) +
-                  ", dk = " + std::to_string(st.dk) + ", dv = " + std::to_string(st.dv) +
-                  " (the decode state's), got N = " + std::to_string(d.B) + ", H = " +
-                  std::to_string(d.H) + ", dk = " + std::to_string(d.dk) + ", dv = " +
-                  std::to_string(d.dv));
+    fail("q", "expected N = " + std::to_string(st.N) + ", H = " + std::to_string(st.H) + ", dk = " +
+                  std::to_string(st.dk) + ", dv = " + std::to_string(st.dv) + " (the decode state's), got N = " +
+                  std::to_string(d.B) + ", H = " + std::to_string(d.H) + ", dk = " + std::to_string(d.dk) +
+                  ", dv = " + std::to_string(d.dv));
   if (!(d.dev == st.device))
-    fail("q", "expected device " + device_name(st.device) + " (the decode state's), got " +
-                  device_name(d.dev));
+    fail("q", "expected device " + device_name(st.device) + " (the decode state's), got " + device_name(d.dev));
   // States are float64 exactly for float64 inputs; the CPU also steps lower-precision inputs on a
   // float64 state (more precise, never less), CUDA does not.
   const DType want = d.dtype == DType::f64 ? DType::f64 : DType::f32;
   if (st.dtype != want && (d.dev.type == DeviceType::cuda || d.dtype == DType::f64))
-    fail("state", std::string("expected a ") + dtype_name(want) + " state for " + dtype_name(d.dtype) +
-                      " inputs" + (d.dev.type == DeviceType::cuda ? " on a CUDA device" : "") +
+    fail("state", std::string("expected a ") + dtype_name(want) + " state for " + dtype_name(d.dtype) + " inputs" +
+                      (d.dev.type == DeviceType::cuda ? " on a CUDA device" : "") +
                       " (states are float32, float64 for float64 inputs), got " + dtype_name(st.dtype));
-  for (int64_t i = 0; i < d.B; ++i)
-    if (st.pos[i] < 0 || st.pos[i] >= kMaxPosition)
-      fail("state.pos", "expected positions in [0, 2^62) before a step (a step past 2^62 would leave the "
-                        "bound of forward), got " + std::to_string(st.pos[i]) + " for sequence " + std::to_string(i));
-  Resolved r;
+  if (st.pos)
+    for (int64_t i = 0; i < d.B; ++i) {
+      const int64_t x = (*st.pos)[size_t(i)];
+      if (x == -1 && r.pooled && r.rows[size_t(i)] < 0) continue;  // a padding row
+      if (x < 0 || x >= kMaxPosition)
+        fail("state.pos", "expected positions in [0, 2^62) before a step (a step past 2^62 would leave the "
+                          "bound of forward), got " + std::to_string(x) + " for sequence " + std::to_string(i));
+    }
   r.cfg = p.cfg;
   r.traits = op_traits(p.cfg.op);
   r.form = Form::serial;
   r.B = d.B, r.T = 1, r.G = d.G, r.H = d.H, r.dk = d.dk, r.dv = d.dv, r.dvp = d.dvp;
-  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, {d.B}, d);
+  r.gate_cols = check_side_inputs(p.cfg, p.g, p.lam, p.beta, false, d);
   r.nL = p.lam.defined() ? p.lam.shape[2] : 0;
   r.scale = p.cfg.scale != 0 ? p.cfg.scale : 1.0 / std::sqrt(static_cast<double>(d.dk));
   r.f64 = st.dtype == DType::f64;
-  for (int64_t i = 0; i < d.B; ++i) r.seqs.push_back({i, 0, 1, st.pos[i]});
-  if (r.traits.loglinear)
-    for (int64_t i = 0; i < d.B; ++i) {
-      const int64_t need = bitlen(static_cast<uint64_t>(r.seqs[i].n0)) + 1;
-      if (r.nL < need)
-        fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
-                        " is at position " + std::to_string(r.seqs[i].n0) + " and needs " +
-                        std::to_string(need) + " (bitlen(pos)+1)");
+  r.positions_known = st.pos != nullptr;
+  r.max_position = p.max_position;
+  r.seqs.resize(static_cast<size_t>(d.B));
+  for (int64_t i = 0; i < d.B; ++i)
+    r.seqs[size_t(i)] = {i, 0, 1, st.pos ? std::max<int64_t>((*st.pos)[size_t(i)], 0) : 0};
+  if (r.traits.loglinear) {
+    if (st.pos) {
+      for (int64_t i = 0; i < d.B; ++i) {
+        if ((*st.pos)[size_t(i)] < 0) continue;  // a padding row
+        const int64_t need = bitlen(static_cast<uint64_t>(r.seqs[size_t(i)].n0)) + 1;
+        if (r.nL < need)
+          fail("lam", "has " + std::to_string(r.nL) + " levels, but sequence " + std::to_string(i) +
+                          " is at position " + std::to_string(r.seqs[size_t(i)].n0) + " and needs " +
+                          std::to_string(need) + " (bitlen(pos)+1)");
+      }
     }
+    if (p.max_position >= 0) {
+      const int64_t need = bitlen(static_cast<uint64_t>(p.max_position)) + 1;
+      if (r.nL < need)
+        fail("lam", "has " + std::to_string(r.nL) + " levels, but max_position = " + std::to_string(p.max_position) +
+                        " needs " + std::to_string(need) + " (bitlen(max_position)+1)");
+    }
+  }
   check_output("o", p.o, {d.B, d.H, d.dv}, d.dtype, d.dev, "[N, H, dv] like v");
   {
-    std::vector<Named> in = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g}, {"lam", &p.lam}, {"beta", &p.beta}};
-    add_state(in, "state", st.state);
-    check_no_aliasing({{"o", &p.o}}, in);
+    NamedList in;
+    in.add("q", p.q), in.add("k", p.k), in.add("v", p.v), in.add("g", p.g), in.add("lam", p.lam);
+    in.add("beta", p.beta);
+    const int ninputs = in.n;
+    in.add("state_indices", p.state_indices);
+    in.add_state(part_names("state"), *st.state);
+    NamedList o;
+    o.add("o", p.o);
+    check_no_aliasing(o, in);
     // the state is written in place: it must not alias the step's inputs either
-    std::vector<Named> parts;
-    add_state(parts, "state", st.state);
-    check_no_aliasing(parts, std::vector<Named>(in.begin(), in.begin() + 6));
+    NamedList parts, inputs;
+    parts.add_state(part_names("state"), *st.state);
+    for (int i = 0; i < ninputs; ++i) inputs.v[inputs.n++] = in.v[i];
+    inputs.add("state_indices", p.state_indices);
+    check_no_aliasing(parts, inputs);
   }
   check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
-  return r;
 }
 
 }  // namespace
@@ -944,60 +1201,98 @@ Resolved resolve_step(const StepParams& p, const DecodeState& st) {
   check_config(p.cfg);
   const OpConfig& sc = st.config();
   if (p.cfg.op != sc.op)
-    fail("op", std::string("expected the decode state's operator ") + op_name(sc.op) + ", got " +
-                   op_name(p.cfg.op));
+    fail("op", std::string("expected the decode state's operator ") + op_name(sc.op) + ", got " + op_name(p.cfg.op));
   if (p.cfg.normalize != sc.normalize)
     fail("normalize", std::string("expected ") + (sc.normalize ? "true" : "false") +
-                          " as when the decode state was created, got " +
-                          (p.cfg.normalize ? "true" : "false"));
+                          " as when the decode state was created, got " + (p.cfg.normalize ? "true" : "false"));
+  if (p.state_indices.defined())
+    fail("state_indices", "expected no tensor for a DecodeState step (it steps its own sequences; a state pool is "
+                          "stepped as a StateView), got " + p.state_indices.shape_str());
+  check_max_position(p.max_position);
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
-  StepTarget t{st.batch(), st.heads(), st.dk(), st.dv(), st.dtype(), st.device(), {},
-               const_cast<DecodeState&>(st).view()};
-  for (int64_t i = 0; i < st.batch(); ++i) t.pos.push_back(st.position(i));
-  return resolve_step_inputs(p, d, t);
+  const StateView view = const_cast<DecodeState&>(st).view();
+  std::vector<int64_t> pos(static_cast<size_t>(st.batch()));
+  for (int64_t i = 0; i < st.batch(); ++i) {
+    pos[size_t(i)] = st.position(i);
+    if (p.max_position >= 0 && pos[size_t(i)] > p.max_position)
+      fail("state.pos", "expected positions <= max_position = " + std::to_string(p.max_position) +
+                            " (the caller's bound), got " + std::to_string(pos[size_t(i)]) + " for sequence " +
+                            std::to_string(i));
+  }
+  const StepTarget t{st.batch(), st.heads(), st.dk(), st.dv(), st.dtype(), st.device(), &pos, &view};
+  Resolved r;
+  resolve_step_inputs(p, d, t, r);
+  return r;
 }
 
 Resolved resolve_step(const StepParams& p, const StateView& s) {
   const StreamScope scope(p.stream);
   check_config(p.cfg);
+  check_max_position(p.max_position);
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
   const OpTraits t = op_traits(p.cfg.op);
-  // The host needs the positions only for a log-linear state (slot capacity, λ levels) and for the
-  // CPU backend. Elsewhere the step kernel reads and advances them on the device, so they are not
-  // read back: a CUDA step of gla / hla2 / ahla / hla3 / gdn does not synchronize (and does not
-  // check that its positions are >= 0; they do not enter those operators).
-  const bool host_pos = t.loglinear || d.dev.type == DeviceType::cpu;
-  std::vector<int64_t> pos(static_cast<size_t>(d.B), 0);
-  // layout, dtypes and device first (positions passed as zeros: nothing is read here)
-  check_state("state", s, p.cfg, d.B, d.H, d.dk, d.dv, &pos, true, false, d.dev);
-  if (host_pos) {  // read once; the slots they need are checked below
-    pos = read_positions(s.pos);
-    for (int64_t i = 0; i < d.B; ++i)
-      if (pos[i] < 0)
-        fail("state.pos", "expected positions >= 0, got " + std::to_string(pos[i]) + " for sequence " +
-                              std::to_string(i));
+  const bool pool = p.state_indices.defined();
+  const int64_t rows = pool ? state_rows(s) : d.B;
+  const PartNames nm = part_names("state");
+  state_layout(nm, s, p.cfg, rows, d.H, d.dk, d.dv, true, d.dev);
+  const DType dt = s.H.dtype;
+  if (s.S.defined() && s.S.dtype != dt)
+    fail("state.S", std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " + dtype_name(s.S.dtype));
+  if (s.P.defined() && s.P.dtype != dt)
+    fail("state.P", std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " + dtype_name(s.P.dtype));
+  Resolved r;
+  if (pool) {
+    check_index_tensor(p.state_indices, d.B, d.dev);
+    r.pooled = true;
+    r.pool_rows = rows;
   }
-  DType dt = s.H.dtype;
-  for (const auto& [name, part] : {std::pair<const char*, const TensorView*>{"state.S", &s.S},
-                                   {"state.P", &s.P}})
-    if (part->defined() && part->dtype != dt)
-      fail(name, std::string("expected ") + dtype_name(dt) + " like state.H (one state dtype), got " +
-                     dtype_name(part->dtype));
-  StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, pos, s};
-  if (t.loglinear) {
-    const int64_t Ls = s.H.shape[2];
+  // The host reads the positions (and a pool's indices) on the CPU, for the value checks, and for
+  // a log-linear step without the caller's bound (its slot capacity and λ levels depend on them).
+  // Otherwise the step kernel reads them on the device (and enforces max_position there), so a
+  // CUDA step synchronizes with nothing and can be captured in a CUDA graph.
+  const bool read = d.dev.type == DeviceType::cpu || p.cfg.check_values || (t.loglinear && p.max_position < 0);
+  std::vector<int64_t> pos;
+  if (read) {
+    if (pool) {
+      r.rows = read_ints(p.state_indices);
+      check_index_values(r.rows, rows);
+    }
+    const std::vector<int64_t> all = read_ints(s.pos);
+    pos.resize(static_cast<size_t>(d.B));
     for (int64_t i = 0; i < d.B; ++i) {
-      const int64_t need = state_slots(st.pos[i] + 1);
-      if (Ls < need)
-        fail("state.H", "has " + std::to_string(Ls) + " Fenwick slots, but sequence " + std::to_string(i) +
-                            " steps from position " + std::to_string(st.pos[i]) + " to " +
-                            std::to_string(st.pos[i] + 1) + " and needs " + std::to_string(need) +
-                            " slots (bitlen(pos+1)+1); grow the state, or use a DecodeState");
+      const int64_t row = pool ? r.rows[size_t(i)] : i;
+      if (row < 0) {
+        pos[size_t(i)] = -1;  // a padding row
+        continue;
+      }
+      const int64_t x = all[size_t(row)];
+      pos[size_t(i)] = x;
+      if (x < 0) fail("state.pos", "expected positions >= 0, got " + std::to_string(x) + " for sequence " + std::to_string(i));
+      if (p.max_position >= 0 && x > p.max_position)
+        fail("state.pos", "expected positions <= max_position = " + std::to_string(p.max_position) +
+                              " (the caller's bound), got " + std::to_string(x) + " for sequence " + std::to_string(i));
+      if (t.loglinear && x < kMaxPosition) {
+        const int64_t Ls = s.H.shape[2], need = state_slots(x + 1);
+        if (Ls < need)
+          fail("state.H", "has " + std::to_string(Ls) + " Fenwick slots, but sequence " + std::to_string(i) +
+                              " steps from position " + std::to_string(x) + " to " + std::to_string(x + 1) +
+                              " and needs " + std::to_string(need) +
+                              " slots (bitlen(pos+1)+1); grow the state, or use a DecodeState");
+      }
     }
   }
+  if (t.loglinear && p.max_position >= 0) {
+    const int64_t Ls = s.H.shape[2], need = state_slots(p.max_position + 1);
+    if (Ls < need)
+      fail("state.H", "has " + std::to_string(Ls) + " Fenwick slots, but a step from max_position = " +
+                          std::to_string(p.max_position) + " needs " + std::to_string(need) +
+                          " (bitlen(max_position+1)+1)");
+  }
+  const StepTarget st{d.B, d.H, d.dk, d.dv, dt, d.dev, read ? &pos : nullptr, &s};
   // The state's values are not checked (a step's own output; checking would copy a device state to
   // the host every step); check_values covers the step inputs as for a DecodeState.
-  return resolve_step_inputs(p, d, st);
+  resolve_step_inputs(p, d, st, r);
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1080,8 +1375,8 @@ std::string likely_cause(const Resolved& r, const TensorView& q_dev, const Tenso
   return std::string("an overflow of ") + prec + " in the computation (check the magnitudes of q, k, v and scale)";
 }
 
-void check_output_finite(const std::string& name, const TensorView& dev_t,
-                         const std::function<std::string()>& cause) {
+template <class Cause>
+void check_output_finite(const char* name, const TensorView& dev_t, const Cause& cause) {
   if (!dev_t.defined() || dev_t.numel() == 0) return;
   const int64_t first = scan(dev_t, false);
   if (first == -1) return;
@@ -1095,10 +1390,12 @@ void check_output_finite(const std::string& name, const TensorView& dev_t,
   });
 }
 
-void check_state_finite(const std::string& name, const StateView& s, const std::function<std::string()>& cause) {
-  check_output_finite(name + ".S", s.S, cause);
-  check_output_finite(name + ".P", s.P, cause);
-  check_output_finite(name + ".H", s.H, cause);
+template <class Cause>
+void check_state_finite(const char* name, const StateView& s, const Cause& cause) {
+  const PartNames nm = part_names(name);
+  check_output_finite(nm.S, s.S, cause);
+  check_output_finite(nm.P, s.P, cause);
+  check_output_finite(nm.H, s.H, cause);
 }
 
 }  // namespace
@@ -1107,7 +1404,16 @@ void check_forward_outputs(const Resolved& r, const ForwardParams& p) {
   if (!r.cfg.check_values) return;
   auto cause = [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, true); };
   check_output_finite("o", p.o, cause);
-  check_state_finite("final_state", p.final_state, cause);
+  if (!r.pooled) return check_state_finite("final_state", p.final_state, cause);
+  // a pool: the rows this call wrote (the indices are read when values are checked)
+  const PartNames nm = part_names("final_state");
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const int64_t row = r.rows[i];
+    if (row < 0) continue;
+    if (p.final_state.S.defined()) check_output_finite(nm.S, row_of(p.final_state.S, row), cause);
+    if (p.final_state.P.defined()) check_output_finite(nm.P, row_of(p.final_state.P, row), cause);
+    if (p.final_state.H.defined()) check_output_finite(nm.H, row_of(p.final_state.H, row), cause);
+  }
 }
 
 void check_backward_outputs(const Resolved& r, const BackwardParams& p) {

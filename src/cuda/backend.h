@@ -4,6 +4,7 @@
 // nvcc. Streams are cudaStream_t passed as void*.
 #pragma once
 #include <cstddef>
+#include <string>
 
 #include "core/problem.h"
 
@@ -28,7 +29,12 @@ void cuda_step(const Resolved& r, const StepParams& p, const StateView& state, v
 size_t cuda_step_counter_bytes(int64_t N, int64_t H);
 
 // Device storage of a DecodeState (allocation happens at construction, reserve, grow and load only).
+// A failed allocation is hila::Error("memory", ...) naming the bytes and the device.
 void* cuda_alloc_zeroed(size_t bytes, int device);
+// hila::Error("N/H/dk/dv", ...) when `total` bytes exceed the configured limit (hila::set_memory_limit,
+// HILA_MAX_MEMORY) or the `fresh` bytes to allocate exceed the device's free memory; `what` names
+// the memory.
+void cuda_check_memory(double total, double fresh, int device, const std::string& what);
 void cuda_free(void* p, int device) noexcept;
 void cuda_upload(void* dst, const void* src, size_t bytes, int device);  // host -> device, blocking
 // dst (contiguous, f32/f64) <- src (strided, any float dtype, same rank, shape <= dst's in every

@@ -2,8 +2,10 @@
 """Command line of hila.experiments (``python -m hila.experiments {mqar,niah,report} ...``).
 
 Every setting has a flag; a preset fills the flags not given. ``--preset gpu`` (the default) is
-the full grid, sized for an H200 with several processes at once (``--parallel``); ``--preset
-smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
+the full grid with a learning-rate sweep, sized for an H200 with several processes at once
+(``--parallel``); ``--preset gpu-small`` the same table with one learning rate per mixer family
+and fewer steps (about 6 minutes of one H200 for MQAR, 3 for NIAH, with ``--parallel 12``);
+``--preset smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
 """
 from __future__ import annotations
 
@@ -15,7 +17,20 @@ from typing import Dict, List, Optional
 from .mixers import DEFAULT_MIXERS, MIXERS
 from .runner import GRID_AXES, execute, grid, parse_grid
 
-__all__ = ["main", "PRESETS"]
+__all__ = ["main", "PRESETS", "FAMILY_LRS"]
+
+# One learning rate per mixer family, for grids that cannot afford the sweep (the gpu-small
+# presets; docs/EXPERIMENTS.md says why these values):
+#   softmax attention 1e-3; the Mamba-2 family (gla, loglinear) and the Gated DeltaNet family
+#   (gdn, loglinear_gdn) 3e-3; the HLA family (hla2, ahla, hla3, loglinear_hla2 and the normalized
+#   variants) 1e-3.
+FAMILY_LRS: Dict[str, List[float]] = {
+    "sdpa": [1e-3],
+    "gla": [3e-3], "loglinear": [3e-3],
+    "gdn": [3e-3], "loglinear_gdn": [3e-3],
+    "hla2": [1e-3], "ahla": [1e-3], "hla3": [1e-3], "loglinear_hla2": [1e-3],
+    "hla2_normalized": [1e-3], "ahla_normalized": [1e-3], "hla3_normalized": [1e-3],
+}
 
 # Grid axes (lists) and shared run settings of each task's presets.
 PRESETS: Dict[str, Dict[str, Dict]] = {
@@ -23,6 +38,12 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
                     lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
                     eval_examples=1000, eval_every=500),
+        # The whole table (9 mixers x 4 dims x 2 lengths x 2 seeds = 144 runs) in one call of about
+        # 6 minutes of one H200 with --parallel 12 (the estimate: docs/EXPERIMENTS.md): one learning
+        # rate per family, 800 steps of 64 sequences.
+        "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
+                          lrs=FAMILY_LRS, vocab=8192, steps=800, batch=64, train_examples=100_000,
+                          eval_examples=1000, eval_every=200),
         # hla3 passes the recall plateau early at this size (docs/EXPERIMENTS.md): one run, ~1 min.
         "smoke": dict(mixers=["hla3"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4,
                       vocab=32, steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100,
@@ -32,6 +53,11 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
                     seeds=[0], lrs=[3e-3], vocab=8192, steps=3000, batch=16, eval_examples=32,
                     eval_every=500),
+        # Every mixer at D = 64, N = 1 and 4, 1K-8K tokens (18 runs), in about 3 minutes of one H200
+        # with --parallel 12: 1000 steps, the family learning rates, 6 depths per length.
+        "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192],
+                          needles=[1, 4], seeds=[0], lrs=FAMILY_LRS, vocab=8192, steps=1000, batch=16,
+                          eval_examples=32, eval_every=250, depths="0,0.2,0.4,0.6,0.8,1"),
         "smoke": dict(mixers=["gla"], dims=[32], lengths=[32, 64], needles=[1], seeds=[0], lrs=[3e-3],
                       vocab=64, steps=100, batch=16, eval_examples=16, eval_every=100, depths="0,0.5,1"),
     },
@@ -89,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
         t.add_argument("--device", default="auto",
                        help="auto (CUDA when present), cpu, cuda, or a comma list of devices for the workers")
-        t.add_argument("--threads", type=int, help="torch CPU threads per process (default: 1 on the CPU, "
-                       "cores / N with --parallel N)")
+        t.add_argument("--threads", type=int, help="torch CPU threads per process (default: 1 in one CPU "
+                       "process; with --parallel N: 1 per worker on GPUs, cores / N on the CPU)")
         t.add_argument("--time-limit", type=float, help="seconds after which no new run starts")
         t.add_argument("--no-progress", action="store_true", help="no progress bars")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")

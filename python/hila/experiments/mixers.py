@@ -28,7 +28,7 @@ Every mixer maps x [B, T, D] -> y [B, T, D] (``forward(x)``; hila's layers retur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ class Mamba2(nn.Module):
 
     def __init__(self, hidden_size: int, state_size: int = 128, expand: int = 2, head_dim: int = 64,
                  n_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, norm_eps: float = 1e-5,
-                 check_values: bool = True):
+                 check_values: Optional[bool] = None):
         super().__init__()
         inner = expand * hidden_size
         if inner % head_dim or (inner // head_dim) % n_groups:
@@ -122,7 +122,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int = 6, head_dim: int = 128, expand_v: float = 2.0,
                  conv_size: int = 4, chunk_size: int = 64, norm_eps: float = 1e-5,
-                 check_values: bool = True):
+                 check_values: Optional[bool] = None):
         super().__init__()
         dk, dv = head_dim, int(head_dim * expand_v)
         self.num_heads, self.head_dim, self.head_dim_v = num_heads, dk, dv

@@ -17,12 +17,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
 
 from .._errors import HilaError
 from .train import RunConfig
 
-__all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid"]
+__all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads"]
 
 GRID_AXES = ("mixers", "dims", "lengths", "seeds", "lrs", "needles")
 
@@ -40,19 +40,25 @@ def parse_grid(spec: str) -> Dict[str, List[str]]:
 
 
 def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequence[int],
-         seeds: Sequence[int], lrs: Sequence[float], needles: Sequence[int] = (1,),
-         **shared) -> List[RunConfig]:
+         seeds: Sequence[int], lrs: Union[Sequence[float], Mapping[str, Sequence[float]]],
+         needles: Sequence[int] = (1,), **shared) -> List[RunConfig]:
     """The runs of the grid, largest models first (they take longest: started first, they pack
     the parallel workers better). For niah, ``lengths`` are the lengths of one run (each run trains
-    and evaluates at all of them), not an axis."""
+    and evaluates at all of them), not an axis. ``lrs``: the learning rates of every mixer, or
+    {mixer: its learning rates} (one per mixer family in the gpu-small preset)."""
     if task == "niah":
         shared["lengths"] = ",".join(str(x) for x in lengths)
         lengths = [max(lengths)]
+    if isinstance(lrs, Mapping):
+        missing = [m for m in mixers if m not in lrs]
+        if missing:
+            raise HilaError(f"hila: argument 'lrs': no learning rate for mixer(s) {', '.join(missing)}", "lrs")
     runs = []
-    for mixer, dim, T, n, seed, lr in itertools.product(mixers, dims, lengths, needles, seeds, lrs):
-        kw = dict(shared, needles=int(n)) if task == "niah" else dict(shared)
-        runs.append(RunConfig(task=task, mixer=mixer, dim=int(dim), seq_len=int(T), lr=float(lr),
-                              seed=int(seed), **kw))
+    for mixer, dim, T, n, seed in itertools.product(mixers, dims, lengths, needles, seeds):
+        for lr in (lrs[mixer] if isinstance(lrs, Mapping) else lrs):
+            kw = dict(shared, needles=int(n)) if task == "niah" else dict(shared)
+            runs.append(RunConfig(task=task, mixer=mixer, dim=int(dim), seq_len=int(T), lr=float(lr),
+                                  seed=int(seed), **kw))
     return sorted(runs, key=lambda c: -(c.dim * c.seq_len))
 
 
@@ -165,27 +171,45 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
     else:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         counter, lock = ctx.Value("i", 0), ctx.Lock()
-        threads = threads or max(1, (os.cpu_count() or 1) // parallel)
-        with cf.ProcessPoolExecutor(parallel, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(counter, lock, threads)) as pool:
-            queue, running = list(todo), {}
-            while queue or running:
-                while queue and len(running) < parallel and not out_of_time():
-                    cfg = queue.pop(0)
-                    running[pool.submit(_run_one, cfg, list(devices), progress)] = cfg
-                if not running:
-                    break
-                ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
-                for fut in ready:
-                    cfg = running.pop(fut)
-                    try:
-                        rows, err = fut.result()
-                    except Exception:  # the worker process died
-                        rows, err = None, traceback.format_exc()
-                    record(cfg, rows, err)
+        threads = threads or worker_threads(devices, parallel)
+        # hila's OpenMP pool (CPU backend) sizes itself from OMP_NUM_THREADS when a worker loads it
+        omp = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            with cf.ProcessPoolExecutor(parallel, mp_context=ctx, initializer=_init_worker,
+                                        initargs=(counter, lock, threads)) as pool:
+                queue, running = list(todo), {}
+                while queue or running:
+                    while queue and len(running) < parallel and not out_of_time():
+                        cfg = queue.pop(0)
+                        running[pool.submit(_run_one, cfg, list(devices), progress)] = cfg
+                    if not running:
+                        break
+                    ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                    for fut in ready:
+                        cfg = running.pop(fut)
+                        try:
+                            rows, err = fut.result()
+                        except Exception:  # the worker process died
+                            rows, err = None, traceback.format_exc()
+                        record(cfg, rows, err)
+        finally:
+            if omp is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = omp
     left = len(todo) - finished - failures
     if left:
         print(f"hila.experiments: time limit reached, {left} runs left for the next call",
               file=sys.stderr, flush=True)
     return failures
 
+
+def worker_threads(devices: Sequence[str], parallel: int) -> int:
+    """torch threads of each of ``parallel`` worker processes: 1 when every device is a GPU (a
+    worker's host work is one thread launching kernels; more threads only contend for the cores
+    the other workers use), else the cores split evenly (at least 1)."""
+    from .train import resolve_device
+    if all(resolve_device(d).type == "cuda" for d in devices):
+        return 1
+    return max(1, (os.cpu_count() or 1) // parallel)

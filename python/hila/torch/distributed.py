@@ -1135,7 +1135,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             shard_lens: Optional[Sequence[int]] = None, form: str = "chunk", chunk: int = 64,
             scale: Optional[float] = None, normalize: bool = False, eps: float = 1e-6,
             ridge: float = 0.0, qk_l2norm: bool = False,
-            check_values: bool = True) -> Tuple[Tensor, Optional[State]]:
+            check_values: Optional[bool] = None) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.torch.forward`` of a sequence sharded along T over ``group``.
 
     Each rank passes its own rows: q, k [B, T_r, G, dk], v [B, T_r, H, dv], g, lam, beta likewise
@@ -1148,8 +1148,11 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     ``output_final_state``, the state at the end of each of its sequences (dense: the B rows at
     b_r, the global final state on the last non-empty rank; packed: one row per sequence with rows
     here, see :func:`local_sequences`). Options as in :func:`hila.torch.forward`; ``check_values``
-    also checks every rank's inputs before anyone continues (one device read per call).
+    (None: on for CPU tensors, off on CUDA) also checks every rank's inputs before anyone
+    continues (one device read per call).
     """
+    if check_values is None:
+        check_values = bool(getattr(q, "is_cpu", True))
     opts = dict(form=form, chunk=chunk, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
                 qk_l2norm=qk_l2norm, check_values=check_values)
     return _Call(op, q, k, v, g, lam, beta, cu_seqlens, initial_state, output_final_state,

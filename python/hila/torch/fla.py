@@ -42,8 +42,9 @@ fla's conventions, as hila applies them:
   showing lengths 1, vLLM's decode call) runs hila's fused decode step (``hila.torch.step_``).
 * ``fused_recurrent_*`` run hila's serial form on the CPU and its chunk form on CUDA (the CUDA
   backend has the chunk form and the decode step); both compute the same function.
-* Options: ``chunk_size`` (a power of two), ``check_values`` (default True: non-finite inputs and
-  positive gates raise HilaError; it scans the inputs), HLA ``normalize``, ``ridge``, ``eps``.
+* Options: ``chunk_size`` (a power of two), ``check_values`` (non-finite values and positive gates
+  raise HilaError; default None: checked on the CPU, not on CUDA, as in :func:`hila.torch.forward`),
+  HLA ``normalize``, ``ridge``, ``eps``.
 
 Where fla's semantics differ from the math (docs/math/LOGLINEAR.md §12), hila follows the math
 and says so: fla's log-linear state drops the top Fenwick level when a sequence ends at
@@ -222,7 +223,7 @@ def _run(op: str, form: str, fn: str, q: Tensor, k: Tensor, v: Tensor, g: Option
     if one is not None:  # a decode step of a pool (vLLM's call): hila's fused step kernel
         tq, tk, tv, tg, tlam, tbeta = (None if x is None else one(x) for x in (q, k, v, g, lam, beta))
         o = _step_(op, tq, tk, tv, tg, lam=tlam, beta=tbeta, state=init, state_indices=indices,
-                   scale=scale, qk_l2norm=qk_l2norm, check_values=extra.get("check_values", True),
+                   scale=scale, qk_l2norm=qk_l2norm, check_values=extra.get("check_values"),
                    **opts)
         o = o.unsqueeze(1) if cu_seqlens is None else o.unsqueeze(0)
         return (o.transpose(1, 2) if head_first else o), initial_state

@@ -213,7 +213,7 @@ class LogLinearMamba2(_FlaLayout, _FlaCall, _layers.LogLinearMamba2):
                  dt_limit: Tuple[float, float] = (0.0, float("inf")), dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, use_bias: bool = True,
                  norm_eps: float = 1e-5, layer_idx: Optional[int] = None, backend: str = "cuda",
-                 max_len: int = 16384, mode: str = "chunk", check_values: bool = True):
+                 max_len: int = 16384, mode: str = "chunk", check_values: Optional[bool] = None):
         if num_heads * head_dim != int(expand * hidden_size):
             raise HilaError(f"hila: argument 'num_heads': expected num_heads * head_dim = expand * "
                             f"hidden_size = {int(expand * hidden_size)}, got {num_heads} * {head_dim}",
@@ -255,7 +255,7 @@ class GatedDeltaNet(_FlaLayout, _FlaCall, _layers.LogLinearGatedDeltaNet):
                  num_heads: int = 6, num_v_heads: Optional[int] = None, mode: str = "chunk",
                  use_gate: bool = True, use_short_conv: bool = True, allow_neg_eigval: bool = False,
                  conv_size: int = 4, conv_bias: bool = False, layer_idx: Optional[int] = None,
-                 norm_eps: float = 1e-5, check_values: bool = True, **kwargs):
+                 norm_eps: float = 1e-5, check_values: Optional[bool] = None, **kwargs):
         if not use_short_conv:
             raise HilaError("hila: argument 'use_short_conv': expected True (hila's Gated DeltaNet "
                             "layers always have the short convolutions), got False", "use_short_conv")

@@ -18,9 +18,10 @@ Every layer maps ``x [B, T, D] -> y [B, T, D]`` and has the same call::
   ``use_cache=True``), which then returns that same, advanced, LayerState (see
   :mod:`hila.torch.cache`). A step that needs a gradient runs the differentiable
   ``torch.ops.hila.step``.
-* ``check_values=False`` skips the operator's O(size) scan for non-finite inputs and positive
-  gates (on CUDA a device scan and one synchronisation per input): turn it off in GPU training
-  loops. Decode steps never scan: a model is checked once, at its prefill.
+* ``check_values`` (the operator's scan for non-finite values and positive gates): None, the
+  default, checks on the CPU and not on CUDA, where every scanned tensor costs a device scan and a
+  synchronisation; True checks on every device (debugging), False nowhere. Decode steps never
+  scan: a model is checked once, at its prefill.
 * ``cu_seqlens`` (int32/int64 [N + 1], with B == 1) packs N sequences of different lengths; the
   state then has N rows, and decoding continues with ``x [N, 1, D]``. ``max_seqlen`` (a Python
   int) spares log-linear layers a device read for their ``max_len`` check.
@@ -60,7 +61,7 @@ class _Call:
 
     def __init__(self, layer: "_Mixer", x: Tensor, state: Optional[LayerState],
                  cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], use_cache: bool,
-                 cp_group=None, cp_shard_lens=None):
+                 cp_group=None, cp_shard_lens=None, cu_seqlens_cpu: Optional[Tensor] = None):
         if cu_seqlens is not None and x.shape[0] != 1:
             raise HilaError("hila: argument 'x': expected batch size 1 with cu_seqlens (packed "
                             f"sequences along T), got {tuple(x.shape)}", "x")
@@ -70,6 +71,7 @@ class _Call:
                 raise HilaError(f"hila: argument 'state': expected a cache of the input's {got} "
                                 f"sequences, got one of {n}", "state")
         self.layer, self.state, self.cu, self.use_cache = layer, state, cu_seqlens, use_cache
+        self.cu_cpu = cu_seqlens_cpu if cu_seqlens is not None else None
         self.cp = self._context_parallel(x, cp_group, cp_shard_lens)
         self.decode = state is not None and cu_seqlens is None and x.shape[1] == 1
         self.conv_caches = []
@@ -79,7 +81,8 @@ class _Call:
         else:  # with cp_group, the whole sequence over the ranks
             span = x.shape[1] if self.cp is None else sum(self.cp["shard_lens"])
         if span is None and not torch.compiler.is_compiling():
-            span = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+            cu = cu_seqlens if self.cu_cpu is None else self.cu_cpu  # the host copy: no device read
+            span = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         # Under torch.compile without max_seqlen the bound is unknown: the operator still refuses
         # lam with too few levels for a sequence.
         self.end = None if span is None else prev + span
@@ -117,7 +120,9 @@ class _Call:
 
         A decode step runs without value checks: its inputs come from a model whose prefill was
         checked (``check_values``), and a check costs a device synchronisation per input on CUDA
-        (which would also keep the step out of a CUDA graph)."""
+        (which would also keep the step out of a CUDA graph). The fused step passes the layer's
+        bound ``max_position = max_len - 1`` (when the layer has a max_len), so that no operator's
+        step reads its positions on the host: a decode step can be captured in a CUDA graph."""
         layer = self.layer
         if self.decode:
             rec = self.state.recurrent
@@ -132,7 +137,9 @@ class _Call:
                 if not self.in_place:
                     rec = State(*(None if x is None else x.clone(memory_format=torch.contiguous_format)
                                   for x in rec))
-                o = _step_(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, **options)
+                bound = None if layer.max_len is None else int(layer.max_len) - 1
+                o = _step_(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, max_position=bound,
+                           **options)
                 self.recurrent = rec
             return o.unsqueeze(1)
         options.setdefault("check_values", layer.check_values)
@@ -141,7 +148,7 @@ class _Call:
                                  chunk=layer.chunk_size, **self.cp, **options)
             return o
         o, self.recurrent = _forward(
-            layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu,
+            layer.op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=self.cu, cu_seqlens_cpu=self.cu_cpu,
             initial_state=self.state.recurrent if self.state is not None else None,
             output_final_state=self.use_cache, final_slots=layer.state_slots, form=layer.form,
             chunk=layer.chunk_size, **options)
@@ -175,7 +182,7 @@ class _Mixer(nn.Module):
     """What every hila layer has: operator, mode, chunk size and (log-linear) level weights."""
 
     def __init__(self, op: str, mode: str, chunk_size: int, heads: int, max_len: Optional[int],
-                 layer_idx: Optional[int], check_values: bool):
+                 layer_idx: Optional[int], check_values: Optional[bool]):
         super().__init__()
         self.check_values = check_values
         if mode not in _MODES:
@@ -189,8 +196,9 @@ class _Mixer(nn.Module):
         self.state_slots = _ops.state_slots(max_len) if self.levels is not None else 1
 
     def _call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group=None,
-              cp_shard_lens=None) -> _Call:
-        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
+              cp_shard_lens=None, cu_seqlens_cpu=None) -> _Call:
+        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
+                     cu_seqlens_cpu)
 
     def _qkv(self, call: _Call, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q, k [B, T, G, dk] and v [B, T, H, dv]: projection, short convolution, split into heads
@@ -237,7 +245,7 @@ class HLAAttention(_Mixer):
                  gates: str = "tied", normalize: bool = False, ridge: float = 0.0,
                  scale: Optional[float] = None, use_output_gate: bool = True,
                  norm_eps: float = 1e-5, max_len: Optional[int] = None,
-                 check_values: bool = True, layer_idx: Optional[int] = None):
+                 check_values: Optional[bool] = None, layer_idx: Optional[int] = None):
         super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
         if not self.traits["hla_family"]:
             raise HilaError(f"hila: argument 'op': expected an HLA operator (hla2, ahla, hla3 or a "
@@ -268,10 +276,11 @@ class HLAAttention(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None,
-                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
+                          cu_seqlens_cpu)
         q, k, v = self._qkv(call, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -300,7 +309,7 @@ class LogLinearMamba2(_Mixer):
     def __init__(self, hidden_size: int, max_len: int, state_size: int = 128, expand: int = 2,
                  head_dim: int = 64, n_groups: int = 1, conv_size: int = 4, mode: str = "chunk",
                  chunk_size: int = 64, A_init="arange", dt_min: float = 1e-3, dt_max: float = 0.1,
-                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: bool = True,
+                 dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: Optional[bool] = None,
                  layer_idx: Optional[int] = None, bias: bool = False, conv_bias: bool = True,
                  D_has_hdim: bool = False, norm_before_gate: bool = False):
         inner = expand * hidden_size
@@ -328,10 +337,11 @@ class LogLinearMamba2(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None,
-                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
+                          cu_seqlens_cpu)
         z, xBC, dt, dl = torch.split(self.in_proj(x), self.splits, dim=-1)
         xBC = call.conv(self.conv, xBC)
         xs, Bm, Cm = torch.split(xBC, (self.inner, self.n_groups * self.state_size,
@@ -364,7 +374,7 @@ class LogLinearGatedDeltaNet(_Mixer):
                  expand_v: float = 2.0, num_qk_groups: Optional[int] = None, conv_size: int = 4,
                  mode: str = "chunk", chunk_size: int = 64, A_init=(0.0, 16.0),
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 norm_eps: float = 1e-5, check_values: bool = True, layer_idx: Optional[int] = None,
+                 norm_eps: float = 1e-5, check_values: Optional[bool] = None, layer_idx: Optional[int] = None,
                  op: str = "loglinear_gdn", b_bias: bool = True, conv_bias: bool = False,
                  use_output_gate: bool = True, scale: Optional[float] = 1.0,
                  allow_neg_eigval: bool = False):
@@ -396,12 +406,14 @@ class LogLinearGatedDeltaNet(_Mixer):
 
     def forward(self, x: Tensor, state: Optional[LayerState] = None,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None,
-                cp_shard_lens=None) -> Tuple[Tensor, Optional[LayerState]]:
+                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
         """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens)
+        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
+                          cu_seqlens_cpu)
         q, k, v = self._qkv(call, x)
-        beta = torch.sigmoid(at_least_f32(self.b_proj(x))) * (2.0 if self.allow_neg_eigval else 1.0)
+        beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
+        beta = beta * 2.0 if self.allow_neg_eigval else beta
         g, _ = self.gate(self.a_proj(x))
         lam = self.levels(self.l_proj(x)) if self.levels is not None else None
         o = call.mix(q, k, v, g, lam=lam, beta=beta, qk_l2norm=True, scale=self.scale)

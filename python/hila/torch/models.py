@@ -82,8 +82,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_ratio)
 
-    def forward(self, x, state, cu_seqlens, max_seqlen, use_cache):
-        y, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen, use_cache)
+    def forward(self, x, state, cu_seqlens, max_seqlen, use_cache, cu_seqlens_cpu=None):
+        y, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen, use_cache,
+                              cu_seqlens_cpu=cu_seqlens_cpu)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
 
@@ -109,15 +110,18 @@ class HilaLM(nn.Module):
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
                 cache: Optional[Cache] = None, use_cache: bool = False,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                logits_index: Optional[Tensor] = None) -> LMOutput:
-        """input_ids [B, T] (B == 1 with packed cu_seqlens [N + 1]); labels [B, T] (-100: ignored;
+                logits_index: Optional[Tensor] = None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> LMOutput:
+        """input_ids [B, T] (B == 1 with packed cu_seqlens [N + 1]; ``cu_seqlens_cpu``, a host copy
+        of it, spares the layers' reads of it); labels [B, T] (-100: ignored;
         next-token targets are taken as labels shifted by one, never across packed sequences).
         A ``cache`` continues its N sequences (decode: input_ids [N, 1]). ``logits_index`` (int64
         [K], without labels): the logits of those tokens only, [B, K, vocab]."""
         x = self.embed(input_ids)
         new = Cache.empty(len(self.blocks)) if use_cache else None
         for i, block in enumerate(self.blocks):
-            x, st = block(x, cache[i] if cache is not None else None, cu_seqlens, max_seqlen, use_cache)
+            x, st = block(x, cache[i] if cache is not None else None, cu_seqlens, max_seqlen, use_cache,
+                          cu_seqlens_cpu)
             if use_cache:
                 new[i] = st
         if logits_index is not None:
@@ -136,8 +140,8 @@ class HilaLM(nn.Module):
     @property
     def decode_graph_capturable(self) -> bool:
         """Whether a decode step of this model can be captured in a CUDA graph (every mixer's
-        operator's step is capturable: not yet the log-linear ones, whose step reads positions
-        on the host)."""
+        operator's step is capturable: all of them, the log-linear ones through the layers'
+        ``max_position``)."""
         return all(_graph_capturable(b.mixer.op) for b in self.blocks)
 
     @torch.no_grad()
@@ -166,8 +170,7 @@ class HilaLM(nn.Module):
         eagerly (it warms up what a capture must not initialise), the second is captured in a CUDA
         graph (one model step: static token buffer in, static logits out, the cache advanced in
         place) and every later step replays it, so a token costs one graph launch of host time.
-        ``cuda_graph=False``, the CPU, and models with log-linear mixers decode eagerly; both give
-        the same tokens.
+        ``cuda_graph=False`` and the CPU decode eagerly; both give the same tokens.
         """
         rows = prompt_rows(prompts, input_ids, attention_mask)
         if any(r.numel() == 0 for r in rows):
@@ -179,9 +182,10 @@ class HilaLM(nn.Module):
             raise HilaError(f"hila: argument 'max_new_tokens': prompt ({max(lens)}) + new tokens "
                             f"({max_new_tokens}) exceed max_len = {self.config.max_len}", "max_new_tokens")
         device = self.embed.weight.device
-        cu = torch.tensor([0] + lens, device=device).cumsum(0)
+        cu_cpu = torch.tensor([0] + lens).cumsum(0)
+        cu = cu_cpu.to(device)
         out = self(torch.cat(rows).to(device).unsqueeze(0), cache=None, use_cache=True,
-                   cu_seqlens=cu, max_seqlen=max(lens))
+                   cu_seqlens=cu, max_seqlen=max(lens), cu_seqlens_cpu=cu_cpu)
         logits, cache = out.logits[0, cu[1:] - 1], out.cache                          # [N, vocab]
         cache.in_place = True  # generate owns this cache: decode steps advance it in place
         decode = _Decoder(self, cache, graph=bool(cuda_graph) and device.type == "cuda" and

@@ -21,8 +21,17 @@ __all__ = ["ShortConvolution", "GatedRMSNorm", "DecayGate", "LevelWeights", "seq
 
 
 def at_least_f32(x: Tensor) -> Tensor:
-    """x in float32, or float64 when it is float64 (gates and norms are not computed in 16 bits)."""
-    return x if x.dtype == torch.float64 else x.float()
+    """x in float32, or float64 when it is float64 (gates and norms are not computed in 16 bits).
+    x itself when it is one of them (no conversion op: a decode step is dispatch-bound)."""
+    return x if x.dtype in _F32_F64 else x.float()
+
+
+_F32_F64 = (torch.float32, torch.float64)
+
+
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in dtype, without an op when it already is."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def sequence_index(cu_seqlens: Tensor, T: int) -> Tuple[Tensor, Tensor]:
@@ -103,7 +112,7 @@ class ShortConvolution(nn.Module):
         """One token: x [N, C], cache [N, C, W-1]. Returns (y [N, C], new cache [N, C, W-1]);
         ``copy=False`` returns the new cache as a view of the step's window [N, C, W] (no copy:
         for a caller that copies it where it belongs, e.g. into ``cache`` itself)."""
-        window = torch.cat([cache.to(x.dtype), x.unsqueeze(-1)], dim=-1)              # [N, C, W]
+        window = torch.cat([_as(cache, x.dtype), x.unsqueeze(-1)], dim=-1)            # [N, C, W]
         y = (window * self.weight).sum(-1)
         if self.bias is not None:
             y = y + self.bias
@@ -133,11 +142,12 @@ class GatedRMSNorm(nn.Module):
         y = at_least_f32(x)
         if z is not None and not self.norm_before_gate:
             y = y * F.silu(at_least_f32(z))
-        g = y.unflatten(-1, (-1, self.group_size))
-        y = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+        # y / sqrt(mean(y^2) + eps) over each group of group_size channels (one fused op where torch has it)
+        y = F.rms_norm(y.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
+        y = y * self.weight
         if z is not None and self.norm_before_gate:
             y = y * F.silu(at_least_f32(z))
-        return y.to(x.dtype)
+        return _as(y, x.dtype)
 
 
 class DecayGate(nn.Module):

@@ -124,6 +124,12 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _needs_copy(x: Tensor) -> bool:
+    """Whether the library cannot read x in place: its innermost stride is not 1 (the test of
+    :func:`_in`, written out there to spare a call per tensor)."""
+    return not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1
+
+
 def _in(x: Optional[Tensor]):
     """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
     stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
@@ -182,22 +188,54 @@ def _new_state(spec: _Spec, q: Tensor, v: Tensor, N: int, slots: int) -> State:
 
 
 def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool,
-                  final_slots: int) -> Tuple[Tensor, Optional[State]]:
-    """hila::forward: o [B, T, H, dv] and the final state (None unless asked for)."""
+                  final_slots: int, cu_host=None, pos_host=None) -> Tuple[Tensor, Optional[State]]:
+    """hila::forward: o [B, T, H, dv] and the final state (None unless asked for). cu_host /
+    pos_host: host copies of cu_seqlens and of the initial positions (no device read)."""
     o = _empty_like(v)
     fin = None
     if want_final and q.dim() == 4 and v.dim() == 4:  # else the library names the bad shape
         N = q.shape[0] if cu is None or cu.dim() != 1 else cu.shape[0] - 1
         fin = _new_state(spec, q, v, N, final_slots)
-    _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
-               _in(cu), _caps(init), o=_capsule(o),
-               final_state=None if fin is None else tuple(_cap(x) for x in fin),
-               stream=_stream(q), workspace=_workspace(q))
+    try:
+        _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+                   _in(cu), _caps(init), o=_capsule(o),
+                   final_state=None if fin is None else tuple(_cap(x) for x in fin),
+                   stream=_stream(q), workspace=_workspace(q), cu_seqlens_host=_cap(cu_host),
+                   init_pos_host=_cap(pos_host))
+    except HilaError as e:
+        _host_names(e)
     return o, fin
 
 
+_HOST_NAMES = {"cu_seqlens_host": "cu_seqlens_cpu", "init_pos_host": "init_pos_cpu"}
+
+
+def _host_names(e: HilaError):
+    """Re-raises e with the library's names of the host copies as hila.torch names them."""
+    new = _HOST_NAMES.get(e.argument)
+    if new is None:
+        raise e
+    raise HilaError(str(e).replace(f"'{e.argument}'", f"'{new}'", 1), new) from None
+
+
+def _pooled_forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, idx, pool: State, cu_host=None,
+                         pos_host=None) -> Tensor:
+    """hila::forward on a state pool (state_indices): sequence i from row idx[i] of ``pool``, its
+    final state written back there in place; returns o (0 at the tokens of padding sequences)."""
+    o = _empty_like(v)
+    try:
+        _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+                   _in(cu), tuple(_cap(x) for x in pool), o=_capsule(o),
+                   final_state=tuple(_cap(x) for x in pool), stream=_stream(q), workspace=_workspace(q),
+                   cu_seqlens_host=_cap(cu_host), init_pos_host=_cap(pos_host), state_indices=_cap(idx))
+    except HilaError as e:
+        _host_names(e)
+    torch.autograd.graph.increment_version([x for x in pool if x is not None])
+    return o
+
+
 def _backward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, do, d_final, final_shapes,
-                   needs) -> tuple:
+                   needs, cu_host=None, pos_host=None) -> tuple:
     """hila::backward: the gradients (dq, dk, dv, dg, dlam, dbeta, dS0, dP0, dH0), each None
     where its input is absent or ``needs`` (9 flags) says it is not wanted. ``do`` and the parts
     of ``d_final`` may be None (unused outputs): zeros then stand for them (only when another
@@ -215,10 +253,14 @@ def _backward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, do, d_final, fi
     d_init = None
     if init is not None and any(x is not None for x in grads[6:]):
         d_init = (None, _cap(grads[6]), _cap(grads[7]), _cap(grads[8]))
-    _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam),
-                _in(beta), _in(cu), _caps(init), _in(do), dfin, dq=_cap(grads[0]),
-                dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]), dlam=_cap(grads[4]),
-                dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q), workspace=_workspace(q))
+    try:
+        _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam),
+                    _in(beta), _in(cu), _caps(init), _in(do), dfin, dq=_cap(grads[0]),
+                    dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]), dlam=_cap(grads[4]),
+                    dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q), workspace=_workspace(q),
+                    cu_seqlens_host=_cap(cu_host), init_pos_host=_cap(pos_host))
+    except HilaError as e:
+        _host_names(e)
     return tuple(grads)
 
 
@@ -233,11 +275,14 @@ def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State
     return o, out
 
 
-def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H) -> Tensor:
-    """The fused decode step advancing (pos, S, P, H) in place; returns o [N, H, dv]."""
+def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H, state_indices=None,
+                       max_position: int = -1) -> Tensor:
+    """The fused decode step advancing (pos, S, P, H) in place (a pool's rows state_indices);
+    returns o [N, H, dv]."""
     o = _empty_like(v)
     _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
-                    (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q))
+                    (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q),
+                    state_indices=_cap(state_indices), max_position=int(max_position))
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     torch.autograd.graph.increment_version([x for x in (pos, S, P, H) if x is not None])
     return o
@@ -255,10 +300,10 @@ class _Forward(torch.autograd.Function):
     """hila::forward for eager calls; backward hila::backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, spec, want_final, final_slots, q, k, v, g, lam, beta, cu, pos, S, P, H):
+    def forward(ctx, spec, want_final, final_slots, hosts, q, k, v, g, lam, beta, cu, pos, S, P, H):
         init = None if pos is None and S is None and P is None and H is None else (pos, S, P, H)
-        o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu, init, want_final, final_slots)
-        ctx.spec = spec
+        o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu, init, want_final, final_slots, *hosts)
+        ctx.spec, ctx.hosts = spec, hosts
         ctx.final_shapes = None if fin is None else tuple(None if x is None else x.shape for x in fin[1:])
         ctx.save_for_backward(q, k, v, g, lam, beta, cu, pos, S, P, H)
         ctx.set_materialize_grads(False)
@@ -271,10 +316,10 @@ class _Forward(torch.autograd.Function):
         n = ctx.needs_input_grad
         init = None if pos is None and S is None and P is None and H is None else (pos, S, P, H)
         if do is None and dS is None and dP is None and dH is None:
-            return (None,) * 14
+            return (None,) * 15
         d = _backward_call(ctx.spec, q, k, v, g, lam, beta, cu, init, do, (dS, dP, dH),
-                           ctx.final_shapes, n[3:9] + n[11:14])
-        return (None, None, None) + d[:6] + (None, None) + d[6:]
+                           ctx.final_shapes, n[4:10] + n[12:15], *ctx.hosts)
+        return (None, None, None, None) + d[:6] + (None, None) + d[6:]
 
 
 class _Step(torch.autograd.Function):
@@ -325,17 +370,19 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optio
                 init_S: Optional[Tensor], init_P: Optional[Tensor], init_H: Optional[Tensor],
                 op: str, form: str, chunk: int, scale: float, normalize: bool, eps: float,
                 ridge: float, qk_l2norm: bool, check_values: bool, output_final_state: bool,
-                final_slots: int) -> _Out5:
+                final_slots: int, cu_seqlens_cpu: Optional[Tensor] = None,
+                init_pos_cpu: Optional[Tensor] = None) -> _Out5:
     spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
     o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
                            _init_or_none(init_pos, init_S, init_P, init_H), output_final_state,
-                           final_slots)
+                           final_slots, cu_seqlens_cpu, init_pos_cpu)
     return (o,) + _present(fin if fin is not None else _NO_STATE, q)
 
 
 @_forward_op.register_fake
 def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, form, chunk, scale,
-      normalize, eps, ridge, qk_l2norm, check_values, output_final_state, final_slots):
+      normalize, eps, ridge, qk_l2norm, check_values, output_final_state, final_slots,
+      cu_seqlens_cpu=None, init_pos_cpu=None):
     o = v.new_empty(v.shape)
     if not output_final_state:
         return (o,) + _present(_NO_STATE, q)
@@ -349,7 +396,8 @@ def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, op, f
 
 def _forward_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:11])
-    ctx.config = inputs[11:]
+    ctx.config = inputs[11:22]
+    ctx.hosts = inputs[22:24]  # host copies of cu_seqlens and the initial positions
     ctx.final_shapes = tuple(x.shape for x in output[2:])
     ctx.set_materialize_grads(False)
 
@@ -367,11 +415,11 @@ def _forward_backward(ctx, do, dpos, dS, dP, dH):
                    torch.zeros(s, dtype=dt, device=saved[0].device)
                    for has, d, s in zip((t["has_S"], t["has_P"], True), (dS, dP, dH), ctx.final_shapes)]
     grads = torch.ops.hila.backward(*saved, do, *d_final, op, form, chunk, scale, normalize, eps,
-                                    ridge, qk_l2norm, check_values)
-    # no gradient for absent inputs, cu_seqlens, positions and the configuration
+                                    ridge, qk_l2norm, check_values, *ctx.hosts)
+    # no gradient for absent inputs, cu_seqlens, positions, the configuration and the host copies
     dq, dk, dv, dg, dlam, dbeta, dS0, dP0, dH0 = (
         None if x is None else gr for x, gr in zip(saved[:6] + saved[8:], grads))
-    return (dq, dk, dv, dg, dlam, dbeta, None, None, dS0, dP0, dH0) + (None,) * 11
+    return (dq, dk, dv, dg, dlam, dbeta, None, None, dS0, dP0, dH0) + (None,) * 13
 
 
 _forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -386,18 +434,21 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Opti
                  do: Tensor, d_final_S: Optional[Tensor], d_final_P: Optional[Tensor],
                  d_final_H: Optional[Tensor], op: str, form: str, chunk: int, scale: float,
                  normalize: bool, eps: float, ridge: float, qk_l2norm: bool,
-                 check_values: bool) -> _Grads9:
+                 check_values: bool, cu_seqlens_cpu: Optional[Tensor] = None,
+                 init_pos_cpu: Optional[Tensor] = None) -> _Grads9:
     spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
     d_final = (d_final_S, d_final_P, d_final_H)
     grads = _backward_call(spec, q, k, v, g, lam, beta, cu_seqlens,
                            _init_or_none(init_pos, init_S, init_P, init_H), do, d_final,
-                           tuple(None if x is None else x.shape for x in d_final), (True,) * 9)
+                           tuple(None if x is None else x.shape for x in d_final), (True,) * 9,
+                           cu_seqlens_cpu, init_pos_cpu)
     return _present(grads, q)
 
 
 @_backward_op.register_fake
 def _(q, k, v, g, lam, beta, cu_seqlens, init_pos, init_S, init_P, init_H, do, d_final_S,
-      d_final_P, d_final_H, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
+      d_final_P, d_final_H, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values,
+      cu_seqlens_cpu=None, init_pos_cpu=None):
     like = (q, k, v, g, lam, beta, init_S, init_P, init_H)
     return _present([None if x is None else x.new_empty(x.shape) for x in like], q)
 
@@ -433,7 +484,7 @@ def _step_backward(ctx, do, dpos, dS, dP, dH):
     d_final = [None if x is None else d for x, d in ((S, dS), (P, dP), (H, dH))]
     grads = torch.ops.hila.backward(
         tok(q), tok(k), tok(v), tok(g), tok(lam), tok(beta), None, pos, S, P, H, tok(do), *d_final,
-        op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values, None, None)
     dq, dk, dv, dg, dlam, dbeta = (None if x is None else gr.squeeze(1)
                                    for x, gr in zip((q, k, v, g, lam, beta), grads[:6]))
     dS0, dP0, dH0 = (None if x is None else gr for x, gr in zip((S, P, H), grads[6:]))
@@ -449,13 +500,35 @@ _step_op.register_autograd(_step_backward, setup_context=_step_setup)
 def _step_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
                      beta: Optional[Tensor], pos: Tensor, S: Optional[Tensor], P: Optional[Tensor],
                      H: Tensor, op: str, scale: float, normalize: bool, eps: float, ridge: float,
-                     qk_l2norm: bool, check_values: bool) -> Tensor:
+                     qk_l2norm: bool, check_values: bool, state_indices: Optional[Tensor] = None,
+                     max_position: int = -1) -> Tensor:
     spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
-    return _step_inplace_call(spec, q, k, v, g, lam, beta, pos, S, P, H)
+    return _step_inplace_call(spec, q, k, v, g, lam, beta, pos, S, P, H, state_indices, max_position)
 
 
 @_step_inplace_op.register_fake
-def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_l2norm, check_values):
+def _(q, k, v, g, lam, beta, pos, S, P, H, op, scale, normalize, eps, ridge, qk_l2norm, check_values,
+      state_indices=None, max_position=-1):
+    return v.new_empty(v.shape)
+
+
+# ----------------------------------------------------------------------------- hila::forward_pool_
+
+@torch.library.custom_op("hila::forward_pool_", mutates_args=("pos", "S", "P", "H"))
+def _forward_pool_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], lam: Optional[Tensor],
+                     beta: Optional[Tensor], cu_seqlens: Optional[Tensor], state_indices: Tensor,
+                     pos: Tensor, S: Optional[Tensor], P: Optional[Tensor], H: Tensor, op: str, form: str,
+                     chunk: int, scale: float, normalize: bool, eps: float, ridge: float,
+                     qk_l2norm: bool, check_values: bool, cu_seqlens_cpu: Optional[Tensor],
+                     init_pos_cpu: Optional[Tensor]) -> Tensor:
+    spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    return _pooled_forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, state_indices,
+                                State(pos, S, P, H), cu_seqlens_cpu, init_pos_cpu)
+
+
+@_forward_pool_op.register_fake
+def _(q, k, v, g, lam, beta, cu_seqlens, state_indices, pos, S, P, H, op, form, chunk, scale, normalize,
+      eps, ridge, qk_l2norm, check_values, cu_seqlens_cpu, init_pos_cpu):
     return v.new_empty(v.shape)
 
 
@@ -535,6 +608,60 @@ def _final_slots(op: str, T: int, B: int, cu_seqlens: Optional[Tensor],
         return 1  # malformed inputs: the op reports them by name
 
 
+def _host_copy(cu: Optional[Tensor], cu_cpu: Optional[Tensor]) -> Optional[Tensor]:
+    """cu_seqlens_cpu as the library's host copy of cu_seqlens (its dtype); None without both."""
+    if cu is None or cu_cpu is None or not isinstance(cu_cpu, Tensor) or not isinstance(cu, Tensor):
+        return None
+    return cu_cpu if cu_cpu.dtype == cu.dtype else cu_cpu.to(cu.dtype)
+
+
+def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices, init_pos_cpu, direct,
+                    form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
+    """forward(..., initial_state=pool, state_indices=rows): the library reads the rows and writes
+    the final states back in place (docs/SERVING.md); returns (o, pool)."""
+    from .serving import gathered_forward, prepare_pool
+    N = q.shape[0] if cu is None else cu.shape[0] - 1
+    given = pool
+    st, idx, bare, in_place = prepare_pool(op, pool, state_indices, q, N, "initial_state")
+    scale = _scale_arg(scale)
+    if not in_place:  # (its padding rows copy a real row: the caller's positions do not apply)
+        o = gathered_forward(op, q, k, v, g, pool=st, idx=idx, bare=bare, N=N, lam=lam, beta=beta,
+                             cu_seqlens=cu, cu_seqlens_cpu=cu_host, form=form, chunk=chunk,
+                             scale=scale or None, normalize=normalize, eps=eps, ridge=ridge,
+                             qk_l2norm=qk_l2norm, check_values=check_values)
+        return o, given
+    pos_host = init_pos_cpu
+    if bare:  # gla / gdn pools keep no positions: every sequence starts at 0
+        st = State(torch.zeros(st.H.shape[0], dtype=torch.int64, device=st.H.device), None, None, st.H)
+        if pos_host is None:
+            pos_host = torch.zeros(N, dtype=torch.int64)
+    if direct:
+        try:
+            spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+            return _pooled_forward_call(spec, q, k, v, g, lam, beta, cu, idx, st, cu_host, pos_host), given
+        except (AttributeError, TypeError):
+            _reraise("hila.torch.forward", "initial_state", st, k=k, v=v, g=g, lam=lam, beta=beta,
+                     cu_seqlens=cu)
+    _check_state_parts("hila.torch.forward", "initial_state", st)
+    o = torch.ops.hila.forward_pool_(q, k, v, g, lam, beta, cu, idx, *st, op, form, chunk, scale, normalize,
+                                     float(eps), float(ridge), qk_l2norm, check_values, cu_host, pos_host)
+    return o, given
+
+
+def _scale_arg(scale) -> float:
+    """The scale option as the custom ops take it: 0.0 for None or 0 (dk^-1/2), else a float
+    (HilaError naming 'scale' for what is not a number)."""
+    x = _ops._number("scale", scale)
+    return 0.0 if x is None else x
+
+
+def _default_checks(q) -> bool:
+    """What ``check_values=None`` (the default of hila.torch) means for a call on q: the value
+    checks on for CPU tensors (a host pass over inputs and outputs), off for device tensors, where
+    every check is a device scan plus one synchronisation (docs/PYTHON.md, "Value checks")."""
+    return getattr(q, "is_cpu", True)
+
+
 def _requires_grad(*xs) -> bool:
     return any(x is not None and x.requires_grad for x in xs)
 
@@ -551,9 +678,10 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             output_final_state: bool = False, final_slots: Optional[int] = None,
             form: str = "chunk", chunk: int = 64, scale: Optional[float] = None,
             normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0,
-            qk_l2norm: bool = False, check_values: bool = True,
+            qk_l2norm: bool = False, check_values: Optional[bool] = None,
             state_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
-            max_seqlen: Optional[int] = None, **unknown) -> Tuple[Tensor, Optional[State]]:
+            max_seqlen: Optional[int] = None, init_pos_cpu: Optional[Tensor] = None,
+            **unknown) -> Tuple[Tensor, Optional[State]]:
     """Differentiable ``hila.forward`` on torch tensors (``torch.ops.hila.forward``).
 
     Shapes as in :func:`hila.forward`: q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or
@@ -565,51 +693,61 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     state, else read from the data (one device read, none with ``cu_seqlens_cpu``; pass it
     explicitly under torch.compile, and to spare the read).
 
-    ``check_values`` scans every input for non-finite values and positive gates before computing
-    (O(size) work; on CUDA a device scan plus one synchronisation per input): turn it off in
-    training loops once the inputs are known to be sane.
+    ``check_values``: scan the inputs (and initial state) for non-finite values and positive
+    gates before computing, and the outputs for non-finite values after. None (the default): on
+    for CPU tensors, off for CUDA tensors, where each scanned tensor costs a device scan and a
+    synchronisation; True checks on every device (debugging), False nowhere.
 
     ``initial_state`` may be a bare tensor ``[N, H, dk, dv]`` for ``gla`` and ``gdn`` (fla's
     convention; positions 0). Serving hooks (docs/SERVING.md): ``state_indices`` (int32/int64 [N])
     makes ``initial_state`` a state pool read at rows ``state_indices`` and written back there
-    (row -1: a padding sequence, neither read nor written); ``cu_seqlens_cpu`` (a host copy of
-    cu_seqlens) and ``max_seqlen`` spare the reads of cu_seqlens.
+    (row -1: a padding sequence, neither read nor written; inference only). Host copies that spare
+    device reads (each a synchronisation on CUDA): ``cu_seqlens_cpu`` (of cu_seqlens) and
+    ``max_seqlen``; ``init_pos_cpu`` (int64 [N] on the CPU: the positions the sequences start
+    from, with ``state_indices`` those of their pool rows, 0 for padding). With
+    ``check_values=False`` the library trusts them; with ``check_values=True`` it compares them
+    with the device's copies.
     """
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.forward", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
                     cu_seqlens=cu_seqlens)
+    cu_host = _host_copy(cu_seqlens, cu_seqlens_cpu)
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
-        from .serving import pooled_forward
-        return pooled_forward(op, q, k, v, g, pool=initial_state, state_indices=state_indices, lam=lam,
-                              beta=beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                              max_seqlen=max_seqlen, form=form, chunk=chunk, scale=scale,
-                              normalize=normalize, eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
-                              check_values=check_values)
+        return _pooled_forward(op, q, k, v, g, lam, beta, cu_seqlens, cu_host, initial_state,
+                               state_indices, init_pos_cpu, direct, form, chunk, scale, normalize,
+                               eps, ridge, qk_l2norm, check_values)
     init = _NO_STATE if initial_state is None else _as_state(op, initial_state, "initial_state")
+    pos_host = init_pos_cpu
+    if pos_host is None and init[0] is not None and isinstance(initial_state, Tensor):
+        pos_host = torch.zeros(init[0].shape[0], dtype=torch.int64)  # a bare state: positions 0
     if output_final_state and final_slots is None:
         final_slots = _final_slots(op, q.shape[1], q.shape[0],
-                                   cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, init[0],
-                                   max_seqlen)
-    scale = float(scale or 0.0)
+                                   cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
+                                   init[0] if pos_host is None else pos_host, max_seqlen)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
             if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
-                o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1), q, k,
-                                                 v, g, lam, beta, cu_seqlens, *init)
+                o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1),
+                                                 (cu_host, pos_host), q, k, v, g, lam, beta,
+                                                 cu_seqlens, *init)
                 return o, (State(pos, S, P, H) if output_final_state else None)
             if init[0] is None and init[1] is None and init[2] is None and init[3] is None:
                 init = None
             return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
-                                 int(final_slots or 1))
+                                 int(final_slots or 1), cu_host, pos_host)
         except (AttributeError, TypeError):
             _reraise("hila.torch.forward", "initial_state", init, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu_seqlens)
     _check_state_parts("hila.torch.forward", "initial_state", init)
     o, pos, S, P, H = torch.ops.hila.forward(
         q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, scale, normalize,
-        float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1))
+        float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1),
+        cu_host, pos_host)
     if not output_final_state:
         return o, None
     t = _ops._traits(op)
@@ -619,20 +757,23 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
 def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
          lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
          normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-         check_values: bool = True, **unknown) -> Tuple[Tensor, State]:
+         check_values: Optional[bool] = None, **unknown) -> Tuple[Tensor, State]:
     """One decode token for N sequences (``torch.ops.hila.step``), differentiable.
 
     q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; ``state`` the
     :class:`hila.State` before the token (a bare [N, H, dk, dv] tensor for gla / gdn). Returns
     ``(o [N, H, dv], new_state)``; the new state has the shapes of ``state`` (a log-linear H keeps
     its slot capacity: allocate it for the longest sequence to come, see :func:`zero_state`).
+    ``check_values`` as in :func:`forward` (None: on for CPU tensors, off on CUDA).
     """
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if check_values is None:
+        check_values = _default_checks(q)
     state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
             spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
@@ -652,7 +793,8 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
 def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
-          check_values: bool = True, state_indices: Optional[Tensor] = None, **unknown) -> Tensor:
+          check_values: Optional[bool] = None, state_indices: Optional[Tensor] = None,
+          max_position: Optional[int] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -660,42 +802,153 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     :func:`zero_state`), whose pos, S, P and H are overwritten with the state after the token.
     Runs the library's decode kernel on the caller's current CUDA stream. Not differentiable (a
     backward through it raises: no autograd formula is registered): use :func:`step` for training.
-    ``check_values`` scans the step's inputs (on CUDA: one synchronisation); a decode loop that
-    validated its prefill turns it off. Returns o [N, H, dv].
+    ``check_values`` scans the step's inputs (None, the default: on the CPU only; True on CUDA
+    too, at one synchronisation per scanned input). Returns o [N, H, dv].
 
     ``state_indices`` (int32/int64 [N], serving: docs/SERVING.md): ``state`` is a pool whose row
     ``state_indices[i]`` sequence i reads and advances; rows with index -1 are padding (output 0,
     no state touched).
+
+    ``max_position``: the caller's bound on the positions the step starts from (e.g. a layer's
+    ``max_len - 1``). With it, and ``check_values=False``, a CUDA step reads nothing back to the
+    host for any operator (the log-linear ones otherwise read their positions: λ levels and
+    Fenwick slots depend on them), so it can be captured in a CUDA graph; the state must have the
+    slots of ``max_position + 1`` and lam ``bitlen(max_position) + 1`` levels. A sequence whose
+    position lies outside ``[0, max_position]`` then gets NaN in its row of o and its state is left
+    unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead).
     """
+    if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
+        o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                        check_values, -1 if max_position is None else max_position)
+        if o is not None:
+            return o
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    mp = -1 if max_position is None else max_position
+    idx = None
+    if check_values is None:
+        check_values = _default_checks(q)
     if state_indices is not None:
-        from .serving import pooled_step_
-        return pooled_step_(op, q, k, v, g, pool=state, state_indices=state_indices, lam=lam,
-                            beta=beta, scale=scale, normalize=normalize, eps=eps, ridge=ridge,
-                            qk_l2norm=qk_l2norm, check_values=check_values)
-    state = _as_state(op, state, "state")
+        from .serving import gathered_step_, prepare_pool
+        state, idx, bare, in_place = prepare_pool(op, state, state_indices, q, q.shape[0], "state")
+        if not in_place:
+            return gathered_step_(op, q, k, v, g, pool=state, idx=idx, bare=bare, lam=lam, beta=beta,
+                                  scale=scale, normalize=normalize, eps=eps, ridge=ridge,
+                                  qk_l2norm=qk_l2norm, check_values=check_values, max_position=max_position)
+        if bare:  # gla / gdn pools keep no positions: zeros stand in for them
+            state = State(torch.zeros(state.H.shape[0], dtype=torch.int64, device=state.H.device), None, None,
+                          state.H)
+    else:
+        state = _as_state(op, state, "state")
     _check_state(state)
-    scale = float(scale or 0.0)
+    scale = _scale_arg(scale)
     if direct:
         try:
-            if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
+            if idx is not None or not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
                 spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
-                return _step_inplace_call(spec, q, k, v, g, lam, beta, *state)
+                return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp)
         except (AttributeError, TypeError):
             _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
-                                float(eps), float(ridge), qk_l2norm, check_values)
+                                float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
+
+
+_STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
+atexit.register(_STEP_SPECS.clear)
+_CONTIGUOUS = torch.contiguous_format
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
+                check_values, max_position) -> Optional[Tensor]:
+    """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
+    serving indices, on the direct road) with the least host work: the configuration from a dict
+    keyed by the options as given, one ``torch.empty_like`` for o, one DLPack capsule per tensor
+    and nothing else. Returns None where it does not apply (or an argument is not a tensor), and
+    the caller then takes the general road, which names what is wrong. Inputs whose innermost
+    stride is not 1 are not copied here: the library rejects them while validating, before it
+    writes anything, and the general road then runs the call on contiguous copies."""
+    pos, S, P, H = state
+    if pos is None or H is None:
+        return None
+    try:
+        if check_values is None:
+            check_values = q.is_cpu
+        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
+            return None
+        key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
+        spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
+        if spec is None:
+            if not isinstance(op, str):
+                return None
+            spec = _spec(op, "chunk", 64, _scale_arg(scale), normalize, eps, ridge, qk_l2norm,
+                         check_values)
+            if len(_STEP_SPECS) >= 256:
+                _STEP_SPECS.clear()
+            _STEP_SPECS[key] = spec
+        o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
+        if _POISON[0]:
+            _ops._poison(o)
+        bound = _bound_state(state, pos, S, P, H)
+        if bound is not None:
+            bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
+                       None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
+                       _capsule(o), _stream(q), max_position)
+        else:
+            _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
+                            None if g is None else _capsule(g), None if lam is None else _capsule(lam),
+                            None if beta is None else _capsule(beta),
+                            (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
+                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position)
+    except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
+        return None                      # nothing was written, the general road names it
+    except HilaError:
+        if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
+                   for x in (q, k, v, g, lam, beta)):
+            return None  # rejected while validating: the general road copies (or names) these inputs
+        raise
+    # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
+    _increment_version((pos, H) if S is None and P is None else
+                       tuple(x for x in (pos, S, P, H) if x is not None))
+    return o
+
+
+_BOUND = "_hila_step"  # the key, in a State's __dict__, of what _bound_state keeps there
+
+
+def _bound_state(state: State, pos, S, P, H):
+    """The extension's binding of ``state`` (``_C.BoundState``: its tensors taken over DLPack once,
+    so a step converts only the token's tensors), made at the second step of the same State object
+    and kept in its ``__dict__``; None at the first step (a State stepped once, e.g. the copy a
+    functional layer step makes, is not worth binding) and after its tensors were re-pointed.
+
+    What is kept: (data pointers of the parts, binding, their storages). The pointers are compared
+    before each use: a part whose memory changed (``set_``, ``resize_``, ``.data =``) makes a new
+    binding. The storages are held so that memory the parts left cannot be freed and handed to
+    another tensor at the same address while the binding lives (equal pointers then mean the same
+    memory)."""
+    ptrs = ((pos.data_ptr(), H.data_ptr()) if S is None and P is None else
+            (pos.data_ptr(), None if S is None else S.data_ptr(), None if P is None else P.data_ptr(),
+             H.data_ptr()))
+    kept = state.__dict__.get(_BOUND)
+    if kept is not None and kept[0] == ptrs:
+        if kept[1] is not None:
+            return kept[1]
+        parts = (pos, S, P, H)
+        bound = _C.BoundState(tuple(None if x is None else _capsule(x) for x in parts))
+        state.__dict__[_BOUND] = (ptrs, bound, tuple(x.untyped_storage() for x in parts if x is not None))
+        return bound
+    state.__dict__[_BOUND] = (ptrs, None, ())
+    return None
 
 
 def _graph_capturable(op: str) -> bool:
-    """Whether a decode step of ``op`` (``step_`` with ``check_values=False``) can be captured in a
-    CUDA graph: it then reads and writes device memory only. Not yet the log-linear operators:
-    ``hila::step`` reads their positions on the host (the Fenwick slots and λ levels a step needs
-    depend on them, docs/API.md), which a capture forbids."""
-    return not _ops._traits(op)["loglinear"]
+    """Whether a decode step of ``op`` (``step_`` with ``check_values=False``, and for the
+    log-linear operators ``max_position``, which the layers pass) can be captured in a CUDA graph:
+    it then reads and writes device memory only. Every operator's can."""
+    return op in _ops.OPS
 
 
 def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: int = 1,

@@ -10,22 +10,27 @@ preallocated *pool* and runs each batch through per-request row indices (vLLM's
     o, _ = hila.torch.forward(op, q, k, v, g, lam=lam, cu_seqlens=cu, initial_state=pool,
                               state_indices=rows, cu_seqlens_cpu=cu_host, max_seqlen=m)  # prefill
     o_t = hila.torch.step_(op, q_t, k_t, v_t, g_t, lam=lam_t, state=pool,
-                           state_indices=rows)                                       # decode
+                           state_indices=rows, max_position=32767)                   # decode
 
 Sequence ``i`` of the call reads its initial state from pool row ``state_indices[i]`` and writes
 its state after the call back to that row, in place. A row index of -1 marks a padding sequence
 (a batch padded to a captured CUDA-graph size): it reads and writes no row and its output is 0.
 
-This module implements the hooks in PyTorch with device-side gathers and scatters only
-(``index_select``, ``where``, ``index_copy_``): no host read of the indices, positions or
-sequence lengths, so a decode step stays capturable in a CUDA graph. Exactness: each real row
-is advanced by the same kernel as an unpooled call on that row alone. Padding rows are computed
-as copies of the first real row (same inputs, same state) and write its result to its row, so
-every write to a row carries the same bits and duplicate indices in the scatter are harmless.
-When no row is real, every write puts back the untouched row that was read.
+The library addresses the pool itself (``hila::ForwardParams::state_indices`` /
+``hila::StepParams::state_indices``): the decode kernel reads and writes the rows in place, and a
+prefill gathers the rows it reads on the device and writes the final states back; nothing is read
+back to the host (the positions of a pooled prefill excepted, unless ``init_pos_cpu`` gives them),
+so a pooled decode step can be captured in a CUDA graph. Each real row is computed by the same
+kernel as an unpooled call of that row alone.
 
-Contract (not checked on CUDA, where checking would read the indices back): indices of real rows
-are distinct and ``< num_slots``. On the CPU they are checked (HilaError).
+Contract: indices of real rows are distinct and ``< num_slots``. On the CPU, and on CUDA whenever
+the library reads the indices anyway (``check_values=True``, or a log-linear step without
+``max_position``), they are checked (HilaError naming ``state_indices``); otherwise a row outside
+``[-1, num_slots)`` gives NaN outputs and writes nothing, and duplicates are the engine's to avoid.
+
+fla's V-first pools (``state_v_first``: ``[num_slots, HV, V, K]``, seen through a transposed view)
+have no contiguous rows in hila's layout; their rows are gathered into hila's layout with
+``index_select`` and written back with ``index_copy_`` (device operations only, still no host read).
 """
 from __future__ import annotations
 
@@ -38,8 +43,7 @@ from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
 
-__all__ = ["get_state_shape", "allocate_state_pool", "reset_state_rows", "pooled_forward",
-           "pooled_step_"]
+__all__ = ["get_state_shape", "allocate_state_pool", "reset_state_rows"]
 
 
 def get_state_shape(op: str, num_heads: int, head_k_dim: int, head_v_dim: int, max_len: int, *,
@@ -84,16 +88,9 @@ def reset_state_rows(pool: State, rows: Tensor) -> None:
             x.index_fill_(0, rows, 0)
 
 
-class _Plan(NamedTuple):
-    """Where each of the N sequences of a pooled call reads and writes (all device tensors)."""
-    valid: Tensor      # bool [N], state_indices >= 0
-    any_valid: Tensor  # bool [], one real row at least
-    src: Tensor        # int64 [N], the sequence whose result row i writes: i, or the first real one
-    tgt: Tensor        # int64 [N], the pool row that row i reads and writes
-    tgt_ext: Tensor    # int64 [N + 1], tgt and one more read of tgt[0], kept untouched
-
-
-def _plan(state_indices: Tensor, N: int, pool_rows: int, device: torch.device) -> _Plan:
+def _indices(state_indices, N: int, device: torch.device) -> Tensor:
+    """state_indices as the library takes them: int32 [N] on the pool's device (an int64 tensor is
+    converted on the device; the library names any other misuse)."""
     if not isinstance(state_indices, Tensor) or state_indices.dim() != 1 or \
             state_indices.dtype not in (torch.int32, torch.int64):
         raise HilaError("hila: argument 'state_indices': expected an int32 or int64 tensor [N] of "
@@ -104,7 +101,65 @@ def _plan(state_indices: Tensor, N: int, pool_rows: int, device: torch.device) -
     if state_indices.device != device:
         raise HilaError(f"hila: argument 'state_indices': expected a tensor on the pool's device "
                         f"{device}, got {state_indices.device}", "state_indices")
-    idx = state_indices.to(torch.int64)
+    return state_indices if state_indices.dtype == torch.int32 else state_indices.to(torch.int32)
+
+
+def _pool(op: str, pool, name: str) -> Tuple[State, bool]:
+    """The pool as a State, and whether it is bare: a [P, H, dk, dv] tensor is a pool of gla / gdn
+    states, whose positions (which those operators do not read) hila keeps nowhere: a zero
+    position per row stands in for them."""
+    if pool is None:
+        raise HilaError(f"hila: argument '{name}': expected the state pool (a hila.State, or a "
+                        f"[num_slots, H, dk, dv] tensor for gla / gdn) with state_indices, got None", name)
+    st = _ops.as_state(op, pool, name)
+    for field, x in zip(State._fields, st):
+        if x is not None and not isinstance(x, Tensor):
+            raise HilaError(f"hila: argument '{name}.{field}': expected a torch.Tensor, got "
+                            f"{_ops._describe(x)}", f"{name}.{field}")
+    return st, hasattr(pool, "shape")
+
+
+def _check_pool_dtype(pool: State, q: Tensor, name: str) -> None:
+    want = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for field, x in zip(State._fields[1:], pool[1:]):
+        if x is not None and x.dtype != want:
+            raise HilaError(f"hila: argument '{name}.{field}': expected {want} (the state dtype of "
+                            f"{q.dtype} inputs), got {x.dtype}", f"{name}.{field}")
+
+
+def _in_place(pool: State) -> bool:
+    """Whether the library can address the pool's rows in place: every part's innermost stride is
+    1 (fla's V-first pools, transposed views, are not)."""
+    return all(x is None or x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1 for x in pool)
+
+
+def prepare_pool(op: str, pool, state_indices, q: Tensor, N: int, name: str):
+    """(pool State, int32 indices, bare, in_place) for a pooled call of N sequences on q's
+    device (hila.torch.forward / step_ with state_indices)."""
+    st, bare = _pool(op, pool, name)
+    _check_pool_dtype(st, q, name)
+    idx = _indices(state_indices, N, st.H.device)
+    return st, idx, bare, _in_place(st)
+
+
+# ----------------------------------------------------------------------------- V-first pools
+# The rows of a pool the kernels cannot address in place are gathered into hila's layout and
+# written back with device operations. A padding row is computed as a copy of the first real row
+# (same inputs, same state) and writes that row's result to that row, so every write to a pool row
+# carries the same bits and duplicate indices in the scatter are harmless; with no real row every
+# write puts back the untouched row that was read.
+
+class _Plan(NamedTuple):
+    """Where each of the N sequences of a gathered call reads and writes (all device tensors)."""
+    valid: Tensor      # bool [N], state_indices >= 0
+    any_valid: Tensor  # bool [], one real row at least
+    src: Tensor        # int64 [N], the sequence whose result row i writes: i, or the first real one
+    tgt: Tensor        # int64 [N], the pool row that row i reads and writes
+    tgt_ext: Tensor    # int64 [N + 1], tgt and one more read of tgt[0], kept untouched
+
+
+def _plan(idx: Tensor, N: int, pool_rows: int, device: torch.device) -> _Plan:
+    idx = idx.to(torch.int64)
     if idx.device.type == "cpu":  # host memory: the contract can be checked without a sync
         real = idx[idx >= 0]
         if bool((idx < -1).any()) or bool((real >= pool_rows).any()) or real.unique().numel() != real.numel():
@@ -115,22 +170,6 @@ def _plan(state_indices: Tensor, N: int, pool_rows: int, device: torch.device) -
     src = torch.where(valid, torch.arange(N, device=device), first)
     tgt = idx.index_select(0, src).clamp(min=0)     # padding: the first real row's pool row; none: 0
     return _Plan(valid, valid.any(), src, tgt, torch.cat([tgt, tgt[:1]]))
-
-
-def _pool(op: str, pool, name: str) -> State:
-    """The pool as a State; a bare [P, H, dk, dv] tensor is a pool of gla / gdn states (no
-    positions kept: those operators do not read them)."""
-    if pool is None:
-        raise HilaError(f"hila: argument '{name}': expected the state pool (a hila.State, or a "
-                        f"[num_slots, H, dk, dv] tensor for gla / gdn) with state_indices, got None", name)
-    st = _ops.as_state(op, pool, name)
-    if hasattr(pool, "shape"):  # bare: as_state made fresh zero positions, not a part of the pool
-        st = State(None, None, None, st.H)
-    for field, x in zip(State._fields, st):
-        if x is not None and not isinstance(x, Tensor):
-            raise HilaError(f"hila: argument '{name}.{field}': expected a torch.Tensor, got "
-                            f"{_ops._describe(x)}", f"{name}.{field}")
-    return st
 
 
 def _gather(pool: State, plan: _Plan, N: int) -> State:
@@ -146,34 +185,19 @@ def _scatter(pool: State, rows: State, new: State, plan: _Plan, N: int) -> None:
     for part, r, x in zip(pool, rows, new):
         if part is None:
             continue
-        if x.shape[1:] != part.shape[1:] or x.dtype != part.dtype:
-            raise HilaError(f"hila: argument 'state pool': expected parts shaped [num_slots] + "
-                            f"{list(x.shape[1:])} of dtype {x.dtype} (the state of this call), got "
-                            f"{list(part.shape)} {part.dtype}", "state")
         val = torch.where(plan.any_valid, x.index_select(0, plan.src), r[N:])
         part.index_copy_(0, plan.tgt, val)
 
 
-def _check_pool_dtype(pool: State, q: Tensor, name: str) -> None:
-    want = torch.float64 if q.dtype == torch.float64 else torch.float32
-    for field, x in zip(State._fields[1:], pool[1:]):
-        if x is not None and x.dtype != want:
-            raise HilaError(f"hila: argument '{name}.{field}': expected {want} (the state dtype of "
-                            f"{q.dtype} inputs), got {x.dtype}", f"{name}.{field}")
-
-
-def pooled_step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
-                 pool: State, state_indices: Tensor, lam: Optional[Tensor] = None,
-                 beta: Optional[Tensor] = None, **options) -> Tensor:
-    """One decode token for N requests on pool rows ``state_indices`` (``hila.torch.step_`` with
-    ``state_indices``). Inputs as in :func:`hila.torch.step_` ([N, ...]); ``pool`` a State with
-    ``num_slots`` rows (a log-linear H with the capacity of the longest request). Returns
-    o [N, H, dv], 0 in padding rows; the pool rows advance in place."""
+def gathered_step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], *, pool: State,
+                   idx: Tensor, bare: bool, lam: Optional[Tensor] = None,
+                   beta: Optional[Tensor] = None, **options) -> Tensor:
+    """hila.torch.step_ on a pool whose rows the library cannot address in place."""
     from .ops import step_
-    pool = _pool(op, pool, "state")
-    _check_pool_dtype(pool, q, "state")
     N = q.shape[0]
-    plan = _plan(state_indices, N, pool.H.shape[0], pool.H.device)
+    if bare:
+        pool = State(None, None, None, pool.H)
+    plan = _plan(idx, N, pool.H.shape[0], pool.H.device)
     pick = lambda t: None if t is None else t.index_select(0, plan.src)  # noqa: E731
     rows = _gather(pool, plan, N)
     work = State(*(None if r is None else r[:N] for r in rows))      # views: step_ writes into rows
@@ -183,31 +207,26 @@ def pooled_step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] =
     return torch.where(plan.valid.view(N, 1, 1), o, o.new_zeros(()))
 
 
-def pooled_forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *,
-                   pool: State, state_indices: Tensor, lam: Optional[Tensor] = None,
-                   beta: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-                   cu_seqlens_cpu: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                   form: str = "chunk", chunk: int = 64, **options) -> Tuple[Tensor, State]:
-    """A whole-sequence call (prefill, chunked prefill, speculative verification) of N sequences
-    starting from pool rows ``state_indices`` (``hila.torch.forward`` with ``state_indices``): the
-    state after each sequence is written back to its row. Returns ``(o, pool)``; o is 0 at the
-    tokens of padding sequences. Inference only (the pool is written in place)."""
+def gathered_forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], *, pool: State,
+                     idx: Tensor, bare: bool, N: int, lam: Optional[Tensor] = None,
+                     beta: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+                     **options) -> Tensor:
+    """hila.torch.forward on a pool whose rows the library cannot address in place; returns o."""
     from .ops import forward
     from .modules import sequence_index
-    given, pool = pool, _pool(op, pool, "initial_state")
-    _check_pool_dtype(pool, q, "initial_state")
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    plan = _plan(state_indices, N, pool.H.shape[0], pool.H.device)
+    if bare:
+        pool = State(None, None, None, pool.H)
+    plan = _plan(idx, N, pool.H.shape[0], pool.H.device)
     rows = _gather(pool, plan, N)
     init = State(*(None if r is None else r[:N] for r in rows))
     slots = pool.H.shape[2] if _ops.op_traits(op)["loglinear"] and pool.H.dim() == 5 else None
-    o, fin = forward(op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=cu_seqlens,
-                     cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, initial_state=init,
-                     output_final_state=True, final_slots=slots, form=form, chunk=chunk, **options)
+    pos_cpu = torch.zeros(N, dtype=torch.int64) if bare else None  # a bare pool: every row at 0
+    o, fin = forward(op, q, k, v, g, lam=lam, beta=beta, cu_seqlens=cu_seqlens, initial_state=init,
+                     output_final_state=True, final_slots=slots, init_pos_cpu=pos_cpu, **options)
     _scatter(pool, rows, fin, plan, N)
     if cu_seqlens is None:
         keep = plan.valid.view(N, 1, 1, 1)
     else:
         seq, _ = sequence_index(cu_seqlens, q.shape[1])
         keep = plan.valid.index_select(0, seq).view(1, -1, 1, 1)
-    return torch.where(keep, o, o.new_zeros(())), given
+    return torch.where(keep, o, o.new_zeros(()))

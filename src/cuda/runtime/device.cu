@@ -27,7 +27,8 @@ void d2h(void* dst, const void* src, size_t bytes, int device, void* stream) {
   HILA_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
-// first[0] = min row-major index of an element that is non-finite (or > 0 for gates).
+// first[0] = min row-major index of an element that is non-finite (for gates: NaN or > 0; -inf is a
+// reset, docs/OPERATORS.md).
 __global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_t s0, int64_t s1, int64_t s2,
                             int64_t s3, int64_t s4, int64_t n, bool contiguous, bool gates) {
   const int64_t shape[5] = {s0, s1, s2, s3, s4};
@@ -42,7 +43,7 @@ __global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_
       }
     }
     const double x = ld<double>(t, off);
-    if (!isfinite(x) || (gates && x > 0)) atomicMin(first, static_cast<unsigned long long>(e));
+    if (gates ? !(x <= 0) : !isfinite(x)) atomicMin(first, static_cast<unsigned long long>(e));
   }
 }
 
@@ -117,9 +118,30 @@ void* cuda_alloc_zeroed(size_t bytes, int device) {
   if (bytes == 0) return nullptr;
   cuda::DeviceScope scope(device);
   void* p = nullptr;
-  HILA_CUDA_CHECK(cudaMalloc(&p, bytes));
-  HILA_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e == cudaErrorMemoryAllocation) cuda::fail_device_memory(bytes, device, "a decode state");
+  HILA_CUDA_CHECK(e);
+  const cudaError_t z = cudaMemset(p, 0, bytes);
+  if (z != cudaSuccess) {
+    cudaFree(p);
+    HILA_CUDA_CHECK(z);
+  }
   return p;
+}
+
+void cuda_check_memory(double total, double fresh, int device, const std::string& what) {
+  const int64_t limit = configured_memory_limit();
+  if (limit > 0 && total > double(limit))
+    throw Error("N/H/dk/dv", "needs " + bytes_str(total) + " of device memory on cuda:" + std::to_string(device) +
+                                 " for " + what + ", more than the " + bytes_str(double(limit)) +
+                                 " hila may take (HILA_MAX_MEMORY or hila::set_memory_limit)");
+  cuda::DeviceScope scope(device);
+  size_t free_b = 0, dev_total = 0;
+  HILA_CUDA_CHECK(cudaMemGetInfo(&free_b, &dev_total));
+  if (fresh > double(free_b))
+    throw Error("N/H/dk/dv", "needs " + bytes_str(fresh) + " of new device memory on cuda:" + std::to_string(device) +
+                                 " for " + what + ", more than the " + bytes_str(double(free_b)) + " free (of " +
+                                 bytes_str(double(dev_total)) + ")");
 }
 
 void cuda_free(void* p, int device) noexcept {

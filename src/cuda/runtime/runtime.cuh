@@ -17,10 +17,38 @@
 
 namespace hila::cuda {
 
+// The call running on this thread: its device (made current for the call's duration, and put
+// back only if it was another) and stream, and whether that stream is being captured into a CUDA
+// graph (asked once per call, at its first upload). What the runtime helpers below would
+// otherwise ask the driver at every upload or allocation.
+class CallScope {
+ public:
+  CallScope(int device, cudaStream_t s);
+  ~CallScope();
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+  int device() const { return dev_; }
+  cudaStream_t stream() const { return s_; }
+  bool capturing();
+  static CallScope* current();
+
+ private:
+  int dev_, prev_;
+  cudaStream_t s_;
+  int capture_ = -1;  // unknown until asked
+  CallScope* outer_;
+};
+// The current device: the call's, else the runtime's.
+int current_device();
+
 // Keep freed temporaries cached in the current device's default memory pool (its release
 // threshold is 0 by default, which hands the memory back at every synchronization and makes the
 // next call pay for fresh allocations). Once per device.
 void keep_pool_cached();
+
+// An allocation of `bytes` of device memory failed (cudaErrorMemoryAllocation; the error is
+// cleared): hila::Error("memory", ...) naming the bytes, the device, its free memory and `what`.
+[[noreturn]] void fail_device_memory(size_t bytes, int device, const char* what);
 
 // Where one call's temporaries come from: a caller's workspace (ForwardParams::workspace) or, when
 // none is installed on this thread, the stream-ordered pool. Blocks are 256-byte aligned and
@@ -99,7 +127,12 @@ class DevBuf {
       return;
     }
     keep_pool_cached();
-    HILA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), body + guard, s));
+    const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&p_), body + guard, s);
+    if (e == cudaErrorMemoryAllocation) {
+      p_ = nullptr;
+      fail_device_memory(body + guard, current_device(), "a temporary of the call (from the stream-ordered pool)");
+    }
+    HILA_CUDA_CHECK(e);
     fill(body, guard, zero);
   }
   ~DevBuf() {
@@ -179,27 +212,35 @@ inline int pad16(int64_t d) { return int((d + 15) / 16 * 16); }
 // all earlier work on the stream, leaving the GPU idle while the host prepares the next call.
 void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s);
 
-// Sequence tables on the device.
+// Sequence tables on the device: per sequence its first row (b T + t), length and first chunk
+// ([N] int64 each), per chunk its sequence ([nchunks] int32), in one buffer and one upload.
 struct SeqTables {
-  std::vector<int64_t> row0, len, chunk0;
-  std::vector<int> chunk_seq;
-  DevBuf<int64_t> d_row0, d_len, d_chunk0;
-  DevBuf<int> d_chunk_seq;
+  template <class X>
+  struct Part {  // a table inside d_all (get(), as a DevBuf's)
+    const X* p = nullptr;
+    const X* get() const { return p; }
+  };
   int64_t nchunks = 0;
+  DevBuf<int64_t> d_all;
+  Part<int64_t> d_row0, d_len, d_chunk0;
+  Part<int> d_chunk_seq;
   SeqTables(const detail::Resolved& r, cudaStream_t s, int64_t chunk) {
-    for (size_t i = 0; i < r.seqs.size(); ++i) {
+    const size_t N = r.seqs.size();
+    for (const auto& q : r.seqs) nchunks += (q.len + chunk - 1) / chunk;
+    // [row0 | len | chunk0] int64, then chunk_seq as int32 pairs
+    std::vector<int64_t> h(3 * N + size_t(nchunks + 1) / 2, 0);
+    int* cs = reinterpret_cast<int*>(h.data() + 3 * N);
+    int64_t c0 = 0;
+    for (size_t i = 0; i < N; ++i) {
       const auto& q = r.seqs[i];
-      row0.push_back(q.b * r.T + q.row0);
-      len.push_back(q.len);
-      chunk0.push_back(nchunks);
+      h[i] = q.b * r.T + q.row0, h[N + i] = q.len, h[2 * N + i] = c0;
       const int64_t nc = (q.len + chunk - 1) / chunk;
-      for (int64_t c = 0; c < nc; ++c) chunk_seq.push_back(int(i));
-      nchunks += nc;
+      for (int64_t c = 0; c < nc; ++c) cs[c0 + c] = int(i);
+      c0 += nc;
     }
-    d_row0 = upload(row0, s);
-    d_len = upload(len, s);
-    d_chunk0 = upload(chunk0, s);
-    d_chunk_seq = upload(chunk_seq, s);
+    d_all = upload(h, s);
+    d_row0.p = d_all.get(), d_len.p = d_all.get() + N, d_chunk0.p = d_all.get() + 2 * N;
+    d_chunk_seq.p = reinterpret_cast<const int*>(d_all.get() + 3 * N);
   }
   template <class X>
   static DevBuf<X> upload(const std::vector<X>& v, cudaStream_t s) {
@@ -218,17 +259,19 @@ inline void upload_final_positions(const TensorView& pos, const detail::Resolved
   upload_async(pos.data, p.data(), p.size() * 8, s);
 }
 
-// Device and stream of a call: the device of q, made current for the duration.
+// A device made current for the duration of a scope (put back only if it was another).
 class DeviceScope {
  public:
-  explicit DeviceScope(int dev) {
+  explicit DeviceScope(int dev) : dev_(dev) {
     HILA_CUDA_CHECK(cudaGetDevice(&prev_));
     if (prev_ != dev) HILA_CUDA_CHECK(cudaSetDevice(dev));
   }
-  ~DeviceScope() { cudaSetDevice(prev_); }
+  ~DeviceScope() {
+    if (prev_ != dev_) cudaSetDevice(prev_);
+  }
 
  private:
-  int prev_ = 0;
+  int prev_ = 0, dev_ = 0;
 };
 
 
@@ -252,32 +295,28 @@ class SideStream {
   bool joined_ = false;
 };
 
-// Multiprocessors of the current device (read once per process).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, x = 0;
-    HILA_CUDA_CHECK(cudaGetDevice(&dev));
-    HILA_CUDA_CHECK(cudaDeviceGetAttribute(&x, cudaDevAttrMultiProcessorCount, dev));
-    return x;
-  }();
-  return n;
-}
-
-// Dynamic shared memory one block may opt into on the current device (bytes).
-inline size_t smem_optin() {
-  int dev = 0, optin = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return size_t(optin);
-}
+// Multiprocessors of the current device (read once per device).
+int sm_count();
+// Dynamic shared memory one block may opt into on the current device (bytes; read once per device).
+size_t smem_optin();
+// Total memory of the current device (bytes; read once per device).
+size_t device_total_memory();
 
 // What the launch policies (dispatch/heuristics.h) know of the device.
 inline heuristics::Device device_info() { return heuristics::Device{sm_count(), smem_optin()}; }
 
+// Whether `kernel` has been opted into at least `bytes` of dynamic shared memory on the current
+// device (note_smem records it): the attribute is set once per kernel and device, not per launch.
+bool smem_set(const void* kernel, size_t bytes);
+void note_smem(const void* kernel, size_t bytes);
+
 // Opts a kernel into `bytes` of dynamic shared memory.
 template <class F>
 void set_smem(F* kernel, size_t bytes) {
+  const void* k = reinterpret_cast<const void*>(kernel);
+  if (smem_set(k, bytes)) return;
   HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  note_smem(k, bytes);
 }
 
 }  // namespace hila::cuda

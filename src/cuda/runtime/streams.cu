@@ -8,15 +8,24 @@
 namespace hila::cuda {
 
 namespace {
-// an event that has captured `from`'s work so far, waited for by `to`
+// an event that has captured `from`'s work so far, waited for by `to`. cudaStreamWaitEvent waits
+// for the event's record at the time of the call, so one event per (host thread, device) serves
+// every link: it is created once and re-recorded.
 cudaError_t link(cudaStream_t from, cudaStream_t to) {
-  cudaEvent_t e;
-  cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-  if (err != cudaSuccess) return err;
-  err = cudaEventRecord(e, from);
+  thread_local std::vector<cudaEvent_t> events;
+  const int dev = current_device();
+  if (events.size() <= size_t(dev)) events.resize(size_t(dev) + 1, nullptr);
+  cudaEvent_t& e = events[size_t(dev)];
+  if (!e) {
+    const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      e = nullptr;
+      return err;
+    }
+  }
+  cudaError_t err = cudaEventRecord(e, from);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(to, e, 0);
-  const cudaError_t d = cudaEventDestroy(e);  // released once the wait is satisfied
-  return err != cudaSuccess ? err : d;
+  return err;
 }
 }  // namespace
 
@@ -24,8 +33,7 @@ SideStream::SideStream(cudaStream_t main) : main_(main), side_(main) {
   if (!config().side_stream || dry_run()) return;
   // one non-blocking stream per (host thread, device), kept for the thread's lifetime
   thread_local std::vector<cudaStream_t> streams;
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
+  const int dev = current_device();
   if (streams.size() <= size_t(dev)) streams.resize(size_t(dev) + 1, nullptr);
   if (!streams[size_t(dev)]) HILA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(dev)], cudaStreamNonBlocking));
   side_ = streams[size_t(dev)];

@@ -6,20 +6,35 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "cuda/runtime/config.h"
 #include "cuda/runtime/runtime.cuh"
+#include "hila/error.h"
 
 namespace hila::cuda {
 
 namespace {
 
+// The bytes of an upload are copied into the ring, then from there by cudaMemcpyAsync; an event
+// recorded after that copy tells when its slot may be written again. Events are created once and
+// reused (a completed upload's event goes back to `free_`).
 class PinnedRing {
  public:
   static constexpr size_t kBytes = size_t(4) << 20;
   void upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!base_) HILA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&base_), kBytes));
+    if (!base_) {
+      const cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&base_), kBytes);
+      if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        base_ = nullptr;
+        throw Error("memory", "could not allocate the " + std::to_string(kBytes) +
+                                  " bytes of pinned host memory that per-call tables go up through");
+      }
+      HILA_CUDA_CHECK(e);
+    }
     const size_t need = (bytes + 255) & ~size_t(255);
     if (need > kBytes) {  // larger than the ring: a plain (synchronizing) copy
       HILA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
@@ -33,14 +48,23 @@ class PinnedRing {
       const bool overlap = p.off < head_ + need && head_ < p.off + p.len;
       if (!overlap && pending_.size() < 256) break;
       HILA_CUDA_CHECK(cudaEventSynchronize(p.done));
-      HILA_CUDA_CHECK(cudaEventDestroy(p.done));
+      free_.push_back(p.done);
       pending_.pop_front();
     }
     std::memcpy(base_ + head_, src, bytes);
     HILA_CUDA_CHECK(cudaMemcpyAsync(dst, base_ + head_, bytes, cudaMemcpyHostToDevice, s));
     cudaEvent_t e;
-    HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    HILA_CUDA_CHECK(cudaEventRecord(e, s));
+    if (free_.empty()) {
+      HILA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    } else {
+      e = free_.back();
+      free_.pop_back();
+    }
+    const cudaError_t rec = cudaEventRecord(e, s);
+    if (rec != cudaSuccess) {
+      free_.push_back(e);
+      HILA_CUDA_CHECK(rec);
+    }
     pending_.push_back({head_, need, e});
     head_ += need;
   }
@@ -54,6 +78,7 @@ class PinnedRing {
   char* base_ = nullptr;
   size_t head_ = 0;
   std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_;
 };
 
 // An upload inside CUDA graph capture: the bytes ride in the parameters of kernels (kept by value
@@ -67,8 +92,9 @@ __global__ void upload_piece_kernel(unsigned char* dst, const UploadPiece p, uns
 }
 // HILA_UPLOAD_KERNEL=1 (tests): kernel uploads always, in pieces of 16 bytes
 bool upload_forced() { return config().upload_kernel; }
-// kernel uploads while s is being captured
+// kernel uploads while s is being captured (asked once per call: CallScope)
 bool capturing(cudaStream_t s) {
+  if (CallScope* c = CallScope::current(); c && c->stream() == s) return c->capturing();
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   HILA_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
   return st != cudaStreamCaptureStatusNone;
@@ -89,9 +115,7 @@ void upload_async(void* dst, const void* src, size_t bytes, cudaStream_t s) {
     return;
   }
   static PinnedRing rings[64];  // per device ordinal
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  rings[dev & 63].upload(dst, src, bytes, s);
+  rings[current_device() & 63].upload(dst, src, bytes, s);
 }
 
 }  // namespace hila::cuda

@@ -36,8 +36,12 @@ struct StepArgs {
   R* Hs;                       // [N, H, dk, dv'] or [N, H, Ls, dk, dv']
   int64_t Hs0, Hs1, Hsl;       // Hsl: slot stride (0 for flat)
   int Hs2;                     // row stride (dk * stride < 2^31)
-  int64_t* pos;                // [N]
+  int64_t* pos;                // [P] positions of the state's rows
   int64_t poss;
+  const int* idx;              // [N] state row of each sequence (pool; -1: padding), nullptr: row n
+  int64_t idxs;
+  int64_t rows;                // P: rows of the state (N without a pool)
+  int64_t max_pos;             // >= 0: a position outside [0, max_pos] gives NaN o, nothing written
   unsigned* seq_count;         // [N] blocks done per sequence (null: a second kernel advances pos)
   unsigned* s_count;           // [N, H] blocks done reading S (tiles > 1 only)
   int N, H, rep, dk, dv, dvp, tiles, stages;
@@ -81,8 +85,10 @@ constexpr int kMinBlocks = std::is_same_v<T, double> ? (kRows <= 8 ? 4 : kRows <
 // flat or Fenwick states as template arguments.
 template <class T>
 void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s);
-// After every head of every sequence has stepped: pos <- pos + 1 (the functional step, which has
-// no counters to elect a last block).
-void launch_advance_positions(int64_t* pos, int64_t stride, int N, cudaStream_t s);
+// After every head of every sequence has stepped: pos <- pos + 1 at each sequence's row (the
+// functional step, which has no counters to elect a last block); rows the step skipped (padding,
+// out of range, a position past max_pos) are left alone.
+template <class T>
+void launch_advance_positions(const StepArgs<T>& a, cudaStream_t s);
 
 }  // namespace hila::cuda::decode

@@ -25,6 +25,8 @@ struct StepBlock {
   R *s_ring, *s_S, *s_q, *s_k, *s_key, *s_vin, *s_hh, *s_oraw, *s_lam, *s_red, *s_colred, *s_colpart;
   int tid, lane, warp;
   int n, tile, h, grp, dk, dvp;
+  int64_t row;     // the state row of sequence n (its pool row; n without a pool)
+  int skip;        // 0: step; kPadding: o = 0, nothing else; kInvalid: o = NaN, nothing else
   int cbeg, cend;  // this block's columns of P, H and o'
   int64_t t;       // the sequence's position
   int nlev;        // live levels are <= bitlen(t)
@@ -42,6 +44,11 @@ struct StepBlock {
   __device__ __forceinline__ void inner_P();     // inner_p.cuh
   __device__ __forceinline__ void outer();       // outer.cuh
   __device__ __forceinline__ void output();      // output.cuh
+  __device__ __forceinline__ void skipped();     // output.cuh: o of a row that does not step
 };
+
+// What a block does with its sequence (StepBlock::skip), decided from the row and position alone,
+// so every block of the sequence (and every thread) decides the same.
+constexpr int kPadding = 1, kInvalid = 2;
 
 }  // namespace hila::cuda::decode

@@ -104,7 +104,7 @@ template <class T, int kRows, bool kFenwick>
 __device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::inner_S() {
   if (a.has_S) {
     const R aS = gate(0);
-    R* S = a.S + n * a.Ss0 + h * a.Ss1;
+    R* S = a.S + row * a.Ss0 + h * a.Ss1;
     constexpr int kM = kRows * kWarps / 32;  // >= dk / 32
     R colacc[kM];
 #pragma unroll

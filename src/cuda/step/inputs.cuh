@@ -20,16 +20,25 @@ __device__ __forceinline__ StepBlock<T, kRows, kFenwick>::StepBlock(const StepAr
   grp = h / a.rep, dk = a.dk, dvp = a.dvp;
   cbeg = a.tiles == 1 ? 0 : tile * kCols;
   cend = a.tiles == 1 ? dvp : min(dvp, cbeg + kCols);
-  t = a.pos[n * a.poss];
-  nlev = kFenwick ? 64 - __clzll(t) : 0;
+  // The state row: a pool's row state_indices[n] (-1: padding; outside [0, P): invalid), and its
+  // position, which must lie in [0, max_pos] when the caller bounds it (the host checked the
+  // capacity of state and lam for that bound, not for the position itself).
+  row = a.idx ? int64_t(a.idx[n * a.idxs]) : n;
+  skip = 0;
+  t = 0;
+  if (a.idx && row == -1) skip = kPadding;
+  else if (row < 0 || row >= a.rows) skip = kInvalid;
+  else t = a.pos[row * a.poss];
+  if (!skip && a.max_pos >= 0 && (t < 0 || t > a.max_pos)) skip = kInvalid;
+  nlev = kFenwick && !skip ? 64 - __clzll(t) : 0;
 }
 
 // The state tiles start streaming in: S first (it is needed first) when it is copied to shared
 // memory, then the first `stages` ring items (ring.cuh).
 template <class T, int kRows, bool kFenwick>
 __device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::start_ring() {
-  Hh = a.Hs + n * a.Hs0 + h * a.Hs1;
-  P = a.has_P ? a.P + n * a.Ps0 + h * a.Ps1 : nullptr;
+  Hh = a.Hs + row * a.Hs0 + h * a.Hs1;
+  P = a.has_P ? a.P + row * a.Ps0 + h * a.Ps1 : nullptr;
   items = Items<R>{};
   items.P = P, items.Ps2 = a.Ps2, items.H = Hh, items.Hsl = a.Hsl, items.Hs2 = a.Hs2, items.t = t;
   items.fenwick = kFenwick, items.cbeg = cbeg, items.cend = cend;
@@ -38,7 +47,7 @@ __device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::start_ring() {
   items.nlive = kFenwick ? __popcll(static_cast<unsigned long long>(t)) : 1;
   items.total = items.nP + nchunk * items.nlive;
   if (a.s_smem) {  // S first: it is needed first
-    copy_async(s_S, a.S + n * a.Ss0 + h * a.Ss1, sym_size(dk));
+    copy_async(s_S, a.S + row * a.Ss0 + h * a.Ss1, sym_size(dk));
     mma::cp_async_commit();
   }
   for (int i = 0; i < a.stages; ++i) ring_issue(s_ring, a.stages, dk, items, i);

@@ -17,6 +17,10 @@ template <class T, int kRows, bool kFenwick>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kFenwick>)) step_kernel(const StepArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StepBlock<T, kRows, kFenwick> b(a, smem_raw);
+  if (b.skip) {  // uniform over the block: no barrier is reached
+    b.skipped();
+    return;
+  }
   b.start_ring();
   b.inputs();
   b.inner_S();
@@ -25,9 +29,16 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, kRows, kFenwick>)) st
   b.output();
 }
 
-__global__ void advance_positions(int64_t* pos, int64_t stride, int N) {
+// pos += 1 at the row of every sequence that stepped (StepBlock's skip rule)
+__global__ void advance_positions(int64_t* pos, int64_t stride, int N, const int* idx, int64_t idxs, int64_t rows,
+                                  int64_t max_pos) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < N) pos[i * stride] += 1;
+  if (i >= N) return;
+  const int64_t row = idx ? int64_t(idx[i * idxs]) : i;
+  if (row < 0 || row >= rows) return;
+  const int64_t t = pos[row * stride];
+  if (max_pos >= 0 && (t < 0 || t > max_pos)) return;
+  pos[row * stride] = t + 1;
 }
 
 }  // namespace
@@ -44,12 +55,15 @@ void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s) {
   });
 }
 
-void launch_advance_positions(int64_t* pos, int64_t stride, int N, cudaStream_t s) {
-  advance_positions<<<unsigned((N + 255) / 256), 256, 0, s>>>(pos, stride, N);
+template <class T>
+void launch_advance_positions(const StepArgs<T>& a, cudaStream_t s) {
+  advance_positions<<<unsigned((a.N + 255) / 256), 256, 0, s>>>(a.pos, a.poss, a.N, a.idx, a.idxs, a.rows, a.max_pos);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
-#define HILA_INSTANTIATE(T) template void launch_step<T>(const StepArgs<T>&, dim3, size_t, cudaStream_t);
+#define HILA_INSTANTIATE(T)                                                       \
+  template void launch_step<T>(const StepArgs<T>&, dim3, size_t, cudaStream_t); \
+  template void launch_advance_positions<T>(const StepArgs<T>&, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The decode step's last stage (block.cuh): o in v's dtype from o' (normalize: o'[:dv] / (o'[dv] +
 // eps), the denominator column dv being in this block, tiles == 1), and pos += 1 by the last block
-// of the sequence to finish (with the DecodeState's counters).
+// of the sequence to finish (with the DecodeState's counters); o of a sequence that does not step.
 #pragma once
 #include "cuda/step/block.cuh"
 
@@ -22,9 +22,19 @@ __device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::output() {
     unsigned* cnt = a.seq_count + n;
     if (atomicAdd(cnt, 1u) == unsigned(a.H * a.tiles - 1)) {
       *cnt = 0;
-      a.pos[n * a.poss] = t + 1;
+      a.pos[row * a.poss] = t + 1;
     }
   }
+}
+
+// A sequence that does not step: a padding row (o = 0) or an invalid one (o = NaN: a pool row
+// outside [-1, P), or a position outside [0, max_pos]); its state is not touched.
+template <class T, int kRows, bool kFenwick>
+__device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::skipped() {
+  T* o = a.o + n * a.os0 + h * a.os1;
+  const int oend = min(cend, a.dv);
+  const R x = skip == kPadding ? R(0) : R(NAN);
+  for (int c = cbeg + tid; c < oend; c += kThreads) o[c] = to<T>(x);
 }
 
 }  // namespace hila::cuda::decode

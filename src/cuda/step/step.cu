@@ -16,7 +16,11 @@
 //                          r = ctz(t+1): levels 1..r are the trailing ones of t (docs/math/LOGLINEAR.md §2.5)
 //   normalize (docs/math/HLA.md §4): o = o'[:dv] / (o'[dv] + eps).
 // The position t of each sequence is read from the state's pos on the device (sequences may be at
-// different positions), so a step needs no host round trip.
+// different positions), so a step needs no host round trip. With a state pool (state_indices)
+// sequence n steps state row idx[n]: its S, P, H and pos; a padding row (-1) writes o = 0 and
+// nothing else. A row outside [-1, P), or (with the caller's bound max_position) a position outside
+// [0, max_position], writes o = NaN and nothing else: the host checked the Fenwick slots and λ
+// levels against the bound, so such a step could read or write past them.
 //
 // Grid: x = sequence * tiles + tile, y = head. Columns of P and H are independent in every update
 // above, so blocks split dv' into tiles of kCols columns. Two things need more than a tile:
@@ -36,8 +40,6 @@
 // swept, and item i + stages while item i is processed. So the state loads, which are the bytes
 // of a step, are in flight during the block's whole prologue and between its dependent phases.
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -56,22 +58,9 @@ using decode::kThreads;
 using decode::Smem;
 using decode::StepArgs;
 
-// SM count and opt-in shared memory per block of the current device, queried once per device
-// (a step is on the decode hot path).
-heuristics::Device device_limits() {
-  int dev = 0;
-  HILA_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::mutex mu;
-  static std::map<int, heuristics::Device> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
-  if (it != cache.end()) return it->second;
-  heuristics::Device lim{0, smem_optin()};
-  int sms = 0;
-  HILA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  lim.sms = sms;
-  return cache.emplace(dev, lim).first->second;
-}
+// SM count and opt-in shared memory per block of the call's device (runtime.cuh reads them once
+// per device: a step is on the decode hot path).
+heuristics::Device device_limits() { return device_info(); }
 
 // The kernel's arguments: the step's inputs, the state's parts in place, and the composition.
 template <class T>
@@ -100,6 +89,10 @@ StepArgs<T> step_args(const detail::Resolved& r, const detail::OpPlan& plan, con
       throw Error(name, "expected a row stride below 2^31 / dk for the CUDA decode step, got " +
                             std::to_string(stride));
   a.pos = static_cast<int64_t*>(sv.pos.data), a.poss = sv.pos.stride[0];
+  a.idx = p.state_indices.defined() ? static_cast<const int*>(p.state_indices.data) : nullptr;
+  a.idxs = p.state_indices.defined() ? p.state_indices.stride[0] : 0;
+  a.rows = sv.pos.shape[0];
+  a.max_pos = r.max_position;
   a.N = int(r.B), a.H = int(r.H), a.rep = int(r.H / r.G), a.dk = int(r.dk), a.dv = int(r.dv), a.dvp = int(r.dvp);
   a.has_S = plan.has_S, a.has_P = plan.has_P, a.fenwick = plan.fenwick, a.delta = plan.delta;
   a.normalize = plan.normalize, a.l2 = r.cfg.qk_l2norm;
@@ -143,7 +136,7 @@ void decode_step(const detail::Resolved& r, const StepParams& p, const StateView
   const size_t smem = step_layout<T>(r, plan, counters, a);
   if (r.B > 0) {
     decode::launch_step<T>(a, dim3(unsigned(int64_t(a.N) * a.tiles), unsigned(a.H)), smem, s);
-    if (!counters) decode::launch_advance_positions(a.pos, a.poss, a.N, s);
+    if (!counters) decode::launch_advance_positions<T>(a, s);
   }
 }
 
