@@ -40,7 +40,6 @@ struct StepCase {
   bool normalize = false, untied = false, l2 = false;
   double ridge = 0;
   std::vector<int64_t> init_pos;  // non-empty: start from a random state at these positions
-  std::vector<int64_t> resets;    // tokens (along T, every sequence and head) whose gate resets: -inf, -1e30 in turn
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.name; }
@@ -59,18 +58,6 @@ ProblemSpec spec_of(const StepCase& c, int64_t T) {
   s.dtype = DType::f64;
   s.seed = seed_of(c.name);
   return s;
-}
-
-// The case's problem over T tokens (before rounding), its reset gates set.
-Problem problem_of(const StepCase& c, int64_t T) {
-  Problem p = make_problem(spec_of(c, T));
-  const int64_t P = p.g.empty() ? 0 : p.g.numel() / (c.N * T * c.H);  // gate columns
-  for (size_t r = 0; r < c.resets.size(); ++r) {
-    if (c.resets[r] >= T) continue;
-    for (int64_t b = 0; b < c.N; ++b)
-      for (int64_t x = 0; x < c.H * P; ++x) p.g.set((b * T + c.resets[r]) * c.H * P + x, r % 2 ? -1e30 : -INFINITY);
-  }
-  return p;
 }
 
 // One decode step on the device for tokens t[i] of the (low-precision) problem; returns o.
@@ -122,7 +109,7 @@ TEST_P(CudaStep, PrefillThenDecodeMatchesNaiveFloat64) {
   const std::vector<int64_t> ns = from_init ? std::vector<int64_t>{0} : c.prefill;
   int64_t nmax = 0;
   for (int64_t n : ns) nmax = std::max(nmax, n);
-  const Problem low = cast_problem(problem_of(c, nmax + c.m), c.dtype);
+  const Problem low = cast_problem(make_problem(spec_of(c, nmax + c.m)), c.dtype);
   const Problem ref_in = cast_problem(low, DType::f64);
   const Result ref = hila::tools::run_forward(ref_in, Form::naive);
   ASSERT_TRUE(all_finite(ref.o)) << c.name;
@@ -168,7 +155,7 @@ TEST_P(CudaStep, FunctionalStepInPlace) {
   const double tol = tol_of(c.dtype);
   const DType sdt = hila::tools::state_dtype(c.dtype);
   const int64_t n = c.prefill.back();
-  const Problem low = cast_problem(problem_of(c, n + c.m), c.dtype);
+  const Problem low = cast_problem(make_problem(spec_of(c, n + c.m)), c.dtype);
   const Problem ref_in = cast_problem(low, DType::f64);
   const Result ref = hila::tools::run_forward(ref_in, Form::naive);
   StateBuffers st = hila::tools::make_state(low.spec.cfg, c.N, c.H, c.dk, c.dv, n + c.m, sdt);
@@ -234,14 +221,6 @@ std::vector<StepCase> step_cases() {
       l.l2 = true;
       cs.push_back(l);
     }
-    // state resets (g = -inf, -1e30) in the prefill and in the decoded tokens: the step applies
-    // e^g = 0 to the state directly
-    StepCase rz{on + "_f32_resets", op, DType::f32, 2, 1, 2, 32, 24, {0, 2, 65}, 4};
-    rz.resets = {1, 3, 64, 66, 67};
-    cs.push_back(rz);
-    StepCase rb{on + "_bf16_resets", op, DType::bf16, 2, 1, 2, 64, 64, {65}, 3};
-    rb.resets = {64, 66};
-    cs.push_back(rb);
     // start past 2^17, three sequences at different positions, crossing 2^17 while decoding
     StepCase far{on + "_f32_far", op, DType::f32, 3, 1, 2, 32, 32, {}, 6};
     far.init_pos = {5, k2_17 - 3, k2_17 + 64};
@@ -274,7 +253,7 @@ void expect_error(const std::string& ctx, F&& f, const std::string& arg, const s
 // included; docs/math/LOGLINEAR.md §3.5). One naive float64 reference per case. `chunk`: the prefill's C.
 void prefill_then_decode(const StepCase& c, int64_t chunk = 64) {
   constexpr int64_t kMaxN = 300;
-  const Problem low = cast_problem(problem_of(c, kMaxN + c.m), c.dtype);
+  const Problem low = cast_problem(make_problem(spec_of(c, kMaxN + c.m)), c.dtype);
   const Problem ref_in = cast_problem(low, DType::f64);
   const Result ref = hila::tools::run_forward(ref_in, Form::naive);
   const DType sdt = hila::tools::state_dtype(c.dtype);

@@ -27,8 +27,6 @@
 // cotangents are stored in 16 bits as GEMM operands; U, dVn, the carries and every accumulation
 // are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
-// Resets: b is segmented at them and every decay (Gam, e^b, e^{B-b}, e^B) follows the Resets rules
-// of prims/tile.cuh; the form stays exact (it uses the decays, never their factorisation).
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
@@ -214,7 +212,6 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
       sdot[(cg * a.H + h) * gridDim.z + blockIdx.z] = x;
     }
     const float* bt = s.b(st);
-    const Resets rs = chunk_resets(bt, nr);  // decays exact under resets (prims/tile.cuh)
     const float B = bt[nr - 1];
     {  // (2) dVn = dvi + diag(e^{B-b}) K dSs
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
@@ -227,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = fr.row(m0, hf), col = fr.col(n0, j);
-          const float wi = rs.after(i) ? 0.f : __expf(B - bt[i]);
+          const float wi = __expf(B - bt[i]);
           const float2 u = col < bv ? *reinterpret_cast<const float2*>(Dt + i * kLdU + col) : make_float2(0.f, 0.f);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) =
               mma::pack2<T>(u.x + wi * x[j][2 * hf], u.y + wi * x[j][2 * hf + 1]);  // columns >= bv: 0
@@ -235,14 +232,14 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     }
     __syncthreads();
     // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn
-    const float decay = rs.any() ? 0.f : __expf(B);
+    const float decay = __expf(B);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
     if (active) {
       mma::warp_gemm_tn_weighted<T, 8>(acc, s.Q(st), s.ldk, 16 * w, s.dO(st), kLd, nt, kChunk,
-                                      [&](int k) { return rs.upto(k) ? 0.f : sc * __expf(bt[k]); });
+                                      [&](int k) { return sc * __expf(bt[k]); });
       mma::warp_gemm_tn_weighted<T, 8>(acc, s.W(st), s.ldk, 16 * w, s.dVns, kLd, nt, kChunk, [](int) { return -1.f; });
     }
   }
@@ -334,7 +331,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     DevBuf<R> dg(size_t(H * Ttot), s), dvb(size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
     DevBuf<T> dvn(size_t(H * Ttot * dv), s);
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
-    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
+    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get();
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
     gla_bwd_chunk(a, s);
     if (nch > 0) {  // the WY backward

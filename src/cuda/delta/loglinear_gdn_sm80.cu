@@ -12,8 +12,7 @@
 // backward (section comment above LoglinearRsweepArgs) reverses the level sweeps, then forms the level
 // terms (loglinear_grad_kernel), the chunk's own terms (loglinear_intra_bwd_kernel) and the WY backward.
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
-// output accumulator and every accumulation are fp32. Decays exact under resets: the Resets rules of
-// prims/tile.cuh (Gam_ij = 0 across a reset, e^b = 0 from one on, e^{B-b} = 0 before one, e^B = 0).
+// output accumulator and every accumulation are fp32.
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
 #include "cuda/delta/sm80.cuh"
@@ -249,7 +248,6 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
     stash_state(acc, active, s.dSs, x.dhl + (((m - 1) * a.nchunks + c0 + c) * a.H + h) * mat, a.dk, a.dv, v0, bv);
     __syncthreads();
     const float* bt = s.b(sg);
-    const Resets rs = chunk_resets(bt, nr);
     const float B = bt[nr - 1];
     {  // (2) dVn = diag(e^{B-b}) K dSs
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
@@ -261,13 +259,13 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = fr.row(m0, hf), col = fr.col(n0, j);
-          const float wi = rs.after(i) ? 0.f : __expf(B - bt[i]);
+          const float wi = __expf(B - bt[i]);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) = mma::pack2<T>(wi * y[j][2 * hf], wi * y[j][2 * hf + 1]);
         }
     }
     __syncthreads();
     // (3) dS = e^B dT - W^T dVn + Qeff^T diag(lam^{p+m}) dO
-    const float decay = rs.any() ? 0.f : __expf(B);
+    const float decay = __expf(B);
     const float* lm = s.dvi(sg);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -361,9 +359,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_grad_kernel(GlaArgs<T> a, 
   mma::cp_async_commit();
   const float* bh = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float B = gate_at(bh, r0, nr - 1, nr);
-  const Resets rs = bh ? chunk_resets(bh + r0, nr) : Resets{};
-  if (threadIdx.x < kChunk)
-    s.w[threadIdx.x] = int(threadIdx.x) < nr && !rs.after(threadIdx.x) ? __expf(B - gate_at(bh, r0, threadIdx.x, nr)) : 0.f;
+  if (threadIdx.x < kChunk) s.w[threadIdx.x] = int(threadIdx.x) < nr ? __expf(B - gate_at(bh, r0, threadIdx.x, nr)) : 0.f;
   float G[16][4], dq[8][4];
   mma::zero(G), mma::zero(dq);
   const bool grow = 16 * w < dk;
@@ -498,7 +494,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_grad_kernel(GlaArgs<T> a, 
     for (int k = 0; k < kThreads / 32; ++k) trG += s.w[kChunk + k];
     __syncwarp();
     for (int i = lane; i < nr; i += 32)
-      x.db[rowbase + i] = s.red[i * 4] + (i == nr - 1 ? dB + (rs.any() ? 0.f : __expf(B)) * trG : 0.f);
+      x.db[rowbase + i] = s.red[i * 4] + (i == nr - 1 ? dB + __expf(B) * trG : 0.f);
   }
 }
 
@@ -580,7 +576,6 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
   }
   mma::cp_async_wait<0>();
   __syncthreads();
-  const Resets rs = chunk_resets(s.b, nr);
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {  // TgU = Tg diag(beta), in place
     const int i = e / kChunk, j = e % kChunk;
     s.TgU[i * kLd + j] = to<T>(float(s.TgU[i * kLd + j]) * s.beta[j]);
@@ -599,7 +594,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
     for (int e = 0; e < 4; ++e) {
       const int i = fr.row_of(m0, e), col = fr.col_of(n0, j, e);
       const bool in = col <= i;
-      pp[j][e] = in && col >= rs.last(i) ? sc * __expf(s.b[i] - s.b[col]) * pp[j][e] : 0.f;
+      pp[j][e] = in ? sc * __expf(s.b[i] - s.b[col]) * pp[j][e] : 0.f;
       dp[j][e] = in ? dp[j][e] : 0.f;
     }
 #pragma unroll
@@ -629,7 +624,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
           mb[e] = pl[e] = dm[e] = 0.f;
           if (cc <= i) {
             const int l = bitlen64u(uint64_t(i ^ cc));
-            const float lv = s.lam[i * kLamLd + l], eb = rs.upto(cc) ? 0.f : __expf(s.b[cc]);
+            const float lv = s.lam[i * kLamLd + l], eb = __expf(s.b[cc]);
             atomicAdd(&s.dlam[i * kLamLd + l], dp[j][q] * mm[j][q]);
             mb[e] = mm[j][q] * eb;
             pl[e] = mm[j][q] * lv;
@@ -688,7 +683,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
           if (cc <= i) {
             const float d = y[j][q] * pp[j][q];  // P_ij = scale q_i.k_j e^{b_i - b_j}
             row[hf] += d, colp[j][e] -= d;
-            v[e] = cc >= rs.last(i) ? y[j][q] * __expf(s.b[i] - s.b[cc]) : 0.f;
+            v[e] = y[j][q] * __expf(s.b[i] - s.b[cc]);
           }
         }
         *reinterpret_cast<uint32_t*>(s.dPg + i * kLd + col) = mma::pack2<T>(v[0], v[1]);
@@ -726,7 +721,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_intra_bwd_kernel(GlaArgs<T
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0, col = ck0 + 8 * j + 2 * t;
           if (i >= nr) continue;
-          const float eb = rs.upto(i) ? 0.f : __expf(s.b[i]);
+          const float eb = __expf(s.b[i]);
           const float2 dqe = *reinterpret_cast<const float2*>(x.dqeff + (rowbase + i) * dk + col);
           const float2 q = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Q + i * s.ldk + col));
           d[hf] += sc * eb * (q.x * dqe.x + q.y * dqe.y);

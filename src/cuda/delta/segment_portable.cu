@@ -86,8 +86,7 @@ struct Scratch {
   R *V, *bV, *O, *T1, *Y, *U, *dY, *dY2, *E, *dE, *cdO, *dO, *dv, *dbv;      // [64][dv]
   R *KK, *Tm, *X, *D, *P, *dTm, *dD, *dP, *dG, *t1, *t2, *dA, *dXm;          // [64][64]
   R *Hn, *dX;                                                                // [dk][dv]
-  R *beta, *db, *dbeta, *coef, *rowtmp;                                      // [64]
-  double* b;  // [64] the gate cumsum in double (prims/tile.cuh, chunk_cumsum says why)
+  R *beta, *b, *db, *dbeta, *coef, *rowtmp;                                  // [64]
   __host__ __device__ Scratch(R* base, int ncol_k, int ncol_v, int64_t* elems = nullptr) {
     int64_t used = 0;
     auto take = [&](int64_t n) {
@@ -99,8 +98,7 @@ struct Scratch {
     for (R** m : {&V, &bV, &O, &T1, &Y, &U, &dY, &dY2, &E, &dE, &cdO, &dO, &dv, &dbv}) *m = take(int64_t(kSeg) * ncol_v);
     for (R** m : {&KK, &Tm, &X, &D, &P, &dTm, &dD, &dP, &dG, &t1, &t2, &dA, &dXm}) *m = take(kSeg * kSeg);
     for (R** m : {&Hn, &dX}) *m = take(int64_t(ncol_k) * ncol_v);
-    for (R** m : {&beta, &db, &dbeta, &coef, &rowtmp}) *m = take(kSeg);
-    b = reinterpret_cast<double*>(take(int64_t(kSeg) * int64_t(sizeof(double) / sizeof(R))));  // 128-byte aligned
+    for (R** m : {&beta, &b, &db, &dbeta, &coef, &rowtmp}) *m = take(kSeg);
     if (elems) *elems = used;
   }
 };
@@ -208,23 +206,15 @@ struct Ctx {
   const DeltaArgs<T>& a;
   Scratch<R>& S;
   const SegCtx& c;
-  double B = 0;
-  Resets rs;  // the segment's reset rows (prims/tile.cuh): every decay below is exact under resets
+  R B = 0;
   __device__ int64_t mat() const { return int64_t(a.dk) * a.dv; }
   // offset of the segment's row 0 in a per-head [H][Ttot][d] buffer
   __device__ int64_t rows(int d) const { return (int64_t(c.h) * a.Ttot + c.row) * d; }
   __device__ R lam(int i, int l) const { return a.grid.fenwick ? a.lam[rows(a.nL) + int64_t(i) * a.nL + l] : R(1); }
   // mixing mask M[i,j] = lam_i^{l(s+i, s+j)} e^{b_i - b_j}, j <= i (docs/math/LOGLINEAR.md §3.1)
-  __device__ R mask(int i, int j) const {
-    return j < rs.last(i) ? R(0) : lam(i, a.grid.level(c.s + i, c.s + j)) * exp(R(S.b[i] - S.b[j]));
-  }
+  __device__ R mask(int i, int j) const { return lam(i, a.grid.level(c.s + i, c.s + j)) * exp(S.b[i] - S.b[j]); }
   // read coefficient of stored level l at row i: lam_i^{l(s+i, sigma_l(s))} e^{b_i}
-  __device__ R read_coef(int i, int l) const {
-    return rs.upto(i) ? R(0) : lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(R(S.b[i]));
-  }
-  // e^B, the decay across the segment, and e^{B - b_j}, row j's weight in the state at its end
-  __device__ R decay_all() const { return rs.any() ? R(0) : R(exp(R(B))); }
-  __device__ R decay_out(int j) const { return rs.after(j) ? R(0) : R(exp(R(B - S.b[j]))); }
+  __device__ R read_coef(int i, int l) const { return lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(S.b[i]); }
   // live level l of the state entering the segment, and the adjoint of level l of the state at e
   // (compact stores: the live levels of a position in increasing order)
   __device__ R* state_in(int l) const { return a.hbuf + ((c.hoff + a.grid.rank(c.s, l)) * a.H + c.h) * mat(); }
@@ -270,23 +260,12 @@ __device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.dO[e] = from<R>(dp[e]);
   }
   for (int i = threadIdx.x; i < nr; i += blockDim.x) S.beta[i] = a.beta[x.rows(1) + i];
-  if (threadIdx.x == 0) {  // the cumsum segmented at resets, reset rows marked (prims/tile.cuh)
-    double acc = 0;
-    for (int i = 0; i < nr; ++i) {
-      const R g = a.g ? a.g[x.rows(1) + i] : R(0);
-      if (is_reset_gate(g)) {
-        acc = 0;
-        S.b[i] = -0.0;
-      } else {
-        S.b[i] = (acc += double(g)) + 0.0;
-      }
-    }
+  if (threadIdx.x == 0) {
+    R acc = 0;
+    for (int i = 0; i < nr; ++i) S.b[i] = (acc += a.g ? a.g[x.rows(1) + i] : R(0));
   }
   __syncthreads();
   x.B = S.b[nr - 1];
-  x.rs = Resets{};
-  for (int i = 0; i < nr; ++i)
-    if (is_reset_mark(S.b[i])) x.rs.m |= uint64_t(1) << i;
   if (!qk) return;
   for (int i = threadIdx.x; i < 2 * nr; i += blockDim.x) {  // row scaling: l2norm, then scale on q
     R* m = i < nr ? S.Q + i * dk : S.K + (i - nr) * dk;
@@ -410,7 +389,7 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int
     T* o = a.o + x.rows(dv);
     for_cols(nr, v0, bv, [&](int i, int cc) { o[i * dv + cc] = to<T>(S.O[i * dv + cc]); });
   }
-  const R eB = x.decay_all();
+  const R eB = exp(x.B);
   for (int l = 0; l < a.Ls; ++l) {  // e^B (H - K^T (W H)) re-keyed to l(e, sigma_l(s))
     if (!a.grid.live(c.s, l)) continue;
     R* Hl = ws + l * mat;
@@ -436,7 +415,7 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int
     if (!((groups >> tl) & 1)) continue;
     for_cols(nr, v0, bv, [&](int j, int cc) {
       const bool in = a.grid.level(c.e, c.s + j) == tl;
-      S.Y[j * dv + cc] = in ? S.beta[j] * x.decay_out(j) * S.V[j * dv + cc] : R(0);
+      S.Y[j * dv + cc] = in ? S.beta[j] * exp(x.B - S.b[j]) * S.V[j * dv + cc] : R(0);
     });
     __syncthreads();
     bgemm<R>(ws + tl * mat + v0, dv, Kt, dk, true, S.Y + v0, dv, false, dk, bv, nr, R(1), R(1));  // [dk,R] x [R,bv]
@@ -498,7 +477,7 @@ __global__ void __launch_bounds__(kThreads) delta_adj_kernel(DeltaArgs<T> a) {
         if (a.grid.live(c.e, l)) copy_cols(x.adj_out(l), dws + l * mat, dk, dv, v0, bv);
       seg_load(x, false, false, true);
       const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
-      const R eB = x.decay_all();
+      const R eB = exp(x.B);
       for (int l = 0; l < a.Ls; ++l) {
         if (!a.grid.live(c.s, l)) continue;
         const R* Dout = dws + a.grid.read_level(c.e, c.s, l) * mat;
@@ -539,7 +518,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     for (int e = threadIdx.x; e < nr * nL; e += blockDim.x) dlam[e] = 0;
   __syncthreads();
   R dB = 0;
-  const R eB = x.decay_all();
+  const R eB = exp(x.B);
 
   // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V, w = e^{B-b}
   const uint64_t groups = x.token_levels(s_mask);
@@ -547,7 +526,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     if (!((groups >> tl) & 1)) continue;
     const R* Dz = x.adj_out(tl);
     for (int j = threadIdx.x; j < nr; j += blockDim.x)
-      S.coef[j] = a.grid.level(c.e, c.s + j) == tl ? S.beta[j] * x.decay_out(j) : R(0);
+      S.coef[j] = a.grid.level(c.e, c.s + j) == tl ? S.beta[j] * exp(x.B - S.b[j]) : R(0);
     __syncthreads();
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.Y[e] = S.coef[e / dv] * S.V[e];
     __syncthreads();
@@ -563,7 +542,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
         S.dv[j * dv + cc] += S.coef[j] * S.dY2[j * dv + cc];
       }
       const bool in = a.grid.level(c.e, c.s + j) == tl;
-      if (in) S.dbeta[j] += x.decay_out(j) * tY;
+      if (in) S.dbeta[j] += exp(x.B - S.b[j]) * tY;
       const R dwm = S.coef[j] * tY;  // d/d(B - b_j)
       S.db[j] -= dwm;
       S.rowtmp[j] = dwm;
@@ -591,7 +570,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     bgemm<R>(S.Yr, dk, S.dO, dv, false, H, dv, true, nr, dk, dv, R(1), R(0));         // [R,dv] x [dv,dk]
     for (int i = threadIdx.x; i < nr; i += blockDim.x) {
       const int lvl = a.grid.read_level(c.s + i, c.s, l);
-      const R eb = x.rs.upto(i) ? R(0) : R(exp(R(S.b[i])));
+      const R eb = exp(S.b[i]);
       const R cf = x.lam(i, lvl) * eb;
       R qY = 0;
       for (int cc = 0; cc < dk; ++cc) {
@@ -631,9 +610,9 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     R s = 0;
     for (int j = 0; j <= i; ++j) {
       s += S.dG[i * kSeg + j];
-      if (fen && j >= x.rs.last(i))
+      if (fen)
         dlam[int64_t(i) * nL + a.grid.level(c.s + i, c.s + j)] +=
-            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * exp(R(S.b[i] - S.b[j]));
+            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * exp(S.b[i] - S.b[j]);
     }
     S.db[i] += s;
   }
@@ -686,10 +665,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
   // dg: reverse cumsum of db within the segment (b is chunk-local), dB at the last row
   if (threadIdx.x == 0) {
     R acc = dB;
-    for (int i = nr - 1; i >= 0; --i) {
-      acc += S.db[i];
-      a.dg[rowbase + i] = x.rs.at(i) ? R(0) : acc;  // a reset gate: 0 (the telescoped sum leaves rounding)
-    }
+    for (int i = nr - 1; i >= 0; --i) a.dg[rowbase + i] = (acc += S.db[i]);
   }
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) {
     a.dq[rowbase * dk + e] = S.dq[e];

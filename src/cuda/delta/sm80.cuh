@@ -90,20 +90,18 @@ __device__ inline void store_state(float* dst, const float (&acc)[8][4], bool ac
       }
 }
 // The erase-and-add of a sweep's state tile over one chunk of nr rows (docs/math/LOGLINEAR.md §6.4):
-//   S <- e^B S + K^T diag(e^{B-b}) Y      [dk,C]x[C,64]  (bt: the chunk's gates b in smem, B = bt[nr-1];
-// exact under resets, prims/tile.cuh). Every thread of the block takes part.
+//   S <- e^B S + K^T diag(e^{B-b}) Y      [dk,C]x[C,64]  (bt: the chunk's gates b in smem, B = bt[nr-1])
 template <class T>
 __device__ __forceinline__ void erase_add(float (&acc)[8][4], bool active, const T* K, int ldk, const T* Y, int nt,
                                           const float* bt, int nr) {
-  const Resets rs = chunk_resets(bt, nr);
-  const float B = bt[nr - 1], decay = rs.any() ? 0.f : __expf(B);
+  const float B = bt[nr - 1], decay = __expf(B);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
   if (active)
     mma::warp_gemm_tn_weighted<T, 8>(acc, K, ldk, 16 * int(threadIdx.x >> 5), Y, kLd, nt, kChunk,
-                                    [&](int k) { return rs.after(k) ? 0.f : __expf(B - bt[k]); });
+                                    [&](int k) { return __expf(B - bt[k]); });
 }
 
 // The (chunk, head) of a chunk-parallel block: grid (nchunks, H).

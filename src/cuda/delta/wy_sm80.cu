@@ -8,9 +8,7 @@
 //   dv = diag(beta) tU, dk += diag(beta e^b) tW + (dAkk + dAkk^T) K with dAkk = diag(beta) dN o Gam,
 //   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
-//   the chunk's last row; dg is its reverse cumsum inside the chunk (0 at a reset row).
-// Decays exact under resets: the Resets rules of prims/tile.cuh (Gam_ij = 0 across a reset, e^b = 0
-// from one on, e^{B-b} = 0 before one).
+//   the chunk's last row; dg is its reverse cumsum inside the chunk.
 #include <algorithm>
 
 #include "cuda/delta/wy_sm80.cuh"
@@ -85,7 +83,6 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
     }
   mma::cp_async_wait<0>();
   __syncthreads();
-  const Resets rs = chunk_resets(s.b, nr);
   {  // warp w: rows 16 (w % 4), columns 32 (w / 4) of
     //   A = tril_-1(diag(beta) (Gam o K K^T)) (fp32) and, with bwd or ll, P = scale tril(Q K^T) o Gam (16-bit)
     const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
@@ -100,11 +97,11 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = fr.row(m0, hf), col = fr.col(n0, j), lo = rs.last(i);
+        const int i = fr.row(m0, hf), col = fr.col(n0, j);
         float gm[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          gm[e] = lo <= col + e && col + e <= i ? __expf(s.b[i] - s.b[col + e]) : 0.f;
+          gm[e] = col + e <= i ? __expf(s.b[i] - s.b[col + e]) : 0.f;
           s.A[i * kLdA + col + e] = col + e < i ? s.beta[i] * gm[e] * x[j][2 * hf + e] : 0.f;
         }
         if (qp)
@@ -172,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
     const float f0 = s.beta[j], f1 = s.beta[j + 1];
     *reinterpret_cast<uint32_t*>(s.TgU + i * kLd + j) = mma::pack2<T>(v[0] * f0, v[1] * f1);
     *reinterpret_cast<uint32_t*>(s.TgW + i * kLd + j) =
-        mma::pack2<T>(rs.upto(j) ? 0.f : v[0] * f0 * __expf(s.b[j]), rs.upto(j + 1) ? 0.f : v[1] * f1 * __expf(s.b[j + 1]));
+        mma::pack2<T>(v[0] * f0 * __expf(s.b[j]), v[1] * f1 * __expf(s.b[j + 1]));
     if (tgo) *reinterpret_cast<uint32_t*>(tgo + i * kChunk + j) = mma::pack2<T>(v[0], v[1]);
   }
   __syncthreads();
@@ -227,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         for (int e = 0; e < 2; ++e) {
           const int cc = col + e;
           const bool in = cc <= i;
-          mb[e] = in && !rs.upto(cc) ? mm[j][2 * hf + e] * __expf(s.b[cc]) : 0.f;          // M diag(e^b)
+          mb[e] = in ? mm[j][2 * hf + e] * __expf(s.b[cc]) : 0.f;                           // M diag(e^b)
           pl[e] = in ? mm[j][2 * hf + e] * s.lam[i * kLamLd + bitlen64u(uint64_t(i ^ cc))] : 0.f;  // M o Lam
         }
         *reinterpret_cast<uint32_t*>(s.TgW + i * kLd + col) = mma::pack2<T>(mb[0], mb[1]);
@@ -237,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
   __syncthreads();
   const float sc = float(a.scale);
   product(s.TgW, s.K, s.ldk, a.dk, ll.qeff, false, [&](int i, int col, float& x0, float& x1) {
-    const float e = rs.upto(i) ? 0.f : sc * __expf(s.b[i]);  // Qeff = e^b Q^ - (M diag(e^b)) K
+    const float e = sc * __expf(s.b[i]);  // Qeff = e^b Q^ - (M diag(e^b)) K
     const float2 q = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Q + i * s.ldk + col));
     x0 = e * q.x - x0, x1 = e * q.y - x1;
   });
@@ -276,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
       float acc[8][4];
       mma::zero(acc);
       mma::warp_gemm_tn_weighted<T, 8>(acc, s.K, s.ldk, 16 * w, s.Y + c0, s.ldv, nt, kChunk,
-                                      [&](int k) { return rs.after(k) ? 0.f : __expf(B - s.b[k]); });
+                                      [&](int k) { return __expf(B - s.b[k]); });
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         if (j < nt)
@@ -352,7 +349,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
   }
   mma::cp_async_wait<0>();
   __syncthreads();
-  const Resets rs = chunk_resets(s.b, nr);
   const int i0 = 16 * rb + g, i1 = i0 + 8;
   // column halves of the [C, dk] / [C, dv] products owned by this warp (nkt <= 8: dk <= 128)
   int ck0, nkt, cv0, nvt;
@@ -377,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
   __syncthreads();
   const int n0 = 32 * ch;                 // this warp's columns of the [C, C] products
   const bool lower = n0 <= 16 * rb + 15;  // they reach the diagonal
-  const float eb0 = rs.upto(i0) ? 0.f : __expf(s.b[i0]), eb1 = rs.upto(i1) ? 0.f : __expf(s.b[i1]);
+  const float eb0 = __expf(s.b[i0]), eb1 = __expf(s.b[i1]);
   {  // 3: dTg = tril_-1 of beta_j [(dVn V^T)_ij + e^{b_j} (dW K^T)_ij]   [C,dv]x[dv,C], [C,dk]x[dk,C]
     float x1[4][4], y1[4][4];
     mma::zero(x1), mma::zero(y1);
@@ -394,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int cc = col + e;
-          v[e] = cc < i ? s.beta[cc] * (x1[j][2 * hf + e] + (rs.upto(cc) ? 0.f : __expf(s.b[cc])) * y1[j][2 * hf + e]) : 0.f;
+          v[e] = cc < i ? s.beta[cc] * (x1[j][2 * hf + e] + __expf(s.b[cc]) * y1[j][2 * hf + e]) : 0.f;
         }
         if (x.dtgu) {  // dTg += dTgU diag(beta) (strictly lower); dbeta_j += sum_{i >= j} dTgU_ij Tg_ij
           const float2 u = *reinterpret_cast<const float2*>(x.dtgu + ((cg * a.H + h) * kChunk + i) * kChunk + col);
@@ -474,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
         for (int e = 0; e < 2; ++e) {
           const int cc = col + e;
           v[e] = 0.f;
-          if (cc < i && cc >= rs.last(i)) {  // Gam_{i,cc} = 0 across a reset
+          if (cc < i) {
             const float dN = -m[j][2 * hf + e], gm = __expf(s.b[i] - s.b[cc]), kk = s.Akk[i * kLdA + cc];
             v[e] = s.beta[i] * dN * gm;
             const float L = v[e] * kk;
@@ -525,10 +521,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
   if (threadIdx.x == 0) {  // dg: reverse cumsum of db inside the chunk, dB's <dS, S_out> at the last row
     float acc = 0.f;
     for (int k = 0; x.sdot && k < x.nvt; ++k) acc += x.sdot[(cg * a.H + h) * x.nvt + k];
-    for (int i = nr - 1; i >= 0; --i) {
-      acc += s.db[i];
-      x.dg[rowbase + i] = rs.at(i) ? 0.f : acc;  // a reset gate: 0 (the telescoped sum leaves rounding)
-    }
+    for (int i = nr - 1; i >= 0; --i) x.dg[rowbase + i] = (acc += s.db[i]);
   }
   if (threadIdx.x < nr) x.dbeta[rowbase + threadIdx.x] = s.dbeta[threadIdx.x];
 }

@@ -1,8 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // GLA chunk gradients, portable tier (fp32 / fp64 operands; docs/math/HLA.md §7.1, see gla.cuh): one block
-// per (chunk, head) forms dq^, dk, dv and the chunk's gate gradient (dc per row, its reverse cumsum
-// in the chunk plus <dH, H_end>) from the states entering the chunk (hbuf) and the cotangent at its
-// end (dhbuf), every product a shared-memory tile GEMM (smem_gemm).
+// per (chunk, head) forms dq^, dk, dv and the per-row dc from the states entering the chunk (hbuf)
+// and the cotangent at its end (dhbuf), every product a shared-memory tile GEMM (smem_gemm).
 #include "cuda/gla/gla.cuh"
 #include "cuda/runtime/runtime.cuh"
 
@@ -14,8 +13,7 @@ template <class T>
 struct BwdSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
-  R *A, *X, *dc, *red;
-  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
+  R *A, *X, *b, *dc;
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ BwdSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -31,9 +29,8 @@ struct BwdSmem {
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
     X = c.take<R>(kChunk * ldx);
-    b = c.take<double>(kChunk);
+    b = c.take<R>(kChunk);
     dc = c.take<R>(kChunk);
-    red = c.take<R>(8);  // per-warp parts of <dH, H_end>
     if (bytes) *bytes = c.used;
   }
 };
@@ -61,20 +58,19 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
     s.dH[i * s.ldv + j] = to<T>(from<R>(a.dhbuf[hidx + e]));
   }
   chunk_cumsum(s.b, a.g ? a.g + int64_t(h) * a.Ttot : nullptr, r0, nr);
-  const Resets rs = chunk_resets(s.b, nr);
-  const double B = s.b[kChunk - 1];
+  const R B = s.b[kChunk - 1];
   // P = scale Gamma o (Q K^T);  dA = Gamma o (dO V^T)
   smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, dk, false);
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * a.scale * exp(R(s.b[i] - s.b[j])) : R(0);
+    const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
     s.P[i * s.ldc + j] = to<T>(x);
   }
   __syncthreads();
   smem_gemm<T, false, true>(s.A, s.ldcr, s.dO, s.ldv, s.V, s.ldv, kChunk, kChunk, dv, false);
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * exp(R(s.b[i] - s.b[j])) : R(0);
+    const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * exp(s.b[i] - s.b[j]) : R(0);
     s.dA[i * s.ldc + j] = to<T>(x);
   }
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {  // Q <- Q^ = scale Q
@@ -92,10 +88,7 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   };
   // dQ^ = diag(e^b) dO Hp^T + dA K
   smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hp, s.ldv, kChunk, dk, dv, false);
-  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
-    const int i = e / dk;
-    s.X[i * s.ldx + e % dk] *= rs.upto(i) ? R(0) : R(exp(R(s.b[i])));
-  }
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(s.b[e / dk]);
   __syncthreads();
   smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, true);
   if (threadIdx.x < kChunk) {
@@ -108,24 +101,8 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   __syncthreads();
   // dK = diag(w) V dH^T + dA^T Q^
   smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.dH, s.ldv, kChunk, dk, dv, false);
-  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
-    const int i = e / dk;
-    s.X[i * s.ldx + e % dk] *= rs.after(i) ? R(0) : R(exp(R(B - s.b[i])));
-  }
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(B - s.b[e / dk]);
   __syncthreads();
-  {  // <dH, H_end> = e^B <dH, Hp> + sum_j k_j . (w_j V dH^T)_j  (rows >= nr: K is zero)
-    R part = 0;
-    if (threadIdx.x < kChunk)
-      for (int j = 0; j < dk; ++j) part += from<R>(s.K[threadIdx.x * s.ldk + j]) * s.X[threadIdx.x * s.ldx + j];
-    const R eB = rs.any() ? R(0) : exp(R(B));
-    for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
-      const int i = e / dv, j = e % dv;
-      part += eB * from<R>(s.Hp[i * s.ldv + j]) * from<R>(s.dH[i * s.ldv + j]);
-    }
-    part = warp_sum(part);
-    if ((threadIdx.x & 31) == 0) s.red[threadIdx.x >> 5] = part;
-    __syncthreads();  // X is read: the GEMM below may accumulate into it
-  }
   smem_gemm<T, true, false>(s.X, s.ldx, s.dA, s.ldc, s.Q, s.ldk, kChunk, dk, kChunk, true);
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
@@ -137,21 +114,11 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   __syncthreads();
   // dV = diag(w) K dH + P^T dO
   smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.dH, s.ldv, kChunk, dv, dk, false);
-  for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) {
-    const int i = e / dv;
-    s.X[i * s.ldx + e % dv] *= rs.after(i) ? R(0) : R(exp(R(B - s.b[i])));
-  }
+  for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) s.X[(e / dv) * s.ldx + e % dv] *= exp(B - s.b[e / dv]);
   __syncthreads();
   smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);
   store(a.dv_, a.dv_out.add, dv);
-  if (a.dg_rows) {
-    for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
-  } else if (threadIdx.x < 32) {  // dc and red were written before the GEMMs' barriers
-    R D = 0;
-    for (int w = 0; w < int(blockDim.x) / 32; ++w) D += s.red[w];
-    const int i0 = 2 * int(threadIdx.x), i1 = i0 + 1;
-    chunk_dg(a.dg + rowbase + r0, i0 < nr ? s.dc[i0] : R(0), i1 < nr ? s.dc[i1] : R(0), D, nr, rs);
-  }
+  for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
 }
 
 }  // namespace

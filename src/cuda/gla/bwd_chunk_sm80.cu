@@ -18,11 +18,8 @@ using namespace gla_sm80;
 //   dQ^ = diag(e^b) dO Hp^T + dA K                           [C,dv]x[dv,dk], [C,C]x[C,dk]
 //   dK  = diag(w) V dH^T + scale dA^T Q                      w = e^{B - b}
 //   dV  = diag(w) K dH + P^T dO
-//   dc  = q^ . dq^ - k . dk,  dg = its reverse cumsum in the chunk + <dH, H_end>   (gla.cuh)
-//   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j
-// (the tree form and a.dg_rows: dc per row instead). Decays exact under resets (Resets).
-// Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc (+ the
-// per-warp parts of <dH, H_end>).
+//   dc  = q^ . dq^ - k . dk   (dg is its reverse cumsum, gla_dg_kernel)
+// Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc.
 constexpr int kBwdThreads = 256;
 
 template <class T>
@@ -44,7 +41,7 @@ struct BwdTiles {
     P = c.take<T>(kChunk * kLdTile);
     dA = c.take<T>(kChunk * kLdTile);
     b = c.take<float>(kChunk);
-    dc = c.take<float>(2 * kChunk + 8);
+    dc = c.take<float>(2 * kChunk);
     if (tree) Tl = c.take<float>(kChunk * kLdT), red = c.take<float>(2 * kChunk), Hp2 = c.take<T>(dk * ldv);
     if (bytes) *bytes = c.used;
   }
@@ -90,11 +87,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   if (threadIdx.x < kChunk) s.b[threadIdx.x] = gate_at(bg, r0, threadIdx.x, nr);
   mma::cp_async_wait<2>();
   __syncthreads();
-  const Resets rs = chunk_resets(s.b, nr);
   const float sc = float(a.scale), B = s.b[kChunk - 1];
   const int i0 = 16 * rb + g, i1 = i0 + 8;
   const float bi0 = s.b[i0], bi1 = s.b[i1];
-  const int lo0 = rs.last(i0), lo1 = rs.last(i1);  // Gamma_ij = 0 for j < lo (a reset in (j, i])
   const int64_t lrow = int64_t(h) * a.Ttot + r0;  // lam / dlam row of chunk row 0 (times nL)
   const float* lam0 = kTree ? ta.lam + (lrow + min(i0, nr - 1)) * ta.nL : nullptr;
   const float* lam1 = kTree ? ta.lam + (lrow + min(i1, nr - 1)) * ta.nL : nullptr;
@@ -113,8 +108,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
           const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
           const float bi = hf ? bi1 : bi0;
           // causal and inside the chunk's rows: rows >= nr read no lam (their level may exceed nL)
-          const int lo = hf ? lo1 : lo0;
-          const bool in0 = lo <= col && col <= i && i < nr, in1 = lo <= col + 1 && col + 1 <= i && i < nr;
+          const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
           const float g0 = in0 ? mma::fexp(bi - s.b[col]) : 0.f, g1 = in1 ? mma::fexp(bi - s.b[col + 1]) : 0.f;
           float l0 = 1.f, l1 = 1.f;
           if constexpr (kTree) {  // lam_i^{bitlen(i xor j)}; Tl = dP o (scale Gamma o Q K^T) for dlam
@@ -176,8 +170,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   int ck0, nkt, cv0, nvt;
   mma::col_half(dk, ch, ck0, nkt);
   mma::col_half(dv, ch, cv0, nvt);
-  const float e0 = rs.upto(i0) ? 0.f : mma::fexp(bi0), e1 = rs.upto(i1) ? 0.f : mma::fexp(bi1);
-  const float w0 = rs.after(i0) ? 0.f : mma::fexp(B - bi0), w1 = rs.after(i1) ? 0.f : mma::fexp(B - bi1);
+  const float e0 = mma::fexp(bi0), e1 = mma::fexp(bi1), w0 = mma::fexp(B - bi0), w1 = mma::fexp(B - bi1);
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dQ^, 64 columns at a time (one pass for kTree: dk <= 128)
     const int nt = min(8, (ck0 + nkt * 8 - cc) / 8);
     float acc[8][4];
@@ -198,7 +191,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
         float y[8][4];
         mma::zero(y);
         mma::warp_gemm<T, 8, false, false>(y, s.dO, s.ldv, 16 * rb, cur, s.ldv, cc, nt, 0, dv);
-        const float f0 = rs.upto(i0) ? 0.f : mma::fexp(bi0 + gap), f1 = rs.upto(i1) ? 0.f : mma::fexp(bi1 + gap);
+        const float f0 = mma::fexp(bi0 + gap), f1 = mma::fexp(bi1 + gap);
         const float c0 = lam0[kLogChunk + m] * f0, c1 = lam1[kLogChunk + m] * f1;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -249,20 +242,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
           }
         }
   };
-  float dpart = 0.f;  // this thread's part of <dH, H_end> (not in the tree form)
   if constexpr (!kTree) {  // dH landed
     mma::cp_async_wait<0>();
     __syncthreads();
-    if (!rs.any() && !a.dg_rows) {  // e^B <dH, Hp>, pairs of columns
-      const int half = dv / 2;
-      for (int e = threadIdx.x; e < dk * half; e += kBwdThreads) {
-        const int r = e / half, col = 2 * (e % half);
-        const float2 x = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Hp + r * s.ldv + col));
-        const float2 y = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.dH + r * s.ldv + col));
-        dpart += x.x * y.x + x.y * y.y;
-      }
-      dpart *= mma::fexp(B);
-    }
   }
   const bool fold = !kTree && a.value_is_key && dk == dv;  // the value is the key: dk gains dv
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
@@ -271,11 +253,6 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     mma::zero(acc), mma::zero(acc2);
     mma::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     mma::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
-    if (!kTree && !a.dg_rows) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
-      float d0 = 0.f, d1 = 0.f;
-      dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
-      dpart += w0 * d0 + w1 * d1;
-    }
     combine(acc, acc2, sc);
     if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt);
     float d0 = 0.f, d1 = 0.f;
@@ -306,21 +283,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 1), dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 2);
   dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 1), dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 2);
   if (t == 0) s.dc[ch * kChunk + i0] = dcp0, s.dc[ch * kChunk + i1] = dcp1;
-  if (!kTree && !a.dg_rows) {
-    dpart = warp_sum(dpart);
-    if (lane == 0) s.dc[2 * kChunk + w] = dpart;
-  }
   __syncthreads();
-  if (kTree || a.dg_rows) {
-    if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
-  } else if (w == 0) {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>
-    float D = 0.f;
-#pragma unroll
-    for (int x = 0; x < kBwdThreads / 32; ++x) D += s.dc[2 * kChunk + x];
-    const int r0i = 2 * lane, r1i = r0i + 1;
-    chunk_dg(a.dg + rowbase, r0i < nr ? s.dc[r0i] + s.dc[kChunk + r0i] : 0.f,
-             r1i < nr ? s.dc[r1i] + s.dc[kChunk + r1i] : 0.f, D, nr, rs);
-  }
+  if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
 }
 
 }  // namespace

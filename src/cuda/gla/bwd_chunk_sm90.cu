@@ -7,13 +7,10 @@
 //   dK = diag(w) V dH^T + scale dA^T Q^                                     [C,dv]x[dv,dk] + [C,C]x[C,dk]
 //   dV = diag(w) K dH + P^T dO                                              [C,dk]x[dk,dv] + [C,C]x[C,dv]
 //   dc = scale q^.dq^ - k.dk per row, w = e^{B-b}
-//   dg = the reverse cumsum of dc in the chunk + <dH, H_end>, <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j.(V dH^T)_j
-//        (a.dg_rows: dc per row instead); decays exact under resets (prims/tile.cuh, Resets)
 // Every product is one m64nN wgmma chain (C = 64 rows = the warpgroup's M), operands in shared
 // memory: the swizzled tiles serve K-major and, through the transpose flags, MN-major reads, so
 // no tile is stored twice. Hp and dH share one buffer (dH lands once dQ has read Hp), which keeps
 // the block at 112 KB for dk = dv = 128: two blocks per SM, one's loads under the other's math.
-// For <dH, Hp> each thread keeps its slice of Hp in registers until dH has landed over it.
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/sm90.cuh"
 
@@ -78,7 +75,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const float* bg = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (tid < kChunk) bs[tid] = gate_at(bg, r0, tid, nr);
   __syncthreads();
-  const Resets rs = chunk_resets(bs, nr);
   mbar_wait(&bar[0], 0);
   if (nr < kChunk) {  // rows past the sequence hold the next one's tokens (or TMA's zeros): zero them
     for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads) {
@@ -99,7 +95,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const float sc = float(a.scale), B = bs[kChunk - 1];
   const int i0 = 16 * w + g, i1 = i0 + 8;
   const float bi0 = bs[i0], bi1 = bs[i1];
-  const int lo0 = rs.last(i0), lo1 = rs.last(i1);  // Gamma_ij = 0 for j < lo (a reset in (j, i])
   // P and dA: [C,dk]x[dk,C] and [C,dv]x[dv,C], masked and gated, to shared memory (16-bit)
   {
     float x[32], y[32];
@@ -115,10 +110,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       for (int hf = 0; hf < 2; ++hf) {
         const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
         const float bi = hf ? bi1 : bi0;
-        const int lo = hf ? lo1 : lo0;
         const bool in = i < nr;
-        const float g0 = in && lo <= col && col <= i ? mma::fexp(bi - bs[col]) : 0.f;
-        const float g1 = in && lo <= col + 1 && col + 1 <= i ? mma::fexp(bi - bs[col + 1]) : 0.f;
+        const float g0 = in && col <= i ? mma::fexp(bi - bs[col]) : 0.f;
+        const float g1 = in && col + 1 <= i ? mma::fexp(bi - bs[col + 1]) : 0.f;
         const uint32_t off = swz(kChunk, i, col);
         *reinterpret_cast<uint32_t*>(smem + L::kP + off) =
             mma::pack2<T>(x[4 * j + 2 * hf] * sc * g0, x[4 * j + 2 * hf + 1] * sc * g1);
@@ -164,53 +158,27 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     }
   };
   float dc0 = 0.f, dc1 = 0.f;  // this thread's partial dc of rows i0, i1
-  // this thread's slice of Hp (16-byte pieces tid + 128 p of the state buffer), kept for <dH, Hp>:
-  // dH lands over Hp in the same layout
-  constexpr int kSlice = DK * DV * 2 / 16 / kSm90Threads;
-  static_assert(kSlice * 16 * kSm90Threads == DK * DV * 2, "whole 16-byte pieces per thread");
-  uint4 hp[kSlice];
   {  // dQ^ = diag(e^b) dO Hp^T + dA K: B = Hp K-major [dk][dv], K read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 0, 1>(acc, s0 + L::kdO, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kK);
-    combine(acc, acc2, rs.upto(i0) ? 0.f : mma::fexp(bi0), rs.upto(i1) ? 0.f : mma::fexp(bi1), 1.f);
-#pragma unroll
-    for (int p = 0; p < kSlice; ++p) hp[p] = *reinterpret_cast<const uint4*>(smem + L::kS + (tid + p * kSm90Threads) * 16);
     __syncthreads();  // Hp read by every warp: dH may overwrite it
     if (tid == 0) {
       mbar_expect_tx(&bar[1], DK * DV * 2);  // dH
       for (int cb = 0; cb < DV / 64; ++cb) tma_load_2d(smem + L::kS + cb * DK * 128, &mdh, &bar[1], 64 * cb, srow);
     }
+    combine(acc, acc2, mma::fexp(bi0), mma::fexp(bi1), 1.f);
     store(a.dq, a.dq_out, acc);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kQ, d0, d1);
     dc0 += sc * d0, dc1 += sc * d1;
   }
-  const float w0 = rs.after(i0) ? 0.f : mma::fexp(B - bi0), w1 = rs.after(i1) ? 0.f : mma::fexp(B - bi1);
+  const float w0 = mma::fexp(B - bi0), w1 = mma::fexp(B - bi1);
   constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
   static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
   mbar_wait(&bar[1], 0);
-  float dpart = 0.f;  // this thread's part of <dH, H_end>: e^B <dH, Hp> over its slice, then the writes
-  if (!rs.any() && !a.dg_rows) {
-#pragma unroll
-    for (int p = 0; p < kSlice; ++p) {
-      const uint4 y = *reinterpret_cast<const uint4*>(smem + L::kS + (tid + p * kSm90Threads) * 16);
-      const uint32_t xs[4] = {hp[p].x, hp[p].y, hp[p].z, hp[p].w}, ys[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 u = mma::unpack2<T>(xs[q]), v = mma::unpack2<T>(ys[q]);
-        dpart += u.x * v.x + u.y * v.y;
-      }
-    }
-    dpart *= mma::fexp(B);
-  }
   {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
-    if (!a.dg_rows) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
-      float d0 = 0.f, d1 = 0.f;
-      dot_rows(acc, L::kK, d0, d1);
-      dpart += w0 * d0 + w1 * d1;
-    }
     combine(acc, acc2, w0, w1, sc);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kK, d0, d1);  // dc reads the key-role gradient alone
@@ -236,22 +204,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   }
   dc0 += __shfl_xor_sync(0xffffffffu, dc0, 1), dc0 += __shfl_xor_sync(0xffffffffu, dc0, 2);
   dc1 += __shfl_xor_sync(0xffffffffu, dc1, 1), dc1 += __shfl_xor_sync(0xffffffffu, dc1, 2);
-  if (a.dg_rows) {
-    if (t == 0) {
-      if (i0 < nr) a.dg[rowbase + i0] = dc0;
-      if (i1 < nr) a.dg[rowbase + i1] = dc1;
-    }
-  } else {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>, through the P tile (read by now)
-    float* red = reinterpret_cast<float*>(smem + L::kP);  // [C] dc, [4] parts of <dH, H_end>
-    dpart = warp_sum(dpart);
-    __syncthreads();  // every warp's wgmmas that read P are complete
-    if (t == 0) red[i0] = dc0, red[i1] = dc1;
-    if (lane == 0) red[kChunk + w] = dpart;
-    __syncthreads();
-    if (w == 0) {
-      const float D = red[kChunk] + red[kChunk + 1] + red[kChunk + 2] + red[kChunk + 3];
-      chunk_dg(a.dg + rowbase, 2 * lane < nr ? red[2 * lane] : 0.f, 2 * lane + 1 < nr ? red[2 * lane + 1] : 0.f, D, nr, rs);
-    }
+  if (t == 0) {
+    if (i0 < nr) a.dg[rowbase + i0] = dc0;
+    if (i1 < nr) a.dg[rowbase + i1] = dc1;
   }
 #else
   __trap();  // launched only where runs_sm90a() holds

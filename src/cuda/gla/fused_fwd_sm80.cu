@@ -109,21 +109,19 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
     const float* bt = bs(st);
-    const Resets rs = chunk_resets(bt, nr);  // decays exact under resets (prims/tile.cuh)
     {  // P: keys 32 ch.. (the causal part)                                   [16, dk] x [dk, 32]
       float x[4][4];
       mma::zero(x);
       if (32 * ch <= 16 * rb + 15) mma::warp_gemm<T, 4, false, false>(x, Qt, ldq, 16 * rb, Kt, ldq, 32 * ch, 4, 0, dk);
-      score_store<T, false>(Ps, x, bt, rb, 32 * ch, nr, sc, nullptr, nullptr, rs);
+      score_store<T, false>(Ps, x, bt, rb, 32 * ch, nr, sc, nullptr, nullptr);
     }
     if (active) {  // H <- e^B H + K^T diag(e^{B-b}) V      [16 (dk), C] x [C, 64]
-      const float B = bt[nr - 1], decay = rs.any() ? 0.f : mma::fexp(B);
+      const float B = bt[nr - 1], decay = mma::fexp(B);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
-      mma::warp_gemm_tn_weighted<T, 8>(acc, Kt, ldq, 16 * w, Vt, ldv, 8, kChunk,
-                                       [&](int kk) { return rs.after(kk) ? 0.f : mma::fexp(B - bt[kk]); });
+      mma::warp_gemm_tn_weighted<T, 8>(acc, Kt, ldq, 16 * w, Vt, ldv, 8, kChunk, [&](int kk) { return mma::fexp(B - bt[kk]); });
     }
     if (i + 1 < nch) put_state(i + 1);
     __syncthreads();  // P complete
@@ -131,7 +129,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(GlaArgs
     float o[4][4];
     mma::zero(o);
     mma::warp_gemm<T, 4, false, true>(o, Qt, ldq, 16 * rb, Hs + (i & 1) * dk * ldv, ldv, 32 * ch, 4, 0, dk);
-    const float e0 = rs.upto(i0) ? 0.f : sc * mma::fexp(bt[i0]), e1 = rs.upto(i1) ? 0.f : sc * mma::fexp(bt[i1]);
+    const float e0 = sc * mma::fexp(bt[i0]), e1 = sc * mma::fexp(bt[i1]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
     mma::warp_gemm<T, 4, false, true>(o, Ps, kLdTile, 16 * rb, Vt, ldv, 32 * ch, 4, 0, 16 * rb + 16);

@@ -118,7 +118,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     issue(i + 1);
     const uint32_t base = s0 + st * L::kStage;
     const float* bt = gates + st * kChunk;
-    const Resets rs = chunk_resets(bt, nr);  // decays exact under resets (prims/tile.cuh)
     if (nr < kChunk) {  // value rows past the sequence (the next one's, or TMA's zeros): zero
       for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
         *reinterpret_cast<uint4*>(smem + st * L::kStage + L::kV + (nr + e / 8) * 128 + (e % 8) * 16) =
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     }
     // H <- e^B H first: the state's registers are read before any wgmma of this chunk is in flight
     // (read with S and Q H in flight, ptxas injected a warpgroup.wait there: C7517)
-    const float B = bt[nr - 1], decay = rs.any() ? 0.f : mma::fexp(B);
+    const float B = bt[nr - 1], decay = mma::fexp(B);
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m) {
 #pragma unroll
@@ -151,7 +150,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int k = 16 * kk + 2 * t + 8 * hf;
-          const float w0 = rs.after(k) ? 0.f : mma::fexp(B - bt[k]), w1 = rs.after(k + 1) ? 0.f : mma::fexp(B - bt[k + 1]);
+          const float w0 = mma::fexp(B - bt[k]), w1 = mma::fexp(B - bt[k + 1]);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float2 x = mma::unpack2<T>(fa[m][kk][2 * hf + e]);
@@ -170,16 +169,14 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     // P = scale Gamma o S (rows i0, i1; columns 8j + 2t) packed as the A fragments of P V
     uint32_t pa[4][4];
     const float bi0 = bt[i0], bi1 = bt[i1];
-    const int lo0 = rs.last(i0), lo1 = rs.last(i1);  // Gamma_ij = 0 for j < lo (a reset in (j, i])
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0, col = 8 * j + 2 * t, lo = hf ? lo1 : lo0;
+        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
         const float bi = hf ? bi1 : bi0;
-        const float p0 = lo <= col && col <= i && i < nr ? sacc[4 * j + 2 * hf] * sc * mma::fexp(bi - bt[col]) : 0.f;
-        const float p1 =
-            lo <= col + 1 && col + 1 <= i && i < nr ? sacc[4 * j + 2 * hf + 1] * sc * mma::fexp(bi - bt[col + 1]) : 0.f;
+        const float p0 = col <= i && i < nr ? sacc[4 * j + 2 * hf] * sc * mma::fexp(bi - bt[col]) : 0.f;
+        const float p1 = col + 1 <= i && i < nr ? sacc[4 * j + 2 * hf + 1] * sc * mma::fexp(bi - bt[col + 1]) : 0.f;
         pa[j >> 1][2 * (j & 1) + hf] = mma::pack2<T>(p0, p1);  // k step j/2: a0/a1 (k 2t..), a2/a3 (k 2t+8..)
       }
     wg_fence();
@@ -198,7 +195,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     for (int kk = 0; kk < 4; ++kk) fence_regs(pa[kk]);
     // O = diag(scale e^b) Q H + P V, rows < nr
     const int64_t r0 = row0 + int64_t(i) * a.C;
-    const float e0 = rs.upto(i0) ? 0.f : sc * mma::fexp(bi0), e1 = rs.upto(i1) ? 0.f : sc * mma::fexp(bi1);
+    const float e0 = sc * mma::fexp(bi0), e1 = sc * mma::fexp(bi1);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll

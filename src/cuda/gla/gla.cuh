@@ -2,21 +2,16 @@
 // The GLA primitive on the GPU (docs/math/HLA.md §1, §7.1), on packed head-major buffers:
 //   x [heads][Ttot][d_pad] (d_pad a multiple of 16, zero padded), sequences are row ranges;
 // the tensor-core tiers also read and write the caller's [B, T, H, d] tensors in place (GlaArgs).
-// Per chunk c of C rows, with b the chunk-local cumsum of the log-gates and B = b[C-1] (for a chunk
-// with resets, the decays of the Resets rules in prims/tile.cuh):
+// Per chunk c of C rows, with b the chunk-local cumsum of the log-gates and B = b[C-1]:
 //   O_c = (Gamma_c o Q^_c K_c^T) V_c + diag(e^b) Q^_c H            [C,dk]x[dk,C], [C,C]x[C,dv], [C,dk]x[dk,dv]
 //   H  <- e^B H + K_c^T diag(e^{B-b}) V_c                          [dk,C]x[C,dv]
 // Backward: the forward's sweep stores the state entering every chunk (hbuf); a reverse sweep
 // stores the state cotangent at every chunk end (dhbuf); then the chunks are independent:
 //   dA = (dO V^T) o Gamma;  dQ^ = dA K + diag(e^b) dO Hp^T;  dK = dA^T Q^ + diag(w) V dH^T;
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
-// and the gate gradient is the reverse cumsum of dc inside the chunk plus one boundary term
-// (docs/math/HLA.md §7.1):  dg_s = sum_{s <= i in chunk} dc_i + <dH, H_end>,
-//   <dH, H_end> = e^B <dH, Hp> + sum_j k_j . (w_j V dH^T)_j          (H_end = e^B Hp + K^T diag(w) V)
-// All the decays are exact under resets (a gate with exp(g) = 0): b is segmented at them and the
-// kernels rebuild the reset rows from it (prims/tile.cuh, Resets); dg = 0 at a reset row.
+// and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
 // Stages, one file per stage and kernel tier (gla.cu chooses the tier):
-//   gates           gates.cu                            chunk cumsum b (segmented at resets)
+//   gates           gates.cu                            chunk cumsum b, dg
 //   state sweep     sweep_{portable,sm80,sm90}.cu       H through the chunks (forward / reverse)
 //   output          sweep_portable.cu, output_sm80.cu   O from the states entering the chunks
 //   fused forward   fused_fwd_{sm80,sm90}.cu            sweep and output in one kernel
@@ -87,9 +82,6 @@ struct GlaArgs {
   // kernels add the value-role gradient into the key's and write dk only (dv_, dv_out unused)
   bool value_is_key = false;
   R* dg = nullptr;                                  // [H][Ttot]
-  // the chunk kernels write the per-row dc = q^.dq^ - k.dk into dg instead of the gate gradient,
-  // for a caller that adds its own terms and sums per chunk (the delta rule's WY backward)
-  bool dg_rows = false;
 };
 
 // ---- the primitive (gla.cu) --------------------------------------------------------------------------
@@ -106,10 +98,13 @@ template <class T>
 size_t gla_smem_need(int dk, int dv);
 
 // ---- its stages, for the other primitives built on them (log-linear tree, delta rule) ------------------
-// gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot],
-// segmented at resets (prims/tile.cuh; no-op without gates).
+// gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot]
+// (no-op without gates); dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus
+// <dht, ht> at the last token).
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
+template <class T>
+void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
 // bf16 / fp16 (gla.cu picks the tier of each: sm90 where heuristics.h chooses it, else sm80):
 // the state sweep (reverse: the cotangent sweep; stores hbuf / dhbuf);
 template <class T>
@@ -132,8 +127,7 @@ void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree =
 // a.hbuf is set), for the calls heuristics::gla_fused_forward chooses;
 template <class T>
 void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
-// the per-chunk gradients dq, dk, dv, dg (with `tree`, from the tree's nodes and dZ, or a.dg_rows: the
-// rows' dc in place of dg).
+// the per-chunk gradients dq, dk, dv, dc (with `tree`: from the tree's nodes and dZ).
 template <class T>
 void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 // Shared memory of the sm80 output and chunk-gradient kernels, and of the sm80 fused forward.

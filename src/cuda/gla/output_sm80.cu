@@ -61,7 +61,6 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   if (threadIdx.x < kChunk) bs[threadIdx.x] = gate_at(b, r0, threadIdx.x, nr);
   mma::cp_async_wait<1>();
   __syncthreads();
-  const Resets rs = chunk_resets(bs, nr);  // decays exact under resets (prims/tile.cuh)
   const float sc = float(a.scale);
   const int i0 = 16 * rb + g, i1 = i0 + 8;  // rows of this thread
   const float bi0 = bs[i0], bi1 = bs[i1];
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
     float x[4][4];
     mma::zero(x);
     if (32 * ch <= 16 * rb + 15) mma::warp_gemm<T, 4, false, false>(x, Qs, ldq, 16 * rb, Ks, ldq, 32 * ch, 4, 0, a.dk);
-    score_store<T, kTree>(Ps, x, bs, rb, 32 * ch, nr, sc, lam0, lam1, rs);
+    score_store<T, kTree>(Ps, x, bs, rb, 32 * ch, nr, sc, lam0, lam1);
   }
   mma::cp_async_wait<0>();
   __syncthreads();
@@ -94,8 +93,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
       float y[8][4];
       mma::zero(y);
       mma::warp_gemm<T, 8, false, true>(y, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
-      const float e0 = rs.upto(i0) ? 0.f : sc * lam0[kLogChunk + m] * mma::fexp(bi0 + gap);
-      const float e1 = rs.upto(i1) ? 0.f : sc * lam1[kLogChunk + m] * mma::fexp(bi1 + gap);
+      const float e0 = sc * lam0[kLogChunk + m] * mma::fexp(bi0 + gap), e1 = sc * lam1[kLogChunk + m] * mma::fexp(bi1 + gap);
 #pragma unroll
       for (int j = 0; j < 8; ++j) o[j][0] += e0 * y[j][0], o[j][1] += e0 * y[j][1], o[j][2] += e1 * y[j][2], o[j][3] += e1 * y[j][3];
     });
@@ -103,7 +101,7 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   } else {
     if (nt == 0) return;
     mma::warp_gemm<T, 8, false, true>(o, Qs, ldq, 16 * rb, Hs, ldv, c0, nt, 0, a.dk);
-    const float e0 = rs.upto(i0) ? 0.f : sc * mma::fexp(bi0), e1 = rs.upto(i1) ? 0.f : sc * mma::fexp(bi1);
+    const float e0 = sc * mma::fexp(bi0), e1 = sc * mma::fexp(bi1);
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j][0] *= e0, o[j][1] *= e0, o[j][2] *= e1, o[j][3] *= e1;
   }

@@ -23,23 +23,21 @@ __device__ __forceinline__ void pipeline_prologue(int nch, F&& issue) {
 }
 // The causal score block P = scale Gamma o Q K^T of one warp from x = Q K^T (rows [16 rb, 16 rb + 16),
 // key columns [n0, n0 + 32): x[j] columns n0 + 8j + 2t (+1), rows g / g + 8), 16-bit into Ps [C][kLdTile],
-// zeros above the diagonal, in rows >= nr and across a reset (rs); bs [C] the chunk-local gate cumsum.
+// zeros above the diagonal and in rows >= nr; bs [C] the chunk-local gate cumsum.
 // kTree: times lam_i^{bitlen(i xor j)} (aligned chunks, docs/math/LOGLINEAR.md §2.6), lam rows lam0 / lam1.
 template <class T, bool kTree>
 __device__ __forceinline__ void score_store(T* Ps, const float (&x)[4][4], const float* bs, int rb, int n0, int nr,
-                                            float sc, const float* lam0, const float* lam1, const Resets& rs) {
+                                            float sc, const float* lam0, const float* lam1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int i0 = 16 * rb + g, i1 = i0 + 8;
   const float bi0 = bs[i0], bi1 = bs[i1];
-  const int lo0 = rs.last(i0), lo1 = rs.last(i1);  // Gamma_ij = 0 for j < lo (a reset in (j, i])
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
       const float bi = hf ? bi1 : bi0;
-      const int lo = hf ? lo1 : lo0;
-      const bool in0 = lo <= col && col <= i && i < nr, in1 = lo <= col + 1 && col + 1 <= i && i < nr;
+      const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
       float p0 = in0 ? x[j][2 * hf] * sc * mma::fexp(bi - bs[col]) : 0.f;
       float p1 = in1 ? x[j][2 * hf + 1] * sc * mma::fexp(bi - bs[col + 1]) : 0.f;
       if constexpr (kTree) {

@@ -3,8 +3,7 @@
 // gla.cuh): one block per (value tile of 64 columns, sequence x head) walks the chunks of its
 // sequence with its [dk, 64] state tile in fp32 (fp64) shared memory, every product a shared-memory
 // tile GEMM (smem_gemm). The forward sweep writes the outputs too (it is the tier's whole forward);
-// the reverse sweep stores the state cotangent at every chunk end. Decays are exact under resets
-// (prims/tile.cuh, Resets).
+// the reverse sweep stores the state cotangent at every chunk end.
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/gla.cuh"
 #include "cuda/runtime/runtime.cuh"
@@ -17,8 +16,7 @@ template <class T>
 struct FwdSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *Hs, *P;
-  R *A, *O, *Hf;
-  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
+  R *A, *O, *Hf, *b;
   int ldk, ldv, ldc, ldkr, ldvr, ldcr;
   __host__ __device__ FwdSmem(char* base, int dk, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldc = ld_of<T>(kChunk);
@@ -32,7 +30,7 @@ struct FwdSmem {
     A = c.take<R>(kChunk * ldcr);
     O = c.take<R>(kChunk * ldvr);
     Hf = c.take<R>(dk * ldvr);
-    b = c.take<double>(kChunk);
+    b = c.take<R>(kChunk);
     if (bytes) *bytes = c.used;
   }
 };
@@ -63,19 +61,18 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
     load_rows(s.K, s.ldk, k, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, v, a.dv, r0, nr, v0, bv);
     chunk_cumsum(s.b, g, r0, nr);  // includes a barrier
-    const Resets rs = chunk_resets(s.b, nr);
     if (a.o) {
       for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
         s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(s.Hf[(e / bv) * s.ldvr + e % bv]);
       smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, a.dk, false);
       for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
         const int i = e / kChunk, j = e % kChunk;
-        const R x = (j <= i && i < nr && j >= rs.last(i)) ? s.A[i * s.ldcr + j] * a.scale * exp(R(s.b[i] - s.b[j])) : R(0);
+        const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
         s.P[i * s.ldc + j] = to<T>(x);
       }
       for (int e = threadIdx.x; e < kChunk * a.dk; e += blockDim.x) {  // Q <- diag(scale e^b) Q
         const int i = e / a.dk, j = e % a.dk;
-        s.Q[i * s.ldk + j] = to<T>(rs.upto(i) ? R(0) : from<R>(s.Q[i * s.ldk + j]) * a.scale * exp(R(s.b[i])));
+        s.Q[i * s.ldk + j] = to<T>(from<R>(s.Q[i * s.ldk + j]) * a.scale * exp(s.b[i]));
       }
       __syncthreads();
       smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
@@ -83,12 +80,12 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
       store_rows(a.o + int64_t(h) * a.Ttot * a.dv, a.dv, r0, v0, s.O, s.ldvr, nr, bv);
     }
     // H <- e^B H + K^T diag(e^{B-b}) V
-    const double B = s.b[kChunk - 1];
+    const R B = s.b[kChunk - 1];
     for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
       const int i = e / bv, j = e % bv;
-      s.V[i * s.ldv + j] = to<T>(rs.after(i) ? R(0) : from<R>(s.V[i * s.ldv + j]) * exp(R(B - s.b[i])));
+      s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * exp(B - s.b[i]));
     }
-    tile_scale(s.Hf, s.ldvr, a.dk, bv, rs.any() ? R(0) : exp(R(B)));
+    tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
     __syncthreads();
     smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
   }
@@ -118,13 +115,12 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
     chunk_cumsum(s.b, g, r0, nr);
-    const Resets rs = chunk_resets(s.b, nr);
-    const double B = s.b[kChunk - 1];
+    const R B = s.b[kChunk - 1];
     for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
       const int i = e / bv, j = e % bv;
-      s.V[i * s.ldv + j] = to<T>(rs.upto(i) ? R(0) : from<R>(s.V[i * s.ldv + j]) * a.scale * exp(R(s.b[i])));
+      s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * a.scale * exp(s.b[i]));
     }
-    tile_scale(s.Hf, s.ldvr, a.dk, bv, rs.any() ? R(0) : exp(R(B)));
+    tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
     __syncthreads();
     smem_gemm<T, true, false>(s.Hf, s.ldvr, s.Q, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
   }

@@ -7,8 +7,7 @@
 //   Reverse (backward): stores the cotangent at each chunk end (dhbuf) and updates
 //            dH <- e^B dH + (Q o w)^T dO,  w_i = scale e^{b_i}.
 //   Tree (log-linear): builds the tree's nodes instead (loglinear/tree.cuh).
-// b is the chunk-local inclusive cumsum of the log-gates (gates.cu), precomputed once per call,
-// segmented at resets: the decays follow the Resets rules of prims/tile.cuh.
+// b is the chunk-local inclusive cumsum of the log-gates (gates.cu), precomputed once per call.
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/sm80.cuh"
@@ -129,12 +128,10 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     const T* Kt = Ks(st);
     const T* Vt = Vs(st);
     const float* bt = bs(st);
-    const int nr = rows_in(len, c, a.C);
-    const Resets rs = chunk_resets(bt, nr);
     if constexpr (kTree) {  // Z_c, then the nodes it closes
-      const float B = bt[nr - 1];
+      const float B = bt[rows_in(len, c, a.C) - 1];
       mma::zero(acc);
-      update(acc, Kt, Vt, [&](int k) { return rs.after(k) ? 0.f : mma::fexp(B - bt[k]); });
+      update(acc, Kt, Vt, [&](int k) { return mma::fexp(B - bt[k]); });
       tree_close<T>(ta, sn, stk, c, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
       continue;
     }
@@ -142,15 +139,13 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       if (full) store_full(store_base + c * store_cstride);
       else mma::store_tile16(store + ((chunk0 + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, r_lo, c_lo, nt, at);
     }
-    const float B = bt[nr - 1];
-    const float decay = rs.any() ? 0.f : mma::fexp(B);
+    const float B = bt[rows_in(len, c, a.C) - 1];
+    const float decay = mma::fexp(B);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
-    auto wt = [&](int k) {
-      return kRev ? (rs.upto(k) ? 0.f : sc * mma::fexp(bt[k])) : (rs.after(k) ? 0.f : mma::fexp(B - bt[k]));
-    };
+    auto wt = [&](int k) { return kRev ? sc * mma::fexp(bt[k]) : mma::fexp(B - bt[k]); };
     // forward S <- e^B S + K^T diag(e^{B-b}) V; reverse dS <- e^B dS + scale Q^T diag(e^b) dO (§7.1)
     update(acc, Kt, Vt, wt);
   }

@@ -5,7 +5,6 @@
 // [64, 64] fp32 state in wgmma accumulators. Per chunk (forward: key K, value V, w = e^{B-b};
 // reverse: key Q, value dO, w = scale e^b, chunks in reverse order):
 //   store the state (16-bit, hbuf / dhbuf), then  S <- e^B S + (key o w)^T value   [64,C]x[C,64]
-// (decays exact under resets: the Resets rules of prims/tile.cuh)
 // with (key o w)^T as register A fragments (ldmatrix.trans of the swizzled key tile, scaled by
 // w) and the value tile read MN-major by wgmma. Key and value tiles arrive by TMA, the gates by
 // cp.async, into a ring of S stages: while chunk i's wgmmas run, chunk i+1's fragments are
@@ -115,9 +114,8 @@ __global__ void __launch_bounds__(kSm90Threads)
       fence_async_smem();
       __syncthreads();
     }
-    const Resets rs = chunk_resets(bt, nr);
     const float B = bt[nr - 1];
-    decay = rs.any() ? 0.f : mma::fexp(B);
+    decay = mma::fexp(B);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const int row = 16 * kk + (lane & 7) + ((lane >> 4) << 3), col = 16 * w + (((lane >> 3) & 1) << 3);
@@ -125,9 +123,8 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int k = 16 * kk + 2 * t + 8 * hf;
-        const float w0 = kRev ? (rs.upto(k) ? 0.f : sc * mma::fexp(bt[k])) : (rs.after(k) ? 0.f : mma::fexp(B - bt[k]));
-        const float w1 =
-            kRev ? (rs.upto(k + 1) ? 0.f : sc * mma::fexp(bt[k + 1])) : (rs.after(k + 1) ? 0.f : mma::fexp(B - bt[k + 1]));
+        const float w0 = kRev ? sc * mma::fexp(bt[k]) : mma::fexp(B - bt[k]);
+        const float w1 = kRev ? sc * mma::fexp(bt[k + 1]) : mma::fexp(B - bt[k + 1]);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           const float2 x = mma::unpack2<T>(fa[kk][2 * hf + m]);

@@ -2,8 +2,7 @@
 // The log-linear primitive's segment sweep, portable tier (every dtype; shared-memory tile GEMMs,
 // WMMA for bf16 / fp16): the segment tables and the kernels of the forward and backward sweeps and
 // of the chunk-parallel outputs and gradients. loglinear.cuh has the math, the layouts and the grid
-// mapping. The segment's gate cumsum is segmented at resets and every decay follows the Resets rules
-// of prims/tile.cuh (exact under resets); dg = 0 at a reset row.
+// mapping.
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/loglinear/loglinear.cuh"
 #include "cuda/runtime/config.h"
@@ -91,8 +90,7 @@ template <class T>
 struct FwdSmem {
   using R = Acc<T>;
   T *Q, *Qs, *K, *V, *Hs, *P;  // P doubles as the weighted values of the state update
-  R *A, *O, *Hf;
-  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
+  R *A, *O, *Hf, *b;
   int ldk, ldv, ldc, ldcr, ldvr;
   __host__ __device__ FwdSmem(char* base, int dk, int cols, bool with_state, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(cols), ldc = ld_of<T>(kChunk);
@@ -107,7 +105,7 @@ struct FwdSmem {
     A = c.take<R>(kChunk * ldcr);
     O = c.take<R>(kChunk * ldvr);
     Hf = with_state ? c.take<R>(dk * ldvr) : nullptr;
-    b = c.take<double>(kChunk);
+    b = c.take<R>(kChunk);
     if (bytes) *bytes = c.used;
   }
 };
@@ -123,13 +121,12 @@ __device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const S
   using R = Acc<T>;
   const GlaArgs<T>& p = a.p;
   const R* lam = a.lam + int64_t(h) * p.Ttot * a.nL;
-  const Resets rs = chunk_resets(s.b, sg.nr);
   smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, p.dk, false);  // [C,dk]x[dk,C]
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, jj = e % kChunk;
     R x = 0;
-    if (jj <= i && i < sg.nr && jj >= rs.last(i))
-      x = s.A[i * s.ldcr + jj] * p.scale * exp(R(s.b[i] - s.b[jj])) *
+    if (jj <= i && i < sg.nr)
+      x = s.A[i * s.ldcr + jj] * p.scale * exp(s.b[i] - s.b[jj]) *
           lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + jj)];
     s.P[i * s.ldc + jj] = to<T>(x);
   }
@@ -141,8 +138,8 @@ __device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const S
     for (int e = threadIdx.x; e < kChunk * p.dk; e += blockDim.x) {
       const int i = e / p.dk, c = e % p.dk;
       R x = 0;
-      if (i < sg.nr && !rs.upto(i))
-        x = from<R>(s.Q[i * s.ldk + c]) * p.scale * exp(R(s.b[i])) *
+      if (i < sg.nr)
+        x = from<R>(s.Q[i * s.ldk + c]) * p.scale * exp(s.b[i]) *
             lam[(sg.row + i) * a.nL + read_level(sg.s + i, sg.s, l)];
       s.Qs[i * s.ldk + c] = to<T>(x);
     }
@@ -188,8 +185,7 @@ __global__ void __launch_bounds__(256) loglinear_fwd_kernel(LoglinearArgs<T> a) 
     // decay and re-key H[l] -> H'[l(e, sigma_l(s))], in place from the top level down: a target
     // is >= its source, and every source above the current one has already moved out (so H[l]
     // still holds the level entering the segment, which hst keeps for the outputs / backward).
-    const Resets rs = chunk_resets(s.b, sg.nr);
-    const R eB = rs.any() ? R(0) : R(exp(R(s.b[kChunk - 1])));
+    const R eB = exp(s.b[kChunk - 1]);
     for (int l = top; l >= 1; --l) {
       if (!is_live(sg.s, l)) continue;
       const int L = read_level(sg.e, sg.s, l);
@@ -212,7 +208,7 @@ __global__ void __launch_bounds__(256) loglinear_fwd_kernel(LoglinearArgs<T> a) 
       if (!group_rows(sg, L, lo, hi)) continue;
       for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
         const int i = e / bv, c = e % bv;
-        const R x = (i >= lo && i < hi && !rs.after(i)) ? from<R>(s.V[i * s.ldv + c]) * exp(R(s.b[kChunk - 1] - s.b[i])) : R(0);
+        const R x = (i >= lo && i < hi) ? from<R>(s.V[i * s.ldv + c]) * exp(s.b[kChunk - 1] - s.b[i]) : R(0);
         s.P[i * s.ldc + c] = to<T>(x);
       }
       for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
@@ -251,8 +247,7 @@ template <class T>
 struct RevSmem {
   using R = Acc<T>;
   T *Q, *D, *Ds;  // Q [C, dk]; dO tile [C, 64] and its per-level weighted copy
-  R *Hf, *red;
-  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
+  R *Hf, *b, *red;
   int ldk, ldv, ldvr;
   __host__ __device__ RevSmem(char* base, int dk, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(kVT), ldvr = ld_of<R>(kVT);
@@ -261,7 +256,7 @@ struct RevSmem {
     D = c.take<T>(kChunk * ldv);
     Ds = c.take<T>(kChunk * ldv);
     Hf = c.take<R>(dk * ldvr);
-    b = c.take<double>(kChunk);
+    b = c.take<R>(kChunk);
     red = c.take<R>(256);
     if (bytes) *bytes = c.used;
   }
@@ -308,8 +303,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_dh_kernel(LoglinearArgs<T> 
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.D, s.ldv, dO, p.dv, sg.row, sg.nr, v0, bv);
     chunk_cumsum(s.b, g, sg.row, sg.nr);
-    const Resets rs = chunk_resets(s.b, sg.nr);
-    const R eB = rs.any() ? R(0) : R(exp(R(s.b[kChunk - 1])));
+    const R eB = exp(s.b[kChunk - 1]);
     // adjoint of the re-key, in place from the lowest level up (a source reads its target >= it,
     // which no lower source has written), with this tile's part of sum_l <dH'[L(l)], H[l]>
     R part = 0;
@@ -337,8 +331,8 @@ __global__ void __launch_bounds__(256) loglinear_bwd_dh_kernel(LoglinearArgs<T> 
       for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
         const int i = e / bv, c = e % bv;
         R x = 0;
-        if (i < sg.nr && !rs.upto(i))
-          x = from<R>(s.D[i * s.ldv + c]) * p.scale * exp(R(s.b[i])) *
+        if (i < sg.nr)
+          x = from<R>(s.D[i * s.ldv + c]) * p.scale * exp(s.b[i]) *
               lam[(sg.row + i) * a.nL + read_level(sg.s + i, sg.s, l)];
         s.Ds[i * s.ldv + c] = to<T>(x);
       }
@@ -359,8 +353,7 @@ template <class T>
 struct GradSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hs, *P, *dA;
-  R *A, *dP, *X, *db, *dbc, *dBr, *cf;
-  double* b;  // the chunk cumsum in double (prims/tile.cuh, chunk_cumsum)
+  R *A, *dP, *X, *b, *db, *dbc, *dBr, *cf;
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ GradSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -375,7 +368,7 @@ struct GradSmem {
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
     dP = X = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));  // dP is dead before X is first written
-    b = c.take<double>(kChunk);
+    b = c.take<R>(kChunk);
     db = c.take<R>(kChunk);
     dbc = c.take<R>(kChunk);
     dBr = c.take<R>(kChunk);
@@ -409,9 +402,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
     s.db[i] = 0, s.dbc[i] = 0, s.dBr[i] = 0;
   }
   chunk_cumsum(s.b, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, nr);  // includes a barrier
-  const Resets rs = chunk_resets(s.b, nr);
-  const double B = s.b[kChunk - 1];
-  const R eB = rs.any() ? R(0) : exp(R(B));
+  const R B = s.b[kChunk - 1], eB = exp(B);
 
   // ---- intra block. With G = Gamma_c, Lam the LUT-gathered lam, A^ = Q^K^T:
   //   P = Lam o G o A^;  dA^ = dP o Lam o G;  d lam_i^{LUT[i,j]} += dP_ij (G o A^)_ij;
@@ -421,8 +412,8 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
     R pij = 0, da = 0, dpp = 0, t = 0;
-    if (j <= i && i < nr && j >= rs.last(i)) {
-      const R gam = exp(R(s.b[i] - s.b[j]));
+    if (j <= i && i < nr) {
+      const R gam = exp(s.b[i] - s.b[j]);
       const R lm = lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + j)];
       const R ag = s.A[i * s.ldcr + j] * p.scale * gam;
       const R dp = s.dP[i * s.ldcr + j];
@@ -489,7 +480,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
       if (threadIdx.x < nr) {
         const int i = threadIdx.x;
         const int lv = read_level(sg.s + i, sg.s, l);
-        const R eb = rs.upto(i) ? R(0) : R(exp(R(s.b[i]))), coef = lam[(sg.row + i) * a.nL + lv] * eb;
+        const R eb = exp(s.b[i]), coef = lam[(sg.row + i) * a.nL + lv] * eb;
         R qy = 0;
         for (int c = 0; c < dk; ++c) qy += from<R>(s.Q[i * s.ldk + c]) * s.X[i * s.ldx + c];
         qy *= p.scale;
@@ -514,7 +505,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
     smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.Hs, s.ldv, kChunk, dv, dk, false);  // [C,dk]x[dk,dv]
     if (threadIdx.x >= lo && threadIdx.x < hi) {
       const int i = threadIdx.x;
-      const R w = rs.after(i) ? R(0) : R(exp(R(B - s.b[i])));
+      const R w = exp(B - s.b[i]);
       R ty = 0;
       for (int c = 0; c < dv; ++c) ty += s.X[i * s.ldx + c] * from<R>(s.V[i * s.ldv + c]);
       s.dBr[i] += w * ty;
@@ -540,7 +531,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
     R acc = dB;
     for (int i = nr - 1; i >= 0; --i) {
       acc += s.db[i] - s.dbc[i];
-      p.dg[rb + i] = rs.at(i) ? R(0) : acc;  // a reset gate: 0 (the telescoped sum leaves rounding)
+      p.dg[rb + i] = acc;
     }
   }
 }

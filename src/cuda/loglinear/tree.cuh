@@ -19,16 +19,12 @@
 //   dnode_m[2j+1] += dnode_{m+1}[j]); then dZ_N = dnode_1[N] plays the part of the GLA chunk-end
 //   cotangent, and per chunk  dQ^ = dA K + sum_m diag(lam^{p+m} e^{b+gap}) dO node_m^T,
 //   dlam[i, p+m] = e^{b_i+gap} q^_i.(dO node_m^T)_i, dlam[i, LUT] from the intra block, dc = q^.dq^ - k.dk
-//   per row (the initial levels' reads enter q^.dq^ like any other), and
+//   (the initial levels' reads enter q^.dq^ like any other, so dg needs no extra term), and
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
 //   A final-state cotangent dHT (final state as in loglinear_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
-//   the pending node of level m before the push-down, and w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
-//   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}).
-//   dg per chunk: the reverse cumsum of dc in the chunk plus the chunk's boundary term, from the
-//   pushed-down node cotangents and the reads (tree_sm80.cu, tree_boundary_kernel; <dHT, HT> for the
-//   last chunk).
-// Resets: a chunk with a reset row has beta = -inf; every decay inside a chunk follows the Resets
-// rules of prims/tile.cuh.
+//   the pending node of level m before the push-down, w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
+//   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}), and <dHT, HT> to dg at the
+//   last row (the GLA identity dg = revcumsum(q.dq - k.dk) + <dHT, HT>).
 //   The parts of long reading ranges (loglinear_wkv_kernel kPart) need a0 = 0.
 // All nodes, their cotangents and beta are fp32.
 //

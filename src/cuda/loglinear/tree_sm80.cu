@@ -29,8 +29,7 @@ __device__ __forceinline__ int64_t chunks_of(const int64_t* len, int seq) {
 }
 
 // beta of every node (loglinear/tree.cuh): one block per (sequence, head); level by level. The chunks
-// before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0; a chunk with a
-// reset row has beta = -inf (e^beta = 0, and every sum of betas over it stays -inf).
+// before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0.
 template <class T>
 __global__ void __launch_bounds__(256) loglinear_beta_kernel(GlaArgs<T> a, TreeArgs ta, float* beta) {
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
@@ -40,7 +39,7 @@ __global__ void __launch_bounds__(256) loglinear_beta_kernel(GlaArgs<T> a, TreeA
   int64_t off = sn.base;
   for (int64_t j = sn.lo(1) + threadIdx.x; j < sn.hi(1); j += blockDim.x) {  // beta_1[j] = B_j (local cumsum at the last row)
     const int64_t c = j - sn.a0;
-    beta[(off + j - sn.lo(1)) * a.H + h] = c >= 0 && b ? chunk_total(b + c * kChunk, rows_in(len, c)) : 0.f;
+    beta[(off + j - sn.lo(1)) * a.H + h] = c >= 0 && b ? b[c * kChunk + rows_in(len, c) - 1] : 0.f;
   }
   for (int m = 1, top = sn.top(); m < top; ++m) {
     __syncthreads();
@@ -122,7 +121,6 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
   const int n = int(c_end > c_begin ? c_end - c_begin : 0);
   float gap = 0.f;  // kRead / kPart: log-decay from the node's end to the start of the chunk being issued
   // chunk i of the range -> stage i % kStages: X / Y tiles (rows >= nr zero-filled) and the weights
-  // (decays exact under resets: prims/tile.cuh, Resets)
   auto issue = [&](int i) {
     const int st = i % kStages;
     const int64_t cn = c_begin + i, r0 = row0 + cn * kChunk;
@@ -130,21 +128,17 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
     mma::async_rows(Xs(st), kLdTile, X, ldx, r0, nr, k0, bk, kChunk);
     mma::async_rows(Ys(st), kLdTile, Y, ldy, r0, nr, v0, bv, kChunk);
     mma::cp_async_commit();
-    const Resets rs = b ? chunk_resets(b + r0, nr) : Resets{};
     const float B = b ? b[r0 + nr - 1] : 0.f;
     if (threadIdx.x < kChunk) {
       const int r = threadIdx.x;
       float x = 0.f;
       if (r < nr) {
         const float bi = b ? b[r0 + r] : 0.f;
-        if constexpr (kQdO)
-          x = rs.upto(r) ? 0.f : sc * ta.lam[(int64_t(h) * a.Ttot + r0 + r) * ta.nL + kLogChunk + m] * __expf(bi + gap);
-        else
-          x = rs.after(r) ? 0.f : __expf(B - bi);
+        x = kQdO ? sc * ta.lam[(int64_t(h) * a.Ttot + r0 + r) * ta.nL + kLogChunk + m] * __expf(bi + gap) : __expf(B - bi);
       }
       Ws(st)[r] = x;
     }
-    gap += rs.any() ? -INFINITY : B;
+    gap += B;
   };
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < n) issue(i);
@@ -186,15 +180,12 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 //   down: D_m[i] = R_m[i] + c D_{m+1}[i/2], c = e^{beta_m[i+1]} (i even) or 1 (i odd), with R the
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
-//         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3. With
-//         `ipart`, also the parts of I_m[i] = <D_m[i], node_m[i]> of every read node (i even; the
-//         initial nodes included), one per warp of 128 elements: ipart [slots][H][tile / 128], for
-//         the gate gradient (tree_boundary_kernel).
+//         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3.
 
 template <class T, bool kDown>
 __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
                                                       TreeArgs ta, const float* node, T* n16, const float* parts,
-                                                      int split, float* ipart) {
+                                                      int split) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
   const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
@@ -249,14 +240,6 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
         axpy(d, ta.fcoef[(int64_t(seq) * H + h) * ta.lpend + m],
              *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e));
     };
-    // this warp's part of <D, node> of node `slot` (its 16-bit copy), into ipart
-    auto inner = [&](int64_t slot, const float4& d) {
-      if (!ipart) return;
-      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const T*>(ta.node16) + (slot * H + h) * tile + e);
-      const float2 x = mma::unpack2<T>(u.x), y = mma::unpack2<T>(u.y);
-      const float v = warp_sum(d.x * x.x + d.y * x.y + d.z * y.x + d.w * y.y);
-      if ((threadIdx.x & 31) == 0) ipart[(slot * H + h) * (tile / 128) + (e >> 7)] = v;
-    };
     for (int64_t j = 0; j < nc; ++j) {
       // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
       const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1);
@@ -280,19 +263,17 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
             const float c = (i & 1) ? 1.f : decay(m, i + 1);
             axpy(d, c, stk[m + 1]);
           }
-          if (!(i & 1) && ((i + 1) << (m - 1)) <= nend) inner(idx(m, i), d);  // a read node of full chunks
         }
         stk[m] = d;
       }
-      if (j == 0 && (ta.dh0 || ipart))  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
+      if (j == 0 && ta.dh0)  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
         for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
           if (!((a0 >> (m - 1)) & 1)) continue;
           const int64_t i0 = (a0 >> (m - 1)) - 1;
           float4 d = load(idx(m, i0));  // its reads (R), and dHT when no full chunk of the call reached it
           add_final(d, m, i0);
           if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
-          inner(idx(m, i0), d);
-          if (ta.dh0) *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
+          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
         }
       put(chunk0[seq] + j, stk[1]);
     }
@@ -377,7 +358,6 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
   if (threadIdx.x < kChunk) bs[threadIdx.x] = (b && int(threadIdx.x) < r) ? b[r0 + threadIdx.x] : 0.f;
   mma::cp_async_wait<0>();
   __syncthreads();
-  const Resets rs = chunk_resets(bs, r);  // decays exact under resets (prims/tile.cuh)
   const float Br = r > 0 ? bs[r - 1] : 0.f;
   for (int l = 0; l < ta.Ls; ++l) {
     float acc[8][4];
@@ -386,7 +366,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
       const int lo = (r >> l) << l, hi = lo + (1 << (l - 1));
       if (active)  // [64 (dk), C] x [C, 64 (dv)] over the bucket's rows
         mma::warp_gemm_tn_weighted<T, 8>(acc, Ks, kLdTile, 16 * w, Vs, kLdTile, nt, kChunk,
-                                        [&](int k) { return k >= lo && k < hi && !rs.after(k) ? __expf(Br - bs[k]) : 0.f; });
+                                        [&](int k) { return k >= lo && k < hi ? __expf(Br - bs[k]) : 0.f; });
     } else if (l > kLogChunk && ((n >> (l - kLogChunk - 1)) & 1)) {
       const int m = l - kLogChunk;
       float gap = 0.f;  // nf = 0: every node below is an initial level (beta = 0)
@@ -394,7 +374,7 @@ __global__ void __launch_bounds__(128) loglinear_final_kernel(GlaArgs<T> a, Tree
         for_each_read(ta, sn, n, h, a.H, [&](int mm, int64_t, float gm) {
           if (mm == m) gap = gm;
         });
-      const float f = rs.any() ? 0.f : __expf(gap + Br);
+      const float f = __expf(gap + Br);
       const bool initial = (n >> (m - 1)) == (sn.a0 >> (m - 1));
       const float* src = initial ? ta.h0 + ((int64_t(seq) * a.H + h) * ta.Ls + l) * int64_t(a.dk) * a.dv
                                  : ta.pend + ((int64_t(seq) * a.H + h) * ta.lpend + m) * int64_t(a.dk) * a.dv;
@@ -443,11 +423,10 @@ __global__ void __launch_bounds__(256) loglinear_final_bwd_kernel(GlaArgs<T> a, 
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (threadIdx.x < kChunk) bs[threadIdx.x] = b && int(threadIdx.x) < r ? b[r0 + threadIdx.x] : 0.f;
   __syncthreads();
-  const Resets rs = chunk_resets(bs, r);  // decays exact under resets (prims/tile.cuh)
   const float Br = r > 0 ? bs[r - 1] : 0.f;
   if (threadIdx.x == 0)
     for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t, float gap) {
-      if (m < ta.lpend) fcoef[sh * ta.lpend + m] = rs.any() ? 0.f : __expf(gap + Br);
+      if (m < ta.lpend) fcoef[sh * ta.lpend + m] = __expf(gap + Br);
     });
   const T* v = a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv);
   const T* k = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
@@ -458,7 +437,7 @@ __global__ void __launch_bounds__(256) loglinear_final_bwd_kernel(GlaArgs<T> a, 
     const T* vr = v + (r0 + i) * ldv;
     float x = 0.f;
     for (int j = 0; j < a.dv; ++j) x += M[j] * float(vr[j]);
-    fin_dk[(sh * kChunk + i) * a.dk + c] = rs.after(i) ? 0.f : __expf(Br - bs[i]) * x;
+    fin_dk[(sh * kChunk + i) * a.dk + c] = __expf(Br - bs[i]) * x;
   }
   for (int64_t e = threadIdx.x; e < int64_t(r) * a.dv; e += blockDim.x) {  // fin_dv
     const int i = int(e / a.dv), c = int(e % a.dv), l = 32 - __clz(r ^ i);
@@ -466,123 +445,8 @@ __global__ void __launch_bounds__(256) loglinear_final_bwd_kernel(GlaArgs<T> a, 
     const T* kr = k + (r0 + i) * ldk;
     float x = 0.f;
     for (int j = 0; j < a.dk; ++j) x += M[int64_t(j) * a.dv] * float(kr[j]);
-    fin_dv[(sh * kChunk + i) * a.dv + c] = rs.after(i) ? 0.f : __expf(Br - bs[i]) * x;
+    fin_dv[(sh * kChunk + i) * a.dv + c] = __expf(Br - bs[i]) * x;
   }
-}
-
-// out[i] = sum_{k < nk} parts[i nk + k] (fixed order).
-__global__ void sum_parts_kernel(float* out, const float* parts, int64_t n, int nk) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    float x = 0.f;
-    for (int k = 0; k < nk; ++k) x += parts[i * nk + k];
-    out[i] = x;
-  }
-}
-
-// ---- the gate gradient of the tree form (docs/math/LOGLINEAR.md §5.3) ----------------------------------
-// dg inside chunk c is the reverse cumsum of its rows' q^.dq^ - k.dk (gla_bwd_chunk writes them) plus
-// D_c, the pairs of tokens across the chunk's end: D_c = sum over the levels of the canonical state
-// at the next chunk n = a0 + c + 1 of <dH_n[p + m], H_n[p + m]>. Level m (bit m-1 of n set) holds
-// node_m[J], J = (n >> (m-1)) - 1, and its cotangent is the node's full cotangent D_m[J] (the
-// push-down's) less the reads of J by the chunks [(J+1) 2^{m-1}, n) before the boundary:
-//   D_c = sum_m ( I_m[J] - sum_{N in [max((J+1) 2^{m-1}, a0), n)} R_{N,m} ),
-//   I_m[J] = <D_m[J], node_m[J]>,   R_{N,m} = sum_{i in N} lam_i^{p+m} dlam[i, p+m] = q^.dq^ of N's read of level m.
-// The last chunk's D is <dHT, HT>. Every term is a sum over token pairs across one boundary, so its
-// rounding does not build up along the sequence (a reverse cumsum over the whole sequence would).
-
-// R[cg][h][m] = R_{N,m} for the levels m >= 1 chunk N = a0 + c reads (0 elsewhere and at m = 0);
-// grid (nchunks, H), 64 threads (a row each). lr: levels per chunk in R (the tree's lstk).
-template <class T>
-__global__ void __launch_bounds__(64) tree_reads_kernel(GlaArgs<T> a, TreeArgs ta, float* R, int lr) {
-  __shared__ float red[2];
-  const int64_t cg = blockIdx.x;
-  const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
-  const uint64_t N = uint64_t((ta.a0 ? ta.a0[seq] : 0) + c);
-  const int i = threadIdx.x;
-  const int64_t row = (int64_t(h) * a.Ttot + r0 + i) * ta.nL;
-  for (int m = 0; m < lr; ++m) {
-    float x = 0.f;
-    if (m >= 1 && ((N >> (m - 1)) & 1) && i < nr) x = ta.lam[row + kLogChunk + m] * ta.dlam[row + kLogChunk + m];
-    x = warp_sum(x);
-    if ((i & 31) == 0) red[i >> 5] = x;
-    __syncthreads();
-    if (i == 0) R[(cg * a.H + h) * lr + m] = red[0] + red[1];
-    __syncthreads();
-  }
-}
-
-// R -> the terms of D per chunk and level, in place (the header above); grid N x H, 256 threads:
-// warp w takes the levels m = w + 1, w + 9, ...: a segmented prefix sum of R_{N,m} over the chunks
-// (segments: the right halves at level m, and the call's first chunk), 32 chunks per step; entry
-// m = 0 of the last chunk gets <dHT, HT> (HT: the final state [N][H][Ls][dk][dv], when dht is set).
-template <class T>
-__global__ void __launch_bounds__(256) tree_boundary_kernel(GlaArgs<T> a, TreeArgs ta, float* R, int lr, const float* I,
-                                                            const float* HT) {
-  __shared__ float red[8];
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t nc = (a.len[seq] + kChunk - 1) / kChunk, chunk0 = a.chunk0[seq];
-  if (nc == 0) return;
-  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
-  for (int m = 1 + w; m <= sn.top() && m < lr; m += 8) {
-    const int64_t half = int64_t(1) << (m - 1);
-    float carry = 0.f;
-    for (int64_t c0 = 0; c0 < nc; c0 += 32) {
-      const int64_t c = c0 + lane, N = sn.a0 + c, n = N + 1;
-      const bool valid = c < nc;
-      float* at = R + ((chunk0 + c) * a.H + h) * lr + m;
-      float v = valid ? *at : 0.f;
-      bool f = valid && (c == 0 || (N & (half - 1)) == 0);  // a segment starts at chunk c
-      if (lane == 0 && !f) v += carry;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {  // segmented inclusive scan
-        const float y = __shfl_up_sync(0xffffffffu, v, off);
-        const bool fy = __shfl_up_sync(0xffffffffu, int(f), off) != 0;
-        if (lane >= off) {
-          if (!f) v += y;
-          f = f || fy;
-        }
-      }
-      carry = __shfl_sync(0xffffffffu, v, 31);
-      if (valid) {
-        float term = 0.f;
-        if (c + 1 < nc && ((n >> (m - 1)) & 1)) {
-          const int64_t J = (n >> (m - 1)) - 1;
-          term = I[sn.slot(m, J) * a.H + h] - ((N >> (m - 1)) == (n >> (m - 1)) ? v : 0.f);
-        }
-        *at = term;
-      }
-    }
-  }
-  if (ta.dht && HT) {  // <dHT, HT> of the last chunk
-    const int64_t n = int64_t(ta.Ls) * a.dk * a.dv, off = (int64_t(seq) * a.H + h) * n;
-    float x = 0.f;
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) x += ta.dht[off + e] * HT[off + e];
-    x = warp_sum(x);
-    if (lane == 0) red[w] = x;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float D = 0.f;
-      for (int k = 0; k < 8; ++k) D += red[k];
-      R[((chunk0 + nc - 1) * a.H + h) * lr] = D;
-    }
-  }
-}
-
-// dg of every chunk (grid (nchunks, H), one warp): D_c = sum_m R[c][h][m], then the reverse cumsum of
-// the rows' dc (in a.dg) in the chunk plus D_c, 0 at reset rows (prims/tile.cuh, chunk_dg).
-template <class T>
-__global__ void __launch_bounds__(32) tree_dg_kernel(GlaArgs<T> a, const float* R, int lr) {
-  const int64_t cg = blockIdx.x;
-  const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = int64_t(h) * a.Ttot + a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c), i0 = 2 * int(threadIdx.x), i1 = i0 + 1;
-  float D = 0.f;
-  for (int m = int(threadIdx.x); m < lr; m += 32) D += R[(cg * a.H + h) * lr + m];
-  D = warp_sum(D);
-  const Resets rs = a.b ? chunk_resets(a.b + r0, nr) : Resets{};
-  chunk_dg(a.dg + r0, i0 < nr ? a.dg[r0 + i0] : 0.f, i1 < nr ? a.dg[r0 + i1] : 0.f, D, nr, rs);
 }
 
 template <class T, WkvMode kMode>
@@ -598,11 +462,10 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
 
 template <class T, bool kDown>
 void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
-                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels,
-                 float* ipart = nullptr) {
+                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels) {
   if (dry_run()) return;  // dry run: workspace_size
   loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
-      len, chunk0, H, tile, ta, node, n16, parts, split, ipart);
+      len, chunk0, H, tile, ta, node, n16, parts, split);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -688,8 +551,6 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     }
     if (a.p.nchunks == 0) return;
     DevBuf<float> dnode(size_t(tr.slots * a.p.H * tile), s);
-    // the gate gradient's boundary terms (tree_boundary_kernel): the warp parts of I per read node
-    DevBuf<float> ipart(a.p.dg ? size_t(tr.slots * a.p.H * (tile / 128)) : 0, s);
     DevBuf<T> dz16(size_t(a.p.nchunks * a.p.H * tile), s);
     // parts of the long reading ranges: (top - 5) ceil(nc / 16) <= nc slots per sequence while every
     // sequence starts at 0 and has at most 2^20 chunks; otherwise the ranges are summed whole (from
@@ -699,23 +560,14 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
     launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
-                         parts.get(), split, ipart.get());
+                         parts.get(), split);
     tr.ta.dz16 = dz16.get();
-    gla_bwd_chunk(a.p, s, &tr.ta);  // dq, dk, dv, dlam, and the rows' dc in dg
-    if (!a.p.dg) return;
-    // dg (the header of tree_reads_kernel): I per read node, R per chunk and read level, the terms
-    // of D per chunk and level, then per chunk D and the reverse cumsum of dc
-    const int lr = tr.lstk;
-    DevBuf<float> I(size_t(tr.slots * a.p.H), s), R(size_t(a.p.nchunks * a.p.H * lr), s);
-    HILA_LAUNCH(sum_parts_kernel, tr.slots * a.p.H, s, I.get(), ipart.get(), tr.slots * a.p.H, int(tile / 128));
-    if (!dry_run()) {  // dry run: workspace_size
-      tree_reads_kernel<T><<<dim3(unsigned(a.p.nchunks), unsigned(a.p.H)), 64, 0, s>>>(a.p, tr.ta, R.get(), lr);
-      HILA_CUDA_CHECK_LAUNCH();
-      tree_boundary_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, R.get(), lr, I.get(), fin ? HT.get() : nullptr);
-      HILA_CUDA_CHECK_LAUNCH();
-      tree_dg_kernel<T><<<dim3(unsigned(a.p.nchunks), unsigned(a.p.H)), 32, 0, s>>>(a.p, R.get(), lr);
-      HILA_CUDA_CHECK_LAUNCH();
-    }
+    gla_bwd_chunk(a.p, s, &tr.ta);
+    // dg = reverse cumsum of q.dq - k.dk, plus <dHT, HT> at the last row: gla_dg reduces its
+    // [N][H][dk][dv] states, so the Fenwick [N][H][Ls][dk][dv] ones pass as dk' = Ls dk rows
+    GlaArgs<T> p = a.p;
+    p.dht = fin ? a.p.dht : nullptr, p.ht = HT.get(), p.dk = a.Ls * a.p.dk;
+    gla_dg(p, s);
   }
 }
 

@@ -3,8 +3,6 @@
 // row loads/stores of packed head-major buffers, the chunk-local gate cumsum and fp32 state tiles.
 // Packed buffers are [heads][Ttot][ld] with ld a multiple of 16 elements; a chunk is kChunk rows.
 #pragma once
-#include <cmath>
-
 #include "cuda/common.cuh"
 
 namespace hila::cuda {
@@ -73,154 +71,35 @@ __device__ __forceinline__ R gate_at(const R* b, int64_t r0, int i, int nr) {
   return b ? b[r0 + (i < nr ? i : nr - 1)] : R(0);
 }
 
-// ---- Gates and resets (docs/OPERATORS.md "Resets", docs/math/HLA.md §8.3) ----------------------------
-// A reset row: exp(g) == 0 in the compute precision R (g = -inf, or below the underflow point:
-// about -103.97 in float32, -745.13 in float64). It multiplies the state before the row by 0.
-template <class R>
-__host__ __device__ __forceinline__ bool is_reset_gate(R g) {
-#ifdef __CUDA_ARCH__
-  return !(exp(g) > R(0));
-#else
-  return !(std::exp(g) > R(0));
-#endif
-}
-// The chunk-local cumsum of the kernels is segmented at the resets: row i holds
-//   b_i = sum of g_r over the rows r <= i after the last reset row <= i (all rows r <= i without one),
-// so that every decay inside a chunk is a difference of two sums over the same segment and no sum
-// ever holds a reset gate. A reset row holds its empty sum as -0.0, the marker from which the kernels
-// rebuild the chunk's reset rows (chunk_resets); every other row holds +0.0 for a zero sum.
-template <class R>
-__host__ __device__ __forceinline__ bool is_reset_mark(R b) {
-#ifdef __CUDA_ARCH__
-  return b == R(0) && signbit(b);
-#else
-  return b == R(0) && std::signbit(b);
-#endif
-}
-
 // Inclusive prefix sums of a 64-element chunk held two per lane by one warp (lane l holds elements
-// 2l and 2l+1), restarting after the elements with r0 / r1 set (a reset row: its own value is the
-// marker -0.0 and the rows after it sum from 0). Returns them in x0, x1.
+// 2l and 2l+1): returns them in x0, x1 (shuffle scan over the lane pairs).
 template <class R>
-__device__ __forceinline__ void warp_pair_cumsum(R& x0, R& x1, bool r0 = false, bool r1 = false) {
+__device__ __forceinline__ void warp_pair_cumsum(R& x0, R& x1) {
   const int lane = threadIdx.x & 31;
-  // the pair's segmented sum (value, whether a reset lies in it): (f, v) then (f', v') gives (f | f', f' ? v' : v + v')
-  bool f = r0 || r1;
-  R v = r1 ? R(0) : (r0 ? R(0) : x0) + x1;
+  const R pair = x0 + x1;
+  R incl = pair;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const R y = __shfl_up_sync(0xffffffffu, v, off);
-    const bool fy = __shfl_up_sync(0xffffffffu, int(f), off) != 0;
-    if (lane >= off) {
-      if (!f) v += y;
-      f = f || fy;
-    }
+    const R y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
   }
-  R before = __shfl_up_sync(0xffffffffu, v, 1);  // the sum up to the previous pair (segmented)
-  if (lane == 0) before = R(0);
-  x0 = r0 ? -R(0) : (before + x0) + R(0);  // + 0: a zero sum is +0.0, never the marker
-  x1 = r1 ? -R(0) : ((r0 ? R(0) : x0) + x1) + R(0);
+  x0 = incl - pair + x0;
+  x1 = incl;
 }
 
-// Suffix sums of a 64-element chunk held two per lane by one warp (lane l holds elements 2l and
-// 2l+1): x_i <- sum_{r >= i} x_r.
+// Chunk-local inclusive cumsum of the gates: b[i] for i < nr (b[i] = b[nr-1] beyond). One warp,
+// two gates per lane.
 template <class R>
-__device__ __forceinline__ void warp_pair_suffix_sum(R& x0, R& x1) {
-  const int lane = threadIdx.x & 31;
-  R v = x0 + x1;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const R y = __shfl_down_sync(0xffffffffu, v, off);
-    if (lane + off < 32) v += y;
-  }
-  R after = __shfl_down_sync(0xffffffffu, v, 1);  // the sum of the pairs after this one
-  if (lane == 31) after = R(0);
-  x1 += after;
-  x0 += x1;
-}
-
-// Chunk-local segmented cumsum of the gates (above): b[i] for i < nr (b[i] = b[nr-1] beyond, a marker
-// included), summed in B (the portable kernels: double, so that a decay exp(b_i - b_j) rounds once,
-// in its exponent, instead of carrying the rounding of two sums of magnitude |b|); the resets are
-// those of the gates' own type R. One warp, two gates per lane; ends with a barrier.
-template <class B, class R>
-__device__ void chunk_cumsum(B* b, const R* g, int64_t r0, int nr) {
+__device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
   if (threadIdx.x < 32) {
     const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
-    const R y0 = (g && i0 < nr) ? g[r0 + i0] : R(0), y1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
-    B x0 = B(y0), x1 = B(y1);
-    warp_pair_cumsum(x0, x1, i0 < nr && is_reset_gate(y0), i1 < nr && is_reset_gate(y1));
+    R x0 = (g && i0 < nr) ? g[r0 + i0] : R(0);
+    R x1 = (g && i1 < nr) ? g[r0 + i1] : R(0);
+    warp_pair_cumsum(x0, x1);
     b[i0] = x0;
     b[i1] = x1;
   }
   __syncthreads();
-}
-
-// The reset rows of a chunk, bit i for row i, rebuilt from its segmented cumsum (marked rows < nr).
-// With them every decay of the chunk is exact under resets:
-//   Gamma_ij = exp(b_i - b_j) for last(i) <= j <= i, 0 for j < last(i)   (a reset in (j, i])
-//   e^{b_i}  (the incoming state read at row i)  = 0 where upto(i), else exp(b_i)
-//   e^{B-b_j} (row j's write into the outgoing state) = 0 where after(j), else exp(B - b_j)
-//   e^B      (the state carried across the chunk) = 0 where any(), else exp(B)
-// with B = b[nr-1]; the gradient of a reset gate is 0.
-struct Resets {
-  uint64_t m = 0;
-  __host__ __device__ __forceinline__ bool any() const { return m != 0; }
-  __host__ __device__ __forceinline__ bool at(int i) const { return (m >> i) & 1u; }
-  __host__ __device__ __forceinline__ bool upto(int i) const { return (m << (63 - i)) != 0; }  // a reset row <= i
-  __host__ __device__ __forceinline__ bool after(int j) const { return (m >> j) > 1u; }        // a reset row > j
-  // the last reset row <= i, -1 without one
-  __host__ __device__ __forceinline__ int last(int i) const {
-    const uint64_t x = m << (63 - i);
-    return x ? i - clz64(x) : -1;
-  }
-  __host__ __device__ static __forceinline__ int clz64(uint64_t x) {
-#ifdef __CUDA_ARCH__
-    return __clzll(static_cast<long long>(x));
-#else
-    return __builtin_clzll(x);
-#endif
-  }
-};
-
-// The reset rows of a chunk from its segmented cumsum bs[0 .. nr) (shared memory), in every lane
-// of the calling warps (two ballots); every lane of a calling warp must take part.
-template <class R>
-__device__ __forceinline__ Resets chunk_resets(const R* bs, int nr) {
-  const int l = threadIdx.x & 31;
-  const unsigned lo = __ballot_sync(0xffffffffu, l < nr && is_reset_mark(bs[l]));
-  const unsigned hi = __ballot_sync(0xffffffffu, l + 32 < nr && is_reset_mark(bs[l + 32]));
-  return Resets{uint64_t(hi) << 32 | lo};
-}
-
-// The total log-gate of a chunk from its segmented cumsum b[0 .. nr) (global or shared memory):
-// b[nr-1], or -inf when a row is a reset (the decay across the chunk is exactly 0). One thread.
-template <class R>
-__device__ __forceinline__ R chunk_total(const R* b, int nr) {
-  for (int i = 0; i < nr; ++i)
-    if (is_reset_mark(b[i])) return -INFINITY;
-  return nr > 0 ? b[nr - 1] : R(0);
-}
-
-// The gate gradient of one chunk's rows (docs/math/HLA.md §7.1, "gate gradient per chunk"):
-//   dg_i = D + sum_{i <= r < nr} dc_r,   0 at a reset row,
-// with dc the per-row q^.dq^ - k.dk (lane l holds rows 2l, 2l+1 in x0, x1; 0 from row nr on) and
-// D = <dH, H_end>, the cotangent and the state at the chunk's end; into out[0 .. nr). One warp,
-// every lane.
-template <class R>
-__device__ __forceinline__ void chunk_dg(R* out, R x0, R x1, R D, int nr, const Resets& rs) {
-  const int i0 = 2 * (threadIdx.x & 31), i1 = i0 + 1;
-  warp_pair_suffix_sum(x0, x1);
-  if (i0 < nr) out[i0] = rs.at(i0) ? R(0) : x0 + D;
-  if (i1 < nr) out[i1] = rs.at(i1) ? R(0) : x1 + D;
-}
-
-// Sum over the lanes of a warp (every lane gets it).
-template <class R>
-__device__ __forceinline__ R warp_sum(R x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
 }
 
 // A [rows, bv] state tile in shared memory (ld) <-> columns [v0, v0+bv) of a [rows, dv] global
