@@ -37,6 +37,7 @@ timing, no C++ bench, no fla, no graphs).
 import argparse
 import csv
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -567,18 +568,24 @@ def main():
     rows = []
     sections = {"train": lambda: section_train(a, device, rows, cpp), "decode": lambda: section_decode(a, device, rows),
                 "step": lambda: section_step(a, device, rows, cpp)}
-    for s in a.sections.split(","):
-        try:
-            sections[s]()
-        except Exception:
-            failed(f"section {s}")
-    flush_csv(a, rows)
+    def stop(signum, frame):  # a time limit (SIGTERM): keep the rows measured so far
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        plot(rows, os.path.join(a.out, "torch_bench.png"))
-    except Exception:
-        failed("plot")
-    print(tables(rows))
-    log(f"# wrote {os.path.join(a.out, 'torch_bench.csv')} and torch_bench.png")
+        for s in a.sections.split(","):
+            try:
+                sections[s]()
+            except Exception:
+                failed(f"section {s}")
+    finally:
+        flush_csv(a, rows)
+        try:
+            plot(rows, os.path.join(a.out, "torch_bench.png"))
+        except Exception:
+            failed("plot")
+        print(tables(rows))
+        log(f"# wrote {os.path.join(a.out, 'torch_bench.csv')} and torch_bench.png")
 
 
 if __name__ == "__main__":
