@@ -238,7 +238,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
     if (delta) {
-      gemm<R>(dTm, dY, false, Y, true, R(1), R(1));           // [R,dv] x [dv,R]
+      gemm<R>(dTm, dY, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
       dY = matmul<R>(sg.Tm, true, dY, false, kAUpper);        // [R,R] x [R,dv]
     }
     for (int64_t j = 0; j < nr; ++j) {
@@ -329,7 +329,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));    // Q~ = q - D bk  [R,dk] x [dk,R]
       Mat<R> dbk = matmul<R>(D, true, dQt, false, kAUpper);  // [R,R] x [R,dk], negated below
       scale<R>(dbk, R(-1));
-      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1));    // W = Tm bk  [R,dk] x [dk,R]
+      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1), kCLower);  // W = Tm bk  [R,dk] x [dk,R]
       gemm<R>(dbk, sg.Tm, true, dW, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
       for (int64_t i = 0; i < nr; ++i) {
         for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
@@ -338,14 +338,17 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       dXm = matmul<R>(dD, false, sg.Tm, true, kCLower);    // D = X Tm  [R,R] x [R,R]
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
-      gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper);  // [R,R] x [R,R]
+      gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
     } else {
       dXm = std::move(dD);
     }
     gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
     gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
-    if (delta) {  // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T)
-      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper);
+    // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T). With Tm^T upper, the strict
+    // lower triangle of t2 reads only the strict lower triangles of t1 and dTm (dTm's products
+    // above are kCLower: their upper triangles are left unspecified).
+    if (delta) {
+      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper | kCLower);
       const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower);  // strict lower read
       Mat<R> dA(nr, nr);
       for (int64_t i = 0; i < nr; ++i)
