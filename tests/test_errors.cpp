@@ -692,6 +692,63 @@ TEST(Errors, ValueChecks) {
   }
 }
 
+// The value checks name the first failing element in row-major order, in every float dtype, for
+// tensors longer than one scan block, with size-1 dimensions of any stride, and with outer strides
+// (elements outside the view, even non-finite ones, are never read).
+TEST(Errors, ValueChecksNameTheFirstBadElement) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::f64, DType::f32, DType::bf16, DType::f16}) {
+    ProblemSpec s = base_spec(Op::gla);
+    s.T = 1024;  // v [2, 1024, 2, 3]: 12288 elements
+    s.dtype = dt;
+    const std::string on = std::string(hila::dtype_name(dt)) + " ";
+    auto at = [](const Buffer& b, std::initializer_list<int64_t> idx) {  // row-major offset
+      int64_t off = 0, i = 0;
+      for (int64_t x : idx) off = off * b.shape[size_t(i++)] + x;
+      return off;
+    };
+    {
+      Call c(s);
+      c.p.v.set(at(c.p.v, {1, 900, 0, 0}), inf);
+      c.p.v.set(at(c.p.v, {1, 700, 1, 2}), kNaN);
+      c.p.v.set(at(c.p.v, {1, 1023, 1, 2}), kNaN);
+      expect_error(on + "first non-finite v", [&] { c.run(); }, "v", {"nan at [1, 700, 1, 2]"});
+    }
+    {
+      Call c(s);
+      c.p.g.set(at(c.p.g, {0, 3, 0}), -inf);  // a reset: valid
+      c.p.g.set(at(c.p.g, {1, 0, 0}), kNaN);
+      c.p.g.set(at(c.p.g, {0, 513, 1}), 0.25);
+      expect_error(on + "first bad gate", [&] { c.run(); }, "g", {"got 0.250000 at [0, 513, 1]"});
+    }
+    {
+      Call c(s);  // q [2, 1024, 1, 4]: its size-1 dimension may have any stride
+      c.fp.q.stride[2] = 12345;
+      expect_ok(on + "size-1 dimension with any stride", [&] { c.run(); });
+      c.p.q.set(at(c.p.q, {1, 1000, 0, 3}), -inf);
+      expect_error(on + "q with a size-1 dimension", [&] { c.run(); }, "q", {"-inf at [1, 1000, 0, 3]"});
+    }
+    {
+      // k as every other group of a [B, T, 2G, dk] buffer whose other groups are NaN
+      Call c(s);
+      const Buffer& k = c.p.k;
+      Buffer wide(dt, {k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3]});
+      const int64_t inner = k.shape[3];
+      for (int64_t i = 0; i < k.numel(); ++i) {
+        const int64_t row = i / inner, col = i % inner;
+        wide.set(row * 2 * inner + col, k.get(i));
+        wide.set(row * 2 * inner + inner + col, kNaN);  // never read
+      }
+      c.fp.k.data = wide.bytes.data();
+      for (int d = 0; d < 3; ++d) c.fp.k.stride[d] *= 2;
+      expect_ok(on + "outer strides", [&] { c.run(); });
+      const int64_t i = at(k, {0, 600, 0, 1});
+      wide.set(i / inner * 2 * inner + i % inner, inf);
+      expect_error(on + "k with outer strides", [&] { c.run(); }, "k", {"inf at [0, 600, 0, 1]"});
+    }
+  }
+}
+
 TEST(Errors, InitialStateMustFit) {
   for (Op op : {Op::loglinear, Op::loglinear_hla3, Op::loglinear_gdn}) {
     const std::string on = op_tag(op);
