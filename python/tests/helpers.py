@@ -45,6 +45,17 @@ def assert_rel_close(a, b, tol):
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
 
 
+def assert_switch(switch, default):
+    """switch(on) sets a process-wide flag and returns its previous value; checked both ways,
+    `default` last, and the flag restored afterwards."""
+    prev = switch(not default)
+    try:
+        assert switch(default) is (not default)
+        assert switch(prev) is default
+    finally:
+        switch(prev)
+
+
 def torch_gen(seed):
     """A CPU torch.Generator seeded with `seed`."""
     import torch
