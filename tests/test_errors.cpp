@@ -112,6 +112,17 @@ struct Call {
 
 std::string shp(std::vector<int64_t> s) { return shape_str(s); }
 
+// The valid call of base_spec(op) with tensor `field` replaced by a `dt` tensor of `shape`: it
+// fails naming `arg`, with every needle in the message.
+void expect_replaced_fails(const std::string& ctx, Op op, hila::TensorView hila::ForwardParams::*field,
+                           DType dt, std::vector<int64_t> shape, const std::string& arg,
+                           const std::vector<std::string>& needles) {
+  Call c(base_spec(op));
+  Buffer x(dt, std::move(shape));
+  c.fp.*field = x.view();
+  expect_error(ctx, [&] { c.run(); }, arg, needles);
+}
+
 // A view with the innermost dimension strided by 2 over a buffer twice as wide.
 struct Strided {
   Buffer b;
@@ -141,24 +152,12 @@ TEST(Errors, ShapeMismatches) {
       expect_error(on + " k rows", [&] { c.run(); }, "k", {shp({2, 16, 1, 4}), shp({2, 15, 1, 4})});
       EXPECT_TRUE(c.o_untouched()) << on << ": o written before validation failed";
     }
-    {
-      Call c(base_spec(op));
-      Buffer k(DType::f64, {2, 16, 1, 5});
-      c.fp.k = k.view();
-      expect_error(on + " k dk", [&] { c.run(); }, "k", {shp({2, 16, 1, 4}), shp({2, 16, 1, 5})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer v(DType::f64, {2, 17, 2, 3});
-      c.fp.v = v.view();
-      expect_error(on + " v rows", [&] { c.run(); }, "v", {shp({2, 16, 2, 3}), shp({2, 17, 2, 3})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer g(DType::f64, {2, 16, 3});
-      c.fp.g = g.view();
-      expect_error(on + " g heads", [&] { c.run(); }, "g", {shp({2, 16, 2}), shp({2, 16, 3})});
-    }
+    expect_replaced_fails(on + " k dk", op, &hila::ForwardParams::k, DType::f64, {2, 16, 1, 5}, "k",
+                          {shp({2, 16, 1, 4}), shp({2, 16, 1, 5})});
+    expect_replaced_fails(on + " v rows", op, &hila::ForwardParams::v, DType::f64, {2, 17, 2, 3}, "v",
+                          {shp({2, 16, 2, 3}), shp({2, 17, 2, 3})});
+    expect_replaced_fails(on + " g heads", op, &hila::ForwardParams::g, DType::f64, {2, 16, 3}, "g",
+                          {shp({2, 16, 2}), shp({2, 16, 3})});
     if (t.loglinear) {
       Call c(base_spec(op));
       const int64_t L = c.p.lam.shape[3];
@@ -166,24 +165,13 @@ TEST(Errors, ShapeMismatches) {
       c.fp.lam = lam.view();
       expect_error(on + " lam rows", [&] { c.run(); }, "lam", {shp({2, 15, 2, L})});
     }
-    if (t.delta) {
-      Call c(base_spec(op));
-      Buffer beta(DType::f64, {2, 16, 2, 1});
-      c.fp.beta = beta.view();
-      expect_error(on + " beta", [&] { c.run(); }, "beta", {shp({2, 16, 2}), shp({2, 16, 2, 1})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer o(DType::f64, {2, 16, 2, 4});
-      c.fp.o = o.view();
-      expect_error(on + " o", [&] { c.run(); }, "o", {shp({2, 16, 2, 3}), shp({2, 16, 2, 4})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer o(DType::f32, {2, 16, 2, 3});
-      c.fp.o = o.view();
-      expect_error(on + " o dtype", [&] { c.run(); }, "o", {"float64", "float32"});
-    }
+    if (t.delta)
+      expect_replaced_fails(on + " beta", op, &hila::ForwardParams::beta, DType::f64, {2, 16, 2, 1}, "beta",
+                            {shp({2, 16, 2}), shp({2, 16, 2, 1})});
+    expect_replaced_fails(on + " o", op, &hila::ForwardParams::o, DType::f64, {2, 16, 2, 4}, "o",
+                          {shp({2, 16, 2, 3}), shp({2, 16, 2, 4})});
+    expect_replaced_fails(on + " o dtype", op, &hila::ForwardParams::o, DType::f32, {2, 16, 2, 3}, "o",
+                          {"float64", "float32"});
     {
       // Initial-state H with the wrong dk / dv.
       Call c(base_spec(op, true));
