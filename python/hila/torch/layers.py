@@ -195,10 +195,13 @@ class _Mixer(nn.Module):
         # Fenwick capacity of the cached state: decoding up to max_len never reallocates.
         self.state_slots = _ops.state_slots(max_len) if self.levels is not None else 1
 
-    def _call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group=None,
-              cp_shard_lens=None, cu_seqlens_cpu=None) -> _Call:
-        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                     cu_seqlens_cpu)
+    def forward(self, x: Tensor, state: Optional[LayerState] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
+        return self._mix(_Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group,
+                               cp_shard_lens, cu_seqlens_cpu), x)
 
     def _qkv_projections(self, hidden_size: int, num_heads: int, num_qk_groups: Optional[int],
                          dk: int, dv: int) -> int:
@@ -296,13 +299,8 @@ class HLAAttention(_Mixer):
         self.gate = DecayGate(num_heads, cols)
         self._output_layers(hidden_size, use_output_gate, norm_eps)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         q, k, v = self._qkv(call, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -356,13 +354,8 @@ class LogLinearMamba2(_Mixer):
                                  norm_before_gate=norm_before_gate)
         self.out_proj = nn.Linear(inner, hidden_size, bias=bias)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         z, xBC, dt, dl = torch.split(self.in_proj(x), self.splits, dim=-1)
         xBC = call.conv(self.conv, xBC)
         xs, Bm, Cm = torch.split(xBC, (self.inner, self.n_groups * self.state_size,
@@ -415,13 +408,8 @@ class LogLinearGatedDeltaNet(_Mixer):
                               dt_init_floor=dt_init_floor)
         self._output_layers(hidden_size, use_output_gate, norm_eps)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         q, k, v = self._qkv(call, x)
         beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
         beta = beta * 2.0 if self.allow_neg_eigval else beta
