@@ -112,6 +112,17 @@ struct Call {
 
 std::string shp(std::vector<int64_t> s) { return shape_str(s); }
 
+// The valid call of spec s with cu_seqlens = `bounds` (int64): it fails naming `arg`, with every
+// needle in the message.
+void expect_cu_seqlens_fails(const std::string& ctx, const ProblemSpec& s, const std::vector<int64_t>& bounds,
+                             const std::string& arg, const std::vector<std::string>& needles) {
+  Call c(s);
+  Buffer cu(DType::i64, {static_cast<int64_t>(bounds.size())});
+  for (size_t i = 0; i < bounds.size(); ++i) cu.set(static_cast<int64_t>(i), static_cast<double>(bounds[i]));
+  c.fp.cu_seqlens = cu.view();
+  expect_error(ctx, [&] { c.run(); }, arg, needles);
+}
+
 // The valid call of base_spec(op) with tensor `field` replaced by a `dt` tensor of `shape`: it
 // fails naming `arg`, with every needle in the message.
 void expect_replaced_fails(const std::string& ctx, Op op, hila::TensorView hila::ForwardParams::*field,
@@ -512,30 +523,9 @@ TEST(Errors, CuSeqlens) {
   };
   for (Op op : {Op::gla, Op::loglinear_hla2}) {
     const std::string on = op_tag(op);
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {4});
-      for (int i = 0; i < 4; ++i) cu.set(i, std::vector<double>{0, 10, 5, 16}[i]);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " decreasing", [&] { c.run(); }, "cu_seqlens", {"5", "10"});
-    }
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {3});
-      cu.set(1, 8);
-      cu.set(2, 15);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " last != T", [&] { c.run(); }, "cu_seqlens", {"16", "15"});
-    }
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {3});
-      cu.set(0, 2);
-      cu.set(1, 10);
-      cu.set(2, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " first != 0", [&] { c.run(); }, "cu_seqlens", {"0", "2"});
-    }
+    expect_cu_seqlens_fails(on + " decreasing", varlen(op), {0, 10, 5, 16}, "cu_seqlens", {"5", "10"});
+    expect_cu_seqlens_fails(on + " last != T", varlen(op), {0, 8, 15}, "cu_seqlens", {"16", "15"});
+    expect_cu_seqlens_fails(on + " first != 0", varlen(op), {2, 10, 16}, "cu_seqlens", {"0", "2"});
     {
       Call c(varlen(op));
       Buffer cu = c.p.cu_seqlens.cast(DType::f32);
@@ -548,26 +538,14 @@ TEST(Errors, CuSeqlens) {
       c.fp.cu_seqlens = cu.view();
       expect_ok(on + " int32 cu_seqlens", [&] { c.run(); });
     }
-    {
-      Call c(base_spec(op));  // B = 2
-      Buffer cu(DType::i64, {3});
-      cu.set(1, 10);
-      cu.set(2, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " B = 2", [&] { c.run(); }, "cu_seqlens", {"B = 2"});
-    }
+    expect_cu_seqlens_fails(on + " B = 2", base_spec(op), {0, 10, 16}, "cu_seqlens", {"B = 2"});
     {
       // The initial state needs one row per sequence, not per batch row.
       ProblemSpec s = varlen(op);
       s.init_state = true;
       s.init_pos = {3, 9};
-      Call c(s);
-      Buffer cu(DType::i64, {4});
-      cu.set(1, 4);
-      cu.set(2, 10);
-      cu.set(3, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " 3 sequences, 2 state rows", [&] { c.run(); }, "init.pos", {"[3]", "[2]"});
+      expect_cu_seqlens_fails(on + " 3 sequences, 2 state rows", s, {0, 4, 10, 16}, "init.pos",
+                              {"[3]", "[2]"});
     }
   }
 }
