@@ -251,20 +251,16 @@ TEST(Errors, MissingOrForbiddenInputs) {
       c.fp.lam = hila::TensorView{};
       expect_error(on + " lam missing", [&] { c.run(); }, "lam", {on});
     } else {
-      Call c(base_spec(op));
-      Buffer lam(DType::f64, {2, 16, 2, 5});
-      c.fp.lam = lam.view();
-      expect_error(on + " lam given", [&] { c.run(); }, "lam", {on, shp({2, 16, 2, 5})});
+      expect_replaced_fails(on + " lam given", op, &hila::ForwardParams::lam, DType::f64, {2, 16, 2, 5}, "lam",
+                            {on, shp({2, 16, 2, 5})});
     }
     if (t.delta) {
       Call c(base_spec(op));
       c.fp.beta = hila::TensorView{};
       expect_error(on + " beta missing", [&] { c.run(); }, "beta", {on});
     } else {
-      Call c(base_spec(op));
-      Buffer beta(DType::f64, {2, 16, 2});
-      c.fp.beta = beta.view();
-      expect_error(on + " beta given", [&] { c.run(); }, "beta", {on});
+      expect_replaced_fails(on + " beta given", op, &hila::ForwardParams::beta, DType::f64, {2, 16, 2}, "beta",
+                            {on});
     }
     // State parts the operator does not have, and parts it needs.
     {
