@@ -23,7 +23,7 @@ import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 import hila.torch.layers as hlayers  # noqa: E402
 import hila.torch.ops as hops  # noqa: E402
-from helpers import chunk_for, require_device, torch_inputs  # noqa: E402
+from helpers import assert_switch, chunk_for, require_device, torch_inputs  # noqa: E402
 
 OPS = hila.OPS
 FILLS = {"aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_", "aten::full", "aten::ones",
@@ -527,12 +527,7 @@ def test_bound_state_steps_follow_the_state_memory(op, device, request):
 
 
 def test_fast_path_switch():
-    prev = ht.eager_fast_path(False)
-    try:
-        assert ht.eager_fast_path(True) is False
-        assert ht.eager_fast_path(prev) is True
-    finally:
-        ht.eager_fast_path(prev)
+    assert_switch(ht.eager_fast_path, default=True)
 
 
 def test_meta_and_fake_tensors_take_the_custom_ops():

@@ -596,6 +596,26 @@ Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bo
   return d;
 }
 
+// The dtype, device and strides of a side input (g, lam, beta), after its shape.
+void expect_side_input(const char* name, const TensorView& x, Device dev) {
+  expect_float(name, x);
+  expect_device(name, x, dev);
+  expect_strides(name, x);
+}
+
+// An input that operator `op` takes exactly when `needed` (lam: Fenwick levels, beta: the delta
+// rule): a missing one fails with "is required by operator <op> (<what>)", an unwanted one with
+// "expected no tensor (operator <op> has no <lacks>)". Returns `needed` (then x is present).
+bool expect_if_needed(const char* name, const TensorView& x, bool needed, Op op, const char* what,
+                      const char* lacks) {
+  if (needed && !x.defined())
+    fail(name, std::string("is required by operator ") + op_name(op) + " (" + what + "), got nothing");
+  if (!needed && x.defined())
+    fail(name, std::string("expected no tensor (operator ") + op_name(op) + " has no " + lacks + "), got " +
+                   x.shape_str());
+  return needed;
+}
+
 // g, lam, beta for a call over the leading dims [B, T] (with_t) or [N].
 int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView& lam, const TensorView& beta,
                       bool with_t, const Dims& d) {
@@ -612,33 +632,17 @@ int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView
       return untied ? "untied gates: one column per primitive of " + std::string(op_name(cfg.op))
                     : std::string("one log-gate per token and value head");
     });
-    expect_float("g", g);
-    expect_device("g", g, d.dev);
-    expect_strides("g", g);
+    expect_side_input("g", g, d.dev);
     gate_cols = untied ? t.num_primitives : 1;
   }
-  if (t.loglinear) {
-    if (!lam.defined())
-      fail("lam", std::string("is required by operator ") + op_name(cfg.op) + " (Fenwick level weights), got nothing");
+  if (expect_if_needed("lam", lam, t.loglinear, cfg.op, "Fenwick level weights", "Fenwick levels")) {
     expect_ndim("lam", lam, with_t ? 4 : 3, "[..., H, L]");
     expect_shape("lam", lam, lead({d.H, lam.shape[lam.ndim - 1]}), "leading dims as v, then L levels");
-    expect_float("lam", lam);
-    expect_device("lam", lam, d.dev);
-    expect_strides("lam", lam);
-  } else if (lam.defined()) {
-    fail("lam", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no Fenwick levels), got " +
-                    lam.shape_str());
+    expect_side_input("lam", lam, d.dev);
   }
-  if (t.delta) {
-    if (!beta.defined())
-      fail("beta", std::string("is required by operator ") + op_name(cfg.op) + " (delta-rule step sizes), got nothing");
+  if (expect_if_needed("beta", beta, t.delta, cfg.op, "delta-rule step sizes", "delta rule")) {
     expect_shape("beta", beta, lead({d.H}), "one step size per token and value head");
-    expect_float("beta", beta);
-    expect_device("beta", beta, d.dev);
-    expect_strides("beta", beta);
-  } else if (beta.defined()) {
-    fail("beta", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no delta rule), got " +
-                     beta.shape_str());
+    expect_side_input("beta", beta, d.dev);
   }
   return gate_cols;
 }

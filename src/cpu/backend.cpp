@@ -259,16 +259,24 @@ void zero_rows(const Geo& G, const TensorView& o, const SeqInfo& s, int64_t h, i
   }
 }
 
+// body(s, row, h) for every sequence s and head h in parallel, with the state row r.row(i) that
+// sequence i reads and writes (a pool's row with state_indices); a padding sequence (row -1)
+// computes nothing and gets o 0. Rows are distinct, so the items never share a row.
+template <class F>
+void for_each_sequence_head(const Resolved& r, const Geo& G, const TensorView& o, F body) {
+  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
+    const SeqInfo& s = r.seqs[i];
+    const int64_t row = r.row(size_t(i));
+    if (row < 0) return zero_rows(G, o, s, h, r.dv);
+    body(s, row, h);
+  });
+}
+
 template <class R>
 void forward_impl(const Resolved& r, const ForwardParams& p) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, true};
-  // sequence i reads and writes state row r.row(i) (a pool's row with state_indices; -1: padding,
-  // which computes nothing and leaves o 0). Rows are distinct, so the items never share a row.
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
-    const SeqInfo& s = r.seqs[i];
-    const int64_t row = r.row(size_t(i));
-    if (row < 0) return zero_rows(G, p.o, s, h, r.dv);
+  for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
     Mat<R> O(s.len, r.dv);
     const OpState<R> fin =
@@ -364,10 +372,7 @@ void step_impl(const Resolved& r, const StepParams& p, const StateView& sv) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, false};
   // sequence i steps state row r.row(i) (-1: a padding row of a pool, o 0)
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
-    const SeqInfo& s = r.seqs[i];
-    const int64_t row = r.row(size_t(i));
-    if (row < 0) return zero_rows(G, p.o, s, h, r.dv);
+  for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, sv, s, row, h);
     std::vector<R> o(static_cast<size_t>(r.dv));
     cpu::op_step<R>(plan, in.view(plan, s.n0), 0, s.n0, in.init, o.data());

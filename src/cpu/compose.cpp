@@ -77,6 +77,21 @@ void accumulate(MRef<R> Y, const Mat<R>& X) {
   axpy<R>(Y, X);
 }
 
+// Backward of an inner primitive Y = GLA_gate(Q, K, W) (W = K for S, W = V' for P) from dY, the
+// cotangent of Y [n, W.c]: adds dQ to G.dq, dK to dk and dW to dw (dk itself when W = K), sets
+// G.dg[gate]; returns the gradient of the primitive's initial state.
+template <class R>
+Canon<R> inner_backward(PForm form, int64_t C, const HeadView<R>& x, int gate, MRef<const R> w,
+                        const Canon<R>& init, const Mat<R>& dY, const Canon<R>& dfinal,
+                        OpGrads<R>& G, Mat<R>& dk, Mat<R>& dw) {
+  PrimGrads<R> gi = prim_backward<R>(form, C, inner_args(x, gate, x.k, w), init, dY, dfinal);
+  accumulate<R>(G.dq, gi.dq);
+  accumulate<R>(dk, gi.dk);
+  accumulate<R>(dw, gi.dv);
+  G.dg[gate] = std::move(gi.dg);
+  return std::move(gi.dinit);
+}
+
 }  // namespace
 
 template <class R>
@@ -144,24 +159,11 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
   G.dinit.H = std::move(go.dinit);
   Mat<R> dk = p.has_S ? Mat<R>(n, x.k.c) : std::move(go.dk);
   Mat<R> dvfull = p.has_P ? Mat<R>(n, dvp) : std::move(go.dv);
-  if (p.has_P) {  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
-    PrimGrads<R> gp = prim_backward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P,
-                                       go.dv, dfinal.P);
-    accumulate<R>(G.dq, gp.dq);
-    accumulate<R>(dk, gp.dk);
-    accumulate<R>(dvfull, gp.dv);
-    G.dg[p.gP] = std::move(gp.dg);
-    G.dinit.P = std::move(gp.dinit);
-  }
+  if (p.has_P)  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
+    G.dinit.P = inner_backward<R>(form, C, x, p.gP, x.v, init.P, go.dv, dfinal.P, G, dk, dvfull);
   if (p.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q: cotangent is the outer key gradient
     if (p.ridge != 0) axpy<R>(G.dq, go.dk, R(p.ridge));
-    PrimGrads<R> gs = prim_backward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S,
-                                       go.dk, dfinal.S);
-    accumulate<R>(G.dq, gs.dq);
-    accumulate<R>(dk, gs.dk);
-    accumulate<R>(dk, gs.dv);
-    G.dg[p.gS] = std::move(gs.dg);
-    G.dinit.S = std::move(gs.dinit);
+    G.dinit.S = inner_backward<R>(form, C, x, p.gS, x.k, init.S, go.dk, dfinal.S, G, dk, dk);
   }
   G.dk = std::move(dk);
   if (p.normalize) {  // drop the ones column
