@@ -4,6 +4,7 @@
 #include "cpu/linalg.h"
 
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
 #define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -24,6 +25,9 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
                                                 int64_t ke, R alpha) {
   typedef R V __attribute__((vector_size(32)));
   constexpr int64_t L = 32 / sizeof(R);
+  // integer view of R for the zero test (integer ORs, cheaper than NR float compares)
+  using U = std::conditional_t<sizeof(R) == 4, uint32_t, uint64_t>;
+  constexpr U kMag = ~(U(1) << (8 * sizeof(R) - 1));
   V acc[NR][2];
   for (int r = 0; r < NR; ++r) {
     std::memcpy(&acc[r][0], c + r * ldc, sizeof(V));
@@ -31,12 +35,14 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   }
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
-    bool any = false;
+    U bits = 0;  // OR of the magnitude bits: 0 iff every a[r] is +-0 (a NaN is non-zero)
     for (int r = 0; r < NR; ++r) {
       a[r] = alpha * ai[r * sa_row + k * sa_k];
-      any |= a[r] != R(0);
+      U u;
+      std::memcpy(&u, &a[r], sizeof(U));
+      bits |= u;
     }
-    if (!any) continue;
+    if (!(bits & kMag)) continue;
     const R* b = B + k * ldb;
     V b0, b1;
     std::memcpy(&b0, b, sizeof(V));

@@ -93,8 +93,8 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
 
 template <class R>
 Mat<R> matmul(MRef<const R> A, bool tA, MRef<const R> B, bool tB, int tri = kTriNone) {
-  Mat<R> C(tA ? A.c : A.r, tB ? B.r : B.c);
-  gemm<R>(C, A, tA, B, tB, R(1), R(0), tri);
+  Mat<R> C(tA ? A.c : A.r, tB ? B.r : B.c);  // zero-filled: accumulate into it (beta = 1)
+  gemm<R>(C, A, tA, B, tB, R(1), R(1), tri);
   return C;
 }
 

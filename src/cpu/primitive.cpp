@@ -7,7 +7,7 @@
 #include "cpu/primitive.h"
 
 #include <cmath>
-#include <map>
+#include <algorithm>
 #include <stdexcept>
 
 #include "cpu/blelloch.h"
@@ -96,17 +96,19 @@ struct Seg {
   }
 
   // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) = prod_{j<r<=i} a_r, a_r = exp(g_r), on j <= i:
-  // the product runs from the diagonal down each row (nr exps and O(nr^2) multiplies, the cost
-  // of the mask itself), so E is exactly 0 across a reset (a_r = 0) and, after one, the product
-  // of the gates after it alone.
+  // row by row, E[i, :i] = a_i E[i-1, :i] and E[i,i] = 1 (nr exps and O(nr^2) multiplies, the
+  // cost of the mask itself; the row update is a unit-stride loop), so E is exactly 0 across a
+  // reset (a_r = 0) and, after one, the product of the gates after it alone.
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
-    std::vector<R> at(static_cast<size_t>(nr));
-    for (int64_t r = 0; r < nr; ++r) at[r] = std::exp(a.gate(i0 + r));
     for (int64_t i = 0; i < nr; ++i) {
-      R c = 1;
-      E(i, i) = 1;
-      for (int64_t j = i - 1; j >= 0; --j) E(i, j) = (c *= at[j + 1]);
+      R* __restrict ei = E.row(i);
+      if (i > 0) {
+        const R ai = std::exp(a.gate(i0 + i));
+        const R* __restrict ep = E.row(i - 1);
+        for (int64_t j = 0; j < i; ++j) ei[j] = ep[j] * ai;
+      }
+      ei[i] = 1;
     }
     return E;
   }
@@ -118,30 +120,36 @@ struct Seg {
       for (int64_t j = 0; j <= i; ++j) E(i, j) *= a.lam(i0 + i, a.lv.level(s + i, s + j));
     return E;
   }
-  // X = tril(q k^T) and D = X Tm (delta) or X (mamba): the un-masked intra-segment scores.
-  void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& D) const {
+  // X = tril(q k^T) and, for delta, Dd = X Tm. The un-masked intra-segment scores are
+  // D = Dd (delta) or X (mamba); the caller picks (no copy of X for mamba).
+  void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& Dd) const {
     X = matmul<R>(q, false, k, true, kCLower);  // [R,dk] x [dk,R]
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = i + 1; j < nr; ++j) X(i, j) = 0;
+    for (int64_t i = 0; i < nr; ++i) std::fill(X.row(i) + i + 1, X.row(i) + nr, R(0));
     // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
-    D = a.delta ? matmul<R>(X, false, Tm, false, kALower) : X;
+    if (a.delta) Dd = matmul<R>(X, false, Tm, false, kALower);
   }
-  // Effective queries Q~ = q - D diag(beta) K (delta) or q (mamba).
+  // Effective queries Q~ = q - D diag(beta) K (delta); empty for mamba, where Q~ = q (see qt).
   Mat<R> effective_q(const PrimArgs<R>& a, const Mat<R>& D) const {
+    if (!a.delta) return Mat<R>();
     Mat<R> Qt(nr, q.c);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < q.c; ++j) Qt(i, j) = q(i, j);
-    if (a.delta) gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
+    for (int64_t i = 0; i < nr; ++i) std::copy(q.row(i), q.row(i) + q.c, Qt.row(i));
+    gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
     return Qt;
   }
-  // Distinct target slots of this segment's own tokens in the state at e, with row masks.
-  std::map<int, std::vector<R>> token_groups(const PrimArgs<R>& a) const {
-    std::map<int, std::vector<R>> groups;
+  MRef<const R> qt(const PrimArgs<R>& a, const Mat<R>& Qd) const { return a.delta ? Qd.ref() : q; }
+  // Distinct target slots of this segment's own tokens in the state at e (ascending), with row
+  // masks.
+  std::vector<std::pair<int, std::vector<R>>> token_groups(const PrimArgs<R>& a) const {
+    std::vector<std::pair<int, std::vector<R>>> groups;
     for (int64_t j = 0; j < nr; ++j) {
-      auto& m = groups[a.lv.level(e, s + j)];
-      if (m.empty()) m.assign(static_cast<size_t>(nr), R(0));
-      m[j] = 1;
+      const int tl = a.lv.level(e, s + j);
+      size_t g = 0;
+      while (g < groups.size() && groups[g].first != tl) ++g;
+      if (g == groups.size()) groups.emplace_back(tl, std::vector<R>(static_cast<size_t>(nr), R(0)));
+      groups[g].second[j] = 1;
     }
+    std::sort(groups.begin(), groups.end(),
+              [](const auto& x, const auto& y) { return x.first < y.first; });
     return groups;
   }
 };
@@ -152,17 +160,22 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
                      MRef<R>* O = nullptr) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
-    Mat<R> X, D;
-    sg.scores(a, X, D);
+    Mat<R> X, Dd;
+    sg.scores(a, X, Dd);
+    const Mat<R>& D = a.delta ? Dd : X;
     Mat<R> P = sg.mask(a, sg.decay(a));  // P = M o D
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j <= i; ++j) P(i, j) *= D(i, j);
-    Mat<R> bv(nr, dv);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+    Mat<R> bv;  // diag(beta) V (delta) or V
+    if (a.delta) {
+      bv = Mat<R>(nr, dv);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+    }
     MRef<R> Or = *O;
-    gemm<R>(Or, P, false, bv, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
-    const Mat<R> Qt = sg.effective_q(a, D);
+    gemm<R>(Or, P, false, a.delta ? bv.ref() : sg.v, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
+    const Mat<R> Qd = sg.effective_q(a, D);
+    const MRef<const R> Qt = sg.qt(a, Qd);
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
@@ -207,9 +220,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
                       MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
-  Mat<R> X, D;
-  sg.scores(a, X, D);
-  const Mat<R> Qt = sg.effective_q(a, D);
+  Mat<R> X, Dd;
+  sg.scores(a, X, Dd);
+  const Mat<R>& D = delta ? Dd : X;
+  const Mat<R> Qd = sg.effective_q(a, D);
+  const MRef<const R> Qt = sg.qt(a, Qd);
   const Mat<R> E = sg.decay(a);
   const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
   const Mat<R>& M = fen ? Mf : E;
@@ -224,8 +239,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
   auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
 
-  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V
-  for (auto& [tl, m] : sg.token_groups(a)) {
+  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V (none without a cotangent of the state)
+  bool any_dout = false;
+  for (int l = 0; l < static_cast<int>(dHout.slot.size()); ++l) any_dout |= dHout.get(l) != nullptr;
+  const auto groups = any_dout ? sg.token_groups(a) : decltype(sg.token_groups(a)){};
+  for (auto& [tl, m] : groups) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
     Mat<R> Y(nr, dv);
@@ -290,11 +308,18 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   }
   // intra: O = (D o M) diag(beta) V
   {
-    Mat<R> bv(nr, dv), P(nr, nr), dP;
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t c = 0; c < dv; ++c) bv(i, c) = a.b(i0 + i) * sg.v(i, c);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) P(i, j) = D(i, j) * M(i, j);
+    Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
+    if (delta) {
+      bvd = Mat<R>(nr, dv);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t c = 0; c < dv; ++c) bvd(i, c) = a.b(i0 + i) * sg.v(i, c);
+    }
+    const MRef<const R> bv = delta ? bvd.ref() : sg.v;
+    for (int64_t i = 0; i < nr; ++i) {
+      const R *__restrict Di = D.row(i), *__restrict Mi = M.row(i);
+      R* __restrict Pi = P.row(i);
+      for (int64_t j = 0; j <= i; ++j) Pi[j] = Di[j] * Mi[j];
+    }
     dP = matmul<R>(dO, false, bv, true, kCLower);          // [R,dv] x [dv,R], j <= i read
     const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
@@ -305,10 +330,10 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     Mat<R> dD(nr, nr);
     std::vector<R> dGcol(static_cast<size_t>(nr), R(0)), dGrow(static_cast<size_t>(nr));
     for (int64_t i = 0; i < nr; ++i) {
-      const R *dPi = dP.row(i), *Mi = M.row(i), *Di = D.row(i);
-      R* dDi = dD.row(i);
-      R* gr = dGrow.data();
-      R* gc = dGcol.data();
+      const R *__restrict dPi = dP.row(i), *__restrict Mi = M.row(i), *__restrict Di = D.row(i);
+      R* __restrict dDi = dD.row(i);
+      R* __restrict gr = dGrow.data();
+      R* __restrict gc = dGcol.data();
       for (int64_t j = 0; j <= i; ++j) {
         dDi[j] = dPi[j] * Mi[j];
         gr[j] = dPi[j] * Di[j] * Mi[j];
