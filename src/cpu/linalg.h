@@ -122,6 +122,24 @@ R dot(MRef<const R> A, MRef<const R> B) {  // Frobenius inner product
   return s;
 }
 
+// out[j] = x[j] * y[j], j < n (restrict parameters: the loop vectorises)
+template <class R>
+void hadamard(R* __restrict out, const R* __restrict x, const R* __restrict y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * y[j];
+}
+
+// y[j] *= x[j], j < n
+template <class R>
+void hadamard_into(R* __restrict y, const R* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] *= x[j];
+}
+
+// out[j] = a * x[j], j < n
+template <class R>
+void scaled(R* __restrict out, const R* __restrict x, R a, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * a;
+}
+
 template <class R>
 R dot(const R* a, const R* b, int64_t n) {
   R s = 0;

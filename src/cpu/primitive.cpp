@@ -41,15 +41,28 @@ void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, in
 
 namespace {
 
-// sum of x[0, n) in 8 interleaved partial sums (vectorisable; the order is fixed per n)
+// One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
+//   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
+// (the sum in 8 interleaved partial sums: vectorisable, the order fixed per n).
 template <class R>
-R sum_lanes(const R* x, int64_t n) {
+R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __restrict M,
+                    R* __restrict dD, R* __restrict gc, int64_t n) {
   R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) p[u] += x[j + u];
+    for (int u = 0; u < 8; ++u) {
+      const R g = dP[j + u] * D[j + u] * M[j + u];
+      dD[j + u] = dP[j + u] * M[j + u];
+      gc[j + u] += g;
+      p[u] += g;
+    }
   R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-  for (; j < n; ++j) s += x[j];
+  for (; j < n; ++j) {
+    const R g = dP[j] * D[j] * M[j];
+    dD[j] = dP[j] * M[j];
+    gc[j] += g;
+    s += g;
+  }
   return s;
 }
 
@@ -102,13 +115,8 @@ struct Seg {
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
     for (int64_t i = 0; i < nr; ++i) {
-      R* __restrict ei = E.row(i);
-      if (i > 0) {
-        const R ai = std::exp(a.gate(i0 + i));
-        const R* __restrict ep = E.row(i - 1);
-        for (int64_t j = 0; j < i; ++j) ei[j] = ep[j] * ai;
-      }
-      ei[i] = 1;
+      if (i > 0) scaled(E.row(i), E.row(i - 1), std::exp(a.gate(i0 + i)), i);
+      E(i, i) = 1;
     }
     return E;
   }
@@ -164,8 +172,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     sg.scores(a, X, Dd);
     const Mat<R>& D = a.delta ? Dd : X;
     Mat<R> P = sg.mask(a, sg.decay(a));  // P = M o D
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) P(i, j) *= D(i, j);
+    for (int64_t i = 0; i < nr; ++i) hadamard_into(P.row(i), D.row(i), i + 1);
     Mat<R> bv;  // diag(beta) V (delta) or V
     if (a.delta) {
       bv = Mat<R>(nr, dv);
@@ -315,11 +322,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         for (int64_t c = 0; c < dv; ++c) bvd(i, c) = a.b(i0 + i) * sg.v(i, c);
     }
     const MRef<const R> bv = delta ? bvd.ref() : sg.v;
-    for (int64_t i = 0; i < nr; ++i) {
-      const R *__restrict Di = D.row(i), *__restrict Mi = M.row(i);
-      R* __restrict Pi = P.row(i);
-      for (int64_t j = 0; j <= i; ++j) Pi[j] = Di[j] * Mi[j];
-    }
+    for (int64_t i = 0; i < nr; ++i) hadamard(P.row(i), D.row(i), M.row(i), i + 1);
     dP = matmul<R>(dO, false, bv, true, kCLower);          // [R,dv] x [dv,R], j <= i read
     const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
@@ -328,18 +331,10 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
-    std::vector<R> dGcol(static_cast<size_t>(nr), R(0)), dGrow(static_cast<size_t>(nr));
+    std::vector<R> dGcol(static_cast<size_t>(nr), R(0));
     for (int64_t i = 0; i < nr; ++i) {
-      const R *__restrict dPi = dP.row(i), *__restrict Mi = M.row(i), *__restrict Di = D.row(i);
-      R* __restrict dDi = dD.row(i);
-      R* __restrict gr = dGrow.data();
-      R* __restrict gc = dGcol.data();
-      for (int64_t j = 0; j <= i; ++j) {
-        dDi[j] = dPi[j] * Mi[j];
-        gr[j] = dPi[j] * Di[j] * Mi[j];
-        gc[j] += gr[j];
-      }
-      db[i] += sum_lanes(gr, i + 1);
+      const R *dPi = dP.row(i), *Di = D.row(i);
+      db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
       if (fen) {
         const R* Ei = E.row(i);
         for (int64_t j = 0; j <= i; ++j)
