@@ -66,6 +66,21 @@ R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __re
   return s;
 }
 
+// The columns j <= i of row i of a segment starting at absolute position s, cut into the
+// contiguous ranges of one level l = level(s + i, s + j): f(l, j0, j1) for [j0, j1). With
+// t = s + i, level 0 is j = i alone and level l >= 1 the positions [sigma_l(t), sigma_{l-1}(t))
+// (same bits as t above bit l, not above bit l - 1); flat: one range at level 0.
+template <class F>
+void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
+  if (!lv.fenwick) return f(0, int64_t(0), i + 1);
+  const int64_t t = s + i;
+  f(0, i, i + 1);
+  for (int l = 1; sigma(t, l - 1) > s; ++l) {
+    const int64_t lo = std::max(sigma(t, l), s), hi = sigma(t, l - 1);
+    if (lo < hi) f(l, lo - s, hi - s);
+  }
+}
+
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
 // absolute positions [s, e).
 //
@@ -125,7 +140,10 @@ struct Seg {
   Mat<R> mask(const PrimArgs<R>& a, Mat<R> E) const {
     if (!a.lv.fenwick) return E;
     for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) E(i, j) *= a.lam(i0 + i, a.lv.level(s + i, s + j));
+      level_ranges(a.lv, s, i, [&](int l, int64_t j0, int64_t j1) {
+        const R lam = a.lam(i0 + i, l);
+        for (int64_t j = j0; j < j1; ++j) E(i, j) *= lam;
+      });
     return E;
   }
   // X = tril(q k^T) and, for delta, Dd = X Tm. The un-masked intra-segment scores are
@@ -337,8 +355,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
       if (fen) {
         const R* Ei = E.row(i);
-        for (int64_t j = 0; j <= i; ++j)
-          dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dPi[j] * Di[j] * Ei[j];
+        level_ranges(a.lv, sg.s, i, [&](int l, int64_t j0, int64_t j1) {
+          R acc = 0;
+          for (int64_t j = j0; j < j1; ++j) acc += dPi[j] * Di[j] * Ei[j];
+          dlam(i, l) += acc;
+        });
       }
     }
     for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
