@@ -280,7 +280,8 @@ void forward_impl(const Resolved& r, const ForwardParams& p) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
     Mat<R> O(s.len, r.dv);
     const OpState<R> fin =
-        cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O);
+        cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O,
+                           p.final_state.defined());
     scatter_rows<R>(G, p.o, s, h, O, r.dv);
     if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, row, h, false);
   });
@@ -314,7 +315,8 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
     const HeadView<R> x = in.view(plan, s.n0);
     if (p.o.defined() || p.final_state.defined()) {
       Mat<R> O(s.len, r.dv);
-      const OpState<R> fin = cpu::op_forward<R>(plan, pform(r.form), r.chunk, x, in.init, O);
+      const OpState<R> fin = cpu::op_forward<R>(plan, pform(r.form), r.chunk, x, in.init, O,
+                                                p.final_state.defined());
       if (p.o.defined()) scatter_rows<R>(G, p.o, s, h, O, r.dv);
       if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, i, h, false);
     }

@@ -180,10 +180,11 @@ struct Seg {
   }
 };
 
-// Forward over one segment: O rows (optional) and the outgoing canonical state at e.
+// Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
+// when !state).
 template <class R>
 Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
-                     MRef<R>* O = nullptr) {
+                     MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
     Mat<R> X, Dd;
@@ -212,6 +213,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     }
   }
   Canon<R> Hout;
+  if (!state) return Hout;
   Hout.resize(a.lv.slots(sg.e));
   if (a.delta) {
     // every live level is erased by the segment: e^B (H - K^T (W H))
@@ -542,14 +544,14 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
 
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O) {
+                      MRef<R> O, bool want_state) {
   const int64_t n = a.n(), n0 = a.n0;
   Canon<R> st = trimmed(init, a.lv, n0);
   if (n == 0) return st;
   switch (form) {
     case PForm::naive: {
       Seg<R> sg(a, 0, n);
-      return seg_forward(a, sg, st, &O);
+      return seg_forward(a, sg, st, &O, want_state);
     }
     case PForm::serial:
       for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
@@ -558,7 +560,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
       for (auto [s, e] : segments(n0, n, chunk)) {
         Seg<R> sg(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
-        st = seg_forward(a, sg, st, &Or);
+        st = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
       }
       return st;
     case PForm::scan: {
@@ -674,7 +676,7 @@ PrimSummary<R> prim_compose(const PrimSummary<R>& A, const PrimSummary<R>& B, co
 
 #define HILA_INSTANTIATE(R)                                                                      \
   template Canon<R> prim_forward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,         \
-                                    MRef<R>);                                                    \
+                                    MRef<R>, bool);                                              \
   template PrimGrads<R> prim_backward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,    \
                                          MRef<const R>, const Canon<R>&);                        \
   template void prim_step<R>(const PrimArgs<R>&, int64_t, int64_t, Canon<R>&, R*);               \
