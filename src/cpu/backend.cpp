@@ -53,7 +53,7 @@ void l2norm_rows(Mat<R>& x) {
 template <class R>
 Mat<R> gather_qk(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t grp, bool l2,
                  double scale) {
-  Mat<R> m(s.len, G.r->dk);
+  Mat<R> m(s.len, G.r->dk, cpu::Uninit{});  // every row loaded below
   for (int64_t i = 0; i < s.len; ++i) {
     load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, grp), m.row(i), G.r->dk);
   }
@@ -66,7 +66,7 @@ Mat<R> gather_qk(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t gr
 template <class R>
 Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h, int64_t cols,
                    bool ones = false) {
-  Mat<R> m(s.len, cols + (ones ? 1 : 0));
+  Mat<R> m(s.len, cols + (ones ? 1 : 0), cpu::Uninit{});  // every entry set below
   for (int64_t i = 0; i < s.len; ++i) {
     load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, h), m.row(i), cols);
     if (ones) m(i, cols) = 1;

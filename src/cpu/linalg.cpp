@@ -19,7 +19,7 @@ namespace {
 // Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
 // registers across the sum over k (independent chains; each C(i, j) summed over k in order).
 // k where op(A) is zero in all NR rows (e.g. the upper triangle of a causal mask) is skipped.
-template <int NR, bool kOne, class R>
+template <int NR, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
                                                 int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
                                                 int64_t ke, R alpha) {
@@ -32,8 +32,13 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   constexpr U kMag = ~(U(1) << (8 * sizeof(R) - 1));
   V acc[NR][2];
   for (int r = 0; r < NR; ++r) {
-    acc[r][0] = *reinterpret_cast<const VU*>(c + r * ldc);
-    acc[r][1] = *reinterpret_cast<const VU*>(c + r * ldc + L);
+    if (kZero) {  // C = alpha op(A) B: start from 0, C not read
+      acc[r][0] = V{};
+      acc[r][1] = V{};
+    } else {
+      acc[r][0] = *reinterpret_cast<const VU*>(c + r * ldc);
+      acc[r][1] = *reinterpret_cast<const VU*>(c + r * ldc + L);
+    }
   }
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
@@ -72,7 +77,7 @@ inline Range range(int tri, int64_t i, int64_t nr, int64_t kk, int64_t n) {
   return r;
 }
 
-template <bool kOne, class R>
+template <bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R* A, int64_t sa_row,
                                                      int64_t sa_k, const R* B, int64_t ldb, int64_t m,
                                                      int64_t n, int64_t kk, R alpha, int tri) {
@@ -82,18 +87,19 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
   for (; i + NR <= m; i += NR) {
     const Range g = range(tri, i, NR, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<NR, kOne>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<NR, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   for (; i < m; ++i) {
     const Range g = range(tri, i, 1, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<1, kOne>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<1, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   if (nt == n) return;
   for (i = 0; i < m; ++i) {  // the last n - nt columns
     R* c = C + i * ldc;
     const R* ai = A + i * sa_row;
     const Range g = range(tri, i, 1, kk, n);
+    if (kZero) std::fill(c + nt, c + std::max(nt, g.je), R(0));
     for (int64_t k = g.kb; k < g.ke; ++k) {
       const R a = alpha * ai[k * sa_k];
       if (a == R(0)) continue;
@@ -109,20 +115,32 @@ HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
                                float alpha, int tri) {
   // alpha = 1 (most products) without the multiply per A entry
-  if (alpha == 1.0f)
-    rows_impl<true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  else
-    rows_impl<false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  if (tri & kCZero) {
+    if (alpha == 1.0f)
+      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+    else
+      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else if (alpha == 1.0f) {
+    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else {
+    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  }
 }
 
 HILA_CPU_CLONES void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row,
                                int64_t sa_k, const double* B, int64_t ldb, int64_t m, int64_t n,
                                int64_t kk, double alpha, int tri) {
   // alpha = 1 (most products) without the multiply per A entry
-  if (alpha == 1.0f)
-    rows_impl<true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  else
-    rows_impl<false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  if (tri & kCZero) {
+    if (alpha == 1.0f)
+      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+    else
+      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else if (alpha == 1.0f) {
+    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else {
+    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  }
 }
 
 }  // namespace hila::cpu

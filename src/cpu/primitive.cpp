@@ -115,7 +115,7 @@ struct Seg {
     bk = Mat<R>(nr, dk);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
-    KK = matmul<R>(k, false, k, true, kCLower);  // [R,dk] x [dk,R], strict lower triangle read
+    KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
     Mat<R> N(nr, nr);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < i; ++j) N(i, j) = a.beta[i0 + i] * KK(i, j);
@@ -149,7 +149,7 @@ struct Seg {
   // X = tril(q k^T) and, for delta, Dd = X Tm. The un-masked intra-segment scores are
   // D = Dd (delta) or X (mamba); the caller picks (no copy of X for mamba).
   void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& Dd) const {
-    X = matmul<R>(q, false, k, true, kCLower);  // [R,dk] x [dk,R]
+    X = matmul<R>(q, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], upper set below
     for (int64_t i = 0; i < nr; ++i) std::fill(X.row(i) + i + 1, X.row(i) + nr, R(0));
     // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
     if (a.delta) Dd = matmul<R>(X, false, Tm, false, kALower);
@@ -343,7 +343,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     const MRef<const R> bv = delta ? bvd.ref() : sg.v;
     for (int64_t i = 0; i < nr; ++i) hadamard(P.row(i), D.row(i), M.row(i), i + 1);
-    dP = matmul<R>(dO, false, bv, true, kCLower);          // [R,dv] x [dv,R], j <= i read
+    dP = matmul<R>(dO, false, bv, true, kCLower | kCUnset);  // [R,dv] x [dv,R], j <= i read
     const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
       for (int64_t c = 0; c < dv; ++c) dv_(i, c) += a.b(i0 + i) * dbv(i, c);
@@ -378,7 +378,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
         dbeta[i] += dot(dbk.row(i), sg.k.row(i), dk);
       }
-      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower);    // D = X Tm  [R,R] x [R,R]
+      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower | kCUnset);  // D = X Tm, upper set below
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
       gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
@@ -392,7 +392,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     // above are kCLower: their upper triangles are left unspecified).
     if (delta) {
       const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper | kCLower);
-      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower);  // strict lower read
+      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower | kCUnset);  // strict lower read
       Mat<R> dA(nr, nr);
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = 0; j < i; ++j) {
