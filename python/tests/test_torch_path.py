@@ -496,6 +496,98 @@ def test_bound_state_steps_follow_the_state_memory(op, device, request):
         assert type(other) is hila.State and not other.__dict__ and other.pos.tolist() == st.pos.tolist()
 
 
+def _bound_loglinear_gdn(device):
+    """A loglinear_gdn state bound to the extension (two steps taken), its next token, and the
+    bound binding."""
+    x, _, _ = torch_inputs("loglinear_gdn", device, T=3, dk=4, dv=3)
+    x = {k: v.detach() for k, v in x.items()}
+    st = ht.zero_state("loglinear_gdn", 2, 2, 4, 3, max_len=8, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for t in range(2):
+            ht.step_("loglinear_gdn", **{k: v[:, t] for k, v in x.items()}, state=st)
+    bound = st.__dict__[hops._BOUND][1]
+    assert isinstance(bound, hila._C.BoundState)
+    return st, {k: v[:, 2] for k, v in x.items()}, bound
+
+
+def _bad_bound_tokens(tok, device):
+    """(what, argument, token) of step_ inputs the bound fast path must reject, naming them."""
+    other = "cpu" if str(device).startswith("cuda") else ("cuda" if torch.cuda.is_available() else None)
+    cases = [
+        ("k of another head dim", "k", {**tok, "k": tok["k"][..., :3]}),
+        ("q of 4 dims", "q", {**tok, "q": tok["q"][:, None]}),
+        ("k of another batch", "k", {**tok, "k": tok["k"][:1]}),
+        ("v of another dtype", "v", {**tok, "v": tok["v"].float()}),
+        ("integer q", "q", {**tok, "q": tok["q"].long(), "k": tok["k"].long()}),
+        ("g of another shape", "g", {**tok, "g": tok["g"][:, :1]}),
+        ("lam of too few levels", "lam", {**tok, "lam": tok["lam"][..., :2]}),
+        ("no beta", "beta", {**tok, "beta": None}),
+        ("beta of another shape", "beta", {**tok, "beta": tok["beta"][:1]}),
+    ]
+    if other is not None:
+        cases.append(("v on another device", "v", {**tok, "v": tok["v"].to(other)}))
+    return cases
+
+
+@pytest.mark.parametrize("what", [c[0] for c in _bad_bound_tokens(
+    {k: torch.zeros(2, 2, 4) for k in ("q", "k", "v", "g", "lam", "beta")}, "cpu")])
+def test_bound_step_rejects_bad_inputs(what, device):
+    """A bound state's step (lent DLPack capsules, o by pointer) checks every input as step_inplace
+    does: a wrong shape, dtype or device is a HilaError naming the argument, the state untouched,
+    and the binding stays in use."""
+    require_device(device, "loglinear_gdn")
+    st, tok, bound = _bound_loglinear_gdn(device)
+    cases = {c[0]: c[1:] for c in _bad_bound_tokens(tok, device)}
+    if what not in cases:
+        pytest.skip(f"{what}: needs a second device")
+    argument, bad = cases[what]
+    before = [None if p is None else p.clone() for p in st]
+    with torch.no_grad(), pytest.raises(hila.HilaError) as e:
+        ht.step_("loglinear_gdn", **bad, state=st)
+    assert e.value.argument == argument, str(e.value)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(st, before))
+    assert st.__dict__[hops._BOUND][1] is bound
+    with torch.no_grad():
+        ht.step_("loglinear_gdn", **tok, state=st)  # the same binding steps on
+    assert st.pos.tolist() == [3, 3] and st.__dict__[hops._BOUND][1] is bound
+
+
+def test_bound_step_strided_and_lent_arguments(device):
+    """The bound step reads strided inputs (outer strides of a slice, a transposed v) in place and
+    writes a contiguous o; its arguments are read from DLPack capsules left unconsumed, and what is
+    not an unused capsule, or a null o, is a HilaError naming the argument."""
+    from torch.utils.dlpack import to_dlpack
+    require_device(device, "loglinear_gdn")
+    st, tok, bound = _bound_loglinear_gdn(device)
+    ref = hila.State(*(None if p is None else p.clone() for p in st))
+    qs = torch.cat([tok["q"], torch.full_like(tok["q"], float("nan"))], -1)[..., :4]  # strides (8, 8, 1)
+    vt = tok["v"].transpose(0, 1).contiguous().transpose(0, 1)  # [N, H, dv], strides (dv, N dv, 1)
+    assert not qs.is_contiguous() and not vt.is_contiguous() and torch.equal(vt, tok["v"])
+    with torch.no_grad():
+        o = ht.step_("loglinear_gdn", **{**tok, "q": qs, "v": vt}, state=st)
+        o_ref = ht.step_("loglinear_gdn", **tok, state=ref)
+    assert st.__dict__[hops._BOUND][1] is bound
+    assert o.is_contiguous() and torch.equal(o, o_ref)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(st, ref))
+    spec = hops._spec("loglinear_gdn", "chunk", 64, 0.0, False, 1e-6, 0.0, False, False)
+    o = torch.empty_like(tok["v"])
+    args = [to_dlpack(tok[k]) for k in ("q", "k", "v", "g", "lam", "beta")]
+    used = to_dlpack(tok["k"])
+    torch.from_dlpack(used)  # consumed: renamed "used_dltensor"
+    for i, name, arg in ((0, "q", tok["q"]), (1, "k", used), (3, "g", "g")):
+        bad = list(args)
+        bad[i] = arg
+        with pytest.raises(hila.HilaError) as e:
+            bound.step(spec.cfg, *bad, o.data_ptr(), 0, -1)
+        assert e.value.argument == name, str(e.value)
+    with pytest.raises(hila.HilaError) as e:
+        bound.step(spec.cfg, *args, 0, 0, -1)
+    assert e.value.argument == "o"
+    assert st.pos.tolist() == [3, 3]  # nothing stepped by the rejected calls
+    bound.step(spec.cfg, *args, o.data_ptr(), 0, -1)  # the capsules were lent, not used up
+    assert st.pos.tolist() == [4, 4] and torch.isfinite(o).all()
+
+
 def test_fast_path_switch():
     prev = ht.eager_fast_path(False)
     try:

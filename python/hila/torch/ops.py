@@ -858,26 +858,31 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
 _STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
 atexit.register(_STEP_SPECS.clear)
 _CONTIGUOUS = torch.contiguous_format
-_increment_version = torch.autograd.graph.increment_version
+# torch.autograd.graph.increment_version without its wrapper (it takes a tuple of tensors); the
+# wrapper where this torch has no such function.
+_increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
+_grad_enabled = torch.is_grad_enabled
 
 
 def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
                 check_values, max_position) -> Optional[Tensor]:
     """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
     serving indices, on the direct road) with the least host work: the configuration from a dict
-    keyed by the options as given, one ``torch.empty_like`` for o, one DLPack capsule per tensor
-    and nothing else. Returns None where it does not apply (or an argument is not a tensor), and
-    the caller then takes the general road, which names what is wrong. Inputs whose innermost
-    stride is not 1 are not copied here: the library rejects them while validating, before it
-    writes anything, and the general road then runs the call on contiguous copies."""
+    keyed by the options as given, one ``torch.empty_like`` for o, and for a bound state (see
+    :func:`_bound_state`) one DLPack capsule per input lent to the extension (read in place, not
+    consumed) and o's data pointer (o is made here: contiguous, shaped, typed and placed like v).
+    Returns None where it does not apply (or an argument is not a tensor), and the caller then
+    takes the general road, which names what is wrong. Inputs whose innermost stride is not 1 are
+    not copied here: the library rejects them while validating, before it writes anything, and the
+    general road then runs the call on contiguous copies."""
     pos, S, P, H = state
     if pos is None or H is None:
         return None
     try:
+        if _grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
+            return None
         if check_values is None:
             check_values = q.is_cpu
-        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
-            return None
         key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
         spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
         if spec is None:
@@ -895,7 +900,7 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         if bound is not None:
             bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
                        None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
-                       _capsule(o), _stream(q), max_position)
+                       o.data_ptr(), _stream(q), max_position)
         else:
             _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
                             None if g is None else _capsule(g), None if lam is None else _capsule(lam),
