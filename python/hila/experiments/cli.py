@@ -4,7 +4,7 @@
 Every setting has a flag; a preset fills the flags not given. ``--preset gpu`` (the default) is
 the full grid with a learning-rate sweep, sized for an H200 with several processes at once
 (``--parallel``); ``--preset gpu-small`` the same table with one learning rate per mixer family
-and fewer steps (about 6 minutes of one H200 for MQAR, 3 for NIAH, with ``--parallel 12``);
+and fewer steps (too few for the large MQAR cells: docs/EXPERIMENTS.md, "Presets");
 ``--preset smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .runner import GRID_AXES, execute, grid, parse_grid
 __all__ = ["main", "PRESETS", "FAMILY_LRS"]
 
 # One learning rate per mixer family, for grids that cannot afford the sweep (the gpu-small
-# presets; docs/EXPERIMENTS.md says why these values):
+# presets; the values of the CPU smoke runs and of the families' papers):
 #   softmax attention 1e-3; the Mamba-2 family (gla, loglinear) and the Gated DeltaNet family
 #   (gdn, loglinear_gdn) 3e-3; the HLA family (hla2, ahla, hla3, loglinear_hla2 and the normalized
 #   variants) 1e-3.
@@ -38,9 +38,9 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
                     lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
                     eval_examples=1000, eval_every=500),
-        # The whole table (9 mixers x 4 dims x 2 lengths x 2 seeds = 144 runs) in one call of about
-        # 6 minutes of one H200 with --parallel 12 (the estimate: docs/EXPERIMENTS.md): one learning
-        # rate per family, 800 steps of 64 sequences.
+        # The whole table (9 mixers x 4 dims x 2 lengths x 2 seeds = 144 runs) with one learning
+        # rate per family and 800 steps of 64 sequences: too few steps for D = 128, T = 512, where
+        # every mixer (softmax attention included) stayed at chance on an H200 (docs/EXPERIMENTS.md).
         "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
                           lrs=FAMILY_LRS, vocab=8192, steps=800, batch=64, train_examples=100_000,
                           eval_examples=1000, eval_every=200),
@@ -53,8 +53,8 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
                     seeds=[0], lrs=[3e-3], vocab=8192, steps=3000, batch=16, eval_examples=32,
                     eval_every=500),
-        # Every mixer at D = 64, N = 1 and 4, 1K-8K tokens (18 runs), in about 3 minutes of one H200
-        # with --parallel 12: 1000 steps, the family learning rates, 6 depths per length.
+        # Every mixer at D = 64, N = 1 and 4, 1K-8K tokens (18 runs): 1000 steps, the family
+        # learning rates, 6 depths per length.
         "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192],
                           needles=[1, 4], seeds=[0], lrs=FAMILY_LRS, vocab=8192, steps=1000, batch=16,
                           eval_examples=32, eval_every=250, depths="0,0.2,0.4,0.6,0.8,1"),
