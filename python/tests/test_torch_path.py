@@ -588,6 +588,34 @@ def test_bound_step_strided_and_lent_arguments(device):
     assert st.pos.tolist() == [4, 4] and torch.isfinite(o).all()
 
 
+def test_bound_and_unbound_steps_of_one_state_lose_nothing():
+    """Threads stepping one State (bound from its second step: the binding's lock) and threads
+    stepping the same tensors through fresh State objects (never bound: step_inplace's lock of the
+    same positions) serialize on one lock: every step lands."""
+    import threading
+    st = ht.zero_state("gla", 1, 1, 4, 4)
+    tok = dict(q=torch.full((1, 1, 4), 0.1), k=torch.full((1, 1, 4), 0.1), v=torch.ones(1, 1, 4),
+               g=torch.full((1, 1), -0.01))
+    errors = []
+
+    def worker(fresh):
+        try:
+            with torch.no_grad():
+                for _ in range(200):
+                    ht.step_("gla", **tok, state=hila.State(*st) if fresh else st)
+        except Exception as e:  # noqa: BLE001 - any error fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i % 2 == 1,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert isinstance(st.__dict__[hops._BOUND][1], hila._C.BoundState)
+    assert st.pos.tolist() == [1600]
+
+
 def test_fast_path_switch():
     prev = ht.eager_fast_path(False)
     try:
