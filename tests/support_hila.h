@@ -175,6 +175,22 @@ inline StateBuffers state_row(const StateBuffers& s, int64_t i) {
                       slice_rows(s.H, i, 1)};
 }
 
+// o and every state part equal, byte for byte.
+inline bool same_bytes(const Buffer& a, const Buffer& b) { return a.shape == b.shape && a.bytes == b.bytes; }
+inline bool same_state(const StateBuffers& a, const StateBuffers& b) {
+  return same_bytes(a.pos, b.pos) && same_bytes(a.S, b.S) && same_bytes(a.P, b.P) && same_bytes(a.H, b.H);
+}
+
+// row r of `dst` <- row 0 of `src` (same shapes but the first dimension)
+inline void put_row(Buffer& dst, int64_t r, const Buffer& src) {
+  if (dst.empty()) return;
+  const size_t row = dst.bytes.size() / size_t(dst.shape[0]);
+  std::memcpy(dst.bytes.data() + size_t(r) * row, src.bytes.data(), row);
+}
+inline void put_row(StateBuffers& dst, int64_t r, const StateBuffers& src) {
+  put_row(dst.pos, r, src.pos), put_row(dst.S, r, src.S), put_row(dst.P, r, src.P), put_row(dst.H, r, src.H);
+}
+
 // rel_err of two states whose Fenwick capacities may differ: common slots compared, slots present
 // in one only must be zero. pos compared exactly (when present in both).
 inline double state_err(const StateBuffers& got, const StateBuffers& ref) {

@@ -21,22 +21,6 @@
 namespace hila_test {
 namespace {
 
-// o and every state part equal, byte for byte.
-bool same_bytes(const Buffer& a, const Buffer& b) { return a.shape == b.shape && a.bytes == b.bytes; }
-bool same_state(const StateBuffers& a, const StateBuffers& b) {
-  return same_bytes(a.pos, b.pos) && same_bytes(a.S, b.S) && same_bytes(a.P, b.P) && same_bytes(a.H, b.H);
-}
-
-// row r of `dst` <- row 0 of `src` (same shapes but the first dimension)
-void put_row(Buffer& dst, int64_t r, const Buffer& src) {
-  if (dst.empty()) return;
-  const size_t row = dst.bytes.size() / size_t(dst.shape[0]);
-  std::memcpy(dst.bytes.data() + size_t(r) * row, src.bytes.data(), row);
-}
-void put_row(StateBuffers& dst, int64_t r, const StateBuffers& src) {
-  put_row(dst.pos, r, src.pos), put_row(dst.S, r, src.S), put_row(dst.P, r, src.P), put_row(dst.H, r, src.H);
-}
-
 // [N, 1, ...] -> [N, ...]: a problem's single token as decode-step inputs
 Buffer step_input(const Buffer& b) { return gather_tokens(b, std::vector<int64_t>(b.empty() ? 0 : size_t(b.shape[0]), 0)); }
 

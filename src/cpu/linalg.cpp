@@ -20,8 +20,8 @@ namespace {
 // k where op(A) is zero in all NR rows (e.g. the upper triangle of a causal mask) is skipped.
 template <int NR, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
-                                                int64_t sa_k, const R* B, int64_t ldb, int64_t kk,
-                                                R alpha) {
+                                                int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
+                                                int64_t ke, R alpha) {
   typedef R V __attribute__((vector_size(32)));
   constexpr int64_t L = 32 / sizeof(R);
   V acc[NR][2];
@@ -29,7 +29,7 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
     std::memcpy(&acc[r][0], c + r * ldc, sizeof(V));
     std::memcpy(&acc[r][1], c + r * ldc + L, sizeof(V));
   }
-  for (int64_t k = 0; k < kk; ++k) {
+  for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
     bool any = false;
     for (int r = 0; r < NR; ++r) {
@@ -52,28 +52,45 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   }
 }
 
+// Rows [i, i + nr) need k in [kb, ke) and columns below je (the structure flags of linalg.h).
+struct Range {
+  int64_t kb, ke, je;
+};
+inline Range range(int tri, int64_t i, int64_t nr, int64_t kk, int64_t n) {
+  Range r{0, kk, n};
+  if (tri & kAUpper) r.kb = std::min(i, kk);
+  if (tri & kALower) r.ke = std::min(i + nr, kk);
+  if (tri & kCLower) r.je = std::min(i + nr, n);
+  return r;
+}
+
 template <class R>
 __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R* A, int64_t sa_row,
                                                      int64_t sa_k, const R* B, int64_t ldb, int64_t m,
-                                                     int64_t n, int64_t kk, R alpha) {
+                                                     int64_t n, int64_t kk, R alpha, int tri) {
   constexpr int64_t W = 2 * 32 / sizeof(R), NR = 4;
   const int64_t nt = n / W * W;  // columns covered by full tiles
   int64_t i = 0;
-  for (; i + NR <= m; i += NR)
-    for (int64_t j = 0; j < nt; j += W)
-      tile<NR>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, kk, alpha);
-  for (; i < m; ++i)
-    for (int64_t j = 0; j < nt; j += W)
-      tile<1>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, kk, alpha);
+  for (; i + NR <= m; i += NR) {
+    const Range g = range(tri, i, NR, kk, n);
+    for (int64_t j = 0; j < nt && j < g.je; j += W)
+      tile<NR>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+  }
+  for (; i < m; ++i) {
+    const Range g = range(tri, i, 1, kk, n);
+    for (int64_t j = 0; j < nt && j < g.je; j += W)
+      tile<1>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+  }
   if (nt == n) return;
   for (i = 0; i < m; ++i) {  // the last n - nt columns
     R* c = C + i * ldc;
     const R* ai = A + i * sa_row;
-    for (int64_t k = 0; k < kk; ++k) {
+    const Range g = range(tri, i, 1, kk, n);
+    for (int64_t k = g.kb; k < g.ke; ++k) {
       const R a = alpha * ai[k * sa_k];
       if (a == R(0)) continue;
       const R* __restrict b = B + k * ldb;
-      for (int64_t t = nt; t < n; ++t) c[t] += a * b[t];
+      for (int64_t t = nt; t < g.je; ++t) c[t] += a * b[t];
     }
   }
 }
@@ -82,14 +99,14 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
 
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
-                               float alpha) {
-  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha);
+                               float alpha, int tri) {
+  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
 HILA_CPU_CLONES void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row,
                                int64_t sa_k, const double* B, int64_t ldb, int64_t m, int64_t n,
-                               int64_t kk, double alpha) {
-  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha);
+                               int64_t kk, double alpha, int tri) {
+  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
 }  // namespace hila::cpu

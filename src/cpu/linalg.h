@@ -40,20 +40,32 @@ struct Mat {
   operator MRef<const R>() const { return ref(); }
 };
 
-// C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k]
-// (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load time).
+// Triangular structure a product may exploit (bit flags, combinable):
+//   kALower: op(A)(i, k) = 0 for k > i (a causal mask), so the sum for row i stops at k = i;
+//   kAUpper: op(A)(i, k) = 0 for k < i (a transposed causal mask), so it starts at k = i;
+//   kCLower: only C(i, j), j <= i, is wanted; entries above the diagonal are left unspecified
+//            (partly computed) and must not be read.
+// Skipping a k where op(A) is zero drops exact zeros from the sums (as the tile loop already does
+// for a zero A entry), so the lower triangle rounds as the full product does.
+enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4 };
+
+// C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
+// with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load
+// time).
 void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k, const float* B,
-               int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha);
+               int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha, int tri);
 void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
-               const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha);
+               const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha,
+               int tri);
 
 // C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set. Every case runs as
 // row updates c_i += a * b_k with a unit-stride inner loop (what the compiler vectorises): a
 // transposed B is first copied to B^T [kk, n] (kk n copies against m n kk multiply-adds).
 // Rounding: each C(i, j) is summed over k in order, as the plain triple loop does.
+// `tri`: the structure flags above (kTriNone: a dense product).
 template <class R>
 void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha = R(1),
-          R beta = R(0)) {
+          R beta = R(0), int tri = kTriNone) {
   const int64_t m = C.r, n = C.c, kk = tA ? A.r : A.c;
   if (beta == R(0)) {
     for (int64_t i = 0; i < m; ++i) std::fill(C.row(i), C.row(i) + n, R(0));
@@ -62,21 +74,27 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
       for (int64_t j = 0; j < n; ++j) C(i, j) *= beta;
   }
   if (m == 0 || n == 0 || kk == 0) return;
-  std::vector<R> bt;
+  constexpr int64_t kStack = 4096;  // B^T of up to 4096 elements lives on the stack
+  R st[kStack];
+  std::vector<R> heap;
   if (tB) {  // B [n, kk] -> B^T [kk, n]
-    bt.resize(static_cast<size_t>(kk * n));
+    R* bt = st;
+    if (kk * n > kStack) {
+      heap.resize(static_cast<size_t>(kk * n));
+      bt = heap.data();
+    }
     for (int64_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < kk; ++k) bt[k * n + j] = B(j, k);
-    B = MRef<const R>{bt.data(), kk, n, n};
+    B = MRef<const R>{bt, kk, n, n};
   }
   const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // op(A)(i, k) = A.p[i sa_row + k sa_k]
-  gemm_rows(C.p, C.ld, A.p, sa_row, sa_k, B.p, B.ld, m, n, kk, alpha);
+  gemm_rows(C.p, C.ld, A.p, sa_row, sa_k, B.p, B.ld, m, n, kk, alpha, tri);
 }
 
 template <class R>
-Mat<R> matmul(MRef<const R> A, bool tA, MRef<const R> B, bool tB) {
+Mat<R> matmul(MRef<const R> A, bool tA, MRef<const R> B, bool tB, int tri = kTriNone) {
   Mat<R> C(tA ? A.c : A.r, tB ? B.r : B.c);
-  gemm<R>(C, A, tA, B, tB);
+  gemm<R>(C, A, tA, B, tB, R(1), R(0), tri);
   return C;
 }
 

@@ -41,6 +41,18 @@ void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, in
 
 namespace {
 
+// sum of x[0, n) in 8 interleaved partial sums (vectorisable; the order is fixed per n)
+template <class R>
+R sum_lanes(const R* x, int64_t n) {
+  R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) p[u] += x[j + u];
+  R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
 // absolute positions [s, e).
 //
@@ -75,12 +87,12 @@ struct Seg {
     bk = Mat<R>(nr, dk);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
-    KK = matmul<R>(k, false, k, true);  // [R,dk] x [dk,R]
+    KK = matmul<R>(k, false, k, true, kCLower);  // [R,dk] x [dk,R], strict lower triangle read
     Mat<R> N(nr, nr);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < i; ++j) N(i, j) = a.beta[i0 + i] * KK(i, j);
     Tm = unit_lower_inverse(N);
-    W = matmul<R>(Tm, false, bk, false);  // [R,R] x [R,dk]
+    W = matmul<R>(Tm, false, bk, false, kALower);  // [R,R] x [R,dk]
   }
 
   // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) = prod_{j<r<=i} a_r, a_r = exp(g_r), on j <= i:
@@ -99,25 +111,27 @@ struct Seg {
     return E;
   }
   // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} E[i,j] on j <= i (docs/math/LOGLINEAR.md §3.1).
-  Mat<R> mask(const PrimArgs<R>& a, const Mat<R>& E) const {
-    Mat<R> M(nr, nr);
+  // Flat (lambda = 1): M = E.
+  Mat<R> mask(const PrimArgs<R>& a, Mat<R> E) const {
+    if (!a.lv.fenwick) return E;
     for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) M(i, j) = a.lambda(i0 + i, a.lv.level(s + i, s + j)) * E(i, j);
-    return M;
+      for (int64_t j = 0; j <= i; ++j) E(i, j) *= a.lam(i0 + i, a.lv.level(s + i, s + j));
+    return E;
   }
   // X = tril(q k^T) and D = X Tm (delta) or X (mamba): the un-masked intra-segment scores.
   void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& D) const {
-    X = matmul<R>(q, false, k, true);  // [R,dk] x [dk,R]
+    X = matmul<R>(q, false, k, true, kCLower);  // [R,dk] x [dk,R]
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = i + 1; j < nr; ++j) X(i, j) = 0;
-    D = a.delta ? matmul<R>(X, false, Tm, false) : X;  // [R,R] x [R,R]
+    // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
+    D = a.delta ? matmul<R>(X, false, Tm, false, kALower) : X;
   }
   // Effective queries Q~ = q - D diag(beta) K (delta) or q (mamba).
   Mat<R> effective_q(const PrimArgs<R>& a, const Mat<R>& D) const {
     Mat<R> Qt(nr, q.c);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < q.c; ++j) Qt(i, j) = q(i, j);
-    if (a.delta) gemm<R>(Qt, D, false, bk, false, R(-1), R(1));  // [R,R] x [R,dk]
+    if (a.delta) gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
     return Qt;
   }
   // Distinct target slots of this segment's own tokens in the state at e, with row masks.
@@ -147,7 +161,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
     MRef<R> Or = *O;
-    gemm<R>(Or, P, false, bv, false);  // [R,R] x [R,dv]
+    gemm<R>(Or, P, false, bv, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
     const Mat<R> Qt = sg.effective_q(a, D);
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
@@ -180,7 +194,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.rest[j]);
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
     }
-    if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false);  // [R,R] x [R,dv]
+    if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
     gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
   }
   return Hout;
@@ -197,7 +211,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   sg.scores(a, X, D);
   const Mat<R> Qt = sg.effective_q(a, D);
   const Mat<R> E = sg.decay(a);
-  const Mat<R> M = sg.mask(a, E);
+  const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
+  const Mat<R>& M = fen ? Mf : E;
   std::vector<R> db(static_cast<size_t>(nr), R(0));
   R dB = 0;
   Mat<R> dQt(nr, dk), dTm, dW;
@@ -219,12 +234,12 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.rest[j]);
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
-    const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false) : Y;
+    const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Y;
     gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
     if (delta) {
-      gemm<R>(dTm, dY, false, Y, true, R(1), R(1));           // [R,dv] x [dv,R]
-      dY = matmul<R>(sg.Tm, true, dY, false);                 // [R,R] x [R,dv]
+      gemm<R>(dTm, dY, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
+      dY = matmul<R>(sg.Tm, true, dY, false, kAUpper);        // [R,R] x [R,dv]
     }
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
@@ -280,48 +295,61 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       for (int64_t c = 0; c < dv; ++c) bv(i, c) = a.b(i0 + i) * sg.v(i, c);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j <= i; ++j) P(i, j) = D(i, j) * M(i, j);
-    dP = matmul<R>(dO, false, bv, true);                   // [R,dv] x [dv,R]
-    const Mat<R> dbv = matmul<R>(P, true, dO, false);      // [R,R] x [R,dv]
+    dP = matmul<R>(dO, false, bv, true, kCLower);          // [R,dv] x [dv,R], j <= i read
+    const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
       for (int64_t c = 0; c < dv; ++c) dv_(i, c) += a.b(i0 + i) * dbv(i, c);
       if (delta) dbeta[i] += dot(dbv.row(i), sg.v.row(i), dv);
     }
+    // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
-    for (int64_t i = 0; i < nr; ++i)
+    std::vector<R> dGcol(static_cast<size_t>(nr), R(0)), dGrow(static_cast<size_t>(nr));
+    for (int64_t i = 0; i < nr; ++i) {
+      const R *dPi = dP.row(i), *Mi = M.row(i), *Di = D.row(i);
+      R* dDi = dD.row(i);
+      R* gr = dGrow.data();
+      R* gc = dGcol.data();
       for (int64_t j = 0; j <= i; ++j) {
-        const R dPij = dP(i, j);
-        dD(i, j) = dPij * M(i, j);
-        const R dM = dPij * D(i, j);
-        if (fen) dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dM * E(i, j);
-        const R dG = dM * M(i, j);  // d/d(b_i - b_j)
-        db[i] += dG;
-        db[j] -= dG;
+        dDi[j] = dPi[j] * Mi[j];
+        gr[j] = dPi[j] * Di[j] * Mi[j];
+        gc[j] += gr[j];
       }
+      db[i] += sum_lanes(gr, i + 1);
+      if (fen) {
+        const R* Ei = E.row(i);
+        for (int64_t j = 0; j <= i; ++j)
+          dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dPi[j] * Di[j] * Ei[j];
+      }
+    }
+    for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t c = 0; c < dk; ++c) dq(i, c) += dQt(i, c);
     Mat<R> dXm;
     if (delta) {
       gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));    // Q~ = q - D bk  [R,dk] x [dk,R]
-      Mat<R> dbk = matmul<R>(D, true, dQt, false);         // [R,R] x [R,dk], negated below
+      Mat<R> dbk = matmul<R>(D, true, dQt, false, kAUpper);  // [R,R] x [R,dk], negated below
       scale<R>(dbk, R(-1));
-      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1));    // W = Tm bk  [R,dk] x [dk,R]
-      gemm<R>(dbk, sg.Tm, true, dW, false, R(1), R(1));    // [R,R] x [R,dk]
+      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1), kCLower);  // W = Tm bk  [R,dk] x [dk,R]
+      gemm<R>(dbk, sg.Tm, true, dW, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
       for (int64_t i = 0; i < nr; ++i) {
         for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
         dbeta[i] += dot(dbk.row(i), sg.k.row(i), dk);
       }
-      dXm = matmul<R>(dD, false, sg.Tm, true);             // D = X Tm  [R,R] x [R,R]
+      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower);    // D = X Tm  [R,R] x [R,R]
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
-      gemm<R>(dTm, X, true, dD, false, R(1), R(1));        // [R,R] x [R,R]
+      gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
     } else {
       dXm = std::move(dD);
     }
-    gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1));      // [R,R] x [R,dk]
-    gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1));      // [R,R] x [R,dk]
-    if (delta) {  // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T)
-      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false);
-      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true);
+    gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
+    gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
+    // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T). With Tm^T upper, the strict
+    // lower triangle of t2 reads only the strict lower triangles of t1 and dTm (dTm's products
+    // above are kCLower: their upper triangles are left unspecified).
+    if (delta) {
+      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper | kCLower);
+      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower);  // strict lower read
       Mat<R> dA(nr, nr);
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = 0; j < i; ++j) {
@@ -329,8 +357,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
           dbeta[i] += dN * sg.KK(i, j);
           dA(i, j) = a.beta[i0 + i] * dN;
         }
-      gemm<R>(dk_, dA, false, sg.k, false, R(1), R(1));    // (dA + dA^T) K
-      gemm<R>(dk_, dA, true, sg.k, false, R(1), R(1));
+      gemm<R>(dk_, dA, false, sg.k, false, R(1), R(1), kALower);  // (dA + dA^T) K
+      gemm<R>(dk_, dA, true, sg.k, false, R(1), R(1), kAUpper);
     }
   }
   db[nr - 1] += dB;

@@ -34,18 +34,6 @@ using hila::tools::have_gpu;
 
 constexpr const char* kNoGpu = "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
 
-bool same_bytes(const Buffer& a, const Buffer& b) { return a.shape == b.shape && a.bytes == b.bytes; }
-bool same_state(const StateBuffers& a, const StateBuffers& b) {
-  return same_bytes(a.pos, b.pos) && same_bytes(a.S, b.S) && same_bytes(a.P, b.P) && same_bytes(a.H, b.H);
-}
-void put_row(Buffer& dst, int64_t r, const Buffer& src) {
-  if (dst.empty()) return;
-  const size_t row = dst.bytes.size() / size_t(dst.shape[0]);
-  std::memcpy(dst.bytes.data() + size_t(r) * row, src.bytes.data(), row);
-}
-void put_row(StateBuffers& dst, int64_t r, const StateBuffers& src) {
-  put_row(dst.pos, r, src.pos), put_row(dst.S, r, src.S), put_row(dst.P, r, src.P), put_row(dst.H, r, src.H);
-}
 Buffer int32s(const std::vector<int32_t>& v) {
   Buffer b(DType::i32, {int64_t(v.size())});
   for (size_t i = 0; i < v.size(); ++i) b.set(int64_t(i), v[i]);
