@@ -27,6 +27,7 @@
 
 #include <hila/hila.h>
 
+#include "bench_args.h"
 #include "problem.h"
 
 namespace {
@@ -89,13 +90,7 @@ int main(int argc, char** argv) {
   bool check = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto next = [&] { return hila::bench::flag_value(argc, argv, i); };
     if (a == "--ops") ops = split(next());
     else if (a == "--shapes") shapes = split(next());
     else if (a == "--dirs") dirs = split(next());

@@ -20,6 +20,7 @@
 
 #include <hila/hila.h>
 
+#include "bench_args.h"
 #include "core/problem.h"
 
 namespace {
@@ -141,13 +142,7 @@ int main(int argc, char** argv) {
   std::vector<Op> ops = {Op::gla, Op::hla2, Op::loglinear, Op::gdn};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto next = [&] { return hila::bench::flag_value(argc, argv, i); };
     if (a == "--reps") reps = std::max(1, std::atoi(next().c_str()));
     else if (a == "--iters") iters = std::max(1, std::atoi(next().c_str()));
     else if (a == "--ops") {

@@ -214,6 +214,13 @@ inline bool all_finite(const Buffer& b) {
 
 inline std::string op_tag(Op op) { return hila::op_name(op); }
 
+// A form in test names: naive, serial, chunk<C>, scan<C> (the chunk size only where it is used).
+inline std::string form_tag(hila::Form form, int64_t chunk) {
+  std::string f = hila::form_name(form);
+  if (form == hila::Form::chunk || form == hila::Form::scan) f += std::to_string(chunk);
+  return f;
+}
+
 // Base spec shared by the suites: gated, tied gates, float64, small heads.
 inline ProblemSpec spec_for(Op op, int64_t T, uint64_t seed) {
   ProblemSpec s;

@@ -112,6 +112,28 @@ struct Call {
 
 std::string shp(std::vector<int64_t> s) { return shape_str(s); }
 
+// The valid call of spec s with cu_seqlens = `bounds` (int64): it fails naming `arg`, with every
+// needle in the message.
+void expect_cu_seqlens_fails(const std::string& ctx, const ProblemSpec& s, const std::vector<int64_t>& bounds,
+                             const std::string& arg, const std::vector<std::string>& needles) {
+  Call c(s);
+  Buffer cu(DType::i64, {static_cast<int64_t>(bounds.size())});
+  for (size_t i = 0; i < bounds.size(); ++i) cu.set(static_cast<int64_t>(i), static_cast<double>(bounds[i]));
+  c.fp.cu_seqlens = cu.view();
+  expect_error(ctx, [&] { c.run(); }, arg, needles);
+}
+
+// The valid call of base_spec(op) with tensor `field` replaced by a `dt` tensor of `shape`: it
+// fails naming `arg`, with every needle in the message.
+void expect_replaced_fails(const std::string& ctx, Op op, hila::TensorView hila::ForwardParams::*field,
+                           DType dt, std::vector<int64_t> shape, const std::string& arg,
+                           const std::vector<std::string>& needles) {
+  Call c(base_spec(op));
+  Buffer x(dt, std::move(shape));
+  c.fp.*field = x.view();
+  expect_error(ctx, [&] { c.run(); }, arg, needles);
+}
+
 // A view with the innermost dimension strided by 2 over a buffer twice as wide.
 struct Strided {
   Buffer b;
@@ -141,24 +163,12 @@ TEST(Errors, ShapeMismatches) {
       expect_error(on + " k rows", [&] { c.run(); }, "k", {shp({2, 16, 1, 4}), shp({2, 15, 1, 4})});
       EXPECT_TRUE(c.o_untouched()) << on << ": o written before validation failed";
     }
-    {
-      Call c(base_spec(op));
-      Buffer k(DType::f64, {2, 16, 1, 5});
-      c.fp.k = k.view();
-      expect_error(on + " k dk", [&] { c.run(); }, "k", {shp({2, 16, 1, 4}), shp({2, 16, 1, 5})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer v(DType::f64, {2, 17, 2, 3});
-      c.fp.v = v.view();
-      expect_error(on + " v rows", [&] { c.run(); }, "v", {shp({2, 16, 2, 3}), shp({2, 17, 2, 3})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer g(DType::f64, {2, 16, 3});
-      c.fp.g = g.view();
-      expect_error(on + " g heads", [&] { c.run(); }, "g", {shp({2, 16, 2}), shp({2, 16, 3})});
-    }
+    expect_replaced_fails(on + " k dk", op, &hila::ForwardParams::k, DType::f64, {2, 16, 1, 5}, "k",
+                          {shp({2, 16, 1, 4}), shp({2, 16, 1, 5})});
+    expect_replaced_fails(on + " v rows", op, &hila::ForwardParams::v, DType::f64, {2, 17, 2, 3}, "v",
+                          {shp({2, 16, 2, 3}), shp({2, 17, 2, 3})});
+    expect_replaced_fails(on + " g heads", op, &hila::ForwardParams::g, DType::f64, {2, 16, 3}, "g",
+                          {shp({2, 16, 2}), shp({2, 16, 3})});
     if (t.loglinear) {
       Call c(base_spec(op));
       const int64_t L = c.p.lam.shape[3];
@@ -166,24 +176,13 @@ TEST(Errors, ShapeMismatches) {
       c.fp.lam = lam.view();
       expect_error(on + " lam rows", [&] { c.run(); }, "lam", {shp({2, 15, 2, L})});
     }
-    if (t.delta) {
-      Call c(base_spec(op));
-      Buffer beta(DType::f64, {2, 16, 2, 1});
-      c.fp.beta = beta.view();
-      expect_error(on + " beta", [&] { c.run(); }, "beta", {shp({2, 16, 2}), shp({2, 16, 2, 1})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer o(DType::f64, {2, 16, 2, 4});
-      c.fp.o = o.view();
-      expect_error(on + " o", [&] { c.run(); }, "o", {shp({2, 16, 2, 3}), shp({2, 16, 2, 4})});
-    }
-    {
-      Call c(base_spec(op));
-      Buffer o(DType::f32, {2, 16, 2, 3});
-      c.fp.o = o.view();
-      expect_error(on + " o dtype", [&] { c.run(); }, "o", {"float64", "float32"});
-    }
+    if (t.delta)
+      expect_replaced_fails(on + " beta", op, &hila::ForwardParams::beta, DType::f64, {2, 16, 2, 1}, "beta",
+                            {shp({2, 16, 2}), shp({2, 16, 2, 1})});
+    expect_replaced_fails(on + " o", op, &hila::ForwardParams::o, DType::f64, {2, 16, 2, 4}, "o",
+                          {shp({2, 16, 2, 3}), shp({2, 16, 2, 4})});
+    expect_replaced_fails(on + " o dtype", op, &hila::ForwardParams::o, DType::f32, {2, 16, 2, 3}, "o",
+                          {"float64", "float32"});
     {
       // Initial-state H with the wrong dk / dv.
       Call c(base_spec(op, true));
@@ -252,20 +251,16 @@ TEST(Errors, MissingOrForbiddenInputs) {
       c.fp.lam = hila::TensorView{};
       expect_error(on + " lam missing", [&] { c.run(); }, "lam", {on});
     } else {
-      Call c(base_spec(op));
-      Buffer lam(DType::f64, {2, 16, 2, 5});
-      c.fp.lam = lam.view();
-      expect_error(on + " lam given", [&] { c.run(); }, "lam", {on, shp({2, 16, 2, 5})});
+      expect_replaced_fails(on + " lam given", op, &hila::ForwardParams::lam, DType::f64, {2, 16, 2, 5}, "lam",
+                            {on, shp({2, 16, 2, 5})});
     }
     if (t.delta) {
       Call c(base_spec(op));
       c.fp.beta = hila::TensorView{};
       expect_error(on + " beta missing", [&] { c.run(); }, "beta", {on});
     } else {
-      Call c(base_spec(op));
-      Buffer beta(DType::f64, {2, 16, 2});
-      c.fp.beta = beta.view();
-      expect_error(on + " beta given", [&] { c.run(); }, "beta", {on});
+      expect_replaced_fails(on + " beta given", op, &hila::ForwardParams::beta, DType::f64, {2, 16, 2}, "beta",
+                            {on});
     }
     // State parts the operator does not have, and parts it needs.
     {
@@ -524,30 +519,9 @@ TEST(Errors, CuSeqlens) {
   };
   for (Op op : {Op::gla, Op::loglinear_hla2}) {
     const std::string on = op_tag(op);
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {4});
-      for (int i = 0; i < 4; ++i) cu.set(i, std::vector<double>{0, 10, 5, 16}[i]);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " decreasing", [&] { c.run(); }, "cu_seqlens", {"5", "10"});
-    }
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {3});
-      cu.set(1, 8);
-      cu.set(2, 15);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " last != T", [&] { c.run(); }, "cu_seqlens", {"16", "15"});
-    }
-    {
-      Call c(varlen(op));
-      Buffer cu(DType::i64, {3});
-      cu.set(0, 2);
-      cu.set(1, 10);
-      cu.set(2, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " first != 0", [&] { c.run(); }, "cu_seqlens", {"0", "2"});
-    }
+    expect_cu_seqlens_fails(on + " decreasing", varlen(op), {0, 10, 5, 16}, "cu_seqlens", {"5", "10"});
+    expect_cu_seqlens_fails(on + " last != T", varlen(op), {0, 8, 15}, "cu_seqlens", {"16", "15"});
+    expect_cu_seqlens_fails(on + " first != 0", varlen(op), {2, 10, 16}, "cu_seqlens", {"0", "2"});
     {
       Call c(varlen(op));
       Buffer cu = c.p.cu_seqlens.cast(DType::f32);
@@ -560,26 +534,14 @@ TEST(Errors, CuSeqlens) {
       c.fp.cu_seqlens = cu.view();
       expect_ok(on + " int32 cu_seqlens", [&] { c.run(); });
     }
-    {
-      Call c(base_spec(op));  // B = 2
-      Buffer cu(DType::i64, {3});
-      cu.set(1, 10);
-      cu.set(2, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " B = 2", [&] { c.run(); }, "cu_seqlens", {"B = 2"});
-    }
+    expect_cu_seqlens_fails(on + " B = 2", base_spec(op), {0, 10, 16}, "cu_seqlens", {"B = 2"});
     {
       // The initial state needs one row per sequence, not per batch row.
       ProblemSpec s = varlen(op);
       s.init_state = true;
       s.init_pos = {3, 9};
-      Call c(s);
-      Buffer cu(DType::i64, {4});
-      cu.set(1, 4);
-      cu.set(2, 10);
-      cu.set(3, 16);
-      c.fp.cu_seqlens = cu.view();
-      expect_error(on + " 3 sequences, 2 state rows", [&] { c.run(); }, "init.pos", {"[3]", "[2]"});
+      expect_cu_seqlens_fails(on + " 3 sequences, 2 state rows", s, {0, 4, 10, 16}, "init.pos",
+                              {"[3]", "[2]"});
     }
   }
 }
@@ -688,6 +650,63 @@ TEST(Errors, ValueChecks) {
       p.d_o.set(3, kNaN);
       expect_error(on + " NaN d_o", [&] { hila::tools::run_backward(p, Form::chunk, 16); }, "d_o",
                    {"nan"});
+    }
+  }
+}
+
+// The value checks name the first failing element in row-major order, in every float dtype, for
+// tensors longer than one scan block, with size-1 dimensions of any stride, and with outer strides
+// (elements outside the view, even non-finite ones, are never read).
+TEST(Errors, ValueChecksNameTheFirstBadElement) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::f64, DType::f32, DType::bf16, DType::f16}) {
+    ProblemSpec s = base_spec(Op::gla);
+    s.T = 1024;  // v [2, 1024, 2, 3]: 12288 elements
+    s.dtype = dt;
+    const std::string on = std::string(hila::dtype_name(dt)) + " ";
+    auto at = [](const Buffer& b, std::initializer_list<int64_t> idx) {  // row-major offset
+      int64_t off = 0, i = 0;
+      for (int64_t x : idx) off = off * b.shape[size_t(i++)] + x;
+      return off;
+    };
+    {
+      Call c(s);
+      c.p.v.set(at(c.p.v, {1, 900, 0, 0}), inf);
+      c.p.v.set(at(c.p.v, {1, 700, 1, 2}), kNaN);
+      c.p.v.set(at(c.p.v, {1, 1023, 1, 2}), kNaN);
+      expect_error(on + "first non-finite v", [&] { c.run(); }, "v", {"nan at [1, 700, 1, 2]"});
+    }
+    {
+      Call c(s);
+      c.p.g.set(at(c.p.g, {0, 3, 0}), -inf);  // a reset: valid
+      c.p.g.set(at(c.p.g, {1, 0, 0}), kNaN);
+      c.p.g.set(at(c.p.g, {0, 513, 1}), 0.25);
+      expect_error(on + "first bad gate", [&] { c.run(); }, "g", {"got 0.250000 at [0, 513, 1]"});
+    }
+    {
+      Call c(s);  // q [2, 1024, 1, 4]: its size-1 dimension may have any stride
+      c.fp.q.stride[2] = 12345;
+      expect_ok(on + "size-1 dimension with any stride", [&] { c.run(); });
+      c.p.q.set(at(c.p.q, {1, 1000, 0, 3}), -inf);
+      expect_error(on + "q with a size-1 dimension", [&] { c.run(); }, "q", {"-inf at [1, 1000, 0, 3]"});
+    }
+    {
+      // k as every other group of a [B, T, 2G, dk] buffer whose other groups are NaN
+      Call c(s);
+      const Buffer& k = c.p.k;
+      Buffer wide(dt, {k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3]});
+      const int64_t inner = k.shape[3];
+      for (int64_t i = 0; i < k.numel(); ++i) {
+        const int64_t row = i / inner, col = i % inner;
+        wide.set(row * 2 * inner + col, k.get(i));
+        wide.set(row * 2 * inner + inner + col, kNaN);  // never read
+      }
+      c.fp.k.data = wide.bytes.data();
+      for (int d = 0; d < 3; ++d) c.fp.k.stride[d] *= 2;
+      expect_ok(on + "outer strides", [&] { c.run(); });
+      const int64_t i = at(k, {0, 600, 0, 1});
+      wide.set(i / inner * 2 * inner + i % inner, inf);
+      expect_error(on + "k with outer strides", [&] { c.run(); }, "k", {"inf at [0, 600, 0, 1]"});
     }
   }
 }

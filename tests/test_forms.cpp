@@ -50,10 +50,8 @@ struct FormCase {
 };
 
 std::string case_name(const FormCase& c) {
-  std::string f = hila::form_name(c.form);
-  if (c.form == Form::chunk || c.form == Form::scan) f += std::to_string(c.chunk);
-  return op_tag(c.op) + "_" + f + "_" + dtype_tag(c.dt) + "_T" + std::to_string(c.T) + "_" +
-         var_tag(c.var) + (c.bwd ? "_bwd" : "_fwd");
+  return op_tag(c.op) + "_" + form_tag(c.form, c.chunk) + "_" + dtype_tag(c.dt) + "_T" +
+         std::to_string(c.T) + "_" + var_tag(c.var) + (c.bwd ? "_bwd" : "_fwd");
 }
 
 ProblemSpec spec_of(const FormCase& c) {

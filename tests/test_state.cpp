@@ -47,9 +47,7 @@ struct OpForm {
 };
 
 std::string of_name(const OpForm& c) {
-  std::string f = hila::form_name(c.form);
-  if (c.form == Form::chunk || c.form == Form::scan) f += std::to_string(c.chunk);
-  return op_tag(c.op) + "_" + f + (c.bwd ? "_bwd" : "_fwd");
+  return op_tag(c.op) + "_" + form_tag(c.form, c.chunk) + (c.bwd ? "_bwd" : "_fwd");
 }
 
 std::vector<OpForm> op_forms() {

@@ -23,9 +23,7 @@ struct VarlenCase {
 };
 
 std::string case_name(const VarlenCase& c) {
-  std::string f = hila::form_name(c.form);
-  if (c.form == Form::chunk || c.form == Form::scan) f += std::to_string(c.chunk);
-  return op_tag(c.op) + "_" + f + (c.init ? "_init" : "_noinit") + (c.bwd ? "_bwd" : "_fwd");
+  return op_tag(c.op) + "_" + form_tag(c.form, c.chunk) + (c.init ? "_init" : "_noinit") + (c.bwd ? "_bwd" : "_fwd");
 }
 
 ProblemSpec spec_of(const VarlenCase& c) {

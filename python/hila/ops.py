@@ -764,6 +764,11 @@ def _device_copy(x: Any) -> Array:
                         "use DecodeState.view() for DLPack arrays aliasing it", "device") from None
 
 
+def _native_attr(name: str, doc: Optional[str] = None) -> property:
+    """A read-only property that returns attribute ``name`` of the wrapped native object ``_st``."""
+    return property(lambda self: getattr(self._st, name), doc=doc)
+
+
 class DecodeState:
     """An owning decode state (``hila::DecodeState``) for N sequences x H heads, stepped one token
     at a time with the library's fused step. Its memory is managed by hila on its ``device``: host
@@ -879,35 +884,15 @@ class DecodeState:
     def op(self) -> str:
         return self._cfg.op
 
-    @property
-    def batch(self) -> int:
-        return self._st.batch
-
-    @property
-    def heads(self) -> int:
-        return self._st.heads
-
-    @property
-    def dk(self) -> int:
-        return self._st.dk
-
-    @property
-    def dv(self) -> int:
-        return self._st.dv
-
-    @property
-    def dtype(self) -> str:
-        return self._st.dtype
-
-    @property
-    def slots(self) -> int:
-        """Fenwick slot capacity (1 for operators without levels)."""
-        return self._st.slots
-
-    @property
-    def bytes_per_sequence(self) -> int:
-        """Bytes of state per sequence at the current capacity (all heads)."""
-        return self._st.bytes_per_sequence
+    # Read-only views of the native state's shape and size.
+    batch = _native_attr("batch")
+    heads = _native_attr("heads")
+    dk = _native_attr("dk")
+    dv = _native_attr("dv")
+    dtype = _native_attr("dtype")
+    slots = _native_attr("slots", "Fenwick slot capacity (1 for operators without levels).")
+    bytes_per_sequence = _native_attr(
+        "bytes_per_sequence", "Bytes of state per sequence at the current capacity (all heads).")
 
     def __repr__(self) -> str:
         return (f"DecodeState(op='{self.op}', batch={self.batch}, heads={self.heads}, dk={self.dk}, "

@@ -37,6 +37,31 @@ def call_kwargs(inp, convert=lambda x: x):
     return kw
 
 
+def assert_rel_close(a, b, tol):
+    """a and b (torch tensors) of one shape, a finite and max|a - b| / max|b| <= tol."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert bool(a.isfinite().all())
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_switch(switch, default):
+    """switch(on) sets a process-wide flag and returns its previous value; checked both ways,
+    `default` last, and the flag restored afterwards."""
+    prev = switch(not default)
+    try:
+        assert switch(default) is (not default)
+        assert switch(prev) is default
+    finally:
+        switch(prev)
+
+
+def torch_gen(seed):
+    """A CPU torch.Generator seeded with `seed`."""
+    import torch
+    return torch.Generator().manual_seed(seed)
+
+
 def host(x):
     """A host numpy array of x (numpy, or a torch tensor on any device)."""
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)

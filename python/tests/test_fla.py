@@ -12,20 +12,13 @@ import torch.nn.functional as F  # noqa: E402
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from hila.torch import fla  # noqa: E402
-from helpers import chunk_for, require_device  # noqa: E402
+from helpers import assert_rel_close, chunk_for, require_device, torch_gen as _gen  # noqa: E402
 
 F64 = torch.float64
 
 
 def _close(a, b, tol=1e-12):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.isfinite(a).all()
-    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    assert_rel_close(a, b, tol)
 
 
 def _randn(*shape, seed, device, dtype=F64):

@@ -13,21 +13,14 @@ import torch.nn.functional as F  # noqa: E402
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from hila.torch import fla_layers as fl  # noqa: E402
-from helpers import require_device  # noqa: E402
+from helpers import assert_rel_close, require_device, torch_gen as _gen  # noqa: E402
 
 F64 = torch.float64
 D = 16
 
 
 def _close(a, b, tol=1e-11):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.isfinite(a).all()
-    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    assert_rel_close(a, b, tol)
 
 
 # ----------------------------------------------------------------------------- fla-layout dicts

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
-from helpers import require_device  # noqa: E402
+from helpers import assert_rel_close, require_device  # noqa: E402
 
 D = 32
 LAYERS = {
@@ -35,8 +35,7 @@ def _x(device, B=3, T=29, dtype=torch.float64, seed=1):
 
 
 def _close(a, b, tol=1e-11):
-    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+    assert_rel_close(a, b, tol)
 
 
 @pytest.mark.parametrize("name", LAYERS)

@@ -10,14 +10,12 @@ torch = pytest.importorskip("torch")
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 from hila.torch import fla  # noqa: E402
-from helpers import chunk_for, require_device  # noqa: E402
+from helpers import chunk_for, require_device, torch_gen as _gen  # noqa: E402
 
 F64 = torch.float64
 H, DK, DV, L = 2, 8, 4, 8          # L: level weights, enough for positions < 128
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _inputs(op, shape_qk, shape_v, gate_shape, seed, device, dtype=F64):

@@ -23,7 +23,7 @@ import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 import hila.torch.layers as hlayers  # noqa: E402
 import hila.torch.ops as hops  # noqa: E402
-from helpers import chunk_for, require_device, torch_inputs  # noqa: E402
+from helpers import assert_switch, chunk_for, require_device, torch_inputs  # noqa: E402
 
 OPS = hila.OPS
 FILLS = {"aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_", "aten::full", "aten::ones",
@@ -257,6 +257,36 @@ def test_direct_road_equals_custom_ops(op, case, device, request):
     assert "hila::forward" in seen["custom_op"] and "hila::backward" in seen["custom_op"]
     for i, (a, b) in enumerate(zip(results["direct"], results["custom_op"])):
         assert torch.equal(a, b), f"result {i} differs between the roads"
+
+
+@pytest.mark.parametrize("op", ("gla", "hla2", "loglinear_ahla", "gdn", "loglinear_gdn"))
+def test_plain_training_call_equals_the_other_roads(op, device, request):
+    """a call without states (the direct road's plain autograd function, o alone): o and the
+    gradients of the inputs that need them equal, bit for bit, those of the custom ops and of the
+    same call returning a final state (the general autograd function)."""
+    chunk = chunk_for(device, 4, op)
+    require_device(device, op, "chunk", chunk)
+    x, _, _ = torch_inputs(op, device, B=2, T=12)
+    names = list(x)
+    gen = torch.Generator().manual_seed(5)
+
+    def run(road, final, needs, do):
+        leaves = {k: v.detach().requires_grad_(k in needs) for k, v in x.items()}
+        _setflag(request, hops._FAST, road == "direct")
+        o, fin = ht.forward(op, **leaves, chunk=chunk, output_final_state=final)
+        assert (fin is not None) == final
+        grads = torch.autograd.grad(o, [leaves[k] for k in names if k in needs], do)
+        return type(o.grad_fn).__name__, [o.detach()] + list(grads)
+
+    for needs in (set(names), {"q"}, {"v", "g"}):
+        do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(device)
+        fn, plain = run("direct", False, needs, do)
+        assert fn == "_PlainBackward", fn
+        for road, final in (("custom_op", False), ("direct", True)):
+            fn, other = run(road, final, needs, do)
+            assert fn != "_PlainBackward", (road, final, fn)
+            for i, (a, b) in enumerate(zip(plain, other)):
+                assert torch.equal(a, b), f"{road} final={final} needs={sorted(needs)}: result {i} differs"
 
 
 @pytest.mark.parametrize("op", ("hla3", "loglinear_gdn"))
@@ -617,12 +647,7 @@ def test_bound_and_unbound_steps_of_one_state_lose_nothing():
 
 
 def test_fast_path_switch():
-    prev = ht.eager_fast_path(False)
-    try:
-        assert ht.eager_fast_path(True) is False
-        assert ht.eager_fast_path(prev) is True
-    finally:
-        ht.eager_fast_path(prev)
+    assert_switch(ht.eager_fast_path, default=True)
 
 
 def test_meta_and_fake_tensors_take_the_custom_ops():

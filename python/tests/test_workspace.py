@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import hila  # noqa: E402
 from hila import _C  # noqa: E402
-from helpers import require_device  # noqa: E402
+from helpers import assert_switch, require_device  # noqa: E402
 
 
 def _inputs(device, dtype=torch.float32, B=2, T=130, H=4, d=32, seed=0):
@@ -117,12 +117,7 @@ def test_allocator_arrays_are_read_as_bytes(device, dtype):
 
 
 def test_framework_workspace_switch():
-    prev = hila.use_framework_workspace(True)
-    try:
-        assert hila.use_framework_workspace(False) is True
-        assert hila.use_framework_workspace(prev) is False
-    finally:
-        hila.use_framework_workspace(prev)
+    assert_switch(hila.use_framework_workspace, default=False)
 
 
 def test_numpy_calls_need_no_workspace():

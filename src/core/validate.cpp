@@ -253,55 +253,95 @@ void for_each(const TensorView& t, F f) {
   }
 }
 
-// First element of a host tensor failing the value check, as a row-major index (-1: none):
-// log-gates must be <= 0 or -inf (NaN and x > 0 fail), everything else finite. Rows (the
-// innermost dimension, contiguous or not) are scanned with a typed loop that ORs the test over
-// the row (vectorisable); only a failing row is searched element by element.
-int64_t host_scan(const TensorView& t, bool gates) {
-  if (!t.defined() || t.numel() == 0) return -1;
-  const int nd = t.ndim;
-  const int64_t n = nd ? t.shape[nd - 1] : 1, inner = nd ? t.stride[nd - 1] : 1;
-  const int64_t rows = t.numel() / n;
-  auto scan_row = [&](const auto* x) -> int64_t {
-    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-    auto bad = [gates](double v) { return gates ? !(v <= 0) : !(std::fabs(v) <= 1.7976931348623157e308); };
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-      bool any = false;
-      if (inner == 1) {
-        for (int64_t c = 0; c < n; ++c)
-          any |= gates ? !(x[c] <= T(0)) : !(std::fabs(x[c]) <= std::numeric_limits<T>::max());
-      } else {
-        any = true;  // strided row: searched below
-      }
-      if (!any) return -1;
-    }
-    for (int64_t c = 0; c < n; ++c) {
-      double v;
-      if constexpr (std::is_same_v<T, uint16_t>) v = bf16_to_float(x[c * inner]);
-      else v = static_cast<double>(x[c * inner]);
-      if (bad(v)) return c;
+// The value test of one element: log-gates must be <= 0 or -inf (NaN and x > 0 fail), everything
+// else finite (NaN and +-inf fail).
+template <bool Gates, class T>
+inline bool bad_value(T x) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
+    return Gates ? !(x <= T(0)) : !(std::fabs(x) <= std::numeric_limits<T>::max());
+  else
+    return bad_value<Gates>(static_cast<double>(x));
+}
+
+template <class T>
+inline auto element(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_float(x[i]);
+  else return x[i];
+}
+
+// First failing element among x[0], x[inner], ..., x[(n-1) inner] (-1: none). Contiguous runs
+// (inner == 1) are tested in blocks by a branch-free OR over the block (vectorisable); only a
+// failing block is searched element by element.
+template <bool Gates, class T>
+int64_t scan_run(const T* x, int64_t n, int64_t inner) {
+  if (inner == 1) {
+    constexpr int64_t kBlock = 2048;
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t e = std::min(n, b + kBlock);
+      unsigned any = 0;
+      for (int64_t c = b; c < e; ++c) any |= static_cast<unsigned>(bad_value<Gates>(element(x, c)));
+      if (!any) continue;
+      for (int64_t c = b; c < e; ++c)
+        if (bad_value<Gates>(element(x, c))) return c;
     }
     return -1;
-  };
-  std::array<int64_t, kMaxDims> idx{};
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t off = 0;
-    for (int i = 0; i + 1 < nd; ++i) off += idx[i] * t.stride[i];
-    int64_t c = -1;
-    switch (t.dtype) {
-      case DType::f32: c = scan_row(static_cast<const float*>(t.data) + off); break;
-      case DType::f64: c = scan_row(static_cast<const double*>(t.data) + off); break;
-      case DType::bf16: c = scan_row(static_cast<const uint16_t*>(t.data) + off); break;
-      case DType::f16: c = scan_row(static_cast<const _Float16*>(t.data) + off); break;
-      default: return -1;  // integer tensors hold no non-finite values
+  }
+  for (int64_t c = 0; c < n; ++c)
+    if (bad_value<Gates>(element(x, c * inner))) return c;
+  return -1;
+}
+
+// First element of a host tensor failing the value check (bad_value), as a row-major index (-1:
+// none). The trailing dimensions that lie contiguously in memory (size-1 dimensions skipped) are
+// scanned as one run; the leading ones are walked run by run.
+template <bool Gates, class T>
+int64_t host_scan_typed(const TensorView& t) {
+  const T* base = static_cast<const T*>(t.data);
+  const int nd = t.ndim;
+  int outer = nd;  // dimensions [outer, nd) form one run of n elements with stride `inner`
+  int64_t n = 1, inner = 1;
+  if (nd > 0 && t.shape[nd - 1] > 1 && t.stride[nd - 1] != 1) {  // a strided innermost dimension
+    outer = nd - 1;
+    n = t.shape[nd - 1];
+    inner = t.stride[nd - 1];
+  } else {
+    for (int64_t expect = 1; outer > 0; --outer) {
+      const int i = outer - 1;
+      if (t.shape[i] == 1) continue;
+      if (t.stride[i] != expect) break;
+      expect *= t.shape[i];
+      n *= t.shape[i];
     }
+  }
+  const int64_t runs = t.numel() / n;
+  std::array<int64_t, kMaxDims> idx{};
+  for (int64_t r = 0; r < runs; ++r) {
+    int64_t off = 0;
+    for (int i = 0; i < outer; ++i) off += idx[i] * t.stride[i];
+    const int64_t c = scan_run<Gates>(base + off, n, inner);
     if (c >= 0) return r * n + c;
-    for (int i = nd - 2; i >= 0; --i) {
+    for (int i = outer - 1; i >= 0; --i) {
       if (++idx[i] < t.shape[i]) break;
       idx[i] = 0;
     }
   }
   return -1;
+}
+
+template <bool Gates>
+int64_t host_scan_as(const TensorView& t) {
+  switch (t.dtype) {
+    case DType::f32: return host_scan_typed<Gates, float>(t);
+    case DType::f64: return host_scan_typed<Gates, double>(t);
+    case DType::bf16: return host_scan_typed<Gates, uint16_t>(t);
+    case DType::f16: return host_scan_typed<Gates, _Float16>(t);
+    default: return -1;  // integer tensors hold no non-finite values
+  }
+}
+
+int64_t host_scan(const TensorView& t, bool gates) {
+  if (!t.defined() || t.numel() == 0) return -1;
+  return gates ? host_scan_as<true>(t) : host_scan_as<false>(t);
 }
 
 // device_scan for device tensors, host_scan for host ones: -1 when every element passes, else
@@ -556,6 +596,26 @@ Dims check_qkv(const TensorView& q, const TensorView& k, const TensorView& v, bo
   return d;
 }
 
+// The dtype, device and strides of a side input (g, lam, beta), after its shape.
+void expect_side_input(const char* name, const TensorView& x, Device dev) {
+  expect_float(name, x);
+  expect_device(name, x, dev);
+  expect_strides(name, x);
+}
+
+// An input that operator `op` takes exactly when `needed` (lam: Fenwick levels, beta: the delta
+// rule): a missing one fails with "is required by operator <op> (<what>)", an unwanted one with
+// "expected no tensor (operator <op> has no <lacks>)". Returns `needed` (then x is present).
+bool expect_if_needed(const char* name, const TensorView& x, bool needed, Op op, const char* what,
+                      const char* lacks) {
+  if (needed && !x.defined())
+    fail(name, std::string("is required by operator ") + op_name(op) + " (" + what + "), got nothing");
+  if (!needed && x.defined())
+    fail(name, std::string("expected no tensor (operator ") + op_name(op) + " has no " + lacks + "), got " +
+                   x.shape_str());
+  return needed;
+}
+
 // g, lam, beta for a call over the leading dims [B, T] (with_t) or [N].
 int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView& lam, const TensorView& beta,
                       bool with_t, const Dims& d) {
@@ -572,33 +632,17 @@ int check_side_inputs(const OpConfig& cfg, const TensorView& g, const TensorView
       return untied ? "untied gates: one column per primitive of " + std::string(op_name(cfg.op))
                     : std::string("one log-gate per token and value head");
     });
-    expect_float("g", g);
-    expect_device("g", g, d.dev);
-    expect_strides("g", g);
+    expect_side_input("g", g, d.dev);
     gate_cols = untied ? t.num_primitives : 1;
   }
-  if (t.loglinear) {
-    if (!lam.defined())
-      fail("lam", std::string("is required by operator ") + op_name(cfg.op) + " (Fenwick level weights), got nothing");
+  if (expect_if_needed("lam", lam, t.loglinear, cfg.op, "Fenwick level weights", "Fenwick levels")) {
     expect_ndim("lam", lam, with_t ? 4 : 3, "[..., H, L]");
     expect_shape("lam", lam, lead({d.H, lam.shape[lam.ndim - 1]}), "leading dims as v, then L levels");
-    expect_float("lam", lam);
-    expect_device("lam", lam, d.dev);
-    expect_strides("lam", lam);
-  } else if (lam.defined()) {
-    fail("lam", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no Fenwick levels), got " +
-                    lam.shape_str());
+    expect_side_input("lam", lam, d.dev);
   }
-  if (t.delta) {
-    if (!beta.defined())
-      fail("beta", std::string("is required by operator ") + op_name(cfg.op) + " (delta-rule step sizes), got nothing");
+  if (expect_if_needed("beta", beta, t.delta, cfg.op, "delta-rule step sizes", "delta rule")) {
     expect_shape("beta", beta, lead({d.H}), "one step size per token and value head");
-    expect_float("beta", beta);
-    expect_device("beta", beta, d.dev);
-    expect_strides("beta", beta);
-  } else if (beta.defined()) {
-    fail("beta", std::string("expected no tensor (operator ") + op_name(cfg.op) + " has no delta rule), got " +
-                     beta.shape_str());
+    expect_side_input("beta", beta, d.dev);
   }
   return gate_cols;
 }

@@ -53,7 +53,7 @@ void l2norm_rows(Mat<R>& x) {
 template <class R>
 Mat<R> gather_qk(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t grp, bool l2,
                  double scale) {
-  Mat<R> m(s.len, G.r->dk);
+  Mat<R> m(s.len, G.r->dk, cpu::Uninit{});  // every row loaded below
   for (int64_t i = 0; i < s.len; ++i) {
     load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, grp), m.row(i), G.r->dk);
   }
@@ -66,7 +66,7 @@ Mat<R> gather_qk(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t gr
 template <class R>
 Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h, int64_t cols,
                    bool ones = false) {
-  Mat<R> m(s.len, cols + (ones ? 1 : 0));
+  Mat<R> m(s.len, cols + (ones ? 1 : 0), cpu::Uninit{});  // every entry set below
   for (int64_t i = 0; i < s.len; ++i) {
     load_row<R>(t, base(t, G.with_t, s.b, s.row0 + i, h), m.row(i), cols);
     if (ones) m(i, cols) = 1;
@@ -259,20 +259,29 @@ void zero_rows(const Geo& G, const TensorView& o, const SeqInfo& s, int64_t h, i
   }
 }
 
+// body(s, row, h) for every sequence s and head h in parallel, with the state row r.row(i) that
+// sequence i reads and writes (a pool's row with state_indices); a padding sequence (row -1)
+// computes nothing and gets o 0. Rows are distinct, so the items never share a row.
+template <class F>
+void for_each_sequence_head(const Resolved& r, const Geo& G, const TensorView& o, F body) {
+  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
+    const SeqInfo& s = r.seqs[i];
+    const int64_t row = r.row(size_t(i));
+    if (row < 0) return zero_rows(G, o, s, h, r.dv);
+    body(s, row, h);
+  });
+}
+
 template <class R>
 void forward_impl(const Resolved& r, const ForwardParams& p) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, true};
-  // sequence i reads and writes state row r.row(i) (a pool's row with state_indices; -1: padding,
-  // which computes nothing and leaves o 0). Rows are distinct, so the items never share a row.
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
-    const SeqInfo& s = r.seqs[i];
-    const int64_t row = r.row(size_t(i));
-    if (row < 0) return zero_rows(G, p.o, s, h, r.dv);
+  for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
     Mat<R> O(s.len, r.dv);
     const OpState<R> fin =
-        cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O);
+        cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O,
+                           p.final_state.defined());
     scatter_rows<R>(G, p.o, s, h, O, r.dv);
     if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, row, h, false);
   });
@@ -306,7 +315,8 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
     const HeadView<R> x = in.view(plan, s.n0);
     if (p.o.defined() || p.final_state.defined()) {
       Mat<R> O(s.len, r.dv);
-      const OpState<R> fin = cpu::op_forward<R>(plan, pform(r.form), r.chunk, x, in.init, O);
+      const OpState<R> fin = cpu::op_forward<R>(plan, pform(r.form), r.chunk, x, in.init, O,
+                                                p.final_state.defined());
       if (p.o.defined()) scatter_rows<R>(G, p.o, s, h, O, r.dv);
       if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, i, h, false);
     }
@@ -364,10 +374,7 @@ void step_impl(const Resolved& r, const StepParams& p, const StateView& sv) {
   const OpPlan plan = OpPlan::make(r.cfg);
   const Geo G{&r, false};
   // sequence i steps state row r.row(i) (-1: a padding row of a pool, o 0)
-  parallel_heads(static_cast<int64_t>(r.seqs.size()), r.H, work(r), [&](int64_t i, int64_t h) {
-    const SeqInfo& s = r.seqs[i];
-    const int64_t row = r.row(size_t(i));
-    if (row < 0) return zero_rows(G, p.o, s, h, r.dv);
+  for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, sv, s, row, h);
     std::vector<R> o(static_cast<size_t>(r.dv));
     cpu::op_step<R>(plan, in.view(plan, s.n0), 0, s.n0, in.init, o.data());

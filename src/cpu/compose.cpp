@@ -53,20 +53,20 @@ struct Inner {
 
 template <class R>
 Inner<R> run_inner(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                   const OpState<R>& init) {
+                   const OpState<R>& init, bool want_state) {
   Inner<R> in;
   const int64_t n = x.n();
   in.key = x.k;
   in.val = x.v;
   if (p.has_S) {
     in.U = Mat<R>(n, x.k.c);
-    in.S = prim_forward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S, in.U);
+    in.S = prim_forward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S, in.U, want_state);
     if (p.ridge != 0) axpy<R>(in.U, x.q, R(p.ridge));  // u_j = (S_j + ridge I) q_j
     in.key = in.U;
   }
   if (p.has_P) {
     in.Hh = Mat<R>(n, x.v.c);
-    in.P = prim_forward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P, in.Hh);
+    in.P = prim_forward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P, in.Hh, want_state);
     in.val = in.Hh;
   }
   return in;
@@ -77,15 +77,30 @@ void accumulate(MRef<R> Y, const Mat<R>& X) {
   axpy<R>(Y, X);
 }
 
+// Backward of an inner primitive Y = GLA_gate(Q, K, W) (W = K for S, W = V' for P) from dY, the
+// cotangent of Y [n, W.c]: adds dQ to G.dq, dK to dk and dW to dw (dk itself when W = K), sets
+// G.dg[gate]; returns the gradient of the primitive's initial state.
+template <class R>
+Canon<R> inner_backward(PForm form, int64_t C, const HeadView<R>& x, int gate, MRef<const R> w,
+                        const Canon<R>& init, const Mat<R>& dY, const Canon<R>& dfinal,
+                        OpGrads<R>& G, Mat<R>& dk, Mat<R>& dw) {
+  PrimGrads<R> gi = prim_backward<R>(form, C, inner_args(x, gate, x.k, w), init, dY, dfinal);
+  accumulate<R>(G.dq, gi.dq);
+  accumulate<R>(dk, gi.dk);
+  accumulate<R>(dw, gi.dv);
+  G.dg[gate] = std::move(gi.dg);
+  return std::move(gi.dinit);
+}
+
 }  // namespace
 
 template <class R>
 OpState<R> op_forward_raw(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                          const OpState<R>& init, MRef<R> Oraw) {
+                          const OpState<R>& init, MRef<R> Oraw, bool want_state) {
   if (form == PForm::scan && p.op_level_scan) return hla_scan_forward(p, C, x, init, Oraw);
-  Inner<R> in = run_inner(p, form, C, x, init);
+  Inner<R> in = run_inner(p, form, C, x, init, want_state);
   OpState<R> out;
-  out.H = prim_forward<R>(form, C, outer_args(p, x, in.key, in.val), init.H, Oraw);
+  out.H = prim_forward<R>(form, C, outer_args(p, x, in.key, in.val), init.H, Oraw, want_state);
   out.S = std::move(in.S);
   out.P = std::move(in.P);
   return out;
@@ -103,10 +118,10 @@ static void normalize_rows(MRef<const R> Oraw, MRef<R> O, R eps) {
 
 template <class R>
 OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                      const OpState<R>& init, MRef<R> O) {
-  if (!p.normalize) return op_forward_raw(p, form, C, x, init, O);
+                      const OpState<R>& init, MRef<R> O, bool want_state) {
+  if (!p.normalize) return op_forward_raw(p, form, C, x, init, O, want_state);
   Mat<R> Oraw(x.n(), x.v.c);
-  OpState<R> st = op_forward_raw(p, form, C, x, init, Oraw.ref());
+  OpState<R> st = op_forward_raw(p, form, C, x, init, Oraw.ref(), want_state);
   normalize_rows<R>(Oraw, O, R(p.eps));
   return st;
 }
@@ -115,14 +130,14 @@ template <class R>
 OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                        const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal) {
   const int64_t n = x.n(), dvp = x.v.c, dv = p.normalize ? dvp - 1 : dvp;
-  Inner<R> in = run_inner(p, form, C, x, init);
+  Inner<R> in = run_inner(p, form, C, x, init, false);  // the inner final states are not read
   const PrimArgs<R> oa = outer_args(p, x, in.key, in.val);
   // cotangent of O' = [N | D]:  dN = dO / (D + eps),  dD = -sum_c(dO o N) / (D + eps)^2
   Mat<R> dOraw;
   MRef<const R> dOr = dO;
   if (p.normalize) {
     Mat<R> Oraw(n, dvp);
-    prim_forward<R>(form, C, oa, init.H, Oraw.ref());
+    prim_forward<R>(form, C, oa, init.H, Oraw.ref(), false);
     dOraw = Mat<R>(n, dvp);
     for (int64_t i = 0; i < n; ++i) {
       const R den = Oraw(i, dv) + R(p.eps);
@@ -144,24 +159,11 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
   G.dinit.H = std::move(go.dinit);
   Mat<R> dk = p.has_S ? Mat<R>(n, x.k.c) : std::move(go.dk);
   Mat<R> dvfull = p.has_P ? Mat<R>(n, dvp) : std::move(go.dv);
-  if (p.has_P) {  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
-    PrimGrads<R> gp = prim_backward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P,
-                                       go.dv, dfinal.P);
-    accumulate<R>(G.dq, gp.dq);
-    accumulate<R>(dk, gp.dk);
-    accumulate<R>(dvfull, gp.dv);
-    G.dg[p.gP] = std::move(gp.dg);
-    G.dinit.P = std::move(gp.dinit);
-  }
+  if (p.has_P)  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
+    G.dinit.P = inner_backward<R>(form, C, x, p.gP, x.v, init.P, go.dv, dfinal.P, G, dk, dvfull);
   if (p.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q: cotangent is the outer key gradient
     if (p.ridge != 0) axpy<R>(G.dq, go.dk, R(p.ridge));
-    PrimGrads<R> gs = prim_backward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S,
-                                       go.dk, dfinal.S);
-    accumulate<R>(G.dq, gs.dq);
-    accumulate<R>(dk, gs.dk);
-    accumulate<R>(dk, gs.dv);
-    G.dg[p.gS] = std::move(gs.dg);
-    G.dinit.S = std::move(gs.dinit);
+    G.dinit.S = inner_backward<R>(form, C, x, p.gS, x.k, init.S, go.dk, dfinal.S, G, dk, dk);
   }
   G.dk = std::move(dk);
   if (p.normalize) {  // drop the ones column
@@ -204,9 +206,9 @@ void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpStat
 #define HILA_INSTANTIATE(R)                                                                     \
   template struct HeadView<R>;                                                                  \
   template OpState<R> op_forward<R>(const OpPlan&, PForm, int64_t, const HeadView<R>&,          \
-                                    const OpState<R>&, MRef<R>);                                \
+                                    const OpState<R>&, MRef<R>, bool);                          \
   template OpState<R> op_forward_raw<R>(const OpPlan&, PForm, int64_t, const HeadView<R>&,      \
-                                        const OpState<R>&, MRef<R>);                            \
+                                        const OpState<R>&, MRef<R>, bool);                      \
   template OpGrads<R> op_backward<R>(const OpPlan&, PForm, int64_t, const HeadView<R>&,         \
                                      const OpState<R>&, MRef<const R>, const OpState<R>&);      \
   template void op_step<R>(const OpPlan&, const HeadView<R>&, int64_t, int64_t, OpState<R>&, R*);

@@ -41,14 +41,15 @@ struct OpGrads {
   OpState<R> dinit;
 };
 
-// Forward producing the final output O [n, dv] (normalized if asked); returns the final state.
+// Forward producing the final output O [n, dv] (normalized if asked); returns the final state
+// (want_state false: states the caller does not read may be left empty, see prim_forward).
 template <class R>
 OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                      const OpState<R>& init, MRef<R> O);
+                      const OpState<R>& init, MRef<R> O, bool want_state = true);
 // Raw forward: O' [n, dv'] before normalization.
 template <class R>
 OpState<R> op_forward_raw(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                          const OpState<R>& init, MRef<R> Oraw);
+                          const OpState<R>& init, MRef<R> Oraw, bool want_state = true);
 template <class R>
 OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                        const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal);

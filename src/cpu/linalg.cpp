@@ -4,6 +4,7 @@
 #include "cpu/linalg.h"
 
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
 #define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -18,37 +19,49 @@ namespace {
 // Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
 // registers across the sum over k (independent chains; each C(i, j) summed over k in order).
 // k where op(A) is zero in all NR rows (e.g. the upper triangle of a causal mask) is skipped.
-template <int NR, class R>
+template <int NR, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
                                                 int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
                                                 int64_t ke, R alpha) {
   typedef R V __attribute__((vector_size(32)));
+  // the same vector at element alignment: direct unaligned loads and stores of C and B rows
+  typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
   constexpr int64_t L = 32 / sizeof(R);
+  // integer view of R for the zero test (integer ORs, cheaper than NR float compares)
+  using U = std::conditional_t<sizeof(R) == 4, uint32_t, uint64_t>;
+  constexpr U kMag = ~(U(1) << (8 * sizeof(R) - 1));
   V acc[NR][2];
   for (int r = 0; r < NR; ++r) {
-    std::memcpy(&acc[r][0], c + r * ldc, sizeof(V));
-    std::memcpy(&acc[r][1], c + r * ldc + L, sizeof(V));
+    if (kZero) {  // C = alpha op(A) B: start from 0, C not read
+      acc[r][0] = V{};
+      acc[r][1] = V{};
+    } else {
+      acc[r][0] = *reinterpret_cast<const VU*>(c + r * ldc);
+      acc[r][1] = *reinterpret_cast<const VU*>(c + r * ldc + L);
+    }
   }
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
-    bool any = false;
+    U bits = 0;  // OR of the magnitude bits: 0 iff every a[r] is +-0 (a NaN is non-zero)
     for (int r = 0; r < NR; ++r) {
-      a[r] = alpha * ai[r * sa_row + k * sa_k];
-      any |= a[r] != R(0);
+      a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
+      U u;
+      std::memcpy(&u, &a[r], sizeof(U));
+      bits |= u;
     }
-    if (!any) continue;
+    if (!(bits & kMag)) continue;
     const R* b = B + k * ldb;
     V b0, b1;
-    std::memcpy(&b0, b, sizeof(V));
-    std::memcpy(&b1, b + L, sizeof(V));
+    b0 = *reinterpret_cast<const VU*>(b);
+    b1 = *reinterpret_cast<const VU*>(b + L);
     for (int r = 0; r < NR; ++r) {
       acc[r][0] += a[r] * b0;
       acc[r][1] += a[r] * b1;
     }
   }
   for (int r = 0; r < NR; ++r) {
-    std::memcpy(c + r * ldc, &acc[r][0], sizeof(V));
-    std::memcpy(c + r * ldc + L, &acc[r][1], sizeof(V));
+    *reinterpret_cast<VU*>(c + r * ldc) = acc[r][0];
+    *reinterpret_cast<VU*>(c + r * ldc + L) = acc[r][1];
   }
 }
 
@@ -64,7 +77,7 @@ inline Range range(int tri, int64_t i, int64_t nr, int64_t kk, int64_t n) {
   return r;
 }
 
-template <class R>
+template <bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R* A, int64_t sa_row,
                                                      int64_t sa_k, const R* B, int64_t ldb, int64_t m,
                                                      int64_t n, int64_t kk, R alpha, int tri) {
@@ -74,18 +87,19 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
   for (; i + NR <= m; i += NR) {
     const Range g = range(tri, i, NR, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<NR>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<NR, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   for (; i < m; ++i) {
     const Range g = range(tri, i, 1, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<1>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<1, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   if (nt == n) return;
   for (i = 0; i < m; ++i) {  // the last n - nt columns
     R* c = C + i * ldc;
     const R* ai = A + i * sa_row;
     const Range g = range(tri, i, 1, kk, n);
+    if (kZero) std::fill(c + nt, c + std::max(nt, g.je), R(0));
     for (int64_t k = g.kb; k < g.ke; ++k) {
       const R a = alpha * ai[k * sa_k];
       if (a == R(0)) continue;
@@ -100,13 +114,33 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
                                float alpha, int tri) {
-  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  // alpha = 1 (most products) without the multiply per A entry
+  if (tri & kCZero) {
+    if (alpha == 1.0f)
+      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+    else
+      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else if (alpha == 1.0f) {
+    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else {
+    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  }
 }
 
 HILA_CPU_CLONES void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row,
                                int64_t sa_k, const double* B, int64_t ldb, int64_t m, int64_t n,
                                int64_t kk, double alpha, int tri) {
-  rows_impl(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  // alpha = 1 (most products) without the multiply per A entry
+  if (tri & kCZero) {
+    if (alpha == 1.0f)
+      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+    else
+      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else if (alpha == 1.0f) {
+    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  } else {
+    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  }
 }
 
 }  // namespace hila::cpu

@@ -5,6 +5,8 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace hila::cpu {
@@ -20,12 +22,36 @@ struct MRef {
   operator MRef<const R>() const { return {p, r, c, ld}; }
 };
 
+// Allocator whose value-less construct default-initialises (no zero fill): vector(n) of it leaves
+// arithmetic elements unset; vector(n, x) still sets them.
+template <class T>
+struct NoInitAlloc : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInitAlloc<U>;
+  };
+  NoInitAlloc() = default;
+  template <class U>
+  NoInitAlloc(const NoInitAlloc<U>&) noexcept {}
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+};
+
+struct Uninit {};  // tag: a Mat whose entries the caller writes before reading
+
 template <class R>
 struct Mat {
   int64_t r = 0, c = 0;
-  std::vector<R> a;
+  std::vector<R, NoInitAlloc<R>> a;
   Mat() = default;
   Mat(int64_t rows, int64_t cols) : r(rows), c(cols), a(static_cast<size_t>(rows * cols), R(0)) {}
+  Mat(int64_t rows, int64_t cols, Uninit) : r(rows), c(cols), a(static_cast<size_t>(rows * cols)) {}
   R& operator()(int64_t i, int64_t j) { return a[i * c + j]; }
   const R& operator()(int64_t i, int64_t j) const { return a[i * c + j]; }
   R* row(int64_t i) { return a.data() + i * c; }
@@ -44,10 +70,15 @@ struct Mat {
 //   kALower: op(A)(i, k) = 0 for k > i (a causal mask), so the sum for row i stops at k = i;
 //   kAUpper: op(A)(i, k) = 0 for k < i (a transposed causal mask), so it starts at k = i;
 //   kCLower: only C(i, j), j <= i, is wanted; entries above the diagonal are left unspecified
-//            (partly computed) and must not be read.
+//            (partly computed) and must not be read;
+//   kCUnset: with kCLower in matmul or a gemm with beta = 0: the entries above the diagonal may
+//            even be left unset (uninitialised memory: never read them, not even as zeros);
+//   kCZero:  (gemm_rows) C is not read: each written entry starts from 0 (C = alpha op(A) B).
+// In a product without kCLower (or with kCUnset) and beta = 0, every entry gemm must define is
+// written from 0 in the tile loop, without a pass that zero-fills C first.
 // Skipping a k where op(A) is zero drops exact zeros from the sums (as the tile loop already does
 // for a zero A entry), so the lower triangle rounds as the full product does.
-enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4 };
+enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4, kCUnset = 8, kCZero = 16 };
 
 // C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
 // with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load
@@ -67,8 +98,16 @@ template <class R>
 void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha = R(1),
           R beta = R(0), int tri = kTriNone) {
   const int64_t m = C.r, n = C.c, kk = tA ? A.r : A.c;
+  tri &= ~kCZero;
   if (beta == R(0)) {
-    for (int64_t i = 0; i < m; ++i) std::fill(C.row(i), C.row(i) + n, R(0));
+    if ((tri & kCLower) && !(tri & kCUnset)) {
+      for (int64_t i = 0; i < m; ++i) std::fill(C.row(i), C.row(i) + n, R(0));
+    } else if (m == 0 || n == 0 || kk == 0) {  // C = 0 (no product to write it)
+      for (int64_t i = 0; i < m; ++i) std::fill(C.row(i), C.row(i) + n, R(0));
+      return;
+    } else {
+      tri |= kCZero;
+    }
   } else if (beta != R(1)) {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) C(i, j) *= beta;
@@ -93,7 +132,13 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
 
 template <class R>
 Mat<R> matmul(MRef<const R> A, bool tA, MRef<const R> B, bool tB, int tri = kTriNone) {
-  Mat<R> C(tA ? A.c : A.r, tB ? B.r : B.c);
+  const int64_t m = tA ? A.c : A.r, n = tB ? B.r : B.c;
+  if ((tri & kCLower) && !(tri & kCUnset)) {  // zero-filled: accumulate into it (beta = 1)
+    Mat<R> C(m, n);
+    gemm<R>(C, A, tA, B, tB, R(1), R(1), tri);
+    return C;
+  }
+  Mat<R> C(m, n, Uninit{});  // every entry read is written by gemm (beta = 0)
   gemm<R>(C, A, tA, B, tB, R(1), R(0), tri);
   return C;
 }
@@ -120,6 +165,24 @@ R dot(MRef<const R> A, MRef<const R> B) {  // Frobenius inner product
   for (int64_t i = 0; i < A.r; ++i)
     for (int64_t j = 0; j < A.c; ++j) s += A(i, j) * B(i, j);
   return s;
+}
+
+// out[j] = x[j] * y[j], j < n (restrict parameters: the loop vectorises)
+template <class R>
+void hadamard(R* __restrict out, const R* __restrict x, const R* __restrict y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * y[j];
+}
+
+// y[j] *= x[j], j < n
+template <class R>
+void hadamard_into(R* __restrict y, const R* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] *= x[j];
+}
+
+// out[j] = a * x[j], j < n
+template <class R>
+void scaled(R* __restrict out, const R* __restrict x, R a, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * a;
 }
 
 template <class R>

@@ -7,7 +7,7 @@
 #include "cpu/primitive.h"
 
 #include <cmath>
-#include <map>
+#include <algorithm>
 #include <stdexcept>
 
 #include "cpu/blelloch.h"
@@ -41,16 +41,44 @@ void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, in
 
 namespace {
 
-// sum of x[0, n) in 8 interleaved partial sums (vectorisable; the order is fixed per n)
+// One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
+//   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
+// (the sum in 8 interleaved partial sums: vectorisable, the order fixed per n).
 template <class R>
-R sum_lanes(const R* x, int64_t n) {
+R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __restrict M,
+                    R* __restrict dD, R* __restrict gc, int64_t n) {
   R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) p[u] += x[j + u];
+    for (int u = 0; u < 8; ++u) {
+      const R g = dP[j + u] * D[j + u] * M[j + u];
+      dD[j + u] = dP[j + u] * M[j + u];
+      gc[j + u] += g;
+      p[u] += g;
+    }
   R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-  for (; j < n; ++j) s += x[j];
+  for (; j < n; ++j) {
+    const R g = dP[j] * D[j] * M[j];
+    dD[j] = dP[j] * M[j];
+    gc[j] += g;
+    s += g;
+  }
   return s;
+}
+
+// The columns j <= i of row i of a segment starting at absolute position s, cut into the
+// contiguous ranges of one level l = level(s + i, s + j): f(l, j0, j1) for [j0, j1). With
+// t = s + i, level 0 is j = i alone and level l >= 1 the positions [sigma_l(t), sigma_{l-1}(t))
+// (same bits as t above bit l, not above bit l - 1); flat: one range at level 0.
+template <class F>
+void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
+  if (!lv.fenwick) return f(0, int64_t(0), i + 1);
+  const int64_t t = s + i;
+  f(0, i, i + 1);
+  for (int l = 1; sigma(t, l - 1) > s; ++l) {
+    const int64_t lo = std::max(sigma(t, l), s), hi = sigma(t, l - 1);
+    if (lo < hi) f(l, lo - s, hi - s);
+  }
 }
 
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
@@ -87,7 +115,7 @@ struct Seg {
     bk = Mat<R>(nr, dk);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
-    KK = matmul<R>(k, false, k, true, kCLower);  // [R,dk] x [dk,R], strict lower triangle read
+    KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
     Mat<R> N(nr, nr);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < i; ++j) N(i, j) = a.beta[i0 + i] * KK(i, j);
@@ -96,17 +124,14 @@ struct Seg {
   }
 
   // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) = prod_{j<r<=i} a_r, a_r = exp(g_r), on j <= i:
-  // the product runs from the diagonal down each row (nr exps and O(nr^2) multiplies, the cost
-  // of the mask itself), so E is exactly 0 across a reset (a_r = 0) and, after one, the product
-  // of the gates after it alone.
+  // row by row, E[i, :i] = a_i E[i-1, :i] and E[i,i] = 1 (nr exps and O(nr^2) multiplies, the
+  // cost of the mask itself; the row update is a unit-stride loop), so E is exactly 0 across a
+  // reset (a_r = 0) and, after one, the product of the gates after it alone.
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
-    std::vector<R> at(static_cast<size_t>(nr));
-    for (int64_t r = 0; r < nr; ++r) at[r] = std::exp(a.gate(i0 + r));
     for (int64_t i = 0; i < nr; ++i) {
-      R c = 1;
+      if (i > 0) scaled(E.row(i), E.row(i - 1), std::exp(a.gate(i0 + i)), i);
       E(i, i) = 1;
-      for (int64_t j = i - 1; j >= 0; --j) E(i, j) = (c *= at[j + 1]);
     }
     return E;
   }
@@ -115,54 +140,68 @@ struct Seg {
   Mat<R> mask(const PrimArgs<R>& a, Mat<R> E) const {
     if (!a.lv.fenwick) return E;
     for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) E(i, j) *= a.lam(i0 + i, a.lv.level(s + i, s + j));
+      level_ranges(a.lv, s, i, [&](int l, int64_t j0, int64_t j1) {
+        const R lam = a.lam(i0 + i, l);
+        for (int64_t j = j0; j < j1; ++j) E(i, j) *= lam;
+      });
     return E;
   }
-  // X = tril(q k^T) and D = X Tm (delta) or X (mamba): the un-masked intra-segment scores.
-  void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& D) const {
-    X = matmul<R>(q, false, k, true, kCLower);  // [R,dk] x [dk,R]
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = i + 1; j < nr; ++j) X(i, j) = 0;
+  // X = tril(q k^T) and, for delta, Dd = X Tm. The un-masked intra-segment scores are
+  // D = Dd (delta) or X (mamba); the caller picks (no copy of X for mamba).
+  void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& Dd) const {
+    X = matmul<R>(q, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], upper set below
+    for (int64_t i = 0; i < nr; ++i) std::fill(X.row(i) + i + 1, X.row(i) + nr, R(0));
     // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
-    D = a.delta ? matmul<R>(X, false, Tm, false, kALower) : X;
+    if (a.delta) Dd = matmul<R>(X, false, Tm, false, kALower);
   }
-  // Effective queries Q~ = q - D diag(beta) K (delta) or q (mamba).
+  // Effective queries Q~ = q - D diag(beta) K (delta); empty for mamba, where Q~ = q (see qt).
   Mat<R> effective_q(const PrimArgs<R>& a, const Mat<R>& D) const {
+    if (!a.delta) return Mat<R>();
     Mat<R> Qt(nr, q.c);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < q.c; ++j) Qt(i, j) = q(i, j);
-    if (a.delta) gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
+    for (int64_t i = 0; i < nr; ++i) std::copy(q.row(i), q.row(i) + q.c, Qt.row(i));
+    gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
     return Qt;
   }
-  // Distinct target slots of this segment's own tokens in the state at e, with row masks.
-  std::map<int, std::vector<R>> token_groups(const PrimArgs<R>& a) const {
-    std::map<int, std::vector<R>> groups;
+  MRef<const R> qt(const PrimArgs<R>& a, const Mat<R>& Qd) const { return a.delta ? Qd.ref() : q; }
+  // Distinct target slots of this segment's own tokens in the state at e (ascending), with row
+  // masks.
+  std::vector<std::pair<int, std::vector<R>>> token_groups(const PrimArgs<R>& a) const {
+    std::vector<std::pair<int, std::vector<R>>> groups;
     for (int64_t j = 0; j < nr; ++j) {
-      auto& m = groups[a.lv.level(e, s + j)];
-      if (m.empty()) m.assign(static_cast<size_t>(nr), R(0));
-      m[j] = 1;
+      const int tl = a.lv.level(e, s + j);
+      size_t g = 0;
+      while (g < groups.size() && groups[g].first != tl) ++g;
+      if (g == groups.size()) groups.emplace_back(tl, std::vector<R>(static_cast<size_t>(nr), R(0)));
+      groups[g].second[j] = 1;
     }
+    std::sort(groups.begin(), groups.end(),
+              [](const auto& x, const auto& y) { return x.first < y.first; });
     return groups;
   }
 };
 
-// Forward over one segment: O rows (optional) and the outgoing canonical state at e.
+// Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
+// when !state).
 template <class R>
 Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
-                     MRef<R>* O = nullptr) {
+                     MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
-    Mat<R> X, D;
-    sg.scores(a, X, D);
+    Mat<R> X, Dd;
+    sg.scores(a, X, Dd);
+    const Mat<R>& D = a.delta ? Dd : X;
     Mat<R> P = sg.mask(a, sg.decay(a));  // P = M o D
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) P(i, j) *= D(i, j);
-    Mat<R> bv(nr, dv);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+    for (int64_t i = 0; i < nr; ++i) hadamard_into(P.row(i), D.row(i), i + 1);
+    Mat<R> bv;  // diag(beta) V (delta) or V
+    if (a.delta) {
+      bv = Mat<R>(nr, dv);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+    }
     MRef<R> Or = *O;
-    gemm<R>(Or, P, false, bv, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
-    const Mat<R> Qt = sg.effective_q(a, D);
+    gemm<R>(Or, P, false, a.delta ? bv.ref() : sg.v, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
+    const Mat<R> Qd = sg.effective_q(a, D);
+    const MRef<const R> Qt = sg.qt(a, Qd);
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
@@ -174,6 +213,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     }
   }
   Canon<R> Hout;
+  if (!state) return Hout;
   Hout.resize(a.lv.slots(sg.e));
   if (a.delta) {
     // every live level is erased by the segment: e^B (H - K^T (W H))
@@ -207,9 +247,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
                       MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
-  Mat<R> X, D;
-  sg.scores(a, X, D);
-  const Mat<R> Qt = sg.effective_q(a, D);
+  Mat<R> X, Dd;
+  sg.scores(a, X, Dd);
+  const Mat<R>& D = delta ? Dd : X;
+  const Mat<R> Qd = sg.effective_q(a, D);
+  const MRef<const R> Qt = sg.qt(a, Qd);
   const Mat<R> E = sg.decay(a);
   const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
   const Mat<R>& M = fen ? Mf : E;
@@ -224,8 +266,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
   auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
 
-  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V
-  for (auto& [tl, m] : sg.token_groups(a)) {
+  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V (none without a cotangent of the state)
+  bool any_dout = false;
+  for (int l = 0; l < static_cast<int>(dHout.slot.size()); ++l) any_dout |= dHout.get(l) != nullptr;
+  const auto groups = any_dout ? sg.token_groups(a) : decltype(sg.token_groups(a)){};
+  for (auto& [tl, m] : groups) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
     Mat<R> Y(nr, dv);
@@ -290,12 +335,15 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   }
   // intra: O = (D o M) diag(beta) V
   {
-    Mat<R> bv(nr, dv), P(nr, nr), dP;
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t c = 0; c < dv; ++c) bv(i, c) = a.b(i0 + i) * sg.v(i, c);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j <= i; ++j) P(i, j) = D(i, j) * M(i, j);
-    dP = matmul<R>(dO, false, bv, true, kCLower);          // [R,dv] x [dv,R], j <= i read
+    Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
+    if (delta) {
+      bvd = Mat<R>(nr, dv);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t c = 0; c < dv; ++c) bvd(i, c) = a.b(i0 + i) * sg.v(i, c);
+    }
+    const MRef<const R> bv = delta ? bvd.ref() : sg.v;
+    for (int64_t i = 0; i < nr; ++i) hadamard(P.row(i), D.row(i), M.row(i), i + 1);
+    dP = matmul<R>(dO, false, bv, true, kCLower | kCUnset);  // [R,dv] x [dv,R], j <= i read
     const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
       for (int64_t c = 0; c < dv; ++c) dv_(i, c) += a.b(i0 + i) * dbv(i, c);
@@ -303,22 +351,17 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
-    std::vector<R> dGcol(static_cast<size_t>(nr), R(0)), dGrow(static_cast<size_t>(nr));
+    std::vector<R> dGcol(static_cast<size_t>(nr), R(0));
     for (int64_t i = 0; i < nr; ++i) {
-      const R *dPi = dP.row(i), *Mi = M.row(i), *Di = D.row(i);
-      R* dDi = dD.row(i);
-      R* gr = dGrow.data();
-      R* gc = dGcol.data();
-      for (int64_t j = 0; j <= i; ++j) {
-        dDi[j] = dPi[j] * Mi[j];
-        gr[j] = dPi[j] * Di[j] * Mi[j];
-        gc[j] += gr[j];
-      }
-      db[i] += sum_lanes(gr, i + 1);
+      const R *dPi = dP.row(i), *Di = D.row(i);
+      db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
       if (fen) {
         const R* Ei = E.row(i);
-        for (int64_t j = 0; j <= i; ++j)
-          dlam(i, a.lv.level(sg.s + i, sg.s + j)) += dPi[j] * Di[j] * Ei[j];
+        level_ranges(a.lv, sg.s, i, [&](int l, int64_t j0, int64_t j1) {
+          R acc = 0;
+          for (int64_t j = j0; j < j1; ++j) acc += dPi[j] * Di[j] * Ei[j];
+          dlam(i, l) += acc;
+        });
       }
     }
     for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
@@ -335,7 +378,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
         dbeta[i] += dot(dbk.row(i), sg.k.row(i), dk);
       }
-      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower);    // D = X Tm  [R,R] x [R,R]
+      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower | kCUnset);  // D = X Tm, upper set below
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
       gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
@@ -349,7 +392,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     // above are kCLower: their upper triangles are left unspecified).
     if (delta) {
       const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper | kCLower);
-      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower);  // strict lower read
+      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower | kCUnset);  // strict lower read
       Mat<R> dA(nr, nr);
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t j = 0; j < i; ++j) {
@@ -501,14 +544,14 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
 
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O) {
+                      MRef<R> O, bool want_state) {
   const int64_t n = a.n(), n0 = a.n0;
   Canon<R> st = trimmed(init, a.lv, n0);
   if (n == 0) return st;
   switch (form) {
     case PForm::naive: {
       Seg<R> sg(a, 0, n);
-      return seg_forward(a, sg, st, &O);
+      return seg_forward(a, sg, st, &O, want_state);
     }
     case PForm::serial:
       for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
@@ -517,7 +560,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
       for (auto [s, e] : segments(n0, n, chunk)) {
         Seg<R> sg(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
-        st = seg_forward(a, sg, st, &Or);
+        st = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
       }
       return st;
     case PForm::scan: {
@@ -633,7 +676,7 @@ PrimSummary<R> prim_compose(const PrimSummary<R>& A, const PrimSummary<R>& B, co
 
 #define HILA_INSTANTIATE(R)                                                                      \
   template Canon<R> prim_forward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,         \
-                                    MRef<R>);                                                    \
+                                    MRef<R>, bool);                                              \
   template PrimGrads<R> prim_backward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,    \
                                          MRef<const R>, const Canon<R>&);                        \
   template void prim_step<R>(const PrimArgs<R>&, int64_t, int64_t, Canon<R>&, R*);               \

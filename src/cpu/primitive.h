@@ -61,10 +61,12 @@ struct PrimGrads {
 };
 
 // Forward in the given form. `init` is the canonical state at n0 (may be empty = zero); O gets
-// [n, dv]; returns the canonical state at n0 + n with exactly lv.slots(n0 + n) slots.
+// [n, dv]; returns the canonical state at n0 + n with exactly lv.slots(n0 + n) slots, or, with
+// want_state false in the naive and chunk forms, an empty Canon (the last segment's state update
+// is skipped).
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O);
+                      MRef<R> O, bool want_state = true);
 
 // VJP (naive: one segment over the whole call; chunk: segment sweep; serial: flat mamba only).
 // dfinal may be empty (no cotangent of the final state).

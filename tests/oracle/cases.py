@@ -361,6 +361,44 @@ def fd_problems():
 
 
 
+# ------------------------------------------------------------------------------ forward and backward problem sets
+# test_forward.py and test_backward.py run the same shapes, packed sequences and edge cases; the
+# backward sets are the forward ones with backward=True and, where a state comes in or out, a
+# final-state cotangent (dht).
+T_VALUES = (1, 5, 64, 65, 100)
+VARLEN_LENS = (0, 37, 0, 64, 65, 1)
+VARLEN_N0 = (5, 0, 64, 100, 3, 13)
+
+
+def _backward_kw(backward, dht=False):
+    return dict(backward=True, **({"dht": True} if dht else {})) if backward else {}
+
+
+def shape_problems(backward=False):
+    """every op x T x (G = 1, 2; H = 4), B = 2, no initial state, tied gates."""
+    kw = _backward_kw(backward)
+    return [Problem(op, T=T, G=G, **kw) for op in ref.ALL_OPS for T in T_VALUES for G in (1, 2)]
+
+
+def varlen_problems(backward=False):
+    """packed sequences (cu_seqlens, B = 1) with zero-length ones, without and with initial states."""
+    out = []
+    for op in ref.ALL_OPS:
+        out += [Problem(op, lens=VARLEN_LENS, **_backward_kw(backward)),
+                Problem(op, lens=VARLEN_LENS, n0=VARLEN_N0, **_backward_kw(backward, dht=True))]
+    return out
+
+
+def edge_problems(backward=False):
+    """T = 0, positions near 2^40, per-row positions in a batch, dk != dv both ways."""
+    kw = _backward_kw(backward, dht=True)
+    out = [Problem(op, T=0, n0=13, **kw) for op in ref.ALL_OPS]                       # empty call: ht == h0
+    out += [Problem(op, T=9, n0=(1 << 40) - 3, G=1, **kw) for op in ref.LOGLINEAR_OPS]  # int64 positions, 42 levels
+    out += [Problem(op, T=21, n0=(13, 64), **kw) for op in ref.LOGLINEAR_OPS]          # batch rows at different positions
+    out += [Problem(op, T=65, dk=dk, dv=dv, n0=13, **kw) for op in ref.ALL_OPS for dk, dv in ((8, 3), (3, 8))]
+    return out
+
+
 # ------------------------------------------------------------------------------ test matrices
 def forward_forms(chunks=(4, 16, 64), scan_chunks=(4, 16, 64)):
     """(form, chunk) pairs of the forward pass: naive, serial, chunk C, scan C."""

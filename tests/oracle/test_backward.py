@@ -10,22 +10,14 @@ the assembly are checked against finite differences in test_reference_selfcheck.
 import pytest
 
 import reference as ref
-from cases import Problem, backward_forms, check, params
-
-T_VALUES = (1, 5, 64, 65, 100)
-VARLEN_LENS = (0, 37, 0, 64, 65, 1)
-VARLEN_N0 = (5, 0, 64, 100, 3, 13)
+from cases import Problem, backward_forms, check, edge_problems, params, shape_problems, varlen_problems
 
 
 def _few_forms(p):
     return backward_forms(p.op, chunks=(4, 16))
 
 
-def _shapes():
-    return [Problem(op, T=T, G=G, backward=True) for op in ref.ALL_OPS for T in T_VALUES for G in (1, 2)]
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_shapes(), lambda p: backward_forms(p.op)))
+@pytest.mark.parametrize("p,form,chunk", params(shape_problems(backward=True), lambda p: backward_forms(p.op)))
 def test_backward(hila, p, form, chunk):
     """every op x backward form x chunk size x T x (G = 1, 2; H = 4), B = 2, tied gates."""
     check(hila, p, form, chunk)
@@ -95,30 +87,13 @@ def test_backward_dead_slot_cotangent_ignored(hila, p, form, chunk):
     check(hila, p, form, chunk)
 
 
-def _varlen():
-    out = []
-    for op in ref.ALL_OPS:
-        out += [Problem(op, lens=VARLEN_LENS, backward=True),
-                Problem(op, lens=VARLEN_LENS, n0=VARLEN_N0, dht=True, backward=True)]
-    return out
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_varlen(), _few_forms))
+@pytest.mark.parametrize("p,form,chunk", params(varlen_problems(backward=True), _few_forms))
 def test_backward_varlen(hila, p, form, chunk):
     """packed sequences, with zero-length ones, with and without initial states and cotangents."""
     check(hila, p, form, chunk)
 
 
-def _edges():
-    out = [Problem(op, T=0, n0=13, dht=True, backward=True) for op in ref.ALL_OPS]
-    out += [Problem(op, T=9, n0=(1 << 40) - 3, G=1, dht=True, backward=True) for op in ref.LOGLINEAR_OPS]
-    out += [Problem(op, T=21, n0=(13, 64), dht=True, backward=True) for op in ref.LOGLINEAR_OPS]
-    out += [Problem(op, T=65, dk=dk, dv=dv, n0=13, dht=True, backward=True)
-            for op in ref.ALL_OPS for dk, dv in ((8, 3), (3, 8))]
-    return out
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_edges(), _few_forms))
+@pytest.mark.parametrize("p,form,chunk", params(edge_problems(backward=True), _few_forms))
 def test_backward_edges(hila, p, form, chunk):
     """T = 0 (dh0 = dht re-keyed), positions near 2^40, per-row positions, dk != dv both ways."""
     check(hila, p, form, chunk)

@@ -3,19 +3,12 @@
 import pytest
 
 import reference as ref
-from cases import Problem, check, forward_forms, params
+from cases import Problem, check, edge_problems, forward_forms, params, shape_problems, varlen_problems
 
-T_VALUES = (1, 5, 64, 65, 100)
-VARLEN_LENS = (0, 37, 0, 64, 65, 1)
-VARLEN_N0 = (5, 0, 64, 100, 3, 13)
 FEW_FORMS = forward_forms(chunks=(4, 16), scan_chunks=(16,))
 
 
-def _shapes():
-    return [Problem(op, T=T, G=G) for op in ref.ALL_OPS for T in T_VALUES for G in (1, 2)]
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_shapes(), forward_forms()))
+@pytest.mark.parametrize("p,form,chunk", params(shape_problems(), forward_forms()))
 def test_forward(hila, p, form, chunk):
     """every op x form x chunk size x T x (G = 1, 2; H = 4), B = 2, no initial state, tied gates."""
     check(hila, p, form, chunk)
@@ -73,28 +66,13 @@ def test_forward_initial_state(hila, p, form, chunk):
     check(hila, p, form, chunk)
 
 
-def _varlen():
-    out = []
-    for op in ref.ALL_OPS:
-        out += [Problem(op, lens=VARLEN_LENS), Problem(op, lens=VARLEN_LENS, n0=VARLEN_N0)]
-    return out
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_varlen(), FEW_FORMS))
+@pytest.mark.parametrize("p,form,chunk", params(varlen_problems(), FEW_FORMS))
 def test_forward_varlen(hila, p, form, chunk):
     """packed sequences (cu_seqlens, B = 1) with zero-length ones, without and with initial states."""
     check(hila, p, form, chunk)
 
 
-def _edges():
-    out = [Problem(op, T=0, n0=13) for op in ref.ALL_OPS]                       # empty call: ht == h0
-    out += [Problem(op, T=9, n0=(1 << 40) - 3, G=1) for op in ref.LOGLINEAR_OPS]  # int64 positions, 42 levels
-    out += [Problem(op, T=21, n0=(13, 64)) for op in ref.LOGLINEAR_OPS]          # batch rows at different positions
-    out += [Problem(op, T=65, dk=dk, dv=dv, n0=13) for op in ref.ALL_OPS for dk, dv in ((8, 3), (3, 8))]
-    return out
-
-
-@pytest.mark.parametrize("p,form,chunk", params(_edges(), FEW_FORMS))
+@pytest.mark.parametrize("p,form,chunk", params(edge_problems(), FEW_FORMS))
 def test_forward_edges(hila, p, form, chunk):
     """T = 0, positions near 2^40, per-row positions in a batch, dk != dv both ways."""
     check(hila, p, form, chunk)

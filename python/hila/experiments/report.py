@@ -79,6 +79,16 @@ def _fmt_setting(setting: Tuple) -> str:
     return ", ".join(f"{k}={v}" for k, v in setting if v not in ("", None) and k not in _UNUSED.get(task, ()))
 
 
+def _mixer_by_dim_table(cells, mixers, dims, T, K, fmt) -> List[str]:
+    """A markdown table, a row per mixer and a column per model dimension d: fmt(cell) of the cell
+    (mixer, d, T, K), empty where there is none."""
+    lines = ["| mixer | " + " | ".join(f"d = {d}" for d in dims) + " |", "|---|" + "---|" * len(dims)]
+    for m in mixers:
+        row = ["" if c is None else fmt(c) for c in (cells.get((m, d, T, K)) for d in dims)]
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return lines
+
+
 def _mqar_markdown(cells_by_setting) -> str:
     lines = ["# MQAR results", "",
              "Accuracy (%) on the query positions of the test set, at the best learning rate of each "
@@ -90,27 +100,13 @@ def _mqar_markdown(cells_by_setting) -> str:
         for T, K in sorted({(c[2], c[3]) for c in cells}):
             dims = sorted({c[1] for c in cells if c[2] == T and c[3] == K})
             mixers = sorted({c[0] for c in cells if c[2] == T and c[3] == K}, key=_order)
-            lines += [f"### T = {T}, {K} key-value pairs", "",
-                      "| mixer | " + " | ".join(f"d = {d}" for d in dims) + " |",
-                      "|---|" + "---|" * len(dims)]
-            for m in mixers:
-                row = []
-                for d in dims:
-                    c = cells.get((m, d, T, K))
-                    row.append("" if c is None else f"{c['mean']:.1f}"
-                               + (f" ({c['lo']:.1f}–{c['hi']:.1f})" if c["seeds"] > 1 else ""))
-                lines.append(f"| {m} | " + " | ".join(row) + " |")
-            lines += ["", "Best learning rate / seeds / learning rates tried / parameters / ms per step:", "",
-                      "| mixer | " + " | ".join(f"d = {d}" for d in dims) + " |",
-                      "|---|" + "---|" * len(dims)]
-            for m in mixers:
-                row = []
-                for d in dims:
-                    c = cells.get((m, d, T, K))
-                    row.append("" if c is None else f"{c['lr']:g} / {c['seeds']} / {c['lrs']} / "
-                               f"{c['params']:,} / {c['ms_per_step']:.1f}"
-                               + (f" ({c['diverged']} diverged)" if c["diverged"] else ""))
-                lines.append(f"| {m} | " + " | ".join(row) + " |")
+            lines += [f"### T = {T}, {K} key-value pairs", ""]
+            lines += _mixer_by_dim_table(cells, mixers, dims, T, K, lambda c: (
+                f"{c['mean']:.1f}" + (f" ({c['lo']:.1f}–{c['hi']:.1f})" if c["seeds"] > 1 else "")))
+            lines += ["", "Best learning rate / seeds / learning rates tried / parameters / ms per step:", ""]
+            lines += _mixer_by_dim_table(cells, mixers, dims, T, K, lambda c: (
+                f"{c['lr']:g} / {c['seeds']} / {c['lrs']} / {c['params']:,} / {c['ms_per_step']:.1f}"
+                + (f" ({c['diverged']} diverged)" if c["diverged"] else "")))
             lines.append("")
             if T == 256:
                 lines += _published_beside(cells, T, K)

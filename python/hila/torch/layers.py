@@ -195,10 +195,45 @@ class _Mixer(nn.Module):
         # Fenwick capacity of the cached state: decoding up to max_len never reallocates.
         self.state_slots = _ops.state_slots(max_len) if self.levels is not None else 1
 
-    def _call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group=None,
-              cp_shard_lens=None, cu_seqlens_cpu=None) -> _Call:
-        return _Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                     cu_seqlens_cpu)
+    def forward(self, x: Tensor, state: Optional[LayerState] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
+        return self._mix(_Call(self, x, state, cu_seqlens, max_seqlen, use_cache, cp_group,
+                               cp_shard_lens, cu_seqlens_cpu), x)
+
+    def _qkv_projections(self, hidden_size: int, num_heads: int, num_qk_groups: Optional[int],
+                         dk: int, dv: int) -> int:
+        """Head sizes and q_proj, k_proj [D -> G dk], v_proj [D -> H dv] with G = num_qk_groups (a
+        divisor of H, default H); returns G (layers with q/k/v projections)."""
+        G = num_qk_groups or num_heads
+        if num_heads % G:
+            raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
+                            f"{num_heads}, got {G}", "num_qk_groups")
+        self.num_heads, self.num_qk_groups, self.head_dim, self.head_dim_v = num_heads, G, dk, dv
+        self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        return G
+
+    def _output_layers(self, hidden_size: int, use_output_gate: bool, norm_eps: float) -> None:
+        """l_proj [D -> H L] (log-linear only), g_proj [D -> H dv] (the output gate, optional), the
+        per-head o_norm and o_proj [H dv -> D] (layers with q/k/v projections)."""
+        H, dv = self.num_heads, self.head_dim_v
+        self.l_proj = nn.Linear(hidden_size, H * self.levels.levels, bias=False) if self.levels else None
+        self.g_proj = nn.Linear(hidden_size, H * dv, bias=False) if use_output_gate else None
+        self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
+        self.o_proj = nn.Linear(H * dv, hidden_size, bias=False)
+
+    def _lam(self, x: Tensor) -> Optional[Tensor]:
+        """Level weights lam [B, T, H, L] from l_proj(x); None without levels."""
+        return self.levels(self.l_proj(x)) if self.levels is not None else None
+
+    def _output(self, call: _Call, x: Tensor, o: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """o [B, T, H, dv] -> y [B, T, D]: o_norm gated by silu(g_proj(x)) per head, then o_proj."""
+        z = _heads(self.g_proj(x), self.head_dim_v) if self.g_proj is not None else None
+        return call.result(self.o_proj(self.o_norm(o, z).flatten(-2)))
 
     def _qkv(self, call: _Call, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q, k [B, T, G, dk] and v [B, T, H, dv]: projection, short convolution, split into heads
@@ -252,16 +287,9 @@ class HLAAttention(_Mixer):
                             f"loglinear_ version), got '{op}'", "op")
         if gates not in ("tied", "untied"):
             raise HilaError(f"hila: argument 'gates': expected 'tied' or 'untied', got '{gates}'", "gates")
-        G = num_qk_groups or num_heads
-        if num_heads % G:
-            raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
-                            f"{num_heads}, got {G}", "num_qk_groups")
         dk, dv = head_dim, head_dim_v or head_dim
-        self.num_heads, self.num_qk_groups, self.head_dim, self.head_dim_v = num_heads, G, dk, dv
+        G = self._qkv_projections(hidden_size, num_heads, num_qk_groups, dk, dv)
         self.options = dict(normalize=normalize, ridge=ridge, scale=scale)
-        self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
-        self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
         conv = (lambda c: ShortConvolution(c, conv_size)) if use_short_conv else (lambda c: None)
         self.q_conv, self.k_conv, self.v_conv = conv(G * dk), conv(G * dk), conv(num_heads * dv)
         self.q_norm = nn.RMSNorm(dk, eps=norm_eps) if qk_norm else None
@@ -269,26 +297,17 @@ class HLAAttention(_Mixer):
         cols = self.traits["num_primitives"] if gates == "untied" else 1
         self.a_proj = nn.Linear(hidden_size, num_heads * cols, bias=False)
         self.gate = DecayGate(num_heads, cols)
-        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False) if self.levels else None
-        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False) if use_output_gate else None
-        self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
-        self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=False)
+        self._output_layers(hidden_size, use_output_gate, norm_eps)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         q, k, v = self._qkv(call, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         g, _ = self.gate(self.a_proj(x))
-        lam = self.levels(self.l_proj(x)) if self.levels is not None else None
+        lam = self._lam(x)
         o = call.mix(q, k, v, g, lam=lam, **self.options)
-        z = _heads(self.g_proj(x), self.head_dim_v) if self.g_proj is not None else None
-        return call.result(self.o_proj(self.o_norm(o, z).flatten(-2)))
+        return self._output(call, x, o)
 
 
 class LogLinearMamba2(_Mixer):
@@ -335,13 +354,8 @@ class LogLinearMamba2(_Mixer):
                                  norm_before_gate=norm_before_gate)
         self.out_proj = nn.Linear(inner, hidden_size, bias=bias)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         z, xBC, dt, dl = torch.split(self.in_proj(x), self.splits, dim=-1)
         xBC = call.conv(self.conv, xBC)
         xs, Bm, Cm = torch.split(xBC, (self.inner, self.n_groups * self.state_size,
@@ -383,15 +397,8 @@ class LogLinearGatedDeltaNet(_Mixer):
                             f"without levels), got '{op}'", "op")
         super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
         self.scale, self.allow_neg_eigval = scale, allow_neg_eigval
-        G = num_qk_groups or num_heads
-        if num_heads % G:
-            raise HilaError(f"hila: argument 'num_qk_groups': expected a divisor of num_heads = "
-                            f"{num_heads}, got {G}", "num_qk_groups")
         dk, dv = head_dim, int(head_dim * expand_v)
-        self.num_heads, self.num_qk_groups, self.head_dim, self.head_dim_v = num_heads, G, dk, dv
-        self.q_proj = nn.Linear(hidden_size, G * dk, bias=False)
-        self.k_proj = nn.Linear(hidden_size, G * dk, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_heads * dv, bias=False)
+        G = self._qkv_projections(hidden_size, num_heads, num_qk_groups, dk, dv)
         self.q_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)
         self.k_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)
         self.v_conv = ShortConvolution(num_heads * dv, conv_size, bias=conv_bias)
@@ -399,23 +406,14 @@ class LogLinearGatedDeltaNet(_Mixer):
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.gate = DecayGate(num_heads, 1, A_init=A_init, dt_min=dt_min, dt_max=dt_max,
                               dt_init_floor=dt_init_floor)
-        self.l_proj = nn.Linear(hidden_size, num_heads * self.levels.levels, bias=False) if self.levels else None
-        self.g_proj = nn.Linear(hidden_size, num_heads * dv, bias=False) if use_output_gate else None
-        self.o_norm = GatedRMSNorm(dv, eps=norm_eps, norm_before_gate=True)
-        self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=False)
+        self._output_layers(hidden_size, use_output_gate, norm_eps)
 
-    def forward(self, x: Tensor, state: Optional[LayerState] = None,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
-                use_cache: bool = False, cp_group=None, cp_shard_lens=None,
-                cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[LayerState]]:
-        """x [B, T, D] -> (y [B, T, D], LayerState or None). See the module docstring."""
-        call = self._call(x, state, cu_seqlens, max_seqlen, use_cache, cp_group, cp_shard_lens,
-                          cu_seqlens_cpu)
+    def _mix(self, call: _Call, x: Tensor) -> Tuple[Tensor, Optional[LayerState]]:
+        """x [B, T, D] -> call.result(y [B, T, D]): the layer's projections around call.mix."""
         q, k, v = self._qkv(call, x)
         beta = torch.sigmoid(at_least_f32(self.b_proj(x)))
         beta = beta * 2.0 if self.allow_neg_eigval else beta
         g, _ = self.gate(self.a_proj(x))
-        lam = self.levels(self.l_proj(x)) if self.levels is not None else None
+        lam = self._lam(x)
         o = call.mix(q, k, v, g, lam=lam, beta=beta, qk_l2norm=True, scale=self.scale)
-        z = _heads(self.g_proj(x), self.head_dim_v) if self.g_proj is not None else None
-        return call.result(self.o_proj(self.o_norm(o, z).flatten(-2)))
+        return self._output(call, x, o)

@@ -53,6 +53,7 @@ __all__ = ["eager_fast_path", "forward", "step", "step_", "zero_state"]
 _Out5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads9 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 _NO_STATE = State(None, None, None, None)
+_NO_PARTS = (None, None, None)  # S, P, H of no state
 
 # ----------------------------------------------------------------------------- which road
 
@@ -155,9 +156,12 @@ def _caps(parts) -> Optional[tuple]:
 _POISON = _ops._POISON_OUTPUTS  # test hook: new outputs filled with NaN (see hila.ops)
 
 
+_CONTIGUOUS = torch.contiguous_format
+
+
 def _empty_like(x: Tensor) -> Tensor:
     """An output or gradient shaped like x: uninitialised, the library writes every element."""
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=_CONTIGUOUS)
     return _ops._poison(y) if _POISON[0] else y
 
 
@@ -197,11 +201,13 @@ def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool
         N = q.shape[0] if cu is None or cu.dim() != 1 else cu.shape[0] - 1
         fin = _new_state(spec, q, v, N, final_slots)
     try:
-        _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
-                   _in(cu), _caps(init), o=_capsule(o),
-                   final_state=None if fin is None else tuple(_cap(x) for x in fin),
-                   stream=_stream(q), workspace=_workspace(q), cu_seqlens_host=_cap(cu_host),
-                   init_pos_host=_cap(pos_host))
+        _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g),
+                   None if lam is None else _in(lam), None if beta is None else _in(beta),
+                   None if cu is None else _in(cu), None if init is None else _caps(init),
+                   o=_capsule(o), final_state=None if fin is None else tuple(_cap(x) for x in fin),
+                   stream=_stream(q), workspace=_workspace(q),
+                   cu_seqlens_host=None if cu_host is None else _capsule(cu_host),
+                   init_pos_host=None if pos_host is None else _capsule(pos_host))
     except HilaError as e:
         _host_names(e)
     return o, fin
@@ -248,20 +254,27 @@ def _backward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, do, d_final, fi
                                for d, s in zip(d_final, final_shapes))
     if do is None:
         do = torch.zeros_like(v)  # only the final state was used
-    inputs = (q, k, v, g, lam, beta) + (tuple(init[1:]) if init is not None else (None,) * 3)
-    grads = [_empty_like(x) if x is not None and need else None for x, need in zip(inputs, needs)]
+    inputs = (q, k, v, g, lam, beta) + (tuple(init[1:]) if init is not None else _NO_PARTS)
+    grads = tuple(_empty_like(x) if x is not None and need else None for x, need in zip(inputs, needs))
+    dq, dk, dv, dg, dlam, dbeta, dS0, dP0, dH0 = grads
     d_init = None
-    if init is not None and any(x is not None for x in grads[6:]):
-        d_init = (None, _cap(grads[6]), _cap(grads[7]), _cap(grads[8]))
+    if init is not None and (dS0 is not None or dP0 is not None or dH0 is not None):
+        d_init = (None, _cap(dS0), _cap(dP0), _cap(dH0))
+    # (absent arguments are passed as None without a call: a tiny call's host time counts)
     try:
-        _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g), _in(lam),
-                    _in(beta), _in(cu), _caps(init), _in(do), dfin, dq=_cap(grads[0]),
-                    dk=_cap(grads[1]), dv=_cap(grads[2]), dg=_cap(grads[3]), dlam=_cap(grads[4]),
-                    dbeta=_cap(grads[5]), d_init=d_init, stream=_stream(q), workspace=_workspace(q),
-                    cu_seqlens_host=_cap(cu_host), init_pos_host=_cap(pos_host))
+        _C.backward(spec.cfg, spec.bwd_form, spec.chunk, _in(q), _in(k), _in(v), _in(g),
+                    None if lam is None else _in(lam), None if beta is None else _in(beta),
+                    None if cu is None else _in(cu), None if init is None else _caps(init), _in(do),
+                    dfin, dq=None if dq is None else _capsule(dq),
+                    dk=None if dk is None else _capsule(dk), dv=None if dv is None else _capsule(dv),
+                    dg=None if dg is None else _capsule(dg), dlam=None if dlam is None else _capsule(dlam),
+                    dbeta=None if dbeta is None else _capsule(dbeta), d_init=d_init,
+                    stream=_stream(q), workspace=_workspace(q),
+                    cu_seqlens_host=None if cu_host is None else _capsule(cu_host),
+                    init_pos_host=None if pos_host is None else _capsule(pos_host))
     except HilaError as e:
         _host_names(e)
-    return tuple(grads)
+    return grads
 
 
 def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State]:
@@ -320,6 +333,33 @@ class _Forward(torch.autograd.Function):
         d = _backward_call(ctx.spec, q, k, v, g, lam, beta, cu, init, do, (dS, dP, dH),
                            ctx.final_shapes, n[4:10] + n[12:15], *ctx.hosts)
         return (None, None, None, None) + d[:6] + (None, None) + d[6:]
+
+
+class _Plain(torch.autograd.Function):
+    """:class:`_Forward` for the plain call (no cu_seqlens, initial or final state, or host
+    copies): o alone, from q, k, v, g, lam, beta, so autograd handles 7 arguments and one output
+    instead of 15 and five."""
+
+    @staticmethod
+    def forward(ctx, spec, q, k, v, g, lam, beta):
+        o, _ = _forward_call(spec, q, k, v, g, lam, beta, None, None, False, 1)
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, g, lam, beta)
+        ctx.set_materialize_grads(False)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        _no_double_backward()
+        if do is None:
+            return (None,) * 7
+        q, k, v, g, lam, beta = ctx.saved_tensors
+        d = _backward_call(ctx.spec, q, k, v, g, lam, beta, None, None, do, None, None,
+                           ctx.needs_input_grad[1:7] + _NO_STATE_GRADS)
+        return (None,) + d[:6]
+
+
+_NO_STATE_GRADS = (False,) * 3
 
 
 class _Step(torch.autograd.Function):
@@ -732,6 +772,9 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
             if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *init):
+                if (not output_final_state and cu_seqlens is None and init is _NO_STATE
+                        and cu_host is None and pos_host is None):
+                    return _Plain.apply(spec, q, k, v, g, lam, beta), None
                 o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1),
                                                  (cu_host, pos_host), q, k, v, g, lam, beta,
                                                  cu_seqlens, *init)
