@@ -861,7 +861,11 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     Fenwick slots depend on them), so it can be captured in a CUDA graph; the state must have the
     slots of ``max_position + 1`` and lam ``bitlen(max_position) + 1`` levels. A sequence whose
     position lies outside ``[0, max_position]`` then gets NaN in its row of o and its state is left
-    unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead).
+    unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead). Without
+    ``max_position`` (and without ``state_indices``), a log-linear CUDA step on a State whose
+    positions hila.torch knows (from :func:`zero_state` and its own steps, read once after ``pos``
+    was written) passes the bound of the state's capacity itself and reads nothing back either
+    (docs/PYTHON.md, "Host overhead"); results are the same as after reading the positions.
     """
     if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
         o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
