@@ -1037,13 +1037,10 @@ def _position_bound(state: State, pos: Tensor, H: Tensor, lam: Optional[Tensor],
             if min(p) < 0:
                 return None, -1
             top = max(p)
-        slots, levels = H.shape[2], lam.shape[2]
+        cap = _capacity(H.shape[2], lam.shape[2])
     except (IndexError, RuntimeError):  # fewer dimensions; an inference tensor has no _version
         return None, -1
-    if slots < 2 or levels < 1:
-        return None, -1
-    cap = min((1 << (slots - 1)) - 2, (1 << (levels - 1)) - 1, _MAX_POSITION)  # _capacity
-    return (top, cap) if top <= cap else (None, -1)
+    return (top, cap) if top <= cap else (None, -1)  # (cap = -1: no position fits)
 
 
 _BOUND = "_hila_step"  # the key, in a State's __dict__, of what _bound_state keeps there
