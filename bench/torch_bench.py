@@ -360,8 +360,11 @@ def section_step(a, device, out, cpp):
             if t["delta"]:
                 tok["beta"] = torch.rand(1, H, device=device, dtype=dtype)
             base = dict(section="step", op=op, B=1, T=pos, H=H, d=d, direction="step")
-            for impl, cv in IMPLS:
-                kw = {} if cv is None else dict(check_values=cv)
+            # the layers' decode call: check_values=False and the bound of the state's capacity
+            # (a log-linear step then reads no positions back to the host)
+            bounded = ("hila_torch_max_position", False, dict(max_position=pos + 4 * reps + 63))
+            for impl, cv, *more in IMPLS + (bounded,):
+                kw = {} if cv is None else dict(check_values=cv, **(more[0] if more else {}))
                 with torch.no_grad():
                     for _ in range(10):
                         ht.step_(op, **tok, state=st, **kw)
@@ -379,10 +382,11 @@ def section_step(a, device, out, cpp):
                             dev_ms.append(e0.elapsed_time(e1))
                     py = python_part_us(lambda: ht.step_(op, **tok, state=st, **kw), reps, st)
                 ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
+                note = NOTE[cv] + (f", max_position={kw['max_position']}" if "max_position" in kw else "")
                 out.append(dict(base, impl=impl, ms=ms, host_us=statistics.median(host),
-                                note=NOTE[cv] + "; caller-owned state (hila::step on a StateView)"))
+                                note=note + "; caller-owned state (hila::step on a StateView)"))
                 out.append(dict(base, impl=impl + "_python", ms=py / 1e3, host_us=py,
-                                note=NOTE[cv] + "; Python part only: the extension call replaced by a no-op"))
+                                note=note + "; Python part only: the extension call replaced by a no-op"))
             if cpp:
                 for r in hila_bench_rows(cpp, ["--decode", "--reps", reps, "--ops", op, "--batches", 1, "--positions",
                                                max(pos, 4096), "--H", H, "--d", d]):
@@ -473,15 +477,18 @@ def tables(rows):
     if step:
         lines += ["", "step at N = 1 (µs: device time with a sync per step; host: time in the call; Python: the "
                   "host time with the extension call a no-op)", "",
-                  "| op | hila.torch.step_ | host | Python | checked | host | C++ step | host | default / C++ |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| op | hila.torch.step_ | host | Python | checked | host | max_position | host | C++ step | host "
+                  "| default / C++ | max_position / C++ |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for op in dict.fromkeys(r["op"] for r in step):
             cell = {r["impl"]: r for r in step if r["op"] == op}
             us = lambda i, k="ms": None if i not in cell else (cell[i][k] * 1e3 if k == "ms" else cell[i][k])  # noqa: E731
             lines.append(f"| {op} | {f(us('hila_torch'))} | {f(us('hila_torch', 'host_us'))} | "
                          f"{f(us('hila_torch_python', 'host_us'))} | {f(us('hila_torch_checked'))} | "
-                         f"{f(us('hila_torch_checked', 'host_us'))} | {f(us('hila_cpp'))} | {f(us('hila_cpp', 'host_us'))} | "
-                         f"{ratio(us('hila_torch'), us('hila_cpp'))} |")
+                         f"{f(us('hila_torch_checked', 'host_us'))} | {f(us('hila_torch_max_position'))} | "
+                         f"{f(us('hila_torch_max_position', 'host_us'))} | {f(us('hila_cpp'))} | "
+                         f"{f(us('hila_cpp', 'host_us'))} | {ratio(us('hila_torch'), us('hila_cpp'))} | "
+                         f"{ratio(us('hila_torch_max_position'), us('hila_cpp'))} |")
     return "\n".join(lines)
 
 

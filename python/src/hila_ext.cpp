@@ -339,25 +339,28 @@ void step_state(const OpConfig& cfg, const In& q, const In& k, const In& v, cons
 // steps of one state belong on one stream). States at other addresses step in parallel.
 class StateLocks {
  public:
+  // The lock of the state whose positions are at `key`, held for the caller until release(key):
+  // every acquire of one key before its last release gets the same mutex.
+  std::shared_ptr<std::mutex> acquire(const void* key) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& e = locks_[key];
+    if (!e.m) e.m = std::make_shared<std::mutex>();
+    ++e.users;
+    return e.m;
+  }
+  void release(const void* key) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = locks_.find(key);
+    if (--it->second.users == 0) locks_.erase(it);
+  }
+
+  // One step's hold of a state's lock (step_inplace: a state not bound).
   class Guard {
    public:
-    Guard(StateLocks& l, const void* key) : l_(l), key_(key) {
-      std::shared_ptr<std::mutex> m;
-      {
-        std::lock_guard<std::mutex> g(l_.mu_);
-        auto& e = l_.locks_[key_];
-        if (!e.m) e.m = std::make_shared<std::mutex>();
-        ++e.users;
-        m = e.m;
-      }
-      m_ = std::move(m);
-      m_->lock();
-    }
+    Guard(StateLocks& l, const void* key) : l_(l), key_(key), m_(l.acquire(key)) { m_->lock(); }
     ~Guard() {
       m_->unlock();
-      std::lock_guard<std::mutex> g(l_.mu_);
-      auto it = l_.locks_.find(key_);
-      if (--it->second.users == 0) l_.locks_.erase(it);
+      l_.release(key_);
     }
 
    private:
@@ -376,10 +379,8 @@ class StateLocks {
 };
 StateLocks g_state_locks;
 
-// hila::step on a caller-owned state under its lock (the GIL released).
-void step_locked(const hila::StepParams& p, const StateView& s) {
-  nb::gil_scoped_release nogil;
-  const StateLocks::Guard lock(g_state_locks, s.pos.data);
+// hila::step on a caller-owned state; the caller holds the state's lock (and not the GIL).
+void step_named(const hila::StepParams& p, const StateView& s) {
   try {
     hila::step(p, s);
   } catch (const Error& e) {
@@ -389,6 +390,13 @@ void step_locked(const hila::StepParams& p, const StateView& s) {
     const std::string what = std::string(e.what()).substr(std::string("hila: argument '" + arg + "': ").size());
     throw Error("state" + arg.substr(4), what);
   }
+}
+
+// hila::step on a caller-owned state under its lock (the GIL released).
+void step_locked(const hila::StepParams& p, const StateView& s) {
+  nb::gil_scoped_release nogil;
+  const StateLocks::Guard lock(g_state_locks, s.pos.data);
+  step_named(p, s);
 }
 
 StateView caller_state(const StateOut& state) {
@@ -407,24 +415,98 @@ void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, co
   step_locked(p, caller_state(state));
 }
 
+// An array lent for one call as an unconsumed DLPack capsule (what torch.utils.dlpack.to_dlpack
+// returns): its DLTensor read in place, the capsule left as it is. The caller's reference keeps
+// the capsule, hence the memory, alive for the call; the capsule's own destructor frees it later.
+// Saves the import of a consumed capsule (an owning handle per array) on the decode hot path.
+// Capsule layouts (DLPack): "dltensor" holds a DLManagedTensor {DLTensor, ctx, deleter};
+// "dltensor_versioned" a DLManagedTensorVersioned {version, ctx, deleter, flags, DLTensor}.
+struct DLPackVersioned {
+  uint32_t major, minor;
+  void* manager_ctx;
+  void (*deleter)(void*);
+  uint64_t flags;  // bit 0: read-only
+  nb::dlpack::dltensor dl_tensor;
+};
+
+TensorView lent_view(const char* name, nb::handle cap, bool writable) {
+  PyObject* c = cap.ptr();
+  const nb::dlpack::dltensor* t = nullptr;
+  bool read_only = false;
+  if (PyCapsule_IsValid(c, "dltensor")) {
+    t = static_cast<const nb::dlpack::dltensor*>(PyCapsule_GetPointer(c, "dltensor"));
+  } else if (PyCapsule_IsValid(c, "dltensor_versioned")) {
+    const auto* m = static_cast<const DLPackVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
+    if (m->major != 1)
+      throw Error(name, "expected a DLPack 1.x capsule, got version " + std::to_string(m->major));
+    t = &m->dl_tensor;
+    read_only = (m->flags & 1) != 0;
+  } else {
+    throw Error(name, "expected an unused DLPack capsule, got " + std::string(nb::str(nb::type_name(cap.type())).c_str()));
+  }
+  if (writable && read_only) throw Error(name, "expected a writable array, got a read-only one");
+  if (t->ndim < 0 || t->ndim > hila::kMaxDims)
+    throw Error(name, "expected at most " + std::to_string(hila::kMaxDims) + " dimensions, got " +
+                          std::to_string(t->ndim));
+  TensorView v;
+  v.data = static_cast<char*>(t->data) + t->byte_offset;
+  v.dtype = dtype_of(name, t->dtype);
+  v.device = device_of(name, t->device.device_type, t->device.device_id);
+  v.ndim = t->ndim;
+  int64_t compact = 1;  // strides == nullptr: compact row-major
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    v.shape[i] = t->shape[i];
+    v.stride[i] = t->strides ? t->strides[i] : compact;
+    compact *= t->shape[i];
+  }
+  require_host(name, v);
+  return v;
+}
+
+TensorView lent_view_or_none(const char* name, nb::handle cap) {
+  return cap.is_none() ? TensorView{} : lent_view(name, cap, false);
+}
+
 // A caller-owned state bound once for many in-place steps (hila.torch's decode loop): its parts
-// are taken over DLPack once and held (so their arrays stay alive while this object lives); a
-// step then converts only the token's arrays. The steps are step_inplace's: the same validation
-// of every argument by hila::step, the same lock, the same errors. The caller must not re-point
-// the state's arrays at other memory (hila.torch compares their data pointers before each step).
+// are taken over DLPack once and held (so their arrays stay alive while this object lives), and
+// it holds the state's lock entry (the one step_inplace takes for these positions) for its life,
+// so a step locks that mutex without a lookup. A step reads the token's arrays from lent capsules
+// (lent_view) and runs step_inplace's hila::step: the same validation of every argument, the same
+// lock, the same errors. The caller must not re-point the state's arrays at other memory
+// (hila.torch compares their data pointers before each step).
 class BoundState {
  public:
-  explicit BoundState(const StateOut& state) : parts_(state), view_(caller_state(parts_)) {}
-  void step(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g, const OptIn& lam,
-            const OptIn& beta, const Out& o, uintptr_t stream, int64_t max_position) const {
-    hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
+  explicit BoundState(const StateOut& state)
+      : parts_(state), view_(caller_state(parts_)), mu_(g_state_locks.acquire(view_.pos.data)) {}
+  ~BoundState() { g_state_locks.release(view_.pos.data); }
+  BoundState(const BoundState&) = delete;
+  BoundState& operator=(const BoundState&) = delete;
+
+  // o: the data pointer of a C-contiguous array shaped, typed and placed like v (hila.torch makes
+  // it with torch.empty_like(v, memory_format=torch.contiguous_format) for the call).
+  void step(const OpConfig& cfg, nb::handle q, nb::handle k, nb::handle v, nb::handle g, nb::handle lam,
+            nb::handle beta, uintptr_t o, uintptr_t stream, int64_t max_position) const {
+    hila::StepParams p;
+    p.q = lent_view("q", q, false);
+    p.k = lent_view("k", k, false);
+    p.v = lent_view("v", v, false);
+    p.g = lent_view_or_none("g", g);
+    p.lam = lent_view_or_none("lam", lam);
+    p.beta = lent_view_or_none("beta", beta);
+    if (o == 0) throw Error("o", "expected the data pointer of an output like v, got 0");
+    p.o = TensorView::contiguous_view(reinterpret_cast<void*>(o), p.v.dtype, p.v.shape.data(), p.v.ndim, p.v.device);
+    p.cfg = with_gates(cfg, p.g, 2);
+    set_stream(p, stream);
     p.max_position = max_position;
-    step_locked(p, view_);
+    nb::gil_scoped_release nogil;
+    const std::lock_guard<std::mutex> lock(*mu_);
+    step_named(p, view_);
   }
 
  private:
   StateOut parts_;
   StateView view_;
+  std::shared_ptr<std::mutex> mu_;
 };
 
 // ---------------------------------------------------------------------------------- DecodeState
@@ -587,7 +669,9 @@ NB_MODULE(_C, m) {
       .def(nb::init<const StateOut&>(), "state"_a)
       .def("step", &BoundState::step, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
            "beta"_a.none(), "o"_a, "stream"_a, "max_position"_a = -1,
-           "step_inplace on the bound state: one fused decode step, the state advanced in place; writes o.");
+           "step_inplace on the bound state: one fused decode step, the state advanced in place; writes o. "
+           "q, ..., beta are DLPack capsules lent for the call (read, not consumed; g, lam, beta may be None); "
+           "o is the data pointer of a C-contiguous output shaped, typed and placed like v.");
 
   nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
       .def(

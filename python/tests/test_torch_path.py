@@ -469,6 +469,60 @@ def test_default_training_calls_do_not_synchronize_on_cuda(op, device):
         assert _host_runs_ahead(layer_step, device), f"{op}: a default layer call synchronised"
 
 
+@pytest.mark.parametrize("op", ("gla", "hla2", "loglinear", "gdn", "loglinear_gdn"))
+def test_bare_decode_steps_do_not_synchronize_on_cuda(op, device):
+    """On CUDA, step_ with default arguments and no max_position on a State that hila.torch made
+    and stepped reads nothing back: a log-linear one passes its capacity bound (after pos is
+    written, the positions are read once), so the steps run ahead of the GPU and a CUDA graph can
+    capture one; the graph's replays then give eager's o and state, to the bit."""
+    if not device.startswith("cuda"):
+        pytest.skip("checks device synchronisation: needs a CUDA device")
+    require_device(device, op)
+    t = hila.op_traits(op)
+    N, H, d = 2, 2, 32
+    g = torch.Generator(device=device).manual_seed(0)
+    tok = dict(q=torch.randn(N, H, d, device=device, generator=g, dtype=torch.bfloat16) * d ** -0.5,
+               k=torch.randn(N, H, d, device=device, generator=g, dtype=torch.bfloat16) * d ** -0.5,
+               v=torch.randn(N, H, d, device=device, generator=g, dtype=torch.bfloat16),
+               g=torch.full((N, H), -0.05, device=device))
+    if t["loglinear"]:
+        tok["lam"] = torch.rand(N, H, hila.levels_needed(0, 512), device=device, generator=g, dtype=torch.bfloat16)
+    if t["delta"]:
+        tok["beta"] = torch.full((N, H), 0.5, device=device, dtype=torch.bfloat16)
+    st = ht.zero_state(op, N, H, d, d, max_len=512, device=device)
+
+    def steps(state, n=4):
+        with torch.no_grad():
+            for _ in range(n):
+                ht.step_(op, **tok, state=state)
+
+    steps(st, 2)  # the State bound to the extension (its second step)
+    assert _host_runs_ahead(lambda: steps(st), device), f"{op}: a bare step_ synchronised"
+    with torch.no_grad():
+        st.pos.fill_(100)
+    steps(st, 1)  # the positions read once (log-linear)
+    assert _host_runs_ahead(lambda: steps(st), device), f"{op}: a bare step_ synchronised after pos was written"
+    torch.cuda.synchronize(device)
+    eager = hila.State(*(None if x is None else x.clone() for x in st))  # at position 105
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        o = ht.step_(op, **tok, state=st)  # recorded, not run
+    assert hops._POSITIONS not in st.__dict__ or not t["loglinear"]  # a captured step keeps no bound
+    outs = []
+    for _ in range(3):
+        graph.replay()
+        outs.append(o.clone())
+    with torch.no_grad():
+        eager_outs = [ht.step_(op, **tok, state=eager) for _ in range(3)]
+    assert st.pos.tolist() == [108, 108]
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager_outs))
+    assert all(a is None or torch.equal(a, b) for a, b in zip(st, eager))
+    with torch.no_grad():
+        o_next = ht.step_(op, **tok, state=st)  # eager after the replays: positions read again
+        o_ref = ht.step_(op, **tok, state=eager)
+    assert torch.equal(o_next, o_ref) and all(a is None or torch.equal(a, b) for a, b in zip(st, eager))
+
+
 def test_strided_step_inputs_take_the_general_road(request):
     """step_ on inputs whose innermost stride is not 1 (which the decode fast path passes as they
     are, and the library refuses before writing anything) gives the result of contiguous inputs,
@@ -524,6 +578,276 @@ def test_bound_state_steps_follow_the_state_memory(op, device, request):
         assert (a is None and b is None) or torch.equal(a, b)
     for other in (copy.copy(st), copy.deepcopy(st), pickle.loads(pickle.dumps(st))):
         assert type(other) is hila.State and not other.__dict__ and other.pos.tolist() == st.pos.tolist()
+
+
+def _bound_loglinear_gdn(device):
+    """A loglinear_gdn state bound to the extension (two steps taken), its next token, and the
+    bound binding."""
+    x, _, _ = torch_inputs("loglinear_gdn", device, T=3, dk=4, dv=3)
+    x = {k: v.detach() for k, v in x.items()}
+    st = ht.zero_state("loglinear_gdn", 2, 2, 4, 3, max_len=8, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for t in range(2):
+            ht.step_("loglinear_gdn", **{k: v[:, t] for k, v in x.items()}, state=st)
+    bound = st.__dict__[hops._BOUND][1]
+    assert isinstance(bound, hila._C.BoundState)
+    return st, {k: v[:, 2] for k, v in x.items()}, bound
+
+
+def _bad_bound_tokens(tok, device):
+    """(what, argument, token) of step_ inputs the bound fast path must reject, naming them."""
+    other = "cpu" if str(device).startswith("cuda") else ("cuda" if torch.cuda.is_available() else None)
+    cases = [
+        ("k of another head dim", "k", {**tok, "k": tok["k"][..., :3]}),
+        ("q of 4 dims", "q", {**tok, "q": tok["q"][:, None]}),
+        ("k of another batch", "k", {**tok, "k": tok["k"][:1]}),
+        ("v of another dtype", "v", {**tok, "v": tok["v"].float()}),
+        ("integer q", "q", {**tok, "q": tok["q"].long(), "k": tok["k"].long()}),
+        ("g of another shape", "g", {**tok, "g": tok["g"][:, :1]}),
+        ("lam of too few levels", "lam", {**tok, "lam": tok["lam"][..., :2]}),
+        ("no beta", "beta", {**tok, "beta": None}),
+        ("beta of another shape", "beta", {**tok, "beta": tok["beta"][:1]}),
+    ]
+    if other is not None:
+        cases.append(("v on another device", "v", {**tok, "v": tok["v"].to(other)}))
+    return cases
+
+
+@pytest.mark.parametrize("what", [c[0] for c in _bad_bound_tokens(
+    {k: torch.zeros(2, 2, 4) for k in ("q", "k", "v", "g", "lam", "beta")}, "cpu")])
+def test_bound_step_rejects_bad_inputs(what, device):
+    """A bound state's step (lent DLPack capsules, o by pointer) checks every input as step_inplace
+    does: a wrong shape, dtype or device is a HilaError naming the argument, the state untouched,
+    and the binding stays in use."""
+    require_device(device, "loglinear_gdn")
+    st, tok, bound = _bound_loglinear_gdn(device)
+    cases = {c[0]: c[1:] for c in _bad_bound_tokens(tok, device)}
+    if what not in cases:
+        pytest.skip(f"{what}: needs a second device")
+    argument, bad = cases[what]
+    before = [None if p is None else p.clone() for p in st]
+    with torch.no_grad(), pytest.raises(hila.HilaError) as e:
+        ht.step_("loglinear_gdn", **bad, state=st)
+    assert e.value.argument == argument, str(e.value)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(st, before))
+    assert st.__dict__[hops._BOUND][1] is bound
+    with torch.no_grad():
+        ht.step_("loglinear_gdn", **tok, state=st)  # the same binding steps on
+    assert st.pos.tolist() == [3, 3] and st.__dict__[hops._BOUND][1] is bound
+
+
+def test_bound_step_strided_and_lent_arguments(device):
+    """The bound step reads strided inputs (outer strides of a slice, a transposed v) in place and
+    writes a contiguous o; its arguments are read from DLPack capsules left unconsumed, and what is
+    not an unused capsule, or a null o, is a HilaError naming the argument."""
+    from torch.utils.dlpack import to_dlpack
+    require_device(device, "loglinear_gdn")
+    st, tok, bound = _bound_loglinear_gdn(device)
+    ref = hila.State(*(None if p is None else p.clone() for p in st))
+    qs = torch.cat([tok["q"], torch.full_like(tok["q"], float("nan"))], -1)[..., :4]  # strides (8, 8, 1)
+    vt = tok["v"].transpose(0, 1).contiguous().transpose(0, 1)  # [N, H, dv], strides (dv, N dv, 1)
+    assert not qs.is_contiguous() and not vt.is_contiguous() and torch.equal(vt, tok["v"])
+    with torch.no_grad():
+        o = ht.step_("loglinear_gdn", **{**tok, "q": qs, "v": vt}, state=st)
+        o_ref = ht.step_("loglinear_gdn", **tok, state=ref)
+    assert st.__dict__[hops._BOUND][1] is bound
+    assert o.is_contiguous() and torch.equal(o, o_ref)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(st, ref))
+    spec = hops._spec("loglinear_gdn", "chunk", 64, 0.0, False, 1e-6, 0.0, False, False)
+    o = torch.empty_like(tok["v"])
+    args = [to_dlpack(tok[k]) for k in ("q", "k", "v", "g", "lam", "beta")]
+    used = to_dlpack(tok["k"])
+    torch.from_dlpack(used)  # consumed: renamed "used_dltensor"
+    for i, name, arg in ((0, "q", tok["q"]), (1, "k", used), (3, "g", "g")):
+        bad = list(args)
+        bad[i] = arg
+        with pytest.raises(hila.HilaError) as e:
+            bound.step(spec.cfg, *bad, o.data_ptr(), 0, -1)
+        assert e.value.argument == name, str(e.value)
+    with pytest.raises(hila.HilaError) as e:
+        bound.step(spec.cfg, *args, 0, 0, -1)
+    assert e.value.argument == "o"
+    assert st.pos.tolist() == [3, 3]  # nothing stepped by the rejected calls
+    bound.step(spec.cfg, *args, o.data_ptr(), 0, -1)  # the capsules were lent, not used up
+    assert st.pos.tolist() == [4, 4] and torch.isfinite(o).all()
+
+
+def test_step_capacity_bound():
+    """_capacity(slots, levels) is the largest position a log-linear step can start from: the
+    step to p + 1 fits the slots (state_slots(p + 1) <= slots) and lam has the levels of p
+    (bitlen(p) + 1 <= levels), and p + 1 misses one of them."""
+    fits = lambda p, slots, levels: hila.state_slots(p + 1) <= slots and p.bit_length() + 1 <= levels  # noqa: E731
+    for slots in range(0, 12):
+        for levels in range(0, 12):
+            cap = hops._capacity(slots, levels)
+            assert cap == -1 or fits(cap, slots, levels), (slots, levels, cap)
+            assert not fits(cap + 1, slots, levels), (slots, levels, cap)
+    assert hops._capacity(80, 80) == (1 << 62) - 1  # the library's bound on positions
+
+
+class _BoundSpy:
+    """hila._C with the max_position of every in-place step recorded (unbound and bound steps)."""
+
+    def __init__(self, real, seen):
+        self._real, self._seen = real, seen
+
+    def __getattr__(self, name):
+        real, seen = self._real, self._seen
+        if name == "step_inplace":
+            def step_inplace(*a, **k):
+                seen.append(k.get("max_position", -1))
+                return real.step_inplace(*a, **k)
+            return step_inplace
+        if name == "BoundState":
+            class Bound:
+                def __init__(self, parts):
+                    self.b = real.BoundState(parts)
+
+                def step(self, *a):
+                    seen.append(a[-1])
+                    return self.b.step(*a)
+            return Bound
+        return getattr(real, name)
+
+
+@pytest.mark.parametrize("op", ("loglinear", "loglinear_gdn", "loglinear_hla2"))
+def test_step_position_bound_follows_the_state(op, device, request, monkeypatch):
+    """A log-linear step_ without max_position passes the capacity bound exactly while the State's
+    kept largest position holds: from zero_state and its own steps, the positions re-read once
+    after any write to pos (indexing, fill_, zero_, set_, a pool step through state_indices, the
+    custom op), none kept by copies, pickles and a forward's final state; positions outside
+    [0, capacity] pass no bound (the library names the error as before). Every step's o and
+    state equal, to the bit, those of the custom op, which never passes a bound; the kept bound is
+    the true largest position after every step."""
+    import copy
+    import pickle
+    require_device(device, op)
+    if not str(device).startswith("cuda"):
+        _setflag(request, hops._BOUND_ON_CPU, True)  # the CPU library reads positions anyway
+    N, H, dk, dv = 2, 2, 4, 3
+    x, _, _ = torch_inputs(op, device, B=N, T=24, H=H, dk=dk, dv=dv)
+    x = {k: v.detach() for k, v in x.items()}
+    x["lam"] = x["lam"][..., :1].expand(-1, -1, -1, 5).contiguous()  # 5 levels: positions <= 15
+    st = ht.zero_state(op, N, H, dk, dv, max_len=12, dtype=torch.float64, device=device)  # 5 slots
+    cap = hops._capacity(st.H.shape[2], 5)
+    assert cap == 14
+    ref = hila.State(*(None if p is None else p.clone() for p in st))
+    seen = []
+    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen))
+    clock = iter(range(10 ** 6))
+
+    def step(expect, state=None, **kw):
+        """One step of `state` (st) and of ref through the custom op; `expect` is the bound passed."""
+        state = st if state is None else state
+        tok = {k: v[:, next(clock) % 24] for k, v in x.items()}
+        top = max(ref.pos.tolist())
+        with torch.no_grad():
+            o = ht.step_(op, **tok, state=state, check_values=False, **kw)
+            passed = seen[-1]
+            _setflag(request, hops._FAST, False)
+            o_ref = ht.step_(op, **tok, state=ref, check_values=False, **kw)
+            _setflag(request, hops._FAST, True)
+        assert passed == expect and (expect == -1 or expect >= top), (passed, expect, top)
+        assert torch.equal(o, o_ref)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(state, ref))
+        if expect >= 0 and not kw:
+            assert state.__dict__[hops._POSITIONS][2] == max(state.pos.tolist())
+
+    def fails(argument):
+        tok = {k: v[:, 0] for k, v in x.items()}
+        with torch.no_grad(), pytest.raises(hila.HilaError) as e:
+            ht.step_(op, **tok, state=st, check_values=False)
+        assert e.value.argument == argument and seen[-1] == -1, str(e.value)
+
+    assert st.__dict__[hops._POSITIONS][2] == 0
+    for _ in range(3):
+        step(cap)                            # from zero_state: nothing read
+    with torch.no_grad():
+        st.pos[1] = 9
+        ref.pos[1] = 9
+    step(cap)                                # re-read after an indexed write: [4, 10]
+    for _ in range(5):
+        step(cap)                            # the last one from [8, 14], the capacity
+    assert st.pos.tolist() == [9, 15]
+    fails("state.H")                         # 15 > capacity: no bound, the library's error
+    with torch.no_grad():
+        st.pos.zero_()                       # a reset
+        ref.pos.zero_()
+    step(cap)
+    st.pos.set_(st.pos.clone())              # re-pointed
+    step(cap)
+    with torch.no_grad():
+        st.pos.fill_(5)
+        ref.pos.fill_(5)
+    step(cap)
+    step(-1, state_indices=torch.tensor([1, -1], device=device))  # a pool step: row 1 only
+    assert st.pos.tolist() == [6, 7]
+    step(cap)                                # positions re-read after the pool step
+    _setflag(request, hops._FAST, False)
+    with torch.no_grad():
+        ht.step_(op, **{k: v[:, 0] for k, v in x.items()}, state=st, check_values=False)
+        ht.step_(op, **{k: v[:, 0] for k, v in x.items()}, state=ref, check_values=False)
+    _setflag(request, hops._FAST, True)
+    step(cap)                                # re-read after the custom op's step
+    with torch.no_grad():
+        st.pos[0] = -1
+    fails("state.pos")                       # a negative position: no bound, the library's error
+    with torch.no_grad():
+        st.pos[0] = ref.pos[0]
+    step(cap)
+    for other in (copy.copy(st), pickle.loads(pickle.dumps(st))):
+        assert hops._POSITIONS not in other.__dict__
+    tok = {k: v[:, :3] for k, v in x.items()}
+    with torch.no_grad():
+        _, fin = ht.forward(op, **tok, output_final_state=True, final_slots=5)
+    assert hops._POSITIONS not in fin.__dict__
+    ref = hila.State(*(None if p is None else p.clone() for p in fin))
+    step(cap, state=fin)                     # its positions (3) read once
+    assert fin.__dict__[hops._POSITIONS][2] == 4
+    step(cap, state=fin)
+
+
+def test_step_position_bound_under_inference_mode(request, monkeypatch):
+    """Inference tensors keep no version counter: zero_state keeps no bound, and their steps pass
+    none (the library reads the positions)."""
+    _setflag(request, hops._BOUND_ON_CPU, True)
+    seen = []
+    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen))
+    x, _, _ = torch_inputs("loglinear", "cpu", B=1, T=2, H=1, dk=2, dv=2)
+    with torch.inference_mode():
+        st = ht.zero_state("loglinear", 1, 1, 2, 2, max_len=4, dtype=torch.float64)
+        assert hops._POSITIONS not in st.__dict__
+        for t in range(2):
+            ht.step_("loglinear", **{k: v[:, t] for k, v in x.items()}, state=st, check_values=False)
+    assert seen == [-1, -1] and st.pos.tolist() == [2]
+
+
+def test_bound_and_unbound_steps_of_one_state_lose_nothing():
+    """Threads stepping one State (bound from its second step: the binding's lock) and threads
+    stepping the same tensors through fresh State objects (never bound: step_inplace's lock of the
+    same positions) serialize on one lock: every step lands."""
+    import threading
+    st = ht.zero_state("gla", 1, 1, 4, 4)
+    tok = dict(q=torch.full((1, 1, 4), 0.1), k=torch.full((1, 1, 4), 0.1), v=torch.ones(1, 1, 4),
+               g=torch.full((1, 1), -0.01))
+    errors = []
+
+    def worker(fresh):
+        try:
+            with torch.no_grad():
+                for _ in range(200):
+                    ht.step_("gla", **tok, state=hila.State(*st) if fresh else st)
+        except Exception as e:  # noqa: BLE001 - any error fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i % 2 == 1,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert isinstance(st.__dict__[hops._BOUND][1], hila._C.BoundState)
+    assert st.pos.tolist() == [1600]
 
 
 def test_fast_path_switch():

@@ -88,7 +88,7 @@ class _Spec:
     """What a call's options decide, built once per distinct options: the C++ configuration, the
     operator's traits and the form its backward runs (chunk where the form has none)."""
 
-    __slots__ = ("op", "form", "bwd_form", "chunk", "cfg", "has_S", "has_P", "normalize")
+    __slots__ = ("op", "form", "bwd_form", "chunk", "cfg", "has_S", "has_P", "normalize", "bounds_steps")
 
     def __init__(self, op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values):
         normalize, qk_l2norm, check_values = map(_flag, (normalize, qk_l2norm, check_values))
@@ -99,6 +99,9 @@ class _Spec:
         self.op, self.form, self.chunk = op, form, int(chunk)
         self.bwd_form = form if _ops.supports(op, form, True) else "chunk"  # HilaError('form')
         self.has_S, self.has_P, self.normalize = t["has_S"], t["has_P"], bool(normalize)
+        # a step_ of these options without max_position passes the bound of the state's capacity
+        # where the State's positions are known on the host (see _position_bound)
+        self.bounds_steps = bool(t["loglinear"]) and check_values is False
 
 
 def _flag(x):
@@ -858,7 +861,11 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     Fenwick slots depend on them), so it can be captured in a CUDA graph; the state must have the
     slots of ``max_position + 1`` and lam ``bitlen(max_position) + 1`` levels. A sequence whose
     position lies outside ``[0, max_position]`` then gets NaN in its row of o and its state is left
-    unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead).
+    unchanged (with ``check_values=True``, and on the CPU, it is a HilaError instead). Without
+    ``max_position`` (and without ``state_indices``), a log-linear CUDA step on a State whose
+    positions hila.torch knows (from :func:`zero_state` and its own steps, read once after ``pos``
+    was written) passes the bound of the state's capacity itself and reads nothing back either
+    (docs/PYTHON.md, "Host overhead"); results are the same as after reading the positions.
     """
     if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
         o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
@@ -901,26 +908,31 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
 _STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
 atexit.register(_STEP_SPECS.clear)
 _CONTIGUOUS = torch.contiguous_format
-_increment_version = torch.autograd.graph.increment_version
+# torch.autograd.graph.increment_version without its wrapper (it takes a tuple of tensors); the
+# wrapper where this torch has no such function.
+_increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
+_grad_enabled = torch.is_grad_enabled
 
 
 def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
                 check_values, max_position) -> Optional[Tensor]:
     """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
     serving indices, on the direct road) with the least host work: the configuration from a dict
-    keyed by the options as given, one ``torch.empty_like`` for o, one DLPack capsule per tensor
-    and nothing else. Returns None where it does not apply (or an argument is not a tensor), and
-    the caller then takes the general road, which names what is wrong. Inputs whose innermost
-    stride is not 1 are not copied here: the library rejects them while validating, before it
-    writes anything, and the general road then runs the call on contiguous copies."""
+    keyed by the options as given, one ``torch.empty_like`` for o, and for a bound state (see
+    :func:`_bound_state`) one DLPack capsule per input lent to the extension (read in place, not
+    consumed) and o's data pointer (o is made here: contiguous, shaped, typed and placed like v).
+    Returns None where it does not apply (or an argument is not a tensor), and the caller then
+    takes the general road, which names what is wrong. Inputs whose innermost stride is not 1 are
+    not copied here: the library rejects them while validating, before it writes anything, and the
+    general road then runs the call on contiguous copies."""
     pos, S, P, H = state
     if pos is None or H is None:
         return None
     try:
+        if _grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
+            return None
         if check_values is None:
             check_values = q.is_cpu
-        if torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, S, P, H):
-            return None
         key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
         spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
         if spec is None:
@@ -931,6 +943,9 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
             if len(_STEP_SPECS) >= 256:
                 _STEP_SPECS.clear()
             _STEP_SPECS[key] = spec
+        top = None  # the largest position before this step, where _position_bound knows it
+        if max_position < 0 and spec.bounds_steps and (pos.is_cuda or _BOUND_ON_CPU[0]):
+            top, max_position = _position_bound(state, pos, H, lam, q)
         o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
         if _POISON[0]:
             _ops._poison(o)
@@ -938,7 +953,7 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         if bound is not None:
             bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
                        None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
-                       _capsule(o), _stream(q), max_position)
+                       o.data_ptr(), _stream(q), max_position)
         else:
             _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
                             None if g is None else _capsule(g), None if lam is None else _capsule(lam),
@@ -955,7 +970,77 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     _increment_version((pos, H) if S is None and P is None else
                        tuple(x for x in (pos, S, P, H) if x is not None))
+    if top is not None:
+        _keep_positions(state, pos, top + 1)
     return o
+
+
+# ----------------------------------------------------------------------------- position bound
+#
+# A log-linear step without max_position needs the largest position of the state on the host (its
+# Fenwick slots and lam levels are checked against it): the library reads the positions back, a
+# device-to-host copy and a synchronisation per CUDA step. A State that hila.torch made
+# (zero_state) or stepped keeps, in its __dict__, an upper bound of its positions together with
+# the data pointer and autograd version counter of its pos, which every in-place write through
+# torch (fill_, copy_, zero_, indexing, the hila.torch calls that write pos, on pos or any view of
+# its memory) advances. While both are unchanged the bound holds, and the step passes
+# max_position = the largest position the state's slots and lam's levels can step from
+# (_capacity), which is at least every real position: the library then reads nothing, and the
+# kernel runs exactly as it would after reading (it only compares each position with the bound).
+# Where the bound is not known (pos written, re-pointed, a State made elsewhere), the positions
+# are read once here (the synchronisation the library would make) and the bound kept from then on.
+# Positions outside [0, capacity] get max_position -1: the library reads them and names the error.
+# The bound decides only whether the capacity is passed, never the kernel's arithmetic: a bound
+# that went stale without a version change (writes through .data or DLPack, CUDA graph replays)
+# cannot change a step of positions the state can take.
+
+_POSITIONS = "_hila_pos"  # the key, in a State's __dict__, of (pos data pointer, pos._version, bound)
+_BOUND_ON_CPU = [False]   # test hook: the bound on CPU tensors too (the CPU library reads anyway)
+_MAX_POSITION = (1 << 62) - 1  # the largest position a step may start from (hila::kMaxPosition - 1)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+
+
+def _capacity(slots: int, levels: int) -> int:
+    """The largest position a log-linear step can start from with ``slots`` Fenwick slots in H
+    (state_slots(p + 1) = bitlen(p + 1) + 1 <= slots) and ``levels`` lam levels (bitlen(p) + 1 <=
+    levels); -1 when there is none."""
+    if slots < 2 or levels < 1:
+        return -1
+    return min((1 << (slots - 1)) - 2, (1 << (levels - 1)) - 1, _MAX_POSITION)
+
+
+def _keep_positions(state: State, pos: Tensor, top: int) -> None:
+    """Records ``top`` as the largest position of ``state`` (pos as it is now); dropped during a
+    CUDA graph capture, where the step is recorded, not run."""
+    if pos.is_cuda and _capturing():
+        state.__dict__.pop(_POSITIONS, None)
+    else:
+        state.__dict__[_POSITIONS] = (pos.data_ptr(), pos._version, top)
+
+
+def _position_bound(state: State, pos: Tensor, H: Tensor, lam: Optional[Tensor], q: Tensor):
+    """(the largest position of ``state``, the max_position to pass) for a log-linear step_ without
+    max_position: (None, -1) where the positions are not known to lie in [0, capacity] (the library
+    then reads them, as without this bound). See the comment above. A lam or H of another shape
+    than the library takes gets the bound of what shape it has: the library names it, before
+    comparing anything with the bound."""
+    try:
+        version = pos._version
+        kept = state.__dict__.get(_POSITIONS)
+        if kept is not None and kept[1] == version and kept[0] == pos.data_ptr():
+            top = kept[2]
+        else:
+            if ((pos.is_cuda and _capturing()) or pos.dtype != torch.int64 or pos.dim() != 1
+                    or pos.numel() == 0 or pos.device != q.device):
+                return None, -1  # the library names what is wrong (or that it cannot read under capture)
+            p = pos.tolist()  # the one read back
+            if min(p) < 0:
+                return None, -1
+            top = max(p)
+        cap = _capacity(H.shape[2], lam.shape[2])
+    except (IndexError, RuntimeError):  # fewer dimensions; an inference tensor has no _version
+        return None, -1
+    return (top, cap) if top <= cap else (None, -1)  # (cap = -1: no position fits)
 
 
 _BOUND = "_hila_step"  # the key, in a State's __dict__, of what _bound_state keeps there
@@ -1002,4 +1087,7 @@ def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: in
     shapes = _ops.state_part_shapes(op, batch, heads, dk, dv, normalize=normalize,
                                     slots=_ops.state_slots(max_len))
     z = lambda s, dt=dtype: None if s is None else torch.zeros(s, dtype=dt, device=device)  # noqa: E731
-    return State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H))
+    st = State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H))
+    if not st.pos.is_inference():
+        st.__dict__[_POSITIONS] = (st.pos.data_ptr(), st.pos._version, 0)  # every position is 0
+    return st
