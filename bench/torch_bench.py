@@ -223,6 +223,8 @@ def section_train(a, device, out, cpp):
                     sets = train_inputs(op, B, T, a.H, a.d, device)
                     base = dict(section="train", op=op, B=B, T=T, H=a.H, d=a.d)
                     for impl, cv in IMPLS:
+                        if impl not in a.train_impls:
+                            continue
                         for dirn, (ms, sync) in time_torch(timer, op, sets, cv, a.l2norm).items():
                             out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync, note=NOTE[cv]))
                     for dirn in ("fwd", "fwdbwd"):
@@ -556,7 +558,10 @@ def main():
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--l2norm", action="store_true", help="gdn operators with qk_l2norm (as fla's gdn anchor)")
     ap.add_argument("--no-fla", dest="fla", action="store_false")
+    ap.add_argument("--train-impls", default=",".join(i for i, _ in IMPLS),
+                    help="the hila.torch variants of the train section (hila_torch = default arguments)")
     a = ap.parse_args()
+    a.train_impls = set(a.train_impls.split(","))
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("torch sees no CUDA device: run with --device cpu for a smoke run")
