@@ -6,6 +6,14 @@
 //    same rounded inputs (its dg is chunk-local too, so it keeps float64 accuracy at any T). A dg
 //    formed as a reverse cumsum over the whole sequence fails this from T = 4K on: its bf16 error
 //    grows like sqrt(T).
+//  * CudaResetGates: log-gates of -inf or -1e30 (state resets, docs/OPERATORS.md "Resets") at the
+//    start, middle and end of chunks, on chunk boundaries and back to back, with value checks off
+//    and on: every operator family gives finite outputs and gradients within the documented bound
+//    of the CPU serial form in float64 on the same rounded inputs (the naive form where the serial
+//    backward does not exist), and dg = 0 at every reset gate. The kernels see a reset gate as the
+//    floor kGateFloor (prims/pack.cuh): the decays across it are exactly 0, the decays after it in
+//    the same chunk carry the rounding of a sum of size |floor| (float32 about 1e-5 per reset in the
+//    chunk, float64 about 1e-13).
 // Without a GPU every test is skipped with a printed reason, so CI still compiles this file; on the
 // host emulator (tools/cuda_emu) the T256 cases run in about a minute each.
 #include <gtest/gtest.h>
@@ -19,6 +27,7 @@
 #include <vector>
 
 #include "cuda_support.h"
+#include "hila/ops.h"
 #include "problem.h"
 
 namespace hila::tools {
@@ -126,6 +135,82 @@ TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaGateGradients, ::testing::ValuesIn(dg_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- reset gates --------------------------------------------------------------------------------
+
+struct ResetCase {
+  Op op;
+  DType dtype;
+  Knobs knobs;
+  std::string name;
+};
+
+std::string tag_of(DType dt) {
+  return dt == DType::bf16 ? "bf16" : dt == DType::f16 ? "f16" : dt == DType::f32 ? "f32" : "f64";
+}
+// The bound against the float64 serial form (the header above): 16 bits as the other CUDA tests,
+// float32 and float64 from the rounding of the decays after a reset inside a chunk.
+double reset_tol(DType dt) { return dt == DType::f64 ? 1e-10 : dt == DType::f32 ? 1e-4 : 1e-2; }
+
+std::vector<ResetCase> reset_cases() {
+  std::vector<ResetCase> cs;
+  for (Op op : {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn})
+    for (DType dt : {DType::f32, DType::f64, DType::bf16})
+      cs.push_back({op, dt, {}, std::string(op_name(op)) + "_" + tag_of(dt)});
+  cs.push_back({Op::loglinear, DType::bf16, {nullptr, "0"}, "loglinear_bf16_sweep"});
+  cs.push_back({Op::gla, DType::bf16, {"0"}, "gla_bf16_sm80"});
+  cs.push_back({Op::gla, DType::bf16, {"1"}, "gla_bf16_sm90"});
+  return cs;
+}
+
+class CudaResetGates : public ::testing::TestWithParam<ResetCase> {};
+
+TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
+  const ResetCase c = GetParam();
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.B = 2, s.T = 200, s.G = 1, s.H = 2;
+  s.dk = s.dv = c.dtype == DType::bf16 ? 64 : 32;
+  s.init_state = true;
+  s.dtype = DType::f64;
+  s.seed = 31;
+  Problem pr = make_problem(s);
+  // (batch, position, gate): chunk starts, middles and ends, a chunk boundary, two in a row
+  const struct {
+    int64_t b, t;
+    double g;
+  } resets[] = {{0, 0, -INFINITY}, {0, 5, -1e30}, {0, 63, -INFINITY}, {0, 64, -1e30}, {0, 100, -INFINITY},
+                {0, 101, -1e30},   {1, 30, -1e30}, {1, 127, -INFINITY}, {1, 128, -INFINITY}, {1, 199, -1e30}};
+  const int64_t gc = pr.g.numel() / (s.B * s.T * s.H);  // gate columns
+  for (const auto& x : resets)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t j = 0; j < gc; ++j) pr.g.set(((x.b * s.T + x.t) * s.H + h) * gc + j, x.g);
+  const Problem low = cast_problem(pr, c.dtype);
+  const Form oracle = supports(c.op, Form::serial, true) ? Form::serial : Form::naive;
+  const Result ref = run_backward(cast_problem(low, DType::f64), oracle);
+  const double tol = reset_tol(c.dtype);
+  for (const char* checks : {"off", "on"}) {
+    Problem run = low;
+    run.spec.cfg.check_values = std::string(checks) == "on";
+    Result got;
+    const std::string err = with_knobs(c.knobs, [&] { got = run_backward(run, Form::chunk, 64, cuda0()); });
+    ASSERT_EQ(err, "") << c.name << " checks " << checks;
+    for (const auto& [name, e] : compare(got, ref, 1e-4)) {
+      std::printf("  %-24s checks %-3s %-10s rel err %.2e\n", c.name.c_str(), checks, name.c_str(), e);
+      EXPECT_LE(e, tol) << c.name << " checks " << checks << ": " << name;  // NaN / Inf give +inf
+    }
+    for (const auto& x : resets)
+      for (int64_t h = 0; h < s.H; ++h)
+        for (int64_t j = 0; j < gc; ++j) {
+          const int64_t i = ((x.b * s.T + x.t) * s.H + h) * gc + j;
+          EXPECT_EQ(got.dg.get(i), 0.0) << c.name << ": dg of the reset gate at b " << x.b << ", t " << x.t;
+        }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases()),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
