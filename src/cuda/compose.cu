@@ -74,7 +74,7 @@ struct Call {
     v = operand(p.v, r.H, int(r.dv), dvp, r.cfg.normalize ? int(r.dv) : -1, vbuf);
     for (int c = 0; c < r.gate_cols; ++c) {  // tied: one column serves every primitive
       g[c] = DevBuf<R>(size_t(r.H * Ttot), s);
-      HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g[c].get(), Strided(p.g), r.T, r.H, Ttot, c);
+      HILA_LAUNCH(pack_log_gates<R>, r.H * Ttot, s, g[c].get(), Strided(p.g), r.T, r.H, Ttot, c);
       b[c] = DevBuf<R>(size_t(r.H * Ttot), s);
       GlaArgs<T> a = args({}, 1, {}, 1, dvp, c);
       gla_chunk_cumsum<T>(a, b[c].get(), s);
@@ -610,10 +610,11 @@ struct BackwardCall {
       if (r.gate_cols == 1) {  // tied: sum over primitives (into the outer's buffer)
         for (int i = 0; i < prims; ++i)
           if (i != plan.gO) HILA_LAUNCH((axpy_k<R, R>), r.H * c.Ttot, s, go->dg.get(), dg[i], r.H * c.Ttot, R(1), true);
-        HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), go->dg.get(), r.T, r.H, c.Ttot, 0);
+        HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * c.Ttot, s, Strided(p.dg), go->dg.get(), c.g[0].get(), r.T, r.H,
+                    c.Ttot, 0);
       } else {
         for (int i = 0; i < prims; ++i)
-          HILA_LAUNCH(unpack_gates<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i], r.T, r.H, c.Ttot, i);
+          HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * c.Ttot, s, Strided(p.dg), dg[i], c.g[i].get(), r.T, r.H, c.Ttot, i);
       }
     }
     if (p.d_init.S.defined())

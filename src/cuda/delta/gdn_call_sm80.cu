@@ -30,7 +30,7 @@ GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStre
   }
   if (r.gate_cols > 0) {
     g = DevBuf<R>(size_t(r.H * Ttot), s);
-    HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
+    HILA_LAUNCH(pack_log_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
   }
   beta = DevBuf<R>(size_t(r.H * Ttot), s);
   HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, beta.get(), Strided(p.beta), r.T, r.H, Ttot, 0);
@@ -95,7 +95,8 @@ void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1,
   if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, qx, r, int(r.dk), dk, R(r.scale), s);
   if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, kx, r, int(r.dk), dk, R(1), s);
   if (p.dv.defined()) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);
-  if (p.dg.defined()) HILA_LAUNCH(unpack_gates<R>, r.H * Ttot, s, Strided(p.dg), dg, r.T, r.H, Ttot, 0);
+  if (p.dg.defined())
+    HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * Ttot, s, Strided(p.dg), dg, g.get(), r.T, r.H, Ttot, 0);
   if (p.dbeta.defined()) HILA_LAUNCH(unpack_gates<R>, r.H * Ttot, s, Strided(p.dbeta), dbeta, r.T, r.H, Ttot, 0);
 }
 

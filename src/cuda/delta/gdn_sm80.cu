@@ -331,7 +331,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     DevBuf<R> dg(size_t(H * Ttot), s), dvb(size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
     DevBuf<T> dvn(size_t(H * Ttot * dv), s);
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
-    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get();
+    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
     gla_bwd_chunk(a, s);
     if (nch > 0) {  // the WY backward

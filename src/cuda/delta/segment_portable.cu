@@ -757,7 +757,7 @@ struct DeltaCall {
       pack_to<T>(v.get(), p.v, r, r.H, dv, dv, -1, s);
       if (r.gate_cols > 0) {
         g = DevBuf<R>(size_t(r.H * Ttot), s);
-        HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
+        HILA_LAUNCH(pack_log_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
       }
       beta = DevBuf<R>(size_t(r.H * Ttot), s);
       HILA_LAUNCH(pack_gates<R>, r.H * Ttot, s, beta.get(), Strided(p.beta), r.T, r.H, Ttot, 0);
@@ -904,7 +904,8 @@ void delta_portable_backward(const detail::Resolved& r, const BackwardParams& p,
     if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dkb.get(), nullptr, c.k.get(), r, c.dk, c.dk, R(1), s);
     if (p.dv.defined())
       unpack_to<R>(p.dv, dvb.get(), r, H, 1, c.dv, c.dv, R(1), s);
-    if (p.dg.defined()) HILA_LAUNCH(unpack_gates<R>, H * Ttot, s, Strided(p.dg), dg.get(), r.T, H, Ttot, 0);
+    if (p.dg.defined())
+      HILA_LAUNCH(unpack_log_gate_grads<R>, H * Ttot, s, Strided(p.dg), dg.get(), c.g.get(), r.T, H, Ttot, 0);
     if (p.dbeta.defined()) HILA_LAUNCH(unpack_gates<R>, H * Ttot, s, Strided(p.dbeta), dbeta.get(), r.T, H, Ttot, 0);
     if (p.dlam.defined())
       HILA_LAUNCH(unpack_rows<R>, H * Ttot * c.nL, s, Strided(p.dlam), dlam.get(), r.T, H, 1, Ttot, c.nL, c.nL, R(1));

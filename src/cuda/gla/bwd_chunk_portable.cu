@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // GLA chunk gradients, portable tier (fp32 / fp64 operands; docs/math/HLA.md §7.1, see gla.cuh): one block
-// per (chunk, head) forms dq^, dk, dv and the per-row dc from the states entering the chunk (hbuf)
-// and the cotangent at its end (dhbuf), every product a shared-memory tile GEMM (smem_gemm).
+// per (chunk, head) forms dq^, dk, dv and the chunk's gate gradient (dc per row, its reverse cumsum
+// in the chunk plus <dH, H_end>) from the states entering the chunk (hbuf) and the cotangent at its
+// end (dhbuf), every product a shared-memory tile GEMM (smem_gemm).
 #include "cuda/gla/gla.cuh"
 #include "cuda/runtime/runtime.cuh"
 
@@ -13,7 +14,7 @@ template <class T>
 struct BwdSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hp, *dH, *P, *dA;
-  R *A, *X, *b, *dc;
+  R *A, *X, *b, *dc, *red;
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ BwdSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -31,6 +32,7 @@ struct BwdSmem {
     X = c.take<R>(kChunk * ldx);
     b = c.take<R>(kChunk);
     dc = c.take<R>(kChunk);
+    red = c.take<R>(8);  // per-warp parts of <dH, H_end>
     if (bytes) *bytes = c.used;
   }
 };
@@ -103,6 +105,19 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.dH, s.ldv, kChunk, dk, dv, false);
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) s.X[(e / dk) * s.ldx + e % dk] *= exp(B - s.b[e / dk]);
   __syncthreads();
+  {  // <dH, H_end> = e^B <dH, Hp> + sum_j k_j . (w_j V dH^T)_j  (rows >= nr: K is zero)
+    R part = 0;
+    if (threadIdx.x < kChunk)
+      for (int j = 0; j < dk; ++j) part += from<R>(s.K[threadIdx.x * s.ldk + j]) * s.X[threadIdx.x * s.ldx + j];
+    R hd = 0;
+    for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) {
+      const int i = e / dv, j = e % dv;
+      hd += from<R>(s.Hp[i * s.ldv + j]) * from<R>(s.dH[i * s.ldv + j]);
+    }
+    part = warp_sum(part + R(exp(B)) * hd);
+    if ((threadIdx.x & 31) == 0) s.red[threadIdx.x >> 5] = part;
+    __syncthreads();  // X is read: the GEMM below accumulates into it
+  }
   smem_gemm<T, true, false>(s.X, s.ldx, s.dA, s.ldc, s.Q, s.ldk, kChunk, dk, kChunk, true);
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
@@ -118,7 +133,14 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
   __syncthreads();
   smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);
   store(a.dv_, a.dv_out.add, dv);
-  for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
+  if (a.dg_rows) {
+    for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
+  } else if (threadIdx.x < 32) {  // dc and red were written before the GEMMs' barriers
+    R D = 0;
+    for (int w = 0; w < int(blockDim.x) / 32; ++w) D += s.red[w];
+    const int i0 = 2 * int(threadIdx.x), i1 = i0 + 1;
+    chunk_dg(a.dg + rowbase + r0, i0 < nr ? s.dc[i0] : R(0), i1 < nr ? s.dc[i1] : R(0), D, nr);
+  }
 }
 
 }  // namespace

@@ -18,8 +18,11 @@ using namespace gla_sm80;
 //   dQ^ = diag(e^b) dO Hp^T + dA K                           [C,dv]x[dv,dk], [C,C]x[C,dk]
 //   dK  = diag(w) V dH^T + scale dA^T Q                      w = e^{B - b}
 //   dV  = diag(w) K dH + P^T dO
-//   dc  = q^ . dq^ - k . dk   (dg is its reverse cumsum, gla_dg_kernel)
-// Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc.
+//   dc  = q^ . dq^ - k . dk,  dg = its reverse cumsum in the chunk + <dH, H_end>   (gla.cuh)
+//   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j
+// (the tree form and a.dg_rows: dc per row instead).
+// Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc (+ the
+// per-warp parts of <dH, H_end>).
 constexpr int kBwdThreads = 256;
 
 template <class T>
@@ -41,7 +44,7 @@ struct BwdTiles {
     P = c.take<T>(kChunk * kLdTile);
     dA = c.take<T>(kChunk * kLdTile);
     b = c.take<float>(kChunk);
-    dc = c.take<float>(2 * kChunk);
+    dc = c.take<float>(2 * kChunk + 8);
     if (tree) Tl = c.take<float>(kChunk * kLdT), red = c.take<float>(2 * kChunk), Hp2 = c.take<T>(dk * ldv);
     if (bytes) *bytes = c.used;
   }
@@ -242,9 +245,20 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
           }
         }
   };
+  float dpart = 0.f;  // this thread's part of <dH, H_end> (not in the tree form)
   if constexpr (!kTree) {  // dH landed
     mma::cp_async_wait<0>();
     __syncthreads();
+    if (!a.dg_rows) {  // e^B <dH, Hp>, pairs of columns
+      const int half = dv / 2;
+      for (int e = threadIdx.x; e < dk * half; e += kBwdThreads) {
+        const int r = e / half, col = 2 * (e % half);
+        const float2 x = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.Hp + r * s.ldv + col));
+        const float2 y = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.dH + r * s.ldv + col));
+        dpart += x.x * y.x + x.y * y.y;
+      }
+      dpart *= mma::fexp(B);
+    }
   }
   const bool fold = !kTree && a.value_is_key && dk == dv;  // the value is the key: dk gains dv
   for (int cc = ck0; cc < ck0 + nkt * 8; cc += 64) {  // dK
@@ -253,6 +267,11 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     mma::zero(acc), mma::zero(acc2);
     mma::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     mma::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
+    if constexpr (!kTree) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+      float d0 = 0.f, d1 = 0.f;
+      dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
+      dpart += w0 * d0 + w1 * d1;
+    }
     combine(acc, acc2, sc);
     if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt);
     float d0 = 0.f, d1 = 0.f;
@@ -283,8 +302,22 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 1), dcp0 += __shfl_xor_sync(0xffffffffu, dcp0, 2);
   dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 1), dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 2);
   if (t == 0) s.dc[ch * kChunk + i0] = dcp0, s.dc[ch * kChunk + i1] = dcp1;
+  const bool rows_only = kTree || a.dg_rows;
+  if (!rows_only) {
+    dpart = warp_sum(dpart);
+    if (lane == 0) s.dc[2 * kChunk + w] = dpart;
+  }
   __syncthreads();
-  if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
+  if (rows_only) {
+    if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
+  } else if (w == 0) {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>
+    float D = 0.f;
+#pragma unroll
+    for (int x = 0; x < kBwdThreads / 32; ++x) D += s.dc[2 * kChunk + x];
+    const int j0 = 2 * lane, j1 = j0 + 1;
+    chunk_dg(a.dg + rowbase, j0 < nr ? s.dc[j0] + s.dc[kChunk + j0] : 0.f,
+             j1 < nr ? s.dc[j1] + s.dc[kChunk + j1] : 0.f, D, nr);
+  }
 }
 
 }  // namespace

@@ -7,10 +7,15 @@
 //   dK = diag(w) V dH^T + scale dA^T Q^                                     [C,dv]x[dv,dk] + [C,C]x[C,dk]
 //   dV = diag(w) K dH + P^T dO                                              [C,dk]x[dk,dv] + [C,C]x[C,dv]
 //   dc = scale q^.dq^ - k.dk per row, w = e^{B-b}
+//   dg = the reverse cumsum of dc in the chunk + <dH, H_end>, <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j.(V dH^T)_j
+//        (a.dg_rows: dc per row instead)
 // Every product is one m64nN wgmma chain (C = 64 rows = the warpgroup's M), operands in shared
 // memory: the swizzled tiles serve K-major and, through the transpose flags, MN-major reads, so
 // no tile is stored twice. Hp and dH share one buffer (dH lands once dQ has read Hp), which keeps
 // the block at 112 KB for dk = dv = 128: two blocks per SM, one's loads under the other's math.
+// <dH, Hp> is formed at the end from dH in shared memory and Hp read again from global memory (the
+// block's own state, still in L2): no register holds Hp across the dH load, and no thread reads the
+// buffer that the dH TMA overwrites.
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/sm90.cuh"
 
@@ -176,9 +181,15 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
   static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
   mbar_wait(&bar[1], 0);
+  float dpart = 0.f;  // this thread's part of <dH, H_end>
   {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
+    {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+      float d0 = 0.f, d1 = 0.f;
+      dot_rows(acc, L::kK, d0, d1);
+      dpart += w0 * d0 + w1 * d1;
+    }
     combine(acc, acc2, w0, w1, sc);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kK, d0, d1);  // dc reads the key-role gradient alone
@@ -204,9 +215,45 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   }
   dc0 += __shfl_xor_sync(0xffffffffu, dc0, 1), dc0 += __shfl_xor_sync(0xffffffffu, dc0, 2);
   dc1 += __shfl_xor_sync(0xffffffffu, dc1, 1), dc1 += __shfl_xor_sync(0xffffffffu, dc1, 2);
-  if (t == 0) {
-    if (i0 < nr) a.dg[rowbase + i0] = dc0;
-    if (i1 < nr) a.dg[rowbase + i1] = dc1;
+  if (a.dg_rows) {
+    if (t == 0) {
+      if (i0 < nr) a.dg[rowbase + i0] = dc0;
+      if (i1 < nr) a.dg[rowbase + i1] = dc1;
+    }
+    return;
+  }
+  {  // e^B <dH, Hp>: 16-byte pieces p = tid + 128 x of the [DK][DV] state, row p / (DV / 8), columns
+     // 8 (p % (DV / 8)) .. +8: Hp from hbuf (coalesced), dH from its swizzled tile
+    constexpr int kUnits = DV / 8, kPieces = DK * kUnits / kSm90Threads;
+    static_assert(kPieces * kSm90Threads == DK * kUnits, "whole 16-byte pieces per thread");
+    const uint4* hp = reinterpret_cast<const uint4*>(a.hbuf + int64_t(srow) * DV);
+    uint4 x[kPieces];
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) x[p] = hp[tid + p * kSm90Threads];
+    float hd = 0.f;
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      const int e = tid + p * kSm90Threads, r = e / kUnits;
+      const uint4 y = *reinterpret_cast<const uint4*>(smem + L::kS + swz(DK, r, 8 * (e % kUnits)));
+      const uint32_t xs[4] = {x[p].x, x[p].y, x[p].z, x[p].w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 u = mma::unpack2<T>(xs[q]), v = mma::unpack2<T>(ys[q]);
+        hd += u.x * v.x + u.y * v.y;
+      }
+    }
+    dpart += mma::fexp(B) * hd;
+  }
+  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>, through the P tile (read by now)
+  float* red = reinterpret_cast<float*>(smem + L::kP);  // [C] dc, [4] parts of <dH, H_end>
+  dpart = warp_sum(dpart);
+  __syncthreads();  // every warp's wgmmas that read P are complete
+  if (t == 0) red[i0] = dc0, red[i1] = dc1;
+  if (lane == 0) red[kChunk + w] = dpart;
+  __syncthreads();
+  if (w == 0) {
+    const float D = red[kChunk] + red[kChunk + 1] + red[kChunk + 2] + red[kChunk + 3];
+    chunk_dg(a.dg + rowbase, 2 * lane < nr ? red[2 * lane] : 0.f, 2 * lane + 1 < nr ? red[2 * lane + 1] : 0.f, D, nr);
   }
 #else
   __trap();  // launched only where runs_sm90a() holds

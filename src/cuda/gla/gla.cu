@@ -123,7 +123,6 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* re
     if (side) side->join();
     gla_bwd_chunk_portable(a, stream);
   }
-  gla_dg(x, stream);
 }
 
 #define HILA_INSTANTIATE(T)                                                              \

@@ -9,13 +9,16 @@
 // stores the state cotangent at every chunk end (dhbuf); then the chunks are independent:
 //   dA = (dO V^T) o Gamma;  dQ^ = dA K + diag(e^b) dO Hp^T;  dK = dA^T Q^ + diag(w) V dH^T;
 //   dV = (Gamma o Q^K^T)^T dO + diag(w) K dH;  dc = q^.dq^ - k.dk  (w = e^{B-b})
-// and dg is the reverse cumsum of dc per sequence (plus <dH_T, H_T> at the last token).
+// and the gate gradient is the reverse cumsum of dc inside the chunk plus one boundary term
+// (docs/math/HLA.md §7.1, "the gate gradient per chunk"):  dg_s = sum_{s <= i in chunk} dc_i + <dH, H_end>,
+//   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j          (H_end = e^B Hp + K^T diag(w) V)
+// so no rounding is carried from one chunk's dg to another's.
 // Stages, one file per stage and kernel tier (gla.cu chooses the tier):
-//   gates           gates.cu                            chunk cumsum b, dg
+//   gates           gates.cu                            chunk cumsum b (dg of the tree form)
 //   state sweep     sweep_{portable,sm80,sm90}.cu       H through the chunks (forward / reverse)
 //   output          sweep_portable.cu, output_sm80.cu   O from the states entering the chunks
 //   fused forward   fused_fwd_{sm80,sm90}.cu            sweep and output in one kernel
-//   chunk grads     bwd_chunk_{portable,sm80,sm90}.cu   dq, dk, dv, dc per chunk
+//   chunk grads     bwd_chunk_{portable,sm80,sm90}.cu   dq, dk, dv, dg per chunk
 // Tiers: portable (fp32 / fp64, shared-memory tile GEMMs), sm80 (bf16 / fp16 on mma.sync), sm90
 // (sm_90a: TMA + wgmma).
 #pragma once
@@ -82,13 +85,17 @@ struct GlaArgs {
   // kernels add the value-role gradient into the key's and write dk only (dv_, dv_out unused)
   bool value_is_key = false;
   R* dg = nullptr;                                  // [H][Ttot]
+  // the chunk kernels write the per-row dc = q^.dq^ - k.dk into dg instead of the gate gradient,
+  // for a caller that adds its own terms and sums per chunk (the delta rule's WY backward)
+  bool dg_rows = false;
 };
 
 // ---- the primitive (gla.cu) --------------------------------------------------------------------------
 // Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
 template <class T>
 void gla_forward(const GlaArgs<T>& a, cudaStream_t stream);
-// Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg.
+// Backward: needs hbuf (from a forward with hbuf set) and writes dhbuf, dh0, dq, dk_, dv_, dg (the
+// chunk kernels finish dg themselves).
 // With `recompute`, that forward (its b and hbuf given: it allocates nothing) runs first, on a
 // side stream beside the reverse sweep.
 template <class T>
@@ -99,8 +106,8 @@ size_t gla_smem_need(int dk, int dv);
 
 // ---- its stages, for the other primitives built on them (log-linear tree, delta rule) ------------------
 // gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot]
-// (no-op without gates); dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg (plus
-// <dht, ht> at the last token).
+// (no-op without gates); gla_dg: dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg
+// (plus <dht, ht> at the last token), for the log-linear tree form.
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
 template <class T>
@@ -127,7 +134,8 @@ void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree =
 // a.hbuf is set), for the calls heuristics::gla_fused_forward chooses;
 template <class T>
 void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
-// the per-chunk gradients dq, dk, dv, dc (with `tree`: from the tree's nodes and dZ).
+// the per-chunk gradients dq, dk, dv, dg (with `tree`, from the tree's nodes and dZ, or a.dg_rows:
+// the rows' dc in place of dg).
 template <class T>
 void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 // Shared memory of the sm80 output and chunk-gradient kernels, and of the sm80 fused forward.

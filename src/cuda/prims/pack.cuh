@@ -2,6 +2,8 @@
 // Pack / unpack kernels between the caller's strided, sequence-first tensors and the head-major
 // buffers padded to multiples of 16 columns that the primitive kernels read.
 #pragma once
+#include <type_traits>
+
 #include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
@@ -89,6 +91,34 @@ __global__ void unpack_gates(Strided out, const R* in, int64_t T, int64_t H, int
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
     st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], in[e]);
+  }
+}
+
+// Log-gates for the kernels (docs/OPERATORS.md "Resets"): a gate at or below kGateFloor<R> is
+// packed as kGateFloor<R>. exp of the floor, and of the floor plus any sum of gates (<= 0), is
+// exactly 0 in R (float32 underflows below about -104, float64 below about -745), so the kernels
+// see the same reset as the serial form, while their chunk-local sums stay finite (a -inf gate would
+// give -inf - (-inf) = NaN in b_i - b_j, a -1e30 one would cancel every gate after it).
+template <class R>
+inline constexpr R kGateFloor = std::is_same_v<R, double> ? R(-1024) : R(-128);
+template <class R>
+__global__ void pack_log_gates(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int p) {
+  const int64_t n = H * Ttot;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
+    const R x = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + p * in.s[3]);
+    out[e] = x > kGateFloor<R> ? x : kGateFloor<R>;  // -inf and every gate below the floor
+  }
+}
+// dg back to the caller (as unpack_gates), 0 where the packed gate g is at the floor: the gradient
+// of a reset gate is 0 (e^g = 0 multiplies it), where the kernels' sums would leave rounding.
+template <class R>
+__global__ void unpack_log_gate_grads(Strided out, const R* in, const R* g, int64_t T, int64_t H, int64_t Ttot,
+                                      int p) {
+  const int64_t n = H * Ttot;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], g[e] > kGateFloor<R> ? in[e] : R(0));
   }
 }
 

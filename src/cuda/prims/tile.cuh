@@ -102,6 +102,44 @@ __device__ void chunk_cumsum(R* b, const R* g, int64_t r0, int nr) {
   __syncthreads();
 }
 
+// Suffix sums of a 64-element chunk held two per lane by one warp (lane l holds elements 2l and
+// 2l+1): x_i <- sum_{r >= i} x_r.
+template <class R>
+__device__ __forceinline__ void warp_pair_suffix_sum(R& x0, R& x1) {
+  const int lane = threadIdx.x & 31;
+  R v = x0 + x1;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const R y = __shfl_down_sync(0xffffffffu, v, off);
+    if (lane + off < 32) v += y;
+  }
+  R after = __shfl_down_sync(0xffffffffu, v, 1);  // the sum of the pairs after this one
+  if (lane == 31) after = R(0);
+  x1 += after;
+  x0 += x1;
+}
+
+// Sum over the lanes of a warp (every lane gets it).
+template <class R>
+__device__ __forceinline__ R warp_sum(R x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The gate gradient of one chunk's rows (docs/math/HLA.md §7.1, "the gate gradient per chunk"):
+//   dg_i = D + sum_{i <= r < nr} dc_r
+// with dc the per-row q^.dq^ - k.dk (lane l holds rows 2l, 2l+1 in x0, x1; 0 from row nr on) and
+// D = <dH, H_end>, the cotangent and the state at the chunk's end; into out[0 .. nr). One warp,
+// every lane.
+template <class R>
+__device__ __forceinline__ void chunk_dg(R* out, R x0, R x1, R D, int nr) {
+  const int i0 = 2 * (threadIdx.x & 31), i1 = i0 + 1;
+  warp_pair_suffix_sum(x0, x1);
+  if (i0 < nr) out[i0] = x0 + D;
+  if (i1 < nr) out[i1] = x1 + D;
+}
+
 // A [rows, bv] state tile in shared memory (ld) <-> columns [v0, v0+bv) of a [rows, dv] global
 // matrix at `g` (nullptr on load: zero).
 template <class R>

@@ -27,7 +27,8 @@ void d2h(void* dst, const void* src, size_t bytes, int device, void* stream) {
   HILA_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
-// first[0] = min row-major index of an element that is non-finite (or > 0 for gates).
+// first[0] = min row-major index of an element that is non-finite (for gates: NaN or > 0; -inf is a
+// reset, docs/OPERATORS.md "Resets").
 __global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_t s0, int64_t s1, int64_t s2,
                             int64_t s3, int64_t s4, int64_t n, bool contiguous, bool gates) {
   const int64_t shape[5] = {s0, s1, s2, s3, s4};
@@ -42,7 +43,7 @@ __global__ void scan_kernel(unsigned long long* first, Strided t, int nd, int64_
       }
     }
     const double x = ld<double>(t, off);
-    if (!isfinite(x) || (gates && x > 0)) atomicMin(first, static_cast<unsigned long long>(e));
+    if (gates ? !(x <= 0) : !isfinite(x)) atomicMin(first, static_cast<unsigned long long>(e));
   }
 }
 

