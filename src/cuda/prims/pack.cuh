@@ -107,7 +107,7 @@ __global__ void pack_log_gates(R* out, Strided in, int64_t T, int64_t H, int64_t
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
     const R x = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + p * in.s[3]);
-    out[e] = x > kGateFloor<R> ? x : kGateFloor<R>;  // -inf and every gate below the floor
+    out[e] = x < kGateFloor<R> ? kGateFloor<R> : x;  // -inf and every gate below the floor; NaN stays NaN
   }
 }
 // dg back to the caller (as unpack_gates), 0 where the packed gate g is at the floor: the gradient
@@ -118,7 +118,7 @@ __global__ void unpack_log_gate_grads(Strided out, const R* in, const R* g, int6
   const int64_t n = H * Ttot;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e % Ttot, h = e / Ttot, b = r / T, t = r % T;
-    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], g[e] > kGateFloor<R> ? in[e] : R(0));
+    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + p * out.s[3], g[e] <= kGateFloor<R> ? R(0) : in[e]);
   }
 }
 
