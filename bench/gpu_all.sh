@@ -58,7 +58,7 @@ if has tests; then
   cat "$LOGS"/tests_*.log >"$LOGS/tests.log"
   grep -E "^\[  FAILED  \]|Failure|rel err.*(NaN|nan)" "$LOGS/tests.log" | head -60
   note "tests rc=$rc passed $(grep -hoE '^\[  PASSED  \] [0-9]+' "$LOGS"/tests_*.log | awk '{s+=$NF} END {print s+0}')" \
-    "failed $(grep -hoE '^\[  FAILED  \] [0-9]+ test' "$LOGS"/tests_*.log | awk '{s+=$3} END {print s+0}') ($((SECONDS - t0)) s)"
+    "failed $(grep -hoE '^\[  FAILED  \] [0-9]+ test' "$LOGS"/tests_*.log | awk '{s+=$4} END {print s+0}') ($((SECONDS - t0)) s)"
 fi
 if has demo; then  # the CLI's main job on the GPU (needs $BIN/hila, the CLI built with CUDA)
   timeout 300 "$BIN/hila" demo --device cuda --T ${DEMO_T:-1024} --decode 16 >"$LOGS/demo.log" 2>&1

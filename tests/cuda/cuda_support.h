@@ -58,6 +58,9 @@ struct DevTensor {
     check(cudaMalloc(&p, n + kGuard), "cudaMalloc");
     if (kept) check(cudaMemcpy(p, b.bytes.data(), kept, cudaMemcpyHostToDevice), "cudaMemcpy");
     check(cudaMemset(static_cast<char*>(p) + kept, 0xff, n + kGuard - kept), "cudaMemset");
+    // Both may still be in flight on the legacy stream (a pageable cudaMemcpy returns once staged,
+    // cudaMemset is asynchronous), which a non-blocking stream does not wait for: finish them here.
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   ~DevTensor() { if (p) cudaFree(p); }
   DevTensor(const DevTensor&) = delete;
