@@ -857,9 +857,11 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
     monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen, passed))
     clock = iter(range(10 ** 6))
 
-    def step(state, **kw):
-        """A step of `state` and of a copy through the custom op (no counters): equal to the bit."""
-        tok = {k: v[:, next(clock) % 12] for k, v in x.items()}
+    def step(state, rows=None, **kw):
+        """A step of `state` and of a copy through the custom op (no counters): equal to the bit.
+        rows: the sequences of x the call's sequences take their inputs from (a pool step)."""
+        t = next(clock) % 12
+        tok = {k: v[:, t] if rows is None else v[rows, t] for k, v in x.items()}
         ref = hila.State(*(None if p is None else p.clone() for p in state))
         with torch.no_grad():
             o = ht.step_(op, **tok, state=state, check_values=False, max_position=15, **kw)
@@ -878,17 +880,26 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
             assert step(st) is None
         assert st.__dict__[hops._COUNTERS] is True
         _setflag(request, hops._COUNTERS_ON_CPU, True)    # the plumbing on the CPU (ignored there)
-    got = step(st)                                        # the first step makes them
-    c = _counters_of(st)
-    assert c.dtype == torch.int32 and c.device == st.H.device and c.shape == (N * (1 + H),)
-    assert isinstance(got, torch.Tensor) and got.data_ptr() == c.data_ptr()
-    got = step(st)                                        # the second binds the state
-    assert got is st.__dict__[hops._COUNTERS][1]          # the capsule lent to the binding
-    assert step(st) is got and _counters_of(st) is c      # made once
-    assert not c.any()                                    # left zero
+    def owned(got, state):
+        """Whether a step passed `state`'s counters: the tensor (unbound) or its capsule (bound)."""
+        kept = state.__dict__[hops._COUNTERS]
+        return got is kept[1] or (isinstance(got, torch.Tensor) and got.data_ptr() == kept[0].data_ptr())
+
+    fresh = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
+    for state in (st, fresh):  # stepped (bound) before, or not
+        got = step(state)                                 # the first step makes them
+        c = _counters_of(state)
+        assert c.dtype == torch.int32 and c.device == state.H.device and c.shape == (N * (1 + H),)
+        assert owned(got, state)
+        assert isinstance(got, torch.Tensor) == (state is fresh)  # unbound at a State's first step
+        for _ in range(2):
+            assert owned(step(state), state) and _counters_of(state) is c  # made once
+        assert state.__dict__[hops._BOUND][1] is not None and owned(step(state), state)  # bound
+        assert not c.any()                                # left zero
     # a pool step: the counters of the pool's State; more sequences than they count: none
-    assert step(st, state_indices=torch.tensor([1, -1], device=device)) is not None
-    assert step(st, state_indices=torch.tensor([1, -1, 0], device=device)) is None
+    c = _counters_of(st)
+    assert owned(step(st, state_indices=torch.tensor([1, -1], device=device)), st)
+    assert step(st, rows=[0, 1, 0], state_indices=torch.tensor([1, -1, 0], device=device)) is None
     assert _counters_of(st) is c and not c.any()
     # copies and pickles hold the four parts only; a State the user built owns none
     for other in (copy.copy(st), pickle.loads(pickle.dumps(st)), hila.State(*st)):
@@ -899,7 +910,7 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
         _, fin = ht.forward(op, **{k: v[:, :3] for k, v in x.items()}, output_final_state=True,
                             final_slots=6)
     assert fin.__dict__[hops._COUNTERS] is True
-    assert step(fin) is not None and not _counters_of(fin).any()
+    assert owned(step(fin), fin) and not _counters_of(fin).any()
 
 
 def test_layer_cache_copies_share_the_step_counters(device, request):
