@@ -997,7 +997,8 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
 # older pickle), CPU states, and the custom ops' road (torch.compile, dispatch modes) step without
 # counters, as a StateView step does: the same function (docs/PYTHON.md).
 
-_COUNTERS = "_hila_counters"  # key in a State's __dict__: True (to be made) or (tensor, capsule)
+_COUNTERS = "_hila_counters"  # key in a State's __dict__: True (to be made) or
+#                               (tensor, its capsule, its elements, its device index)
 _COUNTERS_ON_CPU = [False]    # test hook: counters for CPU states too (the CPU library ignores them)
 
 
@@ -1008,7 +1009,7 @@ def _with_counters(state: State) -> State:
 
 
 def _counters(state: State, pos: Tensor, H: Tensor, q: Tensor):
-    """(counters tensor, its lent capsule) for a step of q.shape[0] sequences on ``state``, or None
+    """(counters tensor, its lent capsule, ...) for a step of q.shape[0] sequences on ``state``, or None
     where the state owns none (see the comment above) or they are too small for this call."""
     c = state.__dict__.get(_COUNTERS)
     if c is None:
@@ -1019,11 +1020,10 @@ def _counters(state: State, pos: Tensor, H: Tensor, q: Tensor):
                 return None  # the library names a bad shape
             n = max(pos.shape[0], q.shape[0])
             t = torch.zeros(n + n * H.shape[1], dtype=torch.int32, device=H.device)  # step_counters_size
-            c = (t, _capsule(t))
+            c = (t, _capsule(t), t.numel(), t.get_device())
             state.__dict__[_COUNTERS] = c
-        t = c[0]
         N = q.shape[0]
-        if t.device != H.device or t.numel() < N + N * H.shape[1]:
+        if N + N * H.shape[1] > c[2] or H.get_device() != c[3]:
             return None
     except (AttributeError, IndexError, TypeError):  # not tensors: the library names them
         return None
