@@ -3,7 +3,9 @@
 // (StepParams::max_position) and on state pools (StepParams::state_indices), captured in a CUDA
 // graph and replayed for 32 tokens for every operator, equal to eager steps bit for bit; pooled
 // steps equal to steps of the rows alone, with padding rows, rows outside the pool and positions
-// past the bound; pooled forwards (ForwardParams::state_indices) equal to the call on the gathered
+// past the bound; steps given step counters (StepParams::counters) equal to DecodeState steps bit
+// for bit, plain and pooled, the counters zero after each; pooled forwards
+// (ForwardParams::state_indices) equal to the call on the gathered
 // rows; forwards and backwards from host copies of cu_seqlens and the initial positions, which
 // read nothing back (hila::detail::device_reads() counts every device read of the host); memory
 // errors; output checks on the device. Outputs are poisoned first. Without a GPU every test is
