@@ -38,6 +38,8 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/hla2_f16_d64:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/loglinear_f16_d64:'\
 'AllOps/CudaStep.FunctionalStepInPlace/gla_bf16_d64_gqa:'\
+'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/hla2:'\
+'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/loglinear_hla3:'\
 'Ops/CudaWorkspace.*/gla_bf16_in_place:CudaWorkspaceErrors.*:CudaStepErrors.*:'\
 'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex'
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"

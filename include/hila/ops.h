@@ -185,7 +185,22 @@ struct StepParams {
   // kernel gives a row outside [-1, P) NaN in o and writes nothing (duplicates are the caller's
   // to avoid). Not for DecodeState steps.
   TensorView state_indices;
+  // Step counters of a caller-owned state (StateView steps; optional): int32, one dimension,
+  // contiguous, on the state's device, with at least step_counters_size(N, H) elements (N the
+  // call's sequences, H its value heads). Zero-filled by their owner once; every step leaves them
+  // zero again (whatever it skips: padding rows, invalid rows, positions past max_position). With
+  // them a CUDA step is exactly a DecodeState's step: the kernel's last block of each sequence
+  // advances pos (no second kernel), and the metric-S operators split dv' into column tiles (a
+  // per-(sequence, head) counter elects the block that writes S). Without them the step is the
+  // same function with one tile per head (S ops) and a second tiny kernel advancing pos. Steps
+  // sharing counters must be stream-ordered (as steps of one state must be anyway). The CPU
+  // backend validates them and does not use them. Not for DecodeState steps (it owns its own).
+  TensorView counters;
 };
+
+// Elements of StepParams::counters for a step of N sequences and H value heads: blocks done per
+// sequence [N], then blocks done reading S per (sequence, head) [N, H].
+int64_t step_counters_size(int64_t N, int64_t H);
 
 // Thread safety: every member function takes the state's own lock, so one DecodeState may be
 // stepped, loaded, reserved and viewed from several threads; steps serialize (each one advances

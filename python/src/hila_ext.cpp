@@ -408,10 +408,11 @@ StateView caller_state(const StateOut& state) {
 
 void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
                   const OptIn& lam, const OptIn& beta, const StateOut& state, const Out& o,
-                  uintptr_t stream, const OptIn& state_indices, int64_t max_position) {
+                  uintptr_t stream, const OptIn& state_indices, int64_t max_position, const OptOut& counters) {
   hila::StepParams p = step_params(cfg, q, k, v, g, lam, beta, o, stream);
   p.state_indices = view_of("state_indices", state_indices);
   p.max_position = max_position;
+  p.counters = view_of("counters", counters);
   step_locked(p, caller_state(state));
 }
 
@@ -483,9 +484,10 @@ class BoundState {
   BoundState& operator=(const BoundState&) = delete;
 
   // o: the data pointer of a C-contiguous array shaped, typed and placed like v (hila.torch makes
-  // it with torch.empty_like(v, memory_format=torch.contiguous_format) for the call).
+  // it with torch.empty_like(v, memory_format=torch.contiguous_format) for the call). counters: a
+  // lent capsule of StepParams::counters, or None.
   void step(const OpConfig& cfg, nb::handle q, nb::handle k, nb::handle v, nb::handle g, nb::handle lam,
-            nb::handle beta, uintptr_t o, uintptr_t stream, int64_t max_position) const {
+            nb::handle beta, uintptr_t o, uintptr_t stream, int64_t max_position, nb::handle counters) const {
     hila::StepParams p;
     p.q = lent_view("q", q, false);
     p.k = lent_view("k", k, false);
@@ -498,6 +500,7 @@ class BoundState {
     p.cfg = with_gates(cfg, p.g, 2);
     set_stream(p, stream);
     p.max_position = max_position;
+    if (!counters.is_none()) p.counters = lent_view("counters", counters, true);
     nb::gil_scoped_release nogil;
     const std::lock_guard<std::mutex> lock(*mu_);
     step_named(p, view_);
@@ -659,19 +662,20 @@ NB_MODULE(_C, m) {
       "a"_a, "Internal (tests): how a workspace array from an allocator is read: (device, bytes).");
   m.def("step_inplace", &step_inplace, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
         "beta"_a.none(), "state"_a, nb::kw_only(), "o"_a, "stream"_a = 0,
-        "state_indices"_a.none() = nb::none(), "max_position"_a = -1,
+        "state_indices"_a.none() = nb::none(), "max_position"_a = -1, "counters"_a.none() = nb::none(),
         "hila::step(StepParams, StateView): one fused decode step on a caller-owned state "
         "(pos, S, P, H), updated in place; writes o. state_indices: int32 [N] rows of a state pool "
-        "(-1: padding); max_position: the caller's bound on the positions (no host read).");
+        "(-1: padding); max_position: the caller's bound on the positions (no host read); counters: "
+        "StepParams::counters (int32, zeroed once, left zero by every step).");
 
   nb::class_<BoundState>(m, "BoundState",
                          "A caller-owned state (pos, S, P, H) taken over once for many step_inplace calls.")
       .def(nb::init<const StateOut&>(), "state"_a)
       .def("step", &BoundState::step, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a.none(), "lam"_a.none(),
-           "beta"_a.none(), "o"_a, "stream"_a, "max_position"_a = -1,
+           "beta"_a.none(), "o"_a, "stream"_a, "max_position"_a = -1, "counters"_a.none() = nb::none(),
            "step_inplace on the bound state: one fused decode step, the state advanced in place; writes o. "
-           "q, ..., beta are DLPack capsules lent for the call (read, not consumed; g, lam, beta may be None); "
-           "o is the data pointer of a C-contiguous output shaped, typed and placed like v.");
+           "q, ..., beta, counters are DLPack capsules lent for the call (read, not consumed; g, lam, beta, "
+           "counters may be None); o is the data pointer of a C-contiguous output shaped, typed and placed like v.");
 
   nb::class_<hila::DecodeState>(m, "DecodeState", "hila::DecodeState: an owning decode state.")
       .def(
@@ -779,6 +783,8 @@ NB_MODULE(_C, m) {
       "op"_a, "form"_a, "backward"_a);
   m.def("state_shape", &state_shape_dict, "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "max_pos"_a);
   m.def("state_slots", &hila::state_slots, "n"_a);
+  m.def("step_counters_size", &hila::step_counters_size, "N"_a, "H"_a,
+        "Elements of a step's counters (StepParams::counters) for N sequences and H value heads: N + N * H.");
   m.def("levels_needed", &hila::levels_needed, "n0"_a, "T"_a);
 
   // What this build contains (hila::build_info) and whether its CUDA backend can run here.

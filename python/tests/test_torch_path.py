@@ -686,16 +686,22 @@ def test_step_capacity_bound():
 
 
 class _BoundSpy:
-    """hila._C with the max_position of every in-place step recorded (unbound and bound steps)."""
+    """hila._C with the max_position of every in-place step recorded (unbound and bound steps), and
+    the step counters passed in ``counters`` when given a list: a tensor (unbound steps), the capsule
+lent (bound steps), or None."""
 
-    def __init__(self, real, seen):
-        self._real, self._seen = real, seen
+    def __init__(self, real, seen, counters=None):
+        self._real, self._seen, self._counters = real, seen, counters
 
     def __getattr__(self, name):
-        real, seen = self._real, self._seen
+        real, seen, counters = self._real, self._seen, self._counters
         if name == "step_inplace":
             def step_inplace(*a, **k):
                 seen.append(k.get("max_position", -1))
+                if counters is not None:
+                    c = k.get("counters")
+                    counters.append(None if c is None else torch.from_dlpack(c))
+                    k["counters"] = None if c is None else counters[-1]
                 return real.step_inplace(*a, **k)
             return step_inplace
         if name == "BoundState":
@@ -703,9 +709,11 @@ class _BoundSpy:
                 def __init__(self, parts):
                     self.b = real.BoundState(parts)
 
-                def step(self, *a):
+                def step(self, *a, **k):
                     seen.append(a[-1])
-                    return self.b.step(*a)
+                    if counters is not None:
+                        counters.append(k.get("counters"))  # the capsule lent (None: no counters)
+                    return self.b.step(*a, **k)
             return Bound
         return getattr(real, name)
 
@@ -820,6 +828,142 @@ def test_step_position_bound_under_inference_mode(request, monkeypatch):
         for t in range(2):
             ht.step_("loglinear", **{k: v[:, t] for k, v in x.items()}, state=st, check_values=False)
     assert seen == [-1, -1] and st.pos.tolist() == [2]
+
+
+def _counters_of(state):
+    c = state.__dict__.get(hops._COUNTERS)
+    return c if c is None or c is True else c[0]
+
+
+@pytest.mark.parametrize("op", ("hla2", "loglinear_gdn"))
+def test_states_own_step_counters(op, device, request, monkeypatch):
+    """The step counters a State owns (hila.torch.ops, "step counters"): zero_state, a forward's
+    final state and a layer cache's copies are marked, and their first step_ on the direct road
+    makes them (int32 zeros of step_counters_size(max(rows, N), H) = n (1 + H) elements on the
+    state's device; on a CUDA device only: CPU states never make them) and passes them at every
+    step (unbound and bound), left zero; States the user built, copies and pickles own none; a pool
+    step of more sequences than they count and the custom ops' road pass none. Every step equals,
+    to the bit, the same step without counters (the custom op)."""
+    import copy
+    import pickle
+    require_device(device, op)
+    cuda = str(device).startswith("cuda")
+    N, H, dk, dv = 2, 2, 4, 3
+    x, _, _ = torch_inputs(op, device, B=N, T=12, H=H, dk=dk, dv=dv)
+    x = {k: v.detach() for k, v in x.items()}
+    st = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
+    assert st.__dict__[hops._COUNTERS] is True           # marked, nothing made yet
+    seen, passed = [], []
+    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen, passed))
+    clock = iter(range(10 ** 6))
+
+    def step(state, rows=None, **kw):
+        """A step of `state` and of a copy through the custom op (no counters): equal to the bit.
+        rows: the sequences of x the call's sequences take their inputs from (a pool step)."""
+        t = next(clock) % 12
+        tok = {k: v[:, t] if rows is None else v[rows, t] for k, v in x.items()}
+        ref = hila.State(*(None if p is None else p.clone() for p in state))
+        with torch.no_grad():
+            o = ht.step_(op, **tok, state=state, check_values=False, max_position=15, **kw)
+            got = passed[-1]
+            _setflag(request, hops._FAST, False)
+            o_ref = ht.step_(op, **tok, state=ref, check_values=False, max_position=15, **kw)
+            _setflag(request, hops._FAST, True)
+        assert passed[-1] is None                         # the custom ops' road passes none
+        assert torch.equal(o, o_ref)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(state, ref))
+        return got
+
+    # CPU states make no counters (the CPU library would not use them)
+    if not cuda:
+        for _ in range(2):
+            assert step(st) is None
+        assert st.__dict__[hops._COUNTERS] is True
+        _setflag(request, hops._COUNTERS_ON_CPU, True)    # the plumbing on the CPU (ignored there)
+    def owned(got, state):
+        """Whether a step passed `state`'s counters: the tensor (unbound) or its capsule (bound)."""
+        kept = state.__dict__[hops._COUNTERS]
+        return got is kept[1] or (isinstance(got, torch.Tensor) and got.data_ptr() == kept[0].data_ptr())
+
+    fresh = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
+    for state in (st, fresh):  # stepped (bound) before, or not
+        got = step(state)                                 # the first step makes them
+        c = _counters_of(state)
+        assert c.dtype == torch.int32 and c.device == state.H.device and c.shape == (N * (1 + H),)
+        assert owned(got, state)
+        assert isinstance(got, torch.Tensor) == (state is fresh)  # unbound at a State's first step
+        for _ in range(2):
+            assert owned(step(state), state) and _counters_of(state) is c  # made once
+        assert state.__dict__[hops._BOUND][1] is not None and owned(step(state), state)  # bound
+        assert not c.any()                                # left zero
+    # a pool step: the counters of the pool's State; more sequences than they count: none
+    c = _counters_of(st)
+    assert owned(step(st, state_indices=torch.tensor([1, -1], device=device)), st)
+    assert step(st, rows=[0, 1, 0], state_indices=torch.tensor([1, -1, 0], device=device)) is None
+    assert _counters_of(st) is c and not c.any()
+    # copies and pickles hold the four parts only; a State the user built owns none
+    for other in (copy.copy(st), pickle.loads(pickle.dumps(st)), hila.State(*st)):
+        assert hops._COUNTERS not in other.__dict__
+        assert step(other) is None
+    # a forward's final state is marked
+    with torch.no_grad():
+        _, fin = ht.forward(op, **{k: v[:, :3] for k, v in x.items()}, output_final_state=True,
+                            final_slots=6)
+    assert fin.__dict__[hops._COUNTERS] is True
+    assert owned(step(fin), fin) and not _counters_of(fin).any()
+
+
+def test_layer_cache_copies_share_the_step_counters(device, request):
+    """A layer's decode step on a functional cache (in_place False) steps a copy of the state with
+    the counters of the cache's State (made once, not per token); LayerState.clone and select make
+    marked States of their own."""
+    require_device(device, "hla2")
+    if not str(device).startswith("cuda"):
+        _setflag(request, hops._COUNTERS_ON_CPU, True)
+    torch.manual_seed(0)
+    layer = ht.HLAAttention(32, num_heads=2, head_dim=8, op="hla2").to(device).eval()
+    x = torch.randn(2, 6, 32, device=device)
+    with torch.no_grad():
+        _, st = layer(x[:, :4], use_cache=True)
+        assert st.recurrent.__dict__[hops._COUNTERS] is True
+        _, st1 = layer(x[:, 4:5], state=st, use_cache=True)
+        c = _counters_of(st1.recurrent)
+        assert isinstance(c, torch.Tensor) and not c.any()
+        assert st.recurrent.__dict__[hops._COUNTERS] is True  # the cache passed in is untouched
+        _, st2 = layer(x[:, 5:6], state=st1, use_cache=True)
+        assert _counters_of(st2.recurrent) is c
+    for other in (st2.clone(), st2.select(torch.tensor([1, 0], device=device))):
+        assert other.recurrent.__dict__[hops._COUNTERS] is True
+
+
+def test_bad_step_counters_are_named():
+    """StepParams::counters through the extension: validated (dtype, one dimension, size, device,
+    aliasing) on the CPU too, where they are not used; good ones leave the step's result as it is."""
+    op, N, H, dk, dv = "hla2", 2, 2, 4, 3
+    x, _, _ = torch_inputs(op, "cpu", B=N, T=1, H=H, dk=dk, dv=dv)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    cfg = hops._spec(op, "chunk", 64, 0.0, False, 1e-6, 0.0, False, False).cfg
+    need = hila._C.step_counters_size(N, H)
+    assert need == N + N * H
+
+    def run(counters):
+        st = ht.zero_state(op, N, H, dk, dv, dtype=torch.float64)
+        o = torch.empty_like(tok["v"])
+        hila._C.step_inplace(cfg, *(hops._cap(tok.get(n)) for n in ("q", "k", "v", "g", "lam", "beta")),
+                             tuple(hops._cap(p) for p in st), o=hops._capsule(o),
+                             counters=hops._cap(counters))
+        return o, st
+
+    o_ref, st_ref = run(None)
+    good = torch.zeros(need + 3, dtype=torch.int32)
+    o, st = run(good)
+    assert torch.equal(o, o_ref) and all(a is None or torch.equal(a, b) for a, b in zip(st, st_ref))
+    assert not good.any()
+    for bad in (torch.zeros(need, dtype=torch.int64), torch.zeros(need - 1, dtype=torch.int32),
+                torch.zeros(1, need, dtype=torch.int32), torch.zeros(2 * need, dtype=torch.int32)[::2]):
+        with pytest.raises(hila.HilaError) as e:
+            run(bad)
+        assert e.value.argument == "counters", str(e.value)
 
 
 def test_bound_and_unbound_steps_of_one_state_lose_nothing():

@@ -101,8 +101,11 @@ void run_step(const Resolved& r, const StepParams& p, const StateView& state, vo
 }
 }  // namespace detail
 
+int64_t step_counters_size(int64_t N, int64_t H) { return N + N * H; }
+
+// The caller's counters (validated by resolve_step) reach the CUDA backend; the CPU ignores them.
 void step(const StepParams& p, const StateView& state) {
-  detail::run_step(detail::resolve_step(p, state), p, state);
+  detail::run_step(detail::resolve_step(p, state), p, state, p.counters.defined() ? p.counters.data : nullptr);
 }
 
 }  // namespace hila

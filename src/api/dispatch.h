@@ -6,7 +6,8 @@
 namespace hila::detail {
 
 // Runs a validated step on the backend of q's device, then (check_values) checks o. `counters`: a
-// CUDA DecodeState's step counters (see cuda/backend.h), or nullptr.
+// CUDA DecodeState's step counters or the caller's StepParams::counters (see cuda/backend.h), or
+// nullptr; the CPU backend does not use them.
 void run_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters = nullptr);
 
 }  // namespace hila::detail

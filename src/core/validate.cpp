@@ -462,6 +462,20 @@ void check_index_tensor(const TensorView& idx, int64_t N, Device dev) {
   expect_strides("state_indices", idx);
 }
 
+// StepParams::counters: int32, one contiguous dimension of at least step_counters_size(N, H)
+// elements, on `dev`.
+void check_counters(const TensorView& c, int64_t N, int64_t H, Device dev) {
+  const int64_t need = step_counters_size(N, H);
+  const char* what = "the step counters: one dimension of step_counters_size(N, H) = N + N * H or more elements";
+  expect_dtype("counters", c, DType::i32, "step counters, zero-filled once by their owner");
+  expect_ndim("counters", c, 1, what);
+  expect_device("counters", c, dev, "that of the state");
+  expect_strides("counters", c);
+  if (c.shape[0] < need)
+    fail("counters", "expected at least " + std::to_string(need) + " elements (step_counters_size(N = " +
+                         std::to_string(N) + ", H = " + std::to_string(H) + ") = N + N * H), got " + c.shape_str());
+}
+
 // Real rows in [0, P) and distinct, padding -1.
 void check_index_values(const std::vector<int64_t>& idx, int64_t P) {
   std::vector<int64_t> seen;
@@ -1234,6 +1248,11 @@ void resolve_step_inputs(const StepParams& p, const Dims& d, const StepTarget& s
     for (int i = 0; i < ninputs; ++i) inputs.v[inputs.n++] = in.v[i];
     inputs.add("state_indices", p.state_indices);
     check_no_aliasing(parts, inputs);
+    // the counters are written too: they must alias nothing else of the call
+    NamedList counters;
+    counters.add("counters", p.counters);
+    in.add("o", p.o);
+    check_no_aliasing(counters, in);
   }
   check_values(p.cfg, p.q, p.k, p.v, p.g, p.lam, p.beta);
 }
@@ -1252,6 +1271,9 @@ Resolved resolve_step(const StepParams& p, const DecodeState& st) {
   if (p.state_indices.defined())
     fail("state_indices", "expected no tensor for a DecodeState step (it steps its own sequences; a state pool is "
                           "stepped as a StateView), got " + p.state_indices.shape_str());
+  if (p.counters.defined())
+    fail("counters", "expected no tensor for a DecodeState step (it owns its step counters; counters are for a "
+                     "StateView step), got " + p.counters.shape_str());
   check_max_position(p.max_position);
   const Dims d = check_qkv(p.q, p.k, p.v, false, p.cfg);
   const StateView view = const_cast<DecodeState&>(st).view();
@@ -1290,6 +1312,7 @@ Resolved resolve_step(const StepParams& p, const StateView& s) {
     r.pooled = true;
     r.pool_rows = rows;
   }
+  if (p.counters.defined()) check_counters(p.counters, d.B, d.H, d.dev);
   // The host reads the positions (and a pool's indices) on the CPU, for the value checks, and for
   // a log-linear step without the caller's bound (its slot capacity and λ levels depend on them).
   // Otherwise the step kernel reads them on the device (and enforces max_position there), so a

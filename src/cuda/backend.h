@@ -21,8 +21,8 @@ size_t cuda_workspace_size(const Resolved& r, const BackwardParams& p);
 
 // One decode step of a validated call on the state `state` (same device as q): one fused kernel
 // for all sequences and heads, and pos += 1 on the device. Enqueued on p.stream; no allocation.
-// `counters` (zeroed device memory of cuda_step_counter_bytes(N, H), owned by a DecodeState and
-// left zeroed by every step) lets the kernel advance pos itself and split the metric S ops into
+// `counters` (zeroed device memory of cuda_step_counter_bytes(N, H), owned by a DecodeState or
+// given as StepParams::counters, left zeroed by every step) lets the kernel advance pos itself and split the metric S ops into
 // column tiles; without them (nullptr) S ops run one block per head and a second tiny kernel
 // advances pos. Steps that share counters must be stream-ordered.
 void cuda_step(const Resolved& r, const StepParams& p, const StateView& state, void* counters);

@@ -3,7 +3,9 @@
 // (StepParams::max_position) and on state pools (StepParams::state_indices), captured in a CUDA
 // graph and replayed for 32 tokens for every operator, equal to eager steps bit for bit; pooled
 // steps equal to steps of the rows alone, with padding rows, rows outside the pool and positions
-// past the bound; pooled forwards (ForwardParams::state_indices) equal to the call on the gathered
+// past the bound; steps given step counters (StepParams::counters) equal to DecodeState steps bit
+// for bit, plain and pooled, the counters zero after each; pooled forwards
+// (ForwardParams::state_indices) equal to the call on the gathered
 // rows; forwards and backwards from host copies of cu_seqlens and the initial positions, which
 // read nothing back (hila::detail::device_reads() counts every device read of the host); memory
 // errors; output checks on the device. Outputs are poisoned first. Without a GPU every test is
@@ -16,6 +18,7 @@
 #include <cstdio>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../support_hila.h"
@@ -44,16 +47,16 @@ Buffer int32s(const std::vector<int32_t>& v) {
 // states, Fenwick room for max_pos + 1), and `steps` tokens of inputs for N sequences, λ levels for
 // max_pos. bf16 inputs, fp32 states.
 struct Decode {
-  static constexpr int64_t kH = 2, kDk = 32, kDv = 32;
+  static constexpr int64_t kH = 2, kDk = 32;
   Op op;
-  int64_t P, N, steps, max_pos;
+  int64_t P, N, steps, max_pos, dv;
   Problem rows, toks;
   StateBuffers pool;  // fp32
-  Decode(Op op_, int64_t P_, int64_t N_, int64_t steps_, int64_t max_pos_)
-      : op(op_), P(P_), N(N_), steps(steps_), max_pos(max_pos_) {
+  Decode(Op op_, int64_t P_, int64_t N_, int64_t steps_, int64_t max_pos_, int64_t dv_ = 32)
+      : op(op_), P(P_), N(N_), steps(steps_), max_pos(max_pos_), dv(dv_) {
     const uint64_t seed = seed_of(op_tag(op) + "decode_graph");
     ProblemSpec s = spec_for(op, 1, seed);
-    s.B = P, s.H = kH, s.dk = kDk, s.dv = kDv;
+    s.B = P, s.H = kH, s.dk = kDk, s.dv = dv;
     s.cfg.qk_l2norm = traits(op).delta;
     s.init_state = true;
     for (int64_t r = 0; r < P; ++r) s.init_pos.push_back((r * 37 + 11) % (max_pos - steps));
@@ -330,6 +333,130 @@ TEST_P(CudaServing, PooledForwardEqualsTheCallOnTheRows) {
   }
   for (int64_t r : {1, 2, 4})
     EXPECT_TRUE(same_state(state_row(after, r), state_row(pool, r))) << ctx << ": row " << r << " must not change";
+}
+
+// StepParams::counters: zeros of step_counters_size(N, H) elements on the device.
+Buffer zero_counters(int64_t N, int64_t H) {
+  Buffer b(DType::i32, {hila::step_counters_size(N, H)});
+  b.fill(0);
+  return b;
+}
+
+bool all_zero(const Buffer& b) {
+  for (int64_t i = 0; i < b.numel(); ++i)
+    if (b.get(i) != 0) return false;
+  return true;
+}
+
+// A StateView step given counters is a DecodeState's step (same tiling, same launch): o and the
+// state equal to the bit over several tokens, on a plain state and on a pool (a padding row, a row
+// outside the pool, a row past the bound: o 0 or NaN, rows unchanged); the counters are zero after
+// every step. dv = 96: dv' spans two column tiles, so the S operators split their columns and
+// elect S's writer through the counters. Bad counters are a hila::Error naming `counters`.
+TEST_P(CudaServing, StepWithCountersIsTheDecodeStateStep) {
+  if (!have_gpu()) GTEST_SKIP() << kNoGpu;
+  const Op op = GetParam();
+  constexpr int64_t kSteps = 3, kDv = 96;
+  for (const bool pooled : {false, true}) {
+    const std::string ctx = op_tag(op) + (pooled ? " pool" : " plain");
+    const int64_t P = pooled ? 8 : 4, N = pooled ? 5 : 4;
+    const Decode d(op, P, N, kSteps, 127, kDv);
+    StateBuffers pool = d.pool;
+    if (pooled) pool.pos.set(5, 200);  // past the bound: this row does not step
+    const std::vector<int32_t> idx = pooled ? std::vector<int32_t>{6, -1, 5, 9, 1} : std::vector<int32_t>{0, 1, 2, 3};
+    OpConfig cfg = d.rows.spec.cfg;
+    cfg.check_values = false;
+    const DevTensor didx(int32s(idx));
+    const DevTensor counters(zero_counters(N, Decode::kH));
+    DevState dev(pool);
+    // the DecodeStates: the whole state (plain), or each stepping row alone (pool: the tiling of a
+    // step depends on its dv' and, past 4 (sequence, head) blocks per SM, on N H, not on its rows)
+    std::vector<int64_t> real;  // sequences of the call that step, one DecodeState each (pool)
+    for (int64_t i = 0; i < N; ++i)
+      if (!pooled || (idx[size_t(i)] >= 0 && idx[size_t(i)] < P && idx[size_t(i)] != 5)) real.push_back(i);
+    std::deque<hila::DecodeState> ds;
+    for (int64_t i : pooled ? real : std::vector<int64_t>{0}) {
+      const int64_t rows = pooled ? 1 : N;
+      ds.emplace_back(cfg, rows, Decode::kH, Decode::kDk, kDv, DType::f32, hila::tools::cuda0());
+      const DevState init(pooled ? state_row(pool, idx[size_t(i)]) : pool);
+      ds.back().load(init.view());
+    }
+    for (int64_t j = 0; j < kSteps; ++j) {
+      const std::vector<Buffer> tok = d.token(j);
+      StaticInputs x(tok);
+      hila::StepParams p = x.params(cfg);
+      p.max_position = d.max_pos;
+      if (pooled) p.state_indices = didx.view();
+      p.counters = counters.view();
+      hila::step(p, dev.view());
+      const Buffer o = x.fetch_o(nullptr);
+      ASSERT_TRUE(all_zero(counters.fetch())) << ctx << ": counters left non-zero by token " << j;
+      for (size_t k = 0; k < ds.size(); ++k) {
+        const int64_t i = pooled ? real[k] : 0, n = pooled ? 1 : N;
+        std::vector<Buffer> one;
+        for (const Buffer& b : tok) one.push_back(b.empty() ? b : slice_rows(b, i, n));
+        StaticInputs y(one);
+        hila::StepParams q = y.params(cfg);
+        q.max_position = d.max_pos;
+        hila::step(q, ds[k]);
+        EXPECT_TRUE(same_bytes(slice_rows(o, i, n), y.fetch_o(nullptr))) << ctx << ": o of token " << j;
+      }
+      if (pooled) {
+        const int64_t row = o.numel() / N;
+        for (int64_t e = row; e < 2 * row; ++e) ASSERT_EQ(o.get(e), 0.0) << ctx << ": padding o";
+        for (int64_t i : {2, 3})
+          for (int64_t e = i * row; e < (i + 1) * row; ++e) ASSERT_TRUE(std::isnan(o.get(e))) << ctx << ": o of " << i;
+      }
+    }
+    const StateBuffers after = dev.fetch();
+    for (size_t k = 0; k < ds.size(); ++k) {
+      const StateBuffers want = hila::tools::fetch_state(ds[k].view());
+      const StateBuffers got = pooled ? state_row(after, idx[size_t(real[k])]) : after;
+      EXPECT_TRUE(same_state(got, want)) << ctx << ": the state after " << kSteps << " tokens";
+    }
+    if (pooled)
+      for (int64_t r : {0, 2, 3, 4, 5, 7})
+        EXPECT_TRUE(same_state(state_row(after, r), state_row(pool, r))) << ctx << ": row " << r << " must not change";
+    // bad counters: named, before anything is written
+    const std::vector<Buffer> tok = d.token(0);
+    StaticInputs x(tok);
+    hila::StepParams p = x.params(cfg);
+    p.max_position = d.max_pos;
+    if (pooled) p.state_indices = didx.view();
+    const StateBuffers before = dev.fetch();
+    Buffer c64(DType::i64, {hila::step_counters_size(N, Decode::kH)});
+    c64.fill(0);
+    const DevTensor wide(c64), small(zero_counters(N - 1, Decode::kH));
+    const Buffer host = zero_counters(N, Decode::kH);
+    hila::TensorView two_d = counters.view();
+    two_d.ndim = 2, two_d.shape[0] = 1, two_d.shape[1] = host.numel(), two_d.stride[0] = host.numel(), two_d.stride[1] = 1;
+    hila::TensorView on_o = x.o.view();
+    on_o.dtype = DType::i32, on_o.ndim = 1, on_o.shape[0] = hila::step_counters_size(N, Decode::kH), on_o.stride[0] = 1;
+    const std::pair<const char*, hila::TensorView> bad[] = {
+        {"int64", wide.view()}, {"too small", small.view()}, {"host memory", host.view()},
+        {"two dimensions", two_d}, {"aliasing o", on_o}};
+    for (const auto& [what, c] : bad) {
+      p.counters = c;
+      try {
+        hila::step(p, dev.view());
+        ADD_FAILURE() << ctx << ": expected hila::Error('counters') for counters " << what;
+      } catch (const hila::Error& e) {
+        EXPECT_EQ(e.argument(), "counters") << ctx << ", counters " << what << ": " << e.what();
+      }
+    }
+    EXPECT_TRUE(same_state(dev.fetch(), before)) << ctx << ": a rejected step changed the state";
+    if (!pooled) {  // a DecodeState owns its counters
+      p.counters = counters.view();
+      try {
+        hila::step(p, ds.front());
+        ADD_FAILURE() << ctx << ": expected hila::Error('counters') for a DecodeState step";
+      } catch (const hila::Error& e) {
+        EXPECT_EQ(e.argument(), "counters") << e.what();
+      }
+    }
+    std::printf("  %-16s %lld tokens equal to the DecodeState's, counters zero after each\n", ctx.c_str(),
+                static_cast<long long>(kSteps));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOps, CudaServing, ::testing::ValuesIn(hila::all_ops()),

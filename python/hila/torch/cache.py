@@ -33,6 +33,7 @@ from typing import List, Optional, Tuple
 from torch import Tensor
 
 from ..ops import State
+from .ops import _with_counters
 
 __all__ = ["LayerState", "Cache"]
 
@@ -62,13 +63,13 @@ class LayerState:
         """The cache of sequences ``index`` (int64 [N'], any order, repeats allowed): a copy,
         with this cache's ``in_place`` flag."""
         pick = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
-        return replace(self, recurrent=State(*(pick(x) for x in self.recurrent)),
+        return replace(self, recurrent=_with_counters(State(*(pick(x) for x in self.recurrent))),
                        conv=tuple(pick(c) for c in self.conv))
 
     def clone(self, in_place: Optional[bool] = None) -> "LayerState":
         """A copy of the cache (new tensors); ``in_place`` None keeps this cache's flag."""
         cp = lambda x: None if x is None else x.clone()  # noqa: E731
-        return replace(self, recurrent=State(*(cp(x) for x in self.recurrent)),
+        return replace(self, recurrent=_with_counters(State(*(cp(x) for x in self.recurrent))),
                        conv=tuple(cp(c) for c in self.conv),
                        in_place=self.in_place if in_place is None else in_place)
 

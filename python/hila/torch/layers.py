@@ -48,6 +48,7 @@ from .cache import LayerState
 from .modules import DecayGate, GatedRMSNorm, LevelWeights, ShortConvolution, at_least_f32
 from .ops import forward as _forward
 from .ops import step as _step
+from .ops import _share_counters
 from .ops import step_ as _step_
 
 __all__ = ["HLAAttention", "LogLinearMamba2", "LogLinearGatedDeltaNet"]
@@ -134,9 +135,10 @@ class _Call:
             if _needs_grad(q, k, v, g, lam, beta, *rec):
                 o, self.recurrent = _step(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, **options)
             else:  # the fused kernel, in place: on the cache itself, or on a copy (module docstring)
-                if not self.in_place:
-                    rec = State(*(None if x is None else x.clone(memory_format=torch.contiguous_format)
-                                  for x in rec))
+                if not self.in_place:  # the copy steps with the cache's step counters (hila.torch.ops)
+                    rec = _share_counters(rec, State(*(None if x is None else
+                                                       x.clone(memory_format=torch.contiguous_format)
+                                                       for x in rec)))
                 bound = None if layer.max_len is None else int(layer.max_len) - 1
                 o = _step_(layer.op, q, k, v, g, lam=lam, beta=beta, state=rec, max_position=bound,
                            **options)

@@ -292,13 +292,14 @@ def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State
 
 
 def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H, state_indices=None,
-                       max_position: int = -1) -> Tensor:
+                       max_position: int = -1, counters: Optional[Tensor] = None) -> Tensor:
     """The fused decode step advancing (pos, S, P, H) in place (a pool's rows state_indices);
-    returns o [N, H, dv]."""
+    returns o [N, H, dv]. counters: the State's step counters (see _counters), or None."""
     o = _empty_like(v)
     _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
                     (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q),
-                    state_indices=_cap(state_indices), max_position=int(max_position))
+                    state_indices=_cap(state_indices), max_position=int(max_position),
+                    counters=_cap(counters))
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     torch.autograd.graph.increment_version([x for x in (pos, S, P, H) if x is not None])
     return o
@@ -781,11 +782,12 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
                 o, pos, S, P, H = _Forward.apply(spec, output_final_state, int(final_slots or 1),
                                                  (cu_host, pos_host), q, k, v, g, lam, beta,
                                                  cu_seqlens, *init)
-                return o, (State(pos, S, P, H) if output_final_state else None)
+                return o, (_with_counters(State(pos, S, P, H)) if output_final_state else None)
             if init[0] is None and init[1] is None and init[2] is None and init[3] is None:
                 init = None
-            return _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
-                                 int(final_slots or 1), cu_host, pos_host)
+            o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
+                                   int(final_slots or 1), cu_host, pos_host)
+            return o, (None if fin is None else _with_counters(fin))
         except (AttributeError, TypeError):
             _reraise("hila.torch.forward", "initial_state", init, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu_seqlens)
@@ -797,7 +799,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     if not output_final_state:
         return o, None
     t = _ops._traits(op)
-    return o, State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H)
+    return o, _with_counters(State(pos, S if t["has_S"] else None, P if t["has_P"] else None, H))
 
 
 def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra, state: State = None,
@@ -877,6 +879,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
         _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
     mp = -1 if max_position is None else max_position
     idx = None
+    owner = state  # the State whose step counters a direct step passes (see _counters)
     if check_values is None:
         check_values = _default_checks(q)
     if state_indices is not None:
@@ -897,7 +900,9 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
         try:
             if idx is not None or not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
                 spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
-                return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp)
+                cnt = _counters(owner, state.pos, state.H, q) if type(owner) is State else None
+                return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp,
+                                          None if cnt is None else cnt[0])
         except (AttributeError, TypeError):
             _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
@@ -949,17 +954,19 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
         if _POISON[0]:
             _ops._poison(o)
+        cnt = _counters(state, pos, H, q)
         bound = _bound_state(state, pos, S, P, H)
         if bound is not None:
             bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
                        None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
-                       o.data_ptr(), _stream(q), max_position)
+                       o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
         else:
             _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
                             None if g is None else _capsule(g), None if lam is None else _capsule(lam),
                             None if beta is None else _capsule(beta),
                             (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
-                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position)
+                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
+                            counters=None if cnt is None else _capsule(cnt[0]))
     except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
         return None                      # nothing was written, the general road names it
     except HilaError:
@@ -973,6 +980,62 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
     if top is not None:
         _keep_positions(state, pos, top + 1)
     return o
+
+
+# ----------------------------------------------------------------------------- step counters
+#
+# A step on a caller-owned state runs the library's DecodeState step (same tiling, one launch:
+# the kernel's last block of a sequence advances its position, and the metric-S operators split
+# their columns into tiles) when it is given step counters (StepParams::counters): int32 device
+# memory, zero-filled once, that every step leaves zero again. A State that hila made for decoding
+# (zero_state, a forward's final state) owns them: its __dict__ holds True until its first CUDA
+# step_ on the direct road, which makes a zero tensor of step_counters_size(max(rows, N), H)
+# elements on the state's device, kept with a DLPack capsule the extension reads in place at every
+# step. They live as long as the State object (never replaced: a captured graph that read them
+# keeps reading memory the State holds), and copies and pickles of a State hold only its four
+# parts. A step whose N needs more than they hold, a State without them (made by the user, an
+# older pickle), CPU states, and the custom ops' road (torch.compile, dispatch modes) step without
+# counters, as a StateView step does: the same function (docs/PYTHON.md).
+
+_COUNTERS = "_hila_counters"  # key in a State's __dict__: True (to be made) or
+#                               (tensor, its capsule, its elements, its device index)
+_COUNTERS_ON_CPU = [False]    # test hook: counters for CPU states too (the CPU library ignores them)
+
+
+def _with_counters(state: State) -> State:
+    """Marks ``state`` as one of hila's decode states: its first CUDA step_ makes its counters."""
+    state.__dict__[_COUNTERS] = True
+    return state
+
+
+def _counters(state: State, pos: Tensor, H: Tensor, q: Tensor):
+    """(counters tensor, its lent capsule, ...) for a step of q.shape[0] sequences on ``state``, or None
+    where the state owns none (see the comment above) or they are too small for this call."""
+    c = state.__dict__.get(_COUNTERS)
+    if c is None:
+        return None
+    try:
+        if c is True:
+            if not (H.is_cuda or _COUNTERS_ON_CPU[0]) or H.dim() < 2 or pos.dim() != 1:
+                return None  # the library names a bad shape
+            n = max(pos.shape[0], q.shape[0])
+            t = torch.zeros(n + n * H.shape[1], dtype=torch.int32, device=H.device)  # step_counters_size
+            c = (t, _capsule(t), t.numel(), t.get_device())
+            state.__dict__[_COUNTERS] = c
+        N = q.shape[0]
+        if N + N * H.shape[1] > c[2] or H.get_device() != c[3]:
+            return None
+    except (AttributeError, IndexError, TypeError):  # not tensors: the library names them
+        return None
+    return c
+
+
+def _share_counters(src: State, dst: State) -> State:
+    """``dst`` (a copy of ``src``'s parts, stepped in ``src``'s place) uses ``src``'s counters."""
+    c = src.__dict__.get(_COUNTERS)
+    if c is not None:
+        dst.__dict__[_COUNTERS] = c
+    return dst
 
 
 # ----------------------------------------------------------------------------- position bound
@@ -1087,7 +1150,7 @@ def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: in
     shapes = _ops.state_part_shapes(op, batch, heads, dk, dv, normalize=normalize,
                                     slots=_ops.state_slots(max_len))
     z = lambda s, dt=dtype: None if s is None else torch.zeros(s, dtype=dt, device=device)  # noqa: E731
-    st = State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H))
+    st = _with_counters(State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H)))
     if not st.pos.is_inference():
         st.__dict__[_POSITIONS] = (st.pos.data_ptr(), st.pos._version, 0)  # every position is 0
     return st

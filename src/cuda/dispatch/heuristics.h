@@ -173,7 +173,7 @@ inline constexpr int kStepMaxStages = 3;
 inline constexpr int kStepRingBytes = 32 * 1024;
 
 // Column tiles of a step: all of dv' in one block for normalize (the denominator column) and for S
-// without the counters a DecodeState owns (the functional step), or when there are enough
+// without step counters (a DecodeState's or StepParams::counters), or when there are enough
 // (sequence, head) blocks to fill the device (then each S is read once, not once per tile); else
 // tiles of `cols` columns.
 constexpr int step_tiles(bool normalize, bool has_S, bool counters, int64_t seq_heads, int dvp, int cols,

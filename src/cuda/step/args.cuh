@@ -42,8 +42,8 @@ struct StepArgs {
   int64_t idxs;
   int64_t rows;                // P: rows of the state (N without a pool)
   int64_t max_pos;             // >= 0: a position outside [0, max_pos] gives NaN o, nothing written
-  unsigned* seq_count;         // [N] blocks done per sequence (null: a second kernel advances pos)
-  unsigned* s_count;           // [N, H] blocks done reading S (tiles > 1 only)
+  unsigned* seq_count;         // [N] blocks done per sequence (null: no counters, a second kernel advances pos)
+  unsigned* s_count;           // [N, H] blocks done reading S (S ops with tiles > 1 only)
   int N, H, rep, dk, dv, dvp, tiles, stages;
   bool s_smem;                 // S copied to shared memory (cp.async, first group) before its sweep
   bool has_S, has_P, fenwick, delta, normalize, l2;
@@ -85,8 +85,8 @@ constexpr int kMinBlocks = std::is_same_v<T, double> ? (kRows <= 8 ? 4 : kRows <
 // flat or Fenwick states as template arguments.
 template <class T>
 void launch_step(const StepArgs<T>& a, dim3 grid, size_t smem, cudaStream_t s);
-// After every head of every sequence has stepped: pos <- pos + 1 at each sequence's row (the
-// functional step, which has no counters to elect a last block); rows the step skipped (padding,
+// After every head of every sequence has stepped: pos <- pos + 1 at each sequence's row (a step
+// without counters to elect a last block); rows the step skipped (padding,
 // out of range, a position past max_pos) are left alone.
 template <class T>
 void launch_advance_positions(const StepArgs<T>& a, cudaStream_t s);

@@ -47,6 +47,15 @@ struct StepBlock {
   __device__ __forceinline__ void skipped();     // output.cuh: o of a row that does not step
 };
 
+// One arrival of a block (one thread of it) at a step counter that `count` blocks of the launch
+// arrive at: true for the last one, which sets the counter back to 0 for the next step (stream
+// order). A counter is zero before and after every step.
+__device__ __forceinline__ bool arrive(unsigned* cnt, unsigned count) {
+  if (atomicAdd(cnt, 1u) != count - 1) return false;
+  *cnt = 0;
+  return true;
+}
+
 // What a block does with its sequence (StepBlock::skip), decided from the row and position alone,
 // so every block of the sequence (and every thread) decides the same.
 constexpr int kPadding = 1, kInvalid = 2;

@@ -141,10 +141,8 @@ __device__ __forceinline__ void StepBlock<T, kRows, kFenwick>::inner_S() {
     if (shared_S) {
       __shared__ int s_last;
       if (tid == 0) {
-        unsigned* cnt = a.s_count + int64_t(n) * a.H + h;
         __threadfence();
-        s_last = atomicAdd(cnt, 1u) == unsigned(a.tiles - 1);
-        if (s_last) *cnt = 0;  // ready for the next step (stream order)
+        s_last = arrive(a.s_count + int64_t(n) * a.H + h, unsigned(a.tiles));
       }
       __syncthreads();
       last = s_last;

@@ -25,11 +25,17 @@
 // Grid: x = sequence * tiles + tile, y = head. Columns of P and H are independent in every update
 // above, so blocks split dv' into tiles of kCols columns. Two things need more than a tile:
 //  - u = S q needs all of S. Every tile reads S; a per-(n, h) counter elects the last block to
-//    finish reading, which writes S back. Without counters (the functional step on a caller's
-//    state, which has nowhere to keep them) S ops run one tile of all dv' columns per block.
+//    finish reading, which writes S back. Without counters S ops run one tile of all dv' columns
+//    per block.
 //  - normalize divides by column dv of o': one tile of all dv' columns per block.
 // pos advances once every block of a sequence is done: a per-sequence counter elects the last
 // block, or (without counters) a second tiny kernel follows in stream order.
+// Counters ([N] per sequence, then [N, H] per (sequence, head); step_counters_size) are a
+// DecodeState's own, or the caller's StepParams::counters on a StateView: the same step, tiling
+// and launch either way. Only a StateView step without them takes the one-tile / second-kernel
+// road. Every block of the grid arrives once at each counter of its (n[, h]) that the launch uses,
+// a block that skips its sequence too (block.cuh's arrive), and the last arrival resets it: the
+// counters are zero after every step, whatever rows and positions it skipped.
 // Thread layout inside a column chunk: warp w = row group, lane = column, so each warp reads 32
 // consecutive floats of one state row; rows r = w, w + kWarps, ... are held in registers
 // (kRows = rows per thread >= dk / kWarps, a template parameter).
@@ -101,7 +107,7 @@ StepArgs<T> step_args(const detail::Resolved& r, const detail::OpPlan& plan, con
 }
 
 // The grid's column tiles, S in shared memory or not, and the ring depth (heuristics.h), with the
-// counters of a DecodeState when there are any. Returns the block's shared memory (bytes).
+// step's counters when there are any (a DecodeState's, or StepParams::counters). Returns the block's shared memory (bytes).
 template <class T>
 size_t step_layout(const detail::Resolved& r, const detail::OpPlan& plan, void* counters, StepArgs<T>& a) {
   using R = Acc<T>;
