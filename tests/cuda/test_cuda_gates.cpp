@@ -74,15 +74,22 @@ std::vector<DgCase> dg_cases() {
     cs.push_back({op, T, d, sg, k, name, tree_form(op, k) && T > 1024});
   };
   const Op ops[] = {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn};
+  // T = 65536 (each case's float64 reference takes about 10 s of one CPU core): gla with both gate
+  // kinds and one slow-gate case of each kernel family (composition, delta rule, log-linear sweep)
+  const auto long_case = [](Op op, SlowGates sg) {
+    return op == Op::gla || (sg == SlowGates::logsigmoid16 && (op == Op::hla2 || op == Op::loglinear_gdn));
+  };
   for (Op op : ops)
     for (int64_t T : {256, 1024, 4096, 16384, 65536})
       for (SlowGates sg : {SlowGates::logsigmoid16, SlowGates::near_zero}) {
         if (T == 256 && sg == SlowGates::near_zero) continue;
+        if (T == 65536 && !long_case(op, sg)) continue;
         add(op, T, 64, sg, {}, "");
       }
   // the log-linear segment sweep (chunk-local dg)
   for (Op op : {Op::loglinear, Op::loglinear_hla2})
-    for (int64_t T : {256, 4096, 65536}) add(op, T, 64, SlowGates::logsigmoid16, {nullptr, "0"}, "_sweep");
+    for (int64_t T : {256, 4096}) add(op, T, 64, SlowGates::logsigmoid16, {nullptr, "0"}, "_sweep");
+  add(Op::loglinear, 65536, 64, SlowGates::logsigmoid16, {nullptr, "0"}, "_sweep");
   // d = 128; the sm80 chunk kernels where the sm90 ones would run (Hopper), and sm90 forced
   for (int64_t T : {4096, 65536}) {
     add(Op::gla, T, 128, SlowGates::logsigmoid16, {}, "");
