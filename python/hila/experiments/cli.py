@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--head-dim", type=int, help="largest head dim (default 64)")
         t.add_argument("--state-size", type=int, help="Mamba-2 state size N of gla/loglinear (default 64)")
         t.add_argument("--init-std", type=float, help="std of linear and embedding weights (default 0.02)")
+        t.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                       help="the vocabulary head is the embedding (default: on, as Zoology)")
         t.add_argument("--out", type=Path, default=Path("experiments/results"),
                        help=f"results folder; rows go to OUT/{task}.csv (default experiments/results)")
         t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
@@ -142,6 +144,8 @@ def _runs(task: str, args) -> List:
             shared[name] = getattr(args, name)
     if getattr(args, "random_non_queries", False):
         shared["random_non_queries"] = True
+    if args.tie_embeddings is not None:
+        shared["tie_embeddings"] = args.tie_embeddings
     if task == "mqar":
         axes.pop("needles", None)
     return grid(task, **axes, **shared)

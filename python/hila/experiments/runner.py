@@ -112,6 +112,10 @@ def _init_worker(counter, lock, threads: int) -> None:
         counter.value += 1
     import torch
     torch.set_num_threads(threads)
+    try:  # a fresh worker has run no parallel work yet; one inter-op thread (a step is a serial chain)
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:
+        pass
 
 
 def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool):

@@ -62,6 +62,7 @@ class RunConfig:
     head_dim: int = 64
     state_size: int = 64
     init_std: float = 0.02
+    tie_embeddings: bool = True
     power_a: float = 0.01
     random_non_queries: bool = False
 
@@ -296,6 +297,7 @@ def warmup_steps(cfg: RunConfig) -> int:
 def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float) -> List[Dict]:
     torch.manual_seed(cfg.seed)
     model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
+                     tie_embeddings=cfg.tie_embeddings,
                      shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
     task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
     opt = _optimizer(model, cfg, dev)
