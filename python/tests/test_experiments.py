@@ -199,22 +199,39 @@ def test_grid_spec():
     assert e.value.argument == "lr"
 
 
-def test_gpu_small_presets_cover_the_table_with_one_lr_per_family():
-    """mqar --preset gpu-small: every default mixer x 4 dims x 2 lengths x 2 seeds, one learning
-    rate each (its family's); niah --preset gpu-small: every mixer x N = 1, 4 at D = 64. A grid
-    with per-mixer learning rates must name one for every mixer."""
-    for task, n in (("mqar", 9 * 4 * 2 * 2), ("niah", 9 * 2)):
-        args = cli._parser().parse_args([task, "--preset", "gpu-small"])
-        runs = cli._runs(task, args)
-        assert len(runs) == n and len({r.key() for r in runs}) == n
-        assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
-        assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
+def test_gpu_presets_cover_the_table():
+    """mqar --preset gpu-budget: every default mixer x 4 dims x 2 lengths x 2 seeds x its learning
+    rates, tied embeddings; niah --preset gpu-small: every mixer x N = 1, 4 at D = 64, one learning
+    rate each (its family's). A grid with per-mixer learning rates must name one for every mixer."""
+    preset = cli.PRESETS["mqar"]["gpu-budget"]
+    runs = cli._runs("mqar", cli._parser().parse_args(["mqar", "--preset", "gpu-budget"]))
+    assert len(runs) == 9 * 4 * 2 * 2 * len(preset["lrs"]) and len({r.key() for r in runs}) == len(runs)
+    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS) and all(r.tie_embeddings for r in runs)
+    assert {(r.seq_len, r.pairs) for r in runs} == {(256, 16), (512, 64)}
+    runs = cli._runs("mqar", cli._parser().parse_args(["mqar", "--preset", "gpu-budget", "--no-tie-embeddings",
+                                                       "--lrs", "1e-3"]))
+    assert not any(r.tie_embeddings for r in runs) and {r.lr for r in runs} == {1e-3}
+    runs = cli._runs("niah", cli._parser().parse_args(["niah", "--preset", "gpu-small"]))
+    assert len(runs) == 9 * 2 and len({r.key() for r in runs}) == 9 * 2
+    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
+    assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
     assert set(cli.FAMILY_LRS) == set(mixers.MIXERS)
-    args = cli._parser().parse_args(["mqar", "--preset", "gpu-small", "--lrs", "1e-3,1e-2"])
-    assert {r.lr for r in cli._runs("mqar", args)} == {1e-3, 1e-2}        # --lrs overrides the families
     with pytest.raises(hila.HilaError) as e:
         runner.grid("mqar", ["gla", "sdpa"], [16], [256], [0], {"gla": [1e-3]})
     assert e.value.argument == "lrs"
+
+
+def test_tied_head_is_the_embedding():
+    """tie_embeddings: one matrix for the embedding and the head (the logit of v is h . E[v]),
+    counted once; a separate head otherwise."""
+    tied = RecallLM(64, 16, "sdpa", 32, tie_embeddings=True)
+    free = RecallLM(64, 16, "sdpa", 32, tie_embeddings=False)
+    assert tied.head.weight is tied.embed.weight and free.head.weight is not free.embed.weight
+    assert free.num_params() - tied.num_params() == 64 * 16
+    ids, labels = data.mqar(2, 32, 4, vocab_size=64, seed=0)
+    pos, target = data.labelled(labels)
+    h = tied.hidden(ids).gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
+    assert torch.allclose(tied.scored(ids, pos), h @ tied.embed.weight.T)
 
 
 def test_worker_threads():

@@ -45,7 +45,7 @@ def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequenc
     """The runs of the grid, largest models first (they take longest: started first, they pack
     the parallel workers better). For niah, ``lengths`` are the lengths of one run (each run trains
     and evaluates at all of them), not an axis. ``lrs``: the learning rates of every mixer, or
-    {mixer: its learning rates} (one per mixer family in the gpu-small preset)."""
+    {mixer: its learning rates} (one per mixer family in niah --preset gpu-small)."""
     if task == "niah":
         shared["lengths"] = ",".join(str(x) for x in lengths)
         lengths = [max(lengths)]
