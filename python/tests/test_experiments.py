@@ -162,6 +162,22 @@ def test_every_mixer_trains(name):
     assert sum(mixer_grads) > 0
 
 
+@pytest.mark.parametrize("name", list(mixers.MIXERS))
+def test_every_model_is_causal(name):
+    """Changing the token at position t changes no hidden state before t and changes the one at t
+    (float64): no mixer, convolution included, reads ahead, and every one reads the current token."""
+    torch.manual_seed(0)
+    shape = mixers.MixerShape(head_dim=8, state_size=8, chunk_size=16)
+    model = RecallLM(64, 16, name, max_len=48, shape=shape).double()
+    ids = torch.randint(1, 64, (2, 48))
+    other = ids.clone()
+    other[:, 30] = (other[:, 30] + 5) % 64
+    with torch.no_grad():
+        diff = (model.hidden(ids) - model.hidden(other)).abs().amax(-1)                   # [2, 48]
+    assert diff[:, :30].max().item() == 0.0, diff[:, :30].max().item()
+    assert diff[:, 30].min().item() > 1e-6
+
+
 def test_build_mixer_errors():
     with pytest.raises(hila.HilaError) as e:
         mixers.build_mixer("mamba", 16, 32)
