@@ -4,6 +4,7 @@ ignored elsewhere), the first-order mixers against hila's log-linear layers, eve
 training step, the CSV bookkeeping, and the smoke preset end to end on the CPU (accuracy well
 above chance, CSV rows, report table and PNGs)."""
 import csv
+from pathlib import Path
 
 import pytest
 
@@ -235,6 +236,30 @@ def test_gpu_presets_cover_the_table():
     with pytest.raises(hila.HilaError) as e:
         runner.grid("mqar", ["gla", "sdpa"], [16], [256], [0], {"gla": [1e-3]})
     assert e.value.argument == "lrs"
+
+
+def test_rows_written_before_a_setting_existed_keep_their_runs(tmp_path):
+    """A CSV written before tie_embeddings existed (blank cells, keys without it) still marks its
+    runs done, reads back with the value those runs had (a separate head), and gets the new column
+    appended without shifting its rows."""
+    cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=32, lr=3e-3, pairs=4, vocab=32,
+                    tie_embeddings=False)
+    old_key = "|".join(part for part in cfg.key().split("|") if not part.startswith("tie_embeddings="))
+    assert cfg.key() == old_key                          # the value of the older rows is implied
+    assert "tie_embeddings=True" in RunConfig(task="mqar", mixer="gla", dim=16, seq_len=64, lr=3e-3).key()
+    path = tmp_path / "mqar.csv"
+    path.write_text(f"key,mixer,acc\n{old_key},gla,0.5\n")
+    assert runner.done_keys(path) == {cfg.key()}
+    assert runner.read_rows(path)[0]["tie_embeddings"] == "False"
+    runner.append_rows(path, [dict(key="b", mixer="sdpa", acc=1.0, tie_embeddings=True)])
+    rows = runner.read_rows(path)
+    assert [(r["mixer"], r["acc"], r["tie_embeddings"]) for r in rows] == [("gla", "0.5", "False"),
+                                                                           ("sdpa", "1.0", "True")]
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "results" / "cpu-smoke" / "mqar.csv"
+    if smoke.exists():  # the repository's smoke results: every run of their command is done
+        args = cli._parser().parse_args(["mqar", "--preset", "smoke", "--seeds", "0,1", "--mixers",
+                                         ",".join(mixers.MIXERS)])
+        assert {r.key() for r in cli._runs("mqar", args)} <= runner.done_keys(smoke)
 
 
 def test_tied_head_is_the_embedding():

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
 
 from .._errors import HilaError
-from .train import RunConfig
+from .train import IMPLIED, RunConfig
 
 __all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads"]
 
@@ -62,11 +62,23 @@ def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequenc
     return sorted(runs, key=lambda c: -(c.dim * c.seq_len))
 
 
-def read_rows(path: Path) -> List[Dict[str, str]]:
+def _read_raw(path: Path) -> List[Dict[str, str]]:
+    """The rows of a CSV as written (its own columns only)."""
     if not Path(path).exists():
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def read_rows(path: Path) -> List[Dict[str, str]]:
+    """The rows of a result CSV; a blank cell of a field added later (train.IMPLIED) holds the
+    value the runs written before it had."""
+    rows = _read_raw(path)
+    for r in rows:
+        for name, value in IMPLIED.items():
+            if r.get(name, "") in ("", None):
+                r[name] = str(value)
+    return rows
 
 
 def done_keys(path: Path) -> Set[str]:
@@ -81,7 +93,7 @@ def append_rows(path: Path, rows: List[Dict]) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = read_rows(path)
+    old = _read_raw(path)
     fields = list(old[0].keys()) if old else []
     new = [k for r in rows for k in r if k not in fields]
     fields += list(dict.fromkeys(new))
