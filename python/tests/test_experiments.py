@@ -4,6 +4,7 @@ ignored elsewhere), the first-order mixers against hila's log-linear layers, eve
 training step, the CSV bookkeeping, and the smoke preset end to end on the CPU (accuracy well
 above chance, CSV rows, report table and PNGs)."""
 import csv
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,22 @@ def test_every_mixer_trains(name):
     assert sum(mixer_grads) > 0
 
 
+@pytest.mark.parametrize("name", list(mixers.MIXERS))
+def test_every_model_is_causal(name):
+    """Changing the token at position t changes no hidden state before t and changes the one at t
+    (float64): no mixer, convolution included, reads ahead, and every one reads the current token."""
+    torch.manual_seed(0)
+    shape = mixers.MixerShape(head_dim=8, state_size=8, chunk_size=16)
+    model = RecallLM(64, 16, name, max_len=48, shape=shape).double()
+    ids = torch.randint(1, 64, (2, 48))
+    other = ids.clone()
+    other[:, 30] = (other[:, 30] + 5) % 64
+    with torch.no_grad():
+        diff = (model.hidden(ids) - model.hidden(other)).abs().amax(-1)                   # [2, 48]
+    assert diff[:, :30].max().item() == 0.0, diff[:, :30].max().item()
+    assert diff[:, 30].min().item() > 1e-6
+
+
 def test_build_mixer_errors():
     with pytest.raises(hila.HilaError) as e:
         mixers.build_mixer("mamba", 16, 32)
@@ -199,22 +216,63 @@ def test_grid_spec():
     assert e.value.argument == "lr"
 
 
-def test_gpu_small_presets_cover_the_table_with_one_lr_per_family():
-    """mqar --preset gpu-small: every default mixer x 4 dims x 2 lengths x 2 seeds, one learning
-    rate each (its family's); niah --preset gpu-small: every mixer x N = 1, 4 at D = 64. A grid
-    with per-mixer learning rates must name one for every mixer."""
-    for task, n in (("mqar", 9 * 4 * 2 * 2), ("niah", 9 * 2)):
-        args = cli._parser().parse_args([task, "--preset", "gpu-small"])
-        runs = cli._runs(task, args)
-        assert len(runs) == n and len({r.key() for r in runs}) == n
-        assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
-        assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
+def test_gpu_presets_cover_the_table():
+    """mqar --preset gpu-budget: every default mixer x 4 dims x 2 lengths x 2 seeds x its learning
+    rates, tied embeddings; niah --preset gpu-small: every mixer x N = 1, 4 at D = 64, one learning
+    rate each (its family's). A grid with per-mixer learning rates must name one for every mixer."""
+    preset = cli.PRESETS["mqar"]["gpu-budget"]
+    runs = cli._runs("mqar", cli._parser().parse_args(["mqar", "--preset", "gpu-budget"]))
+    assert len(runs) == 9 * 4 * 2 * 2 * len(preset["lrs"]) and len({r.key() for r in runs}) == len(runs)
+    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS) and all(r.tie_embeddings for r in runs)
+    assert {(r.seq_len, r.pairs) for r in runs} == {(256, 16), (512, 64)}
+    runs = cli._runs("mqar", cli._parser().parse_args(["mqar", "--preset", "gpu-budget", "--no-tie-embeddings",
+                                                       "--lrs", "1e-3"]))
+    assert not any(r.tie_embeddings for r in runs) and {r.lr for r in runs} == {1e-3}
+    runs = cli._runs("niah", cli._parser().parse_args(["niah", "--preset", "gpu-small"]))
+    assert len(runs) == 9 * 2 and len({r.key() for r in runs}) == 9 * 2
+    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
+    assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
     assert set(cli.FAMILY_LRS) == set(mixers.MIXERS)
-    args = cli._parser().parse_args(["mqar", "--preset", "gpu-small", "--lrs", "1e-3,1e-2"])
-    assert {r.lr for r in cli._runs("mqar", args)} == {1e-3, 1e-2}        # --lrs overrides the families
     with pytest.raises(hila.HilaError) as e:
         runner.grid("mqar", ["gla", "sdpa"], [16], [256], [0], {"gla": [1e-3]})
     assert e.value.argument == "lrs"
+
+
+def test_rows_written_before_a_setting_existed_keep_their_runs(tmp_path):
+    """A CSV written before tie_embeddings existed (blank cells, keys without it) still marks its
+    runs done, reads back with the value those runs had (a separate head), and gets the new column
+    appended without shifting its rows."""
+    cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=32, lr=3e-3, pairs=4, vocab=32,
+                    tie_embeddings=False)
+    old_key = "|".join(part for part in cfg.key().split("|") if not part.startswith("tie_embeddings="))
+    assert cfg.key() == old_key                          # the value of the older rows is implied
+    assert "tie_embeddings=True" in RunConfig(task="mqar", mixer="gla", dim=16, seq_len=64, lr=3e-3).key()
+    path = tmp_path / "mqar.csv"
+    path.write_text(f"key,mixer,acc\n{old_key},gla,0.5\n")
+    assert runner.done_keys(path) == {cfg.key()}
+    assert runner.read_rows(path)[0]["tie_embeddings"] == "False"
+    runner.append_rows(path, [dict(key="b", mixer="sdpa", acc=1.0, tie_embeddings=True)])
+    rows = runner.read_rows(path)
+    assert [(r["mixer"], r["acc"], r["tie_embeddings"]) for r in rows] == [("gla", "0.5", "False"),
+                                                                           ("sdpa", "1.0", "True")]
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "results" / "cpu-smoke" / "mqar.csv"
+    if smoke.exists():  # the repository's smoke results: every run of their command is done
+        args = cli._parser().parse_args(["mqar", "--preset", "smoke", "--seeds", "0,1", "--mixers",
+                                         ",".join(mixers.MIXERS)])
+        assert {r.key() for r in cli._runs("mqar", args)} <= runner.done_keys(smoke)
+
+
+def test_tied_head_is_the_embedding():
+    """tie_embeddings: one matrix for the embedding and the head (the logit of v is h . E[v]),
+    counted once; a separate head otherwise."""
+    tied = RecallLM(64, 16, "sdpa", 32, tie_embeddings=True)
+    free = RecallLM(64, 16, "sdpa", 32, tie_embeddings=False)
+    assert tied.head.weight is tied.embed.weight and free.head.weight is not free.embed.weight
+    assert free.num_params() - tied.num_params() == 64 * 16
+    ids, labels = data.mqar(2, 32, 4, vocab_size=64, seed=0)
+    pos, target = data.labelled(labels)
+    h = tied.hidden(ids).gather(1, pos.unsqueeze(-1).expand(-1, -1, 16))
+    assert torch.allclose(tied.scored(ids, pos), h @ tied.embed.weight.T)
 
 
 def test_worker_threads():

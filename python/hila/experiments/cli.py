@@ -3,8 +3,9 @@
 
 Every setting has a flag; a preset fills the flags not given. ``--preset gpu`` (the default) is
 the full grid with a learning-rate sweep, sized for an H200 with several processes at once
-(``--parallel``); ``--preset gpu-small`` the same table with one learning rate per mixer family
-and fewer steps (too few for the large MQAR cells: docs/EXPERIMENTS.md, "Presets");
+(``--parallel``); ``mqar --preset gpu-budget`` the same table with two learning rates, to be
+spread over device calls of a few minutes (docs/EXPERIMENTS.md,
+"Presets"); ``niah --preset gpu-small`` one learning rate per mixer family and fewer steps;
 ``--preset smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from .runner import GRID_AXES, execute, grid, parse_grid
 
 __all__ = ["main", "PRESETS", "FAMILY_LRS"]
 
-# One learning rate per mixer family, for grids that cannot afford the sweep (the gpu-small
-# presets; the values of the CPU smoke runs and of the families' papers):
+# One learning rate per mixer family, for grids that cannot afford the sweep (niah --preset
+# gpu-small; the values of the CPU smoke runs and of the families' papers):
 #   softmax attention 1e-3; the Mamba-2 family (gla, loglinear) and the Gated DeltaNet family
 #   (gdn, loglinear_gdn) 3e-3; the HLA family (hla2, ahla, hla3, loglinear_hla2 and the normalized
 #   variants) 1e-3.
@@ -38,16 +39,17 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
                     lrs=[1e-3, 3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
                     eval_examples=1000, eval_every=500),
-        # The whole table (9 mixers x 4 dims x 2 lengths x 2 seeds = 144 runs) with one learning
-        # rate per family and 800 steps of 64 sequences: too few steps for D = 128, T = 512, where
-        # every mixer (softmax attention included) stayed at chance on an H200 (docs/EXPERIMENTS.md).
-        "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
-                          lrs=FAMILY_LRS, vocab=8192, steps=800, batch=64, train_examples=100_000,
-                          eval_examples=1000, eval_every=200),
+        # The whole table with learning rates 3e-3 and 1e-2 (9 mixers x 4 dims x 2 lengths x 2 seeds
+        # x 2 = 288 runs), 2000 steps of 128 sequences, tied head: sized to be spread over device
+        # calls of a few minutes (--grid, --time-limit; finished runs are skipped). The CPU runs
+        # behind it are in docs/EXPERIMENTS.md, "Training budget".
+        "gpu-budget": dict(mixers=list(DEFAULT_MIXERS), dims=[16, 32, 64, 128], lengths=[256, 512], seeds=[0, 1],
+                           lrs=[3e-3, 1e-2], vocab=8192, steps=2000, batch=128, train_examples=100_000,
+                           eval_examples=1000, eval_every=500, tie_embeddings=True),
         # hla3 passes the recall plateau early at this size (docs/EXPERIMENTS.md): one run, ~1 min.
         "smoke": dict(mixers=["hla3"], dims=[32], lengths=[32], seeds=[0], lrs=[3e-3], pairs=4,
                       vocab=32, steps=800, batch=32, train_examples=8192, eval_examples=256, eval_every=100,
-                      state_size=16),
+                      state_size=16, tie_embeddings=False),
     },
     "niah": {
         "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
@@ -110,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--head-dim", type=int, help="largest head dim (default 64)")
         t.add_argument("--state-size", type=int, help="Mamba-2 state size N of gla/loglinear (default 64)")
         t.add_argument("--init-std", type=float, help="std of linear and embedding weights (default 0.02)")
+        t.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                       help="the vocabulary head is the embedding (default: on, as Zoology)")
         t.add_argument("--out", type=Path, default=Path("experiments/results"),
                        help=f"results folder; rows go to OUT/{task}.csv (default experiments/results)")
         t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
@@ -142,6 +146,8 @@ def _runs(task: str, args) -> List:
             shared[name] = getattr(args, name)
     if getattr(args, "random_non_queries", False):
         shared["random_non_queries"] = True
+    if args.tie_embeddings is not None:
+        shared["tie_embeddings"] = args.tie_embeddings
     if task == "mqar":
         axes.pop("needles", None)
     return grid(task, **axes, **shared)

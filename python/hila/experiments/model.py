@@ -39,11 +39,16 @@ class RecallLM(nn.Module):
 
     Linear and embedding weights are drawn from N(0, init_std^2) (biases zero); the mixers' own
     parameters (gates, convolutions, norms, level weights) keep their layers' initialisation.
+
+    ``tie_embeddings``: the head is the embedding (W_head = E [V, D], as in Zoology), so the logit
+    of token v is h . E[v]. A recall model then only has to carry a value's own embedding to its
+    query; with a separate head, each of the V/2 value tokens must also learn its own output row
+    from the few batches it occurs in, which at V = 8192 delays learning by thousands of steps.
     """
 
     def __init__(self, vocab_size: int, dim: int, mixer: str, max_len: int, num_layers: int = 2,
                  mlp_ratio: float = 4.0, init_std: float = 0.02, shape: MixerShape = MixerShape(),
-                 eps: float = 1e-5):
+                 eps: float = 1e-5, tie_embeddings: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
         self.blocks = nn.ModuleList(_Block(build_mixer(mixer, dim, max_len, shape), dim, mlp_ratio, eps)
@@ -55,6 +60,8 @@ class RecallLM(nn.Module):
                 nn.init.normal_(m.weight, std=init_std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
 
     def hidden(self, ids: Tensor) -> Tensor:
         """ids [B, T] -> final hidden states [B, T, D] (after the last norm)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
 
 from .._errors import HilaError
-from .train import RunConfig
+from .train import IMPLIED, RunConfig
 
 __all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads"]
 
@@ -45,7 +45,7 @@ def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequenc
     """The runs of the grid, largest models first (they take longest: started first, they pack
     the parallel workers better). For niah, ``lengths`` are the lengths of one run (each run trains
     and evaluates at all of them), not an axis. ``lrs``: the learning rates of every mixer, or
-    {mixer: its learning rates} (one per mixer family in the gpu-small preset)."""
+    {mixer: its learning rates} (one per mixer family in niah --preset gpu-small)."""
     if task == "niah":
         shared["lengths"] = ",".join(str(x) for x in lengths)
         lengths = [max(lengths)]
@@ -62,11 +62,23 @@ def grid(task: str, mixers: Sequence[str], dims: Sequence[int], lengths: Sequenc
     return sorted(runs, key=lambda c: -(c.dim * c.seq_len))
 
 
-def read_rows(path: Path) -> List[Dict[str, str]]:
+def _read_raw(path: Path) -> List[Dict[str, str]]:
+    """The rows of a CSV as written (its own columns only)."""
     if not Path(path).exists():
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def read_rows(path: Path) -> List[Dict[str, str]]:
+    """The rows of a result CSV; a blank cell of a field added later (train.IMPLIED) holds the
+    value the runs written before it had."""
+    rows = _read_raw(path)
+    for r in rows:
+        for name, value in IMPLIED.items():
+            if r.get(name, "") in ("", None):
+                r[name] = str(value)
+    return rows
 
 
 def done_keys(path: Path) -> Set[str]:
@@ -81,7 +93,7 @@ def append_rows(path: Path, rows: List[Dict]) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = read_rows(path)
+    old = _read_raw(path)
     fields = list(old[0].keys()) if old else []
     new = [k for r in rows for k in r if k not in fields]
     fields += list(dict.fromkeys(new))
@@ -112,6 +124,10 @@ def _init_worker(counter, lock, threads: int) -> None:
         counter.value += 1
     import torch
     torch.set_num_threads(threads)
+    try:  # a fresh worker has run no parallel work yet; one inter-op thread (a step is a serial chain)
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:
+        pass
 
 
 def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool):

@@ -27,6 +27,10 @@ __all__ = ["RunConfig", "run", "resolve_device", "warmup_steps"]
 
 TASKS = ("mqar", "niah")
 
+# Fields added to RunConfig after results were written, with the value the older rows had (their
+# CSV cells are blank): left out of the key at that value, filled in when rows are read.
+IMPLIED = {"tie_embeddings": False}
+
 
 @dataclass
 class RunConfig:
@@ -62,6 +66,7 @@ class RunConfig:
     head_dim: int = 64
     state_size: int = 64
     init_std: float = 0.02
+    tie_embeddings: bool = True
     power_a: float = 0.01
     random_non_queries: bool = False
 
@@ -93,8 +98,11 @@ class RunConfig:
         return [float(x) for x in str(self.depths).split(",") if x]
 
     def key(self) -> str:
-        """The run's identity: every field, in order (same key, same experiment)."""
-        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """The run's identity: every field, in order (same key, same experiment), except a field of
+        IMPLIED at the value it names: the rows written before that field existed had that value,
+        and keep matching their runs."""
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if not (f.name in IMPLIED and getattr(self, f.name) == IMPLIED[f.name]))
 
     def label(self) -> str:
         extra = f"kv{self.pairs}" if self.task == "mqar" else f"n{self.needles}"
@@ -296,6 +304,7 @@ def warmup_steps(cfg: RunConfig) -> int:
 def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float) -> List[Dict]:
     torch.manual_seed(cfg.seed)
     model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
+                     tie_embeddings=cfg.tie_embeddings,
                      shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
     task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
     opt = _optimizer(model, cfg, dev)
