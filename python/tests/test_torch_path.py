@@ -886,12 +886,13 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
         return got is kept[1] or (isinstance(got, torch.Tensor) and got.data_ptr() == kept[0].data_ptr())
 
     fresh = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
-    for state in (st, fresh):  # stepped (bound) before, or not
+    for state in (st, fresh):  # stepped before (on the CPU), or not
+        first = hops._BOUND not in state.__dict__          # never stepped: its first step is unbound
         got = step(state)                                 # the first step makes them
         c = _counters_of(state)
         assert c.dtype == torch.int32 and c.device == state.H.device and c.shape == (N * (1 + H),)
         assert owned(got, state)
-        assert isinstance(got, torch.Tensor) == (state is fresh)  # unbound at a State's first step
+        assert isinstance(got, torch.Tensor) == first     # unbound at a State's first step
         for _ in range(2):
             assert owned(step(state), state) and _counters_of(state) is c  # made once
         assert state.__dict__[hops._BOUND][1] is not None and owned(step(state), state)  # bound
