@@ -158,6 +158,29 @@ constexpr bool loglinear_outputs_chunk_parallel(bool has_output, int64_t nseg, s
 // kernels otherwise. HILA_GDN_TC=0 keeps the portable kernels.
 constexpr bool delta_sm80(int dk, int dv, bool knob) { return knob && dk <= 128 && dv <= 256; }
 
+// The sm90 state sweeps (TMA + wgmma, delta/sweep_sm90.cu) in place of the sm80 ones, for padded
+// dk of 64 or 128 (one or two m64 state slabs per warpgroup) and dv a multiple of 64. Opt-in
+// (HILA_DELTA_SM90=1) until a GPU A/B against the sm80 sweeps at the benchmark shapes decides the
+// default; they fall back to the sm80 sweeps where the device does not run sm_90a code.
+constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
+  return knob && (dk == 64 || dk == 128) && dv % 64 == 0 && tma_rows_fit(Ttot, 64);
+}
+
+// Ring depth of a delta sm90 sweep (stages of `stage_bytes` besides `fixed_bytes` per block): the
+// deepest of 4, 3, 2 that fits the grid's blocks per SM (1 KB per block left for alignment), taken
+// for the fewest waves: two blocks per SM where two stages fit (the forward at dk = 128: three
+// stages of W, K, 98 KB, and the 16 KB state tile; one warpgroup each, so two blocks hide each
+// other's dependent chains), else one. 0: not even two stages fit one block.
+constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stage_bytes, size_t fixed_bytes) {
+  const int64_t want = std::clamp<int64_t>((blocks + d.sms - 1) / std::max<int64_t>(d.sms, 1), 1, 2);
+  for (int64_t per = want; per >= 1; --per) {
+    const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed_bytes);
+    const int64_t fit = room > 0 ? room / int64_t(stage_bytes) : 0;
+    if (fit >= 2) return int(std::min<int64_t>(fit, 4));
+  }
+  return 0;
+}
+
 // Resident blocks of the portable delta kernels, each with its own scratch in global memory: up to
 // 4 per SM, over the larger of the item counts (sweep items, segment x head items).
 constexpr int delta_portable_blocks(int64_t items, int64_t sms) {
