@@ -15,8 +15,8 @@
 //     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
 //         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
 // W, K (and Q, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1 issued as
-// chunk c starts; U / dvi (fp32) and the gates are read from global memory into registers, their
-// loads in flight over (1) and (2). Rows past the sequence (the next one's, or TMA's zeros) enter
+// chunk c starts; U / dvi (fp32) and the gates are read from global memory into registers a chunk
+// ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the sequence (the next one's, or TMA's zeros) enter
 // the products only against the zero rows of diag(w) Vn, diag(scale e^b) dO and -dVn.
 #include "cuda/delta/sweep_sm90.cuh"
 #include "cuda/dispatch/heuristics.h"
@@ -127,12 +127,13 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   };
   if (tid == 0)
     for (int c = 0; c < S - 1; ++c) issue(c);
-  for (int c = 0; c < nch; ++c) {
-    const int st = c % S, nr = rows_in(len, c);
+  // this thread's U [C][64] entries of chunk c (rows >= nr: 0) and gates: loaded a chunk ahead, once
+  // chunk c-1's have been used, in flight over the end of chunk c-1 and the start of chunk c
+  float2 u[8][2];
+  float bi[2], B = 0.f;
+  auto load_u = [&](int c) {
+    const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    // this thread's U [C][64] entries (rows >= nr: 0) and gates
-    float2 u[8][2];
-    float bi[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = rl + 8 * hf;
@@ -141,7 +142,12 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       for (int j = 0; j < 8; ++j)
         u[j][hf] = i < nr ? *reinterpret_cast<const float2*>(Uh + (r0 + i) * a.dv + 8 * j) : make_float2(0.f, 0.f);
     }
-    const float B = b ? b[r0 + nr - 1] : 0.f;
+    B = b ? b[r0 + nr - 1] : 0.f;
+  };
+  if (nch > 0) load_u(0);
+  for (int c = 0; c < nch; ++c) {
+    const int st = c % S, nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
     __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
     if (tid == 0) issue(c + S - 1);
     // (1) the state entering the chunk, 16-bit
@@ -170,10 +176,11 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
       }
     }
+    const float decay = mma::fexp(B);
+    if (c + 1 < nch) load_u(c + 1);
     fence_async_smem();
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
-    const float decay = mma::fexp(B);
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -202,6 +209,7 @@ __global__ void __launch_bounds__(kSm90Threads)
                              const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
                              unsigned order, GlaArgs<T> a, const float* dvi, float* sdot) {
   static_assert(S >= 2, "a stage in the products and one in flight");
+  static_assert(kChunk * 8 == 4 * kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
   constexpr int M = DK / 64;
   using L = Ring<DK, true>;
 #if HILA_SM90A
@@ -255,12 +263,13 @@ __global__ void __launch_bounds__(kSm90Threads)
   };
   if (tid == 0)
     for (int i = 0; i < S - 1; ++i) issue(i);
-  for (int i = 0; i < nch; ++i) {
-    const int c = nch - 1 - i, st = i % S, nr = rows_in(len, c);
-    const int64_t r0 = row0 + int64_t(c) * kChunk, cg = a.chunk0[seq] + c;
-    // this thread's dvi [C][64] entries (rows >= nr: 0) and gates
-    float2 u[8][2];
-    float bi[2];
+  // this thread's dvi [C][64] entries of chunk c (rows >= nr: 0), gates of its rows rl, rl + 8 and
+  // of the dO rows it scales (tid / 8 + 16q): loaded a chunk ahead, as the forward's U
+  float2 u[8][2];
+  float bi[2], bo[4], B = 0.f;
+  auto load_u = [&](int c) {
+    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = rl + 8 * hf;
@@ -269,7 +278,17 @@ __global__ void __launch_bounds__(kSm90Threads)
       for (int j = 0; j < 8; ++j)
         u[j][hf] = r < nr ? *reinterpret_cast<const float2*>(dvih + (r0 + r) * a.dv + 8 * j) : make_float2(0.f, 0.f);
     }
-    const float B = b ? b[r0 + nr - 1] : 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = tid / 8 + 16 * q;
+      bo[q] = b && r < nr ? b[r0 + r] : 0.f;
+    }
+    B = b ? b[r0 + nr - 1] : 0.f;
+  };
+  if (nch > 0) load_u(nch - 1);
+  for (int i = 0; i < nch; ++i) {
+    const int c = nch - 1 - i, st = i % S, nr = rows_in(len, c);
+    const int64_t cg = a.chunk0[seq] + c;
     __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free; red is read
     if (tid == 0) issue(i + S - 1);
     // (1) the cotangent at the chunk's end, 16-bit; this thread's part of <dS, S_out>
@@ -292,9 +311,10 @@ __global__ void __launch_bounds__(kSm90Threads)
     }
     mbar_wait(&full[st], (i / S) & 1);
     char* dOt = smem + st * L::kStage + 3 * L::kTile;
-    for (int e = tid; e < kChunk * 8; e += kSm90Threads) {  // dO row r (16 bytes e of the tile) *= scale e^{b_r}
-      const int r = e / 8;  // the swizzle permutes 16-byte pieces within a row
-      const float s = r < nr ? sc * mma::fexp(b ? b[r0 + r] : 0.f) : 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // dO row r (16 bytes e of the tile) *= scale e^{b_r}
+      const int e = tid + kSm90Threads * q, r = e / 8;  // the swizzle permutes 16-byte pieces within a row
+      const float s = r < nr ? sc * mma::fexp(bo[q]) : 0.f;
       uint4* p = reinterpret_cast<uint4*>(dOt + e * 16);
       uint4 v = *p;
       uint32_t* x = reinterpret_cast<uint32_t*>(&v);
@@ -329,10 +349,11 @@ __global__ void __launch_bounds__(kSm90Threads)
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
       }
     }
+    const float decay = mma::fexp(B);
+    if (c > 0) load_u(c - 1);
     fence_async_smem();
     __syncthreads();
     // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn
-    const float decay = mma::fexp(B);
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
