@@ -241,6 +241,19 @@ TEST(Heuristics, DeltaSm90Sweeps) {
   EXPECT_EQ(h::delta_sm90_sweep_stages(256, kH200, 120000, fixed), 0);  // not two stages
   // what the forward takes at two blocks per SM fits them: 2 x (3 stages + state tile + 1 KB)
   EXPECT_LE(2 * (3 * fwd + fixed + 1024), size_t(233472));
+  // the reverse sweep's warpgroups per block: two (Q, K, W shared, two dO blocks and state tiles)
+  // where one-warpgroup blocks (one per SM at dk = 128) would take more waves
+  const size_t rev2 = 8 * 8192 + 8, fixed2 = 2 * fixed;
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev, fixed, rev2, fixed2), 2);   // B = 8, T = 4K
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(1024, true, kH200, rev, fixed, rev2, fixed2), 2);  // B = 32, T = 1K
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(32, true, kH200, rev, fixed, rev2, fixed2), 1);    // B = 1, T = 64K: one wave
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(132, true, kH200, rev, fixed, rev2, fixed2), 1);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(136, true, kH200, rev, fixed, rev2, fixed2), 2);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, false, kH200, rev, fixed, rev2, fixed2), 1);  // dv not a multiple of 128
+  EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, rev2, fixed2), 3);
+  // dk = 64: one-warpgroup blocks fit two per SM, as many waves either way
+  const size_t rev64 = 4 * 8192 + 8, fixed64 = 64 * 128 + 16;
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
 }
 
 TEST(Heuristics, DecodeStep) {

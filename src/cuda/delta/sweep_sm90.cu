@@ -15,9 +15,14 @@
 //     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
 //         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
 // W, K (and Q, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1 issued as
-// chunk c starts; U / dvi (fp32) and the gates are read from global memory into registers a chunk
-// ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the sequence (the next one's, or TMA's zeros) enter
-// the products only against the zero rows of diag(w) Vn, diag(scale e^b) dO and -dVn.
+// chunk c starts; U / dvi (fp32), the gates (and S_out) are read from global memory into registers
+// a chunk ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the
+// sequence (the next one's, or TMA's zeros) enter the products only against the zero rows of
+// diag(w) Vn, diag(scale e^b) dO and -dVn. The reverse sweep's block may hold two warpgroups, each
+// its own 64 value columns, the Q, K, W tiles shared (heuristics::delta_sm90_rsweep_warpgroups):
+// at dk = 128 one block fits an SM, so this halves the waves where there are more tiles than SMs.
+#include <type_traits>
+
 #include "cuda/delta/sweep_sm90.cuh"
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/dispatch/static_switch.h"
@@ -29,14 +34,16 @@ namespace {
 
 using namespace gla_sm90;
 
-// Shared memory: S ring stages (forward: W, K [C][dk]; reverse: Q, K, W [C][dk] and dO [C][64];
-// each [C][dk] tile is dk/64 swizzled [C][64] blocks), then st16 (dk * 128 bytes: the 16-bit state
-// [dk][64], later the chunk's [C][64] product operand), the stages' mbarriers and 4 floats.
-template <int DK, bool kRev>
+// Shared memory of a block of NW warpgroups (each its own 64 value columns): S ring stages
+// (forward: W, K [C][dk]; reverse: Q, K, W [C][dk] and dO [C][64] per warpgroup; each [C][dk]
+// tile is dk/64 swizzled [C][64] blocks), then per warpgroup st16 (dk * 128 bytes: the 16-bit
+// state [dk][64], later the chunk's [C][64] product operand), the stages' mbarriers and 4 floats
+// per warpgroup.
+template <int DK, bool kRev, int NW = 1>
 struct Ring {
   static constexpr uint32_t kTile = (DK / 64) * kSweepTile;
-  static constexpr uint32_t kStage = kRev ? 3 * kTile + kSweepTile : 2 * kTile;
-  static constexpr uint32_t kFixed = DK * 128 + 16;  // st16 and the 4 floats (mbarriers: 8 per stage)
+  static constexpr uint32_t kStage = kRev ? 3 * kTile + NW * kSweepTile : 2 * kTile;
+  static constexpr uint32_t kFixed = NW * (DK * 128 + 16);  // st16 and the floats (mbarriers: 8 per stage)
   static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
 };
 
@@ -46,7 +53,7 @@ struct Ring {
 // [dk][dv] matrix out (row 0, column v0 + 2t of it).
 template <class T, int M>
 __device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;  // w: warp in the warpgroup
   const mma::Frag fr{lane >> 2, lane & 3};
 #pragma unroll
   for (int m = 0; m < M; ++m)
@@ -112,9 +119,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   float acc[M][32];
   load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
   init_ring(full, S, tid);
-  auto issue = [&](int c) {  // thread 0: W, K of chunk c into stage c % S
+  auto issue = [&](int c, int st) {  // thread 0: W, K of chunk c into stage st = c % S
     if (c >= nch) return;
-    const int st = c % S;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     }
   };
   if (tid == 0)
-    for (int c = 0; c < S - 1; ++c) issue(c);
+    for (int c = 0; c < S - 1; ++c) issue(c, c);
   // this thread's U [C][64] entries of chunk c (rows >= nr: 0) and gates: loaded a chunk ahead, once
   // chunk c-1's have been used, in flight over the end of chunk c-1 and the start of chunk c
   float2 u[8][2];
@@ -145,16 +151,19 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     B = b ? b[r0 + nr - 1] : 0.f;
   };
   if (nch > 0) load_u(0);
-  for (int c = 0; c < nch; ++c) {
-    const int st = c % S, nr = rows_in(len, c);
+  // the stage of chunk c (c % S) and the parity of its use, kept by counting (S = 3: no division)
+  int st = 0;
+  uint32_t par = 0;
+  for (int c = 0; c < nch; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+    const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
-    if (tid == 0) issue(c + S - 1);
+    if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
     stash16<T, M>(acc, st16, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * mat + v0 + 2 * t : nullptr, a.dv);
     fence_async_smem();
     __syncthreads();
-    mbar_wait(&full[st], (c / S) & 1);
+    mbar_wait(&full[st], par);
     // (2) Vn = U - W S
     const uint32_t base = s0 + st * L::kStage;
     float x[32];
@@ -200,42 +209,47 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #endif
 }
 
-// The reverse sweep; grid (N x H, 1, dv / 64), one warpgroup (file comment). sdot[(cg H + h) nvt +
-// blockIdx.z] = <dS, S_out> over this block's tile, S_out the state at the end of chunk cg: the
-// next chunk's entering state (hbuf, 16-bit, loaded a chunk ahead) or, after the last chunk, ht.
-template <class T, int DK, int S>
-__global__ void __launch_bounds__(kSm90Threads)
+// The reverse sweep; grid (N x H, 1, dv / (64 NW)), NW warpgroups sharing the Q, K, W tiles, each
+// with its own 64 value columns (file comment). sdot[(cg H + h) nvt + tile] = <dS, S_out> over a
+// warpgroup's [dk, 64] tile, S_out the state at the end of chunk cg: the next chunk's entering
+// state (hbuf, 16-bit, loaded a chunk ahead) or, after the last chunk, ht.
+template <class T, int DK, int S, int NW>
+__global__ void __launch_bounds__(kSm90Threads * NW)
     delta_rsweep_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                              const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
                              unsigned order, GlaArgs<T> a, const float* dvi, float* sdot) {
   static_assert(S >= 2, "a stage in the products and one in flight");
   static_assert(kChunk * 8 == 4 * kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
+  static_assert(NW == 1 || NW == 2, "one or two warpgroups");
   constexpr int M = DK / 64;
-  using L = Ring<DK, true>;
+  using L = Ring<DK, true, NW>;
 #if HILA_SM90A
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
-  char* st16 = smem + S * L::kStage;
-  const uint32_t a16 = s0 + S * L::kStage;
-  uint64_t* full = reinterpret_cast<uint64_t*>(st16 + DK * 128);  // [S]
-  float* red = reinterpret_cast<float*>(full + S);                // [4] per-warp parts of <dS, S_out>
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
+  const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
+  const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
+  char* st16 = smem + S * L::kStage + wg * DK * 128;
+  const uint32_t a16 = s0 + S * L::kStage + wg * DK * 128;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + NW * DK * 128);  // [S]
+  float* red = reinterpret_cast<float*>(full + S);  // [4 NW] per-warp parts of <dS, S_out>
+  // vb: the block's first value column (uniform); ct: this thread's column offset from it
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vt = blockIdx.z * NW + wg, vb = 64 * NW * blockIdx.z;
+  const int ct = 64 * wg + 2 * t;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), qx = h / a.q_div, kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
+  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv + vb + ct;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const int64_t mat = int64_t(a.dk) * a.dv;
   const float sc = float(a.scale);
   const int rl = 16 * w + g;
   float acc[M][32];
-  load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, v0, t);
-  // this thread's entries of S_out (16-bit, as acc's), for the chunk before the current one
+  load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
+  // this thread's entries of S_out (16-bit, as acc's) of the next chunk, loaded with its dvi (below)
   uint32_t so16[M][8][2] = {};
-  auto soff = [&](int m, int j, int hf) { return int64_t(64 * m + rl + 8 * hf) * a.dv + v0 + 8 * j + 2 * t; };
+  auto soff = [&](int m, int j, int hf) { return int64_t(64 * m + rl + 8 * hf) * a.dv + vb + 8 * j + ct; };
   auto prefetch_so = [&](int64_t cnext) {  // hbuf of global chunk cnext
     const T* So = a.hbuf + (cnext * a.H + h) * mat;
 #pragma unroll
@@ -246,9 +260,8 @@ __global__ void __launch_bounds__(kSm90Threads)
         for (int hf = 0; hf < 2; ++hf) so16[m][j][hf] = *reinterpret_cast<const uint32_t*>(So + soff(m, j, hf));
   };
   init_ring(full, S, tid);
-  auto issue = [&](int i) {  // thread 0: Q, K, W, dO of the i-th chunk from the end into stage i % S
+  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO (NW blocks) of the i-th chunk from the end into stage st = i % S
     if (i >= nch) return;
-    const int st = i % S;
     const int64_t r0 = row0 + int64_t(nch - 1 - i) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();  // the stage's dO was scaled in place (generic writes) before this refill
@@ -259,12 +272,15 @@ __global__ void __launch_bounds__(kSm90Threads)
       load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
       load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &full[st], (order >> 2) & 1, 64 * cb, r0, h);
     }
-    load_rows(base + 3 * L::kTile, &mdo, &full[st], (order >> 3) & 1, v0, r0, h);
+#pragma unroll
+    for (int x = 0; x < NW; ++x)
+      load_rows(base + 3 * L::kTile + x * kSweepTile, &mdo, &full[st], (order >> 3) & 1, 64 * blockIdx.z * NW + 64 * x,
+                r0, h);
   };
   if (tid == 0)
-    for (int i = 0; i < S - 1; ++i) issue(i);
+    for (int i = 0; i < S - 1; ++i) issue(i, i);
   // this thread's dvi [C][64] entries of chunk c (rows >= nr: 0), gates of its rows rl, rl + 8 and
-  // of the dO rows it scales (tid / 8 + 16q): loaded a chunk ahead, as the forward's U
+  // of the dO rows it scales (wt / 8 + 16q), S_out: loaded a chunk ahead, as the forward's U
   float2 u[8][2];
   float bi[2], bo[4], B = 0.f;
   auto load_u = [&](int c) {
@@ -280,19 +296,22 @@ __global__ void __launch_bounds__(kSm90Threads)
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int r = tid / 8 + 16 * q;
+      const int r = wt / 8 + 16 * q;
       bo[q] = b && r < nr ? b[r0 + r] : 0.f;
     }
     B = b ? b[r0 + nr - 1] : 0.f;
+    if (c + 1 < nch) prefetch_so(a.chunk0[seq] + c + 1);  // S_out of chunk c: the state entering c + 1
   };
   if (nch > 0) load_u(nch - 1);
-  for (int i = 0; i < nch; ++i) {
-    const int c = nch - 1 - i, st = i % S, nr = rows_in(len, c);
+  int st = 0;  // i % S and the parity of its use, kept by counting
+  uint32_t par = 0;
+  for (int i = 0; i < nch; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+    const int c = nch - 1 - i, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
     __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free; red is read
-    if (tid == 0) issue(i + S - 1);
+    if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
     // (1) the cotangent at the chunk's end, 16-bit; this thread's part of <dS, S_out>
-    stash16<T, M>(acc, st16, a.dhbuf + (cg * a.H + h) * mat + v0 + 2 * t, a.dv);
+    stash16<T, M>(acc, st16, a.dhbuf + (cg * a.H + h) * mat + vb + ct, a.dv);
     {
       float part = 0.f;
 #pragma unroll
@@ -306,14 +325,13 @@ __global__ void __launch_bounds__(kSm90Threads)
             part += acc[m][4 * j + 2 * hf] * so.x + acc[m][4 * j + 2 * hf + 1] * so.y;
           }
       for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-      if (lane == 0) red[w] = part;
-      if (c > 0) prefetch_so(cg);  // S_out of chunk c-1: the state entering chunk c
+      if (lane == 0) red[4 * wg + w] = part;
     }
-    mbar_wait(&full[st], (i / S) & 1);
-    char* dOt = smem + st * L::kStage + 3 * L::kTile;
+    mbar_wait(&full[st], par);
+    char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // dO row r (16 bytes e of the tile) *= scale e^{b_r}
-      const int e = tid + kSm90Threads * q, r = e / 8;  // the swizzle permutes 16-byte pieces within a row
+      const int e = wt + kSm90Threads * q, r = e / 8;  // the swizzle permutes 16-byte pieces within a row
       const float s = r < nr ? sc * mma::fexp(bo[q]) : 0.f;
       uint4* p = reinterpret_cast<uint4*>(dOt + e * 16);
       uint4 v = *p;
@@ -327,12 +345,14 @@ __global__ void __launch_bounds__(kSm90Threads)
     }
     fence_async_smem();
     __syncthreads();
-    if (tid == 0) sdot[(cg * a.H + h) * gridDim.z + blockIdx.z] = red[0] + red[1] + red[2] + red[3];
+    if (wt == 0) sdot[(cg * a.H + h) * gridDim.z * NW + vt] = red[4 * wg] + red[4 * wg + 1] + red[4 * wg + 2] + red[4 * wg + 3];
     // (2) dVn = dvi + diag(e^{B-b}) K dS
     const uint32_t base = s0 + st * L::kStage;
     float x[32];
     wg_fence();
-    wgmma_chain<T, 64, 0, 1>(x, base + L::kTile, kChunk, a16, DK, DK / 16);
+    uint32_t a16v = a16;  // st16's address, opaque here: its descriptors are formed per chunk, not held
+    asm volatile("" : "+r"(a16v));
+    wgmma_chain<T, 64, 0, 1>(x, base + L::kTile, kChunk, a16v, DK, DK / 16);
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
@@ -361,24 +381,25 @@ __global__ void __launch_bounds__(kSm90Threads)
     wg_fence();
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + m * kSweepTile, kChunk, base + 3 * L::kTile, kChunk, kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + 2 * L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(acc[m], base + m * kSweepTile, kChunk, base + 3 * L::kTile + wg * kSweepTile, kChunk,
+                               kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(acc[m], base + 2 * L::kTile + m * kSweepTile, kChunk, a16v, kChunk, kChunk / 16, true);
     }
     wg_commit();
     wg_wait<0>();
 #pragma unroll
     for (int m = 0; m < M; ++m) fence_regs(acc[m]);
   }
-  store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, v0, t);
+  store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
 }
 
 // Ring stages for `blocks` sweep blocks of this layout (heuristics::delta_sm90_sweep_stages).
-template <int DK, bool kRev>
+template <int DK, bool kRev, int NW = 1>
 int stages_for(int64_t blocks) {
-  using L = Ring<DK, kRev>;
+  using L = Ring<DK, kRev, NW>;
   return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed);
 }
 
@@ -409,27 +430,35 @@ bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cu
 
 template <class T>
 bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float* sdot, cudaStream_t s) {
-  const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
+  const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    const int S = stages_for<DK, true>(blocks);
-    if (S < 2) return false;
-    return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
-      auto kernel = delta_rsweep_sm90_kernel<T, DK, kS>;
-      const size_t bytes = Ring<DK, true>::bytes(kS);
-      CUtensorMap mq, mk, mw, mdo;
-      bool sq = false, sk = false, sw = false, sd = false;
-      if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
-          !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
-          !input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
-          !input_map(&mdo, sd, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot) || !ready_sm90(kernel, bytes))
-        return false;
-      if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
-      const unsigned order = unsigned(sq) | unsigned(sk) << 1 | unsigned(sw) << 2 | unsigned(sd) << 3;
-      kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / 64)), kSm90Threads, bytes, s>>>(mq, mk, mw, mdo, order, a,
-                                                                                           dvi, sdot);
-      HILA_CUDA_CHECK_LAUNCH();
-      return true;
-    });
+    using L1 = Ring<DK, true, 1>;
+    using L2 = Ring<DK, true, 2>;
+    const int nw = heuristics::delta_sm90_rsweep_warpgroups(tiles, a.dv % 128 == 0, device_info(), L1::kStage + 8,
+                                                            L1::kFixed, L2::kStage + 8, L2::kFixed);
+    auto run = [&](auto nw_c) -> bool {
+      constexpr int NW = decltype(nw_c)::value;
+      const int S = stages_for<DK, true, NW>(tiles / NW);
+      if (S < 2) return false;
+      return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
+        auto kernel = delta_rsweep_sm90_kernel<T, DK, kS, NW>;
+        const size_t bytes = Ring<DK, true, NW>::bytes(kS);
+        CUtensorMap mq, mk, mw, mdo;
+        bool sq = false, sk = false, sw = false, sd = false;
+        if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
+            !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+            !input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
+            !input_map(&mdo, sd, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot) || !ready_sm90(kernel, bytes))
+          return false;
+        if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
+        const unsigned order = unsigned(sq) | unsigned(sk) << 1 | unsigned(sw) << 2 | unsigned(sd) << 3;
+        kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / (64 * NW))), kSm90Threads * NW, bytes, s>>>(
+            mq, mk, mw, mdo, order, a, dvi, sdot);
+        HILA_CUDA_CHECK_LAUNCH();
+        return true;
+      });
+    };
+    return nw == 2 ? run(std::integral_constant<int, 2>{}) : run(std::integral_constant<int, 1>{});
   });
 }
 

@@ -181,6 +181,26 @@ constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t st
   return 0;
 }
 
+// Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
+// K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
+// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. At dk = 128
+// one-warpgroup blocks fit one per SM (three stages of Q, K, W, dO: 188 KB), so B = 8, H = 16,
+// dv = 128 (256 tiles) takes two waves of 64-chunk chains on 132 SMs, two-warpgroup blocks one.
+constexpr int delta_sm90_rsweep_warpgroups(int64_t tiles, bool pairs, const Device& d, size_t stage1, size_t fixed1,
+                                           size_t stage2, size_t fixed2) {
+  auto waves = [&](int64_t blocks, size_t stage, size_t fixed) -> int64_t {
+    for (int64_t per = 2; per >= 1; --per) {
+      const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed);
+      if (room > 0 && room / int64_t(stage) >= 2) {
+        const int64_t slots = std::max<int64_t>(d.sms, 1) * per;
+        return (blocks + slots - 1) / slots;
+      }
+    }
+    return int64_t(1) << 62;  // does not fit
+  };
+  return pairs && waves(tiles / 2, stage2, fixed2) < waves(tiles, stage1, fixed1) ? 2 : 1;
+}
+
 // Resident blocks of the portable delta kernels, each with its own scratch in global memory: up to
 // 4 per SM, over the larger of the item counts (sweep items, segment x head items).
 constexpr int delta_portable_blocks(int64_t items, int64_t sms) {
