@@ -96,9 +96,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
                             unsigned order, GlaArgs<T> a, const float* U, T* Vn) {
   static_assert(S >= 2, "a stage in the products and one in flight");
+#if HILA_SM90A
   constexpr int M = DK / 64;
   using L = Ring<DK, false>;
-#if HILA_SM90A
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   static_assert(S >= 2, "a stage in the products and one in flight");
   static_assert(kChunk * 8 == 4 * kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
   static_assert(NW == 1 || NW == 2, "one or two warpgroups");
+#if HILA_SM90A
   constexpr int M = DK / 64;
   using L = Ring<DK, true, NW>;
-#if HILA_SM90A
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
