@@ -250,10 +250,13 @@ TEST(Heuristics, DeltaSm90Sweeps) {
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(132, true, kH200, rev, fixed, rev2, fixed2), 1);
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(136, true, kH200, rev, fixed, rev2, fixed2), 2);
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, false, kH200, rev, fixed, rev2, fixed2), 1);  // dv not a multiple of 128
-  EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, rev2, fixed2), 3);
-  // dk = 64: one-warpgroup blocks fit two per SM, as many waves either way
+  EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, rev2, fixed2, 1), 3);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(512, kH200, rev2, fixed2, 1), 3);  // one per SM whatever the count
+  // dk = 64: one-warpgroup blocks fit two per SM, two-warpgroup ones one: as many waves, one warpgroup
   const size_t rev64 = 4 * 8192 + 8, fixed64 = 64 * 128 + 16;
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(272, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(272, kH200, rev64, fixed64), 3);
 }
 
 TEST(Heuristics, DecodeStep) {

@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 template <int DK, bool kRev, int NW = 1>
 int stages_for(int64_t blocks) {
   using L = Ring<DK, kRev, NW>;
-  return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed);
+  return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed, NW == 1 ? 2 : 1);
 }
 
 }  // namespace

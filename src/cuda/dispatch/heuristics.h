@@ -170,9 +170,11 @@ constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
 // deepest of 4, 3, 2 that fits the grid's blocks per SM (1 KB per block left for alignment), taken
 // for the fewest waves: two blocks per SM where two stages fit (the forward at dk = 128: three
 // stages of W, K, 98 KB, and the 16 KB state tile; one warpgroup each, so two blocks hide each
-// other's dependent chains), else one. 0: not even two stages fit one block.
-constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stage_bytes, size_t fixed_bytes) {
-  const int64_t want = std::clamp<int64_t>((blocks + d.sms - 1) / std::max<int64_t>(d.sms, 1), 1, 2);
+// other's dependent chains), else one; at most `max_per_sm` (1 for two-warpgroup blocks, whose
+// registers fill the SM). 0: not even two stages fit one block.
+constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stage_bytes, size_t fixed_bytes,
+                                      int64_t max_per_sm = 2) {
+  const int64_t want = std::clamp<int64_t>((blocks + d.sms - 1) / std::max<int64_t>(d.sms, 1), 1, max_per_sm);
   for (int64_t per = want; per >= 1; --per) {
     const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed_bytes);
     const int64_t fit = room > 0 ? room / int64_t(stage_bytes) : 0;
@@ -183,13 +185,16 @@ constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t st
 
 // Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
 // K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
-// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. At dk = 128
-// one-warpgroup blocks fit one per SM (three stages of Q, K, W, dO: 188 KB), so B = 8, H = 16,
-// dv = 128 (256 tiles) takes two waves of 64-chunk chains on 132 SMs, two-warpgroup blocks one.
+// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. A block holds
+// up to two one-warpgroup blocks per SM as its shared memory allows, a two-warpgroup block one
+// (256 threads of up to 255 registers fill the register file). At dk = 128 one-warpgroup blocks fit
+// one per SM (three stages of Q, K, W, dO: 188 KB), so B = 8, H = 16, dv = 128 (256 tiles) takes
+// two waves of 64-chunk chains on 132 SMs, two-warpgroup blocks one; at dk = 64 two one-warpgroup
+// blocks fit an SM and the two layouts take as many waves (one warpgroup then).
 constexpr int delta_sm90_rsweep_warpgroups(int64_t tiles, bool pairs, const Device& d, size_t stage1, size_t fixed1,
                                            size_t stage2, size_t fixed2) {
-  auto waves = [&](int64_t blocks, size_t stage, size_t fixed) -> int64_t {
-    for (int64_t per = 2; per >= 1; --per) {
+  auto waves = [&](int64_t blocks, size_t stage, size_t fixed, int64_t max_per) -> int64_t {
+    for (int64_t per = max_per; per >= 1; --per) {
       const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed);
       if (room > 0 && room / int64_t(stage) >= 2) {
         const int64_t slots = std::max<int64_t>(d.sms, 1) * per;
@@ -198,7 +203,7 @@ constexpr int delta_sm90_rsweep_warpgroups(int64_t tiles, bool pairs, const Devi
     }
     return int64_t(1) << 62;  // does not fit
   };
-  return pairs && waves(tiles / 2, stage2, fixed2) < waves(tiles, stage1, fixed1) ? 2 : 1;
+  return pairs && waves(tiles / 2, stage2, fixed2, 1) < waves(tiles, stage1, fixed1, 2) ? 2 : 1;
 }
 
 // Resident blocks of the portable delta kernels, each with its own scratch in global memory: up to
