@@ -185,9 +185,9 @@ constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t st
 
 // Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
 // K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
-// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. A block holds
-// up to two one-warpgroup blocks per SM as its shared memory allows, a two-warpgroup block one
-// (256 threads of up to 255 registers fill the register file). At dk = 128 one-warpgroup blocks fit
+// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. An SM holds up
+// to two one-warpgroup blocks as their shared memory allows, and one two-warpgroup block (256
+// threads of up to 255 registers fill its register file). At dk = 128 one-warpgroup blocks fit
 // one per SM (three stages of Q, K, W, dO: 188 KB), so B = 8, H = 16, dv = 128 (256 tiles) takes
 // two waves of 64-chunk chains on 132 SMs, two-warpgroup blocks one; at dk = 64 two one-warpgroup
 // blocks fit an SM and the two layouts take as many waves (one warpgroup then).
