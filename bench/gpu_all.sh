@@ -69,7 +69,7 @@ fi
 if has sanitizer; then
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do  # side by side
     (timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/hila_cuda_tests" \
-      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_bf16_d128_T65_fused:*gla_bf16_d128_T65_init_sm90:*gla_f16_dk64_dv128_varlen_init_sm90:*gla_f16_varlen_init_fused:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13:*CudaDelta.*/gdn_bf16_d128_T65:*CudaDelta.*/gdn_bf16_dk40_dv72_ungated_gqa2_init200:*CudaDelta.*/loglinear_gdn_bf16_d128_T129_train_tc:*CudaDelta.*/loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc}${SAN_EXTRA:+:$SAN_EXTRA}" \
+      --gtest_filter="${SAN_FILTER:-*gla_bf16_d64_T65:*gla_bf16_d128_T65_fused:*gla_bf16_d128_T65_init_sm90:*gla_f16_dk64_dv128_varlen_init_sm90:*gla_f16_varlen_init_fused:*gla_f32_d64_varlen_init:*hla3_bf16_d64_T65:*hla2_f32_normalize_init:*loglinear_bf16_d64_T130_tree:*loglinear_bf16_d64_T300_init192_tree_final:*Continue*loglinear_bf16_T300_at13:*CudaDelta.*/gdn_bf16_d128_T65:*CudaDelta.*/gdn_bf16_dk40_dv72_ungated_gqa2_init200:*CudaDelta.*/loglinear_gdn_bf16_d128_T129_train_tc:*CudaDelta.*/loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc:*CudaDelta.*/gdn_bf16_d128_T65_sm90:*CudaDelta.*/gdn_f16_d64_varlen_init_sm90}${SAN_EXTRA:+:$SAN_EXTRA}" \
       >"$LOGS/sanitizer_$tool.log" 2>&1
      echo $? >"$LOGS/sanitizer_$tool.rc") &
   done

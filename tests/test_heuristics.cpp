@@ -43,6 +43,7 @@ TEST(Config, DefaultsWithoutKnobs) {
   EXPECT_FALSE(c.gla_sm90.forced);
   EXPECT_EQ(c.gla_fused, Force::automatic);
   EXPECT_TRUE(c.gdn_tc);
+  EXPECT_FALSE(c.delta_sm90);
   EXPECT_TRUE(c.loglinear_tree);
   EXPECT_EQ(c.loglinear_tree_sweep, Force::automatic);
   EXPECT_FALSE(c.loglinear_store_budget.has_value());
@@ -51,11 +52,13 @@ TEST(Config, DefaultsWithoutKnobs) {
 
 TEST(Config, SwitchesTakeTheirValues) {
   const Config c = parse({{"HILA_UPLOAD_KERNEL", "1"}, {"HILA_SIDE_STREAM", "0"}, {"HILA_FOLD_S", "0"},
-                          {"HILA_GDN_TC", "0"}, {"HILA_LOGLINEAR_TREE", "0"}, {"HILA_EMU_SM90", "1"}});
+                          {"HILA_GDN_TC", "0"}, {"HILA_LOGLINEAR_TREE", "0"}, {"HILA_EMU_SM90", "1"},
+                          {"HILA_DELTA_SM90", "1"}});
   EXPECT_TRUE(c.upload_kernel);
   EXPECT_FALSE(c.side_stream);
   EXPECT_FALSE(c.fold_s);
   EXPECT_FALSE(c.gdn_tc);
+  EXPECT_TRUE(c.delta_sm90);
   EXPECT_FALSE(c.loglinear_tree);
   EXPECT_TRUE(c.emu_sm90);
   // only the exact value switches: "2" is not "1", "no" is not "0"
@@ -218,6 +221,42 @@ TEST(Heuristics, DeltaRule) {
   EXPECT_EQ(h::delta_portable_blocks(0, 132), 1);
   EXPECT_EQ(h::delta_portable_blocks(100, 132), 100);
   EXPECT_EQ(h::delta_portable_blocks(100000, 132), 528);
+}
+
+TEST(Heuristics, DeltaSm90Sweeps) {
+  EXPECT_TRUE(h::delta_sm90_sweep(128, 128, 1 << 20, true));
+  EXPECT_TRUE(h::delta_sm90_sweep(64, 256, 1 << 20, true));
+  EXPECT_FALSE(h::delta_sm90_sweep(128, 128, 1 << 20, false));  // HILA_DELTA_SM90 unset: opt-in
+  EXPECT_FALSE(h::delta_sm90_sweep(96, 128, 1 << 20, true));    // one or two m64 state slabs
+  EXPECT_FALSE(h::delta_sm90_sweep(48, 64, 1 << 20, true));
+  EXPECT_FALSE(h::delta_sm90_sweep(128, 80, 1 << 20, true));    // 64-column value tiles
+  EXPECT_FALSE(h::delta_sm90_sweep(128, 128, (int64_t(1) << 31) - 64, true));  // 32-bit TMA rows
+  // dk = 128: forward stages W, K (32 KB), reverse Q, K, W, dO (56 KB); the 16 KB state tile
+  const size_t fwd = 4 * 8192 + 8, rev = 7 * 8192 + 8, fixed = 128 * 128 + 16;
+  EXPECT_EQ(h::delta_sm90_sweep_stages(256, kH200, fwd, fixed), 3);     // B = 8, H = 16, dv = 128: two per SM
+  EXPECT_EQ(h::delta_sm90_sweep_stages(100000, kH200, fwd, fixed), 3);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(32, kH200, fwd, fixed), 4);      // one per SM: the deepest ring
+  EXPECT_EQ(h::delta_sm90_sweep_stages(256, kH200, rev, fixed), 3);     // two per SM do not fit: one
+  EXPECT_EQ(h::delta_sm90_sweep_stages(32, kH200, rev, fixed), 3);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(256, kH200, 120000, fixed), 0);  // not two stages
+  // what the forward takes at two blocks per SM fits them: 2 x (3 stages + state tile + 1 KB)
+  EXPECT_LE(2 * (3 * fwd + fixed + 1024), size_t(233472));
+  // the reverse sweep's warpgroups per block: two (Q, K, W shared, two dO blocks and state tiles)
+  // where one-warpgroup blocks (one per SM at dk = 128) would take more waves
+  const size_t rev2 = 8 * 8192 + 8, fixed2 = 2 * fixed;
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev, fixed, rev2, fixed2), 2);   // B = 8, T = 4K
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(1024, true, kH200, rev, fixed, rev2, fixed2), 2);  // B = 32, T = 1K
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(32, true, kH200, rev, fixed, rev2, fixed2), 1);    // B = 1, T = 64K: one wave
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(132, true, kH200, rev, fixed, rev2, fixed2), 1);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(136, true, kH200, rev, fixed, rev2, fixed2), 2);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, false, kH200, rev, fixed, rev2, fixed2), 1);  // dv not a multiple of 128
+  EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, rev2, fixed2, 1), 3);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(512, kH200, rev2, fixed2, 1), 3);  // one per SM whatever the count
+  // dk = 64: one-warpgroup blocks fit two per SM, two-warpgroup ones one: as many waves, one warpgroup
+  const size_t rev64 = 4 * 8192 + 8, fixed64 = 64 * 128 + 16;
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
+  EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(272, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
+  EXPECT_EQ(h::delta_sm90_sweep_stages(272, kH200, rev64, fixed64), 3);
 }
 
 TEST(Heuristics, DecodeStep) {

@@ -33,6 +33,10 @@ struct DeltaCase {
   std::string name;
   int64_t extra_slots = 0;        // log-linear init state capacity beyond its position
   bool d_final = true;            // a final-state cotangent (false: the training call)
+  // HILA_DELTA_SM90 for the calls (nullptr: left as the process has it): "1" takes the sm_90a state
+  // sweeps of plain gdn (src/cuda/delta/sweep_sm90.cu) where they apply (on Hopper, or on the
+  // emulator with HILA_EMU_SM90=1), the sm80 sweeps elsewhere
+  const char* delta_sm90 = nullptr;
 };
 
 std::vector<DeltaCase> cases() {
@@ -94,6 +98,37 @@ std::vector<DeltaCase> cases() {
                 "loglinear_gdn_bf16_dk40_dv72_ungated_gqa2_train_tc", 0, false});
   cs.push_back({lg, DType::f16, 2, 130, 1, 2, 64, 64, {}, true, false, {}, true, 1e-2, "loglinear_gdn_f16_l2norm_train_tc",
                 0, false});
+  // the sm_90a state sweeps of plain gdn forced on: chunk edges (T = 1, 63, 64, 65, 200, 256) at
+  // dk = dv = 128 (two state slabs), dk = 64 with varlen and empty sequences, GQA, l2norm, initial
+  // and final states, mixed head dims (one and four value tiles), ungated, without a final-state
+  // cotangent, and head dims they do not take (dk = 40: the sm80 sweeps)
+  const std::string s9 = "_sm90";
+  for (int64_t T : {1, 63, 64, 65, 200, 256})
+    cs.push_back({Op::gdn, DType::bf16, 2, T, 2, 2, 128, 128, {}, true, T == 65 || T == 200, {0}, false, 1e-2,
+                  "gdn_bf16_d128_T" + std::to_string(T) + s9, 0, true, "1"});
+  cs.push_back({Op::gdn, DType::f16, 1, 0, 1, 4, 64, 64, varlen, true, true, {0}, false, 1e-2, "gdn_f16_d64_varlen_init" + s9,
+                0, true, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 2, 300, 1, 4, 64, 64, {}, true, true, {0}, true, 1e-2, "gdn_bf16_gqa4_init_l2norm" + s9,
+                0, true, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 1, 200, 2, 4, 128, 64, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_dk128_dv64_gqa2_init" + s9, 0, true, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 1, 130, 1, 2, 64, 256, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_dk64_dv256_T130_init" + s9, 0, true, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 2, 130, 1, 2, 64, 128, {}, false, true, {0}, false, 1e-2,
+                "gdn_bf16_dk64_dv128_ungated_init" + s9, 0, true, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 2, 129, 1, 2, 128, 128, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_d128_T129_init_train" + s9, 0, false, "1"});
+  cs.push_back({Op::gdn, DType::bf16, 1, 200, 2, 4, 40, 72, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_dk40_dv72_gqa2_init" + s9, 0, true, "1"});
+  // more sweep blocks than SMs (136 on the 132 of an H200 or the emulator): the forward two per SM,
+  // the reverse two warpgroups per block, rings three stages deep (above: four), five chunks
+  // wrapping them
+  cs.push_back({Op::gdn, DType::bf16, 1, 260, 68, 68, 128, 128, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_d128_H68_T260_init_wide" + s9, 0, true, "1"});
+  // dk = 64 with more tiles than two blocks per SM hold (272): one warpgroup per block, two blocks
+  // per SM, the reverse sweep's ring three stages deep (three chunks: no wrap), the forward's four
+  cs.push_back({Op::gdn, DType::bf16, 1, 130, 136, 136, 64, 128, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_dk64_dv128_H136_T130_init_wide" + s9, 0, true, "1"});
   return cs;
 }
 
@@ -146,10 +181,19 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   p.d_init = {};
   if (c.init) p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  try {
-    backward(p);
-  } catch (const std::exception& e) {
-    FAIL() << "backward threw: " << e.what();
+  // the call under the case's HILA_DELTA_SM90 (when it sets one); the error it threw, else ""
+  auto call = [&](auto f) -> std::string {
+    if (c.delta_sm90) return with_env("HILA_DELTA_SM90", c.delta_sm90, f);
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  {
+    const std::string err = call([&] { backward(p); });
+    ASSERT_EQ(err, "") << "backward threw";
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cudaGetErrorString(cudaGetLastError());
 
@@ -177,10 +221,9 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   f.o = o2.view();
   f.final_state = {};
   f.final_state.pos = fpos2.view(), f.final_state.H = fH2.view();
-  try {
-    forward(f);
-  } catch (const std::exception& e) {
-    FAIL() << "forward threw: " << e.what();
+  {
+    const std::string err = call([&] { forward(f); });
+    ASSERT_EQ(err, "") << "forward threw";
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cudaGetErrorString(cudaGetLastError());
   check("fwd.o", o2.fetch(), ref.o);

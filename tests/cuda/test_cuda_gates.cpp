@@ -34,18 +34,25 @@ namespace hila::tools {
 namespace {
 
 // The knobs a case sets for its calls (nullptr: left unset): HILA_GLA_SM90, HILA_LOGLINEAR_TREE,
-// HILA_LOGLINEAR_TREE_SWEEP.
+// HILA_LOGLINEAR_TREE_SWEEP; HILA_DELTA_SM90 (nullptr: left as the process has it).
 struct Knobs {
-  const char *sm90 = nullptr, *tree = nullptr, *tree_sweep = nullptr;
+  const char *sm90 = nullptr, *tree = nullptr, *tree_sweep = nullptr, *delta_sm90 = nullptr;
 };
 template <class F>
 std::string with_knobs(const Knobs& k, F f) {
-  return with_env("HILA_GLA_SM90", k.sm90, [&] {
-    const std::string a = with_env("HILA_LOGLINEAR_TREE", k.tree, [&] {
-      const std::string b = with_env("HILA_LOGLINEAR_TREE_SWEEP", k.tree_sweep, f);
-      if (!b.empty()) throw std::runtime_error(b);
+  auto gla = [&] {
+    return with_env("HILA_GLA_SM90", k.sm90, [&] {
+      const std::string a = with_env("HILA_LOGLINEAR_TREE", k.tree, [&] {
+        const std::string b = with_env("HILA_LOGLINEAR_TREE_SWEEP", k.tree_sweep, f);
+        if (!b.empty()) throw std::runtime_error(b);
+      });
+      if (!a.empty()) throw std::runtime_error(a);
     });
-    if (!a.empty()) throw std::runtime_error(a);
+  };
+  if (!k.delta_sm90) return gla();
+  return with_env("HILA_DELTA_SM90", k.delta_sm90, [&] {
+    const std::string e = gla();
+    if (!e.empty()) throw std::runtime_error(e);
   });
 }
 
@@ -99,6 +106,9 @@ std::vector<DgCase> dg_cases() {
   add(Op::gla, 256, 128, SlowGates::logsigmoid16, {"1"}, "_sm90");
   add(Op::hla2, 256, 64, SlowGates::logsigmoid16, {"1"}, "_sm90");
   add(Op::loglinear, 4096, 64, SlowGates::logsigmoid16, {nullptr, nullptr, "1"}, "_tree_sweep");
+  // plain gdn with the sm_90a state sweeps forced on (src/cuda/delta/sweep_sm90.cu)
+  for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
+  add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
   return cs;
 }
 
@@ -168,6 +178,7 @@ std::vector<ResetCase> reset_cases() {
   cs.push_back({Op::loglinear, DType::bf16, {nullptr, "0"}, "loglinear_bf16_sweep"});
   cs.push_back({Op::gla, DType::bf16, {"0"}, "gla_bf16_sm80"});
   cs.push_back({Op::gla, DType::bf16, {"1"}, "gla_bf16_sm90"});
+  cs.push_back({Op::gdn, DType::bf16, {nullptr, nullptr, nullptr, "1"}, "gdn_bf16_delta_sm90"});
   return cs;
 }
 

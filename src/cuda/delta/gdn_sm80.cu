@@ -23,14 +23,16 @@
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
 // backward: delta_rsweep_kernel (the reverse sweep of dS, fp32 in registers), GLA's chunk-gradient
-// kernel on Vn, then wy_bwd_kernel (chunk-parallel). W, Vn, Tg and the per-chunk states and
-// cotangents are stored in 16 bits as GEMM operands; U, dVn, the carries and every accumulation
-// are fp32.
+// kernel on Vn, then wy_bwd_kernel (chunk-parallel). On Hopper the two sweeps may run as TMA +
+// wgmma kernels instead (sweep_sm90.cu, heuristics::delta_sm90_sweep; HILA_DELTA_SM90=1). W, Vn,
+// Tg and the per-chunk states and cotangents are stored in 16 bits as GEMM operands; U, dVn, the
+// carries and every accumulation are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
 #include "cuda/delta/sm80.cuh"
+#include "cuda/delta/sweep_sm90.cuh"
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/prims/pack.cuh"
 #include "cuda/runtime/config.h"
@@ -255,6 +257,9 @@ void gdn_sweep(GdnCall<T>& x) {
   x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
   x.a.hbuf = x.hbuf.get();
   if (x.NH == 0) return;
+  if (heuristics::delta_sm90_sweep(x.dk, x.dv, x.Ttot, config().delta_sm90) &&
+      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), x.s))
+    return;
   const size_t bytes = sweep_smem(x.dk);
   set_smem(delta_sweep_kernel<T>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
@@ -317,7 +322,8 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     DevBuf<float> sdot(size_t(nch * H * nvt), s);
     GlaArgs<T> a = x.a;
     a.dht = dht.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
-    if (x.NH > 0) {
+    if (x.NH > 0 && !(heuristics::delta_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
+                      delta_rsweep_sm90(a, x.W.get(), dvi.get(), sdot.get(), s))) {
       const size_t bytes = rsweep_smem(int(dk));
       set_smem(delta_rsweep_kernel<T>, bytes);
       if (!dry_run()) {  // dry run: workspace_size

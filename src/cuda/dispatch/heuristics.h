@@ -158,6 +158,54 @@ constexpr bool loglinear_outputs_chunk_parallel(bool has_output, int64_t nseg, s
 // kernels otherwise. HILA_GDN_TC=0 keeps the portable kernels.
 constexpr bool delta_sm80(int dk, int dv, bool knob) { return knob && dk <= 128 && dv <= 256; }
 
+// The sm90 state sweeps (TMA + wgmma, delta/sweep_sm90.cu) in place of the sm80 ones, for padded
+// dk of 64 or 128 (one or two m64 state slabs per warpgroup) and dv a multiple of 64. Opt-in
+// (HILA_DELTA_SM90=1) until a GPU A/B against the sm80 sweeps at the benchmark shapes decides the
+// default; they fall back to the sm80 sweeps where the device does not run sm_90a code.
+constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
+  return knob && (dk == 64 || dk == 128) && dv % 64 == 0 && tma_rows_fit(Ttot, 64);
+}
+
+// Ring depth of a delta sm90 sweep (stages of `stage_bytes` besides `fixed_bytes` per block): the
+// deepest of 4, 3, 2 that fits the grid's blocks per SM (1 KB per block left for alignment), taken
+// for the fewest waves: two blocks per SM where two stages fit (the forward at dk = 128: three
+// stages of W, K, 98 KB, and the 16 KB state tile; one warpgroup each, so two blocks hide each
+// other's dependent chains), else one; at most `max_per_sm` (1 for two-warpgroup blocks, whose
+// registers fill the SM). 0: not even two stages fit one block.
+constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stage_bytes, size_t fixed_bytes,
+                                      int64_t max_per_sm = 2) {
+  const int64_t want = std::clamp<int64_t>((blocks + d.sms - 1) / std::max<int64_t>(d.sms, 1), 1, max_per_sm);
+  for (int64_t per = want; per >= 1; --per) {
+    const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed_bytes);
+    const int64_t fit = room > 0 ? room / int64_t(stage_bytes) : 0;
+    if (fit >= 2) return int(std::min<int64_t>(fit, 4));
+  }
+  return 0;
+}
+
+// Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
+// K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
+// `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. An SM holds up
+// to two one-warpgroup blocks as their shared memory allows, and one two-warpgroup block (256
+// threads of up to 255 registers fill its register file). At dk = 128 one-warpgroup blocks fit
+// one per SM (three stages of Q, K, W, dO: 188 KB), so B = 8, H = 16, dv = 128 (256 tiles) takes
+// two waves of 64-chunk chains on 132 SMs, two-warpgroup blocks one; at dk = 64 two one-warpgroup
+// blocks fit an SM and the two layouts take as many waves (one warpgroup then).
+constexpr int delta_sm90_rsweep_warpgroups(int64_t tiles, bool pairs, const Device& d, size_t stage1, size_t fixed1,
+                                           size_t stage2, size_t fixed2) {
+  auto waves = [&](int64_t blocks, size_t stage, size_t fixed, int64_t max_per) -> int64_t {
+    for (int64_t per = max_per; per >= 1; --per) {
+      const int64_t room = int64_t(d.smem_optin) / per - 1024 - int64_t(fixed);
+      if (room > 0 && room / int64_t(stage) >= 2) {
+        const int64_t slots = std::max<int64_t>(d.sms, 1) * per;
+        return (blocks + slots - 1) / slots;
+      }
+    }
+    return int64_t(1) << 62;  // does not fit
+  };
+  return pairs && waves(tiles / 2, stage2, fixed2, 1) < waves(tiles, stage1, fixed1, 2) ? 2 : 1;
+}
+
 // Resident blocks of the portable delta kernels, each with its own scratch in global memory: up to
 // 4 per SM, over the larger of the item counts (sweep items, segment x head items).
 constexpr int delta_portable_blocks(int64_t items, int64_t sms) {

@@ -100,3 +100,18 @@
       return __VA_ARGS__();                    \
     }                                          \
   }()
+
+// Ring stages of the delta rule's sm90 sweeps (heuristics::delta_sm90_sweep_stages): 2, 3, or 4 for any other value.
+#define HILA_DELTA_STAGES_SWITCH(S, NAME, ...) \
+  [&] {                                        \
+    if ((S) == 2) {                            \
+      constexpr int NAME = 2;                  \
+      return __VA_ARGS__();                    \
+    } else if ((S) == 3) {                     \
+      constexpr int NAME = 3;                  \
+      return __VA_ARGS__();                    \
+    } else {                                   \
+      constexpr int NAME = 4;                  \
+      return __VA_ARGS__();                    \
+    }                                          \
+  }()

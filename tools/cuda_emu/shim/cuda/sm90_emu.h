@@ -2,9 +2,10 @@
 // Host emulator (tools/cuda_emu): the sm_90a building blocks of src/cuda/sm90.cuh on the host, so
 // that the TMA + wgmma kernels run as written (with HILA_EMU_SM90=1):
 //   - shared addresses are offsets into the emulator's dynamic shared memory (1024-aligned);
-//   - wgmma (SS and RS, m64nNk16) is a collective of the block, which must be one warpgroup of 128
-//     threads: every thread publishes its fragments, thread 0 forms D = A B (+ D) reading the
-//     operands through the descriptors with the 128-byte swizzle applied to the shared address
+//   - wgmma (SS and RS, m64nNk16) is a collective of each warpgroup of 128 threads, issued by every
+//     warpgroup of the block together (the kernels here keep their warpgroups in step): every
+//     thread publishes its fragments, each warpgroup's first thread forms its D = A B (+ D) reading
+//     the operands through the descriptors with the 128-byte swizzle applied to the shared address
 //     (products exact, one fp32 rounding per k16 step, as mma.sync here), and each thread takes
 //     its D fragment back. It completes at issue, so commit and wait are no-ops;
 //   - TMA tile loads copy the box at issue, with the 128-byte swizzle and zeros past the tensor,
@@ -44,8 +45,9 @@ struct WgIn {
   int acc;
   uint32_t ar[4];
 };
-inline WgIn wg_in[128];
-inline float wg_d[128][64];
+constexpr int kWgMaxThreads = 1024;
+inline WgIn wg_in[kWgMaxThreads];
+inline float wg_d[kWgMaxThreads][64];
 inline uint32_t swizzled(uint32_t addr) { return addr ^ (((addr >> 7) & 7) << 4); }
 template <class T>
 inline float elem(uint32_t addr) {
@@ -68,12 +70,15 @@ inline float operand(const Desc& d, bool mn, int i, int k) {
 }
 template <class T, int N>
 inline void wgmma(float* d, const uint32_t* ar, uint64_t a, uint64_t b, bool acc, bool ta, bool tb) {
-  if (emu::bdim.x * emu::bdim.y * emu::bdim.z != 128) emu::die("sm90 emu: wgmma needs a block of one warpgroup");
-  const int tid = emu::t_lin;
+  const int nth = int(emu::bdim.x * emu::bdim.y * emu::bdim.z);
+  if (nth % 128 || nth > kWgMaxThreads) emu::die("sm90 emu: wgmma needs a block of whole warpgroups");
+  const int tid = emu::t_lin, g0 = tid - tid % 128;  // g0: the warpgroup's first thread
   wg_in[tid] = {a, b, int(acc), {ar ? ar[0] : 0u, ar ? ar[1] : 0u, ar ? ar[2] : 0u, ar ? ar[3] : 0u}};
   std::memcpy(wg_d[tid], d, sizeof(float) * (N / 2));
   __syncthreads();
-  if (tid == 0) {
+  if (tid == g0) {
+    WgIn* const wg_in = detail::wg_in + g0;  // this warpgroup's slots
+    float(*const wg_d)[64] = detail::wg_d + g0;
     const Desc da = ar ? Desc{} : decode(wg_in[0].a), db = decode(wg_in[0].b);
     float A[64][16], B[16][N];
     for (int m = 0; m < 64; ++m)

@@ -1,0 +1,472 @@
+// SPDX-License-Identifier: Apache-2.0
+// The delta rule's state sweeps on the sm90 tier (sm_90a: TMA + wgmma; sweep_sm90.cuh), the same
+// math as delta_sweep_kernel / delta_rsweep_kernel of gdn_sm80.cu (docs/math/LOGLINEAR.md §6.4).
+// One warpgroup per (sequence x head, 64 value columns) walks the chunks of C = 64 rows with its
+// [dk, 64] fp32 state (dk = 64 or 128: one or two m64 slabs) in wgmma accumulators. Per chunk,
+// with b the chunk-local cumsum of the log-gates, B = b[nr-1], w = e^{B-b}:
+//   forward (S: the state entering the chunk)
+//     (1) S -> 16-bit st16 [dk][64] (swizzled; and hbuf)
+//     (2) Vn = U - W st16                   [C,dk]x[dk,64]  W K-major, st16 MN-major; Vn to global
+//     (3) S = e^B S + K^T (diag(w) Vn)      [dk,C]x[C,64]   per slab: K MN-major, diag(w) Vn (16-bit,
+//                                                          in st16's place) MN-major
+//   reverse (chunks last first; dS: the cotangent of the state at the chunk's end)
+//     (1) dS -> 16-bit st16 (and dhbuf); this block's part of <dS, S_out> (sdot)
+//     (2) dVn = dvi + diag(w) K st16        [C,dk]x[dk,64]
+//     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
+//         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
+// W, K (and Q, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1 issued as
+// chunk c starts; U / dvi (fp32), the gates (and S_out) are read from global memory into registers
+// a chunk ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the
+// sequence (the next one's, or TMA's zeros) enter the products only against the zero rows of
+// diag(w) Vn, diag(scale e^b) dO and -dVn. The reverse sweep's block may hold two warpgroups, each
+// its own 64 value columns, the Q, K, W tiles shared (heuristics::delta_sm90_rsweep_warpgroups):
+// at dk = 128 one block fits an SM, so this halves the waves where there are more tiles than SMs.
+#include <type_traits>
+
+#include "cuda/delta/sweep_sm90.cuh"
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/dispatch/static_switch.h"
+#include "cuda/gla/sm90.cuh"
+
+namespace hila::cuda::gdn {
+
+namespace {
+
+using namespace gla_sm90;
+
+// Shared memory of a block of NW warpgroups (each its own 64 value columns): S ring stages
+// (forward: W, K [C][dk]; reverse: Q, K, W [C][dk] and dO [C][64] per warpgroup; each [C][dk]
+// tile is dk/64 swizzled [C][64] blocks), then per warpgroup st16 (dk * 128 bytes: the 16-bit
+// state [dk][64], later the chunk's [C][64] product operand), the stages' mbarriers and 4 floats
+// per warpgroup.
+template <int DK, bool kRev, int NW = 1>
+struct Ring {
+  static constexpr uint32_t kTile = (DK / 64) * kSweepTile;
+  static constexpr uint32_t kStage = kRev ? 3 * kTile + NW * kSweepTile : 2 * kTile;
+  static constexpr uint32_t kFixed = NW * (DK * 128 + 16);  // st16 and the floats (mbarriers: 8 per stage)
+  static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
+};
+
+#if HILA_SM90A
+// This thread's 16-bit state entries (slab m rows 64m + 16w + g (+8), columns 8j + 2t (+1):
+// acc[m][4j + 2hf + e]) into the swizzled [DK][64] tile at st16 and, when out is set, to the
+// [dk][dv] matrix out (row 0, column v0 + 2t of it).
+template <class T, int M>
+__device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv) {
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;  // w: warp in the warpgroup
+  const mma::Frag fr{lane >> 2, lane & 3};
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = fr.row(64 * m + 16 * w, hf);
+        const uint32_t x = mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(st16 + sm90::swz(64 * M, r, fr.col(0, j))) = x;
+        if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + 8 * j) = x;
+      }
+}
+#endif
+
+// The fp32 state of slabs m < M from / to the [dk][dv] matrix st (rows 64m + 16w + g (+8),
+// columns v0 + 8j + 2t (+1)); nullptr on load: 0.
+template <int M>
+__device__ __forceinline__ void load_state_slabs(float (&acc)[M][32], const float* st, int64_t dv, int rl, int v0,
+                                                 int t) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[m][4 * j + e] = st ? st[int64_t(64 * m + rl + 8 * (e >> 1)) * dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
+}
+template <int M>
+__device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], float* st, int64_t dv, int rl, int v0,
+                                                  int t) {
+  if (!st) return;
+#pragma unroll
+  for (int m = 0; m < M; ++m) store_state_frag<64>(acc[m], st, dv, 64 * m + rl, v0, t);
+}
+
+// The forward sweep; grid (N x H, 1, dv / 64), one warpgroup (file comment).
+template <class T, int DK, int S>
+__global__ void __launch_bounds__(kSm90Threads, 2)
+    delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
+                            unsigned order, GlaArgs<T> a, const float* U, T* Vn) {
+  static_assert(S >= 2, "a stage in the products and one in flight");
+#if HILA_SM90A
+  constexpr int M = DK / 64;
+  using L = Ring<DK, false>;
+  using namespace sm90;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  char* st16 = smem + S * L::kStage;
+  const uint32_t a16 = s0 + S * L::kStage;
+  uint64_t* full = reinterpret_cast<uint64_t*>(st16 + DK * 128);  // [S]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  const int nch = int((len + kChunk - 1) / kChunk), kx = h / a.k_div;
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const float* Uh = U + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
+  T* Vnh = Vn + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
+  const int64_t mat = int64_t(a.dk) * a.dv;
+  const int rl = 16 * w + g;  // rows rl, rl + 8 of each slab and of the chunk's tiles
+  float acc[M][32];
+  load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
+  init_ring(full, S, tid);
+  auto issue = [&](int c, int st) {  // thread 0: W, K of chunk c into stage st = c % S
+    if (c >= nch) return;
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    char* base = smem + st * L::kStage;
+    fence_async_smem();
+    mbar_expect_tx(&full[st], L::kStage);
+#pragma unroll
+    for (int cb = 0; cb < M; ++cb) {
+      load_rows(base + cb * kSweepTile, &mw, &full[st], order & 1, 64 * cb, r0, h);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+    }
+  };
+  if (tid == 0)
+    for (int c = 0; c < S - 1; ++c) issue(c, c);
+  // this thread's U [C][64] entries of chunk c (rows >= nr: 0) and gates: loaded a chunk ahead, once
+  // chunk c-1's have been used, in flight over the end of chunk c-1 and the start of chunk c
+  float2 u[8][2];
+  float bi[2], B = 0.f;
+  auto load_u = [&](int c) {
+    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = rl + 8 * hf;
+      bi[hf] = b && i < nr ? b[r0 + i] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        u[j][hf] = i < nr ? *reinterpret_cast<const float2*>(Uh + (r0 + i) * a.dv + 8 * j) : make_float2(0.f, 0.f);
+    }
+    B = b ? b[r0 + nr - 1] : 0.f;
+  };
+  if (nch > 0) load_u(0);
+  // the stage of chunk c (c % S) and the parity of its use, kept by counting (S = 3: no division)
+  int st = 0;
+  uint32_t par = 0;
+  for (int c = 0; c < nch; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+    __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
+    if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
+    // (1) the state entering the chunk, 16-bit
+    stash16<T, M>(acc, st16, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * mat + v0 + 2 * t : nullptr, a.dv);
+    fence_async_smem();
+    __syncthreads();
+    mbar_wait(&full[st], par);
+    // (2) Vn = U - W S
+    const uint32_t base = s0 + st * L::kStage;
+    float x[32];
+    wg_fence();
+    wgmma_chain<T, 64, 0, 1>(x, base, kChunk, a16, DK, DK / 16);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(x);
+    __syncthreads();  // every warp's product has read st16
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = rl + 8 * hf;
+      const bool in = i < nr;
+      const float wi = mma::fexp(B - bi[hf]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float y0 = in ? u[j][hf].x - x[4 * j + 2 * hf] : 0.f, y1 = in ? u[j][hf].y - x[4 * j + 2 * hf + 1] : 0.f;
+        if (in) *reinterpret_cast<uint32_t*>(Vnh + (r0 + i) * a.dv + 8 * j) = mma::pack2<T>(y0, y1);
+        *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
+      }
+    }
+    const float decay = mma::fexp(B);
+    if (c + 1 < nch) load_u(c + 1);
+    fence_async_smem();
+    __syncthreads();
+    // (3) S = e^B S + K^T diag(w) Vn
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
+    wg_fence();
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+      wgmma_chain<T, 64, 1, 1>(acc[m], base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+    wg_commit();
+    wg_wait<0>();
+#pragma unroll
+    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+  }
+  store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
+#else
+  __trap();  // launched only where runs_sm90a() holds
+#endif
+}
+
+// The reverse sweep; grid (N x H, 1, dv / (64 NW)), NW warpgroups sharing the Q, K, W tiles, each
+// with its own 64 value columns (file comment). sdot[(cg H + h) nvt + tile] = <dS, S_out> over a
+// warpgroup's [dk, 64] tile, S_out the state at the end of chunk cg: the next chunk's entering
+// state (hbuf, 16-bit, loaded a chunk ahead) or, after the last chunk, ht.
+template <class T, int DK, int S, int NW>
+__global__ void __launch_bounds__(kSm90Threads * NW)
+    delta_rsweep_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                             const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
+                             unsigned order, GlaArgs<T> a, const float* dvi, float* sdot) {
+  static_assert(S >= 2, "a stage in the products and one in flight");
+  static_assert(kChunk * 8 == 4 * kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
+  static_assert(NW == 1 || NW == 2, "one or two warpgroups");
+#if HILA_SM90A
+  constexpr int M = DK / 64;
+  using L = Ring<DK, true, NW>;
+  using namespace sm90;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t s0 = smem_u32(smem);
+  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
+  const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
+  char* st16 = smem + S * L::kStage + wg * DK * 128;
+  const uint32_t a16 = s0 + S * L::kStage + wg * DK * 128;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + NW * DK * 128);  // [S]
+  float* red = reinterpret_cast<float*>(full + S);  // [4 NW] per-warp parts of <dS, S_out>
+  // vb: the block's first value column (uniform); ct: this thread's column offset from it
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vt = blockIdx.z * NW + wg, vb = 64 * NW * blockIdx.z;
+  const int ct = 64 * wg + 2 * t;
+  const int64_t len = a.len[seq], row0 = a.row0[seq];
+  const int nch = int((len + kChunk - 1) / kChunk), qx = h / a.q_div, kx = h / a.k_div;
+  const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
+  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv + vb + ct;
+  const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
+  const int64_t mat = int64_t(a.dk) * a.dv;
+  const float sc = float(a.scale);
+  const int rl = 16 * w + g;
+  float acc[M][32];
+  load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
+  // this thread's entries of S_out (16-bit, as acc's) of the next chunk, loaded with its dvi (below)
+  uint32_t so16[M][8][2] = {};
+  auto soff = [&](int m, int j, int hf) { return int64_t(64 * m + rl + 8 * hf) * a.dv + vb + 8 * j + ct; };
+  auto prefetch_so = [&](int64_t cnext) {  // hbuf of global chunk cnext
+    const T* So = a.hbuf + (cnext * a.H + h) * mat;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) so16[m][j][hf] = *reinterpret_cast<const uint32_t*>(So + soff(m, j, hf));
+  };
+  init_ring(full, S, tid);
+  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO (NW blocks) of the i-th chunk from the end into stage st = i % S
+    if (i >= nch) return;
+    const int64_t r0 = row0 + int64_t(nch - 1 - i) * kChunk;
+    char* base = smem + st * L::kStage;
+    fence_async_smem();  // the stage's dO was scaled in place (generic writes) before this refill
+    mbar_expect_tx(&full[st], L::kStage);
+#pragma unroll
+    for (int cb = 0; cb < M; ++cb) {
+      load_rows(base + cb * kSweepTile, &mq, &full[st], order & 1, 64 * cb, r0, qx);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+      load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &full[st], (order >> 2) & 1, 64 * cb, r0, h);
+    }
+#pragma unroll
+    for (int x = 0; x < NW; ++x)
+      load_rows(base + 3 * L::kTile + x * kSweepTile, &mdo, &full[st], (order >> 3) & 1, 64 * blockIdx.z * NW + 64 * x,
+                r0, h);
+  };
+  if (tid == 0)
+    for (int i = 0; i < S - 1; ++i) issue(i, i);
+  // this thread's dvi [C][64] entries of chunk c (rows >= nr: 0), gates of its rows rl, rl + 8 and
+  // of the dO rows it scales (wt / 8 + 16q), S_out: loaded a chunk ahead, as the forward's U
+  float2 u[8][2];
+  float bi[2], bo[4], B = 0.f;
+  auto load_u = [&](int c) {
+    const int nr = rows_in(len, c);
+    const int64_t r0 = row0 + int64_t(c) * kChunk;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = rl + 8 * hf;
+      bi[hf] = b && r < nr ? b[r0 + r] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        u[j][hf] = r < nr ? *reinterpret_cast<const float2*>(dvih + (r0 + r) * a.dv + 8 * j) : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = wt / 8 + 16 * q;
+      bo[q] = b && r < nr ? b[r0 + r] : 0.f;
+    }
+    B = b ? b[r0 + nr - 1] : 0.f;
+    if (c + 1 < nch) prefetch_so(a.chunk0[seq] + c + 1);  // S_out of chunk c: the state entering c + 1
+  };
+  if (nch > 0) load_u(nch - 1);
+  int st = 0;  // i % S and the parity of its use, kept by counting
+  uint32_t par = 0;
+  for (int i = 0; i < nch; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+    const int c = nch - 1 - i, nr = rows_in(len, c);
+    const int64_t cg = a.chunk0[seq] + c;
+    __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free; red is read
+    if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
+    // (1) the cotangent at the chunk's end, 16-bit; this thread's part of <dS, S_out>
+    stash16<T, M>(acc, st16, a.dhbuf + (cg * a.H + h) * mat + vb + ct, a.dv);
+    {
+      float part = 0.f;
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const float2 so = i == 0 ? *reinterpret_cast<const float2*>(a.ht + sidx + soff(m, j, hf))
+                                     : mma::unpack2<T>(so16[m][j][hf]);
+            part += acc[m][4 * j + 2 * hf] * so.x + acc[m][4 * j + 2 * hf + 1] * so.y;
+          }
+      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+      if (lane == 0) red[4 * wg + w] = part;
+    }
+    mbar_wait(&full[st], par);
+    char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // dO row r (16 bytes e of the tile) *= scale e^{b_r}
+      const int e = wt + kSm90Threads * q, r = e / 8;  // the swizzle permutes 16-byte pieces within a row
+      const float s = r < nr ? sc * mma::fexp(bo[q]) : 0.f;
+      uint4* p = reinterpret_cast<uint4*>(dOt + e * 16);
+      uint4 v = *p;
+      uint32_t* x = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = mma::unpack2<T>(x[q]);
+        x[q] = mma::pack2<T>(s * f.x, s * f.y);
+      }
+      *p = v;
+    }
+    fence_async_smem();
+    __syncthreads();
+    if (wt == 0) sdot[(cg * a.H + h) * gridDim.z * NW + vt] = red[4 * wg] + red[4 * wg + 1] + red[4 * wg + 2] + red[4 * wg + 3];
+    // (2) dVn = dvi + diag(e^{B-b}) K dS
+    const uint32_t base = s0 + st * L::kStage;
+    float x[32];
+    wg_fence();
+    uint32_t a16v = a16;  // st16's address, opaque here: its descriptors are formed per chunk, not held
+    asm volatile("" : "+r"(a16v));
+    wgmma_chain<T, 64, 0, 1>(x, base + L::kTile, kChunk, a16v, DK, DK / 16);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(x);
+    __syncthreads();  // every warp's product has read st16
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = rl + 8 * hf;
+      const bool in = r < nr;
+      const float wi = mma::fexp(B - bi[hf]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // -dVn
+        const float y0 = in ? -(u[j][hf].x + wi * x[4 * j + 2 * hf]) : 0.f;
+        const float y1 = in ? -(u[j][hf].y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
+        *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
+      }
+    }
+    const float decay = mma::fexp(B);
+    if (c > 0) load_u(c - 1);
+    fence_async_smem();
+    __syncthreads();
+    // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
+    wg_fence();
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      wgmma_chain<T, 64, 1, 1>(acc[m], base + m * kSweepTile, kChunk, base + 3 * L::kTile + wg * kSweepTile, kChunk,
+                               kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(acc[m], base + 2 * L::kTile + m * kSweepTile, kChunk, a16v, kChunk, kChunk / 16, true);
+    }
+    wg_commit();
+    wg_wait<0>();
+#pragma unroll
+    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+  }
+  store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
+#else
+  __trap();  // launched only where runs_sm90a() holds
+#endif
+}
+
+// Ring stages for `blocks` sweep blocks of this layout (heuristics::delta_sm90_sweep_stages).
+template <int DK, bool kRev, int NW = 1>
+int stages_for(int64_t blocks) {
+  using L = Ring<DK, kRev, NW>;
+  return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed, NW == 1 ? 2 : 1);
+}
+
+}  // namespace
+
+template <class T>
+bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cudaStream_t s) {
+  const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
+  return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
+    const int S = stages_for<DK, false>(blocks);
+    if (S < 2) return false;
+    return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
+      auto kernel = delta_sweep_sm90_kernel<T, DK, kS>;
+      const size_t bytes = Ring<DK, false>::bytes(kS);
+      CUtensorMap mw, mk;
+      bool sw = false, sk = false;
+      if (!input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
+          !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) || !ready_sm90(kernel, bytes))
+        return false;
+      if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
+      kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / 64)), kSm90Threads, bytes, s>>>(
+          mw, mk, unsigned(sw) | unsigned(sk) << 1, a, U, Vn);
+      HILA_CUDA_CHECK_LAUNCH();
+      return true;
+    });
+  });
+}
+
+template <class T>
+bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float* sdot, cudaStream_t s) {
+  const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
+  return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
+    using L1 = Ring<DK, true, 1>;
+    using L2 = Ring<DK, true, 2>;
+    const int nw = heuristics::delta_sm90_rsweep_warpgroups(tiles, a.dv % 128 == 0, device_info(), L1::kStage + 8,
+                                                            L1::kFixed, L2::kStage + 8, L2::kFixed);
+    auto run = [&](auto nw_c) -> bool {
+      constexpr int NW = decltype(nw_c)::value;
+      const int S = stages_for<DK, true, NW>(tiles / NW);
+      if (S < 2) return false;
+      return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
+        auto kernel = delta_rsweep_sm90_kernel<T, DK, kS, NW>;
+        const size_t bytes = Ring<DK, true, NW>::bytes(kS);
+        CUtensorMap mq, mk, mw, mdo;
+        bool sq = false, sk = false, sw = false, sd = false;
+        if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
+            !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+            !input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
+            !input_map(&mdo, sd, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot) || !ready_sm90(kernel, bytes))
+          return false;
+        if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
+        const unsigned order = unsigned(sq) | unsigned(sk) << 1 | unsigned(sw) << 2 | unsigned(sd) << 3;
+        kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / (64 * NW))), kSm90Threads * NW, bytes, s>>>(
+            mq, mk, mw, mdo, order, a, dvi, sdot);
+        HILA_CUDA_CHECK_LAUNCH();
+        return true;
+      });
+    };
+    return nw == 2 ? run(std::integral_constant<int, 2>{}) : run(std::integral_constant<int, 1>{});
+  });
+}
+
+#define HILA_INSTANTIATE(T)                                                                          \
+  template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, T*, cudaStream_t); \
+  template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, float*, cudaStream_t);
+HILA_INSTANTIATE(__nv_bfloat16)
+HILA_INSTANTIATE(__half)
+#undef HILA_INSTANTIATE
+
+}  // namespace hila::cuda::gdn
