@@ -220,5 +220,54 @@ TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
 INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases()),
                          [](const auto& info) { return info.param.name; });
 
+
+// ---- exact resets inside a chunk ------------------------------------------------------------------
+// gla in float32 / float64 (the portable kernels) with two resets in every chunk of 64, at rows p
+// and 63 - p for a p that differs per (sequence, head, chunk), so the resets of the call cover every
+// row of a chunk (first and last rows together, p = 0; adjacent rows, p = 31), then a partial chunk
+// without one: the kernels decay from the last reset on (prims/resets.cuh), so every output and
+// gradient matches the float64 serial form to 1e-6 (float32) / 1e-13 (float64), where the
+// differences of chunk-local sums holding the floor gave about 1e-5 / 1e-13.
+
+class CudaExactResets : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CudaExactResets, GlaEveryRowOfAChunk) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
+  const DType dt = GetParam();
+  ProblemSpec s;
+  s.cfg.op = Op::gla;
+  s.B = 2, s.T = 8 * 64 + 40, s.G = 1, s.H = 2;
+  s.dk = s.dv = 32;
+  s.init_state = true;
+  s.gated = true;
+  s.dtype = DType::f64;
+  s.seed = 53;
+  Problem pr = make_problem(s);
+  std::vector<int64_t> reset_rows;  // indices into g [B, T, H]
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t c = 0; c < 8; ++c) {
+        const int64_t p = (b * s.H + h) * 8 + c;  // 0 .. 31
+        for (int64_t t : {c * 64 + p, c * 64 + 63 - p}) {
+          const int64_t i = (b * s.T + t) * s.H + h;
+          pr.g.set(i, (t & 1) ? -1e30 : -INFINITY);
+          reset_rows.push_back(i);
+        }
+      }
+  const Problem low = cast_problem(pr, dt);
+  const Result ref = run_backward(cast_problem(low, DType::f64), Form::serial);
+  Result got;
+  ASSERT_NO_THROW(got = run_backward(low, Form::chunk, 64, cuda0()));
+  const double tol = dt == DType::f64 ? 1e-13 : 1e-6;  // the differences of sums gave 5e-13 / 4e-5 here
+  for (const auto& [name, e] : compare(got, ref, 1e-4)) {
+    std::printf("  gla_%-6s %-10s rel err %.2e\n", tag_of(dt).c_str(), name.c_str(), e);
+    EXPECT_LE(e, tol) << name;  // NaN / Inf give +inf
+  }
+  for (int64_t i : reset_rows) EXPECT_EQ(got.dg.get(i), 0.0) << "dg of the reset gate at index " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaExactResets, ::testing::Values(DType::f32, DType::f64),
+                         [](const auto& info) { return tag_of(info.param); });
+
 }  // namespace
 }  // namespace hila::tools
