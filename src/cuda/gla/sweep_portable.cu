@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
     tile_store(a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
-    chunk_cumsum(s.b, g, r0, nr);
+    chunk_cumsum_resets(s.b, s.z, g, r0, nr);  // e^b is exact before the chunk's first reset, 0 from it on
     const R B = s.b[kChunk - 1];
     for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
       const int i = e / bv, j = e % bv;

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // Exact state resets inside a chunk (docs/OPERATORS.md "Resets"). A reset row is one whose packed
-// log-gate is at the floor kGateFloor (prims/pack.cuh). The plain chunk-local cumsum b (chunk_cumsum)
-// is exact where it is used as e^{b_i} (the state entering the chunk, seen by row i) and e^B: a sum
-// holding the floor has an exponential of exactly 0. It is not exact as a difference b_i - b_j of two
-// sums that both hold a floor: each carries the rounding of a sum of size |floor|. So a chunk with a
-// reset decays with the gates after its last reset alone:
+// log-gate is at the floor kGateFloor (prims/pack.cuh). The chunk-local cumsum b is used as e^{b_i}
+// (the state entering the chunk, seen by row i) and e^B: a sum holding the floor has an exponential
+// of exactly 0, and the rows before the first reset take their b from the segmented scan below (the
+// plain pair scan rounds b[2l] with the floor when row 2l+1 is a reset). b is not exact as a
+// difference b_i - b_j of two sums that both hold a floor: each carries the rounding of a sum of size
+// |floor|. So a chunk with a reset decays with the gates after its last reset alone:
 //   last[i] = the last reset row <= i in the chunk (-1: none)
 //   bs[i]   = sum_{last[i] < r <= i} g_r                      (segment-relative cumsum; 0 at a reset row)
 //   Gamma_{i,j} = j < last[i] ? 0 : exp(bs[i] - bs[j])        (j <= i; a reset in (j, i] gives 0)
@@ -66,6 +67,10 @@ __device__ void chunk_cumsum_resets(R* b, const ChunkResets<R>& z, const R* g, i
       z.last[i1] = l1;
       z.bs[i0] = s0;
       z.bs[i1] = s1;
+      // b before the first reset is bs (warp_pair_cumsum forms b[2l] as b[2l+1] - g[2l+1] + g[2l],
+      // which cancels when g[2l+1] is the floor); from the first reset on e^b = 0 either way.
+      if (l0 < 0) b[i0] = s0;
+      if (l1 < 0) b[i1] = s1;
     }
   }
   __syncthreads();
