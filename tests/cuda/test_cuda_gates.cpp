@@ -11,9 +11,12 @@
 //    and on: every operator family gives finite outputs and gradients within the documented bound
 //    of the CPU serial form in float64 on the same rounded inputs (the naive form where the serial
 //    backward does not exist), and dg = 0 at every reset gate. The kernels see a reset gate as the
-//    floor kGateFloor (prims/pack.cuh): the decays across it are exactly 0, the decays after it in
-//    the same chunk carry the rounding of a sum of size |floor| (float32 about 1e-5 per reset in the
-//    chunk, float64 about 1e-13).
+//    floor kGateFloor (prims/pack.cuh): the decays across it are exactly 0; the decays after it in
+//    the same chunk are exact in the portable GLA kernels (float32 / float64 gla, hla2, ahla, hla3;
+//    prims/resets.cuh) and carry the rounding of a sum of size |floor| elsewhere (float32 about 1e-5
+//    per reset in the chunk, float64 about 1e-13), which the bound allows.
+//  * CudaExactResets: gla in float32 / float64 with a reset at every row of a chunk matches the
+//    serial form to 1e-6 / 1e-13 (below).
 // Without a GPU every test is skipped with a printed reason, so CI still compiles this file; on the
 // host emulator (tools/cuda_emu) the T256 cases run in about a minute each.
 #include <gtest/gtest.h>
@@ -24,6 +27,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_support.h"
@@ -225,15 +229,16 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases())
 // gla in float32 / float64 (the portable kernels) with two resets in every chunk of 64, at rows p
 // and 63 - p for a p that differs per (sequence, head, chunk), so the resets of the call cover every
 // row of a chunk (first and last rows together, p = 0; adjacent rows, p = 31), then a partial chunk
-// without one: the kernels decay from the last reset on (prims/resets.cuh), so every output and
+// without one (chunks of 64, and of 16, where the pairs fall in different chunks and a chunk holds
+// one reset or none): the kernels decay from the last reset on (prims/resets.cuh), so every output and
 // gradient matches the float64 serial form to 1e-6 (float32) / 1e-13 (float64), where the
 // differences of chunk-local sums holding the floor gave about 1e-5 / 1e-13.
 
-class CudaExactResets : public ::testing::TestWithParam<DType> {};
+class CudaExactResets : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
 
 TEST_P(CudaExactResets, GlaEveryRowOfAChunk) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
-  const DType dt = GetParam();
+  const auto [dt, chunk] = GetParam();
   ProblemSpec s;
   s.cfg.op = Op::gla;
   s.B = 2, s.T = 8 * 64 + 40, s.G = 1, s.H = 2;
@@ -257,17 +262,20 @@ TEST_P(CudaExactResets, GlaEveryRowOfAChunk) {
   const Problem low = cast_problem(pr, dt);
   const Result ref = run_backward(cast_problem(low, DType::f64), Form::serial);
   Result got;
-  ASSERT_NO_THROW(got = run_backward(low, Form::chunk, 64, cuda0()));
+  ASSERT_NO_THROW(got = run_backward(low, Form::chunk, chunk, cuda0()));
   const double tol = dt == DType::f64 ? 1e-13 : 1e-6;  // the differences of sums gave 5e-13 / 4e-5 here
   for (const auto& [name, e] : compare(got, ref, 1e-4)) {
-    std::printf("  gla_%-6s %-10s rel err %.2e\n", tag_of(dt).c_str(), name.c_str(), e);
+    std::printf("  gla_%s_C%-3ld %-10s rel err %.2e\n", tag_of(dt).c_str(), long(chunk), name.c_str(), e);
     EXPECT_LE(e, tol) << name;  // NaN / Inf give +inf
   }
   for (int64_t i : reset_rows) EXPECT_EQ(got.dg.get(i), 0.0) << "dg of the reset gate at index " << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ops, CudaExactResets, ::testing::Values(DType::f32, DType::f64),
-                         [](const auto& info) { return tag_of(info.param); });
+INSTANTIATE_TEST_SUITE_P(Ops, CudaExactResets,
+                         ::testing::Combine(::testing::Values(DType::f32, DType::f64), ::testing::Values(64, 16)),
+                         [](const auto& info) {
+                           return tag_of(std::get<0>(info.param)) + "_C" + std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace hila::tools
