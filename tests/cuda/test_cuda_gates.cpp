@@ -160,9 +160,16 @@ struct ResetCase {
 std::string tag_of(DType dt) {
   return dt == DType::bf16 ? "bf16" : dt == DType::f16 ? "f16" : dt == DType::f32 ? "f32" : "f64";
 }
-// The bound against the float64 serial form (the header above): 16 bits as the other CUDA tests,
-// float32 and float64 from the rounding of the decays after a reset inside a chunk.
-double reset_tol(DType dt) { return dt == DType::f64 ? 1e-10 : dt == DType::f32 ? 1e-4 : 1e-2; }
+// The bound against the float64 serial form (the header above): 16 bits as the other CUDA tests;
+// float32 and float64 on the portable GLA kernels (gla, hla2, ahla, hla3), exact across resets, their
+// plain rounding (measured up to 1.4e-6 / 3e-15; the differences of sums gave 3e-5 / 5e-13); the
+// other kernels the rounding of the decays after a reset inside a chunk.
+double reset_tol(Op op, DType dt) {
+  if (dt != DType::f32 && dt != DType::f64) return 1e-2;
+  const bool portable_gla = op == Op::gla || op == Op::hla2 || op == Op::ahla || op == Op::hla3;
+  if (portable_gla) return dt == DType::f64 ? 1e-13 : 5e-6;
+  return dt == DType::f64 ? 1e-10 : 1e-4;
+}
 
 std::vector<ResetCase> reset_cases() {
   std::vector<ResetCase> cs;
@@ -201,7 +208,7 @@ TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
   const Problem low = cast_problem(pr, c.dtype);
   const Form oracle = supports(c.op, Form::serial, true) ? Form::serial : Form::naive;
   const Result ref = run_backward(cast_problem(low, DType::f64), oracle);
-  const double tol = reset_tol(c.dtype);
+  const double tol = reset_tol(c.op, c.dtype);
   for (const char* checks : {"off", "on"}) {
     Problem run = low;
     run.spec.cfg.check_values = std::string(checks) == "on";
