@@ -23,6 +23,7 @@ Run: python bench/step_host_bench.py [--ops gla,hla2,loglinear,gdn,loglinear_gdn
 """
 import argparse
 import csv
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,9 @@ import torch
 
 import hila
 import hila.torch as ht
-import hila.torch.ops as hops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_bench import extension_steps_off  # noqa: E402
 
 N, H, D = 1, 1, 8
 
@@ -68,28 +71,8 @@ def time_ns(call, st, reps: int, iters: int) -> float:
 
 def python_part(call, st, reps: int, iters: int) -> float:
     """ns per call with the extension's step (hila._C.step_inplace, BoundState.step) a no-op."""
-    real = hops._C
-
-    class NoStep:
-        def __init__(self, *a, **k):
-            pass
-
-        def step(self, *a, **k):
-            return None
-
-    class NoKernel:
-        def __getattr__(self, name):
-            if name == "step_inplace":
-                return lambda *a, **k: None
-            return NoStep if name == "BoundState" else getattr(real, name)
-
-    st.__dict__.pop(hops._BOUND, None)
-    hops._C = NoKernel()
-    try:
+    with extension_steps_off(st):
         return time_ns(call, st, reps, iters)
-    finally:
-        hops._C = real
-        st.__dict__.pop(hops._BOUND, None)
 
 
 def cpp_rows(exe: str, ops, reps: int, iters: int) -> dict:

@@ -35,6 +35,7 @@ timing, no C++ bench, no fla, no graphs).
     python bench/torch_bench.py --device cpu --quick --out /tmp/tb
 """
 import argparse
+import contextlib
 import csv
 import os
 import signal
@@ -400,10 +401,12 @@ def section_step(a, device, out, cpp):
         flush_csv(a, out)
 
 
-def python_part_us(call, reps, state):
-    """Median host time (µs) of call() with hila's extension calls (hila._C.step_inplace, and the
-    step of a bound state, hila._C.BoundState) replaced by no-ops: what the Python side of
-    hila.torch.step_ costs (o is allocated, nothing runs)."""
+@contextlib.contextmanager
+def extension_steps_off(state):
+    """Inside: hila's extension calls of a step (hila._C.step_inplace, and the step of a bound
+    state, hila._C.BoundState) are no-ops, so hila.torch.step_ runs its Python side alone (o is
+    allocated, nothing runs). ``state``'s binding is dropped on entry and exit (the real one is
+    made again at its next step)."""
     import hila.torch.ops as hops
     real = hops._C
 
@@ -419,9 +422,19 @@ def python_part_us(call, reps, state):
             if name == "step_inplace":
                 return lambda *a, **k: None
             return NoStep if name == "BoundState" else getattr(real, name)
-    state.__dict__.pop(hops._BOUND, None)  # the real binding of the timed steps: made again afterwards
+    state.__dict__.pop(hops._BOUND, None)
     hops._C = NoKernel()
     try:
+        yield
+    finally:
+        hops._C = real
+        state.__dict__.pop(hops._BOUND, None)
+
+
+def python_part_us(call, reps, state):
+    """Median host time (µs) of call() with the extension's step a no-op (extension_steps_off):
+    what the Python side of hila.torch.step_ costs."""
+    with extension_steps_off(state):
         for _ in range(10):
             call()
         ts = []
@@ -429,9 +442,6 @@ def python_part_us(call, reps, state):
             t0 = time.perf_counter()
             call()
             ts.append((time.perf_counter() - t0) * 1e6)
-    finally:
-        hops._C = real
-        state.__dict__.pop(hops._BOUND, None)
     return statistics.median(ts)
 
 

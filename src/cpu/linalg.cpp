@@ -109,38 +109,31 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
   }
 }
 
+// rows_impl with alpha = 1 (most products) compiled without the multiply per A entry, and C = 0
+// (kCZero) without reading C.
+template <class R>
+__attribute__((always_inline)) inline void rows(R* C, int64_t ldc, const R* A, int64_t sa_row, int64_t sa_k,
+                                                const R* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, R alpha,
+                                                int tri) {
+  const bool one = alpha == R(1), zero = tri & kCZero;
+  if (one && zero) rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else if (zero) rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else if (one) rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+}
+
 }  // namespace
 
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
                                float alpha, int tri) {
-  // alpha = 1 (most products) without the multiply per A entry
-  if (tri & kCZero) {
-    if (alpha == 1.0f)
-      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-    else
-      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  } else if (alpha == 1.0f) {
-    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  } else {
-    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  }
+  rows(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
 HILA_CPU_CLONES void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row,
                                int64_t sa_k, const double* B, int64_t ldb, int64_t m, int64_t n,
                                int64_t kk, double alpha, int tri) {
-  // alpha = 1 (most products) without the multiply per A entry
-  if (tri & kCZero) {
-    if (alpha == 1.0f)
-      rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-    else
-      rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  } else if (alpha == 1.0f) {
-    rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  } else {
-    rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  }
+  rows(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
 }  // namespace hila::cpu

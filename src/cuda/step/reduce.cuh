@@ -16,12 +16,7 @@ __device__ __forceinline__ R rsqrt_eps(R s, R eps) {
   else return 1.0f / ::sqrtf(s + eps);
 }
 
-template <class R>
-__device__ __forceinline__ R warp_sum(R x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+// warp_sum: cuda/prims/tile.cuh (through args.cuh).
 
 // Sum over the block; every thread gets the result. `red` is [kWarps] shared.
 template <class R>
