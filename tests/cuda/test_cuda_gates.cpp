@@ -233,56 +233,86 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases())
 
 
 // ---- exact resets inside a chunk ------------------------------------------------------------------
-// gla in float32 / float64 (the portable kernels) with two resets in every chunk of 64, at rows p
-// and 63 - p for a p that differs per (sequence, head, chunk), so the resets of the call cover every
-// row of a chunk (first and last rows together, p = 0; adjacent rows, p = 31), then a partial chunk
-// without one (chunks of 64, and of 16, where the pairs fall in different chunks and a chunk holds
-// one reset or none): the kernels decay from the last reset on (prims/resets.cuh), so every output and
-// gradient matches the float64 serial form to 1e-6 (float32) / 1e-13 (float64), where the
-// differences of chunk-local sums holding the floor gave about 1e-5 / 1e-13.
+// Every operator in float32 / float64 (the portable GLA kernels, the log-linear segment sweep and the
+// portable delta-rule kernels; hla2, ahla, hla3 and the log-linear compositions through them) with
+// two resets in every chunk of 64, at rows p and 63 - p for a p that differs per (sequence, head,
+// chunk), so the resets of the call cover every row of a chunk (first and last rows together,
+// p = 0; adjacent rows, p = 31), then a partial chunk without one. The GLA family also runs chunks of
+// 16 (the pairs fall in different chunks and a chunk holds one reset or none); the log-linear and
+// delta-rule operators (chunks of 64 only) also start at position 40, so their segments (the rows of
+// one aligned chunk) are cut 24 rows into each block of 64 rows and the first one is partial. The
+// kernels decay from the last reset on (prims/resets.cuh), so every output and gradient matches the
+// float64 serial form (the naive form where the serial backward does not exist) to 1e-6 (float32) /
+// 1e-12 (float64; 1e-13 for the GLA family), where the differences of chunk-local sums holding the
+// floor gave about 1e-5 / 1e-13 (float64 3e-13 .. 5e-13 for gla).
 
-class CudaExactResets : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
+struct ExactCase {
+  Op op;
+  DType dtype;
+  int64_t chunk, pos;  // chunk size; position of the initial state
+};
 
-TEST_P(CudaExactResets, GlaEveryRowOfAChunk) {
+std::string exact_name(const ExactCase& c) {
+  return std::string(op_name(c.op)) + "_" + tag_of(c.dtype) + "_C" + std::to_string(c.chunk) +
+         (c.pos ? "_at" + std::to_string(c.pos) : "");
+}
+
+bool gla_family(Op op) { return op == Op::gla || op == Op::hla2 || op == Op::ahla || op == Op::hla3; }
+
+std::vector<ExactCase> exact_cases() {
+  std::vector<ExactCase> cs;
+  for (Op op : all_ops())
+    for (DType dt : {DType::f32, DType::f64}) {
+      cs.push_back({op, dt, 64, 0});
+      cs.push_back(gla_family(op) ? ExactCase{op, dt, 16, 0} : ExactCase{op, dt, 64, 40});
+    }
+  return cs;
+}
+
+class CudaExactResets : public ::testing::TestWithParam<ExactCase> {};
+
+TEST_P(CudaExactResets, EveryRowOfAChunkMatchesTheSerialForm) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
-  const auto [dt, chunk] = GetParam();
+  const ExactCase c = GetParam();
   ProblemSpec s;
-  s.cfg.op = Op::gla;
+  s.cfg.op = c.op;
   s.B = 2, s.T = 8 * 64 + 40, s.G = 1, s.H = 2;
   s.dk = s.dv = 32;
   s.init_state = true;
+  if (c.pos) s.init_pos = {c.pos};
   s.gated = true;
   s.dtype = DType::f64;
   s.seed = 53;
   Problem pr = make_problem(s);
-  std::vector<int64_t> reset_rows;  // indices into g [B, T, H]
+  const int64_t gc = pr.g.numel() / (s.B * s.T * s.H);  // gate columns
+  std::vector<int64_t> reset_rows;                      // indices into g [B, T, H, gc]
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
-      for (int64_t c = 0; c < 8; ++c) {
-        const int64_t p = (b * s.H + h) * 8 + c;  // 0 .. 31
-        for (int64_t t : {c * 64 + p, c * 64 + 63 - p}) {
-          const int64_t i = (b * s.T + t) * s.H + h;
-          pr.g.set(i, (t & 1) ? -1e30 : -INFINITY);
-          reset_rows.push_back(i);
-        }
+      for (int64_t ch = 0; ch < 8; ++ch) {
+        const int64_t p = (b * s.H + h) * 8 + ch;  // 0 .. 31
+        for (int64_t t : {ch * 64 + p, ch * 64 + 63 - p})
+          for (int64_t j = 0; j < gc; ++j) {
+            const int64_t i = ((b * s.T + t) * s.H + h) * gc + j;
+            pr.g.set(i, (t & 1) ? -1e30 : -INFINITY);
+            reset_rows.push_back(i);
+          }
       }
-  const Problem low = cast_problem(pr, dt);
-  const Result ref = run_backward(cast_problem(low, DType::f64), Form::serial);
+  const Problem low = cast_problem(pr, c.dtype);
+  const Form oracle = supports(c.op, Form::serial, true) ? Form::serial : Form::naive;
+  const Result ref = run_backward(cast_problem(low, DType::f64), oracle);
   Result got;
-  ASSERT_NO_THROW(got = run_backward(low, Form::chunk, chunk, cuda0()));
-  const double tol = dt == DType::f64 ? 1e-13 : 1e-6;  // the differences of sums gave 5e-13 / 4e-5 here
-  for (const auto& [name, e] : compare(got, ref, 1e-4)) {
-    std::printf("  gla_%s_C%-3ld %-10s rel err %.2e\n", tag_of(dt).c_str(), long(chunk), name.c_str(), e);
-    EXPECT_LE(e, tol) << name;  // NaN / Inf give +inf
+  ASSERT_NO_THROW(got = run_backward(low, Form::chunk, c.chunk, cuda0()));
+  const double tol = c.dtype == DType::f32 ? 1e-6 : gla_family(c.op) ? 1e-13 : 1e-12;
+  const std::string name = exact_name(c);
+  for (const auto& [field, e] : compare(got, ref, 1e-4)) {
+    std::printf("  %-28s %-10s rel err %.2e\n", name.c_str(), field.c_str(), e);
+    EXPECT_LE(e, tol) << field;  // NaN / Inf give +inf
   }
   for (int64_t i : reset_rows) EXPECT_EQ(got.dg.get(i), 0.0) << "dg of the reset gate at index " << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ops, CudaExactResets,
-                         ::testing::Combine(::testing::Values(DType::f32, DType::f64), ::testing::Values(64, 16)),
-                         [](const auto& info) {
-                           return tag_of(std::get<0>(info.param)) + "_C" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Ops, CudaExactResets, ::testing::ValuesIn(exact_cases()),
+                         [](const auto& info) { return exact_name(info.param); });
 
 }  // namespace
 }  // namespace hila::tools

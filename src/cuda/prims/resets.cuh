@@ -10,8 +10,12 @@
 //   bs[i]   = sum_{last[i] < r <= i} g_r                      (segment-relative cumsum; 0 at a reset row)
 //   Gamma_{i,j} = j < last[i] ? 0 : exp(bs[i] - bs[j])        (j <= i; a reset in (j, i] gives 0)
 //   w_j = e^{r_j} = j < last[C-1] ? 0 : exp(bs[C-1] - bs[j])  (the state update's row weights)
-// and the chunk's gate gradient stops at the next reset (dg_chunk_resets). A chunk without a reset
-// (the warp vote in chunk_cumsum_resets) takes the plain forms, the same instructions as before.
+// and the chunk's gate gradient stops at the next reset (chunk_dg_resets, chunk_dg_serial). A chunk
+// without a reset (the vote in chunk_cumsum_resets or chunk_resets_serial) takes the plain forms
+// (differences of b) and pays one vote per chunk. Users: the portable GLA kernels
+// (gla/sweep_portable.cu, gla/bwd_chunk_portable.cu), the log-linear segment sweep
+// (loglinear/sweep_portable.cu) and the portable delta-rule kernels (delta/segment_portable.cu),
+// where a segment (the rows of one aligned chunk in the call) is the chunk here.
 #pragma once
 #include <type_traits>
 
@@ -134,6 +138,41 @@ __device__ __forceinline__ void chunk_dg_resets(R* out, R x0, R x1, R D, int nr,
   const R d0 = x0 + (c0 ? R(0) : d1);
   if (i0 < nr) out[i0] = d0;
   if (i1 < nr) out[i1] = d1;
+}
+
+// The reset structure z of the chunk of rows [r0, r0 + nr) of g (nullptr: no gates), serially by
+// the calling thread, for the kernels that form b as a serial cumsum (exact before the chunk's
+// first reset); the barrier is the caller's.
+template <class R>
+__device__ void chunk_resets_serial(const ChunkResets<R>& z, const R* g, int64_t r0, int nr) {
+  int last = -1;
+  R bs = 0;
+  for (int i = 0; i < kChunk; ++i) {
+    const R gi = (g && i < nr) ? g[r0 + i] : R(0);
+    if (gi <= kGateFloor<R>) last = i, bs = R(0);
+    else bs += gi;
+    z.last[i] = last;
+    z.bs[i] = bs;
+  }
+  *z.any = last >= 0;
+}
+
+// The gate gradient of a chunk's nr rows, serially (one thread), from the partials dc(i) of the
+// loss in the sum b'_i that row i's decays were formed from and D in b'_{nr-1} as the state
+// update's B' (the sum over the chunk):
+//   kReset = false (b' = b):   dg_i = D + sum_{i <= r < nr} dc(r)                 (reverse cumsum)
+//   kReset = true  (b' = bs):  dg_i = dc(i) + [row i+1 is not a reset] dg_{i+1},  dg_{nr-1} = dc(nr-1) + D
+// since bs_r holds g_i iff i <= r and no reset lies in [i, r] (a reset row's own dg is replaced by
+// 0 when unpacked). out: [nr].
+template <bool kReset, class R, class F>
+__device__ __forceinline__ void chunk_dg_serial(R* out, F&& dc, R D, int nr, const ChunkResets<R>& z) {
+  R acc = D;
+  for (int i = nr - 1; i >= 0; --i) {
+    if constexpr (kReset) {
+      if (i + 1 < nr && z.last[i + 1] == i + 1) acc = R(0);
+    }
+    out[i] = (acc += dc(i));
+  }
 }
 
 }  // namespace hila::cuda
