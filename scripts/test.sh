@@ -13,7 +13,8 @@ bash scripts/build.sh all
 
 # The CUDA backend's kernels (tensor-core path included) on the host emulator, no GPU needed: a
 # smoke set of the GPU tests that checks indexing, barriers and the backend's wiring on every run
-# (tools/cuda_emu; docs/DEVELOPING.md). The whole GPU suite runs on a machine with a GPU.
+# (tools/cuda_emu; docs/DEVELOPING.md), with one exact-reset case per float32 kernel family (portable
+# GLA, log-linear segment sweep, portable delta rule). The whole GPU suite runs on a machine with a GPU.
 EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f32_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T65:'\
@@ -41,7 +42,9 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/hla2:'\
 'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/loglinear_hla3:'\
 'Ops/CudaWorkspace.*/gla_bf16_in_place:CudaWorkspaceErrors.*:CudaStepErrors.*:'\
-'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex'
+'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex:'\
+'Ops/CudaExactResets.*/gla_f32_C64:Ops/CudaExactResets.*/loglinear_f32_C64_at40:'\
+'Ops/CudaExactResets.*/loglinear_gdn_f32_C64_at40'
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
 # The Hopper kernels (TMA + wgmma, src/cuda/gla/*_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and

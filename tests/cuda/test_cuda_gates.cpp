@@ -254,7 +254,7 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaResetGates, ::testing::ValuesIn(reset_cases())
 // kernels decay from the last reset on (prims/resets.cuh), so every output and gradient matches the
 // float64 serial form (the naive form where the serial backward does not exist) to 1e-6 (float32) /
 // 1e-13 (float64); on the host emulator the worst were 9.3e-7 (loglinear_hla3 final.H) / 2.5e-15,
-// where the differences of chunk-local sums holding the floor gave WORST_OLD.
+// where the differences of chunk-local sums holding the floor gave up to 2.3e-5 / 4.2e-13.
 
 struct ExactCase {
   Op op;
