@@ -386,12 +386,11 @@ struct GradSmem {
     P = c.take<T>(kChunk * ldc);
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
+    // [C] each, in A from when A is dead (after the intra block's sums)
+    dbc = A, cf = A + kChunk, dBr = A + 2 * kChunk;
     dP = X = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));  // dP is dead before X is first written
     b = c.take<R>(kChunk);
     db = c.take<R>(kChunk);
-    dbc = c.take<R>(kChunk);
-    dBr = c.take<R>(kChunk);
-    cf = c.take<R>(kChunk);
     z.bs = c.take<R>(kChunk);
     z.last = c.take<int>(kChunk);
     z.any = c.take<int>(1);
@@ -419,10 +418,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
   load_rows(s.K, s.ldk, p.k + int64_t(h / p.k_div) * p.Ttot * dk, dk, sg.row, nr, 0, dk);
   load_rows(s.V, s.ldv, p.v + int64_t(h / p.v_div) * p.Ttot * dv, dv, sg.row, nr, 0, dv);
   load_rows(s.dO, s.ldv, p.dO + int64_t(h) * p.Ttot * dv, dv, sg.row, nr, 0, dv);
-  if (threadIdx.x < kChunk) {
-    const int i = threadIdx.x;
-    s.db[i] = 0, s.dbc[i] = 0, s.dBr[i] = 0;
-  }
+  if (threadIdx.x < kChunk) s.db[threadIdx.x] = 0;
   chunk_cumsum_resets(s.b, s.z, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, nr);  // includes a barrier
   const R eB = exp(s.b[kChunk - 1]);  // 0 when the segment holds a reset
   // Gamma_c and w from dec (prims/resets.cuh): with a reset in the segment they are formed from the
@@ -453,6 +449,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
       s.dA[i * s.ldc + j] = to<T>(da);
     }
     __syncthreads();
+    R colsum = 0;  // thread kChunk + j: column j's sum, stored to dbc[j] (in A) after the next barrier
     if (threadIdx.x < kChunk) {  // rows: + sum_j dP_ij P_ij
       const int i = threadIdx.x;
       R acc = 0;
@@ -460,9 +457,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
       s.db[i] += acc;
     } else if (threadIdx.x < 2 * kChunk) {  // columns: - sum_i dP_ij P_ij
       const int j = threadIdx.x - kChunk;
-      R acc = 0;
-      for (int i = j; i < kChunk; ++i) acc += s.A[i * s.ldcr + j];
-      s.dbc[j] = acc;
+      for (int i = j; i < kChunk; ++i) colsum += s.A[i * s.ldcr + j];
     }
     // dlam at the in-chunk levels 0..p: one (row, level) pair per task
     for (int e = threadIdx.x; e < kChunk * (kLogChunk + 1); e += blockDim.x) {
@@ -474,7 +469,9 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
         if (chunk_level(sg.off + i, sg.off + j) == lv) acc += s.dP[i * s.ldcr + j], any = true;
       if (any) dlam[(sg.row + i) * a.nL + lv] += acc;  // any => lv <= bitlen(t) < nL (validated)
     }
-    __syncthreads();
+    __syncthreads();  // A is dead from here
+    if (threadIdx.x < kChunk) s.dBr[threadIdx.x] = 0;
+    else if (threadIdx.x < 2 * kChunk) s.dbc[threadIdx.x - kChunk] = colsum;
     // dQ^ = dA^ K; dK = dA^^T Q^; dV = P^T dO
     smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, false);  // [C,C]x[C,dk]
     for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) p.dq[(rb + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
