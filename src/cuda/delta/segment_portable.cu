@@ -11,6 +11,8 @@
 //   O  = (D o M) diag(beta) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^b) Q~ H[l]
 //   H'[l(e, sigma_l(s))] += e^B (H[l] - K^T (W H[l]))        (the erase acts on every live level)
 //   H'[l'] += K^T Tm diag(beta e^{B-b} 1[l(e, s+j) = l']) V  (new tokens, by target level)
+// A segment holding a reset (a floored gate) takes M's decays and the new-token weights from sums
+// restarted at each reset, and its dg stops there (prims/resets.cuh; docs/math/LOGLINEAR.md §6.4).
 // Phases: (1) per (segment, head), in parallel: Tm, W, Q~, K~ = Tm^T K and the intra output;
 // (2) per (sequence, head), sequentially over its segments: the level states and the reads
 // (storing the live levels entering every segment for the backward: popcount(s) matrices, or one
