@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Times hila's CUDA operators with CUDA events (warm-up, then the median of --reps runs, timed as
 // the anchors are: see bench_ms) and prints CSV rows: impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms
-// (d = dv; --dk, --dv, --G: head dims and q/k groups, defaults d, d, H; --chunk C, default 64).
+// (d = dv; --dk, --dv, --G: head dims and q/k groups, defaults d, d, H; --chunk C, default 64;
+// --dtype bf16 (default) or f32: the operand dtype of q, k, v, lam, beta and their gradients in the
+// fwd / fwdbwd rows, f32 timing the portable float32 kernels).
 // Inputs are random (never zeros); each input tensor of the benchmark shapes exceeds the L2 cache,
 // so no rotation is needed.
 // "fwdbwd" is one forward() plus one backward() (which recomputes the chunk states), i.e. what a
@@ -64,17 +66,24 @@ struct Dev {
   ~Dev() { cudaFree(p); }
 };
 
-void fill_bf16(Dev& d, std::mt19937& rng, float sd) {
-  std::normal_distribution<float> n(0.f, sd);
-  std::vector<uint16_t> h(d.bytes / 2);
-  for (auto& x : h) x = bf16(n(rng));
-  CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
+// d's elements (bf16, or f32 with f32) drawn from dist
+template <class Dist>
+void fill_with(Dev& d, std::mt19937& rng, Dist dist, bool f32) {
+  if (f32) {
+    std::vector<float> h(d.bytes / 4);
+    for (auto& x : h) x = dist(rng);
+    CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
+  } else {
+    std::vector<uint16_t> h(d.bytes / 2);
+    for (auto& x : h) x = bf16(dist(rng));
+    CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
+  }
 }
-void fill_bf16_uniform(Dev& d, std::mt19937& rng, float lo, float hi) {
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<uint16_t> h(d.bytes / 2);
-  for (auto& x : h) x = bf16(u(rng));
-  CK(cudaMemcpy(d.p, h.data(), d.bytes, cudaMemcpyHostToDevice));
+void fill_normal(Dev& d, std::mt19937& rng, float sd, bool f32 = false) {
+  fill_with(d, rng, std::normal_distribution<float>(0.f, sd), f32);
+}
+void fill_uniform(Dev& d, std::mt19937& rng, float lo, float hi, bool f32 = false) {
+  fill_with(d, rng, std::uniform_real_distribution<float>(lo, hi), f32);
 }
 void fill_gates(Dev& d, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(std::log(0.9f), 0.f);
@@ -157,12 +166,12 @@ void first_calls(const std::vector<hila::Op>& ops, int64_t H, int64_t d, std::mt
   const int64_t L = levels_needed(0, T);
   Dev q(nq * 2), k(nq * 2), v(nq * 2), o(nq * 2), g(size_t(B * T * H) * 4);
   Dev lam(size_t(B * T * H * L) * 2), beta(size_t(B * T * H) * 2);
-  fill_bf16(q, rng, 1.f / std::sqrt(float(d)));
-  fill_bf16(k, rng, 1.f / std::sqrt(float(d)));
-  fill_bf16(v, rng, 1.f);
+  fill_normal(q, rng, 1.f / std::sqrt(float(d)));
+  fill_normal(k, rng, 1.f / std::sqrt(float(d)));
+  fill_normal(v, rng, 1.f);
   fill_gates(g, rng);
-  fill_bf16_uniform(lam, rng, 0.25f, 1.5f);
-  fill_bf16_uniform(beta, rng, 0.f, 1.f);
+  fill_uniform(lam, rng, 0.25f, 1.5f);
+  fill_uniform(beta, rng, 0.f, 1.f);
   const Device dev{DeviceType::cuda, 0};
   auto view4 = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, d}, dev); };
   for (Op op : ops) {
@@ -248,11 +257,11 @@ void run_decode(const std::vector<hila::Op>& ops, int64_t H, int64_t dk, int64_t
         }
         Dev q(size_t(N * H * dk) * 2), k(size_t(N * H * dk) * 2), v(size_t(N * H * dv) * 2), o(size_t(N * H * dv) * 2);
         Dev g(size_t(N * H) * 4), lam(size_t(N * H * L) * 2), beta(size_t(N * H) * 2);
-        fill_bf16(q, rng, 1.f / std::sqrt(float(dk)));
-        fill_bf16(k, rng, 1.f / std::sqrt(float(dk)));
-        fill_bf16(v, rng, 1.f);
-        fill_bf16(lam, rng, 0.5f);
-        fill_bf16(beta, rng, 0.5f);
+        fill_normal(q, rng, 1.f / std::sqrt(float(dk)));
+        fill_normal(k, rng, 1.f / std::sqrt(float(dk)));
+        fill_normal(v, rng, 1.f);
+        fill_normal(lam, rng, 0.5f);
+        fill_normal(beta, rng, 0.5f);
         fill_gates(g, rng);
         StepParams sp;
         sp.cfg = cfg;
@@ -342,7 +351,7 @@ void time_prefill(const hila::ForwardParams& p, int64_t B, int64_t T, int64_t H,
   if (op_traits(p.cfg.op).loglinear) {
     const int64_t L = levels_needed(T, T);
     lam = std::make_unique<Dev>(size_t(B * T * H * L) * 2);
-    fill_bf16_uniform(*lam, rng, 0.25f, 1.5f);
+    fill_uniform(*lam, rng, 0.25f, 1.5f);
     c.lam = TensorView::contiguous_view(lam->p, DType::bf16, {B, T, H, L}, dev);
   }
   row("continue", bench_ms([&] { forward(c); }, warmup, reps));
@@ -360,6 +369,7 @@ int main(int argc, char** argv) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{32, 1024}, {8, 4096}, {2, 16384}, {1, 65536}};
   bool decode = false, prefill = false, l2norm = false, decode_view = false;
   bool ops_given = false;
+  DType dt = DType::bf16;  // --dtype: operands of the fwd / fwdbwd rows
   std::vector<int64_t> batches = {1, 16, 256}, positions = {4096, 65536, 1048576};
   auto is_flag = [](const std::string& a) {
     return a == "--decode" || a == "--decode-view" || a == "--prefill" || a == "--l2norm";
@@ -395,6 +405,13 @@ int main(int argc, char** argv) {
     else if (k == "--dv") dv = std::stoll(v);
     else if (k == "--G") G = std::stoll(v);
     else if (k == "--chunk") chunk = std::stoll(v);
+    else if (k == "--dtype") {
+      if (v != "bf16" && v != "f32") {
+        std::fprintf(stderr, "--dtype: expected bf16 or f32, got %s\n", v.c_str());
+        return 2;
+      }
+      dt = v == "f32" ? DType::f32 : DType::bf16;
+    }
     else if (k == "--shapes") {  // "B:T,B:T"
       shapes.clear();
       size_t pos = 0;
@@ -415,26 +432,32 @@ int main(int argc, char** argv) {
                decode_view);
     return 0;
   }
+  const bool f32 = dt == DType::f32;
+  if (f32 && prefill) {
+    std::fprintf(stderr, "--dtype f32 times the fwd / fwdbwd rows only (not --prefill)\n");
+    return 2;
+  }
+  const size_t es = f32 ? 4 : 2;  // operand bytes
   std::printf("impl,op,dtype,B,T,H,d,direction,ms,dk,G,sync_ms\n");
   std::mt19937 rng(0);
   first_calls(ops, H, dk, rng);
   for (auto [B, T] : shapes) {
     // q, k [B, T, G, dk] (G groups shared by H / G heads), v, o, dO [B, T, H, dv]
     const size_t nk = size_t(B * T * G * dk), nv = size_t(B * T * H * dv);
-    Dev q(nk * 2), k(nk * 2), v(nv * 2), o(nv * 2), dO(nv * 2), dq(nk * 2), dk_(nk * 2), dv_(nv * 2);
+    Dev q(nk * es), k(nk * es), v(nv * es), o(nv * es), dO(nv * es), dq(nk * es), dk_(nk * es), dv_(nv * es);
     Dev g(size_t(B * T * H) * 4), dg(size_t(B * T * H) * 4);
-    fill_bf16(q, rng, 1.f / std::sqrt(float(dk)));
-    fill_bf16(k, rng, 1.f / std::sqrt(float(dk)));
-    fill_bf16(v, rng, 1.f);
-    fill_bf16(dO, rng, 1.f);
+    fill_normal(q, rng, 1.f / std::sqrt(float(dk)), f32);
+    fill_normal(k, rng, 1.f / std::sqrt(float(dk)), f32);
+    fill_normal(v, rng, 1.f, f32);
+    fill_normal(dO, rng, 1.f, f32);
     fill_gates(g, rng);
     const int64_t L = levels_needed(0, T);  // Fenwick level weights of the log-linear ops
-    Dev lam(size_t(B * T * H * L) * 2), dlam(size_t(B * T * H * L) * 2);
-    fill_bf16_uniform(lam, rng, 0.25f, 1.5f);
+    Dev lam(size_t(B * T * H * L) * es), dlam(size_t(B * T * H * L) * es);
+    fill_uniform(lam, rng, 0.25f, 1.5f, f32);
     const Device dev{DeviceType::cuda, 0};
-    auto viewK = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, G, dk}, dev); };
-    auto viewV = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, dv}, dev); };
-    auto view_lam = [&](Dev& x) { return TensorView::contiguous_view(x.p, DType::bf16, {B, T, H, L}, dev); };
+    auto viewK = [&](Dev& x) { return TensorView::contiguous_view(x.p, dt, {B, T, G, dk}, dev); };
+    auto viewV = [&](Dev& x) { return TensorView::contiguous_view(x.p, dt, {B, T, H, dv}, dev); };
+    auto view_lam = [&](Dev& x) { return TensorView::contiguous_view(x.p, dt, {B, T, H, L}, dev); };
     for (Op op : ops) {
     BackwardParams p;
     p.cfg.op = op;
@@ -446,16 +469,16 @@ int main(int argc, char** argv) {
     // delta rule (gdn, loglinear_gdn): beta in [0, 1]; log-linear: lam with the levels T needs
     const OpTraits tr = op_traits(op);
     p.cfg.qk_l2norm = l2norm && tr.delta;
-    Dev beta(tr.delta ? size_t(B * T * H) * 2 : 1), dbeta(tr.delta ? size_t(B * T * H) * 2 : 1);
+    Dev beta(tr.delta ? size_t(B * T * H) * es : 1), dbeta(tr.delta ? size_t(B * T * H) * es : 1);
     if (tr.delta) {
-      fill_bf16_uniform(beta, rng, 0.f, 1.f);
-      p.beta = TensorView::contiguous_view(beta.p, DType::bf16, {B, T, H}, dev);
+      fill_uniform(beta, rng, 0.f, 1.f, f32);
+      p.beta = TensorView::contiguous_view(beta.p, dt, {B, T, H}, dev);
     }
     if (tr.loglinear) p.lam = view_lam(lam);
     const Timing fwd = bench_ms([&] { forward(p); }, warmup, reps);
     if (prefill) time_prefill(p, B, T, H, dk, dv, G, warmup, reps, rng);
     BackwardParams b = p;
-    if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, DType::bf16, {B, T, H}, dev);
+    if (tr.delta) b.dbeta = TensorView::contiguous_view(dbeta.p, dt, {B, T, H}, dev);
     b.o = {};
     b.d_o = viewV(dO);
     b.dq = viewK(dq), b.dk = viewK(dk_), b.dv = viewV(dv_);
@@ -463,8 +486,9 @@ int main(int argc, char** argv) {
     if (op_traits(op).loglinear) b.dlam = view_lam(dlam);
     const Timing bwd = bench_ms([&] { backward(b); }, warmup, reps);
     for (auto [dir, tm] : {std::pair{"fwd", fwd}, std::pair{"fwdbwd", fwd + bwd}})
-      std::printf("hila,%s,bf16,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld,%.4f\n", op_name(op), (long long)B, (long long)T,
-                  (long long)H, (long long)dv, dir, tm.ms, (long long)dk, (long long)G, tm.sync_ms);
+      std::printf("hila,%s,%s,%lld,%lld,%lld,%lld,%s,%.4f,%lld,%lld,%.4f\n", op_name(op), f32 ? "f32" : "bf16",
+                  (long long)B, (long long)T, (long long)H, (long long)dv, dir, tm.ms, (long long)dk, (long long)G,
+                  tm.sync_ms);
     std::fflush(stdout);
     }
   }

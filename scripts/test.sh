@@ -13,7 +13,8 @@ bash scripts/build.sh all
 
 # The CUDA backend's kernels (tensor-core path included) on the host emulator, no GPU needed: a
 # smoke set of the GPU tests that checks indexing, barriers and the backend's wiring on every run
-# (tools/cuda_emu; docs/DEVELOPING.md). The whole GPU suite runs on a machine with a GPU.
+# (tools/cuda_emu; docs/DEVELOPING.md), with one exact-reset case per float32 kernel family (portable
+# GLA, log-linear segment sweep, portable delta rule). The whole GPU suite runs on a machine with a GPU.
 EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f32_d64_T65:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_d64_T65:'\
@@ -41,13 +42,15 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/hla2:'\
 'AllOps/CudaServing.StepWithCountersIsTheDecodeStateStep/loglinear_hla3:'\
 'Ops/CudaWorkspace.*/gla_bf16_in_place:CudaWorkspaceErrors.*:CudaStepErrors.*:'\
-'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex'
+'CudaOps.UnsupportedOnDeviceIsAClearError:CudaOps.BadValuesOnDeviceAreFoundWithTheirIndex:'\
+'Ops/CudaExactResets.*/gla_f32_C64:Ops/CudaExactResets.*/loglinear_f32_C64_at40:'\
+'Ops/CudaExactResets.*/loglinear_gdn_f32_C64_at40'
 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EMU_SMOKE}"
 # The Hopper kernels (TMA + wgmma, src/cuda/gla/*_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
 # fused forward (with its TMA stores of the chunk states), with strided views, varlen, the HLA
-# gradient sums, chunks shorter than the 64-row tiles and the log-linear tree build; the delta
-# rule's state sweeps (src/cuda/delta/sweep_sm90.cu, forced by the case).
+# gradient sums, chunks shorter than the 64-row tiles, the log-linear tree build and resets; the
+# delta rule's state sweeps (src/cuda/delta/sweep_sm90.cu, forced by the case).
 EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_sm90:'\
@@ -58,7 +61,8 @@ EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_chunk32:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_dk128_dv64_gqa4_sm90_chunk32:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep_sm90:'\
-'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65_sm90'
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65_sm90:'\
+'Ops/CudaResetGates.*/gla_bf16_sm90'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
 # The per-call tables uploaded by kernels (the path a call under CUDA graph capture takes, here
 # forced and in 16-byte pieces): varlen, a log-linear state at an unaligned position, delta rule.

@@ -11,6 +11,8 @@
 //   O  = (D o M) diag(beta) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^b) Q~ H[l]
 //   H'[l(e, sigma_l(s))] += e^B (H[l] - K^T (W H[l]))        (the erase acts on every live level)
 //   H'[l'] += K^T Tm diag(beta e^{B-b} 1[l(e, s+j) = l']) V  (new tokens, by target level)
+// A segment holding a reset (a floored gate) takes M's decays and the new-token weights from sums
+// restarted at each reset, and its dg stops there (prims/resets.cuh; docs/math/LOGLINEAR.md §6.4).
 // Phases: (1) per (segment, head), in parallel: Tm, W, Q~, K~ = Tm^T K and the intra output;
 // (2) per (sequence, head), sequentially over its segments: the level states and the reads
 // (storing the live levels entering every segment for the backward: popcount(s) matrices, or one
@@ -34,6 +36,7 @@
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/prims/levels.cuh"
 #include "cuda/prims/pack.cuh"
+#include "cuda/prims/resets.cuh"
 #include "cuda/prims/tile.cuh"
 
 namespace hila::cuda {
@@ -206,13 +209,18 @@ struct Ctx {
   const DeltaArgs<T>& a;
   Scratch<R>& S;
   const SegCtx& c;
+  // the segment's resets (prims/resets.cuh), in shared memory; formed by seg_load where z.bs is set
+  // (the kernels that decay within the segment)
+  ChunkResets<R> z{};
   R B = 0;
   __device__ int64_t mat() const { return int64_t(a.dk) * a.dv; }
   // offset of the segment's row 0 in a per-head [H][Ttot][d] buffer
   __device__ int64_t rows(int d) const { return (int64_t(c.h) * a.Ttot + c.row) * d; }
   __device__ R lam(int i, int l) const { return a.grid.fenwick ? a.lam[rows(a.nL) + int64_t(i) * a.nL + l] : R(1); }
-  // mixing mask M[i,j] = lam_i^{l(s+i, s+j)} e^{b_i - b_j}, j <= i (docs/math/LOGLINEAR.md §3.1)
-  __device__ R mask(int i, int j) const { return lam(i, a.grid.level(c.s + i, c.s + j)) * exp(S.b[i] - S.b[j]); }
+  // mixing mask M[i,j] = lam_i^{l(s+i, s+j)} Gamma_{i,j}, j <= i (docs/math/LOGLINEAR.md §3.1, §6.4),
+  // Gamma from dec: e^{b_i - b_j}, or exact across the segment's resets (prims/resets.cuh)
+  template <class Dec>
+  __device__ R mask(const Dec& dec, int i, int j) const { return lam(i, a.grid.level(c.s + i, c.s + j)) * dec.gamma(i, j); }
   // read coefficient of stored level l at row i: lam_i^{l(s+i, sigma_l(s))} e^{b_i}
   __device__ R read_coef(int i, int l) const { return lam(i, a.grid.read_level(c.s + i, c.s, l)) * exp(S.b[i]); }
   // live level l of the state entering the segment, and the adjoint of level l of the state at e
@@ -233,8 +241,9 @@ struct Ctx {
   }
 };
 
-// Rows of the segment into scratch: beta and the gate cumsum b always; q^ (l2-normalised, scaled)
-// and k (l2-normalised) with `qk`; v with `v`; dO with `dO`.
+// Rows of the segment into scratch: beta and the gate cumsum b always (b[i] = b[R-1] for i >= R, as
+// chunk_cumsum), the reset structure x.z where x.z.bs is set; q^ (l2-normalised, scaled) and k
+// (l2-normalised) with `qk`; v with `v`; dO with `dO`.
 template <class T>
 __device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
   using R = Acc<T>;
@@ -260,9 +269,10 @@ __device__ void seg_load(Ctx<T>& x, bool qk, bool v, bool dO) {
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.dO[e] = from<R>(dp[e]);
   }
   for (int i = threadIdx.x; i < nr; i += blockDim.x) S.beta[i] = a.beta[x.rows(1) + i];
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // serial: exact before the segment's first reset
     R acc = 0;
-    for (int i = 0; i < nr; ++i) S.b[i] = (acc += a.g ? a.g[x.rows(1) + i] : R(0));
+    for (int i = 0; i < kSeg; ++i) S.b[i] = (acc += (a.g && i < nr) ? a.g[x.rows(1) + i] : R(0));
+    if (x.z.bs) chunk_resets_serial(x.z, a.g ? a.g + int64_t(c.h) * a.Ttot : nullptr, c.row, nr);
   }
   __syncthreads();
   x.B = S.b[nr - 1];
@@ -304,9 +314,11 @@ __device__ void seg_wy(Ctx<T>& x) {
   bgemm<R>(S.W, dk, S.Tm, kSeg, false, S.bK, dk, false, nr, dk, nr, R(1), R(0));  // [R,R] x [R,dk]
 }
 
-// X = tril(Q^ K^T), D = X Tm, Q~ = Q^ - D bK, and P = D o M, bV = diag(beta) V.
-template <class T>
-__device__ void seg_scores(Ctx<T>& x) {
+// X = tril(Q^ K^T), D = X Tm, Q~ = Q^ - D bK, and P = D o M, bV = diag(beta) V. Tm, D, Q~ hold no
+// gate: the decays enter only as the scalars of M, the read coefficients e^{b_i}, e^B and the
+// new-token weights (docs/math/LOGLINEAR.md §6.4), which dec forms exactly across resets.
+template <class T, class Dec>
+__device__ void seg_scores(Ctx<T>& x, const Dec& dec) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
@@ -318,7 +330,7 @@ __device__ void seg_scores(Ctx<T>& x) {
   bgemm<R>(S.D, kSeg, S.X, kSeg, false, S.Tm, kSeg, false, nr, nr, nr, R(1), R(0));  // [R,R] x [R,R]
   for (int e = threadIdx.x; e < nr * nr; e += blockDim.x) {
     const int i = e / nr, j = e % nr;
-    S.P[i * kSeg + j] = j <= i ? x.mask(i, j) * S.D[i * kSeg + j] : R(0);
+    S.P[i * kSeg + j] = j <= i ? x.mask(dec, i, j) * S.D[i * kSeg + j] : R(0);
   }
   for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.bV[e] = S.beta[e / dv] * S.V[e];
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) S.Qt[e] = S.Q[e];
@@ -336,15 +348,17 @@ __device__ void copy(R* dst, const R* src, int64_t n) {
 template <class T>
 __global__ void __launch_bounds__(kThreads) delta_prep_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
+  __shared__ R z_bs[kSeg];
+  __shared__ int z_last[kSeg], z_any;
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
   const int dk = a.dk, dv = a.dv;
   for (int64_t item = blockIdx.x; item < a.nseg * a.H; item += gridDim.x) {
     const SegCtx c = segment(a, item / a.H, int(item % a.H));
-    Ctx<T> x{a, S, c};
+    Ctx<T> x{a, S, c, {z_bs, z_last, &z_any}};
     const int nr = c.nr;
     seg_load(x, true, true, false);
     seg_wy(x);
-    seg_scores(x);
+    with_chunk_decay(S.b, x.z, [&](const auto& dec) { seg_scores(x, dec); });
     bgemm<R>(S.Yr, dk, S.Tm, kSeg, true, S.K, dk, false, nr, dk, nr, R(1), R(0));  // K~  [R,R] x [R,dk]
     if (a.Oi) bgemm<R>(S.O, dv, S.P, kSeg, false, S.bV, dv, false, nr, dv, nr, R(1), R(0));  // [R,R] x [R,dv]
     copy(a.Wb + x.rows(dk), S.W, int64_t(nr) * dk);
@@ -368,8 +382,8 @@ __device__ void for_cols(int rows, int v0, int bv, F f) {  // f(row, column) ove
 // columns [v0, v0+bv): O rows (if a.o) and the state at e. Re-key targets of moved levels are never
 // live at s and the new-token targets are added after the moves, so the in-place order is exact
 // (§2.4).
-template <class T>
-__device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int bv) {
+template <class T, class Dec>
+__device__ void seg_forward(Ctx<T>& x, const Dec& dec, Acc<T>* ws, uint64_t* s_mask, int v0, int bv) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
@@ -389,7 +403,7 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int
     T* o = a.o + x.rows(dv);
     for_cols(nr, v0, bv, [&](int i, int cc) { o[i * dv + cc] = to<T>(S.O[i * dv + cc]); });
   }
-  const R eB = exp(x.B);
+  const R eB = exp(x.B);  // 0 when the segment holds a reset
   for (int l = 0; l < a.Ls; ++l) {  // e^B (H - K^T (W H)) re-keyed to l(e, sigma_l(s))
     if (!a.grid.live(c.s, l)) continue;
     R* Hl = ws + l * mat;
@@ -411,11 +425,11 @@ __device__ void seg_forward(Ctx<T>& x, Acc<T>* ws, uint64_t* s_mask, int v0, int
     __syncthreads();
   }
   const uint64_t groups = x.token_levels(s_mask);
-  for (int tl = 0; tl < 64; ++tl) {  // new tokens: K^T Tm diag(beta e^{B-b} 1_tl) V = K~^T (..) V
+  for (int tl = 0; tl < 64; ++tl) {  // new tokens: K^T Tm diag(beta w 1_tl) V = K~^T (..) V, w_j = e^{B-b_j}
     if (!((groups >> tl) & 1)) continue;
     for_cols(nr, v0, bv, [&](int j, int cc) {
       const bool in = a.grid.level(c.e, c.s + j) == tl;
-      S.Y[j * dv + cc] = in ? S.beta[j] * exp(x.B - S.b[j]) * S.V[j * dv + cc] : R(0);
+      S.Y[j * dv + cc] = in ? S.beta[j] * dec.weight(j) * S.V[j * dv + cc] : R(0);
     });
     __syncthreads();
     bgemm<R>(ws + tl * mat + v0, dv, Kt, dk, true, S.Y + v0, dv, false, dk, bv, nr, R(1), R(1));  // [dk,R] x [R,bv]
@@ -434,6 +448,8 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) delta_fwd_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
   __shared__ uint64_t s_mask;
+  __shared__ R z_bs[kSeg];
+  __shared__ int z_last[kSeg], z_any;
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
   const int64_t mat = int64_t(a.dk) * a.dv;
   const int nvt = (a.dv + kVTile - 1) / kVTile;
@@ -443,12 +459,12 @@ __global__ void __launch_bounds__(kThreads) delta_fwd_kernel(DeltaArgs<T> a) {
     R* ws = a.ws + sh * a.Ls * mat;
     for (int64_t sg = a.seq_seg0[seq], end = sg + a.seq_nseg[seq]; sg < end; ++sg) {
       const SegCtx c = segment(a, sg, h);
-      Ctx<T> x{a, S, c};
+      Ctx<T> x{a, S, c, {z_bs, z_last, &z_any}};
       if (a.hbuf)
         for (int l = 0; l < a.Ls; ++l)
           if (a.grid.live(c.s, l)) copy_cols(x.state_in(l), ws + l * mat, a.dk, a.dv, v0, bv);
       seg_load(x, false, true, false);
-      seg_forward(x, ws, &s_mask, v0, bv);
+      with_chunk_decay(S.b, x.z, [&](const auto& dec) { seg_forward(x, dec, ws, &s_mask, v0, bv); });
     }
   }
 }
@@ -477,6 +493,8 @@ __global__ void __launch_bounds__(kThreads) delta_adj_kernel(DeltaArgs<T> a) {
         if (a.grid.live(c.e, l)) copy_cols(x.adj_out(l), dws + l * mat, dk, dv, v0, bv);
       seg_load(x, false, false, true);
       const R *W = a.Wb + x.rows(dk), *K = a.Kb + x.rows(dk), *Qt = a.Qtb + x.rows(dk);
+      // e^B (0 with a reset in the segment) and e^{b_i} (exact before its first reset, 0 from it
+      // on): no decay between two rows, so no reset structure
       const R eB = exp(x.B);
       for (int l = 0; l < a.Ls; ++l) {
         if (!a.grid.live(c.s, l)) continue;
@@ -499,8 +517,10 @@ __global__ void __launch_bounds__(kThreads) delta_adj_kernel(DeltaArgs<T> a) {
 
 // Phase 4, parallel over (segment, head): seg_backward of the CPU without the adjoint moves,
 // from the stored state entering the segment (hbuf) and the stored adjoint at its end (dhbuf).
-template <class T>
-__device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
+// With a reset in the segment (Dec::kReset) db and dB are the partials in the segment-relative sums
+// bs_i and bs_{R-1} of prims/resets.cuh, and dg stops at the resets (chunk_dg_serial).
+template <class T, class Dec>
+__device__ void seg_grads(Ctx<T>& x, const Dec& dec, uint64_t* s_mask, Acc<T>* red) {
   using R = Acc<T>;
   const DeltaArgs<T>& a = x.a;
   Scratch<R>& S = x.S;
@@ -518,15 +538,15 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     for (int e = threadIdx.x; e < nr * nL; e += blockDim.x) dlam[e] = 0;
   __syncthreads();
   R dB = 0;
-  const R eB = exp(x.B);
+  const R eB = exp(x.B);  // 0 when the segment holds a reset
 
-  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V, w = e^{B-b}
+  // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V, w_j = e^{B-b_j} (dec.weight)
   const uint64_t groups = x.token_levels(s_mask);
   for (int tl = 0; tl < 64; ++tl) {
     if (!((groups >> tl) & 1)) continue;
     const R* Dz = x.adj_out(tl);
     for (int j = threadIdx.x; j < nr; j += blockDim.x)
-      S.coef[j] = a.grid.level(c.e, c.s + j) == tl ? S.beta[j] * exp(x.B - S.b[j]) : R(0);
+      S.coef[j] = a.grid.level(c.e, c.s + j) == tl ? S.beta[j] * dec.weight(j) : R(0);
     __syncthreads();
     for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) S.Y[e] = S.coef[e / dv] * S.V[e];
     __syncthreads();
@@ -542,7 +562,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
         S.dv[j * dv + cc] += S.coef[j] * S.dY2[j * dv + cc];
       }
       const bool in = a.grid.level(c.e, c.s + j) == tl;
-      if (in) S.dbeta[j] += exp(x.B - S.b[j]) * tY;
+      if (in) S.dbeta[j] += dec.weight(j) * tY;
       const R dwm = S.coef[j] * tY;  // d/d(B - b_j)
       S.db[j] -= dwm;
       S.rowtmp[j] = dwm;
@@ -598,7 +618,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
     const int i = e / nr, j = e % nr;
     R dD = 0, dG = 0;
     if (j <= i) {
-      const R M = x.mask(i, j), dPij = S.dP[i * kSeg + j];
+      const R M = x.mask(dec, i, j), dPij = S.dP[i * kSeg + j];
       dD = dPij * M;
       dG = dPij * S.D[i * kSeg + j] * M;  // d/d(b_i - b_j)
     }
@@ -612,7 +632,7 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
       s += S.dG[i * kSeg + j];
       if (fen)
         dlam[int64_t(i) * nL + a.grid.level(c.s + i, c.s + j)] +=
-            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * exp(S.b[i] - S.b[j]);
+            S.dP[i * kSeg + j] * S.D[i * kSeg + j] * dec.gamma(i, j);
     }
     S.db[i] += s;
   }
@@ -662,11 +682,10 @@ __device__ void seg_grads(Ctx<T>& x, uint64_t* s_mask, Acc<T>* red) {
   __syncthreads();
   bgemm<R>(S.dk, dk, S.dA, kSeg, false, S.K, dk, false, nr, dk, nr, R(1), R(1));       // (dA + dA^T) K
   bgemm<R>(S.dk, dk, S.dA, kSeg, true, S.K, dk, false, nr, dk, nr, R(1), R(1));
-  // dg: reverse cumsum of db within the segment (b is chunk-local), dB at the last row
-  if (threadIdx.x == 0) {
-    R acc = dB;
-    for (int i = nr - 1; i >= 0; --i) a.dg[rowbase + i] = (acc += S.db[i]);
-  }
+  // dg: reverse cumsum of db within the segment (b is chunk-local), dB at the last row, stopped at
+  // the resets
+  if (threadIdx.x == 0)
+    chunk_dg_serial<Dec::kReset>(a.dg + rowbase, [&](int i) { return S.db[i]; }, dB, nr, x.z);
   for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) {
     a.dq[rowbase * dk + e] = S.dq[e];
     a.dk_[rowbase * dk + e] = S.dk[e];
@@ -682,14 +701,18 @@ __global__ void __launch_bounds__(kThreads) delta_grad_kernel(DeltaArgs<T> a) {
   using R = Acc<T>;
   __shared__ uint64_t s_mask;
   __shared__ R red[kThreads];
+  __shared__ R z_bs[kSeg];
+  __shared__ int z_last[kSeg], z_any;
   Scratch<R> S(a.scratch + blockIdx.x * a.scratch_elems, a.dk, a.dv);
   for (int64_t item = blockIdx.x; item < a.nseg * a.H; item += gridDim.x) {
     const SegCtx c = segment(a, item / a.H, int(item % a.H));
-    Ctx<T> x{a, S, c};
+    Ctx<T> x{a, S, c, {z_bs, z_last, &z_any}};
     seg_load(x, true, true, true);
     seg_wy(x);
-    seg_scores(x);
-    seg_grads(x, &s_mask, red);
+    with_chunk_decay(S.b, x.z, [&](const auto& dec) {
+      seg_scores(x, dec);
+      seg_grads(x, dec, &s_mask, red);
+    });
   }
 }
 

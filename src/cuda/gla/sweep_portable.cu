@@ -6,6 +6,7 @@
 // the reverse sweep stores the state cotangent at every chunk end.
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/gla.cuh"
+#include "cuda/prims/resets.cuh"
 #include "cuda/runtime/runtime.cuh"
 
 namespace hila::cuda {
@@ -17,6 +18,7 @@ struct FwdSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *Hs, *P;
   R *A, *O, *Hf, *b;
+  ChunkResets<R> z;  // the chunk's resets (prims/resets.cuh)
   int ldk, ldv, ldc, ldkr, ldvr, ldcr;
   __host__ __device__ FwdSmem(char* base, int dk, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(kBV), ldc = ld_of<T>(kChunk);
@@ -31,6 +33,9 @@ struct FwdSmem {
     O = c.take<R>(kChunk * ldvr);
     Hf = c.take<R>(dk * ldvr);
     b = c.take<R>(kChunk);
+    z.bs = c.take<R>(kChunk);
+    z.last = c.take<int>(kChunk);
+    z.any = c.take<int>(1);
     if (bytes) *bytes = c.used;
   }
 };
@@ -60,32 +65,34 @@ __global__ void __launch_bounds__(256) gla_fwd_kernel(GlaArgs<T> a) {
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.K, s.ldk, k, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, v, a.dv, r0, nr, v0, bv);
-    chunk_cumsum(s.b, g, r0, nr);  // includes a barrier
-    if (a.o) {
-      for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
-        s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(s.Hf[(e / bv) * s.ldvr + e % bv]);
-      smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, a.dk, false);
-      for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
-        const int i = e / kChunk, j = e % kChunk;
-        const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * exp(s.b[i] - s.b[j]) : R(0);
-        s.P[i * s.ldc + j] = to<T>(x);
+    chunk_cumsum_resets(s.b, s.z, g, r0, nr);  // includes a barrier
+    with_chunk_decay(s.b, s.z, [&](const auto& dec) {  // Gamma and w (exact across resets)
+      if (a.o) {
+        for (int e = threadIdx.x; e < a.dk * bv; e += blockDim.x)
+          s.Hs[(e / bv) * s.ldv + e % bv] = to<T>(s.Hf[(e / bv) * s.ldvr + e % bv]);
+        smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, a.dk, false);
+        for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+          const int i = e / kChunk, j = e % kChunk;
+          const R x = (j <= i && i < nr) ? s.A[i * s.ldcr + j] * a.scale * dec.gamma(i, j) : R(0);
+          s.P[i * s.ldc + j] = to<T>(x);
+        }
+        for (int e = threadIdx.x; e < kChunk * a.dk; e += blockDim.x) {  // Q <- diag(scale e^b) Q
+          const int i = e / a.dk, j = e % a.dk;
+          s.Q[i * s.ldk + j] = to<T>(from<R>(s.Q[i * s.ldk + j]) * a.scale * exp(s.b[i]));
+        }
+        __syncthreads();
+        smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
+        smem_gemm<T, false, false>(s.O, s.ldvr, s.Q, s.ldk, s.Hs, s.ldv, kChunk, bv, a.dk, true);
+        store_rows(a.o + int64_t(h) * a.Ttot * a.dv, a.dv, r0, v0, s.O, s.ldvr, nr, bv);
       }
-      for (int e = threadIdx.x; e < kChunk * a.dk; e += blockDim.x) {  // Q <- diag(scale e^b) Q
-        const int i = e / a.dk, j = e % a.dk;
-        s.Q[i * s.ldk + j] = to<T>(from<R>(s.Q[i * s.ldk + j]) * a.scale * exp(s.b[i]));
+      // H <- e^B H + K^T diag(w) V   (w_i = e^{B - b_i})
+      const R B = s.b[kChunk - 1];
+      for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
+        const int i = e / bv, j = e % bv;
+        s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * dec.weight(i));
       }
-      __syncthreads();
-      smem_gemm<T, false, false>(s.O, s.ldvr, s.P, s.ldc, s.V, s.ldv, kChunk, bv, kChunk, false);
-      smem_gemm<T, false, false>(s.O, s.ldvr, s.Q, s.ldk, s.Hs, s.ldv, kChunk, bv, a.dk, true);
-      store_rows(a.o + int64_t(h) * a.Ttot * a.dv, a.dv, r0, v0, s.O, s.ldvr, nr, bv);
-    }
-    // H <- e^B H + K^T diag(e^{B-b}) V
-    const R B = s.b[kChunk - 1];
-    for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
-      const int i = e / bv, j = e % bv;
-      s.V[i * s.ldv + j] = to<T>(from<R>(s.V[i * s.ldv + j]) * exp(B - s.b[i]));
-    }
-    tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
+      tile_scale(s.Hf, s.ldvr, a.dk, bv, R(exp(B)));
+    });
     __syncthreads();
     smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.V, s.ldv, a.dk, bv, kChunk, true);
   }
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(256) gla_bwd_dh_kernel(GlaArgs<T> a) {
     tile_store(a.dhbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv, a.dv, v0, s.Hf, s.ldvr, a.dk, bv);
     load_rows(s.Q, s.ldk, q, a.dk, r0, nr, 0, a.dk);
     load_rows(s.V, s.ldv, dO, a.dv, r0, nr, v0, bv);
-    chunk_cumsum(s.b, g, r0, nr);
+    chunk_cumsum_resets(s.b, s.z, g, r0, nr);  // e^b is exact before the chunk's first reset, 0 from it on
     const R B = s.b[kChunk - 1];
     for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
       const int i = e / bv, j = e % bv;

@@ -30,6 +30,8 @@
 //   reads: Y = dO H[l]^T, dQ^ += diag(lam e^b) Y, dlam[i, lv_i] += e^{b_i} q^_i.Y_i
 //   new tokens: dK += diag(w 1_L) V dH'[L]^T, dV += diag(w 1_L) K dH'[L], w = e^{B-b}
 //   dB += <dH'[l(e, sigma_l(s))], e^B H[l]> + sum_j w_j (K dH'[L])_j.v_j;  dg = reverse local cumsum of db
+// A segment holding a reset (a floored gate) forms Gamma_c and w from sums restarted at each reset
+// and stops dg's cumsum there (prims/resets.cuh; docs/math/HLA.md §1, "Resets inside a chunk").
 #pragma once
 #include <vector>
 

@@ -5,6 +5,7 @@
 // mapping.
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/loglinear/loglinear.cuh"
+#include "cuda/prims/resets.cuh"
 #include "cuda/runtime/config.h"
 
 namespace hila::cuda {
@@ -91,6 +92,7 @@ struct FwdSmem {
   using R = Acc<T>;
   T *Q, *Qs, *K, *V, *Hs, *P;  // P doubles as the weighted values of the state update
   R *A, *O, *Hf, *b;
+  ChunkResets<R> z;  // the segment's resets (prims/resets.cuh)
   int ldk, ldv, ldc, ldcr, ldvr;
   __host__ __device__ FwdSmem(char* base, int dk, int cols, bool with_state, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(cols), ldc = ld_of<T>(kChunk);
@@ -106,18 +108,23 @@ struct FwdSmem {
     O = c.take<R>(kChunk * ldvr);
     Hf = with_state ? c.take<R>(dk * ldvr) : nullptr;
     b = c.take<R>(kChunk);
+    z.bs = c.take<R>(kChunk);
+    z.last = c.take<int>(kChunk);
+    z.any = c.take<int>(1);
     if (bytes) *bytes = c.used;
   }
 };
 static_assert(kVT <= kChunk, "FwdSmem::P holds [C, C] scores and [C, kVT] weighted values");
 
 // Output rows of one segment, value columns [v0, v0+bv), with s.Q, s.K, s.V (columns [v0, v0+bv)
-// at 0) and s.b loaded:
+// at 0), s.b and s.z loaded:
 //   O = (Lam o Gamma_c o Q^ K^T) V + sum_{l live at s} diag(lam^{l(s+i, sigma_l(s))} e^{b_i}) Q^ H[l]
-// level(l, m) points at element (0, v0) of live level l (the m-th live level of s) as a fp32
-// matrix with row stride p.dv.
-template <class T, class Level>
-__device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const Seg& sg, int h, int v0, int bv, Level level) {
+// Gamma_c from dec (prims/resets.cuh: exact across the segment's resets; e^{b_i} is exact before
+// its first reset and 0 from it on). level(l, m) points at element (0, v0) of live level l (the
+// m-th live level of s) as a fp32 matrix with row stride p.dv.
+template <class T, class Dec, class Level>
+__device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const Dec& dec, const Seg& sg, int h, int v0,
+                               int bv, Level level) {
   using R = Acc<T>;
   const GlaArgs<T>& p = a.p;
   const R* lam = a.lam + int64_t(h) * p.Ttot * a.nL;
@@ -126,7 +133,7 @@ __device__ void segment_output(const LoglinearArgs<T>& a, FwdSmem<T>& s, const S
     const int i = e / kChunk, jj = e % kChunk;
     R x = 0;
     if (jj <= i && i < sg.nr)
-      x = s.A[i * s.ldcr + jj] * p.scale * exp(s.b[i] - s.b[jj]) *
+      x = s.A[i * s.ldcr + jj] * p.scale * dec.gamma(i, jj) *
           lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + jj)];
     s.P[i * s.ldc + jj] = to<T>(x);
   }
@@ -180,45 +187,48 @@ __global__ void __launch_bounds__(256) loglinear_fwd_kernel(LoglinearArgs<T> a) 
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.K, s.ldk, k, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.V, s.ldv, v, p.dv, sg.row, sg.nr, v0, bv);
-    chunk_cumsum(s.b, g, sg.row, sg.nr);  // includes a barrier
-    if (p.o) segment_output(a, s, sg, h, v0, bv, [&](int l, int) { return H + l * tile + v0; });
-    // decay and re-key H[l] -> H'[l(e, sigma_l(s))], in place from the top level down: a target
-    // is >= its source, and every source above the current one has already moved out (so H[l]
-    // still holds the level entering the segment, which hst keeps for the outputs / backward).
-    const R eB = exp(s.b[kChunk - 1]);
-    for (int l = top; l >= 1; --l) {
-      if (!is_live(sg.s, l)) continue;
-      const int L = read_level(sg.e, sg.s, l);
-      R* kept = a.hst ? a.hst + ((a.hoff[a.seg0[seq] + j] + live_rank(sg.s, l)) * p.H + h) * tile : nullptr;
-      each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) {
-        const R hx = H[l * tile + x], y = hx * eB;
-        if (kept) kept[x] = hx;
-        if (L == l) {
-          H[l * tile + x] = y;
-        } else {
-          H[L * tile + x] += y;
-          H[l * tile + x] = 0;
-        }
-      });
-      __syncthreads();
-    }
-    // new tokens: H'[L] += K^T diag(e^{B-b} 1_L) V       [dk,C]x[C,64]
-    for (int L = 1; L <= etop; ++L) {
-      int lo, hi;
-      if (!group_rows(sg, L, lo, hi)) continue;
-      for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
-        const int i = e / bv, c = e % bv;
-        const R x = (i >= lo && i < hi) ? from<R>(s.V[i * s.ldv + c]) * exp(s.b[kChunk - 1] - s.b[i]) : R(0);
-        s.P[i * s.ldc + c] = to<T>(x);
+    chunk_cumsum_resets(s.b, s.z, g, sg.row, sg.nr);  // includes a barrier
+    with_chunk_decay(s.b, s.z, [&](const auto& dec) {  // Gamma_c and w (exact across resets)
+      if (p.o) segment_output(a, s, dec, sg, h, v0, bv, [&](int l, int) { return H + l * tile + v0; });
+      // decay and re-key H[l] -> H'[l(e, sigma_l(s))], in place from the top level down: a target
+      // is >= its source, and every source above the current one has already moved out (so H[l]
+      // still holds the level entering the segment, which hst keeps for the outputs / backward).
+      // e^B is exactly 0 when the segment holds a reset.
+      const R eB = exp(s.b[kChunk - 1]);
+      for (int l = top; l >= 1; --l) {
+        if (!is_live(sg.s, l)) continue;
+        const int L = read_level(sg.e, sg.s, l);
+        R* kept = a.hst ? a.hst + ((a.hoff[a.seg0[seq] + j] + live_rank(sg.s, l)) * p.H + h) * tile : nullptr;
+        each_tile(p.dk, bv, p.dv, v0, [&](int64_t x) {
+          const R hx = H[l * tile + x], y = hx * eB;
+          if (kept) kept[x] = hx;
+          if (L == l) {
+            H[l * tile + x] = y;
+          } else {
+            H[L * tile + x] += y;
+            H[l * tile + x] = 0;
+          }
+        });
+        __syncthreads();
       }
-      for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-        s.Hf[(e / bv) * s.ldvr + e % bv] = H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv];
-      __syncthreads();
-      smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.P, s.ldc, p.dk, bv, kChunk, true);
-      for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-        H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
-      __syncthreads();
-    }
+      // new tokens: H'[L] += K^T diag(w 1_L) V       [dk,C]x[C,64]   (w_i = e^{B-b_i}, dec.weight)
+      for (int L = 1; L <= etop; ++L) {
+        int lo, hi;
+        if (!group_rows(sg, L, lo, hi)) continue;
+        for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
+          const int i = e / bv, c = e % bv;
+          const R x = (i >= lo && i < hi) ? from<R>(s.V[i * s.ldv + c]) * dec.weight(i) : R(0);
+          s.P[i * s.ldc + c] = to<T>(x);
+        }
+        for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
+          s.Hf[(e / bv) * s.ldvr + e % bv] = H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv];
+        __syncthreads();
+        smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.P, s.ldc, p.dk, bv, kChunk, true);
+        for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
+          H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
+        __syncthreads();
+      }
+    });
   }
 }
 
@@ -235,10 +245,12 @@ __global__ void __launch_bounds__(256) loglinear_out_kernel(LoglinearArgs<T> a) 
   load_rows(s.Q, s.ldk, p.q + int64_t(h / p.q_div) * p.Ttot * p.dk, p.dk, sg.row, sg.nr, 0, p.dk);
   load_rows(s.K, s.ldk, p.k + int64_t(h / p.k_div) * p.Ttot * p.dk, p.dk, sg.row, sg.nr, 0, p.dk);
   load_rows(s.V, s.ldv, p.v + int64_t(h / p.v_div) * p.Ttot * p.dv, p.dv, sg.row, sg.nr, 0, p.dv);
-  chunk_cumsum(s.b, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, sg.nr);
+  chunk_cumsum_resets(s.b, s.z, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, sg.nr);
   const int64_t tile = int64_t(p.dk) * p.dv;
-  segment_output(a, s, sg, h, 0, p.dv,
-                 [&](int, int m) -> const R* { return a.hst + ((a.hoff[gi] + m) * p.H + h) * tile; });
+  with_chunk_decay(s.b, s.z, [&](const auto& dec) {
+    segment_output(a, s, dec, sg, h, 0, p.dv,
+                   [&](int, int m) -> const R* { return a.hst + ((a.hoff[gi] + m) * p.H + h) * tile; });
+  });
 }
 
 // ---- reverse sweep of the level adjoints (§5.2) -----------------------------------------------
@@ -248,6 +260,7 @@ struct RevSmem {
   using R = Acc<T>;
   T *Q, *D, *Ds;  // Q [C, dk]; dO tile [C, 64] and its per-level weighted copy
   R *Hf, *b, *red;
+  ChunkResets<R> z;  // the segment's resets (prims/resets.cuh)
   int ldk, ldv, ldvr;
   __host__ __device__ RevSmem(char* base, int dk, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(kVT), ldvr = ld_of<R>(kVT);
@@ -258,6 +271,9 @@ struct RevSmem {
     Hf = c.take<R>(dk * ldvr);
     b = c.take<R>(kChunk);
     red = c.take<R>(256);
+    z.bs = c.take<R>(kChunk);
+    z.last = c.take<int>(kChunk);
+    z.any = c.take<int>(1);
     if (bytes) *bytes = c.used;
   }
 };
@@ -302,7 +318,9 @@ __global__ void __launch_bounds__(256) loglinear_bwd_dh_kernel(LoglinearArgs<T> 
     }
     load_rows(s.Q, s.ldk, q, p.dk, sg.row, sg.nr, 0, p.dk);
     load_rows(s.D, s.ldv, dO, p.dv, sg.row, sg.nr, v0, bv);
-    chunk_cumsum(s.b, g, sg.row, sg.nr);
+    // e^b exact before the segment's first reset and 0 from it on, e^B = 0 with a reset: the
+    // reverse sweep needs no other decay
+    chunk_cumsum_resets(s.b, s.z, g, sg.row, sg.nr);
     const R eB = exp(s.b[kChunk - 1]);
     // adjoint of the re-key, in place from the lowest level up (a source reads its target >= it,
     // which no lower source has written), with this tile's part of sum_l <dH'[L(l)], H[l]>
@@ -354,6 +372,7 @@ struct GradSmem {
   using R = Acc<T>;
   T *Q, *K, *V, *dO, *Hs, *P, *dA;
   R *A, *dP, *X, *b, *db, *dbc, *dBr, *cf;
+  ChunkResets<R> z;  // the segment's resets (prims/resets.cuh)
   int ldk, ldv, ldc, ldcr, ldx;
   __host__ __device__ GradSmem(char* base, int dk, int dv, size_t* bytes = nullptr) {
     ldk = ld_of<T>(dk), ldv = ld_of<T>(dv), ldc = ld_of<T>(kChunk);
@@ -367,12 +386,14 @@ struct GradSmem {
     P = c.take<T>(kChunk * ldc);
     dA = c.take<T>(kChunk * ldc);
     A = c.take<R>(kChunk * ldcr);
+    // [C] each, in A from when A is dead (after the intra block's sums)
+    dbc = A, cf = A + kChunk, dBr = A + 2 * kChunk;
     dP = X = c.take<R>(kChunk * (ldcr > ldx ? ldcr : ldx));  // dP is dead before X is first written
     b = c.take<R>(kChunk);
     db = c.take<R>(kChunk);
-    dbc = c.take<R>(kChunk);
-    dBr = c.take<R>(kChunk);
-    cf = c.take<R>(kChunk);
+    z.bs = c.take<R>(kChunk);
+    z.last = c.take<int>(kChunk);
+    z.any = c.take<int>(1);
     if (bytes) *bytes = c.used;
   }
 };
@@ -397,143 +418,141 @@ __global__ void __launch_bounds__(256) loglinear_bwd_chunk_kernel(LoglinearArgs<
   load_rows(s.K, s.ldk, p.k + int64_t(h / p.k_div) * p.Ttot * dk, dk, sg.row, nr, 0, dk);
   load_rows(s.V, s.ldv, p.v + int64_t(h / p.v_div) * p.Ttot * dv, dv, sg.row, nr, 0, dv);
   load_rows(s.dO, s.ldv, p.dO + int64_t(h) * p.Ttot * dv, dv, sg.row, nr, 0, dv);
-  if (threadIdx.x < kChunk) {
-    const int i = threadIdx.x;
-    s.db[i] = 0, s.dbc[i] = 0, s.dBr[i] = 0;
-  }
-  chunk_cumsum(s.b, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, nr);  // includes a barrier
-  const R B = s.b[kChunk - 1], eB = exp(B);
-
-  // ---- intra block. With G = Gamma_c, Lam the LUT-gathered lam, A^ = Q^K^T:
-  //   P = Lam o G o A^;  dA^ = dP o Lam o G;  d lam_i^{LUT[i,j]} += dP_ij (G o A^)_ij;
-  //   d(b_i - b_j) += dP_ij P_ij.   Afterwards s.A holds dP o P and s.dP holds dP o G o A^.
-  smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, dk, false);   // [C,dk]x[dk,C]
-  smem_gemm<T, false, true>(s.dP, s.ldcr, s.dO, s.ldv, s.V, s.ldv, kChunk, kChunk, dv, false);  // [C,dv]x[dv,C]
-  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
-    const int i = e / kChunk, j = e % kChunk;
-    R pij = 0, da = 0, dpp = 0, t = 0;
-    if (j <= i && i < nr) {
-      const R gam = exp(s.b[i] - s.b[j]);
-      const R lm = lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + j)];
-      const R ag = s.A[i * s.ldcr + j] * p.scale * gam;
-      const R dp = s.dP[i * s.ldcr + j];
-      pij = lm * ag;
-      da = dp * lm * gam;
-      dpp = dp * pij;
-      t = dp * ag;
+  if (threadIdx.x < kChunk) s.db[threadIdx.x] = 0;
+  chunk_cumsum_resets(s.b, s.z, p.g ? p.g + int64_t(h) * p.Ttot : nullptr, sg.row, nr);  // includes a barrier
+  const R eB = exp(s.b[kChunk - 1]);  // 0 when the segment holds a reset
+  // Gamma_c and w from dec (prims/resets.cuh): with a reset in the segment they are formed from the
+  // segment-relative sums bs, and db, dB below are the partials in bs_i and bs_{C-1}
+  with_chunk_decay(s.b, s.z, [&](const auto& dec) {
+    constexpr bool kReset = std::decay_t<decltype(dec)>::kReset;
+    // ---- intra block. With G = Gamma_c, Lam the LUT-gathered lam, A^ = Q^K^T:
+    //   P = Lam o G o A^;  dA^ = dP o Lam o G;  d lam_i^{LUT[i,j]} += dP_ij (G o A^)_ij;
+    //   d(b_i - b_j) += dP_ij P_ij.   Afterwards s.A holds dP o P and s.dP holds dP o G o A^.
+    smem_gemm<T, false, true>(s.A, s.ldcr, s.Q, s.ldk, s.K, s.ldk, kChunk, kChunk, dk, false);   // [C,dk]x[dk,C]
+    smem_gemm<T, false, true>(s.dP, s.ldcr, s.dO, s.ldv, s.V, s.ldv, kChunk, kChunk, dv, false);  // [C,dv]x[dv,C]
+    for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+      const int i = e / kChunk, j = e % kChunk;
+      R pij = 0, da = 0, dpp = 0, t = 0;
+      if (j <= i && i < nr) {
+        const R gam = dec.gamma(i, j);
+        const R lm = lam[(sg.row + i) * a.nL + chunk_level(sg.off + i, sg.off + j)];
+        const R ag = s.A[i * s.ldcr + j] * p.scale * gam;
+        const R dp = s.dP[i * s.ldcr + j];
+        pij = lm * ag;
+        da = dp * lm * gam;
+        dpp = dp * pij;
+        t = dp * ag;
+      }
+      s.A[i * s.ldcr + j] = dpp;
+      s.dP[i * s.ldcr + j] = t;
+      s.P[i * s.ldc + j] = to<T>(pij);
+      s.dA[i * s.ldc + j] = to<T>(da);
     }
-    s.A[i * s.ldcr + j] = dpp;
-    s.dP[i * s.ldcr + j] = t;
-    s.P[i * s.ldc + j] = to<T>(pij);
-    s.dA[i * s.ldc + j] = to<T>(da);
-  }
-  __syncthreads();
-  if (threadIdx.x < kChunk) {  // rows: + sum_j dP_ij P_ij
-    const int i = threadIdx.x;
-    R acc = 0;
-    for (int j = 0; j <= i; ++j) acc += s.A[i * s.ldcr + j];
-    s.db[i] += acc;
-  } else if (threadIdx.x < 2 * kChunk) {  // columns: - sum_i dP_ij P_ij
-    const int j = threadIdx.x - kChunk;
-    R acc = 0;
-    for (int i = j; i < kChunk; ++i) acc += s.A[i * s.ldcr + j];
-    s.dbc[j] = acc;
-  }
-  // dlam at the in-chunk levels 0..p: one (row, level) pair per task
-  for (int e = threadIdx.x; e < kChunk * (kLogChunk + 1); e += blockDim.x) {
-    const int i = e / (kLogChunk + 1), lv = e % (kLogChunk + 1);
-    if (i >= nr) continue;
-    R acc = 0;
-    bool any = false;
-    for (int j = 0; j <= i; ++j)
-      if (chunk_level(sg.off + i, sg.off + j) == lv) acc += s.dP[i * s.ldcr + j], any = true;
-    if (any) dlam[(sg.row + i) * a.nL + lv] += acc;  // any => lv <= bitlen(t) < nL (validated)
-  }
-  __syncthreads();
-  // dQ^ = dA^ K; dK = dA^^T Q^; dV = P^T dO
-  smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, false);  // [C,C]x[C,dk]
-  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) p.dq[(rb + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
-  __syncthreads();
-  smem_gemm<T, true, false>(s.X, s.ldx, s.dA, s.ldc, s.Q, s.ldk, kChunk, dk, kChunk, false);   // [C,C]^T x [C,dk]
-  for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
-    p.dk_[(rb + e / dk) * dk + e % dk] = p.scale * s.X[(e / dk) * s.ldx + e % dk];
-  __syncthreads();
-  smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, false);   // [C,C]^T x [C,dv]
-  for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) p.dv_[(rb + e / dv) * dv + e % dv] = s.X[(e / dv) * s.ldx + e % dv];
-  __syncthreads();
+    __syncthreads();
+    R colsum = 0;  // thread kChunk + j: column j's sum, stored to dbc[j] (in A) after the next barrier
+    if (threadIdx.x < kChunk) {  // rows: + sum_j dP_ij P_ij
+      const int i = threadIdx.x;
+      R acc = 0;
+      for (int j = 0; j <= i; ++j) acc += s.A[i * s.ldcr + j];
+      s.db[i] += acc;
+    } else if (threadIdx.x < 2 * kChunk) {  // columns: - sum_i dP_ij P_ij
+      const int j = threadIdx.x - kChunk;
+      for (int i = j; i < kChunk; ++i) colsum += s.A[i * s.ldcr + j];
+    }
+    // dlam at the in-chunk levels 0..p: one (row, level) pair per task
+    for (int e = threadIdx.x; e < kChunk * (kLogChunk + 1); e += blockDim.x) {
+      const int i = e / (kLogChunk + 1), lv = e % (kLogChunk + 1);
+      if (i >= nr) continue;
+      R acc = 0;
+      bool any = false;
+      for (int j = 0; j <= i; ++j)
+        if (chunk_level(sg.off + i, sg.off + j) == lv) acc += s.dP[i * s.ldcr + j], any = true;
+      if (any) dlam[(sg.row + i) * a.nL + lv] += acc;  // any => lv <= bitlen(t) < nL (validated)
+    }
+    __syncthreads();  // A is dead from here
+    if (threadIdx.x < kChunk) s.dBr[threadIdx.x] = 0;
+    else if (threadIdx.x < 2 * kChunk) s.dbc[threadIdx.x - kChunk] = colsum;
+    // dQ^ = dA^ K; dK = dA^^T Q^; dV = P^T dO
+    smem_gemm<T, false, false>(s.X, s.ldx, s.dA, s.ldc, s.K, s.ldk, kChunk, dk, kChunk, false);  // [C,C]x[C,dk]
+    for (int e = threadIdx.x; e < nr * dk; e += blockDim.x) p.dq[(rb + e / dk) * dk + e % dk] = s.X[(e / dk) * s.ldx + e % dk];
+    __syncthreads();
+    smem_gemm<T, true, false>(s.X, s.ldx, s.dA, s.ldc, s.Q, s.ldk, kChunk, dk, kChunk, false);   // [C,C]^T x [C,dk]
+    for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
+      p.dk_[(rb + e / dk) * dk + e % dk] = p.scale * s.X[(e / dk) * s.ldx + e % dk];
+    __syncthreads();
+    smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, false);   // [C,C]^T x [C,dv]
+    for (int e = threadIdx.x; e < nr * dv; e += blockDim.x) p.dv_[(rb + e / dv) * dv + e % dv] = s.X[(e / dv) * s.ldx + e % dv];
+    __syncthreads();
 
-  // ---- reads of the incoming live levels: Y = dO H[l]^T, coef_i = lam_i^{lv_i} e^{b_i}
-  //   dQ^ += diag(coef) Y;  dlam[i, lv_i] += e^{b_i} q^_i.Y_i;  db_i += coef_i q^_i.Y_i
-  //   and the transition: dB += e^B <dH'[l(e, sigma_l(s))], H[l]> (summed over the reverse
-  //   sweep's column tiles in dBpart)
-  R dB = 0;  // meaningful in thread 0
-  if (threadIdx.x == 0)
-    for (int t = 0, nt = (dv + kVT - 1) / kVT; t < nt; ++t) dB += eB * a.dBpart[(gi * p.H + h) * nt + t];
-  {
-    int m = 0;
-    for (int l = 1; l <= top; ++l) {
-      if (!is_live(sg.s, l)) continue;
-      const R* Hl = a.hst + ((a.hoff[gi] + m++) * p.H + h) * tile;
-      for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(Hl[e]);
+    // ---- reads of the incoming live levels: Y = dO H[l]^T, coef_i = lam_i^{lv_i} e^{b_i}
+    //   dQ^ += diag(coef) Y;  dlam[i, lv_i] += e^{b_i} q^_i.Y_i;  db_i += coef_i q^_i.Y_i
+    //   and the transition: dB += e^B <dH'[l(e, sigma_l(s))], H[l]> (summed over the reverse
+    //   sweep's column tiles in dBpart)
+    R dB = 0;  // meaningful in thread 0
+    if (threadIdx.x == 0)
+      for (int t = 0, nt = (dv + kVT - 1) / kVT; t < nt; ++t) dB += eB * a.dBpart[(gi * p.H + h) * nt + t];
+    {
+      int m = 0;
+      for (int l = 1; l <= top; ++l) {
+        if (!is_live(sg.s, l)) continue;
+        const R* Hl = a.hst + ((a.hoff[gi] + m++) * p.H + h) * tile;
+        for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(Hl[e]);
+        __syncthreads();
+        smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hs, s.ldv, kChunk, dk, dv, false);   // [C,dv]x[dv,dk]
+        if (threadIdx.x < nr) {
+          const int i = threadIdx.x;
+          const int lv = read_level(sg.s + i, sg.s, l);
+          const R eb = exp(s.b[i]), coef = lam[(sg.row + i) * a.nL + lv] * eb;
+          R qy = 0;
+          for (int c = 0; c < dk; ++c) qy += from<R>(s.Q[i * s.ldk + c]) * s.X[i * s.ldx + c];
+          qy *= p.scale;
+          dlam[(sg.row + i) * a.nL + lv] += eb * qy;
+          s.db[i] += coef * qy;
+          s.cf[i] = coef;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
+          p.dq[(rb + e / dk) * dk + e % dk] += s.cf[e / dk] * s.X[(e / dk) * s.ldx + e % dk];
+        __syncthreads();
+      }
+    }
+    // ---- new tokens of level L: Z_L = K^T diag(w 1_L) V, w = e^{B-b}
+    //   dV += diag(w 1_L) K dH'[L];  dK += diag(w 1_L) V dH'[L]^T;  d(B - b_j) += w_j (K dH'[L])_j.v_j
+    for (int L = 1, m = 0; L <= etop; ++L) {
+      int lo, hi;
+      if (!group_rows(sg, L, lo, hi)) continue;
+      const R* dHo = a.dst + ((a.goff[gi] + m++) * p.H + h) * tile;
+      for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(dHo[e]);
       __syncthreads();
-      smem_gemm<T, false, true>(s.X, s.ldx, s.dO, s.ldv, s.Hs, s.ldv, kChunk, dk, dv, false);   // [C,dv]x[dv,dk]
-      if (threadIdx.x < nr) {
+      smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.Hs, s.ldv, kChunk, dv, dk, false);  // [C,dk]x[dk,dv]
+      if (threadIdx.x >= lo && threadIdx.x < hi) {
         const int i = threadIdx.x;
-        const int lv = read_level(sg.s + i, sg.s, l);
-        const R eb = exp(s.b[i]), coef = lam[(sg.row + i) * a.nL + lv] * eb;
-        R qy = 0;
-        for (int c = 0; c < dk; ++c) qy += from<R>(s.Q[i * s.ldk + c]) * s.X[i * s.ldx + c];
-        qy *= p.scale;
-        dlam[(sg.row + i) * a.nL + lv] += eb * qy;
-        s.db[i] += coef * qy;
-        s.cf[i] = coef;
+        const R w = dec.weight(i);
+        R ty = 0;
+        for (int c = 0; c < dv; ++c) ty += s.X[i * s.ldx + c] * from<R>(s.V[i * s.ldv + c]);
+        s.dBr[i] += w * ty;
+        s.db[i] -= w * ty;
+        s.cf[i] = w;
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < nr * dk; e += blockDim.x)
-        p.dq[(rb + e / dk) * dk + e % dk] += s.cf[e / dk] * s.X[(e / dk) * s.ldx + e % dk];
+      for (int e = threadIdx.x; e < (hi - lo) * dv; e += blockDim.x) {
+        const int i = lo + e / dv, c = e % dv;
+        p.dv_[(rb + i) * dv + c] += s.cf[i] * s.X[i * s.ldx + c];
+      }
+      __syncthreads();
+      smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.Hs, s.ldv, kChunk, dk, dv, false);  // [C,dv]x[dv,dk]
+      for (int e = threadIdx.x; e < (hi - lo) * dk; e += blockDim.x) {
+        const int i = lo + e / dk, c = e % dk;
+        p.dk_[(rb + i) * dk + c] += s.cf[i] * s.X[i * s.ldx + c];
+      }
       __syncthreads();
     }
-  }
-  // ---- new tokens of level L: Z_L = K^T diag(w 1_L) V, w = e^{B-b}
-  //   dV += diag(w 1_L) K dH'[L];  dK += diag(w 1_L) V dH'[L]^T;  d(B - b_j) += w_j (K dH'[L])_j.v_j
-  for (int L = 1, m = 0; L <= etop; ++L) {
-    int lo, hi;
-    if (!group_rows(sg, L, lo, hi)) continue;
-    const R* dHo = a.dst + ((a.goff[gi] + m++) * p.H + h) * tile;
-    for (int e = threadIdx.x; e < dk * dv; e += blockDim.x) s.Hs[(e / dv) * s.ldv + e % dv] = to<T>(dHo[e]);
-    __syncthreads();
-    smem_gemm<T, false, false>(s.X, s.ldx, s.K, s.ldk, s.Hs, s.ldv, kChunk, dv, dk, false);  // [C,dk]x[dk,dv]
-    if (threadIdx.x >= lo && threadIdx.x < hi) {
-      const int i = threadIdx.x;
-      const R w = exp(B - s.b[i]);
-      R ty = 0;
-      for (int c = 0; c < dv; ++c) ty += s.X[i * s.ldx + c] * from<R>(s.V[i * s.ldv + c]);
-      s.dBr[i] += w * ty;
-      s.db[i] -= w * ty;
-      s.cf[i] = w;
+    // ---- dg = reverse cumsum over the segment of db (db_{R-1} += dB), stopped at the resets
+    if (threadIdx.x == 0 && nr > 0) {
+      for (int i = 0; i < nr; ++i) dB += s.dBr[i];
+      chunk_dg_serial<kReset>(p.dg + rb, [&](int i) { return s.db[i] - s.dbc[i]; }, dB, nr, s.z);
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < (hi - lo) * dv; e += blockDim.x) {
-      const int i = lo + e / dv, c = e % dv;
-      p.dv_[(rb + i) * dv + c] += s.cf[i] * s.X[i * s.ldx + c];
-    }
-    __syncthreads();
-    smem_gemm<T, false, true>(s.X, s.ldx, s.V, s.ldv, s.Hs, s.ldv, kChunk, dk, dv, false);  // [C,dv]x[dv,dk]
-    for (int e = threadIdx.x; e < (hi - lo) * dk; e += blockDim.x) {
-      const int i = lo + e / dk, c = e % dk;
-      p.dk_[(rb + i) * dk + c] += s.cf[i] * s.X[i * s.ldx + c];
-    }
-    __syncthreads();
-  }
-  // ---- dg = reverse cumsum over the segment of db (db_{R-1} += dB)
-  if (threadIdx.x == 0 && nr > 0) {
-    for (int i = 0; i < nr; ++i) dB += s.dBr[i];
-    R acc = dB;
-    for (int i = nr - 1; i >= 0; --i) {
-      acc += s.db[i] - s.dbc[i];
-      p.dg[rb + i] = acc;
-    }
-  }
+  });
 }
 
 template <class T>

@@ -24,6 +24,13 @@ inline thread_local Dim3Emu threadIdx;
 inline Dim3Emu blockIdx, blockDim{1, 1, 1}, gridDim{1, 1, 1};
 inline std::barrier<>* emu_bar = nullptr;
 inline void __syncthreads() { if (emu_bar) emu_bar->arrive_and_wait(); }
+// Warp operations: declared for the shared headers' warp-level helpers (prims/tile.cuh,
+// prims/resets.cuh); the delta kernels call none of them, so reaching one is an error.
+[[noreturn]] inline void emu_no_warp_ops() { throw std::logic_error("warp operations are not emulated here (tools/cuda_emu)"); }
+template <class V> V __shfl_up_sync(unsigned, V, int) { emu_no_warp_ops(); }
+template <class V> V __shfl_down_sync(unsigned, V, int) { emu_no_warp_ops(); }
+template <class V> V __shfl_xor_sync(unsigned, V, int) { emu_no_warp_ops(); }
+inline bool __any_sync(unsigned, bool) { emu_no_warp_ops(); }
 typedef void* cudaStream_t;
 typedef int cudaError_t;
 constexpr int cudaSuccess = 0;
