@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "cpu/backend.h"
 #include "cpu/blelloch.h"
 
 namespace hila::cpu {
@@ -557,7 +558,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
       for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
       return trimmed(st, a.lv, n0 + n);
     case PForm::chunk:
-      for (auto [s, e] : segments(n0, n, chunk)) {
+      for (auto [s, e] : segments(n0, n, detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta))) {
         Seg<R> sg(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
         st = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
@@ -605,7 +606,7 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
   }
   std::vector<std::pair<int64_t, int64_t>> segs =
       form == PForm::naive ? std::vector<std::pair<int64_t, int64_t>>{{n0, n0 + n}}
-                           : segments(n0, n, chunk);
+                           : segments(n0, n, detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
   // states-only sweep: the canonical state entering each segment
   std::vector<Canon<R>> Hin(segs.size());
   Hin[0] = st0;
