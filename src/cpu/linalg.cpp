@@ -3,6 +3,7 @@
 // the x86-64 baseline and for x86-64-v3 (AVX2 + FMA), and the loader picks the one the CPU runs.
 #include "cpu/linalg.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -122,7 +123,60 @@ __attribute__((always_inline)) inline void rows(R* C, int64_t ldc, const R* A, i
   else rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
+// Per-thread cache of freed blocks, one list per size class 2^c bytes, c in [kMinClass,
+// kMaxClass]; a class keeps at most kKeepBytes of blocks (and at least 4), so a thread holds at
+// most about 12 x 256 KiB.
+constexpr int kMinClass = 6, kMaxClass = 17;
+constexpr size_t kKeepBytes = size_t(256) << 10;
+constexpr int kClasses = kMaxClass - kMinClass + 1;
+
+struct BlockCache {
+  std::vector<void*> free[kClasses];
+  bool alive = true;
+  BlockCache() {
+    for (int c = 0; c < kClasses; ++c) free[c].reserve(cap(c));
+  }
+  ~BlockCache() {
+    alive = false;
+    for (auto& f : free)
+      for (void* p : f) ::operator delete(p);
+  }
+  static size_t cap(int c) { return std::max<size_t>(4, std::min<size_t>(256, kKeepBytes >> (c + kMinClass))); }
+};
+thread_local BlockCache t_cache;
+
+// Size class of a block of `bytes` (0 < bytes <= 2^kMaxClass): the smallest c with 2^c >= bytes.
+inline int size_class(size_t bytes) {
+  int c = kMinClass;
+  while ((size_t(1) << c) < bytes) ++c;
+  return c - kMinClass;
+}
+
 }  // namespace
+
+void* block_alloc(size_t bytes) {
+  if (bytes == 0 || bytes > (size_t(1) << kMaxClass)) return ::operator new(bytes);
+  const int c = size_class(bytes);
+  std::vector<void*>& f = t_cache.free[c];
+  if (!f.empty()) {
+    void* p = f.back();
+    f.pop_back();
+    return p;
+  }
+  return ::operator new(size_t(1) << (c + kMinClass));
+}
+
+void block_free(void* p, size_t bytes) noexcept {
+  if (!p) return;
+  if (bytes == 0 || bytes > (size_t(1) << kMaxClass)) return ::operator delete(p);
+  const int c = size_class(bytes);
+  BlockCache& cache = t_cache;
+  if (cache.alive && cache.free[c].size() < BlockCache::cap(c)) {
+    cache.free[c].push_back(p);  // within the reserved capacity: no allocation, no throw
+    return;
+  }
+  ::operator delete(p);
+}
 
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,

@@ -22,8 +22,16 @@ struct MRef {
   operator MRef<const R>() const { return {p, r, c, ld}; }
 };
 
+// Storage of the CPU forms' temporaries (linalg.cpp): blocks of up to 128 KiB come from a
+// per-thread cache of freed blocks (power-of-two size classes, a few hundred KiB kept per class at
+// most), so the many small matrices of a segment cost no trip through malloc; larger blocks and an
+// empty cache go to operator new. A block may be freed on another thread than the one that
+// allocated it (it then joins that thread's cache).
+void* block_alloc(size_t bytes);
+void block_free(void* p, size_t bytes) noexcept;
+
 // Allocator whose value-less construct default-initialises (no zero fill): vector(n) of it leaves
-// arithmetic elements unset; vector(n, x) still sets them.
+// arithmetic elements unset; vector(n, x) still sets them. Storage from block_alloc.
 template <class T>
 struct NoInitAlloc : std::allocator<T> {
   template <class U>
@@ -33,6 +41,8 @@ struct NoInitAlloc : std::allocator<T> {
   NoInitAlloc() = default;
   template <class U>
   NoInitAlloc(const NoInitAlloc<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(block_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) noexcept { block_free(p, n * sizeof(T)); }
   template <class U, class... Args>
   void construct(U* p, Args&&... args) {
     ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
