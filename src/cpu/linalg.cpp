@@ -178,6 +178,51 @@ void block_free(void* p, size_t bytes) noexcept {
   ::operator delete(p);
 }
 
+// bt [kk, n] = B [n, kk]^T (rows of B ldb apart). float: 8 x 8 blocks as eight 32-byte rows
+// transposed in registers (three rounds of two-vector shuffles: pairs of rows, pairs of pairs,
+// halves), the edges element by element.
+namespace {
+template <class R>
+inline void transpose_edges(R* bt, const R* B, int64_t ldb, int64_t n, int64_t kk, int64_t n8,
+                            int64_t k8) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t k = j < n8 ? k8 : 0; k < kk; ++k) bt[k * n + j] = B[j * ldb + k];
+}
+}  // namespace
+
+HILA_CPU_CLONES void transpose(float* bt, const float* B, int64_t ldb, int64_t n, int64_t kk) {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float VU __attribute__((vector_size(32), aligned(4), may_alias));
+  const int64_t n8 = n / 8 * 8, k8 = kk / 8 * 8;
+  for (int64_t j = 0; j < n8; j += 8)
+    for (int64_t k = 0; k < k8; k += 8) {
+      V r[8];
+      for (int u = 0; u < 8; ++u) r[u] = *reinterpret_cast<const VU*>(B + (j + u) * ldb + k);
+      V t[8], s[8];
+      for (int u = 0; u < 8; u += 2) {  // t[u] = (r_u0 r_{u+1}0 r_u1 r_{u+1}1 | the same for 4, 5)
+        t[u] = __builtin_shufflevector(r[u], r[u + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[u + 1] = __builtin_shufflevector(r[u], r[u + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+      }
+      for (int h = 0; h < 8; h += 4) {  // s: four rows' entries of columns c and c + 4
+        s[h] = __builtin_shufflevector(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[h + 1] = __builtin_shufflevector(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        s[h + 2] = __builtin_shufflevector(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[h + 3] = __builtin_shufflevector(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+      }
+      for (int c = 0; c < 4; ++c) {  // column c of the block, then column c + 4
+        *reinterpret_cast<VU*>(bt + (k + c) * n + j) =
+            __builtin_shufflevector(s[c], s[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        *reinterpret_cast<VU*>(bt + (k + c + 4) * n + j) =
+            __builtin_shufflevector(s[c], s[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+      }
+    }
+  transpose_edges(bt, B, ldb, n, kk, n8, k8);
+}
+
+void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) {
+  transpose_edges(bt, B, ldb, n, kk, 0, 0);
+}
+
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
                                float alpha, int tri) {

@@ -99,6 +99,10 @@ void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t 
                const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha,
                int tri);
 
+// bt [kk, n] = B [n, kk]^T, B's rows ldb apart (linalg.cpp; float in 8 x 8 register blocks).
+void transpose(float* bt, const float* B, int64_t ldb, int64_t n, int64_t kk);
+void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk);
+
 // C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set. Every case runs as
 // row updates c_i += a * b_k with a unit-stride inner loop (what the compiler vectorises): a
 // transposed B is first copied to B^T [kk, n] (kk n copies against m n kk multiply-adds).
@@ -132,8 +136,7 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
       heap.resize(static_cast<size_t>(kk * n));
       bt = heap.data();
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t k = 0; k < kk; ++k) bt[k * n + j] = B(j, k);
+    transpose(bt, B.p, B.ld, n, kk);
     B = MRef<const R>{bt, kk, n, n};
   }
   const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // op(A)(i, k) = A.p[i sa_row + k sa_k]

@@ -543,27 +543,34 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
     for (int64_t c = 0; c < dv; ++c) (*target)(r, c) += bt * k[r] * v[c];
 }
 
+// Segments of the naive form (one) or the chunk form (cpu_segment_rows of the chunk).
+template <class R>
+std::vector<std::pair<int64_t, int64_t>> form_segments(PForm form, int64_t chunk, const PrimArgs<R>& a) {
+  if (form == PForm::naive) return {{a.n0, a.n0 + a.n()}};
+  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
+}
+
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O, bool want_state) {
+                      MRef<R> O, bool want_state, std::vector<Canon<R>>* seg_in) {
   const int64_t n = a.n(), n0 = a.n0;
   Canon<R> st = trimmed(init, a.lv, n0);
+  if (seg_in) seg_in->clear();
   if (n == 0) return st;
   switch (form) {
-    case PForm::naive: {
-      Seg<R> sg(a, 0, n);
-      return seg_forward(a, sg, st, &O, want_state);
-    }
+    case PForm::naive:
+    case PForm::chunk:
+      for (auto [s, e] : form_segments(form, chunk, a)) {
+        Seg<R> sg(a, s - n0, e - n0);
+        MRef<R> Or = O.rows(s - n0, e - n0);
+        Canon<R> next = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
+        if (seg_in) seg_in->push_back(std::move(st));
+        st = std::move(next);
+      }
+      return st;
     case PForm::serial:
       for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
       return trimmed(st, a.lv, n0 + n);
-    case PForm::chunk:
-      for (auto [s, e] : segments(n0, n, detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta))) {
-        Seg<R> sg(a, s - n0, e - n0);
-        MRef<R> Or = O.rows(s - n0, e - n0);
-        st = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
-      }
-      return st;
     case PForm::scan: {
       // chunk summaries -> Blelloch exclusive scan -> every chunk finishes from its carry-in
       const auto segs = segments(n0, n, chunk);
@@ -590,7 +597,8 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
 
 template <class R>
 PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                           MRef<const R> dO, const Canon<R>& dfinal) {
+                           MRef<const R> dO, const Canon<R>& dfinal,
+                           const std::vector<Canon<R>>* seg_in) {
   const int64_t n = a.n(), n0 = a.n0;
   const Canon<R> st0 = trimmed(init, a.lv, n0);
   const Canon<R> dst = trimmed(dfinal, a.lv, n0 + n);
@@ -604,21 +612,23 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     G.dinit = dst;
     return G;
   }
-  std::vector<std::pair<int64_t, int64_t>> segs =
-      form == PForm::naive ? std::vector<std::pair<int64_t, int64_t>>{{n0, n0 + n}}
-                           : segments(n0, n, detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
-  // states-only sweep: the canonical state entering each segment
-  std::vector<Canon<R>> Hin(segs.size());
-  Hin[0] = st0;
-  for (size_t c = 0; c + 1 < segs.size(); ++c) {
-    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
-    Hin[c + 1] = seg_forward(a, sg, Hin[c]);
+  const auto segs = form_segments(form, chunk, a);
+  // each segment's quantities, formed once for both sweeps
+  std::vector<Seg<R>> sg;
+  sg.reserve(segs.size());
+  for (auto [s, e] : segs) sg.emplace_back(a, s - n0, e - n0);
+  // states-only sweep: the canonical state entering each segment (unless the forward kept them)
+  std::vector<Canon<R>> own;
+  const std::vector<Canon<R>>* Hin = seg_in;
+  if (!Hin || Hin->size() != segs.size()) {
+    own.resize(segs.size());
+    own[0] = st0;
+    for (size_t c = 0; c + 1 < segs.size(); ++c) own[c + 1] = seg_forward(a, sg[c], own[c]);
+    Hin = &own;
   }
   Canon<R> d = dst;
-  for (size_t c = segs.size(); c-- > 0;) {
-    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
-    d = seg_backward(a, sg, Hin[c], dO.rows(sg.i0, sg.i1), d, G);
-  }
+  for (size_t c = segs.size(); c-- > 0;)
+    d = seg_backward(a, sg[c], (*Hin)[c], dO.rows(sg[c].i0, sg[c].i1), d, G);
   G.dinit = trimmed(d, a.lv, n0);
   return G;
 }
@@ -677,9 +687,10 @@ PrimSummary<R> prim_compose(const PrimSummary<R>& A, const PrimSummary<R>& B, co
 
 #define HILA_INSTANTIATE(R)                                                                      \
   template Canon<R> prim_forward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,         \
-                                    MRef<R>, bool);                                              \
+                                    MRef<R>, bool, std::vector<Canon<R>>*);                      \
   template PrimGrads<R> prim_backward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,    \
-                                         MRef<const R>, const Canon<R>&);                        \
+                                         MRef<const R>, const Canon<R>&,                         \
+                                         const std::vector<Canon<R>>*);                          \
   template void prim_step<R>(const PrimArgs<R>&, int64_t, int64_t, Canon<R>&, R*);               \
   template void rekey_add<R>(Canon<R>&, const Canon<R>&, const Levels&, int64_t, int64_t, R,     \
                              const Mat<R>*, int64_t, int64_t);                                   \
