@@ -309,11 +309,10 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       axpy<R>(dX, *Dout, eB);
       if (delta) {
         const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
-        Mat<R> Hn = *H;
-        gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));      // [dk,R] x [R,dv]
-        dB += eB * dot<R>(*Dout, Hn);
         gemm<R>(dk_, E, false, *Dout, true, -eB, R(1));      // [R,dv] x [dv,dk]
-        const Mat<R> dE = matmul<R>(sg.k, false, *Dout, false);  // (times -e^B below)
+        const Mat<R> dE = matmul<R>(sg.k, false, *Dout, false);  // [R,dk] x [dk,dv] (times -e^B below)
+        // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
+        dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
         gemm<R>(dX, sg.W, true, dE, false, -eB, R(1));       // [dk,R] x [R,dv]
       } else {
