@@ -4,8 +4,6 @@
 #include "cpu/linalg.h"
 
 #include <algorithm>
-#include <cstring>
-#include <type_traits>
 
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
 #define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -19,7 +17,10 @@ namespace {
 
 // Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
 // registers across the sum over k (independent chains; each C(i, j) summed over k in order).
-// k where op(A) is zero in all NR rows (e.g. the upper triangle of a causal mask) is skipped.
+// Every k in [kb, ke) is summed, zero A entries included: for finite B a zero adds an exact zero,
+// and a test per k (NR scalar loads into integer registers, an OR and a branch) costs more than
+// the NR x 2 multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
+// causal factor outside the diagonal tile.
 template <int NR, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
                                                 int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
@@ -28,9 +29,6 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   // the same vector at element alignment: direct unaligned loads and stores of C and B rows
   typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
   constexpr int64_t L = 32 / sizeof(R);
-  // integer view of R for the zero test (integer ORs, cheaper than NR float compares)
-  using U = std::conditional_t<sizeof(R) == 4, uint32_t, uint64_t>;
-  constexpr U kMag = ~(U(1) << (8 * sizeof(R) - 1));
   V acc[NR][2];
   for (int r = 0; r < NR; ++r) {
     if (kZero) {  // C = alpha op(A) B: start from 0, C not read
@@ -43,14 +41,7 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   }
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
-    U bits = 0;  // OR of the magnitude bits: 0 iff every a[r] is +-0 (a NaN is non-zero)
-    for (int r = 0; r < NR; ++r) {
-      a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
-      U u;
-      std::memcpy(&u, &a[r], sizeof(U));
-      bits |= u;
-    }
-    if (!(bits & kMag)) continue;
+    for (int r = 0; r < NR; ++r) a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
     const R* b = B + k * ldb;
     V b0, b1;
     b0 = *reinterpret_cast<const VU*>(b);

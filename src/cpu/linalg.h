@@ -86,8 +86,8 @@ struct Mat {
 //   kCZero:  (gemm_rows) C is not read: each written entry starts from 0 (C = alpha op(A) B).
 // In a product without kCLower (or with kCUnset) and beta = 0, every entry gemm must define is
 // written from 0 in the tile loop, without a pass that zero-fills C first.
-// Skipping a k where op(A) is zero drops exact zeros from the sums (as the tile loop already does
-// for a zero A entry), so the lower triangle rounds as the full product does.
+// A k where op(A) is zero adds an exact zero to a sum (B finite), so skipping it leaves the
+// rounding of the lower triangle that of the full product.
 enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4, kCUnset = 8, kCZero = 16 };
 
 // C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
