@@ -96,6 +96,9 @@ struct Seg {
   std::vector<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
   std::vector<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
   R B = 0;             // sum of all g: decay exp(B) across the segment
+  // their exponentials, each formed once: ea[i] = exp(g_i) (the gate of row i), eb[i] = exp(b[i]),
+  // er[j] = exp(rest[j])
+  std::vector<R> ea, eb, er;
   MRef<const R> q, k, v;
   // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
@@ -111,6 +114,14 @@ struct Seg {
     rest.assign(static_cast<size_t>(nr), R(0));
     c = 0;
     for (int64_t j = nr - 1; j > 0; --j) rest[j - 1] = (c += a.gate(i0 + j));
+    ea.resize(static_cast<size_t>(nr));
+    eb.resize(static_cast<size_t>(nr));
+    er.resize(static_cast<size_t>(nr));
+    for (int64_t i = 0; i < nr; ++i) {
+      ea[i] = std::exp(a.gate(i0 + i));
+      eb[i] = std::exp(b[i]);
+      er[i] = std::exp(rest[i]);
+    }
     if (!a.delta) return;
     const int64_t dk = a.dk();
     bk = Mat<R>(nr, dk);
@@ -131,7 +142,7 @@ struct Seg {
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
     for (int64_t i = 0; i < nr; ++i) {
-      if (i > 0) scaled(E.row(i), E.row(i - 1), std::exp(a.gate(i0 + i)), i);
+      if (i > 0) scaled(E.row(i), E.row(i - 1), ea[i], i);
       E(i, i) = 1;
     }
     return E;
@@ -184,7 +195,7 @@ struct Seg {
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
 // when !state).
 template <class R>
-Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
                      MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
@@ -208,7 +219,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       if (!H || !a.lv.live(sg.s, l)) continue;
       const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
       for (int64_t i = 0; i < nr; ++i) {
-        const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * std::exp(sg.b[i]);
+        const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * sg.eb[i];
         for (int64_t j = 0; j < dv; ++j) Or(i, j) += coef * T(i, j);
       }
     }
@@ -232,7 +243,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   for (auto& [tl, m] : sg.token_groups(a)) {
     Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
     for (int64_t j = 0; j < nr; ++j) {
-      const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.rest[j]);
+      const R w = m[j] * a.b(sg.i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
     }
     if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
@@ -277,7 +288,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     Mat<R> Y(nr, dv);
     std::vector<R> coef(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
-      coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.rest[j]);
+      coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
     const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Y;
@@ -290,7 +301,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
       for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
-      const R w = std::exp(sg.rest[j]);
+      const R w = sg.er[j];
       if (delta) dbeta[j] += w * m[j] * tY;
       const R dwm = coef[j] * tY;  // d/d(B - b_j)
       dB += dwm;
@@ -323,7 +334,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     Mat<R> cdO(nr, dv);
     for (int64_t i = 0; i < nr; ++i) {
       const int lvl = a.lv.read_level(sg.s + i, sg.s, l);
-      const R eb = std::exp(sg.b[i]);
+      const R eb = sg.eb[i];
       const R coef = a.lambda(i0 + i, lvl) * eb;
       const R qY = dot(Qt.row(i), Yr.row(i), dk);
       for (int64_t c = 0; c < dk; ++c) dQt(i, c) += coef * Yr(i, c);
@@ -410,7 +421,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   // A reset token (exp(g) = 0 in R: g = -inf or below the underflow point) has dg = 0, as in the
   // serial form (dg_t = a_t <Hbar_t, H_{t-1}>): the telescoped sum above leaves only rounding there.
   for (int64_t i = 0; i < nr; ++i)
-    if (std::exp(a.gate(i0 + i)) == R(0)) G.dg[i0 + i] = 0;
+    if (sg.ea[i] == R(0)) G.dg[i0 + i] = 0;
   return dHin;
 }
 
