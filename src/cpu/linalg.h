@@ -206,10 +206,16 @@ void scaled(R* __restrict out, const R* __restrict x, R a, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = x[j] * a;
 }
 
+// sum_i a[i] b[i] in 8 interleaved partial sums (independent chains, vectorisable; the order is
+// fixed per n), added pairwise at the end.
 template <class R>
 R dot(const R* a, const R* b, int64_t n) {
-  R s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) p[u] += a[i + u] * b[i + u];
+  R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
