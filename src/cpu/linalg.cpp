@@ -5,6 +5,11 @@
 
 #include <algorithm>
 
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HILA_CPU_CLONES
+#endif
 
 namespace hila::cpu {
 

@@ -195,7 +195,7 @@ struct Seg {
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
 // when !state).
 template <class R>
-HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
                      MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
