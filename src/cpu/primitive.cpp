@@ -42,6 +42,10 @@ void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, in
 
 namespace {
 
+// Per-row vectors of a segment (storage from the block cache of linalg.h).
+template <class R>
+using Vec = std::vector<R, NoInitAlloc<R>>;
+
 // One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
 //   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
 // (the sum in 8 interleaved partial sums: vectorisable, the order fixed per n).
@@ -93,12 +97,12 @@ void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
 template <class R>
 struct Seg {
   int64_t i0, i1, nr, s, e;
-  std::vector<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
-  std::vector<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
+  Vec<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
+  Vec<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
   R B = 0;             // sum of all g: decay exp(B) across the segment
   // their exponentials, each formed once: ea[i] = exp(g_i) (the gate of row i), eb[i] = exp(b[i]),
   // er[j] = exp(rest[j])
-  std::vector<R> ea, eb, er;
+  Vec<R> ea, eb, er;
   MRef<const R> q, k, v;
   // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
@@ -177,13 +181,13 @@ struct Seg {
   MRef<const R> qt(const PrimArgs<R>& a, const Mat<R>& Qd) const { return a.delta ? Qd.ref() : q; }
   // Distinct target slots of this segment's own tokens in the state at e (ascending), with row
   // masks.
-  std::vector<std::pair<int, std::vector<R>>> token_groups(const PrimArgs<R>& a) const {
-    std::vector<std::pair<int, std::vector<R>>> groups;
+  std::vector<std::pair<int, Vec<R>>> token_groups(const PrimArgs<R>& a) const {
+    std::vector<std::pair<int, Vec<R>>> groups;
     for (int64_t j = 0; j < nr; ++j) {
       const int tl = a.lv.level(e, s + j);
       size_t g = 0;
       while (g < groups.size() && groups[g].first != tl) ++g;
-      if (g == groups.size()) groups.emplace_back(tl, std::vector<R>(static_cast<size_t>(nr), R(0)));
+      if (g == groups.size()) groups.emplace_back(tl, Vec<R>(static_cast<size_t>(nr), R(0)));
       groups[g].second[j] = 1;
     }
     std::sort(groups.begin(), groups.end(),
@@ -267,7 +271,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   const Mat<R> E = sg.decay(a);
   const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
   const Mat<R>& M = fen ? Mf : E;
-  std::vector<R> db(static_cast<size_t>(nr), R(0));
+  Vec<R> db(static_cast<size_t>(nr), R(0));
   R dB = 0;
   Mat<R> dQt(nr, dk), dTm, dW;
   if (delta) {
@@ -286,12 +290,13 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
     Mat<R> Y(nr, dv);
-    std::vector<R> coef(static_cast<size_t>(nr));
+    Vec<R> coef(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
       coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
-    const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Y;
+    const Mat<R> TY = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Mat<R>();
+    const Mat<R>& U = delta ? TY : Y;  // Tm Y (mamba: Tm = I, no copy of Y)
     gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
     if (delta) {
@@ -362,7 +367,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
-    std::vector<R> dGcol(static_cast<size_t>(nr), R(0));
+    Vec<R> dGcol(static_cast<size_t>(nr), R(0));
     for (int64_t i = 0; i < nr; ++i) {
       const R *dPi = dP.row(i), *Di = D.row(i);
       db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
