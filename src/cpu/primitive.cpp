@@ -231,18 +231,23 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   Canon<R> Hout;
   if (!state) return Hout;
   Hout.resize(a.lv.slots(sg.e));
+  const R eB = std::exp(sg.B);
+  // delta: every live level is erased by the segment, e^B (H - K^T (W H)), and the new tokens add
+  // K^T Tm Y; per outgoing slot l' one product K^T Z[l'] with
+  // Z[l'] = sum of Tm Y of the tokens into l' - e^B sum of W H of the levels re-keyed into l'.
+  std::vector<Mat<R>> Z(a.delta ? Hout.slot.size() : 0);
   if (a.delta) {
-    // every live level is erased by the segment: e^B (H - K^T (W H))
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
-      Mat<R> Hn = *H;
-      const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
-      gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));     // [dk,R] x [R,dv]
-      axpy<R>(Hout.at(a.lv.read_level(sg.e, sg.s, l), dk, dv), Hn, std::exp(sg.B));
+      const int to = a.lv.read_level(sg.e, sg.s, l);
+      axpy<R>(Hout.at(to, dk, dv), *H, eB);
+      const bool first = Z[to].empty();
+      if (first) Z[to] = Mat<R>(nr, dv, Uninit{});
+      gemm<R>(Z[to], sg.W, false, *H, false, -eB, first ? R(0) : R(1));  // [R,dk] x [dk,dv]
     }
   } else {
-    rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, std::exp(sg.B), nullptr, dk, dv);
+    rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, eB, nullptr, dk, dv);
   }
   for (auto& [tl, m] : sg.token_groups(a)) {
     Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
@@ -250,9 +255,16 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       const R w = m[j] * a.b(sg.i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
     }
-    if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
-    gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+    if (!a.delta) {
+      gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+    } else if (Z[tl].empty()) {
+      Z[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
+    } else {
+      gemm<R>(Z[tl], sg.Tm, false, Y, false, R(1), R(1), kALower);
+    }
   }
+  for (size_t l = 0; l < Z.size(); ++l)
+    if (!Z[l].empty()) gemm<R>(Hout.at(static_cast<int>(l), dk, dv), sg.k, true, Z[l], false, R(1), R(1));  // [dk,R] x [R,dv]
   return Hout;
 }
 
@@ -286,6 +298,16 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   bool any_dout = false;
   for (int l = 0; l < static_cast<int>(dHout.slot.size()); ++l) any_dout |= dHout.get(l) != nullptr;
   const auto groups = any_dout ? sg.token_groups(a) : decltype(sg.token_groups(a)){};
+  // K dH'[l'] [R, dv] per outgoing slot, formed once: the tokens into l' and (delta) the erase of
+  // the levels re-keyed into l' both read it
+  std::vector<Mat<R>> kD(dHout.slot.size());
+  auto kd = [&](int l) -> const Mat<R>& {
+    if (kD[l].empty()) kD[l] = matmul<R>(sg.k, false, *dHout.get(l), false);  // [R,dk] x [dk,dv]
+    return kD[l];
+  };
+  // delta: dK += A[l'] dH'[l']^T once per slot, A[l'] = sum of Tm Y of the tokens into l'
+  // - e^B sum of W H of the levels re-keyed into l' (the forward's Z)
+  std::vector<Mat<R>> A(delta ? dHout.slot.size() : 0);
   for (auto& [tl, m] : groups) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
@@ -295,14 +317,16 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
-    const Mat<R> TY = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Mat<R>();
-    const Mat<R>& U = delta ? TY : Y;  // Tm Y (mamba: Tm = I, no copy of Y)
-    gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
-    Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
+    const Mat<R>& kDz = kd(tl);
+    Mat<R> dYd;
     if (delta) {
-      gemm<R>(dTm, dY, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
-      dY = matmul<R>(sg.Tm, true, dY, false, kAUpper);        // [R,R] x [R,dv]
+      A[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);      // Tm Y  [R,R] x [R,dv]
+      gemm<R>(dTm, kDz, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
+      dYd = matmul<R>(sg.Tm, true, kDz, false, kAUpper);       // [R,R] x [R,dv]
+    } else {
+      gemm<R>(dk_, Y, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     }
+    const Mat<R>& dY = delta ? dYd : kDz;
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
       for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
@@ -324,9 +348,15 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     if (const Mat<R>* Dout = dHout.get(a.lv.read_level(sg.e, sg.s, l))) {
       axpy<R>(dX, *Dout, eB);
       if (delta) {
+        const int to = a.lv.read_level(sg.e, sg.s, l);
         const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
-        gemm<R>(dk_, E, false, *Dout, true, -eB, R(1));      // [R,dv] x [dv,dk]
-        const Mat<R> dE = matmul<R>(sg.k, false, *Dout, false);  // [R,dk] x [dk,dv] (times -e^B below)
+        if (A[to].empty()) {
+          A[to] = E;
+          scale<R>(A[to], -eB);
+        } else {
+          axpy<R>(A[to], E, -eB);
+        }
+        const Mat<R>& dE = kd(to);  // K dH' (times -e^B below)
         // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
         dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
@@ -349,6 +379,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     gemm<R>(dX, Qt, true, cdO, false, R(1), R(1));  // [dk,R] x [R,dv]
   }
+  for (size_t l = 0; l < A.size(); ++l)
+    if (!A[l].empty()) gemm<R>(dk_, A[l], false, *dHout.get(static_cast<int>(l)), true, R(1), R(1));  // [R,dv] x [dv,dk]
   // intra: O = (D o M) diag(beta) V
   {
     Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
