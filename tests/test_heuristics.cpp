@@ -2,7 +2,8 @@
 // The CUDA backend's launch policies (src/cuda/dispatch/heuristics.h) and the parsing of its
 // environment knobs (src/cuda/runtime/config.h): pure host functions, checked on the CPU with the
 // limits of an H200 (132 SMs, 227 KB of opt-in shared memory per block) and of an A100. Last, the
-// CPU backend's one launch policy (src/cpu/backend.h: when a call runs in parallel).
+// CPU backend's launch policies (src/cpu/backend.h: when a call runs in parallel, and the rows of
+// a chunk-form segment).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -297,6 +298,27 @@ TEST(Heuristics, CpuParallelOnlyForSeveralItemsAndMuchWork) {
   EXPECT_TRUE(cpu_parallel(8 * 4, 8192 * 128 * (128 + 3 * 128)));  // 8 x 8192 x 4 heads of d = 128
   EXPECT_FALSE(cpu_parallel(0, 1 << 30));
   EXPECT_FALSE(cpu_parallel(16, 0));
+}
+
+TEST(Heuristics, CpuSegmentRowsDivideTheChunk) {
+  using hila::detail::cpu_segment_rows;
+  // small heads: 32 rows (mamba), 16 (delta); d = 64: the chunk (mamba), 32 (delta)
+  EXPECT_EQ(cpu_segment_rows(64, 16, 16, false), 32);
+  EXPECT_EQ(cpu_segment_rows(64, 16, 16, true), 16);
+  EXPECT_EQ(cpu_segment_rows(64, 16, 17, false), 32);  // dv' = 17 (normalize): d = 32
+  EXPECT_EQ(cpu_segment_rows(64, 64, 64, false), 64);
+  EXPECT_EQ(cpu_segment_rows(64, 64, 64, true), 32);
+  EXPECT_EQ(cpu_segment_rows(64, 128, 128, true), 64);
+  EXPECT_EQ(cpu_segment_rows(64, 8, 256, false), 64);  // the wider of dk and dv
+  EXPECT_EQ(cpu_segment_rows(8, 16, 16, false), 8);    // never more than the chunk
+  EXPECT_EQ(cpu_segment_rows(1, 128, 128, true), 1);
+  // a power of two dividing every power-of-two chunk it does not exceed
+  for (int64_t C = 1; C <= 1024; C *= 2)
+    for (int64_t d : {1, 3, 8, 16, 33, 64, 100, 128, 512})
+      for (bool delta : {false, true}) {
+        const int64_t R = cpu_segment_rows(C, d, d, delta);
+        EXPECT_TRUE(R >= 1 && R <= C && C % R == 0 && (R & (R - 1)) == 0) << C << " " << d << " " << delta;
+      }
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "core/access.h"
 #include "core/host_mirror.h"
 #include "core/problem.h"
+#include "cpu/backend.h"
 #include "hila/error.h"
 
 namespace hila {
@@ -841,11 +842,19 @@ void check_cpu_memory(const Resolved& r, bool backward) {
   }
   const double rows = r.form == Form::naive ? n : r.form == Form::serial ? std::min(n, 64.0)
                                                                           : std::min(double(r.chunk), n);
+  // rows per segment of the chunk form (cpu_segment_rows): the fewest of the call's primitives
+  // (dims (dk, dk) give at most the rows of (dk, dv') and of an inner (dk, dk) primitive)
+  const double seg_rows =
+      r.form == Form::chunk ? std::min(rows, double(cpu_segment_rows(r.chunk, r.dk, r.dk, r.traits.delta)))
+                            : rows;
   const double slots = r.traits.loglinear ? double(bitlen(static_cast<uint64_t>(last)) + 1) : 1;
   const double state = (r.traits.has_S ? dk * dk : 0) + (r.traits.has_P ? dk * dvp : 0) + slots * dk * dvp;
   const double gathered = n * (3 * dk + 3 * dvp + double(r.nL) + 4) * (backward ? 3 : 1);
-  const double segmats = rows * rows * ((backward ? 12 : 6) + (r.traits.delta ? 6 : 0));
-  const double segs = rows > 0 ? std::ceil(n / rows) + 1 : 1;
+  // [R, R] matrices of a segment, and the delta rule's per-segment matrices (bk, W [R, dk], K K^T,
+  // Tm [R, R]) that the backward keeps for every segment
+  const double segmats = rows * rows * ((backward ? 12 : 6) + (r.traits.delta ? 6 : 0)) +
+                         (backward && r.traits.delta ? n * (2 * seg_rows + 2 * dk) : 0);
+  const double segs = seg_rows > 0 ? std::ceil(n / seg_rows) + 1 : 1;
   double states = 4 * state;
   if (backward || r.form == Form::scan) states += segs * state * (r.form == Form::scan ? 3 : 1);
   const double threads = std::min<double>(std::max(1, omp_get_max_threads()), N * H);

@@ -18,4 +18,22 @@ constexpr bool cpu_parallel(int64_t items, int64_t work) {
   return items > 1 && work > 0 && items * work >= kCpuParallelWork;
 }
 
+// Rows per segment of the CPU chunk form: the chunk C, or a smaller power of two R where that is
+// faster. Per row, a segment of R rows costs about R d multiply-adds in each of its [R, R] masked
+// products (q k^T, P V, dO V^T, ...) and, for the delta rule, about R^2 more in its [R, R]
+// triangular inverse and the products with it; its state reads and writes cost about dk dv per
+// row whatever R; and each segment adds a fixed cost (its setup, the calls of its products, which
+// run at lower efficiency below 16 columns). With d = max(dk, dv) rounded up to a power of two,
+// cpu_bench (docs/PERFORMANCE.md) finds the fastest segment near R = max(32, d) for mamba and
+// R = max(16, d / 2) for the delta rule, whose R^2 term grows faster. Segments that never cross a
+// multiple of R (a divisor of C) give the same operator (docs/math/LOGLINEAR.md §3.3), so this is
+// a tiling choice: the results differ from segments of C by rounding only. For d >= 64 (mamba)
+// or 128 (delta) the segment is the chunk (C = 64).
+constexpr int64_t cpu_segment_rows(int64_t chunk, int64_t dk, int64_t dv, bool delta) {
+  int64_t d = 1;
+  while (d < dk || d < dv) d *= 2;  // max(dk, dv) rounded up to a power of two
+  const int64_t R = delta ? (d / 2 > 16 ? d / 2 : 16) : (d > 32 ? d : 32);
+  return chunk < R ? chunk : R;
+}
+
 }  // namespace hila::detail

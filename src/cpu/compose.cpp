@@ -48,25 +48,30 @@ template <class R>
 struct Inner {
   Mat<R> U, Hh;
   Canon<R> S, P;
-  MRef<const R> key, val;  // what the outer primitive reads
+  MRef<const R> key, val;            // what the outer primitive reads
+  std::vector<Canon<R>> Sseg, Pseg;  // states entering each segment (kept for a backward)
 };
 
+// keep_segs: keep the inner primitives' segment states for their backward (prim_backward's
+// seg_in), which then skips its own states sweep.
 template <class R>
 Inner<R> run_inner(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
-                   const OpState<R>& init, bool want_state) {
+                   const OpState<R>& init, bool want_state, bool keep_segs = false) {
   Inner<R> in;
   const int64_t n = x.n();
   in.key = x.k;
   in.val = x.v;
   if (p.has_S) {
-    in.U = Mat<R>(n, x.k.c);
-    in.S = prim_forward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S, in.U, want_state);
+    in.U = Mat<R>(n, x.k.c, Uninit{});  // every row written by the primitive
+    in.S = prim_forward<R>(form, C, inner_args(x, p.gS, x.k, x.k), init.S, in.U, want_state,
+                           keep_segs ? &in.Sseg : nullptr);
     if (p.ridge != 0) axpy<R>(in.U, x.q, R(p.ridge));  // u_j = (S_j + ridge I) q_j
     in.key = in.U;
   }
   if (p.has_P) {
-    in.Hh = Mat<R>(n, x.v.c);
-    in.P = prim_forward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P, in.Hh, want_state);
+    in.Hh = Mat<R>(n, x.v.c, Uninit{});
+    in.P = prim_forward<R>(form, C, inner_args(x, p.gP, x.k, x.v), init.P, in.Hh, want_state,
+                           keep_segs ? &in.Pseg : nullptr);
     in.val = in.Hh;
   }
   return in;
@@ -83,8 +88,8 @@ void accumulate(MRef<R> Y, const Mat<R>& X) {
 template <class R>
 Canon<R> inner_backward(PForm form, int64_t C, const HeadView<R>& x, int gate, MRef<const R> w,
                         const Canon<R>& init, const Mat<R>& dY, const Canon<R>& dfinal,
-                        OpGrads<R>& G, Mat<R>& dk, Mat<R>& dw) {
-  PrimGrads<R> gi = prim_backward<R>(form, C, inner_args(x, gate, x.k, w), init, dY, dfinal);
+                        const std::vector<Canon<R>>& seg_in, OpGrads<R>& G, Mat<R>& dk, Mat<R>& dw) {
+  PrimGrads<R> gi = prim_backward<R>(form, C, inner_args(x, gate, x.k, w), init, dY, dfinal, &seg_in);
   accumulate<R>(G.dq, gi.dq);
   accumulate<R>(dk, gi.dk);
   accumulate<R>(dw, gi.dv);
@@ -130,7 +135,7 @@ template <class R>
 OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                        const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal) {
   const int64_t n = x.n(), dvp = x.v.c, dv = p.normalize ? dvp - 1 : dvp;
-  Inner<R> in = run_inner(p, form, C, x, init, false);  // the inner final states are not read
+  Inner<R> in = run_inner(p, form, C, x, init, false, true);  // the inner final states are not read
   const PrimArgs<R> oa = outer_args(p, x, in.key, in.val);
   // cotangent of O' = [N | D]:  dN = dO / (D + eps),  dD = -sum_c(dO o N) / (D + eps)^2
   Mat<R> dOraw;
@@ -160,10 +165,11 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
   Mat<R> dk = p.has_S ? Mat<R>(n, x.k.c) : std::move(go.dk);
   Mat<R> dvfull = p.has_P ? Mat<R>(n, dvp) : std::move(go.dv);
   if (p.has_P)  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
-    G.dinit.P = inner_backward<R>(form, C, x, p.gP, x.v, init.P, go.dv, dfinal.P, G, dk, dvfull);
+    G.dinit.P = inner_backward<R>(form, C, x, p.gP, x.v, init.P, go.dv, dfinal.P, in.Pseg, G, dk,
+                                      dvfull);
   if (p.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q: cotangent is the outer key gradient
     if (p.ridge != 0) axpy<R>(G.dq, go.dk, R(p.ridge));
-    G.dinit.S = inner_backward<R>(form, C, x, p.gS, x.k, init.S, go.dk, dfinal.S, G, dk, dk);
+    G.dinit.S = inner_backward<R>(form, C, x, p.gS, x.k, init.S, go.dk, dfinal.S, in.Sseg, G, dk, dk);
   }
   G.dk = std::move(dk);
   if (p.normalize) {  // drop the ones column

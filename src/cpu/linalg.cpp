@@ -3,8 +3,7 @@
 // the x86-64 baseline and for x86-64-v3 (AVX2 + FMA), and the loader picks the one the CPU runs.
 #include "cpu/linalg.h"
 
-#include <cstring>
-#include <type_traits>
+#include <algorithm>
 
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
 #define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -18,7 +17,10 @@ namespace {
 
 // Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
 // registers across the sum over k (independent chains; each C(i, j) summed over k in order).
-// k where op(A) is zero in all NR rows (e.g. the upper triangle of a causal mask) is skipped.
+// Every k in [kb, ke) is summed, zero A entries included: for finite B a zero adds an exact zero,
+// and a test per k (NR scalar loads into integer registers, an OR and a branch) costs more than
+// the NR x 2 multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
+// causal factor outside the diagonal tile.
 template <int NR, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
                                                 int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
@@ -27,9 +29,6 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   // the same vector at element alignment: direct unaligned loads and stores of C and B rows
   typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
   constexpr int64_t L = 32 / sizeof(R);
-  // integer view of R for the zero test (integer ORs, cheaper than NR float compares)
-  using U = std::conditional_t<sizeof(R) == 4, uint32_t, uint64_t>;
-  constexpr U kMag = ~(U(1) << (8 * sizeof(R) - 1));
   V acc[NR][2];
   for (int r = 0; r < NR; ++r) {
     if (kZero) {  // C = alpha op(A) B: start from 0, C not read
@@ -42,14 +41,7 @@ __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, 
   }
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
-    U bits = 0;  // OR of the magnitude bits: 0 iff every a[r] is +-0 (a NaN is non-zero)
-    for (int r = 0; r < NR; ++r) {
-      a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
-      U u;
-      std::memcpy(&u, &a[r], sizeof(U));
-      bits |= u;
-    }
-    if (!(bits & kMag)) continue;
+    for (int r = 0; r < NR; ++r) a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
     const R* b = B + k * ldb;
     V b0, b1;
     b0 = *reinterpret_cast<const VU*>(b);
@@ -122,7 +114,105 @@ __attribute__((always_inline)) inline void rows(R* C, int64_t ldc, const R* A, i
   else rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
+// Per-thread cache of freed blocks, one list per size class 2^c bytes, c in [kMinClass,
+// kMaxClass]; a class keeps at most kKeepBytes of blocks (and at least 4), so a thread holds at
+// most about 12 x 256 KiB.
+constexpr int kMinClass = 6, kMaxClass = 17;
+constexpr size_t kKeepBytes = size_t(256) << 10;
+constexpr int kClasses = kMaxClass - kMinClass + 1;
+
+struct BlockCache {
+  std::vector<void*> free[kClasses];
+  bool alive = true;
+  BlockCache() {
+    for (int c = 0; c < kClasses; ++c) free[c].reserve(cap(c));
+  }
+  ~BlockCache() {
+    alive = false;
+    for (auto& f : free)
+      for (void* p : f) ::operator delete(p);
+  }
+  static size_t cap(int c) { return std::max<size_t>(4, std::min<size_t>(256, kKeepBytes >> (c + kMinClass))); }
+};
+thread_local BlockCache t_cache;
+
+// Size class of a block of `bytes` (0 < bytes <= 2^kMaxClass): the smallest c with 2^c >= bytes.
+inline int size_class(size_t bytes) {
+  int c = kMinClass;
+  while ((size_t(1) << c) < bytes) ++c;
+  return c - kMinClass;
+}
+
 }  // namespace
+
+void* block_alloc(size_t bytes) {
+  if (bytes == 0 || bytes > (size_t(1) << kMaxClass)) return ::operator new(bytes);
+  const int c = size_class(bytes);
+  std::vector<void*>& f = t_cache.free[c];
+  if (!f.empty()) {
+    void* p = f.back();
+    f.pop_back();
+    return p;
+  }
+  return ::operator new(size_t(1) << (c + kMinClass));
+}
+
+void block_free(void* p, size_t bytes) noexcept {
+  if (!p) return;
+  if (bytes == 0 || bytes > (size_t(1) << kMaxClass)) return ::operator delete(p);
+  const int c = size_class(bytes);
+  BlockCache& cache = t_cache;
+  if (cache.alive && cache.free[c].size() < BlockCache::cap(c)) {
+    cache.free[c].push_back(p);  // within the reserved capacity: no allocation, no throw
+    return;
+  }
+  ::operator delete(p);
+}
+
+// bt [kk, n] = B [n, kk]^T (rows of B ldb apart). float: 8 x 8 blocks as eight 32-byte rows
+// transposed in registers (three rounds of two-vector shuffles: pairs of rows, pairs of pairs,
+// halves), the edges element by element.
+namespace {
+template <class R>
+inline void transpose_edges(R* bt, const R* B, int64_t ldb, int64_t n, int64_t kk, int64_t n8,
+                            int64_t k8) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t k = j < n8 ? k8 : 0; k < kk; ++k) bt[k * n + j] = B[j * ldb + k];
+}
+}  // namespace
+
+HILA_CPU_CLONES void transpose(float* bt, const float* B, int64_t ldb, int64_t n, int64_t kk) {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float VU __attribute__((vector_size(32), aligned(4), may_alias));
+  const int64_t n8 = n / 8 * 8, k8 = kk / 8 * 8;
+  for (int64_t j = 0; j < n8; j += 8)
+    for (int64_t k = 0; k < k8; k += 8) {
+      V r[8];
+      for (int u = 0; u < 8; ++u) r[u] = *reinterpret_cast<const VU*>(B + (j + u) * ldb + k);
+      V t[8], s[8];
+      for (int u = 0; u < 8; u += 2) {  // t[u] = (r_u0 r_{u+1}0 r_u1 r_{u+1}1 | the same for 4, 5)
+        t[u] = __builtin_shufflevector(r[u], r[u + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[u + 1] = __builtin_shufflevector(r[u], r[u + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+      }
+      for (int h = 0; h < 8; h += 4) {  // s: four rows' entries of columns c and c + 4
+        s[h] = __builtin_shufflevector(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[h + 1] = __builtin_shufflevector(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        s[h + 2] = __builtin_shufflevector(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[h + 3] = __builtin_shufflevector(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+      }
+      for (int c = 0; c < 4; ++c) {  // column c of the block, then column c + 4
+        *reinterpret_cast<VU*>(bt + (k + c) * n + j) =
+            __builtin_shufflevector(s[c], s[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        *reinterpret_cast<VU*>(bt + (k + c + 4) * n + j) =
+            __builtin_shufflevector(s[c], s[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+      }
+    }
+  transpose_edges(bt, B, ldb, n, kk, n8, k8);
+}
+
+void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) {
+  transpose_edges(bt, B, ldb, n, kk, 0, 0);
+}
 
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
                                const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,

@@ -22,8 +22,16 @@ struct MRef {
   operator MRef<const R>() const { return {p, r, c, ld}; }
 };
 
+// Storage of the CPU forms' temporaries (linalg.cpp): blocks of up to 128 KiB come from a
+// per-thread cache of freed blocks (power-of-two size classes, a few hundred KiB kept per class at
+// most), so the many small matrices of a segment cost no trip through malloc; larger blocks and an
+// empty cache go to operator new. A block may be freed on another thread than the one that
+// allocated it (it then joins that thread's cache).
+void* block_alloc(size_t bytes);
+void block_free(void* p, size_t bytes) noexcept;
+
 // Allocator whose value-less construct default-initialises (no zero fill): vector(n) of it leaves
-// arithmetic elements unset; vector(n, x) still sets them.
+// arithmetic elements unset; vector(n, x) still sets them. Storage from block_alloc.
 template <class T>
 struct NoInitAlloc : std::allocator<T> {
   template <class U>
@@ -33,6 +41,8 @@ struct NoInitAlloc : std::allocator<T> {
   NoInitAlloc() = default;
   template <class U>
   NoInitAlloc(const NoInitAlloc<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(block_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) noexcept { block_free(p, n * sizeof(T)); }
   template <class U, class... Args>
   void construct(U* p, Args&&... args) {
     ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
@@ -76,8 +86,8 @@ struct Mat {
 //   kCZero:  (gemm_rows) C is not read: each written entry starts from 0 (C = alpha op(A) B).
 // In a product without kCLower (or with kCUnset) and beta = 0, every entry gemm must define is
 // written from 0 in the tile loop, without a pass that zero-fills C first.
-// Skipping a k where op(A) is zero drops exact zeros from the sums (as the tile loop already does
-// for a zero A entry), so the lower triangle rounds as the full product does.
+// A k where op(A) is zero adds an exact zero to a sum (B finite), so skipping it leaves the
+// rounding of the lower triangle that of the full product.
 enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4, kCUnset = 8, kCZero = 16 };
 
 // C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
@@ -88,6 +98,10 @@ void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa
 void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
                const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha,
                int tri);
+
+// bt [kk, n] = B [n, kk]^T, B's rows ldb apart (linalg.cpp; float in 8 x 8 register blocks).
+void transpose(float* bt, const float* B, int64_t ldb, int64_t n, int64_t kk);
+void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk);
 
 // C = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set. Every case runs as
 // row updates c_i += a * b_k with a unit-stride inner loop (what the compiler vectorises): a
@@ -122,8 +136,7 @@ void gemm(MRef<R> C, MRef<const R> A, bool tA, MRef<const R> B, bool tB, R alpha
       heap.resize(static_cast<size_t>(kk * n));
       bt = heap.data();
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t k = 0; k < kk; ++k) bt[k * n + j] = B(j, k);
+    transpose(bt, B.p, B.ld, n, kk);
     B = MRef<const R>{bt, kk, n, n};
   }
   const int64_t sa_row = tA ? 1 : A.ld, sa_k = tA ? A.ld : 1;  // op(A)(i, k) = A.p[i sa_row + k sa_k]
@@ -185,10 +198,16 @@ void scaled(R* __restrict out, const R* __restrict x, R a, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = x[j] * a;
 }
 
+// sum_i a[i] b[i] in 8 interleaved partial sums (independent chains, vectorisable; the order is
+// fixed per n), added pairwise at the end.
 template <class R>
 R dot(const R* a, const R* b, int64_t n) {
-  R s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) p[u] += a[i + u] * b[i + u];
+  R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "cpu/backend.h"
 #include "cpu/blelloch.h"
 
 namespace hila::cpu {
@@ -40,6 +41,10 @@ void rekey_add(Canon<R>& out, const Canon<R>& H, const Levels& lv, int64_t n, in
 }
 
 namespace {
+
+// Per-row vectors of a segment (storage from the block cache of linalg.h).
+template <class R>
+using Vec = std::vector<R, NoInitAlloc<R>>;
 
 // One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
 //   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
@@ -92,9 +97,12 @@ void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
 template <class R>
 struct Seg {
   int64_t i0, i1, nr, s, e;
-  std::vector<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
-  std::vector<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
+  Vec<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
+  Vec<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
   R B = 0;             // sum of all g: decay exp(B) across the segment
+  // their exponentials, each formed once: ea[i] = exp(g_i) (the gate of row i), eb[i] = exp(b[i]),
+  // er[j] = exp(rest[j])
+  Vec<R> ea, eb, er;
   MRef<const R> q, k, v;
   // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
@@ -110,6 +118,14 @@ struct Seg {
     rest.assign(static_cast<size_t>(nr), R(0));
     c = 0;
     for (int64_t j = nr - 1; j > 0; --j) rest[j - 1] = (c += a.gate(i0 + j));
+    ea.resize(static_cast<size_t>(nr));
+    eb.resize(static_cast<size_t>(nr));
+    er.resize(static_cast<size_t>(nr));
+    for (int64_t i = 0; i < nr; ++i) {
+      ea[i] = std::exp(a.gate(i0 + i));
+      eb[i] = std::exp(b[i]);
+      er[i] = std::exp(rest[i]);
+    }
     if (!a.delta) return;
     const int64_t dk = a.dk();
     bk = Mat<R>(nr, dk);
@@ -130,7 +146,7 @@ struct Seg {
   Mat<R> decay(const PrimArgs<R>& a) const {
     Mat<R> E(nr, nr);
     for (int64_t i = 0; i < nr; ++i) {
-      if (i > 0) scaled(E.row(i), E.row(i - 1), std::exp(a.gate(i0 + i)), i);
+      if (i > 0) scaled(E.row(i), E.row(i - 1), ea[i], i);
       E(i, i) = 1;
     }
     return E;
@@ -165,13 +181,13 @@ struct Seg {
   MRef<const R> qt(const PrimArgs<R>& a, const Mat<R>& Qd) const { return a.delta ? Qd.ref() : q; }
   // Distinct target slots of this segment's own tokens in the state at e (ascending), with row
   // masks.
-  std::vector<std::pair<int, std::vector<R>>> token_groups(const PrimArgs<R>& a) const {
-    std::vector<std::pair<int, std::vector<R>>> groups;
+  std::vector<std::pair<int, Vec<R>>> token_groups(const PrimArgs<R>& a) const {
+    std::vector<std::pair<int, Vec<R>>> groups;
     for (int64_t j = 0; j < nr; ++j) {
       const int tl = a.lv.level(e, s + j);
       size_t g = 0;
       while (g < groups.size() && groups[g].first != tl) ++g;
-      if (g == groups.size()) groups.emplace_back(tl, std::vector<R>(static_cast<size_t>(nr), R(0)));
+      if (g == groups.size()) groups.emplace_back(tl, Vec<R>(static_cast<size_t>(nr), R(0)));
       groups[g].second[j] = 1;
     }
     std::sort(groups.begin(), groups.end(),
@@ -207,7 +223,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       if (!H || !a.lv.live(sg.s, l)) continue;
       const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
       for (int64_t i = 0; i < nr; ++i) {
-        const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * std::exp(sg.b[i]);
+        const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * sg.eb[i];
         for (int64_t j = 0; j < dv; ++j) Or(i, j) += coef * T(i, j);
       }
     }
@@ -215,28 +231,40 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   Canon<R> Hout;
   if (!state) return Hout;
   Hout.resize(a.lv.slots(sg.e));
+  const R eB = std::exp(sg.B);
+  // delta: every live level is erased by the segment, e^B (H - K^T (W H)), and the new tokens add
+  // K^T Tm Y; per outgoing slot l' one product K^T Z[l'] with
+  // Z[l'] = sum of Tm Y of the tokens into l' - e^B sum of W H of the levels re-keyed into l'.
+  std::vector<Mat<R>> Z(a.delta ? Hout.slot.size() : 0);
   if (a.delta) {
-    // every live level is erased by the segment: e^B (H - K^T (W H))
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
-      Mat<R> Hn = *H;
-      const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
-      gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));     // [dk,R] x [R,dv]
-      axpy<R>(Hout.at(a.lv.read_level(sg.e, sg.s, l), dk, dv), Hn, std::exp(sg.B));
+      const int to = a.lv.read_level(sg.e, sg.s, l);
+      axpy<R>(Hout.at(to, dk, dv), *H, eB);
+      const bool first = Z[to].empty();
+      if (first) Z[to] = Mat<R>(nr, dv, Uninit{});
+      gemm<R>(Z[to], sg.W, false, *H, false, -eB, first ? R(0) : R(1));  // [R,dk] x [dk,dv]
     }
   } else {
-    rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, std::exp(sg.B), nullptr, dk, dv);
+    rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, eB, nullptr, dk, dv);
   }
   for (auto& [tl, m] : sg.token_groups(a)) {
     Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
     for (int64_t j = 0; j < nr; ++j) {
-      const R w = m[j] * a.b(sg.i0 + j) * std::exp(sg.rest[j]);
+      const R w = m[j] * a.b(sg.i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
     }
-    if (a.delta) Y = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
-    gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+    if (!a.delta) {
+      gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+    } else if (Z[tl].empty()) {
+      Z[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
+    } else {
+      gemm<R>(Z[tl], sg.Tm, false, Y, false, R(1), R(1), kALower);
+    }
   }
+  for (size_t l = 0; l < Z.size(); ++l)
+    if (!Z[l].empty()) gemm<R>(Hout.at(static_cast<int>(l), dk, dv), sg.k, true, Z[l], false, R(1), R(1));  // [dk,R] x [R,dv]
   return Hout;
 }
 
@@ -255,7 +283,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   const Mat<R> E = sg.decay(a);
   const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
   const Mat<R>& M = fen ? Mf : E;
-  std::vector<R> db(static_cast<size_t>(nr), R(0));
+  Vec<R> db(static_cast<size_t>(nr), R(0));
   R dB = 0;
   Mat<R> dQt(nr, dk), dTm, dW;
   if (delta) {
@@ -270,26 +298,39 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   bool any_dout = false;
   for (int l = 0; l < static_cast<int>(dHout.slot.size()); ++l) any_dout |= dHout.get(l) != nullptr;
   const auto groups = any_dout ? sg.token_groups(a) : decltype(sg.token_groups(a)){};
+  // K dH'[l'] [R, dv] per outgoing slot, formed once: the tokens into l' and (delta) the erase of
+  // the levels re-keyed into l' both read it
+  std::vector<Mat<R>> kD(dHout.slot.size());
+  auto kd = [&](int l) -> const Mat<R>& {
+    if (kD[l].empty()) kD[l] = matmul<R>(sg.k, false, *dHout.get(l), false);  // [R,dk] x [dk,dv]
+    return kD[l];
+  };
+  // delta: dK += A[l'] dH'[l']^T once per slot, A[l'] = sum of Tm Y of the tokens into l'
+  // - e^B sum of W H of the levels re-keyed into l' (the forward's Z)
+  std::vector<Mat<R>> A(delta ? dHout.slot.size() : 0);
   for (auto& [tl, m] : groups) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
     Mat<R> Y(nr, dv);
-    std::vector<R> coef(static_cast<size_t>(nr));
+    Vec<R> coef(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
-      coef[j] = m[j] * a.b(i0 + j) * std::exp(sg.rest[j]);
+      coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
       for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
     }
-    const Mat<R> U = delta ? matmul<R>(sg.Tm, false, Y, false, kALower) : Y;
-    gemm<R>(dk_, U, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
-    Mat<R> dY = matmul<R>(sg.k, false, *Dz, false);           // [R,dk] x [dk,dv]
+    const Mat<R>& kDz = kd(tl);
+    Mat<R> dYd;
     if (delta) {
-      gemm<R>(dTm, dY, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
-      dY = matmul<R>(sg.Tm, true, dY, false, kAUpper);        // [R,R] x [R,dv]
+      A[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);      // Tm Y  [R,R] x [R,dv]
+      gemm<R>(dTm, kDz, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
+      dYd = matmul<R>(sg.Tm, true, kDz, false, kAUpper);       // [R,R] x [R,dv]
+    } else {
+      gemm<R>(dk_, Y, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     }
+    const Mat<R>& dY = delta ? dYd : kDz;
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
       for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
-      const R w = std::exp(sg.rest[j]);
+      const R w = sg.er[j];
       if (delta) dbeta[j] += w * m[j] * tY;
       const R dwm = coef[j] * tY;  // d/d(B - b_j)
       dB += dwm;
@@ -307,12 +348,17 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     if (const Mat<R>* Dout = dHout.get(a.lv.read_level(sg.e, sg.s, l))) {
       axpy<R>(dX, *Dout, eB);
       if (delta) {
+        const int to = a.lv.read_level(sg.e, sg.s, l);
         const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
-        Mat<R> Hn = *H;
-        gemm<R>(Hn, sg.k, true, E, false, R(-1), R(1));      // [dk,R] x [R,dv]
-        dB += eB * dot<R>(*Dout, Hn);
-        gemm<R>(dk_, E, false, *Dout, true, -eB, R(1));      // [R,dv] x [dv,dk]
-        const Mat<R> dE = matmul<R>(sg.k, false, *Dout, false);  // (times -e^B below)
+        if (A[to].empty()) {
+          A[to] = E;
+          scale<R>(A[to], -eB);
+        } else {
+          axpy<R>(A[to], E, -eB);
+        }
+        const Mat<R>& dE = kd(to);  // K dH' (times -e^B below)
+        // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
+        dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
         gemm<R>(dX, sg.W, true, dE, false, -eB, R(1));       // [dk,R] x [R,dv]
       } else {
@@ -323,7 +369,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     Mat<R> cdO(nr, dv);
     for (int64_t i = 0; i < nr; ++i) {
       const int lvl = a.lv.read_level(sg.s + i, sg.s, l);
-      const R eb = std::exp(sg.b[i]);
+      const R eb = sg.eb[i];
       const R coef = a.lambda(i0 + i, lvl) * eb;
       const R qY = dot(Qt.row(i), Yr.row(i), dk);
       for (int64_t c = 0; c < dk; ++c) dQt(i, c) += coef * Yr(i, c);
@@ -333,6 +379,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     gemm<R>(dX, Qt, true, cdO, false, R(1), R(1));  // [dk,R] x [R,dv]
   }
+  for (size_t l = 0; l < A.size(); ++l)
+    if (!A[l].empty()) gemm<R>(dk_, A[l], false, *dHout.get(static_cast<int>(l)), true, R(1), R(1));  // [R,dv] x [dv,dk]
   // intra: O = (D o M) diag(beta) V
   {
     Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
@@ -351,7 +399,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
-    std::vector<R> dGcol(static_cast<size_t>(nr), R(0));
+    Vec<R> dGcol(static_cast<size_t>(nr), R(0));
     for (int64_t i = 0; i < nr; ++i) {
       const R *dPi = dP.row(i), *Di = D.row(i);
       db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
@@ -410,7 +458,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   // A reset token (exp(g) = 0 in R: g = -inf or below the underflow point) has dg = 0, as in the
   // serial form (dg_t = a_t <Hbar_t, H_{t-1}>): the telescoped sum above leaves only rounding there.
   for (int64_t i = 0; i < nr; ++i)
-    if (std::exp(a.gate(i0 + i)) == R(0)) G.dg[i0 + i] = 0;
+    if (sg.ea[i] == R(0)) G.dg[i0 + i] = 0;
   return dHin;
 }
 
@@ -542,27 +590,34 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
     for (int64_t c = 0; c < dv; ++c) (*target)(r, c) += bt * k[r] * v[c];
 }
 
+// Segments of the naive form (one) or the chunk form (cpu_segment_rows of the chunk).
+template <class R>
+std::vector<std::pair<int64_t, int64_t>> form_segments(PForm form, int64_t chunk, const PrimArgs<R>& a) {
+  if (form == PForm::naive) return {{a.n0, a.n0 + a.n()}};
+  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
+}
+
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O, bool want_state) {
+                      MRef<R> O, bool want_state, std::vector<Canon<R>>* seg_in) {
   const int64_t n = a.n(), n0 = a.n0;
   Canon<R> st = trimmed(init, a.lv, n0);
+  if (seg_in) seg_in->clear();
   if (n == 0) return st;
   switch (form) {
-    case PForm::naive: {
-      Seg<R> sg(a, 0, n);
-      return seg_forward(a, sg, st, &O, want_state);
-    }
+    case PForm::naive:
+    case PForm::chunk:
+      for (auto [s, e] : form_segments(form, chunk, a)) {
+        Seg<R> sg(a, s - n0, e - n0);
+        MRef<R> Or = O.rows(s - n0, e - n0);
+        Canon<R> next = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
+        if (seg_in) seg_in->push_back(std::move(st));
+        st = std::move(next);
+      }
+      return st;
     case PForm::serial:
       for (int64_t i = 0; i < n; ++i) prim_step(a, i, n0 + i, st, O.row(i));
       return trimmed(st, a.lv, n0 + n);
-    case PForm::chunk:
-      for (auto [s, e] : segments(n0, n, chunk)) {
-        Seg<R> sg(a, s - n0, e - n0);
-        MRef<R> Or = O.rows(s - n0, e - n0);
-        st = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
-      }
-      return st;
     case PForm::scan: {
       // chunk summaries -> Blelloch exclusive scan -> every chunk finishes from its carry-in
       const auto segs = segments(n0, n, chunk);
@@ -589,7 +644,8 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
 
 template <class R>
 PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                           MRef<const R> dO, const Canon<R>& dfinal) {
+                           MRef<const R> dO, const Canon<R>& dfinal,
+                           const std::vector<Canon<R>>* seg_in) {
   const int64_t n = a.n(), n0 = a.n0;
   const Canon<R> st0 = trimmed(init, a.lv, n0);
   const Canon<R> dst = trimmed(dfinal, a.lv, n0 + n);
@@ -603,21 +659,23 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     G.dinit = dst;
     return G;
   }
-  std::vector<std::pair<int64_t, int64_t>> segs =
-      form == PForm::naive ? std::vector<std::pair<int64_t, int64_t>>{{n0, n0 + n}}
-                           : segments(n0, n, chunk);
-  // states-only sweep: the canonical state entering each segment
-  std::vector<Canon<R>> Hin(segs.size());
-  Hin[0] = st0;
-  for (size_t c = 0; c + 1 < segs.size(); ++c) {
-    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
-    Hin[c + 1] = seg_forward(a, sg, Hin[c]);
+  const auto segs = form_segments(form, chunk, a);
+  // each segment's quantities, formed once for both sweeps
+  std::vector<Seg<R>> sg;
+  sg.reserve(segs.size());
+  for (auto [s, e] : segs) sg.emplace_back(a, s - n0, e - n0);
+  // states-only sweep: the canonical state entering each segment (unless the forward kept them)
+  std::vector<Canon<R>> own;
+  const std::vector<Canon<R>>* Hin = seg_in;
+  if (!Hin || Hin->size() != segs.size()) {
+    own.resize(segs.size());
+    own[0] = st0;
+    for (size_t c = 0; c + 1 < segs.size(); ++c) own[c + 1] = seg_forward(a, sg[c], own[c]);
+    Hin = &own;
   }
   Canon<R> d = dst;
-  for (size_t c = segs.size(); c-- > 0;) {
-    Seg<R> sg(a, segs[c].first - n0, segs[c].second - n0);
-    d = seg_backward(a, sg, Hin[c], dO.rows(sg.i0, sg.i1), d, G);
-  }
+  for (size_t c = segs.size(); c-- > 0;)
+    d = seg_backward(a, sg[c], (*Hin)[c], dO.rows(sg[c].i0, sg[c].i1), d, G);
   G.dinit = trimmed(d, a.lv, n0);
   return G;
 }
@@ -676,9 +734,10 @@ PrimSummary<R> prim_compose(const PrimSummary<R>& A, const PrimSummary<R>& B, co
 
 #define HILA_INSTANTIATE(R)                                                                      \
   template Canon<R> prim_forward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,         \
-                                    MRef<R>, bool);                                              \
+                                    MRef<R>, bool, std::vector<Canon<R>>*);                      \
   template PrimGrads<R> prim_backward<R>(PForm, int64_t, const PrimArgs<R>&, const Canon<R>&,    \
-                                         MRef<const R>, const Canon<R>&);                        \
+                                         MRef<const R>, const Canon<R>&,                         \
+                                         const std::vector<Canon<R>>*);                          \
   template void prim_step<R>(const PrimArgs<R>&, int64_t, int64_t, Canon<R>&, R*);               \
   template void rekey_add<R>(Canon<R>&, const Canon<R>&, const Levels&, int64_t, int64_t, R,     \
                              const Mat<R>*, int64_t, int64_t);                                   \

@@ -64,15 +64,19 @@ struct PrimGrads {
 // [n, dv]; returns the canonical state at n0 + n with exactly lv.slots(n0 + n) slots, or, with
 // want_state false in the naive and chunk forms, an empty Canon (the last segment's state update
 // is skipped).
+// seg_in (naive and chunk forms, may be null): gets the canonical state entering each segment,
+// what prim_backward of the same call (form, chunk, args, init) would otherwise recompute.
 template <class R>
 Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                      MRef<R> O, bool want_state = true);
+                      MRef<R> O, bool want_state = true, std::vector<Canon<R>>* seg_in = nullptr);
 
 // VJP (naive: one segment over the whole call; chunk: segment sweep; serial: flat mamba only).
-// dfinal may be empty (no cotangent of the final state).
+// dfinal may be empty (no cotangent of the final state). seg_in: the states entering the segments
+// from prim_forward's seg_in for the same call (null or empty: the backward recomputes them).
 template <class R>
 PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
-                           MRef<const R> dO, const Canon<R>& dfinal);
+                           MRef<const R> dO, const Canon<R>& dfinal,
+                           const std::vector<Canon<R>>* seg_in = nullptr);
 
 // One decode step at absolute position t for row i of `a`: updates `st` (canonical at t ->
 // t + 1, growing slots as needed) and writes o [dv].
