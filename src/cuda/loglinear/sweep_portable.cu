@@ -70,6 +70,19 @@ __device__ __forceinline__ void each_tile(int rows, int bv, int dv, int v0, F f)
   for (int e = threadIdx.x; e < rows * bv; e += blockDim.x) f(int64_t(e / bv) * dv + v0 + e % bv);
 }
 
+// G += X^T Y on columns [v0, v0+bv) of a level's [dk, dv] state tile G in global memory (fp32 /
+// fp64), staged through Hf [dk, ldvr]: X [C, dk], Y [C, bv] (16-bit or the compute type) in shared
+// memory.                                                                [dk,C]x[C,bv]
+template <class T, class R>
+__device__ void add_level_product(R* G, int dv, int v0, R* Hf, int ldvr, const T* X, int ldx, const T* Y, int ldy,
+                                  int dk, int bv) {
+  for (int e = threadIdx.x; e < dk * bv; e += blockDim.x) Hf[(e / bv) * ldvr + e % bv] = G[int64_t(e / bv) * dv + v0 + e % bv];
+  __syncthreads();
+  smem_gemm<T, true, false>(Hf, ldvr, X, ldx, Y, ldy, dk, bv, kChunk, true);
+  for (int e = threadIdx.x; e < dk * bv; e += blockDim.x) G[int64_t(e / bv) * dv + v0 + e % bv] = Hf[(e / bv) * ldvr + e % bv];
+  __syncthreads();
+}
+
 template <class R>
 __device__ R block_sum(R x, R* red) {
   red[threadIdx.x] = x;
@@ -220,13 +233,7 @@ __global__ void __launch_bounds__(256) loglinear_fwd_kernel(LoglinearArgs<T> a) 
           const R x = (i >= lo && i < hi) ? from<R>(s.V[i * s.ldv + c]) * dec.weight(i) : R(0);
           s.P[i * s.ldc + c] = to<T>(x);
         }
-        for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-          s.Hf[(e / bv) * s.ldvr + e % bv] = H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv];
-        __syncthreads();
-        smem_gemm<T, true, false>(s.Hf, s.ldvr, s.K, s.ldk, s.P, s.ldc, p.dk, bv, kChunk, true);
-        for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-          H[L * tile + int64_t(e / bv) * p.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
-        __syncthreads();
+        add_level_product(H + L * tile, p.dv, v0, s.Hf, s.ldvr, s.K, s.ldk, s.P, s.ldc, p.dk, bv);
       }
     });
   }
@@ -354,13 +361,7 @@ __global__ void __launch_bounds__(256) loglinear_bwd_dh_kernel(LoglinearArgs<T> 
               lam[(sg.row + i) * a.nL + read_level(sg.s + i, sg.s, l)];
         s.Ds[i * s.ldv + c] = to<T>(x);
       }
-      for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-        s.Hf[(e / bv) * s.ldvr + e % bv] = dH[l * tile + int64_t(e / bv) * p.dv + v0 + e % bv];
-      __syncthreads();
-      smem_gemm<T, true, false>(s.Hf, s.ldvr, s.Q, s.ldk, s.Ds, s.ldv, p.dk, bv, kChunk, true);
-      for (int e = threadIdx.x; e < p.dk * bv; e += blockDim.x)
-        dH[l * tile + int64_t(e / bv) * p.dv + v0 + e % bv] = s.Hf[(e / bv) * s.ldvr + e % bv];
-      __syncthreads();
+      add_level_product(dH + l * tile, p.dv, v0, s.Hf, s.ldvr, s.Q, s.ldk, s.Ds, s.ldv, p.dk, bv);
     }
   }
 }
