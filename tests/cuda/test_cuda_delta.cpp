@@ -133,9 +133,10 @@ std::vector<DeltaCase> cases() {
   // loglinear_gdn's level sweeps on the sm90 tier forced on (src/cuda/delta/loglinear_gdn_sm90.cu):
   // without a final-state cotangent (both sweeps; the forward entry point the forward sweep alone),
   // lengths across several Fenwick levels (T = 1, 63, 64, 65, 130, 256, 300) at dk = dv = 128, dk =
-  // 64 with varlen and empty sequences (f16), GQA with l2norm, ungated, four value tiles, a final-state
-  // cotangent (the forward sweep; the segment backward), an initial state (the segment sweep: the
-  // level sweeps start at position 0) and a head dim they do not take (dk = 40: the sm80 sweeps)
+  // 64 with varlen and empty sequences (f16), GQA with l2norm, ungated, four value tiles (the forward
+  // sweep; the tensor-core backward takes dv <= 128: the segment backward), a final-state cotangent
+  // (the forward sweep; the segment backward), an initial state (the segment sweep: the level sweeps
+  // start at position 0) and a head dim they do not take (dk = 40: the sm80 sweeps)
   const std::string l9 = "_train_sm90";
   for (int64_t T : {1, 63, 64, 65, 130, 256, 300})
     cs.push_back({lg, DType::bf16, 2, T, 2, 2, 128, 128, {}, true, false, {}, false, 1e-2,

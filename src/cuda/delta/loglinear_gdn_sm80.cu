@@ -761,6 +761,9 @@ bool loglinear_gdn_sm80_usable(const detail::Resolved& r, bool backward) {
     if (!heuristics::delta_sm80(dk, dv, true)) return false;
     const size_t optin = smem_optin();
     size_t need = std::max(wy_smem(dk, dv, false, true), sweep_smem(dk, true));
+    // the backward's gradient kernels hold a half of dv per warp column (mma::col_half, 8 tiles of 8):
+    // dv <= 128, whatever shared memory would allow
+    if (backward && dv > 128) return false;
     if (backward)
       need = std::max({need, rsweep_smem(dk), loglinear_grad_smem(dk, dv), loglinear_intra_smem(dk, dv), wy_bwd_smem(dk, dv)});
     return need <= optin;
