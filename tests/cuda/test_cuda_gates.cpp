@@ -65,6 +65,7 @@ struct DgCase {
   Knobs knobs;
   std::string name;
   bool whole_sequence_dg = false;  // this path's dg is still a reverse cumsum over the sequence
+  bool train = false;              // no final-state cotangent (loglinear_gdn: its tensor-core backward)
 };
 
 // The log-linear tree form (loglinear, loglinear_hla2 with 16-bit operands, unless
@@ -109,6 +110,10 @@ std::vector<DgCase> dg_cases() {
   // plain gdn with the sm_90a state sweeps forced on (src/cuda/delta/sweep_sm90.cu)
   for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
   add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
+  // loglinear_gdn with its sm_90a level sweeps forced on (src/cuda/delta/loglinear_gdn_sm90.cu), both
+  // directions: without a final-state cotangent
+  add(Op::loglinear_gdn, 256, 128, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, "1"}, "_train_delta_sm90");
+  cs.back().train = true;
   return cs;
 }
 
@@ -137,7 +142,8 @@ TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
     const double x = normal(rng);  // logsigmoid(x) = -log(1 + e^{-x})
     pr.g.set(i, c.gates == SlowGates::near_zero ? -1e-3 : -std::log1p(std::exp(-x)) / 16);
   }
-  const Problem low = cast_problem(pr, DType::bf16);
+  Problem low = cast_problem(pr, DType::bf16);
+  if (c.train) low.d_final = {};
   const Result ref = run_backward(cast_problem(low, DType::f64), Form::chunk);
   Result got;
   ASSERT_EQ(with_knobs(c.knobs, [&] { got = run_backward(low, Form::chunk, 64, cuda0()); }), "") << "backward threw";
@@ -161,6 +167,7 @@ struct ResetCase {
   DType dtype;
   Knobs knobs;
   std::string name;
+  bool train = false;  // no initial state and no final-state cotangent (loglinear_gdn: its tensor-core paths)
 };
 
 std::string tag_of(DType dt) {
@@ -179,6 +186,9 @@ std::vector<ResetCase> reset_cases() {
   cs.push_back({Op::gla, DType::bf16, {"0"}, "gla_bf16_sm80"});
   cs.push_back({Op::gla, DType::bf16, {"1"}, "gla_bf16_sm90"});
   cs.push_back({Op::gdn, DType::bf16, {nullptr, nullptr, nullptr, "1"}, "gdn_bf16_delta_sm90"});
+  // loglinear_gdn's sm_90a level sweeps (both directions: no initial state, no final-state cotangent)
+  cs.push_back({Op::loglinear_gdn, DType::bf16, {nullptr, nullptr, nullptr, "1"}, "loglinear_gdn_bf16_train_delta_sm90",
+                true});
   return cs;
 }
 
@@ -191,7 +201,7 @@ TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
   s.cfg.op = c.op;
   s.B = 2, s.T = 200, s.G = 1, s.H = 2;
   s.dk = s.dv = c.dtype == DType::bf16 ? 64 : 32;
-  s.init_state = true;
+  s.init_state = !c.train;
   s.dtype = DType::f64;
   s.seed = 31;
   Problem pr = make_problem(s);
@@ -205,7 +215,8 @@ TEST_P(CudaResetGates, FiniteAndCloseToSerialWithChecksOffAndOn) {
   for (const auto& x : resets)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t j = 0; j < gc; ++j) pr.g.set(((x.b * s.T + x.t) * s.H + h) * gc + j, x.g);
-  const Problem low = cast_problem(pr, c.dtype);
+  Problem low = cast_problem(pr, c.dtype);
+  if (c.train) low.d_final = {};
   const Form oracle = supports(c.op, Form::serial, true) ? Form::serial : Form::naive;
   const Result ref = run_backward(cast_problem(low, DType::f64), oracle);
   const double tol = reset_tol(c.dtype);
