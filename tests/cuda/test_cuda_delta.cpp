@@ -133,7 +133,9 @@ std::vector<DeltaCase> cases() {
   // loglinear_gdn's level sweeps on the sm90 tier forced on (src/cuda/delta/loglinear_gdn_sm90.cu):
   // without a final-state cotangent (both sweeps; the forward entry point the forward sweep alone),
   // lengths across several Fenwick levels (T = 1, 63, 64, 65, 130, 256, 300) at dk = dv = 128, dk =
-  // 64 with varlen and empty sequences (f16), GQA with l2norm, ungated, four value tiles (the forward
+  // 64 with varlen and empty sequences (f16), GQA with l2norm, ungated (without decay the level-3 state
+  // read at chunk 4 carries both lower levels' parts of E, which the gated cases decay away), four
+  // value tiles (the forward
   // sweep; the tensor-core backward takes dv <= 128: the segment backward), a final-state cotangent
   // (the forward sweep; the segment backward), an initial state (the segment sweep: the level sweeps
   // start at position 0) and a head dim they do not take (dk = 40: the sm80 sweeps)
@@ -145,8 +147,10 @@ std::vector<DeltaCase> cases() {
                 1e-2, "loglinear_gdn_f16_d64_varlen" + l9, 0, false, "1"});
   cs.push_back({lg, DType::bf16, 2, 300, 1, 4, 64, 64, {}, true, false, {}, true, 1e-2,
                 "loglinear_gdn_bf16_gqa4_l2norm" + l9, 0, false, "1"});
-  cs.push_back({lg, DType::bf16, 2, 200, 1, 2, 64, 128, {}, false, false, {}, false, 1e-2,
-                "loglinear_gdn_bf16_dk64_dv128_ungated" + l9, 0, false, "1"});
+  cs.push_back({lg, DType::bf16, 2, 300, 1, 2, 64, 128, {}, false, false, {}, false, 1e-2,
+                "loglinear_gdn_bf16_dk64_dv128_ungated_T300" + l9, 0, false, "1"});
+  cs.push_back({lg, DType::bf16, 1, 300, 1, 2, 128, 128, {}, false, false, {}, false, 1e-2,
+                "loglinear_gdn_bf16_d128_ungated_T300" + l9, 0, false, "1"});
   cs.push_back({lg, DType::bf16, 1, 256, 1, 2, 64, 256, {}, true, false, {}, false, 1e-2,
                 "loglinear_gdn_bf16_dk64_dv256_T256" + l9, 0, false, "1"});
   cs.push_back({lg, DType::bf16, 1, 300, 2, 4, 128, 64, {}, true, false, {}, false, 1e-2,
