@@ -50,7 +50,8 @@ OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EM
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
 # fused forward (with its TMA stores of the chunk states), with strided views, varlen, the HLA
 # gradient sums, chunks shorter than the 64-row tiles, the log-linear tree build and resets; the
-# delta rule's state sweeps (src/cuda/delta/sweep_sm90.cu, forced by the case).
+# delta rule's state sweeps (src/cuda/delta/sweep_sm90.cu) and loglinear_gdn's level sweeps
+# (src/cuda/delta/loglinear_gdn_sm90.cu), forced by the cases.
 EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_f16_dk64_dv128_varlen_init_sm90:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_sm90:'\
@@ -62,6 +63,7 @@ EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_dk128_dv64_gqa4_sm90_chunk32:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep_sm90:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65_sm90:'\
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_bf16_d128_T130_train_sm90:'\
 'Ops/CudaResetGates.*/gla_bf16_sm90'
 HILA_EMU_SM90=1 OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_SM90_FILTER:-$EMU_SM90}"
 # The per-call tables uploaded by kernels (the path a call under CUDA graph capture takes, here

@@ -67,6 +67,7 @@ struct DgCase {
   Knobs knobs;
   std::string name;
   bool whole_sequence_dg = false;  // this path's dg is still a reverse cumsum over the sequence
+  bool train = false;              // no final-state cotangent (loglinear_gdn: its tensor-core backward)
 };
 
 // The log-linear tree form (loglinear, loglinear_hla2 with 16-bit operands, unless
@@ -111,6 +112,10 @@ std::vector<DgCase> dg_cases() {
   // plain gdn with the sm_90a state sweeps forced on (src/cuda/delta/sweep_sm90.cu)
   for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
   add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
+  // loglinear_gdn with its sm_90a level sweeps forced on (src/cuda/delta/loglinear_gdn_sm90.cu), both
+  // directions: without a final-state cotangent
+  add(Op::loglinear_gdn, 256, 128, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_train_delta_sm90");
+  cs.back().train = true;
   return cs;
 }
 
@@ -139,7 +144,8 @@ TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
     const double x = normal(rng);  // logsigmoid(x) = -log(1 + e^{-x})
     pr.g.set(i, c.gates == SlowGates::near_zero ? -1e-3 : -std::log1p(std::exp(-x)) / 16);
   }
-  const Problem low = cast_problem(pr, DType::bf16);
+  Problem low = cast_problem(pr, DType::bf16);
+  if (c.train) low.d_final = {};
   const Result ref = run_backward(cast_problem(low, DType::f64), Form::chunk);
   Result got;
   ASSERT_EQ(with_knobs(c.knobs, [&] { got = run_backward(low, Form::chunk, 64, cuda0()); }), "") << "backward threw";
@@ -163,7 +169,8 @@ struct ResetCase {
   DType dtype;
   Knobs knobs;
   std::string name;
-  bool init = true, d_final = true;  // an initial state; a final-state cotangent
+  bool init = true, d_final = true;  // an initial state; a final-state cotangent (neither: loglinear_gdn's
+                                     // tensor-core paths)
 };
 
 std::string tag_of(DType dt) {
@@ -194,6 +201,9 @@ std::vector<ResetCase> reset_cases() {
   cs.push_back({Op::gla, DType::f16, {}, "gla_f16"});
   cs.push_back({Op::gdn, DType::bf16, {nullptr, nullptr, nullptr, "0"}, "gdn_bf16_portable"});
   cs.push_back({Op::loglinear_gdn, DType::bf16, {}, "loglinear_gdn_bf16_tc", false, false});
+  // loglinear_gdn's sm_90a level sweeps (both directions: no initial state, no final-state cotangent)
+  cs.push_back({Op::loglinear_gdn, DType::bf16, {nullptr, nullptr, nullptr, nullptr, "1"},
+                "loglinear_gdn_bf16_train_delta_sm90", false, false});
   return cs;
 }
 

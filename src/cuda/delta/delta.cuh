@@ -32,7 +32,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
 // sm80 tier, loglinear_gdn (loglinear_gdn_sm80.cu): the WY chunks with Qeff and the lambda-masked
 // intra block, then one launch of level sweeps per chunk level, for calls whose sequences all start
 // at position 0 without an initial state (a final state may be asked for), dk <= 128, dv <= 256;
-// the backward also needs no final-state cotangent and dv <= 128 (shared memory).
+// the backward also needs no final-state cotangent and dv <= 128 (its gradient kernels' tiles).
 template <class T>
 bool loglinear_gdn_sm80_usable(const detail::Resolved& r, bool backward);
 template <class T>

@@ -9,12 +9,15 @@
 // Every level's state sees the same erase as plain GDN, S <- e^B S + K^T diag(e^{B-b}) (-W S), so
 // each level is a GDN-like sweep over the second half of its aligned blocks (loglinear_level_sweep_kernel),
 // started from the sum of the lower levels at the block's middle (E) plus the chunk before it. The
-// backward (section comment above LoglinearRsweepArgs) reverses the level sweeps, then forms the level
+// backward (section comment above loglinear_level_rsweep_kernel) reverses the level sweeps, then forms the level
 // terms (loglinear_grad_kernel), the chunk's own terms (loglinear_intra_bwd_kernel) and the WY backward.
+// Both level sweeps run as the sm90 kernels of loglinear_gdn_sm90.cu instead where
+// heuristics::loglinear_gdn_sm90_sweep chooses them (HILA_DELTA_SM90=1).
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
 // output accumulator and every accumulation are fp32.
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
+#include "cuda/delta/loglinear_gdn_sm90.cuh"
 #include "cuda/delta/sm80.cuh"
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/loglinear/tree.cuh"
@@ -42,19 +45,7 @@ namespace {
 // With a final state (length F C + r) the block whose second half holds F leaves its S in
 // fin[p + m]. Grid (N x H, ceil((chunks + 1) / 2^m), dv tiles of 64), 8 warps; the state in
 // registers as in delta_sweep_kernel; per chunk W, K, b double-buffered, Qeff and lam in one buffer.
-template <class T>
-struct LoglinearSweepArgs {
-  const T* W = nullptr;       // [H][Ttot][dk]
-  const T* U = nullptr;       // [H][Ttot][dv] (16-bit)
-  const T* qeff = nullptr;    // [H][Ttot][dk]
-  const float* lam = nullptr; // [H][Ttot][nL]
-  int nL = 0;
-  float* E = nullptr;         // [nchunks + 1][H][dk][dv]
-  float* o = nullptr;         // [H][Ttot][dv], the intra part already in; nullptr: no reads (the backward's recompute)
-  float* fin = nullptr;       // [N][H][Ls][dk][dv] or nullptr
-  int Ls = 0;
-  T* hl = nullptr;            // backward: [top][nchunks][H][dk][dv] the level-m state entering each chunk that reads it
-};
+// (LoglinearSweepArgs: loglinear_gdn_sm90.cuh)
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaArgs<T> a, LoglinearSweepArgs<T> x, int m) {
@@ -185,16 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
 // The reverse level sweep of level m: grid (N x H, level-m blocks, dv tiles of 64), 8 warps; the
 // cotangent in registers as in delta_rsweep_kernel; per chunk (last first) Qeff, K, W [C, dk],
 // dO [C, 64] and lam^{p+m}, b double-buffered (lam in the dvi slot of RsweepTiles).
-template <class T>
-struct LoglinearRsweepArgs {
-  const T* W = nullptr;        // [H][Ttot][dk]
-  const T* qeff = nullptr;     // [H][Ttot][dk]
-  const float* lam = nullptr;  // [H][Ttot][nL]
-  int nL = 0;
-  float* dmid = nullptr;       // [nchunks + 1][H][dk][dv]
-  T* dmid16 = nullptr;         // the same in 16 bits (loglinear_grad_kernel's GEMM operand)
-  T* dhl = nullptr;            // [top][nchunks][H][dk][dv]: dT at the chunks that read level m
-};
+// (LoglinearRsweepArgs: loglinear_gdn_sm90.cuh)
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArgs<T> a, LoglinearRsweepArgs<T> x, int m) {
@@ -781,6 +763,9 @@ bool loglinear_gdn_sm80_usable(const detail::Resolved& r, bool backward) {
     if (!heuristics::delta_sm80(dk, dv, true)) return false;
     const size_t optin = smem_optin();
     size_t need = std::max(wy_smem(dk, dv, false, true), sweep_smem(dk, true));
+    // the backward's gradient kernels hold a half of dv per warp column (mma::col_half, 8 tiles of 8):
+    // dv <= 128, whatever shared memory would allow
+    if (backward && dv > 128) return false;
     if (backward)
       need = std::max({need, rsweep_smem(dk), loglinear_grad_smem(dk, dv), loglinear_intra_smem(dk, dv), wy_bwd_smem(dk, dv)});
     return need <= optin;
@@ -833,11 +818,14 @@ struct LoglinearGdnCall {
     LoglinearSweepArgs<T> la;
     la.W = x.W.get(), la.U = u16.get(), la.qeff = qeff.get(), la.lam = lam.get(), la.nL = nL;
     la.E = E.get(), la.o = O.get(), la.fin = fws.get(), la.Ls = Ls, la.hl = hl.get();
-    const size_t bytes = sweep_smem(int(dk), true);
-    set_smem(loglinear_level_sweep_kernel<T>, bytes);
-    for (int m = 1; m <= top && !dry_run(); ++m) {
-      loglinear_level_sweep_kernel<T><<<grid(m), kThreads, bytes, s>>>(x.a, la, m);
-      HILA_CUDA_CHECK_LAUNCH();
+    if (!(heuristics::loglinear_gdn_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
+          loglinear_level_sweeps_sm90(x.a, la, top, reach, s))) {
+      const size_t bytes = sweep_smem(int(dk), true);
+      set_smem(loglinear_level_sweep_kernel<T>, bytes);
+      for (int m = 1; m <= top && !dry_run(); ++m) {
+        loglinear_level_sweep_kernel<T><<<grid(m), kThreads, bytes, s>>>(x.a, la, m);
+        HILA_CUDA_CHECK_LAUNCH();
+      }
     }
     if (Ttot > 0 && o.defined()) unpack_to<float>(o, O.get(), r, H, 1, int(r.dv), int(dv), 1.f, s);
     if (fin) {
@@ -858,7 +846,7 @@ void loglinear_gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& 
   }
 }
 
-// loglinear_gdn's backward on tensor cores (the section comment above LoglinearRsweepArgs): the forward
+// loglinear_gdn's backward on tensor cores (the section comment above loglinear_level_rsweep_kernel): the forward
 // recomputed with Tg and the level states, the reverse level sweeps m = top .. 1, loglinear_grad_kernel,
 // loglinear_intra_bwd_kernel, then the WY backward.
 template <class T>
@@ -878,11 +866,14 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
       LoglinearRsweepArgs<T> ra;
       ra.W = x.W.get(), ra.qeff = c.qeff.get(), ra.lam = c.lam.get(), ra.nL = nL, ra.dmid = c.E.get(),
       ra.dmid16 = dmid16.get(), ra.dhl = dhl.get();
-      const size_t bytes = rsweep_smem(int(dk));
-      set_smem(loglinear_level_rsweep_kernel<T>, bytes);
-      for (int m = c.top; m >= 1 && !dry_run(); --m) {
-        loglinear_level_rsweep_kernel<T><<<c.grid(m), kThreads, bytes, s>>>(x.a, ra, m);
-        HILA_CUDA_CHECK_LAUNCH();
+      if (!(heuristics::loglinear_gdn_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
+            loglinear_level_rsweeps_sm90(x.a, ra, c.top, c.reach, s))) {
+        const size_t bytes = rsweep_smem(int(dk));
+        set_smem(loglinear_level_rsweep_kernel<T>, bytes);
+        for (int m = c.top; m >= 1 && !dry_run(); --m) {
+          loglinear_level_rsweep_kernel<T><<<c.grid(m), kThreads, bytes, s>>>(x.a, ra, m);
+          HILA_CUDA_CHECK_LAUNCH();
+        }
       }
     }
     DevBuf<T> dqeff16(size_t(H * Ttot * dk), s);

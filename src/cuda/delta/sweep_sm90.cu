@@ -23,6 +23,7 @@
 // at dk = 128 one block fits an SM, so this halves the waves where there are more tiles than SMs.
 #include <type_traits>
 
+#include "cuda/delta/sm90.cuh"
 #include "cuda/delta/sweep_sm90.cuh"
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/dispatch/static_switch.h"
@@ -34,62 +35,6 @@ namespace {
 
 using namespace gla_sm90;
 
-// Shared memory of a block of NW warpgroups (each its own 64 value columns): S ring stages
-// (forward: W, K [C][dk]; reverse: Q, K, W [C][dk] and dO [C][64] per warpgroup; each [C][dk]
-// tile is dk/64 swizzled [C][64] blocks), then per warpgroup st16 (dk * 128 bytes: the 16-bit
-// state [dk][64], later the chunk's [C][64] product operand), the stages' mbarriers and 4 floats
-// per warpgroup.
-template <int DK, bool kRev, int NW = 1>
-struct Ring {
-  static constexpr uint32_t kTile = (DK / 64) * kSweepTile;
-  static constexpr uint32_t kStage = kRev ? 3 * kTile + NW * kSweepTile : 2 * kTile;
-  static constexpr uint32_t kFixed = NW * (DK * 128 + 16);  // st16 and the floats (mbarriers: 8 per stage)
-  static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
-};
-
-#if HILA_SM90A
-// This thread's 16-bit state entries (slab m rows 64m + 16w + g (+8), columns 8j + 2t (+1):
-// acc[m][4j + 2hf + e]) into the swizzled [DK][64] tile at st16 and, when out is set, to the
-// [dk][dv] matrix out (row 0, column v0 + 2t of it).
-template <class T, int M>
-__device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;  // w: warp in the warpgroup
-  const mma::Frag fr{lane >> 2, lane & 3};
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int r = fr.row(64 * m + 16 * w, hf);
-        const uint32_t x = mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
-        *reinterpret_cast<uint32_t*>(st16 + sm90::swz(64 * M, r, fr.col(0, j))) = x;
-        if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + 8 * j) = x;
-      }
-}
-#endif
-
-// The fp32 state of slabs m < M from / to the [dk][dv] matrix st (rows 64m + 16w + g (+8),
-// columns v0 + 8j + 2t (+1)); nullptr on load: 0.
-template <int M>
-__device__ __forceinline__ void load_state_slabs(float (&acc)[M][32], const float* st, int64_t dv, int rl, int v0,
-                                                 int t) {
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        acc[m][4 * j + e] = st ? st[int64_t(64 * m + rl + 8 * (e >> 1)) * dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
-}
-template <int M>
-__device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], float* st, int64_t dv, int rl, int v0,
-                                                  int t) {
-  if (!st) return;
-#pragma unroll
-  for (int m = 0; m < M; ++m) store_state_frag<64>(acc[m], st, dv, 64 * m + rl, v0, t);
-}
-
 // The forward sweep; grid (N x H, 1, dv / 64), one warpgroup (file comment).
 template <class T, int DK, int S>
 __global__ void __launch_bounds__(kSm90Threads, 2)
@@ -98,7 +43,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, false>;
+  using L = Ring<DK, 2>;
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -219,11 +164,10 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
                              const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
                              unsigned order, GlaArgs<T> a, const float* dvi, float* sdot) {
   static_assert(S >= 2, "a stage in the products and one in flight");
-  static_assert(kChunk * 8 == 4 * kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
   static_assert(NW == 1 || NW == 2, "one or two warpgroups");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, true, NW>;
+  using L = Ring<DK, 3, true, NW>;
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -330,19 +274,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     mbar_wait(&full[st], par);
     char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // dO row r (16 bytes e of the tile) *= scale e^{b_r}
-      const int e = wt + kSm90Threads * q, r = e / 8;  // the swizzle permutes 16-byte pieces within a row
-      const float s = r < nr ? sc * mma::fexp(bo[q]) : 0.f;
-      uint4* p = reinterpret_cast<uint4*>(dOt + e * 16);
-      uint4 v = *p;
-      uint32_t* x = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = mma::unpack2<T>(x[q]);
-        x[q] = mma::pack2<T>(s * f.x, s * f.y);
-      }
-      *p = v;
-    }
+    scale_do_rows<T>(dOt, wt, nr, [&](int q) { return sc * mma::fexp(bo[q]); });  // dO row r *= scale e^{b_r}
     fence_async_smem();
     __syncthreads();
     if (wt == 0) sdot[(cg * a.H + h) * gridDim.z * NW + vt] = red[4 * wg] + red[4 * wg + 1] + red[4 * wg + 2] + red[4 * wg + 3];
@@ -396,24 +328,17 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 #endif
 }
 
-// Ring stages for `blocks` sweep blocks of this layout (heuristics::delta_sm90_sweep_stages).
-template <int DK, bool kRev, int NW = 1>
-int stages_for(int64_t blocks) {
-  using L = Ring<DK, kRev, NW>;
-  return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed, NW == 1 ? 2 : 1);
-}
-
 }  // namespace
 
 template <class T>
 bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cudaStream_t s) {
   const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    const int S = stages_for<DK, false>(blocks);
+    const int S = ring_stages<Ring<DK, 2>>(blocks, 2);
     if (S < 2) return false;
     return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
       auto kernel = delta_sweep_sm90_kernel<T, DK, kS>;
-      const size_t bytes = Ring<DK, false>::bytes(kS);
+      const size_t bytes = Ring<DK, 2>::bytes(kS);
       CUtensorMap mw, mk;
       bool sw = false, sk = false;
       if (!input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
@@ -432,17 +357,17 @@ template <class T>
 bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float* sdot, cudaStream_t s) {
   const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L1 = Ring<DK, true, 1>;
-    using L2 = Ring<DK, true, 2>;
+    using L1 = Ring<DK, 3, true, 1>;
+    using L2 = Ring<DK, 3, true, 2>;
     const int nw = heuristics::delta_sm90_rsweep_warpgroups(tiles, a.dv % 128 == 0, device_info(), L1::kStage + 8,
                                                             L1::kFixed, L2::kStage + 8, L2::kFixed);
     auto run = [&](auto nw_c) -> bool {
       constexpr int NW = decltype(nw_c)::value;
-      const int S = stages_for<DK, true, NW>(tiles / NW);
+      const int S = ring_stages<Ring<DK, 3, true, NW>>(tiles / NW, NW == 1 ? 2 : 1);
       if (S < 2) return false;
       return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
         auto kernel = delta_rsweep_sm90_kernel<T, DK, kS, NW>;
-        const size_t bytes = Ring<DK, true, NW>::bytes(kS);
+        const size_t bytes = Ring<DK, 3, true, NW>::bytes(kS);
         CUtensorMap mq, mk, mw, mdo;
         bool sq = false, sk = false, sw = false, sd = false;
         if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||

@@ -166,6 +166,15 @@ constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
   return knob && (dk == 64 || dk == 128) && dv % 64 == 0 && tma_rows_fit(Ttot, 64);
 }
 
+// loglinear_gdn's level sweeps on the sm90 tier (delta/loglinear_gdn_sm90.cu: the plain sweeps'
+// state tiles, ring and stash; one warpgroup per level block and 64 value columns) in place of the
+// sm80 ones, for the shapes of the plain sm90 sweeps: padded dk of 64 or 128, dv a multiple of 64, rows
+// TMA can address. The same opt-in knob (HILA_DELTA_SM90=1); the sm80 sweeps where the device does
+// not run sm_90a code or two ring stages do not fit.
+constexpr bool loglinear_gdn_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
+  return delta_sm90_sweep(dk, dv, Ttot, knob);
+}
+
 // Ring depth of a delta sm90 sweep (stages of `stage_bytes` besides `fixed_bytes` per block): the
 // deepest of 4, 3, 2 that fits the grid's blocks per SM (1 KB per block left for alignment), taken
 // for the fewest waves: two blocks per SM where two stages fit (the forward at dk = 128: three

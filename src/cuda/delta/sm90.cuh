@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+// The delta rule's sm90 tier (sm_90a: TMA + wgmma): the pieces shared by the state sweeps of plain
+// gdn (sweep_sm90.cu) and the level sweeps of loglinear_gdn (loglinear_gdn_sm90.cu). A sweep
+// warpgroup holds its [dk, 64] fp32 state (dk = 64 or 128: M = dk / 64 m64 slabs) as wgmma
+// accumulators acc[M][32]: thread (warp w, lane 4g + t) holds rows 64m + 16w + g (+8), columns
+// 8j + 2t (+1) of slab m at acc[m][4j + 2hf + e]. Its chunks' 16-bit tiles arrive by TMA
+// (128-byte swizzle) in a ring of S stages; st16 (dk * 128 bytes per warpgroup) holds the 16-bit
+// state [dk][64] as the B operand of the chunk's products, then the chunk's [C][64] operand of the
+// state update.
+#pragma once
+#include "cuda/dispatch/heuristics.h"
+#include "cuda/gla/sm90.cuh"
+
+namespace hila::cuda::gdn {
+
+// Shared memory of a sweep block of NW warpgroups (each its own 64 value columns): S ring stages of
+// kTiles [C][dk] 16-bit tiles (each dk / 64 swizzled [C][64] blocks) and, with kDO, one [C][64] dO
+// block per warpgroup; then per warpgroup st16, the stages' mbarriers (8 bytes each) and 4 floats
+// per warpgroup.
+template <int DK, int kTiles, bool kDO = false, int NW = 1>
+struct Ring {
+  static constexpr uint32_t kTile = (DK / 64) * gla_sm90::kSweepTile;
+  static constexpr uint32_t kStage = kTiles * kTile + (kDO ? NW * gla_sm90::kSweepTile : 0);
+  static constexpr uint32_t kFixed = NW * (DK * 128 + 16);
+  static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
+};
+
+// Ring stages for `blocks` sweep blocks of layout L, at most `max_per_sm` blocks per SM
+// (heuristics::delta_sm90_sweep_stages; 0: two stages do not fit).
+template <class L>
+int ring_stages(int64_t blocks, int64_t max_per_sm) {
+  return heuristics::delta_sm90_sweep_stages(blocks, device_info(), L::kStage + 8, L::kFixed, max_per_sm);
+}
+
+#if HILA_SM90A
+// This thread's 16-bit state entries (slab m rows 64m + 16w + g (+8), columns 8j + 2t (+1):
+// acc[m][4j + 2hf + e]) into the swizzled [DK][64] tile at st16 and, when out is set, to the
+// [dk][dv] matrix out (row 0, column v0 + 2t of it).
+template <class T, int M>
+__device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv) {
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;  // w: warp in the warpgroup
+  const mma::Frag fr{lane >> 2, lane & 3};
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = fr.row(64 * m + 16 * w, hf);
+        const uint32_t x = mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(st16 + sm90::swz(64 * M, r, fr.col(0, j))) = x;
+        if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + 8 * j) = x;
+      }
+}
+#endif
+
+// The fp32 state of slabs m < M from / to the [dk][dv] matrix st (rows 64m + 16w + g (+8),
+// columns v0 + 8j + 2t (+1); rl = 16w + g); nullptr on load: 0. With add, the store adds to st.
+template <int M>
+__device__ __forceinline__ void load_state_slabs(float (&acc)[M][32], const float* st, int64_t dv, int rl, int v0,
+                                                 int t) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[m][4 * j + e] = st ? st[int64_t(64 * m + rl + 8 * (e >> 1)) * dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
+}
+template <int M>
+__device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], float* st, int64_t dv, int rl, int v0,
+                                                  int t, bool add = false) {
+  if (!st) return;
+  if (!add) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) gla_sm90::store_state_frag<64>(acc[m], st, dv, 64 * m + rl, v0, t);
+    return;
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float2* p = reinterpret_cast<float2*>(st + int64_t(64 * m + rl + 8 * hf) * dv + v0 + 8 * j + 2 * t);
+        float2 v = *p;
+        v.x += acc[m][4 * j + 2 * hf], v.y += acc[m][4 * j + 2 * hf + 1];
+        *p = v;
+      }
+}
+
+#if HILA_SM90A
+// The reverse sweeps' dO block [C][64] of a ring stage (swizzled 16-byte pieces, four per thread
+// of the warpgroup's wt): row r *= s(q, r) in place, q = 0..3 the piece's index (r = wt / 8 + 16q),
+// rows >= nr zeroed. s(q, r) is the row's weight (scale e^{b_r}, or lambda_r).
+template <class T, class Fs>
+__device__ __forceinline__ void scale_do_rows(char* dOt, int wt, int nr, Fs s) {
+  static_assert(kChunk * 8 == 4 * gla_sm90::kSm90Threads, "the dO tile's 16-byte pieces: four per thread");
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // the swizzle permutes 16-byte pieces within a row
+    const int e = wt + gla_sm90::kSm90Threads * q, r = e / 8;
+    const float sr = r < nr ? s(q) : 0.f;
+    uint4* p = reinterpret_cast<uint4*>(dOt + e * 16);
+    uint4 v = *p;
+    uint32_t* x = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = mma::unpack2<T>(x[k]);
+      x[k] = mma::pack2<T>(sr * f.x, sr * f.y);
+    }
+    *p = v;
+  }
+}
+#endif
+
+}  // namespace hila::cuda::gdn
