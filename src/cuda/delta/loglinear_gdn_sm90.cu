@@ -165,18 +165,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     fence_async_smem();
     __syncthreads();
     // (3) S = e^B S + K^T st16 (at chunk mid-1: S = E[mid] + K^T diag(w) U)
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
-    wg_fence();
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
-    wg_commit();
-    wg_wait<0>();
-#pragma unroll
-    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+    decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
+      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+    });
   }
   // E[end] (level 1 stores, higher levels add), when some chunk or the final state reads it
   if (end < nch || (end == nch && x.fin && len % kChunk == 0 && F == end))
@@ -292,20 +283,10 @@ __global__ void __launch_bounds__(kSm90Threads)
     fence_async_smem();
     __syncthreads();
     // (3) dS = e^B dS + Qeff^T diag(lam) dO - W^T dVn
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
-    wg_fence();
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + m * kSweepTile, kChunk, base + 3 * L::kTile, kChunk, kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + 2 * L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
-    }
-    wg_commit();
-    wg_wait<0>();
-#pragma unroll
-    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+    decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
+      wgmma_chain<T, 64, 1, 1>(slab, base + m * kSweepTile, kChunk, base + 3 * L::kTile, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+    });
   }
   // dMid[mid]: fp32 and 16-bit
   const int64_t dst = ((c0 + mid) * a.H + h) * mat;

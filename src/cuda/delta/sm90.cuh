@@ -90,6 +90,23 @@ __device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], flo
 }
 
 #if HILA_SM90A
+// A sweep step's state update, S = decay S + (the products that products(acc[m], m) issues on slab
+// m: [dk, C] x [C, 64] wgmma chains accumulating into acc[m]), complete when it returns.
+template <int M, class F>
+__device__ __forceinline__ void decay_then_accumulate(float (&acc)[M][32], float decay, F&& products) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
+  sm90::wg_fence();
+#pragma unroll
+  for (int m = 0; m < M; ++m) products(acc[m], m);
+  sm90::wg_commit();
+  sm90::wg_wait<0>();
+#pragma unroll
+  for (int m = 0; m < M; ++m) sm90::fence_regs(acc[m]);
+}
+
 // The reverse sweeps' dO block [C][64] of a ring stage (swizzled 16-byte pieces, four per thread
 // of the warpgroup's wt): row r *= s(q, r) in place, q = 0..3 the piece's index (r = wt / 8 + 16q),
 // rows >= nr zeroed. s(q, r) is the row's weight (scale e^{b_r}, or lambda_r).

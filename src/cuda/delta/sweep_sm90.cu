@@ -135,18 +135,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     fence_async_smem();
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
-    wg_fence();
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
-    wg_commit();
-    wg_wait<0>();
-#pragma unroll
-    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+    decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
+      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+    });
   }
   store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
 #else
@@ -306,21 +297,11 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     fence_async_smem();
     __syncthreads();
     // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) acc[m][e] *= decay;
-    wg_fence();
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + m * kSweepTile, kChunk, base + 3 * L::kTile + wg * kSweepTile, kChunk,
+    decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
+      wgmma_chain<T, 64, 1, 1>(slab, base + m * kSweepTile, kChunk, base + 3 * L::kTile + wg * kSweepTile, kChunk,
                                kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(acc[m], base + 2 * L::kTile + m * kSweepTile, kChunk, a16v, kChunk, kChunk / 16, true);
-    }
-    wg_commit();
-    wg_wait<0>();
-#pragma unroll
-    for (int m = 0; m < M; ++m) fence_regs(acc[m]);
+      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, a16v, kChunk, kChunk / 16, true);
+    });
   }
   store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
 #else
