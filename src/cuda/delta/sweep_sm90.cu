@@ -264,7 +264,6 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     }
     mbar_wait(&full[st], par);
     char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
-#pragma unroll
     scale_do_rows<T>(dOt, wt, nr, [&](int q) { return sc * mma::fexp(bo[q]); });  // dO row r *= scale e^{b_r}
     fence_async_smem();
     __syncthreads();
