@@ -85,14 +85,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   auto load_u = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = rl + 8 * hf;
-      bi[hf] = b && i < nr ? b[r0 + i] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        u[j][hf] = i < nr ? *reinterpret_cast<const float2*>(Uh + (r0 + i) * a.dv + 8 * j) : make_float2(0.f, 0.f);
-    }
+    load_rows_f32(u, bi, Uh, a.dv, b, r0, nr, rl);
     B = b ? b[r0 + nr - 1] : 0.f;
   };
   if (nch > 0) load_u(0);
@@ -221,14 +214,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   auto load_u = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = rl + 8 * hf;
-      bi[hf] = b && r < nr ? b[r0 + r] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        u[j][hf] = r < nr ? *reinterpret_cast<const float2*>(dvih + (r0 + r) * a.dv + 8 * j) : make_float2(0.f, 0.f);
-    }
+    load_rows_f32(u, bi, dvih, a.dv, b, r0, nr, rl);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = wt / 8 + 16 * q;
