@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                        "process; with --parallel N: 1 per worker on GPUs, cores / N on the CPU)")
         t.add_argument("--time-limit", type=float, help="seconds after which no new run starts")
         t.add_argument("--no-progress", action="store_true", help="no progress bars")
+        t.add_argument("--cuda-graph", action="store_true",
+                       help="on CUDA, replay each training step from a CUDA graph (the same updates, "
+                            "without the launch cost of its ~1000 kernels)")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")
     r = sub.add_parser("report", help="summary tables (markdown) and plots (PNG) from the result CSVs")
     r.add_argument("--results", type=Path, default=Path("experiments/results"),
@@ -169,7 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(("done  " if r.key() in done else "todo  ") + r.label())
         return 0
     failures = execute(runs, csv_path, parallel=args.parallel, devices=args.device.split(","),
-                       time_limit=args.time_limit, progress=not args.no_progress, threads=args.threads)
+                       time_limit=args.time_limit, progress=not args.no_progress, threads=args.threads,
+                       cuda_graph=args.cuda_graph)
     return 1 if failures else 0
 
 

@@ -35,7 +35,7 @@ _CELL = ("mixer", "dim", "seq_len", "pairs")
 _RUN_AXES = _CELL + ("seed", "lr")
 # Columns that describe a run's outcome, not its setting.
 _OUTCOME = {"key", "status", "acc", "best_acc", "final_loss", "curve", "params", "ms_per_step", "wall_s",
-            "device", "matmul", "torch", "finished", "eval_len", "depth", "cell_acc", "cell_acc_all"}
+            "device", "cuda_graph", "matmul", "torch", "finished", "eval_len", "depth", "cell_acc", "cell_acc_all"}
 
 
 def _order(mixer: str) -> int:

@@ -130,20 +130,23 @@ def _init_worker(counter, lock, threads: int) -> None:
         pass
 
 
-def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool):
+def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool, cuda_graph: bool):
     from .train import run
     slot = _SLOT or 0
     try:
-        return run(cfg, device=devices[slot % len(devices)], progress=progress, position=slot + 1), None
+        return run(cfg, device=devices[slot % len(devices)], progress=progress, position=slot + 1,
+                   cuda_graph=cuda_graph), None
     except Exception:  # reported by the parent, which keeps going with the other runs
         return None, traceback.format_exc()
 
 
 def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices: Sequence[str] = ("auto",),
-            time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None) -> int:
+            time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None,
+            cuda_graph: bool = False) -> int:
     """Runs every run whose key is not in out_csv yet, ``parallel`` at a time (1: in this process),
     appending each one's rows as it finishes. No run starts after ``time_limit`` seconds. Returns
-    the number of runs that failed with an error (diverged runs are results, not failures)."""
+    the number of runs that failed with an error (diverged runs are results, not failures).
+    ``cuda_graph``: train.run's (training steps replayed from CUDA graphs on CUDA devices)."""
     runs, done = list(runs), done_keys(out_csv)
     todo = [r for r in runs if r.key() not in done]
     print(f"hila.experiments: {len(todo)} runs to do, {len(runs) - len(todo)} already in {out_csv} "
@@ -178,7 +181,7 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
                 if out_of_time():
                     break
                 try:
-                    rows, err = run(cfg, device=devices[0], progress=progress), None
+                    rows, err = run(cfg, device=devices[0], progress=progress, cuda_graph=cuda_graph), None
                 except Exception:
                     rows, err = None, traceback.format_exc()
                 record(cfg, rows, err)
@@ -198,7 +201,7 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
                 while queue or running:
                     while queue and len(running) < parallel and not out_of_time():
                         cfg = queue.pop(0)
-                        running[pool.submit(_run_one, cfg, list(devices), progress)] = cfg
+                        running[pool.submit(_run_one, cfg, list(devices), progress, cuda_graph)] = cfg
                     if not running:
                         break
                     ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)

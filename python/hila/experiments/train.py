@@ -134,16 +134,100 @@ def _lr_at(step: int, cfg: RunConfig) -> float:
 
 def _optimizer(model: torch.nn.Module, cfg: RunConfig, dev: torch.device) -> torch.optim.Optimizer:
     """AdamW; no weight decay on vectors (biases, norms, gates) nor on ``_no_weight_decay`` params.
-    On CUDA the fused implementation (one kernel for all parameters, its step counts kept on the
-    device: no host work per parameter, no synchronisation); on the CPU the foreach one (a few
-    vectorised ops instead of a Python loop over the parameters)."""
+    On CUDA the fused implementation (one kernel for all parameters), capturable (its step counts
+    and, per group, its learning rate are device tensors: no host work per parameter, no
+    synchronisation, and the same update eagerly and inside a CUDA graph; :func:`_set_lr` writes the
+    schedule's value into the tensors); on the CPU the foreach one (a few vectorised ops instead of
+    a Python loop over the parameters)."""
     decay, no_decay = [], []
     for p in model.parameters():
         (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
     if dev.type == "cuda":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+        for group in groups:
+            group["lr"] = torch.tensor(cfg.lr, dtype=torch.float32, device=dev)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True, capturable=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's learning rate for the next update: a float, or written into the groups' device
+    tensors (a fill kernel, no synchronisation; a CUDA graph reads the tensor at replay)."""
+    for group in opt.param_groups:
+        if isinstance(group["lr"], Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _update(model, opt, ids, pos, target):
+    """Forward, backward, gradient clipping at norm 1 and the AdamW step, on gradients that the
+    caller has cleared (set to None). Returns the loss and the correct predictions, device tensors."""
+    loss, hits = model.loss(ids, pos, target)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach(), hits
+
+
+class _EagerSteps:
+    """Training steps run op by op (the CPU, and CUDA with ``cuda_graph=False``)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.graphs = 0
+
+    def __call__(self, ids, pos, target, lr):
+        _set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        return _update(self.model, self.opt, ids, pos, target)
+
+
+class _GraphedSteps(_EagerSteps):
+    """Training steps replayed from CUDA graphs: the whole step (forward, backward, clipping, the
+    fused AdamW update) is one graph launch instead of some 800-1200 kernel launches from Python,
+    which bound the step time of these small models.
+
+    One graph per batch shape (mqar: one; niah: one per training length). The first ``WARM`` steps
+    of a shape run eagerly on a side stream (lazy initialisations -- cuBLAS workspaces, the
+    optimizer's state, autograd's buffers -- must happen outside a capture); the next step of that
+    shape is captured, and it and every later one copy their batch into the graph's static inputs
+    and replay it. The gradients are allocated inside the capture, from the graph's private memory
+    pool, so that each replay reads the gradients its own backward wrote. Each graph has its own
+    pool: the niah graphs replay in a random order, which a shared pool would not allow. The
+    returned loss and hits are the graph's static outputs, overwritten by its next replay."""
+
+    WARM = 3
+
+    def __init__(self, model, opt, dev):
+        super().__init__(model, opt)
+        self.side = torch.cuda.Stream(dev)
+        self.seen, self.captured = {}, {}
+
+    def __call__(self, ids, pos, target, lr):
+        _set_lr(self.opt, lr)
+        shape = (tuple(ids.shape), tuple(pos.shape))
+        entry = self.captured.get(shape)
+        if entry is None:
+            self.seen[shape] = self.seen.get(shape, 0) + 1
+            if self.seen[shape] <= self.WARM:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    out = super().__call__(ids, pos, target, lr)
+                torch.cuda.current_stream().wait_stream(self.side)
+                return out
+            static = (ids.clone(), pos.clone(), target.clone())
+            graph = torch.cuda.CUDAGraph()
+            self.opt.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                loss, hits = _update(self.model, self.opt, *static)
+            entry = self.captured[shape] = (graph, static, loss, hits)
+            self.graphs += 1
+        graph, static, loss, hits = entry
+        for dst, src in zip(static, (ids, pos, target)):
+            dst.copy_(src)
+        graph.replay()
+        return loss, hits
 
 
 def _progress(total: int, desc: str, position: int, enabled: bool):
@@ -268,7 +352,8 @@ def _score(model, ids, pos, target, batch):
     return int(hits.sum()), hits.numel()
 
 
-def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0) -> List[Dict]:
+def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0,
+        cuda_graph: bool = False) -> List[Dict]:
     """Trains and evaluates one run. Returns its result rows: one for mqar; one per (evaluation
     length, depth) cell for niah (the run's fields repeated in each).
 
@@ -280,7 +365,12 @@ def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0)
     evaluation, nowhere else. On CUDA, float32 matrix products use TF32 tensor cores
     (``torch.set_float32_matmul_precision("high")``, restored afterwards; the ``matmul`` column).
     ``ms_per_step`` is measured after the first ``warmup_steps(cfg)`` steps (kernel loading,
-    allocator growth), without the evaluations.
+    allocator growth, the first graph capture), without the evaluations.
+
+    ``cuda_graph`` (CUDA only): replay each training step from a CUDA graph (:class:`_GraphedSteps`;
+    the same updates as the eager steps, without their per-kernel launch cost). The row's
+    ``cuda_graph`` column says whether it did (not part of the run's key: it changes the speed,
+    not the experiment).
     """
     t_start = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
@@ -291,7 +381,7 @@ def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")
     try:
-        return _run(cfg, dev, progress, position, t_start)
+        return _run(cfg, dev, progress, position, t_start, cuda_graph)
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -301,13 +391,15 @@ def warmup_steps(cfg: RunConfig) -> int:
     return min(10, max(0, cfg.steps // 10))
 
 
-def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float) -> List[Dict]:
+def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float,
+         cuda_graph: bool) -> List[Dict]:
     torch.manual_seed(cfg.seed)
     model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
                      tie_embeddings=cfg.tie_embeddings,
                      shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
     task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
     opt = _optimizer(model, cfg, dev)
+    steps = _GraphedSteps(model, opt, dev) if cuda_graph and dev.type == "cuda" else _EagerSteps(model, opt)
     log_every = max(1, min(100, cfg.steps // 20))
     warm = warmup_steps(cfg)
     bar = _progress(cfg.steps, cfg.label(), position, progress)
@@ -316,15 +408,9 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
     _sync(dev)
     t_timed, eval_time, timed_from = time.perf_counter(), 0.0, 0
     for step in range(1, cfg.steps + 1):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step - 1, cfg)
         ids, pos, target = task.batch(step)
-        loss, hits = model.loss(ids, pos, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        loss, hits = steps(ids, pos, target, _lr_at(step - 1, cfg))
+        loss_sum = loss.clone() if loss_sum is None else loss_sum + loss  # (a graph's loss is overwritten)
         loss_n += 1
         if step == warm:  # the timed steps start after the warm-up
             _sync(dev)
@@ -360,6 +446,7 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
                final_loss=curve[-1].split(":")[1], curve=" ".join(curve), params=model.num_params(),
                ms_per_step=round(1000 * train_time / max(1, step - timed_from), 3),
                wall_s=round(time.perf_counter() - t_start, 2), device=device_name(dev),
+               cuda_graph=steps.graphs > 0,
                matmul=("tf32" if dev.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
                        else "fp32"),
                torch=torch.__version__, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
