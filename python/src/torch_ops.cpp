@@ -47,7 +47,8 @@
 
 #include "ext_api.h"
 
-namespace {
+// (a named namespace: autograd shows the node as torch::autograd::CppNode<hila_cpp::PlainFunction>)
+namespace hila_cpp {
 
 using at::Tensor;
 using hila::TensorView;
@@ -262,7 +263,7 @@ struct PlainFunction : torch::autograd::Function<PlainFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const OptTensor& g, const OptTensor& lam, const OptTensor& beta, PlanPtr plan) {
     at::AutoDispatchBelowADInplaceOrView below;
-    Tensor o = run_forward(*plan, q, k, v, g, lam, beta);
+    Tensor o = q.is_meta() ? empty_output(v) : run_forward(*plan, q, k, v, g, lam, beta);  // meta: shapes
     ctx->save_for_backward({q, k, v, g.value_or(Tensor()), lam.value_or(Tensor()), beta.value_or(Tensor())});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(std::move(plan));
     ctx->set_materialize_grads(false);
@@ -326,21 +327,21 @@ Tensor forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Opt
   return empty_output(v);
 }
 
-}  // namespace
+}  // namespace hila_cpp
 
 TORCH_LIBRARY(hila_cpp, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? lam, Tensor? beta, str op, str form, "
         "int chunk, float scale, bool normalize, float eps, float ridge, bool qk_l2norm, bool check_values, "
         "bool framework_workspace=False) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(hila_cpp, CPU, m) { m.impl("forward", &forward_kernel); }
-TORCH_LIBRARY_IMPL(hila_cpp, CUDA, m) { m.impl("forward", &forward_kernel); }
-TORCH_LIBRARY_IMPL(hila_cpp, Meta, m) { m.impl("forward", &forward_meta); }
-TORCH_LIBRARY_IMPL(hila_cpp, Autograd, m) { m.impl("forward", &forward_autograd); }
+TORCH_LIBRARY_IMPL(hila_cpp, CPU, m) { m.impl("forward", &hila_cpp::forward_kernel); }
+TORCH_LIBRARY_IMPL(hila_cpp, CUDA, m) { m.impl("forward", &hila_cpp::forward_kernel); }
+TORCH_LIBRARY_IMPL(hila_cpp, Meta, m) { m.impl("forward", &hila_cpp::forward_meta); }
+TORCH_LIBRARY_IMPL(hila_cpp, Autograd, m) { m.impl("forward", &hila_cpp::forward_autograd); }
 
 // ----------------------------------------------------------------------------- the Python module
 
-namespace {
+namespace hila_cpp {
 
 // ImportError unless hila._C lends a table this module was compiled for.
 bool load_api() {
@@ -378,9 +379,9 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_torch_ops",
                         "with a C++ autograd function (internal; used by hila.torch.forward).",
                         -1, nullptr};
 
-}  // namespace
+}  // namespace hila_cpp
 
 PyMODINIT_FUNC PyInit__torch_ops() {
-  if (!load_api()) return nullptr;
-  return PyModule_Create(&g_module);
+  if (!hila_cpp::load_api()) return nullptr;
+  return PyModule_Create(&hila_cpp::g_module);
 }
