@@ -44,6 +44,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "ext_api.h"
 
@@ -321,6 +322,45 @@ Tensor forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const
   return PlainFunction::apply(q, k, v, g, lam, beta, plan_of(HILA_OPTION_NAMES));
 }
 
+// Plans by number for forward_plan: append-only (a number stays valid for the process), at most
+// kMaxNumbered; plan() answers -1 beyond that and the caller passes the options instead.
+constexpr size_t kMaxNumbered = 1 << 16;
+std::mutex g_numbered_mu;
+std::vector<PlanPtr> g_numbered;
+std::map<const Plan*, int64_t> g_number_of;
+
+int64_t plan_number(HILA_OPTIONS) {
+  const PlanPtr p = plan_of(HILA_OPTION_NAMES);
+  std::lock_guard<std::mutex> g(g_numbered_mu);
+  const auto it = g_number_of.find(p.get());
+  if (it != g_number_of.end()) return it->second;
+  if (g_numbered.size() >= kMaxNumbered) return -1;
+  g_numbered.push_back(p);
+  return g_number_of[p.get()] = static_cast<int64_t>(g_numbered.size() - 1);
+}
+
+PlanPtr numbered(int64_t n) {
+  std::lock_guard<std::mutex> g(g_numbered_mu);
+  TORCH_CHECK(n >= 0 && static_cast<size_t>(n) < g_numbered.size(), "hila_cpp::forward_plan: no plan ", n,
+              " (numbers come from hila_cpp::plan)");
+  return g_numbered[static_cast<size_t>(n)];
+}
+
+Tensor forward_plan_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g,
+                           const OptTensor& lam, const OptTensor& beta, int64_t plan) {
+  return run_forward(*numbered(plan), q, k, v, g, lam, beta);
+}
+
+Tensor forward_plan_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g,
+                             const OptTensor& lam, const OptTensor& beta, int64_t plan) {
+  return PlainFunction::apply(q, k, v, g, lam, beta, numbered(plan));
+}
+
+Tensor forward_plan_meta(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g,
+                         const OptTensor& lam, const OptTensor& beta, int64_t plan) {
+  return empty_output(v);
+}
+
 // Meta / fake tensors: o's shape, dtype and device
 Tensor forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g, const OptTensor& lam,
                     const OptTensor& beta, HILA_OPTIONS) {
@@ -333,11 +373,27 @@ TORCH_LIBRARY(hila_cpp, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? lam, Tensor? beta, str op, str form, "
         "int chunk, float scale, bool normalize, float eps, float ridge, bool qk_l2norm, bool check_values, "
         "bool framework_workspace=False) -> Tensor");
+  m.def("plan(str op, str form, int chunk, float scale, bool normalize, float eps, float ridge, bool qk_l2norm, "
+        "bool check_values, bool framework_workspace=False) -> int");
+  m.def("forward_plan(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? lam, Tensor? beta, int plan) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(hila_cpp, CPU, m) { m.impl("forward", &hila_cpp::forward_kernel); }
-TORCH_LIBRARY_IMPL(hila_cpp, CUDA, m) { m.impl("forward", &hila_cpp::forward_kernel); }
-TORCH_LIBRARY_IMPL(hila_cpp, Meta, m) { m.impl("forward", &hila_cpp::forward_meta); }
-TORCH_LIBRARY_IMPL(hila_cpp, Autograd, m) { m.impl("forward", &hila_cpp::forward_autograd); }
+TORCH_LIBRARY_IMPL(hila_cpp, CompositeExplicitAutograd, m) { m.impl("plan", &hila_cpp::plan_number); }
+TORCH_LIBRARY_IMPL(hila_cpp, CPU, m) {
+  m.impl("forward", &hila_cpp::forward_kernel);
+  m.impl("forward_plan", &hila_cpp::forward_plan_kernel);
+}
+TORCH_LIBRARY_IMPL(hila_cpp, CUDA, m) {
+  m.impl("forward", &hila_cpp::forward_kernel);
+  m.impl("forward_plan", &hila_cpp::forward_plan_kernel);
+}
+TORCH_LIBRARY_IMPL(hila_cpp, Meta, m) {
+  m.impl("forward", &hila_cpp::forward_meta);
+  m.impl("forward_plan", &hila_cpp::forward_plan_meta);
+}
+TORCH_LIBRARY_IMPL(hila_cpp, Autograd, m) {
+  m.impl("forward", &hila_cpp::forward_autograd);
+  m.impl("forward_plan", &hila_cpp::forward_plan_autograd);
+}
 
 // ----------------------------------------------------------------------------- the Python module
 

@@ -11,7 +11,8 @@ overhead") against the Python road (the ``torch.autograd.Function`` ``_Plain``):
 * bad input is the same HilaError (message and argument) on both roads, in forward and in
   backward; a non-tensor argument is named; double backward is refused;
 * strided inputs and cotangents are read like the Python road reads them (contiguous copies);
-* the torch op itself: its schema, its Meta kernel, and the CPU kernel under inference mode.
+* the torch ops themselves (forward with the options, forward_plan on a numbered configuration):
+  their results, schema, Meta kernel, and the CPU kernel under inference mode.
 
 Skipped, with the reason, where hila._torch_ops was not built (no torch at build time) or does
 not import.
@@ -267,6 +268,11 @@ def test_the_torch_op():
     with torch.inference_mode():
         oi = torch.ops.hila_cpp.forward(x["q"], x["k"], x["v"], x["g"], None, x["beta"], *args)
     assert torch.equal(oi, ref)
+    n = torch.ops.hila_cpp.plan(*args)
+    assert n >= 0 and torch.ops.hila_cpp.plan(*args) == n
+    assert torch.equal(torch.ops.hila_cpp.forward_plan(x["q"], x["k"], x["v"], x["g"], None, x["beta"], n), ref)
+    with pytest.raises(RuntimeError, match="no plan"):
+        torch.ops.hila_cpp.forward_plan(x["q"], x["k"], x["v"], x["g"], None, x["beta"], 1 << 40)
     schema = str(torch.ops.hila_cpp.forward.default._schema)
     assert schema.startswith("hila_cpp::forward(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? lam, Tensor? beta, str op")
 

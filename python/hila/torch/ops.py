@@ -82,15 +82,16 @@ def eager_fast_path(enabled: bool = True) -> bool:
 
 
 # The C++ road of the plain call (hila._torch_ops, python/src/torch_ops.cpp): the raw callable
-# of torch.ops.hila_cpp.forward.default, or None where the module was not built or does not import
+# of torch.ops.hila_cpp.forward_plan.default (the plain call on a configuration numbered once per
+# distinct options by torch.ops.hila_cpp.plan, see _cpp_plan), or None where the module was not built or does not import
 # (e.g. a torch of another ABI than the build's); HILA_TORCH_CPP=0 in the environment at import
 # leaves it off. _CPP_WHY: why it is not available ("" when it is).
 def _load_cpp():
     if os.environ.get("HILA_TORCH_CPP", "1") == "0":
         return None, "turned off by HILA_TORCH_CPP=0"
     try:
-        from .. import _torch_ops  # noqa: F401  (registers torch.ops.hila_cpp.forward)
-        return torch.ops.hila_cpp.forward.default._op, ""
+        from .. import _torch_ops  # noqa: F401  (registers torch.ops.hila_cpp.*)
+        return torch.ops.hila_cpp.forward_plan.default._op, ""
     except ImportError as e:  # not built (no torch at build time), or built for another torch
         return None, f"hila._torch_ops does not import: {e}"
     except (AttributeError, OSError, RuntimeError) as e:
@@ -756,17 +757,20 @@ def _check_state(state) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _cpp_options(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values) -> tuple:
-    """The options of a plain call as torch.ops.hila_cpp.forward takes them (op, form, chunk,
-    scale, normalize, eps, ridge, qk_l2norm, check_values), checked as the Python road checks them
-    (:func:`_scale_arg`, then :func:`_spec`: HilaError naming a bad one)."""
+def _cpp_plan(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values,
+              framework_workspace) -> int:
+    """The number of the C++ configuration of a plain call's options (torch.ops.hila_cpp.plan),
+    the options checked first as the Python road checks them (:func:`_scale_arg`, then
+    :func:`_spec`: HilaError naming a bad one); -1 where the C++ side numbers no more
+    configurations (the call then takes the Python road)."""
     scale = _scale_arg(scale)
     spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
-    return (op, form, spec.chunk, float(scale), spec.normalize, float(eps), float(ridge),
-            bool(_flag(qk_l2norm)), bool(_flag(check_values)))
+    return torch.ops.hila_cpp.plan(op, form, spec.chunk, float(scale), spec.normalize, float(eps),
+                                   float(ridge), bool(_flag(qk_l2norm)), bool(_flag(check_values)),
+                                   bool(framework_workspace))
 
 
-atexit.register(_cpp_options.cache_clear)
+atexit.register(_cpp_plan.cache_clear)
 
 
 def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra,
@@ -809,13 +813,14 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             and state_indices is None and init_pos_cpu is None and not extra and not unknown
             and type(op) is str and _direct(q) and not _POISON[0]):
         try:
-            args = _cpp_options(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm,
-                                q.is_cpu if check_values is None else check_values)
+            plan = _cpp_plan(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm,
+                             q.is_cpu if check_values is None else check_values,
+                             _ops._FRAMEWORK_WORKSPACE[0])
         except TypeError:  # an unhashable option: the general road names it
-            args = None
-        if args is not None:
+            plan = -1
+        if plan >= 0:
             try:
-                return _CPP[0](q, k, v, g, lam, beta, *args, _ops._FRAMEWORK_WORKSPACE[0]), None
+                return _CPP[0](q, k, v, g, lam, beta, plan), None
             except (RuntimeError, TypeError):  # torch's schema check of an argument that is not a tensor
                 _reraise("hila.torch.forward", "initial_state", None, k=k, v=v, g=g, lam=lam, beta=beta)
     direct = _direct(q)
