@@ -17,6 +17,10 @@ sets OMP_NUM_THREADS before torch and hila load and ``torch.set_num_threads(N)``
 
     python bench/cpu_tiny_bench.py                       # default threads, then 1 thread
     python bench/cpu_tiny_bench.py --threads 1 --ops gla --reps 5000
+    HILA_TORCH_CPP=0 python bench/cpu_tiny_bench.py      # the Python road of the plain call
+
+hila.torch.forward's plain call runs on the C++ road (hila._torch_ops) where that module was
+built; the header line says which road ran (docs/PYTHON.md, "The C++ road of the plain call").
 """
 import argparse
 import os
@@ -100,9 +104,11 @@ def main():
                     ts.append((clock() - t0) * 1e6)
         return [statistics.median(ts) for ts in out]
 
+    import hila.torch.ops as hops
+    road = "C++ (hila._torch_ops)" if hops._CPP[0] is not None else f"Python ({hops._CPP_WHY or 'cpp_road off'})"
     print(f"# shape B x T x H x d = {args.shape}, float32, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"{args.reps} steps (median)")
+          f"{args.reps} steps (median), plain call's road: {road}")
     print(f"{'op':<10} {'hila_us':>9} {'nocheck_us':>10} {'sdpa_us':>9} {'ratio':>6}")
     for op in args.ops.split(","):
         fns = [hila_step_fn(op, True), hila_step_fn(op, False), sdpa_step]
