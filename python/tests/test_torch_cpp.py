@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import hila  # noqa: E402
 import hila.torch as ht  # noqa: E402
 import hila.torch.ops as hops  # noqa: E402
-from helpers import torch_inputs  # noqa: E402
+from helpers import chunk_for, device_problem, torch_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(hops._CPP_OP is None, reason=f"no C++ road: {hops._CPP_WHY}")
 
@@ -52,8 +52,8 @@ def roads(request):
     return run
 
 
-def _inputs(op, dtype, drop=(), **kw):
-    x, _, _ = torch_inputs(op, "cpu", **kw)
+def _inputs(op, dtype, drop=(), device="cpu", **kw):
+    x, _, _ = torch_inputs(op, device, **kw)
     return {k: v.detach().to(dtype) for k, v in x.items() if k not in drop}
 
 
@@ -96,6 +96,44 @@ def test_roads_equal_for_every_operator(op, dtype, roads):
         do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
         for needs in _needs_sets(x):
             _same(roads, op, x, needs, do, chunk=4)
+
+
+@pytest.mark.parametrize("workspace", (False, True), ids=("pool", "framework_workspace"))
+@pytest.mark.parametrize("op", OPS)
+def test_roads_equal_on_the_device(op, workspace, device, roads, request):
+    """on every device of the run (CUDA where torch sees one): float32 and float64, all inputs and
+    a subset requiring grad, on the current stream and on a side stream, with the device
+    temporaries from hila's pool and from torch's allocator (hila.use_framework_workspace): equal
+    results, or the same HilaError where the device does not run the call."""
+    chunk = chunk_for(device, 4, op)
+    why = device_problem(device, op, "chunk", chunk)
+    if why:
+        pytest.skip(why)
+    prev = hila.use_framework_workspace(workspace)
+    request.addfinalizer(lambda: hila.use_framework_workspace(prev))
+    streams = [None] + ([torch.cuda.Stream(device)] if device == "cuda" else [])
+    for dtype in (torch.float32, torch.float64):
+        x = _inputs(op, dtype, device=device, B=2, T=70, G=1, H=2, dk=8, dv=4)
+        do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device, dtype)
+        for needs in (set(x), {"k", "g"}):
+            for stream in streams:
+                outcome = {}
+                for road in ("python", "cpp"):
+                    with torch.cuda.stream(stream) if stream is not None else torch.enable_grad():
+                        try:
+                            outcome[road] = roads(road, lambda: _step(op, x, needs, do, chunk=chunk))
+                        except hila.HilaError as e:
+                            outcome[road] = ("HilaError", str(e), e.argument)
+                    if stream is not None:
+                        stream.synchronize()
+                py, cpp = outcome["python"], outcome["cpp"]
+                if py[0] == "HilaError":
+                    assert py == cpp, (dtype, py, cpp)
+                    continue
+                assert (py[0], cpp[0]) == ("_PlainBackward", "CppFunction")
+                for i, (a, b) in enumerate(zip(py[1], cpp[1])):
+                    assert a.device == b.device and torch.isfinite(a).all(), (dtype, i)
+                    assert torch.equal(a, b), f"{op} {dtype} {sorted(needs)} stream={stream}: result {i} differs"
 
 
 @pytest.mark.parametrize("form", FORMS)
