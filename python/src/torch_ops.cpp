@@ -399,8 +399,29 @@ TORCH_LIBRARY_IMPL(hila_cpp, Autograd, m) {
 
 namespace hila_cpp {
 
+// ImportError unless torch is the version this module was compiled against (libtorch has no
+// stable C++ ABI: after a torch upgrade hila.torch takes its Python road until a rebuild).
+bool same_torch() {
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (torch == nullptr) return false;
+  PyObject* version = PyObject_GetAttrString(torch, "__version__");
+  Py_DECREF(torch);
+  if (version == nullptr) return false;
+  PyObject* text = PyObject_Str(version);  // torch.__version__ is a str subclass
+  Py_DECREF(version);
+  if (text == nullptr) return false;
+  const char* v = PyUnicode_AsUTF8(text);
+  const bool same = v != nullptr && std::string(v) == HILA_TORCH_VERSION;
+  if (v != nullptr && !same)
+    PyErr_Format(PyExc_ImportError, "hila._torch_ops was built against torch %s, this is torch %s",
+                 HILA_TORCH_VERSION, v);
+  Py_DECREF(text);
+  return same;
+}
+
 // ImportError unless hila._C lends a table this module was compiled for.
 bool load_api() {
+  if (!same_torch()) return false;
   PyObject* c = PyImport_ImportModule("hila._C");
   if (c == nullptr) return false;
   PyObject* cap = PyObject_GetAttrString(c, "_api");

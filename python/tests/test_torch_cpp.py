@@ -222,7 +222,7 @@ def test_the_cpp_road_runs_the_op(roads):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             roads(road, lambda: torch.autograd.grad(ht.forward("gla", **leaves)[0].sum(), list(leaves.values())))
         seen[road] = {e.name for e in prof.events()}
-    assert "hila_cpp::forward" in seen["cpp"] and "hila_cpp::forward" not in seen["python"]
+    assert "hila_cpp::forward_plan" in seen["cpp"] and "hila_cpp::forward_plan" not in seen["python"]
     o = roads("cpp", lambda: ht.forward("gla", **leaves)[0])
     assert o.grad_fn.name() == "torch::autograd::CppNode<hila_cpp::PlainFunction>", o.grad_fn.name()
 
@@ -334,3 +334,39 @@ def test_plans_follow_the_options(roads):
         cpp = roads("cpp", lambda: ht.forward("hla2", **x, **opts)[0])
         assert torch.equal(py, cpp), opts
     assert np.isfinite(cpp.numpy()).all()
+
+
+def _in_subprocess(code, env=None):
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+_PYTHON_ROAD_WORKS = """
+import torch, hila.torch as ht, hila.torch.ops as h
+print(repr(h._CPP_WHY))
+assert h._CPP_OP is None
+q = torch.randn(1, 8, 1, 4, dtype=torch.float64, requires_grad=True)
+o, _ = ht.forward("gla", q, q, q, -torch.rand(1, 8, 1, dtype=torch.float64) - 0.1)
+assert type(o.grad_fn).__name__ == "_PlainBackward"
+torch.autograd.grad(o.sum(), [q])
+try:
+    ht.cpp_road(True)
+except RuntimeError as e:
+    assert "not available" in str(e)
+else:
+    raise AssertionError("cpp_road(True) without the module")
+"""
+
+
+def test_env_switch_and_another_torch_take_the_python_road():
+    """HILA_TORCH_CPP=0, and a torch of another version than the module's build (its ABI may
+    differ): hila.torch imports, runs the Python road, and says why."""
+    out = _in_subprocess(_PYTHON_ROAD_WORKS, {"HILA_TORCH_CPP": "0"})
+    assert "HILA_TORCH_CPP=0" in out, out
+    out = _in_subprocess("import torch; torch.__version__ = '0.0.1'\n" + _PYTHON_ROAD_WORKS)
+    assert "built against torch" in out and "0.0.1" in out, out
