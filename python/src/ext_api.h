@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// What hila._C shares with the package's other extension module, hila._torch (the libtorch ops of
+// What hila._C shares with the package's other extension module, hila._torch_ops (the libtorch ops of
 // python/src/torch_ops.cpp):
 //
 // * `Api`, a table of the C++ calls hila._C lends, published as the PyCapsule `hila._C._api`.
-//   hila._torch calls the library through it instead of linking its own copy: one copy of
+//   hila._torch_ops calls the library through it instead of linking its own copy: one copy of
 //   libhila per process (one set of CUDA pools, caches and knobs), and a CUDA build does not ship
 //   the kernels twice. Both modules are compiled by one CMake build from the same headers;
 //   `version` and the struct sizes catch a table from another build.
 // * the DLPack dtype / device codes as hila's types, with the errors both modules give for them
-//   (hila._C reads DLPack arrays, hila._torch reads at::Tensor through at::getDLDataType).
+//   (hila._C reads DLPack arrays, hila._torch_ops reads at::Tensor through at::getDLDataType).
 #pragma once
 #include <cstddef>
 #include <cstdint>

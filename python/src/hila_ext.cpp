@@ -562,7 +562,7 @@ nb::dict state_shape_dict(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk,
 
 // ---------------------------------------------------------------------------------- lent calls
 //
-// hila_ext::Api (ext_api.h): the calls hila._torch makes through this module's copy of the
+// hila_ext::Api (ext_api.h): the calls hila._torch_ops makes through this module's copy of the
 // library. Its views come from at::Tensor, not DLPack: the host-only rule of view_of is applied
 // here, in the order of the arguments, before the library sees them.
 
@@ -834,7 +834,7 @@ NB_MODULE(_C, m) {
         return s.bytes_per_sequence();
       });
 
-  // The table of lent calls (ext_api.h) for hila._torch.
+  // The table of lent calls (ext_api.h) for hila._torch_ops.
   m.attr("_api") = nb::capsule(&g_api, hila_ext::kApiCapsule);
 
   m.def("op_names", [] {
