@@ -27,8 +27,8 @@ Two roads reach the same C++ calls:
   output costs nothing in backward (no zero cotangents are materialised).
   The plain training call (no ``cu_seqlens``, initial or final state, or host copies) goes one step
   further where the extension hila._torch_ops was built (with torch at build time): it is one call
-  of the libtorch op ``torch.ops.hila_cpp.forward``, whose autograd function is C++ (no Python
-  autograd.Function, no DLPack capsules); see :func:`cpp_road`.
+  of the libtorch op ``torch.ops.hila_cpp.forward_plan``, whose autograd function is C++ (no
+  Python autograd.Function, no DLPack capsules); see :func:`cpp_road`.
 * **the custom ops**: under torch.compile / torch.export, fake or meta tensors, an active
   ``TorchDispatchMode``, torch.func transforms, or when turned off with :func:`eager_fast_path`.
   They run the same calls with the same arguments, so both roads give bitwise identical results.
@@ -83,9 +83,9 @@ def eager_fast_path(enabled: bool = True) -> bool:
 
 # The C++ road of the plain call (hila._torch_ops, python/src/torch_ops.cpp): the raw callable
 # of torch.ops.hila_cpp.forward_plan.default (the plain call on a configuration numbered once per
-# distinct options by torch.ops.hila_cpp.plan, see _cpp_plan), or None where the module was not built or does not import
-# (e.g. a torch of another ABI than the build's); HILA_TORCH_CPP=0 in the environment at import
-# leaves it off. _CPP_WHY: why it is not available ("" when it is).
+# distinct options by torch.ops.hila_cpp.plan, see _cpp_plan), or None where the module was not
+# built or does not import (e.g. under another torch than the build's); HILA_TORCH_CPP=0 in the
+# environment at import leaves it off. _CPP_WHY: why it is not available ("" when it is).
 def _load_cpp():
     if os.environ.get("HILA_TORCH_CPP", "1") == "0":
         return None, "turned off by HILA_TORCH_CPP=0"
@@ -104,7 +104,7 @@ _CPP = [_CPP_OP]
 
 def cpp_road(enabled: bool = True) -> bool:
     """Whether the plain training call on the direct road (see :func:`eager_fast_path`) runs the
-    libtorch op ``torch.ops.hila_cpp.forward`` with its C++ autograd function (on, the default
+    libtorch op ``torch.ops.hila_cpp.forward_plan`` with its C++ autograd function (on, the default
     where hila._torch_ops was built) or the Python ``torch.autograd.Function`` (off). Both give
     bitwise identical results; the C++ road costs less host time per call. Returns the previous
     setting; turning it on where the module is not available raises RuntimeError with the reason
