@@ -5,6 +5,12 @@
 //
 //   torch.ops.hila_cpp.forward(q, k, v, g?, lam?, beta?, op, form, chunk, scale, normalize, eps,
 //                              ridge, qk_l2norm, check_values, framework_workspace=False) -> o
+//   torch.ops.hila_cpp.plan(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm,
+//                           check_values, framework_workspace=False) -> int
+//   torch.ops.hila_cpp.forward_plan(q, k, v, g?, lam?, beta?, int plan) -> o
+//
+// forward_plan is forward on the configuration plan() numbered for those options (what
+// hila.torch calls: seven arguments for the dispatcher to parse instead of sixteen).
 //
 // q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or [B, T, H, P]; lam [B, T, H, L];
 // beta [B, T, H]; o [B, T, H, dv]. No cu_seqlens, initial or final state: those calls stay on the
@@ -29,7 +35,8 @@
 //
 // Errors: a hila::Error becomes hila.HilaError(message, argument), in forward and in backward
 // (through autograd.grad), raised as a Python error the way torch's own bindings raise them
-// (python_error of torch/csrc/Exceptions.h). Without a Python interpreter it is a c10::ValueError with the message.
+// (python_error of torch/csrc/Exceptions.h). Without a Python interpreter it is a
+// c10::ValueError with the message.
 #include <Python.h>
 
 #include <ATen/DLConvertor.h>
