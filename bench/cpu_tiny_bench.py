@@ -17,6 +17,11 @@ sets OMP_NUM_THREADS before torch and hila load and ``torch.set_num_threads(N)``
 
     python bench/cpu_tiny_bench.py                       # default threads, then 1 thread
     python bench/cpu_tiny_bench.py --threads 1 --ops gla --reps 5000
+    HILA_TORCH_CPP=0 python bench/cpu_tiny_bench.py      # the Python road of the plain call
+    python bench/cpu_tiny_bench.py --device cuda --threads 0   # on a GPU (each step synchronised)
+
+hila.torch.forward's plain call runs on the C++ road (hila._torch_ops) where that module was
+built; the header line says which road ran (docs/PYTHON.md, "The C++ road of the plain call").
 """
 import argparse
 import os
@@ -32,6 +37,7 @@ def parse():
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--block", type=int, default=50, help="steps per alternating block")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: each step then ends with a synchronisation")
     return ap.parse_args()
 
 
@@ -58,17 +64,20 @@ def main():
         torch.set_num_threads(args.threads)
     B, T, H, d = (int(x) for x in args.shape.lower().split("x"))
     gen = torch.Generator().manual_seed(0)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def rnd(*s, lo=None, hi=None):
         x = torch.randn(*s, generator=gen) if lo is None else torch.rand(*s, generator=gen) * (hi - lo) + lo
-        return x.requires_grad_()
+        return x.to(dev).requires_grad_()
 
     sq = [rnd(B, H, T, d) for _ in range(3)]
-    sdo = torch.randn(B, H, T, d, generator=gen)
+    sdo = torch.randn(B, H, T, d, generator=gen).to(dev)
 
     def sdpa_step():
         o = F.scaled_dot_product_attention(*sq, is_causal=True)
         torch.autograd.grad(o, sq, sdo)
+        sync()
 
     def hila_step_fn(op, check_values):
         t = hila.op_traits(op)
@@ -80,11 +89,12 @@ def main():
             x["beta"] = rnd(B, T, H, lo=0.0, hi=1.0)
         x = {k: v.detach().requires_grad_() for k, v in x.items()}
         leaves = list(x.values())
-        do = torch.randn(B, T, H, d, generator=gen)
+        do = torch.randn(B, T, H, d, generator=gen).to(dev)
 
         def step():
             o, _ = ht.forward(op, **x, check_values=check_values)
             torch.autograd.grad(o, leaves, do)
+            sync()
         return step
 
     def timed(fns, reps):
@@ -100,9 +110,11 @@ def main():
                     ts.append((clock() - t0) * 1e6)
         return [statistics.median(ts) for ts in out]
 
-    print(f"# shape B x T x H x d = {args.shape}, float32, torch {torch.__version__}, "
+    import hila.torch.ops as hops
+    road = "C++ (hila._torch_ops)" if hops._CPP[0] is not None else f"Python ({hops._CPP_WHY or 'cpp_road off'})"
+    print(f"# shape B x T x H x d = {args.shape}, float32, {dev}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"{args.reps} steps (median)")
+          f"{args.reps} steps (median), plain call's road: {road}")
     print(f"{'op':<10} {'hila_us':>9} {'nocheck_us':>10} {'sdpa_us':>9} {'ratio':>6}")
     for op in args.ops.split(","):
         fns = [hila_step_fn(op, True), hila_step_fn(op, False), sdpa_step]

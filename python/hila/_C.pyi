@@ -131,6 +131,10 @@ def levels_needed(n0: int, T: int) -> int: ...
 
 __version__: str
 
+_api: object
+"""Internal: a PyCapsule ("hila._C._api") holding the table of C++ calls hila._torch_ops makes
+through this module's library (python/src/ext_api.h)."""
+
 def build_info() -> dict:
     """hila::build_info(): {'version': str, 'cuda': bool, 'cuda_version': str, 'cuda_archs':
     list[str], 'cuda_gencode': str, 'openmp': bool, 'openmp_version': str, 'compiler': str,

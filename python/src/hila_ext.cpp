@@ -28,6 +28,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ext_api.h"
 #include "hila/hila.h"
 
 namespace nb = nanobind;
@@ -50,26 +51,11 @@ using StateIn = std::tuple<OptIn, OptIn, OptIn, OptIn>;
 using StateOut = std::tuple<OptOut, OptOut, OptOut, OptOut>;
 
 DType dtype_of(const std::string& name, nb::dlpack::dtype d) {
-  using C = nb::dlpack::dtype_code;
-  const auto code = static_cast<C>(d.code);
-  if (d.lanes == 1) {
-    if (code == C::Float && d.bits == 64) return DType::f64;
-    if (code == C::Float && d.bits == 32) return DType::f32;
-    if (code == C::Float && d.bits == 16) return DType::f16;
-    if (code == C::Bfloat && d.bits == 16) return DType::bf16;
-    if (code == C::Int && d.bits == 32) return DType::i32;
-    if (code == C::Int && d.bits == 64) return DType::i64;
-  }
-  throw Error(name, "expected dtype float64, float32, bfloat16, float16, int32 or int64, got DLPack "
-                    "type code " + std::to_string(d.code) + " with " + std::to_string(d.bits) +
-                    " bits x " + std::to_string(d.lanes) + " lanes");
+  return hila_ext::dtype_from_dlpack(name, d.code, d.bits, d.lanes);
 }
 
 hila::Device device_of(const std::string& name, int type, int id) {
-  if (type == nb::device::cpu::value || type == nb::device::cuda_host::value) return {};
-  if (type == nb::device::cuda::value) return {hila::DeviceType::cuda, id};
-  throw Error(name, "expected an array in host or CUDA memory, got DLPack device type " +
-                        std::to_string(type));
+  return hila_ext::device_from_dlpack(name, type, id);
 }
 
 // Without a CUDA backend, device memory never reaches the library (see the file comment).
@@ -89,9 +75,7 @@ void set_stream(P& p, uintptr_t stream) {
 
 template <class A>
 TensorView view_of(const std::string& name, const A& a) {
-  if (a.ndim() > static_cast<size_t>(hila::kMaxDims))
-    throw Error(name, "expected at most " + std::to_string(hila::kMaxDims) + " dimensions, got " +
-                          std::to_string(a.ndim()));
+  hila_ext::check_ndim(name, static_cast<int64_t>(a.ndim()));
   TensorView t;
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.dtype = dtype_of(name, a.dtype());
@@ -576,6 +560,92 @@ nb::dict state_shape_dict(const OpConfig& cfg, int64_t N, int64_t H, int64_t dk,
   return d;
 }
 
+// ---------------------------------------------------------------------------------- lent calls
+//
+// hila_ext::Api (ext_api.h): the calls hila._torch_ops makes through this module's copy of the
+// library. Its views come from at::Tensor, not DLPack: the host-only rule of view_of is applied
+// here, in the order of the arguments, before the library sees them.
+
+void require_host(const char* name, const StateView& s) {
+  const std::string n(name);
+  require_host(n + ".pos", s.pos);
+  require_host(n + ".S", s.S);
+  require_host(n + ".P", s.P);
+  require_host(n + ".H", s.H);
+}
+
+void require_host_params(const hila::ForwardParams& p) {
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &p.q}, {"k", &p.k}, {"v", &p.v},
+                                {"g", &p.g}, {"lam", &p.lam}, {"beta", &p.beta}, {"cu_seqlens", &p.cu_seqlens}})
+    require_host(name, *t);
+  require_host("init", p.init);
+  require_host("o", p.o);
+  require_host("final_state", p.final_state);
+}
+
+void require_host_params(const hila::BackwardParams& p) {
+  require_host_params(static_cast<const hila::ForwardParams&>(p));
+  require_host("d_o", p.d_o);
+  require_host("d_final", p.d_final);
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &p.dq}, {"dk", &p.dk},
+                                {"dv", &p.dv}, {"dg", &p.dg}, {"dlam", &p.dlam}, {"dbeta", &p.dbeta}})
+    require_host(name, *t);
+  require_host("d_init", p.d_init);
+}
+
+// Runs f, turning an exception into *err (false).
+template <class F>
+bool lent(hila_ext::CallError* err, F&& f) noexcept {
+  try {
+    f();
+    return true;
+  } catch (const Error& e) {
+    *err = {e.what(), e.argument()};
+  } catch (const std::exception& e) {
+    *err = {e.what(), {}};
+  } catch (...) {
+    *err = {"hila: unknown exception", {}};
+  }
+  return false;
+}
+
+const hila_ext::Api g_api{
+    hila_ext::kApiVersion,
+    sizeof(hila::ForwardParams),
+    sizeof(hila::BackwardParams),
+#ifdef HILA_WITH_CUDA
+    1,
+#else
+    0,
+#endif
+    [](const hila::ForwardParams& p, hila_ext::CallError* err) noexcept {
+      return lent(err, [&] {
+        require_host_params(p);
+        hila::forward(p);
+      });
+    },
+    [](const hila::BackwardParams& p, hila_ext::CallError* err) noexcept {
+      return lent(err, [&] {
+        require_host_params(p);
+        hila::backward(p);
+      });
+    },
+    [](const hila::ForwardParams& p, size_t* bytes, hila_ext::CallError* err) noexcept {
+      return lent(err, [&] { *bytes = hila::workspace_size(p); });
+    },
+    [](const hila::BackwardParams& p, size_t* bytes, hila_ext::CallError* err) noexcept {
+      return lent(err, [&] { *bytes = hila::workspace_size(p); });
+    },
+    [](const char* op, const char* form, hila::Op* op_out, hila::Form* form_out, hila::Form* bwd_out,
+       hila_ext::CallError* err) noexcept {
+      return lent(err, [&] {
+        *op_out = hila::parse_op(op);
+        *form_out = hila::parse_form(form);
+        *bwd_out = hila::supports(*op_out, *form_out, true) ? *form_out : hila::Form::chunk;
+      });
+    },
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -763,6 +833,9 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release nogil;
         return s.bytes_per_sequence();
       });
+
+  // The table of lent calls (ext_api.h) for hila._torch_ops.
+  m.attr("_api") = nb::capsule(&g_api, hila_ext::kApiCapsule);
 
   m.def("op_names", [] {
     std::vector<std::string> v;

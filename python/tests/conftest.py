@@ -41,6 +41,9 @@ def pytest_report_header(config):
     else:
         import torch
         lines.append(f"torch {torch.__version__}, devices: {', '.join(devices())}")
+        import hila.torch.ops as hops
+        lines.append("hila.torch plain call: C++ road (hila._torch_ops)" if hops._CPP_OP is not None else
+                     f"hila.torch plain call: Python road only, C++ road tests skipped ({hops._CPP_WHY})")
     return lines
 
 

@@ -56,11 +56,23 @@ def _float_inputs(op, device, dtype=torch.float32, **kw):
 
 # ----------------------------------------------------------------------------- no fills, no copies
 
+def _plain_road(request, road):
+    """The plain training call's road for the rest of the test: "python" (the autograd.Function
+    _Plain) or "cpp" (hila._torch_ops; skipped, with the reason, where it is not available)."""
+    if road == "cpp" and hops._CPP_OP is None:
+        pytest.skip(f"no C++ road: {hops._CPP_WHY}")
+    prev = ht.cpp_road(road == "cpp")
+    request.addfinalizer(lambda: ht.cpp_road(prev))
+
+
+@pytest.mark.parametrize("road", ("python", "cpp"))
 @pytest.mark.parametrize("op", OPS)
-def test_training_step_runs_no_fills_or_copies(op, device):
+def test_training_step_runs_no_fills_or_copies(op, road, device, request):
     """one forward + autograd.grad: only the output and one gradient per input are allocated
-    (torch.empty), nothing is filled, copied or converted, and no device value is read."""
+    (torch.empty), nothing is filled, copied or converted, and no device value is read (on both
+    roads of the plain call)."""
     require_device(device, op, "chunk", chunk_for(device, 16, op))
+    _plain_road(request, road)
     x, _, _ = _float_inputs(op, device, B=2, T=40, H=2, dk=8, dv=8)
     do = torch.randn_like(x["v"])
 
@@ -259,13 +271,17 @@ def test_direct_road_equals_custom_ops(op, case, device, request):
         assert torch.equal(a, b), f"result {i} differs between the roads"
 
 
+@pytest.mark.parametrize("road", ("python", "cpp"))
 @pytest.mark.parametrize("op", ("gla", "hla2", "loglinear_ahla", "gdn", "loglinear_gdn"))
-def test_plain_training_call_equals_the_other_roads(op, device, request):
-    """a call without states (the direct road's plain autograd function, o alone): o and the
-    gradients of the inputs that need them equal, bit for bit, those of the custom ops and of the
-    same call returning a final state (the general autograd function)."""
+def test_plain_training_call_equals_the_other_roads(op, road, device, request):
+    """a call without states (the direct road's plain autograd function, o alone: _Plain, or the
+    C++ one of hila._torch_ops): o and the gradients of the inputs that need them equal, bit for
+    bit, those of the custom ops and of the same call returning a final state (the general
+    autograd function)."""
     chunk = chunk_for(device, 4, op)
     require_device(device, op, "chunk", chunk)
+    _plain_road(request, road)
+    plain_fn = "_PlainBackward" if road == "python" else "CppFunction"
     x, _, _ = torch_inputs(op, device, B=2, T=12)
     names = list(x)
     gen = torch.Generator().manual_seed(5)
@@ -281,12 +297,12 @@ def test_plain_training_call_equals_the_other_roads(op, device, request):
     for needs in (set(names), {"q"}, {"v", "g"}):
         do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(device)
         fn, plain = run("direct", False, needs, do)
-        assert fn == "_PlainBackward", fn
-        for road, final in (("custom_op", False), ("direct", True)):
-            fn, other = run(road, final, needs, do)
-            assert fn != "_PlainBackward", (road, final, fn)
+        assert fn == plain_fn, fn
+        for other_road, final in (("custom_op", False), ("direct", True)):
+            fn, other = run(other_road, final, needs, do)
+            assert fn not in ("_PlainBackward", "CppFunction"), (other_road, final, fn)
             for i, (a, b) in enumerate(zip(plain, other)):
-                assert torch.equal(a, b), f"{road} final={final} needs={sorted(needs)}: result {i} differs"
+                assert torch.equal(a, b), f"{other_road} final={final} needs={sorted(needs)}: result {i} differs"
 
 
 @pytest.mark.parametrize("op", ("hla3", "loglinear_gdn"))

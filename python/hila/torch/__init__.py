@@ -23,13 +23,13 @@ from .cache import Cache, LayerState
 from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2
 from .models import HilaLM, HilaLMConfig, LMOutput
 from .modules import DecayGate, GatedRMSNorm, LevelWeights, ShortConvolution
-from .ops import eager_fast_path, forward, step, step_, zero_state
+from .ops import cpp_road, eager_fast_path, forward, step, step_, zero_state
 from .serving import allocate_state_pool, get_state_shape, reset_state_rows
 from . import fla, fla_layers  # noqa: E402  (after the ops they wrap)
 
 __all__ = [
     "Cache", "DecayGate", "GatedRMSNorm", "HLAAttention", "HilaError", "HilaLM", "HilaLMConfig",
     "LMOutput", "LayerState", "LevelWeights", "LogLinearGatedDeltaNet", "LogLinearMamba2",
-    "ShortConvolution", "State", "allocate_state_pool", "eager_fast_path", "fla", "fla_layers",
+    "ShortConvolution", "State", "allocate_state_pool", "cpp_road", "eager_fast_path", "fla", "fla_layers",
     "forward", "get_state_shape", "reset_state_rows", "step", "step_", "zero_state",
 ]

@@ -25,6 +25,10 @@ Two roads reach the same C++ calls:
   ``__dlpack__`` and no stream handshake, since the call's stream is passed explicitly), and no
   reads of device tensors. Gradients are computed only for inputs that need them, and an unused
   output costs nothing in backward (no zero cotangents are materialised).
+  The plain training call (no ``cu_seqlens``, initial or final state, or host copies) goes one step
+  further where the extension hila._torch_ops was built (with torch at build time): it is one call
+  of the libtorch op ``torch.ops.hila_cpp.forward_plan``, whose autograd function is C++ (no
+  Python autograd.Function, no DLPack capsules); see :func:`cpp_road`.
 * **the custom ops**: under torch.compile / torch.export, fake or meta tensors, an active
   ``TorchDispatchMode``, torch.func transforms, or when turned off with :func:`eager_fast_path`.
   They run the same calls with the same arguments, so both roads give bitwise identical results.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import atexit
 import functools
 import numbers
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -48,7 +53,7 @@ from .. import ops as _ops
 from .._errors import HilaError
 from ..ops import State
 
-__all__ = ["eager_fast_path", "forward", "step", "step_", "zero_state"]
+__all__ = ["cpp_road", "eager_fast_path", "forward", "step", "step_", "zero_state"]
 
 _Out5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads9 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -73,6 +78,41 @@ def eager_fast_path(enabled: bool = True) -> bool:
     results; the custom ops cost more host time per call. Returns the previous setting."""
     prev = _FAST[0]
     _FAST[0] = bool(enabled)
+    return prev
+
+
+# The C++ road of the plain call (hila._torch_ops, python/src/torch_ops.cpp): the raw callable
+# of torch.ops.hila_cpp.forward_plan.default (the plain call on a configuration numbered once per
+# distinct options by torch.ops.hila_cpp.plan, see _cpp_plan), or None where the module was not
+# built or does not import (e.g. under another torch than the build's); HILA_TORCH_CPP=0 in the
+# environment at import leaves it off. _CPP_WHY: why it is not available ("" when it is).
+def _load_cpp():
+    if os.environ.get("HILA_TORCH_CPP", "1") == "0":
+        return None, "turned off by HILA_TORCH_CPP=0"
+    try:
+        from .. import _torch_ops  # noqa: F401  (registers torch.ops.hila_cpp.*)
+        return torch.ops.hila_cpp.forward_plan.default._op, ""
+    except ImportError as e:  # not built (no torch at build time), or built for another torch
+        return None, f"hila._torch_ops does not import: {e}"
+    except (AttributeError, OSError, RuntimeError) as e:
+        return None, f"hila._torch_ops does not load: {e}"
+
+
+_CPP_OP, _CPP_WHY = _load_cpp()
+_CPP = [_CPP_OP]
+
+
+def cpp_road(enabled: bool = True) -> bool:
+    """Whether the plain training call on the direct road (see :func:`eager_fast_path`) runs the
+    libtorch op ``torch.ops.hila_cpp.forward_plan`` with its C++ autograd function (on, the default
+    where hila._torch_ops was built) or the Python ``torch.autograd.Function`` (off). Both give
+    bitwise identical results; the C++ road costs less host time per call. Returns the previous
+    setting; turning it on where the module is not available raises RuntimeError with the reason
+    (``HILA_TORCH_CPP=0`` in the environment turns it off at import)."""
+    prev = _CPP[0] is not None
+    if enabled and _CPP_OP is None:
+        raise RuntimeError(f"hila.torch.cpp_road: the C++ road is not available ({_CPP_WHY})")
+    _CPP[0] = _CPP_OP if enabled else None
     return prev
 
 
@@ -716,6 +756,23 @@ def _check_state(state) -> None:
                         f"{type(state).__name__}", "state")
 
 
+@functools.lru_cache(maxsize=256)
+def _cpp_plan(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values,
+              framework_workspace) -> int:
+    """The number of the C++ configuration of a plain call's options (torch.ops.hila_cpp.plan),
+    the options checked first as the Python road checks them (:func:`_scale_arg`, then
+    :func:`_spec`: HilaError naming a bad one); -1 where the C++ side numbers no more
+    configurations (the call then takes the Python road)."""
+    scale = _scale_arg(scale)
+    spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    return torch.ops.hila_cpp.plan(op, form, spec.chunk, float(scale), spec.normalize, float(eps),
+                                   float(ridge), bool(_flag(qk_l2norm)), bool(_flag(check_values)),
+                                   bool(framework_workspace))
+
+
+atexit.register(_cpp_plan.cache_clear)
+
+
 def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *extra,
             lam: Optional[Tensor] = None, beta: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, initial_state: Optional[State] = None,
@@ -752,6 +809,20 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
     ``check_values=False`` the library trusts them; with ``check_values=True`` it compares them
     with the device's copies.
     """
+    if (_CPP[0] is not None and cu_seqlens is None and initial_state is None and not output_final_state
+            and state_indices is None and init_pos_cpu is None and not extra and not unknown
+            and type(op) is str and _direct(q) and not _POISON[0]):
+        try:
+            plan = _cpp_plan(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm,
+                             q.is_cpu if check_values is None else check_values,
+                             _ops._FRAMEWORK_WORKSPACE[0])
+        except TypeError:  # an unhashable option: the general road names it
+            plan = -1
+        if plan >= 0:
+            try:
+                return _CPP[0](q, k, v, g, lam, beta, plan), None
+            except (RuntimeError, TypeError):  # torch's schema check of an argument that is not a tensor
+                _reraise("hila.torch.forward", "initial_state", None, k=k, v=v, g=g, lam=lam, beta=beta)
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.forward", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
