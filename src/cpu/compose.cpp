@@ -103,6 +103,7 @@ template <class R>
 OpState<R> op_forward_raw(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                           const OpState<R>& init, MRef<R> Oraw, bool want_state) {
   if (form == PForm::scan && p.op_level_scan) return hla_scan_forward(p, C, x, init, Oraw);
+  if (hla_chunk_applies(p, form, x)) return hla_chunk_forward(p, C, x, init, Oraw, want_state);
   Inner<R> in = run_inner(p, form, C, x, init, want_state);
   OpState<R> out;
   out.H = prim_forward<R>(form, C, outer_args(p, x, in.key, in.val), init.H, Oraw, want_state);
@@ -134,6 +135,7 @@ OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>&
 template <class R>
 OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                        const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal) {
+  if (hla_chunk_applies(p, form, x)) return hla_chunk_backward(p, C, x, init, dO, dfinal);
   const int64_t n = x.n(), dvp = x.v.c, dv = p.normalize ? dvp - 1 : dvp;
   Inner<R> in = run_inner(p, form, C, x, init, false, true);  // the inner final states are not read
   const PrimArgs<R> oa = outer_args(p, x, in.key, in.val);

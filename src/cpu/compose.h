@@ -57,6 +57,17 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
 template <class R>
 void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpState<R>& st, R* o);
 
+// Chunk form of hla2 / ahla / hla3 with a flat outer primitive, all primitives of a segment in one
+// sweep (hla_chunk.cpp); op_forward_raw and op_backward take it where hla_chunk_applies.
+template <class R>
+bool hla_chunk_applies(const OpPlan& p, PForm form, const HeadView<R>& x);
+template <class R>
+OpState<R> hla_chunk_forward(const OpPlan& p, int64_t C, const HeadView<R>& x,
+                             const OpState<R>& init, MRef<R> Oraw, bool want_state);
+template <class R>
+OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
+                              const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal);
+
 // Op-level scan for hla2 / ahla / hla3 (scan.cpp).
 template <class R>
 OpState<R> hla_scan_forward(const OpPlan& p, int64_t C, const HeadView<R>& x,
