@@ -238,15 +238,19 @@ template <class F>
 void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
   std::exception_ptr err;
   std::mutex mu;
-  const bool parallel = cpu_parallel(N * H, work);
-#pragma omp parallel for schedule(dynamic) if (parallel)
-  for (int64_t item = 0; item < N * H; ++item) {
+  auto run = [&](int64_t item) {
     try {
       body(item / H, item % H);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu);
       if (!err) err = std::current_exception();
     }
+  };
+  if (cpu_parallel(N * H, work)) {
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t item = 0; item < N * H; ++item) run(item);
+  } else {  // no OpenMP region at all (an if(false) region still costs a runtime call)
+    for (int64_t item = 0; item < N * H; ++item) run(item);
   }
   if (err) std::rethrow_exception(err);
 }

@@ -28,38 +28,34 @@ namespace {
 template <class R>
 using Vec = std::vector<R, NoInitAlloc<R>>;
 
-// One gate column over one segment of nr rows. Decays are direct sums of log-gates (never
-// differences of prefix sums) and E is the row recurrence E[i, :i] = a_i E[i-1, :i], so a reset
-// (a_r = 0) gives exact zeros across it and the gates after it alone (docs/math/HLA.md §1).
+// One gate column over one segment of nr rows: a_i = e^{g_i} and the decay matrix
+// E[i, j] = prod_{j<r<=i} a_r (j <= i) by the row recurrence E[i, :i] = a_i E[i-1, :i], and the
+// decays of the incoming state and to the segment end read from it:
+//   eb[i] = prod_{r<=i} a_r = a_0 E[i, 0],   er[j] = prod_{j<r<nr} a_r = E[nr-1, j],   eB = eb[nr-1].
+// Every decay is a product of the gates it spans (never a difference of prefix sums), so a reset
+// (a_r = 0, g_r = -inf or below the underflow point) gives exact zeros across it and the gates
+// after it alone (docs/math/HLA.md §1); nr exponentials per segment.
 template <class R>
 struct GateSeg {
   const R* g = nullptr;  // the column at the segment's first row (null: no gates, all a = 1)
-  Vec<R> ea, eb, er;     // a_i = e^{g_i}, e^{b_i} (b_i = sum_{r<=i} g_r), e^{sum_{j<r<nr} g_r}
-  R eB = 1;              // e^{sum of all g}
+  Vec<R> ea, eb;         // a_i, eb[i]
+  R eB = 1;
   Mat<R> E;              // [nr, nr], entries j <= i set (the rest never read)
 
   void make(const R* gp, int64_t nr) {
     g = gp;
     ea.resize(static_cast<size_t>(nr));
     eb.resize(static_cast<size_t>(nr));
-    er.resize(static_cast<size_t>(nr));
-    auto gate = [&](int64_t i) { return gp ? gp[i] : R(0); };
-    R c = 0;
-    for (int64_t i = 0; i < nr; ++i) {
-      c += gate(i);
-      ea[i] = std::exp(gate(i));
-      eb[i] = std::exp(c);
-    }
-    eB = eb[nr - 1];
-    er[nr - 1] = 1;
-    c = 0;
-    for (int64_t j = nr - 1; j > 0; --j) er[j - 1] = std::exp(c += gate(j));
+    for (int64_t i = 0; i < nr; ++i) ea[i] = gp ? std::exp(gp[i]) : R(1);
     E = Mat<R>(nr, nr, Uninit{});
     for (int64_t i = 0; i < nr; ++i) {
       if (i > 0) scaled(E.row(i), E.row(i - 1), ea[i], i);
       E(i, i) = 1;
+      eb[i] = ea[0] * E(i, 0);
     }
+    eB = eb[nr - 1];
   }
+  const R* er() const { return E.row(E.r - 1); }  // er[j], row nr-1 of E
   // Same gate values over the segment (then every quantity above is the same).
   bool same(const R* gp, int64_t nr) const {
     if (gp == g) return true;
@@ -112,15 +108,9 @@ template <class R>
 Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
   const int64_t nr = ps.q.r, dv = ps.val.c;
   Mat<R> Y(nr, dv, Uninit{});
-  for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er[j], dv);
-  Mat<R> H;
-  if (Hin) {
-    H = *Hin;
-    scale<R>(H, ps.gs->eB);
-  } else {
-    H = Mat<R>(ps.key.c, dv);
-  }
-  gemm<R>(H, ps.key, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
+  for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
+  Mat<R> H = matmul<R>(ps.key, true, Y, false);  // [dk,R] x [R,dv]
+  if (Hin) axpy<R>(H, *Hin, ps.gs->eB);
   return H;
 }
 
@@ -140,7 +130,7 @@ void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY
     const Mat<R> kD = matmul<R>(ps.key, false, dH, false);  // key dH  [R,dk] x [dk,dv]
     Mat<R> Y(nr, dv, Uninit{});                            // diag(er) val
     for (int64_t j = 0; j < nr; ++j) {
-      const R w = G.er[j];
+      const R w = G.er()[j];
       scaled(Y.row(j), ps.val.row(j), w, dv);
       R* dvj = dval.row(j);
       const R* kdj = kD.row(j);
@@ -306,14 +296,15 @@ struct HlaChunk {
       prepare(sc, ptr(S), ptr(P));
       if (Oraw) prim_seg_out(sc.prim[kO], ptr(H), Oraw->rows(sc.i0, sc.i1));
       if (keep) {
-        Sin[c] = S;
-        Pin[c] = P;
-        Hin[c] = H;
+        Sin[c] = std::move(S);
+        Pin[c] = std::move(P);
+        Hin[c] = std::move(H);
       }
       if (c + 1 == ns && !want_state) break;
-      if (p.has_S) S = prim_seg_state(sc.prim[kS], ptr(S));
-      if (p.has_P) P = prim_seg_state(sc.prim[kP], ptr(P));
-      H = prim_seg_state(sc.prim[kO], ptr(H));
+      const Mat<R>&S0 = keep ? Sin[c] : S, &P0 = keep ? Pin[c] : P, &H0 = keep ? Hin[c] : H;
+      if (p.has_S) S = prim_seg_state(sc.prim[kS], ptr(S0));
+      if (p.has_P) P = prim_seg_state(sc.prim[kP], ptr(P0));
+      H = prim_seg_state(sc.prim[kO], ptr(H0));
     }
     OpState<R> out;
     if (!want_state) return out;
