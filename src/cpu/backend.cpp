@@ -360,8 +360,13 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
         if (!out.defined()) continue;
         const TensorView& src = which == 0 ? p.q : p.k;
         auto& parts = which == 0 ? dq : dk;
-        Mat<R> acc(s.len, r.dk);
-        for (int64_t h = grp * hpg; h < (grp + 1) * hpg; ++h) cpu::axpy<R>(acc, parts[i * r.H + h]);
+        // one head per group (no GQA): its gradient itself, else the sum over the group's heads
+        Mat<R> sum;
+        if (hpg > 1) {
+          sum = Mat<R>(s.len, r.dk);
+          for (int64_t h = grp * hpg; h < (grp + 1) * hpg; ++h) cpu::axpy<R>(sum, parts[i * r.H + h]);
+        }
+        Mat<R>& acc = hpg > 1 ? sum : parts[i * r.H + grp];
         if (which == 0) cpu::scale<R>(acc, R(r.scale));
         if (r.cfg.qk_l2norm) {
           const Mat<R> raw = gather_qk<R>(G, src, s, grp, false, 1.0);
