@@ -42,19 +42,6 @@ struct GateSeg {
   R eB = 1;
   Mat<R> E;              // [nr, nr], entries j <= i set (the rest never read)
 
-  void make(const R* gp, int64_t nr) {
-    g = gp;
-    ea.resize(static_cast<size_t>(nr));
-    eb.resize(static_cast<size_t>(nr));
-    for (int64_t i = 0; i < nr; ++i) ea[i] = gp ? std::exp(gp[i]) : R(1);
-    E = Mat<R>(nr, nr, Uninit{});
-    for (int64_t i = 0; i < nr; ++i) {
-      if (i > 0) scaled(E.row(i), E.row(i - 1), ea[i], i);
-      E(i, i) = 1;
-      eb[i] = ea[0] * E(i, 0);
-    }
-    eB = eb[nr - 1];
-  }
   const R* er() const { return E.row(E.r - 1); }  // er[j], row nr-1 of E
   // Same gate values over the segment (then every quantity above is the same).
   bool same(const R* gp, int64_t nr) const {
@@ -64,6 +51,21 @@ struct GateSeg {
   }
 };
 
+template <class R>
+HILA_CPU_CLONES void make_gates(GateSeg<R>& G, const R* gp, int64_t nr) {
+  G.g = gp;
+  G.ea.resize(static_cast<size_t>(nr));
+  G.eb.resize(static_cast<size_t>(nr));
+  for (int64_t i = 0; i < nr; ++i) G.ea[i] = gp ? std::exp(gp[i]) : R(1);
+  G.E = Mat<R>(nr, nr, Uninit{});
+  for (int64_t i = 0; i < nr; ++i) {
+    if (i > 0) scaled(G.E.row(i), G.E.row(i - 1), G.ea[i], i);
+    G.E(i, i) = 1;
+    G.eb[i] = G.ea[0] * G.E(i, 0);
+  }
+  G.eB = G.eb[nr - 1];
+}
+
 // tril(A B^T) [nr, nr] for A, B [nr, dk]: entries j <= i (the rest unset, never read).
 template <class R>
 Mat<R> lower_scores(MRef<const R> A, MRef<const R> B) {
@@ -72,7 +74,7 @@ Mat<R> lower_scores(MRef<const R> A, MRef<const R> B) {
 
 // PM = X o E on j <= i, exact zeros above (a causal factor of gemm's kALower / kAUpper products).
 template <class R>
-Mat<R> masked(const Mat<R>& X, const Mat<R>& E) {
+HILA_CPU_CLONES Mat<R> masked(const Mat<R>& X, const Mat<R>& E) {
   const int64_t nr = X.r;
   Mat<R> P(nr, nr, Uninit{});
   for (int64_t i = 0; i < nr; ++i) {
@@ -94,7 +96,7 @@ struct PrimSeg {
 
 // Y [nr, dv] = PM val + diag(eb) q H_in (H_in null: a zero state).
 template <class R>
-void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y) {
+HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y) {
   gemm<R>(Y, *ps.PM, false, ps.val, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
   if (!Hin) return;
   const int64_t nr = ps.q.r, dk = ps.q.c;
@@ -105,7 +107,7 @@ void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y) {
 
 // H_out [dk, dv] = eB H_in + key^T diag(er) val.
 template <class R>
-Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
+HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
   const int64_t nr = ps.q.r, dv = ps.val.c;
   Mat<R> Y(nr, dv, Uninit{});
   for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
@@ -119,7 +121,7 @@ Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
 // [nr] (the gradient of the segment's log-gates); dH becomes the cotangent of H_in (empty where
 // H_in is).
 template <class R>
-void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY, Mat<R>& dH,
+HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY, Mat<R>& dH,
                        MRef<R> dq, MRef<R> dkey, MRef<R> dval, R* dg) {
   const int64_t nr = ps.q.r, dk = ps.q.c, dv = ps.val.c;
   const GateSeg<R>& G = *ps.gs;
@@ -229,7 +231,7 @@ struct HlaChunk {
       const R* gp = x.g[col] ? x.g[col] + i0 : nullptr;
       for (int t = 0; t < sc.ng; ++t)
         if (sc.gates[t].same(gp, nr)) return &sc.gates[t];
-      sc.gates[sc.ng].make(gp, nr);
+      make_gates(sc.gates[sc.ng], gp, nr);
       return &sc.gates[sc.ng++];
     };
     // masked product X o E, shared between primitives with the same scores and gates

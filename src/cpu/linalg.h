@@ -9,6 +9,14 @@
 #include <utility>
 #include <vector>
 
+// A function compiled twice on x86-64 ELF builds (GCC), for the x86-64 baseline and for
+// x86-64-v3 (AVX2 + FMA); the loader picks the one the CPU runs.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HILA_CPU_CLONES
+#endif
+
 namespace hila::cpu {
 
 // Non-owning row-major view with a leading dimension (rows of a bigger matrix).
