@@ -116,23 +116,42 @@ HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
   return H;
 }
 
+// Work space of prim_seg_backward for segments of up to R rows and widths up to d, one block for
+// every call of a backward.
+template <class R>
+struct BwdScratch {
+  Vec<R> buf;
+  int64_t R_ = 0, d_ = 0;
+  BwdScratch(int64_t rows, int64_t d)
+      : buf(static_cast<size_t>(rows * (4 * d + 2 * rows + 2))), R_(rows), d_(d) {}
+  // view t of the [nr, cols] temporaries (cols <= d for t < 4, cols <= R for t = 4, 5)
+  MRef<R> mat(int t, int64_t nr, int64_t cols) {
+    R* base = buf.data() + (t < 4 ? t * R_ * d_ : 4 * R_ * d_ + (t - 4) * R_ * R_);
+    return {base, nr, cols, cols};
+  }
+  R* vec(int t) { return buf.data() + 4 * R_ * d_ + 2 * R_ * R_ + t * R_; }  // t = 0, 1
+};
+
 // Reverse of prim_seg_out and prim_seg_state (docs/math/HLA.md §7.1): from dY [nr, dv] and the
 // cotangent dH of H_out (empty: zero), adds to dq, dkey [nr, dk], dval [nr, dv] and writes dg
 // [nr] (the gradient of the segment's log-gates); dH becomes the cotangent of H_in (empty where
 // H_in is).
 template <class R>
-HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY, Mat<R>& dH,
-                       MRef<R> dq, MRef<R> dkey, MRef<R> dval, R* dg) {
+HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY,
+                                       Mat<R>& dH, MRef<R> dq, MRef<R> dkey, MRef<R> dval, R* dg,
+                                       BwdScratch<R>& ws) {
   const int64_t nr = ps.q.r, dk = ps.q.c, dv = ps.val.c;
   const GateSeg<R>& G = *ps.gs;
-  Vec<R> db(static_cast<size_t>(nr), R(0));  // d/d b_i, b_i = sum_{r<=i} g_r
-  R dB = 0;                                  // d/d B, B = b_{nr-1}
+  R* db = ws.vec(0);  // d/d b_i, b_i = sum_{r<=i} g_r
+  std::fill(db, db + nr, R(0));
+  R dB = 0;  // d/d B, B = b_{nr-1}
   // state: H_out = eB H_in + key^T diag(er) val
   if (!dH.empty()) {
-    const Mat<R> kD = matmul<R>(ps.key, false, dH, false);  // key dH  [R,dk] x [dk,dv]
-    Mat<R> Y(nr, dv, Uninit{});                            // diag(er) val
+    const MRef<R> kD = ws.mat(0, nr, dv), Y = ws.mat(1, nr, dv);  // key dH, diag(er) val
+    gemm<R>(kD, ps.key, false, dH, false);                          // [R,dk] x [dk,dv]
+    const R* er = G.er();
     for (int64_t j = 0; j < nr; ++j) {
-      const R w = G.er()[j];
+      const R w = er[j];
       scaled(Y.row(j), ps.val.row(j), w, dv);
       R* dvj = dval.row(j);
       const R* kdj = kD.row(j);
@@ -147,8 +166,8 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, 
   // reads of the incoming state: Y += diag(eb) q H_in
   Mat<R> dHin;
   if (Hin) {
-    const Mat<R> Yr = matmul<R>(dY, false, *Hin, true);  // dY H_in^T  [R,dv] x [dv,dk]
-    Mat<R> cdY(nr, dv, Uninit{});                         // diag(eb) dY
+    const MRef<R> Yr = ws.mat(2, nr, dk), cdY = ws.mat(3, nr, dv);  // dY H_in^T, diag(eb) dY
+    gemm<R>(Yr, dY, false, *Hin, true);                               // [R,dv] x [dv,dk]
     for (int64_t i = 0; i < nr; ++i) {
       const R eb = G.eb[i];
       const R* yi = Yr.row(i);
@@ -167,18 +186,19 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, 
   }
   dH = std::move(dHin);
   // intra-segment: Y = (X o E) val
-  gemm<R>(dval, *ps.PM, true, dY, false, R(1), R(1), kAUpper);     // [R,R] x [R,dv]
-  const Mat<R> dP = matmul<R>(dY, false, ps.val, true, kCLower | kCUnset);  // [R,dv] x [dv,R]
+  gemm<R>(dval, *ps.PM, true, dY, false, R(1), R(1), kAUpper);  // [R,R] x [R,dv]
+  const MRef<R> dP = ws.mat(4, nr, nr), dX = ws.mat(5, nr, nr);
+  gemm<R>(dP, dY, false, ps.val, true, R(1), R(0), kCLower | kCUnset);  // [R,dv] x [dv,R]
   // dX = dP o E (exact zeros above the diagonal); dG = dP o X o E = d/d(b_i - b_j)
-  Mat<R> dX(nr, nr, Uninit{});
-  Vec<R> dGcol(static_cast<size_t>(nr), R(0));
+  R* dGcol = ws.vec(1);
+  std::fill(dGcol, dGcol + nr, R(0));
   for (int64_t i = 0; i < nr; ++i) {
-    db[i] += mask_row_backward(dP.row(i), ps.X->row(i), G.E.row(i), dX.row(i), dGcol.data(), i + 1);
+    db[i] += mask_row_backward(dP.row(i), ps.X->row(i), G.E.row(i), dX.row(i), dGcol, i + 1);
     std::fill(dX.row(i) + i + 1, dX.row(i) + nr, R(0));
   }
   for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
-  gemm<R>(dq, dX, false, ps.key, false, R(1), R(1), kALower);   // [R,R] x [R,dk]
-  gemm<R>(dkey, dX, true, ps.q, false, R(1), R(1), kAUpper);    // [R,R] x [R,dk]
+  gemm<R>(dq, dX, false, ps.key, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
+  gemm<R>(dkey, dX, true, ps.q, false, R(1), R(1), kAUpper);   // [R,R] x [R,dk]
   // g_r enters every b_i with i >= r: dg_r = sum_{i>=r} db_i (+ dB)
   db[nr - 1] += dB;
   R acc = 0;
@@ -378,6 +398,9 @@ OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
   auto cot = [](const Canon<R>& c) { return c.get(0) ? *c.get(0) : Mat<R>(); };
   Mat<R> dS = cot(dfinal.S), dP = cot(dfinal.P), dH = cot(dfinal.H);
   auto ptr = [](const Mat<R>& m) { return m.empty() ? nullptr : &m; };
+  int64_t rmax = 0;
+  for (const SegCtx<R>& sc : hc.segs) rmax = std::max(rmax, sc.i1 - sc.i0);
+  BwdScratch<R> ws(rmax, std::max(dk, dvp));
   for (size_t c = hc.segs.size(); c-- > 0;) {
     const SegCtx<R>& sc = hc.segs[c];
     const int64_t i0 = sc.i0, i1 = sc.i1;
@@ -386,14 +409,14 @@ OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
     MRef<R> dkey = p.has_S ? dU.rows(i0, i1) : dk_;
     MRef<R> dval = p.has_P ? dHh.rows(i0, i1) : dv_;
     prim_seg_backward(sc.prim[kO], ptr(hc.Hin[c]), dOr.rows(i0, i1), dH, dq, dkey, dval,
-                      G.dg[p.gO].data() + i0);
+                      G.dg[p.gO].data() + i0, ws);
     if (p.has_P)  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
       prim_seg_backward(sc.prim[kP], ptr(hc.Pin[c]), MRef<const R>(dval), dP, dq, dk_, dv_,
-                        G.dg[p.gP].data() + i0);
+                        G.dg[p.gP].data() + i0, ws);
     if (p.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q: its cotangent is the outer key gradient
       if (p.ridge != 0) axpy<R>(dq, MRef<const R>(dkey), R(p.ridge));
       prim_seg_backward(sc.prim[kS], ptr(hc.Sin[c]), MRef<const R>(dkey), dS, dq, dk_, dk_,
-                        G.dg[p.gS].data() + i0);
+                        G.dg[p.gS].data() + i0, ws);
     }
   }
   auto canon = [](Mat<R>& m) {
