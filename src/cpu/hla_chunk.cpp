@@ -51,13 +51,19 @@ struct GateSeg {
   }
 };
 
+// m as an [r, c] matrix of unset entries, its storage kept when it has that shape already.
+template <class R>
+void reshape(Mat<R>& m, int64_t r, int64_t c) {
+  if (m.r != r || m.c != c) m = Mat<R>(r, c, Uninit{});
+}
+
 template <class R>
 HILA_CPU_CLONES void make_gates(GateSeg<R>& G, const R* gp, int64_t nr) {
   G.g = gp;
   G.ea.resize(static_cast<size_t>(nr));
   G.eb.resize(static_cast<size_t>(nr));
   for (int64_t i = 0; i < nr; ++i) G.ea[i] = gp ? std::exp(gp[i]) : R(1);
-  G.E = Mat<R>(nr, nr, Uninit{});
+  reshape(G.E, nr, nr);
   for (int64_t i = 0; i < nr; ++i) {
     if (i > 0) scaled(G.E.row(i), G.E.row(i - 1), G.ea[i], i);
     G.E(i, i) = 1;
@@ -66,22 +72,22 @@ HILA_CPU_CLONES void make_gates(GateSeg<R>& G, const R* gp, int64_t nr) {
   G.eB = G.eb[nr - 1];
 }
 
-// tril(A B^T) [nr, nr] for A, B [nr, dk]: entries j <= i (the rest unset, never read).
+// X = tril(A B^T) [nr, nr] for A, B [nr, dk]: entries j <= i (the rest unset, never read).
 template <class R>
-Mat<R> lower_scores(MRef<const R> A, MRef<const R> B) {
-  return matmul<R>(A, false, B, true, kCLower | kCUnset);  // [R,dk] x [dk,R]
+void lower_scores(Mat<R>& X, MRef<const R> A, MRef<const R> B) {
+  reshape(X, A.r, B.r);
+  gemm<R>(X, A, false, B, true, R(1), R(0), kCLower | kCUnset);  // [R,dk] x [dk,R]
 }
 
 // PM = X o E on j <= i, exact zeros above (a causal factor of gemm's kALower / kAUpper products).
 template <class R>
-HILA_CPU_CLONES Mat<R> masked(const Mat<R>& X, const Mat<R>& E) {
+HILA_CPU_CLONES void masked(Mat<R>& P, const Mat<R>& X, const Mat<R>& E) {
   const int64_t nr = X.r;
-  Mat<R> P(nr, nr, Uninit{});
+  reshape(P, nr, nr);
   for (int64_t i = 0; i < nr; ++i) {
     hadamard(P.row(i), X.row(i), E.row(i), i + 1);
     std::fill(P.row(i) + i + 1, P.row(i) + nr, R(0));
   }
-  return P;
 }
 
 // One primitive over one segment: its queries (the head's q rows), keys, values, gates, tril(q
@@ -94,22 +100,24 @@ struct PrimSeg {
   const Mat<R>* PM = nullptr;  // X o E
 };
 
-// Y [nr, dv] = PM val + diag(eb) q H_in (H_in null: a zero state).
+// Y [nr, dv] = PM val + diag(eb) q H_in (H_in null: a zero state); tmp: work space.
 template <class R>
-HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y) {
+HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y, Mat<R>& tmp) {
   gemm<R>(Y, *ps.PM, false, ps.val, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
   if (!Hin) return;
   const int64_t nr = ps.q.r, dk = ps.q.c;
-  Mat<R> Qe(nr, dk, Uninit{});  // diag(eb) q
+  reshape(tmp, nr, dk);
+  Mat<R>& Qe = tmp;  // diag(eb) q
   for (int64_t i = 0; i < nr; ++i) scaled(Qe.row(i), ps.q.row(i), ps.gs->eb[i], dk);
   gemm<R>(Y, Qe, false, *Hin, false, R(1), R(1));  // [R,dk] x [dk,dv]
 }
 
-// H_out [dk, dv] = eB H_in + key^T diag(er) val.
+// H_out [dk, dv] = eB H_in + key^T diag(er) val; tmp: work space.
 template <class R>
-HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin) {
+HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin, Mat<R>& tmp) {
   const int64_t nr = ps.q.r, dv = ps.val.c;
-  Mat<R> Y(nr, dv, Uninit{});
+  reshape(tmp, nr, dv);
+  Mat<R>& Y = tmp;
   for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
   Mat<R> H = matmul<R>(ps.key, true, Y, false);  // [dk,R] x [R,dv]
   if (Hin) axpy<R>(H, *Hin, ps.gs->eB);
@@ -227,7 +235,7 @@ struct HlaChunk {
   const OpPlan& p;
   const HeadView<R>& x;
   int64_t n, dk, dvp;
-  Mat<R> U, Hh;
+  Mat<R> U, Hh, tmp;  // tmp: work space of the segment products
   std::vector<SegCtx<R>> segs;
   std::vector<Mat<R>> Sin, Pin, Hin;  // states entering each segment (empty: zero)
 
@@ -261,12 +269,12 @@ struct HlaChunk {
     auto masked_of = [&](const Mat<R>* X, const GateSeg<R>* gs) -> const Mat<R>* {
       for (int t = 0; t < npm; ++t)
         if (pmX[t] == X && pmG[t] == gs) return &sc.PMs[t];
-      sc.PMs[npm] = masked(*X, gs->E);
+      masked(sc.PMs[npm], *X, gs->E);
       pmX[npm] = X;
       pmG[npm] = gs;
       return &sc.PMs[npm++];
     };
-    if (p.has_S || p.has_P) sc.X1 = lower_scores<R>(q, k);
+    if (p.has_S || p.has_P) lower_scores<R>(sc.X1, q, k);
     auto setup = [&](Which w, int col, MRef<const R> key, MRef<const R> val, const Mat<R>* X) {
       PrimSeg<R>& ps = sc.prim[w];
       ps.q = q;
@@ -280,16 +288,16 @@ struct HlaChunk {
     if (p.has_S) {
       setup(kS, p.gS, k, k, &sc.X1);
       MRef<R> Ur = U.rows(i0, i1);
-      prim_seg_out(sc.prim[kS], S, Ur);
+      prim_seg_out(sc.prim[kS], S, Ur, tmp);
       if (p.ridge != 0) axpy<R>(Ur, q, R(p.ridge));  // u_j = (S_j + ridge I) q_j
       key = U.rows(i0, i1);
     }
     if (p.has_P) {
       setup(kP, p.gP, k, v, &sc.X1);
-      prim_seg_out(sc.prim[kP], P, Hh.rows(i0, i1));
+      prim_seg_out(sc.prim[kP], P, Hh.rows(i0, i1), tmp);
       val = Hh.rows(i0, i1);
     }
-    if (p.has_S) sc.X2 = lower_scores<R>(q, key);
+    if (p.has_S) lower_scores<R>(sc.X2, q, key);
     setup(kO, p.gO, key, val, p.has_S ? &sc.X2 : &sc.X1);
   }
 
@@ -309,14 +317,14 @@ struct HlaChunk {
     SegCtx<R> scratch;
     for (size_t c = 0; c < ns; ++c) {
       SegCtx<R>& sc = keep ? segs[c] : scratch;
-      if (!keep) {
-        sc = SegCtx<R>();
+      if (!keep) {  // the scratch context keeps its storage from segment to segment
+        sc.ng = 0;
         sc.i0 = segs[c].i0;
         sc.i1 = segs[c].i1;
       }
       auto ptr = [](const Mat<R>& m) { return m.empty() ? nullptr : &m; };
       prepare(sc, ptr(S), ptr(P));
-      if (Oraw) prim_seg_out(sc.prim[kO], ptr(H), Oraw->rows(sc.i0, sc.i1));
+      if (Oraw) prim_seg_out(sc.prim[kO], ptr(H), Oraw->rows(sc.i0, sc.i1), tmp);
       if (keep) {
         Sin[c] = std::move(S);
         Pin[c] = std::move(P);
@@ -324,9 +332,9 @@ struct HlaChunk {
       }
       if (c + 1 == ns && !want_state) break;
       const Mat<R>&S0 = keep ? Sin[c] : S, &P0 = keep ? Pin[c] : P, &H0 = keep ? Hin[c] : H;
-      if (p.has_S) S = prim_seg_state(sc.prim[kS], ptr(S0));
-      if (p.has_P) P = prim_seg_state(sc.prim[kP], ptr(P0));
-      H = prim_seg_state(sc.prim[kO], ptr(H0));
+      if (p.has_S) S = prim_seg_state(sc.prim[kS], ptr(S0), tmp);
+      if (p.has_P) P = prim_seg_state(sc.prim[kP], ptr(P0), tmp);
+      H = prim_seg_state(sc.prim[kO], ptr(H0), tmp);
     }
     OpState<R> out;
     if (!want_state) return out;
