@@ -3,8 +3,8 @@
 // composition, src/cpu/hla_chunk.cpp) against the float64 naive form at the edges of its segments:
 // d = 16 cuts chunk 64 into segments of R = 32 rows (cpu_segment_rows), chunk 16 into R = 16; T
 // around one and two segments, with and without gates, GQA, initial states at a position inside a
-// segment, untied gates with normalize (and ridge for hla2), and resets (g = -inf) on segment
-// boundaries. Forward (o, final states) and backward (every gradient, initial-state gradients).
+// segment, untied gates with normalize (and ridge for hla2), resets (g = -inf) on segment
+// boundaries, and dk = 40 != dv = 24 (R = 64). Forward (o, final states) and backward (every gradient, initial-state gradients).
 #include <string>
 #include <vector>
 
@@ -13,7 +13,7 @@
 namespace hila_test {
 namespace {
 
-enum class Var { plain, nogate, init_gqa, untied_normalize, resets };
+enum class Var { plain, nogate, init_gqa, untied_normalize, resets, wide };
 
 const char* var_tag(Var v) {
   switch (v) {
@@ -22,6 +22,7 @@ const char* var_tag(Var v) {
     case Var::init_gqa: return "init_gqa";
     case Var::untied_normalize: return "untied_normalize";
     case Var::resets: return "resets";
+    case Var::wide: return "wide";
   }
   return "?";
 }
@@ -60,6 +61,13 @@ Problem make(const Case& c) {
       s.cfg.normalize = true;
       s.nonneg = true;  // positive denominators (docs/math/HLA.md §4)
       if (takes_ridge(c.op)) s.cfg.ridge = 0.3;
+      break;
+    case Var::wide:  // dk != dv, wider than a register tile; R = 64 at chunk 64
+      s.dk = 40;
+      s.dv = 24;
+      s.init_state = true;
+      s.init_pos = {70, 3};
+      s.cfg.gates = Gates::untied;
       break;
   }
   Problem p = hila::tools::make_problem(s);
@@ -107,6 +115,9 @@ std::vector<Case> cases() {
         for (int64_t T : {1, 31, 32, 33, 64, 65}) out.push_back({op, dt, 64, T, v});
         for (int64_t T : {15, 16, 17}) out.push_back({op, dt, 16, T, v});
       }
+  for (Op op : {Op::hla2, Op::ahla, Op::hla3})
+    for (DType dt : {DType::f64, DType::f32})
+      for (int64_t T : {63, 130}) out.push_back({op, dt, 64, T, Var::wide});
   return out;
 }
 
