@@ -17,6 +17,7 @@
 // and the inner segment backwards follow at once (no [n, d] cotangent passes between sweeps).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "cpu/backend.h"
 #include "cpu/compose.h"
@@ -50,6 +51,18 @@ struct GateSeg {
     return std::equal(gp, gp + nr, g);
   }
 };
+
+// p[0, n) = 0 in fixed-size pieces the compiler inlines as register stores (a std::fill of a short
+// row becomes a memset call, and a segment fills two per row).
+template <class R>
+inline void zero_fill(R* p, int64_t n) {
+  char* b = reinterpret_cast<char*>(p);
+  size_t bytes = static_cast<size_t>(n) * sizeof(R);
+  for (; bytes >= 32; bytes -= 32, b += 32) std::memset(b, 0, 32);
+  if (bytes >= 16) std::memset(b, 0, 16), b += 16, bytes -= 16;
+  if (bytes >= 8) std::memset(b, 0, 8), b += 8, bytes -= 8;
+  if (bytes >= 4) std::memset(b, 0, 4);
+}
 
 // m as an [r, c] matrix of unset entries, its storage kept when it has that shape already.
 template <class R>
@@ -86,7 +99,7 @@ HILA_CPU_CLONES void masked(Mat<R>& P, const Mat<R>& X, const Mat<R>& E) {
   reshape(P, nr, nr);
   for (int64_t i = 0; i < nr; ++i) {
     hadamard(P.row(i), X.row(i), E.row(i), i + 1);
-    std::fill(P.row(i) + i + 1, P.row(i) + nr, R(0));
+    zero_fill(P.row(i) + i + 1, nr - i - 1);
   }
 }
 
@@ -151,7 +164,7 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, 
   const int64_t nr = ps.q.r, dk = ps.q.c, dv = ps.val.c;
   const GateSeg<R>& G = *ps.gs;
   R* db = ws.vec(0);  // d/d b_i, b_i = sum_{r<=i} g_r
-  std::fill(db, db + nr, R(0));
+  zero_fill(db, nr);
   R dB = 0;  // d/d B, B = b_{nr-1}
   // state: H_out = eB H_in + key^T diag(er) val
   if (!dH.empty()) {
@@ -199,10 +212,10 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, 
   gemm<R>(dP, dY, false, ps.val, true, R(1), R(0), kCLower | kCUnset);  // [R,dv] x [dv,R]
   // dX = dP o E (exact zeros above the diagonal); dG = dP o X o E = d/d(b_i - b_j)
   R* dGcol = ws.vec(1);
-  std::fill(dGcol, dGcol + nr, R(0));
+  zero_fill(dGcol, nr);
   for (int64_t i = 0; i < nr; ++i) {
     db[i] += mask_row_backward(dP.row(i), ps.X->row(i), G.E.row(i), dX.row(i), dGcol, i + 1);
-    std::fill(dX.row(i) + i + 1, dX.row(i) + nr, R(0));
+    zero_fill(dX.row(i) + i + 1, nr - i - 1);
   }
   for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
   gemm<R>(dq, dX, false, ps.key, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
