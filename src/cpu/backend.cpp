@@ -74,6 +74,17 @@ Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t 
   return m;
 }
 
+// Rows [len, cols] of a [.., heads, cols] tensor for one head (or group) read in place, as a
+// strided view, when the tensor holds R already (no conversion, no copy); else an empty view.
+template <class R>
+cpu::MRef<const R> row_view(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h,
+                            int64_t cols) {
+  const bool holds_r = (t.dtype == DType::f32 && sizeof(R) == 4) || (t.dtype == DType::f64 && sizeof(R) == 8);
+  if (!holds_r || s.len == 0 || inner(t) != 1) return {};
+  const int64_t ld = G.with_t ? t.stride[1] : cols;  // decode tensors have one row
+  return {static_cast<const R*>(t.data) + base(t, G.with_t, s.b, s.row0, h), s.len, cols, ld};
+}
+
 template <class R>
 std::vector<R> gather_col(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h,
                           int64_t col, bool has_col) {
@@ -181,13 +192,14 @@ void write_state(const Resolved& r, const StateView& sv, const OpState<R>& st, i
 template <class R>
 struct HeadInputs {
   Mat<R> q, k, v, lam;
+  cpu::MRef<const R> kr, vr;  // k and v read in place (row_view), when set
   std::vector<R> g[3], beta;
   OpState<R> init;
   HeadView<R> view(const OpPlan& plan, int64_t n0) const {
     HeadView<R> x;
     x.q = q;
-    x.k = k;
-    x.v = v;
+    x.k = kr.p ? kr : cpu::MRef<const R>(k);
+    x.v = vr.p ? vr : cpu::MRef<const R>(v);
     for (int c = 0; c < 3; ++c) x.g[c] = g[c].empty() ? nullptr : g[c].data();
     if (!lam.empty()) x.lam = lam;
     if (!beta.empty()) x.beta = beta.data();
@@ -206,8 +218,11 @@ HeadInputs<R> gather_head(const Geo& G, const TensorView& q, const TensorView& k
   HeadInputs<R> in;
   const bool l2 = r.cfg.qk_l2norm;
   in.q = gather_qk<R>(G, q, s, grp, l2, r.scale);
-  in.k = gather_qk<R>(G, k, s, grp, l2, 1.0);
-  in.v = gather_rows<R>(G, v, s, h, r.dv, r.cfg.normalize);
+  // k as given is read in place; v too unless it gets the ones column of normalize
+  if (!l2) in.kr = row_view<R>(G, k, s, grp, r.dk);
+  if (!in.kr.p) in.k = gather_qk<R>(G, k, s, grp, l2, 1.0);
+  if (!r.cfg.normalize) in.vr = row_view<R>(G, v, s, h, r.dv);
+  if (!in.vr.p) in.v = gather_rows<R>(G, v, s, h, r.dv, r.cfg.normalize);
   const int prims = r.traits.num_primitives;
   for (int c = 0; c < prims && r.gate_cols > 0; ++c) {
     if (r.gate_cols == 1) {
@@ -324,7 +339,12 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
       if (p.o.defined()) scatter_rows<R>(G, p.o, s, h, O, r.dv);
       if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, i, h, false);
     }
-    const Mat<R> dO = gather_rows<R>(G, p.d_o, s, h, r.dv);
+    Mat<R> dOm;
+    cpu::MRef<const R> dO = row_view<R>(G, p.d_o, s, h, r.dv);
+    if (!dO.p) {
+      dOm = gather_rows<R>(G, p.d_o, s, h, r.dv);
+      dO = dOm;
+    }
     const OpState<R> dfin = read_state<R>(r, p.d_final, i, h, s.n0 + s.len, true);
     OpGrads<R> gr = cpu::op_backward<R>(plan, pform(r.form), r.chunk, x, in.init, dO, dfin);
     dq[i * r.H + h] = std::move(gr.dq);
