@@ -7,11 +7,11 @@
 // positions [s, e), never crossing a multiple of the segment rows R) with incoming states is, per
 // primitive Y = GLA_g(Q, Kp, Vp) with state H (docs/math/LOGLINEAR.md §3.3 at one level):
 //   Y = (X o E) Vp + diag(eb) Q H_in,      X = tril(Q Kp^T),  E[i,j] = prod_{j<r<=i} a_r
-//   H_out = eB H_in + Kp^T diag(er) Vp,   eb[i] = prod_{r<=i} a_r, er[j] = prod_{j<r} a_r, eB
+//   H_out = eB H_in + Kp^T diag(er) Vp,   eb[i] = prod_{r<=i} a_r, er[j] = prod_{j<r<nr} a_r
 // What the generic path (compose.cpp over primitive.cpp) forms once per primitive is formed here
-// once per segment and shared: the gate sums, their exponentials and the decay matrix E of each
-// distinct gate column (the three primitives of a tied-gate op read one), tril(Q K^T) (both inner
-// primitives, and ahla's outer one) and each masked product X o E. The backward keeps them from
+// once per segment and shared: the gate exponentials and the decay matrix E of each distinct gate
+// column (the three primitives of a tied-gate op read one), tril(Q K^T) (both inner primitives,
+// and ahla's outer one) and each masked product X o E. The backward keeps them from
 // its forward sweep (which also forms the outer primitive's segment states) for the reverse
 // sweep, where the outer segment backward gives the cotangents of this segment's key and val rows
 // and the inner segment backwards follow at once (no [n, d] cotangent passes between sweeps).
@@ -70,6 +70,14 @@ void reshape(Mat<R>& m, int64_t r, int64_t c) {
   if (m.r != r || m.c != c) m = Mat<R>(r, c, Uninit{});
 }
 
+// An [r, c] view of unset entries in buf (grown when too small).
+template <class R>
+MRef<R> scratch(Vec<R>& buf, int64_t r, int64_t c) {
+  if (static_cast<int64_t>(buf.size()) < r * c) buf.resize(static_cast<size_t>(r * c));
+  return {buf.data(), r, c, c};
+}
+
+// G for the gate column gp (null: no gates) over nr rows.
 template <class R>
 HILA_CPU_CLONES void make_gates(GateSeg<R>& G, const R* gp, int64_t nr) {
   G.g = gp;
@@ -115,22 +123,20 @@ struct PrimSeg {
 
 // Y [nr, dv] = PM val + diag(eb) q H_in (H_in null: a zero state); tmp: work space.
 template <class R>
-HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y, Mat<R>& tmp) {
+HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y, Vec<R>& tmp) {
   gemm<R>(Y, *ps.PM, false, ps.val, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
   if (!Hin) return;
   const int64_t nr = ps.q.r, dk = ps.q.c;
-  reshape(tmp, nr, dk);
-  Mat<R>& Qe = tmp;  // diag(eb) q
+  const MRef<R> Qe = scratch(tmp, nr, dk);  // diag(eb) q
   for (int64_t i = 0; i < nr; ++i) scaled(Qe.row(i), ps.q.row(i), ps.gs->eb[i], dk);
   gemm<R>(Y, Qe, false, *Hin, false, R(1), R(1));  // [R,dk] x [dk,dv]
 }
 
 // H_out [dk, dv] = eB H_in + key^T diag(er) val; tmp: work space.
 template <class R>
-HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin, Mat<R>& tmp) {
+HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin, Vec<R>& tmp) {
   const int64_t nr = ps.q.r, dv = ps.val.c;
-  reshape(tmp, nr, dv);
-  Mat<R>& Y = tmp;
+  const MRef<R> Y = scratch(tmp, nr, dv);  // diag(er) val
   for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
   Mat<R> H = matmul<R>(ps.key, true, Y, false);  // [dk,R] x [R,dv]
   if (Hin) axpy<R>(H, *Hin, ps.gs->eB);
@@ -248,7 +254,8 @@ struct HlaChunk {
   const OpPlan& p;
   const HeadView<R>& x;
   int64_t n, dk, dvp;
-  Mat<R> U, Hh, tmp;  // tmp: work space of the segment products
+  Mat<R> U, Hh;
+  Vec<R> tmp;  // work space of the segment products
   std::vector<SegCtx<R>> segs;
   std::vector<Mat<R>> Sin, Pin, Hin;  // states entering each segment (empty: zero)
 
