@@ -57,6 +57,11 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
 template <class R>
 void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpState<R>& st, R* o);
 
+// Normalize's cotangent of O' = [N | D] [n, dv + 1] from dO [n, dv] (docs/math/HLA.md §4):
+//   dN = dO / (D + eps),  dD = -sum_c (dO o N) / (D + eps)^2.
+template <class R>
+Mat<R> normalize_cotangent(MRef<const R> Oraw, MRef<const R> dO, R eps);
+
 // Chunk form of hla2 / ahla / hla3 with a flat outer primitive, all primitives of a segment in one
 // sweep (hla_chunk.cpp); op_forward_raw and op_backward take it where hla_chunk_applies.
 template <class R>

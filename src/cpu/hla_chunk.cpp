@@ -397,20 +397,10 @@ OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
     Or = Oraw.ref();
   }
   hc.forward(init, p.normalize ? &Or : nullptr, true, false);
-  // cotangent of O' = [N | D]:  dN = dO / (D + eps),  dD = -sum_c(dO o N) / (D + eps)^2
-  Mat<R> dOraw;
+  Mat<R> dOraw;  // normalize: the cotangent of O' = [N | D]
   MRef<const R> dOr = dO;
   if (p.normalize) {
-    dOraw = Mat<R>(n, dvp, Uninit{});
-    for (int64_t i = 0; i < n; ++i) {
-      const R den = Oraw(i, dv) + R(p.eps);
-      R s = 0;
-      for (int64_t c = 0; c < dv; ++c) {
-        dOraw(i, c) = dO(i, c) / den;
-        s += dO(i, c) * Oraw(i, c);
-      }
-      dOraw(i, dv) = -s / (den * den);
-    }
+    dOraw = normalize_cotangent<R>(Oraw, dO, R(p.eps));
     dOr = dOraw;
   }
   OpGrads<R> G;
