@@ -74,15 +74,14 @@ Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t 
   return m;
 }
 
-// Rows [len, cols] of a [.., heads, cols] tensor for one head (or group) read in place, as a
-// strided view, when the tensor holds R already (no conversion, no copy); else an empty view.
+// Rows [len, cols] of a [.., heads, cols] tensor for one head (or group) as a strided view, read
+// or written in place when the tensor holds R already (no conversion, no copy); else an empty view.
 template <class R>
-cpu::MRef<const R> row_view(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h,
-                            int64_t cols) {
+cpu::MRef<R> row_view(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h, int64_t cols) {
   const bool holds_r = (t.dtype == DType::f32 && sizeof(R) == 4) || (t.dtype == DType::f64 && sizeof(R) == 8);
   if (!holds_r || s.len == 0 || inner(t) != 1) return {};
   const int64_t ld = G.with_t ? t.stride[1] : cols;  // decode tensors have one row
-  return {static_cast<const R*>(t.data) + base(t, G.with_t, s.b, s.row0, h), s.len, cols, ld};
+  return {static_cast<R*>(t.data) + base(t, G.with_t, s.b, s.row0, h), s.len, cols, ld};
 }
 
 template <class R>
@@ -297,11 +296,19 @@ void forward_impl(const Resolved& r, const ForwardParams& p) {
   const Geo G{&r, true};
   for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
-    Mat<R> O(s.len, r.dv);
+    // o written in place when it holds the compute type (op_forward writes every entry), else
+    // through a copy
+    Mat<R> Om;
+    cpu::MRef<R> O = row_view<R>(G, p.o, s, h, r.dv);
+    const bool in_place = O.p != nullptr;
+    if (!in_place) {
+      Om = Mat<R>(s.len, r.dv);
+      O = Om;
+    }
     const OpState<R> fin =
         cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O,
                            p.final_state.defined());
-    scatter_rows<R>(G, p.o, s, h, O, r.dv);
+    if (!in_place) scatter_rows<R>(G, p.o, s, h, Om, r.dv);
     if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, row, h, false);
   });
   if (p.final_state.pos.defined())
@@ -340,7 +347,7 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
       if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, i, h, false);
     }
     Mat<R> dOm;
-    cpu::MRef<const R> dO = row_view<R>(G, p.d_o, s, h, r.dv);
+    cpu::MRef<const R> dO = row_view<R>(G, p.d_o, s, h, r.dv);  // read in place
     if (!dO.p) {
       dOm = gather_rows<R>(G, p.d_o, s, h, r.dv);
       dO = dOm;

@@ -41,7 +41,8 @@ struct OpGrads {
   OpState<R> dinit;
 };
 
-// Forward producing the final output O [n, dv] (normalized if asked); returns the final state
+// Forward producing the final output O [n, dv] (normalized if asked; every entry written, none
+// read first: O may be the caller's output tensor); returns the final state
 // (want_state false: states the caller does not read may be left empty, see prim_forward).
 template <class R>
 OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
