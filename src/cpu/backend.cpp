@@ -296,10 +296,11 @@ void forward_impl(const Resolved& r, const ForwardParams& p) {
   const Geo G{&r, true};
   for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
-    // o written in place when it holds the compute type (op_forward writes every entry), else
-    // through a copy
+    // o written in place when it holds the compute type and is contiguous (its rows of distinct
+    // heads and positions never share memory; op_forward writes every entry of O), else through a
+    // copy
     Mat<R> Om;
-    cpu::MRef<R> O = row_view<R>(G, p.o, s, h, r.dv);
+    cpu::MRef<R> O = p.o.contiguous() ? row_view<R>(G, p.o, s, h, r.dv) : cpu::MRef<R>{};
     const bool in_place = O.p != nullptr;
     if (!in_place) {
       Om = Mat<R>(s.len, r.dv);
