@@ -70,14 +70,24 @@ inline void store_int(const TensorView& t, int64_t off, int64_t x) {
   else store(t, off, static_cast<double>(x));
 }
 
+// n bytes from src to dst in 32-byte pieces (fixed-size copies the compiler inlines as register
+// moves: a short row costs no library call).
+inline void copy_bytes(void* dst, const void* src, size_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  for (; n >= 32; n -= 32, d += 32, s += 32) std::memcpy(d, s, 32);
+  for (; n >= 4; n -= 4, d += 4, s += 4) std::memcpy(d, s, 4);
+  for (; n > 0; --n) *d++ = *s++;
+}
+
 // Rows of n elements at `off` (innermost stride 1, as validation guarantees), converted to R.
 template <class R>
 inline void load_row(const TensorView& t, int64_t off, R* dst, int64_t n) {
   if (n <= 0) return;  // an empty row may have no data pointer
   if (t.dtype == DType::f32 && sizeof(R) == 4) {
-    std::memcpy(dst, static_cast<const float*>(t.data) + off, n * sizeof(R));
+    copy_bytes(dst, static_cast<const float*>(t.data) + off, n * sizeof(R));
   } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
-    std::memcpy(dst, static_cast<const double*>(t.data) + off, n * sizeof(R));
+    copy_bytes(dst, static_cast<const double*>(t.data) + off, n * sizeof(R));
   } else {
     for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<R>(load(t, off + c));
   }
@@ -87,9 +97,9 @@ template <class R>
 inline void store_row(const TensorView& t, int64_t off, const R* src, int64_t n) {
   if (n <= 0) return;
   if (t.dtype == DType::f32 && sizeof(R) == 4) {
-    std::memcpy(static_cast<float*>(t.data) + off, src, n * sizeof(R));
+    copy_bytes(static_cast<float*>(t.data) + off, src, n * sizeof(R));
   } else if (t.dtype == DType::f64 && sizeof(R) == 8) {
-    std::memcpy(static_cast<double*>(t.data) + off, src, n * sizeof(R));
+    copy_bytes(static_cast<double*>(t.data) + off, src, n * sizeof(R));
   } else {
     for (int64_t c = 0; c < n; ++c) store(t, off + c, static_cast<double>(src[c]));
   }

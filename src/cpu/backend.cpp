@@ -74,6 +74,16 @@ Mat<R> gather_rows(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t 
   return m;
 }
 
+// Rows [len, cols] of a [.., heads, cols] tensor for one head (or group) as a strided view, read
+// or written in place when the tensor holds R already (no conversion, no copy); else an empty view.
+template <class R>
+cpu::MRef<R> row_view(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h, int64_t cols) {
+  const bool holds_r = (t.dtype == DType::f32 && sizeof(R) == 4) || (t.dtype == DType::f64 && sizeof(R) == 8);
+  if (!holds_r || s.len == 0 || inner(t) != 1) return {};
+  const int64_t ld = G.with_t ? t.stride[1] : cols;  // decode tensors have one row
+  return {static_cast<R*>(t.data) + base(t, G.with_t, s.b, s.row0, h), s.len, cols, ld};
+}
+
 template <class R>
 std::vector<R> gather_col(const Geo& G, const TensorView& t, const SeqInfo& s, int64_t h,
                           int64_t col, bool has_col) {
@@ -181,13 +191,14 @@ void write_state(const Resolved& r, const StateView& sv, const OpState<R>& st, i
 template <class R>
 struct HeadInputs {
   Mat<R> q, k, v, lam;
+  cpu::MRef<const R> kr, vr;  // k and v read in place (row_view), when set
   std::vector<R> g[3], beta;
   OpState<R> init;
   HeadView<R> view(const OpPlan& plan, int64_t n0) const {
     HeadView<R> x;
     x.q = q;
-    x.k = k;
-    x.v = v;
+    x.k = kr.p ? kr : cpu::MRef<const R>(k);
+    x.v = vr.p ? vr : cpu::MRef<const R>(v);
     for (int c = 0; c < 3; ++c) x.g[c] = g[c].empty() ? nullptr : g[c].data();
     if (!lam.empty()) x.lam = lam;
     if (!beta.empty()) x.beta = beta.data();
@@ -206,8 +217,11 @@ HeadInputs<R> gather_head(const Geo& G, const TensorView& q, const TensorView& k
   HeadInputs<R> in;
   const bool l2 = r.cfg.qk_l2norm;
   in.q = gather_qk<R>(G, q, s, grp, l2, r.scale);
-  in.k = gather_qk<R>(G, k, s, grp, l2, 1.0);
-  in.v = gather_rows<R>(G, v, s, h, r.dv, r.cfg.normalize);
+  // k as given is read in place; v too unless it gets the ones column of normalize
+  if (!l2) in.kr = row_view<R>(G, k, s, grp, r.dk);
+  if (!in.kr.p) in.k = gather_qk<R>(G, k, s, grp, l2, 1.0);
+  if (!r.cfg.normalize) in.vr = row_view<R>(G, v, s, h, r.dv);
+  if (!in.vr.p) in.v = gather_rows<R>(G, v, s, h, r.dv, r.cfg.normalize);
   const int prims = r.traits.num_primitives;
   for (int c = 0; c < prims && r.gate_cols > 0; ++c) {
     if (r.gate_cols == 1) {
@@ -238,15 +252,19 @@ template <class F>
 void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
   std::exception_ptr err;
   std::mutex mu;
-  const bool parallel = cpu_parallel(N * H, work);
-#pragma omp parallel for schedule(dynamic) if (parallel)
-  for (int64_t item = 0; item < N * H; ++item) {
+  auto run = [&](int64_t item) {
     try {
       body(item / H, item % H);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu);
       if (!err) err = std::current_exception();
     }
+  };
+  if (cpu_parallel(N * H, work)) {
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t item = 0; item < N * H; ++item) run(item);
+  } else {  // no OpenMP region at all (an if(false) region still costs a runtime call)
+    for (int64_t item = 0; item < N * H; ++item) run(item);
   }
   if (err) std::rethrow_exception(err);
 }
@@ -278,11 +296,20 @@ void forward_impl(const Resolved& r, const ForwardParams& p) {
   const Geo G{&r, true};
   for_each_sequence_head(r, G, p.o, [&](const SeqInfo& s, int64_t row, int64_t h) {
     const HeadInputs<R> in = gather_head<R>(G, p.q, p.k, p.v, p.g, p.lam, p.beta, p.init, s, row, h);
-    Mat<R> O(s.len, r.dv);
+    // o written in place when it holds the compute type and is contiguous (its rows of distinct
+    // heads and positions never share memory; op_forward writes every entry of O), else through a
+    // copy
+    Mat<R> Om;
+    cpu::MRef<R> O = p.o.contiguous() ? row_view<R>(G, p.o, s, h, r.dv) : cpu::MRef<R>{};
+    const bool in_place = O.p != nullptr;
+    if (!in_place) {
+      Om = Mat<R>(s.len, r.dv);
+      O = Om;
+    }
     const OpState<R> fin =
         cpu::op_forward<R>(plan, pform(r.form), r.chunk, in.view(plan, s.n0), in.init, O,
                            p.final_state.defined());
-    scatter_rows<R>(G, p.o, s, h, O, r.dv);
+    if (!in_place) scatter_rows<R>(G, p.o, s, h, Om, r.dv);
     if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, row, h, false);
   });
   if (p.final_state.pos.defined())
@@ -320,7 +347,12 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
       if (p.o.defined()) scatter_rows<R>(G, p.o, s, h, O, r.dv);
       if (p.final_state.defined()) write_state<R>(r, p.final_state, fin, i, h, false);
     }
-    const Mat<R> dO = gather_rows<R>(G, p.d_o, s, h, r.dv);
+    Mat<R> dOm;
+    cpu::MRef<const R> dO = row_view<R>(G, p.d_o, s, h, r.dv);  // read in place
+    if (!dO.p) {
+      dOm = gather_rows<R>(G, p.d_o, s, h, r.dv);
+      dO = dOm;
+    }
     const OpState<R> dfin = read_state<R>(r, p.d_final, i, h, s.n0 + s.len, true);
     OpGrads<R> gr = cpu::op_backward<R>(plan, pform(r.form), r.chunk, x, in.init, dO, dfin);
     dq[i * r.H + h] = std::move(gr.dq);
@@ -356,8 +388,13 @@ void backward_impl(const Resolved& r, const BackwardParams& p) {
         if (!out.defined()) continue;
         const TensorView& src = which == 0 ? p.q : p.k;
         auto& parts = which == 0 ? dq : dk;
-        Mat<R> acc(s.len, r.dk);
-        for (int64_t h = grp * hpg; h < (grp + 1) * hpg; ++h) cpu::axpy<R>(acc, parts[i * r.H + h]);
+        // one head per group (no GQA): its gradient itself, else the sum over the group's heads
+        Mat<R> sum;
+        if (hpg > 1) {
+          sum = Mat<R>(s.len, r.dk);
+          for (int64_t h = grp * hpg; h < (grp + 1) * hpg; ++h) cpu::axpy<R>(sum, parts[i * r.H + h]);
+        }
+        Mat<R>& acc = hpg > 1 ? sum : parts[i * r.H + grp];
         if (which == 0) cpu::scale<R>(acc, R(r.scale));
         if (r.cfg.qk_l2norm) {
           const Mat<R> raw = gather_qk<R>(G, src, s, grp, false, 1.0);

@@ -103,6 +103,7 @@ template <class R>
 OpState<R> op_forward_raw(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                           const OpState<R>& init, MRef<R> Oraw, bool want_state) {
   if (form == PForm::scan && p.op_level_scan) return hla_scan_forward(p, C, x, init, Oraw);
+  if (hla_chunk_applies(p, form, x)) return hla_chunk_forward(p, C, x, init, Oraw, want_state);
   Inner<R> in = run_inner(p, form, C, x, init, want_state);
   OpState<R> out;
   out.H = prim_forward<R>(form, C, outer_args(p, x, in.key, in.val), init.H, Oraw, want_state);
@@ -132,8 +133,25 @@ OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>&
 }
 
 template <class R>
+Mat<R> normalize_cotangent(MRef<const R> Oraw, MRef<const R> dO, R eps) {
+  const int64_t n = Oraw.r, dv = dO.c;
+  Mat<R> d(n, dv + 1, Uninit{});
+  for (int64_t i = 0; i < n; ++i) {
+    const R den = Oraw(i, dv) + eps;
+    R s = 0;
+    for (int64_t c = 0; c < dv; ++c) {
+      d(i, c) = dO(i, c) / den;
+      s += dO(i, c) * Oraw(i, c);
+    }
+    d(i, dv) = -s / (den * den);
+  }
+  return d;
+}
+
+template <class R>
 OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
                        const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal) {
+  if (hla_chunk_applies(p, form, x)) return hla_chunk_backward(p, C, x, init, dO, dfinal);
   const int64_t n = x.n(), dvp = x.v.c, dv = p.normalize ? dvp - 1 : dvp;
   Inner<R> in = run_inner(p, form, C, x, init, false, true);  // the inner final states are not read
   const PrimArgs<R> oa = outer_args(p, x, in.key, in.val);
@@ -143,16 +161,7 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
   if (p.normalize) {
     Mat<R> Oraw(n, dvp);
     prim_forward<R>(form, C, oa, init.H, Oraw.ref(), false);
-    dOraw = Mat<R>(n, dvp);
-    for (int64_t i = 0; i < n; ++i) {
-      const R den = Oraw(i, dv) + R(p.eps);
-      R s = 0;
-      for (int64_t c = 0; c < dv; ++c) {
-        dOraw(i, c) = dO(i, c) / den;
-        s += dO(i, c) * Oraw(i, c);
-      }
-      dOraw(i, dv) = -s / (den * den);
-    }
+    dOraw = normalize_cotangent<R>(Oraw, dO, R(p.eps));
     dOr = dOraw;
   }
   OpGrads<R> G;
@@ -217,7 +226,8 @@ void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpStat
                                         const OpState<R>&, MRef<R>, bool);                      \
   template OpGrads<R> op_backward<R>(const OpPlan&, PForm, int64_t, const HeadView<R>&,         \
                                      const OpState<R>&, MRef<const R>, const OpState<R>&);      \
-  template void op_step<R>(const OpPlan&, const HeadView<R>&, int64_t, int64_t, OpState<R>&, R*);
+  template void op_step<R>(const OpPlan&, const HeadView<R>&, int64_t, int64_t, OpState<R>&, R*); \
+  template Mat<R> normalize_cotangent<R>(MRef<const R>, MRef<const R>, R);
 HILA_INSTANTIATE(float)
 HILA_INSTANTIATE(double)
 #undef HILA_INSTANTIATE

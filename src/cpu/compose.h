@@ -41,7 +41,8 @@ struct OpGrads {
   OpState<R> dinit;
 };
 
-// Forward producing the final output O [n, dv] (normalized if asked); returns the final state
+// Forward producing the final output O [n, dv] (normalized if asked; every entry written, none
+// read first: O may be the caller's output tensor); returns the final state
 // (want_state false: states the caller does not read may be left empty, see prim_forward).
 template <class R>
 OpState<R> op_forward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>& x,
@@ -56,6 +57,22 @@ OpGrads<R> op_backward(const OpPlan& p, PForm form, int64_t C, const HeadView<R>
 // One decode step of row i at absolute position t: o [dv] (normalized if asked).
 template <class R>
 void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpState<R>& st, R* o);
+
+// Normalize's cotangent of O' = [N | D] [n, dv + 1] from dO [n, dv] (docs/math/HLA.md §4):
+//   dN = dO / (D + eps),  dD = -sum_c (dO o N) / (D + eps)^2.
+template <class R>
+Mat<R> normalize_cotangent(MRef<const R> Oraw, MRef<const R> dO, R eps);
+
+// Chunk form of hla2 / ahla / hla3 with a flat outer primitive, all primitives of a segment in one
+// sweep (hla_chunk.cpp); op_forward_raw and op_backward take it where hla_chunk_applies.
+template <class R>
+bool hla_chunk_applies(const OpPlan& p, PForm form, const HeadView<R>& x);
+template <class R>
+OpState<R> hla_chunk_forward(const OpPlan& p, int64_t C, const HeadView<R>& x,
+                             const OpState<R>& init, MRef<R> Oraw, bool want_state);
+template <class R>
+OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
+                              const OpState<R>& init, MRef<const R> dO, const OpState<R>& dfinal);
 
 // Op-level scan for hla2 / ahla / hla3 (scan.cpp).
 template <class R>

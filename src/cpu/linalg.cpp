@@ -1,15 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The inner product loops of gemm (linalg.h). On x86-64 ELF builds they are compiled twice, for
-// the x86-64 baseline and for x86-64-v3 (AVX2 + FMA), and the loader picks the one the CPU runs.
+// The inner product loops of gemm (linalg.h), compiled as HILA_CPU_CLONES (linalg.h).
 #include "cpu/linalg.h"
 
 #include <algorithm>
-
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
-#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HILA_CPU_CLONES
-#endif
 
 namespace hila::cpu {
 

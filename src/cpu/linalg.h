@@ -9,6 +9,14 @@
 #include <utility>
 #include <vector>
 
+// A function compiled twice on x86-64 ELF builds (GCC), for the x86-64 baseline and for
+// x86-64-v3 (AVX2 + FMA); the loader picks the one the CPU runs.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HILA_CPU_CLONES
+#endif
+
 namespace hila::cpu {
 
 // Non-owning row-major view with a leading dimension (rows of a bigger matrix).
@@ -208,6 +216,31 @@ R dot(const R* a, const R* b, int64_t n) {
     for (int u = 0; u < 8; ++u) p[u] += a[i + u] * b[i + u];
   R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
   for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
+//   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
+// (the sum in 8 interleaved partial sums: vectorisable, the order fixed per n).
+template <class R>
+R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __restrict M,
+                    R* __restrict dD, R* __restrict gc, int64_t n) {
+  R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) {
+      const R g = dP[j + u] * D[j + u] * M[j + u];
+      dD[j + u] = dP[j + u] * M[j + u];
+      gc[j + u] += g;
+      p[u] += g;
+    }
+  R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+  for (; j < n; ++j) {
+    const R g = dP[j] * D[j] * M[j];
+    dD[j] = dP[j] * M[j];
+    gc[j] += g;
+    s += g;
+  }
   return s;
 }
 

@@ -46,31 +46,6 @@ namespace {
 template <class R>
 using Vec = std::vector<R, NoInitAlloc<R>>;
 
-// One row of the mask backward over its n entries j <= i: with dG = dP o D o M,
-//   dD[j] = dP[j] M[j],  gc[j] += dG[j],  returns sum_j dG[j]
-// (the sum in 8 interleaved partial sums: vectorisable, the order fixed per n).
-template <class R>
-R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __restrict M,
-                    R* __restrict dD, R* __restrict gc, int64_t n) {
-  R p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) {
-      const R g = dP[j + u] * D[j + u] * M[j + u];
-      dD[j + u] = dP[j + u] * M[j + u];
-      gc[j + u] += g;
-      p[u] += g;
-    }
-  R s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-  for (; j < n; ++j) {
-    const R g = dP[j] * D[j] * M[j];
-    dD[j] = dP[j] * M[j];
-    gc[j] += g;
-    s += g;
-  }
-  return s;
-}
-
 // The columns j <= i of row i of a segment starting at absolute position s, cut into the
 // contiguous ranges of one level l = level(s + i, s + j): f(l, j0, j1) for [j0, j1). With
 // t = s + i, level 0 is j = i alone and level l >= 1 the positions [sigma_l(t), sigma_{l-1}(t))
