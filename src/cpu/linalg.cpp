@@ -5,11 +5,6 @@
 
 #include <algorithm>
 
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
-#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HILA_CPU_CLONES
-#endif
 
 namespace hila::cpu {
 
@@ -212,6 +207,67 @@ HILA_CPU_CLONES void transpose(float* bt, const float* B, int64_t ldb, int64_t n
 
 void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) {
   transpose_edges(bt, B, ldb, n, kk, 0, 0);
+}
+
+namespace {
+// Rows of T one after the other (row i reads rows k < i), each in column blocks of two 32-byte
+// vectors held in registers across the sum over k (one chain per entry, k in order). Block
+// [j, j + W) of row i needs only k >= j: T[k, j:] = 0 for k < j.
+template <class R>
+__attribute__((always_inline)) inline void ul_inverse(R* T, int64_t ldt, const R* A, int64_t lda,
+                                                      const R* s, int64_t n) {
+  typedef R V __attribute__((vector_size(32)));
+  typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
+  constexpr int64_t L = 32 / sizeof(R), W = 2 * L;
+  const int64_t nw = n / W * W;  // columns in whole blocks
+  R a[64];
+  for (int64_t i = 0; i < n; ++i) {
+    R* ti = T + i * ldt;
+    const R si = s ? s[i] : R(1);
+    const R* ai = A + i * lda;
+    for (int64_t j = 0; j < nw; j += W) {
+      if (j >= i + 1) {  // above the diagonal
+        *reinterpret_cast<VU*>(ti + j) = V{};
+        *reinterpret_cast<VU*>(ti + j + L) = V{};
+        continue;
+      }
+      V c0{}, c1{};
+      for (int64_t k0 = j; k0 < i; k0 += 64) {  // the row's factors, 64 at a time
+        const int64_t k1 = std::min(i, k0 + 64);
+        for (int64_t k = k0; k < k1; ++k) a[k - k0] = si * ai[k];
+        for (int64_t k = k0; k < k1; ++k) {
+          const R f = a[k - k0];
+          if (f == R(0)) continue;
+          const R* tk = T + k * ldt + j;
+          c0 -= f * *reinterpret_cast<const VU*>(tk);
+          c1 -= f * *reinterpret_cast<const VU*>(tk + L);
+        }
+      }
+      *reinterpret_cast<VU*>(ti + j) = c0;
+      *reinterpret_cast<VU*>(ti + j + L) = c1;
+    }
+    for (int64_t j = nw; j < n; ++j) {  // the last n - nw columns
+      R c = 0;
+      if (j < i)
+        for (int64_t k = j; k < i; ++k) {
+          const R f = si * ai[k];
+          if (f != R(0)) c -= f * T[k * ldt + j];
+        }
+      ti[j] = c;
+    }
+    ti[i] = 1;
+  }
+}
+}  // namespace
+
+HILA_CPU_CLONES void unit_lower_inverse(float* T, int64_t ldt, const float* A, int64_t lda,
+                                        const float* s, int64_t n) {
+  ul_inverse(T, ldt, A, lda, s, n);
+}
+
+HILA_CPU_CLONES void unit_lower_inverse(double* T, int64_t ldt, const double* A, int64_t lda,
+                                        const double* s, int64_t n) {
+  ul_inverse(T, ldt, A, lda, s, n);
 }
 
 HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,

@@ -9,6 +9,14 @@
 #include <utility>
 #include <vector>
 
+// A function compiled twice on x86-64 ELF builds (GCC), for the x86-64 baseline and for
+// x86-64-v3 (AVX2 + FMA); the loader picks the one the CPU runs.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HILA_CPU_CLONES
+#endif
+
 namespace hila::cpu {
 
 // Non-owning row-major view with a leading dimension (rows of a bigger matrix).
@@ -211,23 +219,16 @@ R dot(const R* a, const R* b, int64_t n) {
   return s;
 }
 
-// (I + N)^-1 for strictly lower-triangular N [n, n], by forward substitution row by row:
-// T[i, :i] = -sum_{k<i} N[i,k] T[k, :i]  (unit lower result, unit-stride inner loop).
-template <class R>
-Mat<R> unit_lower_inverse(const Mat<R>& N) {
-  const int64_t n = N.r;
-  Mat<R> T(n, n);
-  for (int64_t i = 0; i < n; ++i) {
-    R* ti = T.row(i);
-    for (int64_t k = 0; k < i; ++k) {
-      const R a = N(i, k);
-      if (a == R(0)) continue;
-      const R* tk = T.row(k);
-      for (int64_t j = 0; j <= k; ++j) ti[j] -= a * tk[j];
-    }
-    ti[i] = 1;
-  }
-  return T;
-}
+// T [n, n] = (I + tril_-1(diag(s) A))^-1 for A [n, n] (rows lda apart; only its strict lower
+// triangle is read; s [n] or null = ones), unit lower triangular with every entry of T written
+// (zeros above the diagonal), by forward substitution row by row:
+//   T[i, :i] = -sum_{k<i} s_i A[i,k] T[k, :i]
+// each T(i, j) summed over k in order (a k with s_i A[i,k] = 0 skipped); the row update is a
+// unit-stride loop over whole vectors of row k, whose entries past k are the zeros above the
+// diagonal (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load time).
+void unit_lower_inverse(float* T, int64_t ldt, const float* A, int64_t lda, const float* s,
+                        int64_t n);
+void unit_lower_inverse(double* T, int64_t ldt, const double* A, int64_t lda, const double* s,
+                        int64_t n);
 
 }  // namespace hila::cpu
