@@ -535,7 +535,7 @@ void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs
 // cotangent dHout of the state at its end (null: none); returns the cotangent of H (empty when H
 // is null). With d(.) the cotangents and Gam's log-gradient g = d(b_i - b_j):
 //   dVn = (X o Gam)^T dO + diag(e^{B-b}) K dH',  dX o ... = dO Vn^T o Gam,  dWg = -dVn H^T,
-//   dTg = [dWg | dVn] Bm^T,  dBm = Tg^T [dWg | dVn],  dN = -tril_-1(Tg^T dTg Tg^T),
+//   dBm = Tg^T [dWg | dVn],  dN = -tril_-1(Tg^T dTg Tg^T) = -tril_-1(dBm WU^T),
 //   N = diag(beta) A: dbeta += rowsum(dN o A), g += dN o N, dK += (dKK + dKK^T) K with
 //   dKK = diag(beta) dN o Gam; and the reads, the state update and Bm's row scales.
 template <class R>
@@ -604,8 +604,7 @@ Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>&
     for (int64_t i = 0; i < nr; ++i) std::fill(dWg.row(i), dWg.row(i) + dk, R(0));
   }
   // [Wg | Ug] = Tg Bm
-  Mat<R> dTg = matmul<R>(dWU, false, gs.Bm, true, kCLower);   // [R,w] x [w,R], lower read
-  const Mat<R> dBm = matmul<R>(gs.Tg, true, dWU, false, kAUpper);  // [R,R] x [R,w]
+  const Mat<R> dBm = matmul<R>(gs.Tg, true, dWU, false, kAUpper);  // Tg^T dWU  [R,R] x [R,w]
   for (int64_t i = 0; i < nr; ++i) {
     const R bi = beta[i], f = bi * sg.eb[i];
     const R* dkb = dBm.row(i);
@@ -618,11 +617,10 @@ Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>&
     R* gv = dv_.row(i);
     for (int64_t c = 0; c < dv; ++c) gv[c] += bi * dvb[c];
   }
-  // Tg = (I + N)^-1, N = diag(beta) A:  dN = tril_-1(-Tg^T dTg Tg^T) (strict lower triangles
-  // of dTg and t1 read only: Tg^T is upper)
+  // Tg = (I + N)^-1, N = diag(beta) A:  dN = tril_-1(-Tg^T dTg Tg^T) with dTg = dWU Bm^T, that
+  // is dN = tril_-1(-dBm WU^T)  (Tg^T dWU = dBm, Bm^T Tg^T = WU^T): one product, no dTg
   {
-    const Mat<R> t1 = matmul<R>(gs.Tg, true, dTg, false, kAUpper | kCLower);
-    const Mat<R> t2 = matmul<R>(t1, false, gs.Tg, true, kCLower | kCUnset);  // strict lower read
+    const Mat<R> t2 = matmul<R>(dBm, false, gs.WU, true, kCLower | kCUnset);  // [R,w] x [w,R], strict lower read
     Mat<R> dKK(nr, nr);
     for (int64_t i = 0; i < nr; ++i) {
       const R bi = beta[i];
