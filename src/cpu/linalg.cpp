@@ -210,53 +210,97 @@ void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) 
 }
 
 namespace {
-// Rows of T one after the other (row i reads rows k < i), each in column blocks of two 32-byte
-// vectors held in registers across the sum over k (one chain per entry, k in order). Block
-// [j, j + W) of row i needs only k >= j: T[k, j:] = 0 for k < j.
+// 2 W entries, 1 at W alone (W = 64 bytes of R): unit<R>() + W - p + t is 1 at t = p, p < W.
 template <class R>
-__attribute__((always_inline)) inline void ul_inverse(R* T, int64_t ldt, const R* A, int64_t lda,
-                                                      const R* s, int64_t n) {
+const R* unit() {
+  constexpr int W = 64 / sizeof(R);
+  alignas(64) static const auto e = [] {
+    struct { R v[2 * W]; } x{};
+    x.v[W] = 1;
+    return x;
+  }();
+  return e.v;
+}
+
+// Rows [i0, i0 + NB) of T: in each column block [j, j + W) (two 32-byte vectors) the rows first
+// sum, side by side, the rows k < i0 above them (NB independent chains held in registers), then
+// finish one after the other over the rows of the block before them; each T(i, j) is summed
+// over k in order. T[k, j:] = 0 for k < j, so column block j needs only k >= j.
+template <int NB, class R>
+__attribute__((always_inline)) inline void ul_rows(R* T, int64_t ldt, const R* A, int64_t lda,
+                                                   const R* s, int64_t n, int64_t i0) {
   typedef R V __attribute__((vector_size(32)));
   typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
   constexpr int64_t L = 32 / sizeof(R), W = 2 * L;
   const int64_t nw = n / W * W;  // columns in whole blocks
-  R a[64];
-  for (int64_t i = 0; i < n; ++i) {
-    R* ti = T + i * ldt;
-    const R si = s ? s[i] : R(1);
-    const R* ai = A + i * lda;
-    for (int64_t j = 0; j < nw; j += W) {
-      if (j >= i + 1) {  // above the diagonal
-        *reinterpret_cast<VU*>(ti + j) = V{};
-        *reinterpret_cast<VU*>(ti + j + L) = V{};
-        continue;
-      }
-      V c0{}, c1{};
-      for (int64_t k0 = j; k0 < i; k0 += 64) {  // the row's factors, 64 at a time
-        const int64_t k1 = std::min(i, k0 + 64);
-        for (int64_t k = k0; k < k1; ++k) a[k - k0] = si * ai[k];
-        for (int64_t k = k0; k < k1; ++k) {
-          const R f = a[k - k0];
-          if (f == R(0)) continue;
-          const R* tk = T + k * ldt + j;
-          c0 -= f * *reinterpret_cast<const VU*>(tk);
-          c1 -= f * *reinterpret_cast<const VU*>(tk + L);
-        }
-      }
-      *reinterpret_cast<VU*>(ti + j) = c0;
-      *reinterpret_cast<VU*>(ti + j + L) = c1;
-    }
-    for (int64_t j = nw; j < n; ++j) {  // the last n - nw columns
-      R c = 0;
-      if (j < i)
-        for (int64_t k = j; k < i; ++k) {
-          const R f = si * ai[k];
-          if (f != R(0)) c -= f * T[k * ldt + j];
-        }
-      ti[j] = c;
-    }
-    ti[i] = 1;
+  R si[NB];
+  const R* ar[NB];
+  for (int r = 0; r < NB; ++r) {
+    si[r] = s ? s[i0 + r] : R(1);
+    ar[r] = A + (i0 + r) * lda;
   }
+  for (int64_t j = 0; j < nw; j += W) {
+    if (j >= i0 + NB) {  // above the diagonal for every row of the block
+      for (int r = 0; r < NB; ++r) {
+        *reinterpret_cast<VU*>(T + (i0 + r) * ldt + j) = V{};
+        *reinterpret_cast<VU*>(T + (i0 + r) * ldt + j + L) = V{};
+      }
+      continue;
+    }
+    V c[NB][2];
+    for (int r = 0; r < NB; ++r) c[r][0] = c[r][1] = V{};
+    for (int64_t k = j; k < i0; ++k) {  // rows above the block
+      const R* tk = T + k * ldt + j;
+      const V b0 = *reinterpret_cast<const VU*>(tk), b1 = *reinterpret_cast<const VU*>(tk + L);
+      for (int r = 0; r < NB; ++r) {
+        const R f = si[r] * ar[r][k];
+        if (f == R(0)) continue;
+        c[r][0] -= f * b0;
+        c[r][1] -= f * b1;
+      }
+    }
+    // rows of the block, in order (j <= i0: every k of the block is >= j), each read from the
+    // registers of the rows before it once its diagonal 1 is in (that entry's sum is an exact 0)
+#pragma GCC unroll 4
+    for (int r = 0; r < NB; ++r) {
+      const int64_t i = i0 + r;
+#pragma GCC unroll 4
+      for (int r2 = 0; r2 < r; ++r2) {
+        const R f = si[r] * ar[r][i0 + r2];
+        if (f == R(0)) continue;
+        c[r][0] -= f * c[r2][0];
+        c[r][1] -= f * c[r2][1];
+      }
+      if (i < j + W) {  // + e_{i - j}
+        const R* e = unit<R>() + W - (i - j);
+        c[r][0] += *reinterpret_cast<const VU*>(e);
+        c[r][1] += *reinterpret_cast<const VU*>(e + L);
+      }
+      R* ti = T + i * ldt;
+      *reinterpret_cast<VU*>(ti + j) = c[r][0];
+      *reinterpret_cast<VU*>(ti + j + L) = c[r][1];
+    }
+  }
+  for (int r = 0; r < NB; ++r) {  // the last n - nw columns
+    const int64_t i = i0 + r;
+    R* ti = T + i * ldt;
+    for (int64_t j = nw; j < n; ++j) {
+      R c = 0;
+      for (int64_t k = j; k < i; ++k) {
+        const R f = si[r] * ar[r][k];
+        if (f != R(0)) c -= f * T[k * ldt + j];
+      }
+      ti[j] = j == i ? R(1) : c;
+    }
+  }
+}
+
+template <class R>
+__attribute__((always_inline)) inline void ul_inverse(R* T, int64_t ldt, const R* A, int64_t lda,
+                                                      const R* s, int64_t n) {
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) ul_rows<4>(T, ldt, A, lda, s, n, i0);
+  for (; i0 < n; ++i0) ul_rows<1>(T, ldt, A, lda, s, n, i0);
 }
 }  // namespace
 
