@@ -573,7 +573,7 @@ Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>&
     }
     gemm<R>(dk_, Ver, false, *dHout, true, R(1), R(1));  // [R,dv] x [dv,dk]
     if (H) {
-      dB += eB * dot<R>(*dHout, *H);
+      dB += eB * dot(dHout->row(0), H->row(0), dk * dv);
       axpy<R>(dH, *dHout, eB);
     }
   }
