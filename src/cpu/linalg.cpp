@@ -1,20 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// The inner product loops of gemm (linalg.h). On x86-64 ELF builds they are compiled twice, for
-// the x86-64 baseline and for x86-64-v3 (AVX2 + FMA), and the loader picks the one the CPU runs.
+// The inner product loops of gemm, the transpose and the unit lower inverse (linalg.h). On x86-64
+// ELF builds (GCC) they are compiled for the x86-64 baseline and for x86-64-v3 (AVX2 + FMA), the
+// product loops also for x86-64-v4 (AVX-512), and the loader picks the version the CPU runs.
 #include "cpu/linalg.h"
 
 #include <algorithm>
 
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HILA_CPU_CLONES
+#endif
 
 namespace hila::cpu {
 
 namespace {
 
-// Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
-// registers across the sum over k (independent chains; each C(i, j) summed over k in order).
-// Every k in [kb, ke) is summed, zero A entries included: for finite B a zero adds an exact zero,
-// and a test per k (NR scalar loads into integer registers, an OR and a branch) costs more than
-// the NR x 2 multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
+// Rows [i, i + NR) of C, columns [j, j + W), W = 64 bytes of R: NR x 64 / VB vectors of VB bytes
+// of accumulators held in registers across the sum over k (independent chains; each C(i, j)
+// summed over k in order). Every k in [kb, ke) is summed, zero A entries included: for finite B a
+// zero adds an exact zero, and a test per k (NR scalar loads into integer registers, an OR and a
+// branch) costs more than the multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
 // causal factor outside the diagonal tile.
 template <int NR, int VB, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,

@@ -9,14 +9,6 @@
 #include <utility>
 #include <vector>
 
-// A function compiled twice on x86-64 ELF builds (GCC), for the x86-64 baseline and for
-// x86-64-v3 (AVX2 + FMA); the loader picks the one the CPU runs.
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
-#define HILA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HILA_CPU_CLONES
-#endif
-
 namespace hila::cpu {
 
 // Non-owning row-major view with a leading dimension (rows of a bigger matrix).
@@ -99,8 +91,8 @@ struct Mat {
 enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4, kCUnset = 8, kCZero = 16 };
 
 // C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
-// with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load
-// time).
+// with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and for AVX-512,
+// the version picked at load time).
 void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k, const float* B,
                int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha, int tri);
 void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
@@ -221,11 +213,11 @@ R dot(const R* a, const R* b, int64_t n) {
 
 // T [n, n] = (I + tril_-1(diag(s) A))^-1 for A [n, n] (rows lda apart; only its strict lower
 // triangle is read; s [n] or null = ones), unit lower triangular with every entry of T written
-// (zeros above the diagonal), by forward substitution row by row:
+// (zeros above the diagonal), by forward substitution:
 //   T[i, :i] = -sum_{k<i} s_i A[i,k] T[k, :i]
-// each T(i, j) summed over k in order (a k with s_i A[i,k] = 0 skipped); the row update is a
-// unit-stride loop over whole vectors of row k, whose entries past k are the zeros above the
-// diagonal (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load time).
+// each T(i, j) summed over k in order (a k with s_i A[i,k] = 0 skipped). Rows go four at a time
+// in column blocks held in registers (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and
+// picked at load time).
 void unit_lower_inverse(float* T, int64_t ldt, const float* A, int64_t lda, const float* s,
                         int64_t n);
 void unit_lower_inverse(double* T, int64_t ldt, const double* A, int64_t lda, const double* s,

@@ -465,7 +465,6 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   return dHin;
 }
 
-
 // ---- Flat delta rule (gdn) in the gated-inverse form (docs/math/LOGLINEAR.md §6.4) ----------
 // The chunk form of a flat (non-Fenwick) delta primitive folds the decays into the inverse, so
 // no [R, R] product with the ungated Tm (D = X Tm, Q~ = q - D diag(beta) K) is formed:
@@ -474,6 +473,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
 //   O = diag(e^b) Q H + (X o Gam) Vn   (X = tril(Q K^T)),   H' = e^B H + K^T diag(e^{B-b}) Vn.
 // Gam is the segment's decay matrix (Seg::decay: exactly 0 across a reset), e^b, e^{B-b}, e^B its
 // direct-sum exponentials, so a reset only scales whole terms, as in the UT form.
+
 // m as an [r, c] matrix: kept when it has that shape, else a new zero-filled one (so entries a
 // user never writes, such as those above a diagonal, stay 0 across reuses).
 template <class R>
