@@ -210,13 +210,14 @@ void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) 
 namespace {
 // 2 W entries, 1 at W alone (W = 64 bytes of R): unit<R>() + W - p + t is 1 at t = p, p < W.
 template <class R>
+struct UnitRow {
+  static constexpr int W = 64 / sizeof(R);
+  alignas(64) R v[2 * W] = {};
+  UnitRow() { v[W] = 1; }
+};
+template <class R>
 const R* unit() {
-  constexpr int W = 64 / sizeof(R);
-  alignas(64) static const auto e = [] {
-    struct { R v[2 * W]; } x{};
-    x.v[W] = 1;
-    return x;
-  }();
+  static const UnitRow<R> e;
   return e.v;
 }
 
@@ -231,6 +232,7 @@ __attribute__((always_inline)) inline void ul_rows(R* T, int64_t ldt, const R* A
   typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
   constexpr int64_t L = 32 / sizeof(R), W = 2 * L;
   const int64_t nw = n / W * W;  // columns in whole blocks
+  const R* e1 = unit<R>();
   R si[NB];
   const R* ar[NB];
   for (int r = 0; r < NB; ++r) {
@@ -270,7 +272,7 @@ __attribute__((always_inline)) inline void ul_rows(R* T, int64_t ldt, const R* A
         c[r][1] -= f * c[r2][1];
       }
       if (i < j + W) {  // + e_{i - j}
-        const R* e = unit<R>() + W - (i - j);
+        const R* e = e1 + W - (i - j);
         c[r][0] += *reinterpret_cast<const VU*>(e);
         c[r][1] += *reinterpret_cast<const VU*>(e + L);
       }
