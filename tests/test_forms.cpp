@@ -186,6 +186,34 @@ INSTANTIATE_TEST_SUITE_P(Sweep, Forms, ::testing::ValuesIn(sweep_cases()), param
 INSTANTIATE_TEST_SUITE_P(Variants, Forms, ::testing::ValuesIn(variant_cases()), param_name);
 INSTANTIATE_TEST_SUITE_P(LowPrecision, Forms, ::testing::ValuesIn(lowp_cases()), param_name);
 
+// The chunk form of the delta rule at head sizes that fill the CPU's register tiles (16 floats,
+// 8 doubles a vector row) and overrun them (20), with dk != dv: gdn (its gated-inverse form) and
+// loglinear_gdn, one segment (T = 16), one row more (17), whole chunks (64) and a partial one (65),
+// gates, initial states (unaligned positions), GQA and qk_l2norm together, forward and backward.
+TEST(FormsWideHeads, DeltaChunkMatchesNaiveFloat64) {
+  const int64_t dims[][2] = {{16, 16}, {32, 32}, {20, 16}, {16, 20}};
+  for (Op op : {Op::gdn, Op::loglinear_gdn})
+    for (DType dt : {DType::f64, DType::f32})
+      for (const auto& d : dims)
+        for (int64_t T : {16, 17, 64, 65})
+          for (bool bwd : {false, true}) {
+            const FormCase c{op, Form::chunk, 64, dt, T, Var::all, bwd};
+            ProblemSpec s = spec_of(c);
+            s.dk = d[0];
+            s.dv = d[1];
+            const std::string name = case_name(c) + "_dk" + std::to_string(d[0]) + "_dv" +
+                                     std::to_string(d[1]);
+            SCOPED_TRACE(name);
+            const Problem p = hila::tools::make_problem(s);
+            const Problem ref = dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
+            const Result got = bwd ? hila::tools::run_backward(p, Form::chunk, 64)
+                                   : hila::tools::run_forward(p, Form::chunk, 64);
+            const Result want = bwd ? hila::tools::run_backward(ref, Form::naive)
+                                    : hila::tools::run_forward(ref, Form::naive);
+            expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
+          }
+}
+
 // The naive form itself against an independent float64 reference: GLA with one head computed
 // here from docs/math/HLA.md §1, so a wrong naive form cannot hide behind form agreement.
 TEST(FormsOracle, NaiveGlaMatchesDirectSum) {

@@ -1,5 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The inner product loops of gemm (linalg.h), compiled as HILA_CPU_CLONES (linalg.h).
+// The inner product loops of gemm, the transpose and the unit lower inverse (linalg.h). On x86-64
+// ELF builds (GCC) they are compiled for the x86-64 baseline and for x86-64-v3 (AVX2 + FMA)
+// (HILA_CPU_CLONES, linalg.h), the product loops also for x86-64-v4 (AVX-512), and the loader
+// picks the version the CPU runs.
 #include "cpu/linalg.h"
 
 #include <algorithm>
@@ -8,46 +11,36 @@ namespace hila::cpu {
 
 namespace {
 
-// Rows [i, i + NR) of C, columns [j, j + W): NR x 2 vectors of 32 bytes of accumulators held in
-// registers across the sum over k (independent chains; each C(i, j) summed over k in order).
-// Every k in [kb, ke) is summed, zero A entries included: for finite B a zero adds an exact zero,
-// and a test per k (NR scalar loads into integer registers, an OR and a branch) costs more than
-// the NR x 2 multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
+// Rows [i, i + NR) of C, columns [j, j + W), W = 64 bytes of R: NR x 64 / VB vectors of VB bytes
+// of accumulators held in registers across the sum over k (independent chains; each C(i, j)
+// summed over k in order). Every k in [kb, ke) is summed, zero A entries included: for finite B a
+// zero adds an exact zero, and a test per k (NR scalar loads into integer registers, an OR and a
+// branch) costs more than the multiply-adds it would spare. The ranges of the structure flags skip the zeros of a
 // causal factor outside the diagonal tile.
-template <int NR, bool kOne, bool kZero, class R>
+template <int NR, int VB, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void tile(R* c, int64_t ldc, const R* ai, int64_t sa_row,
                                                 int64_t sa_k, const R* B, int64_t ldb, int64_t kb,
                                                 int64_t ke, R alpha) {
-  typedef R V __attribute__((vector_size(32)));
+  typedef R V __attribute__((vector_size(VB)));
   // the same vector at element alignment: direct unaligned loads and stores of C and B rows
-  typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
-  constexpr int64_t L = 32 / sizeof(R);
-  V acc[NR][2];
-  for (int r = 0; r < NR; ++r) {
-    if (kZero) {  // C = alpha op(A) B: start from 0, C not read
-      acc[r][0] = V{};
-      acc[r][1] = V{};
-    } else {
-      acc[r][0] = *reinterpret_cast<const VU*>(c + r * ldc);
-      acc[r][1] = *reinterpret_cast<const VU*>(c + r * ldc + L);
-    }
-  }
+  typedef R VU __attribute__((vector_size(VB), aligned(sizeof(R)), may_alias));
+  constexpr int64_t L = VB / sizeof(R);  // entries of a vector
+  constexpr int NV = 64 / VB;            // vectors of a tile row (64 bytes)
+  V acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NV; ++u)
+      acc[r][u] = kZero ? V{} : *reinterpret_cast<const VU*>(c + r * ldc + u * L);  // kZero: C not read
   for (int64_t k = kb; k < ke; ++k) {
     R a[NR];
     for (int r = 0; r < NR; ++r) a[r] = kOne ? ai[r * sa_row + k * sa_k] : alpha * ai[r * sa_row + k * sa_k];
     const R* b = B + k * ldb;
-    V b0, b1;
-    b0 = *reinterpret_cast<const VU*>(b);
-    b1 = *reinterpret_cast<const VU*>(b + L);
-    for (int r = 0; r < NR; ++r) {
-      acc[r][0] += a[r] * b0;
-      acc[r][1] += a[r] * b1;
-    }
+    V bv[NV];
+    for (int u = 0; u < NV; ++u) bv[u] = *reinterpret_cast<const VU*>(b + u * L);
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < NV; ++u) acc[r][u] += a[r] * bv[u];
   }
-  for (int r = 0; r < NR; ++r) {
-    *reinterpret_cast<VU*>(c + r * ldc) = acc[r][0];
-    *reinterpret_cast<VU*>(c + r * ldc + L) = acc[r][1];
-  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NV; ++u) *reinterpret_cast<VU*>(c + r * ldc + u * L) = acc[r][u];
 }
 
 // Rows [i, i + nr) need k in [kb, ke) and columns below je (the structure flags of linalg.h).
@@ -62,22 +55,24 @@ inline Range range(int tri, int64_t i, int64_t nr, int64_t kk, int64_t n) {
   return r;
 }
 
-template <bool kOne, bool kZero, class R>
+template <int VB, bool kOne, bool kZero, class R>
 __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R* A, int64_t sa_row,
                                                      int64_t sa_k, const R* B, int64_t ldb, int64_t m,
                                                      int64_t n, int64_t kk, R alpha, int tri) {
-  constexpr int64_t W = 2 * 32 / sizeof(R), NR = 4;
+  // a tile: NR rows of 64 bytes, NR x 64 / VB independent chains (8: enough to cover the latency
+  // of a multiply-add)
+  constexpr int64_t W = 64 / sizeof(R), NR = VB == 64 ? 8 : 4;
   const int64_t nt = n / W * W;  // columns covered by full tiles
   int64_t i = 0;
   for (; i + NR <= m; i += NR) {
     const Range g = range(tri, i, NR, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<NR, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<NR, VB, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   for (; i < m; ++i) {
     const Range g = range(tri, i, 1, kk, n);
     for (int64_t j = 0; j < nt && j < g.je; j += W)
-      tile<1, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
+      tile<1, VB, kOne, kZero>(C + i * ldc + j, ldc, A + i * sa_row, sa_row, sa_k, B + j, ldb, g.kb, g.ke, alpha);
   }
   if (nt == n) return;
   for (i = 0; i < m; ++i) {  // the last n - nt columns
@@ -96,15 +91,15 @@ __attribute__((always_inline)) inline void rows_impl(R* C, int64_t ldc, const R*
 
 // rows_impl with alpha = 1 (most products) compiled without the multiply per A entry, and C = 0
 // (kCZero) without reading C.
-template <class R>
+template <int VB, class R>
 __attribute__((always_inline)) inline void rows(R* C, int64_t ldc, const R* A, int64_t sa_row, int64_t sa_k,
                                                 const R* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, R alpha,
                                                 int tri) {
   const bool one = alpha == R(1), zero = tri & kCZero;
-  if (one && zero) rows_impl<true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  else if (zero) rows_impl<false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  else if (one) rows_impl<true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
-  else rows_impl<false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  if (one && zero) rows_impl<VB, true, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else if (zero) rows_impl<VB, false, true>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else if (one) rows_impl<VB, true, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+  else rows_impl<VB, false, false>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
 }
 
 // Per-thread cache of freed blocks, one list per size class 2^c bytes, c in [kMinClass,
@@ -207,16 +202,156 @@ void transpose(double* bt, const double* B, int64_t ldb, int64_t n, int64_t kk) 
   transpose_edges(bt, B, ldb, n, kk, 0, 0);
 }
 
-HILA_CPU_CLONES void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k,
-                               const float* B, int64_t ldb, int64_t m, int64_t n, int64_t kk,
-                               float alpha, int tri) {
-  rows(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+namespace {
+// 2 W entries, 1 at W alone (W = 64 bytes of R): unit<R>() + W - p + t is 1 at t = p, p < W.
+template <class R>
+struct UnitRow {
+  static constexpr int W = 64 / sizeof(R);
+  alignas(64) R v[2 * W] = {};
+  UnitRow() { v[W] = 1; }
+};
+template <class R>
+const R* unit() {
+  static const UnitRow<R> e;
+  return e.v;
 }
 
-HILA_CPU_CLONES void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row,
-                               int64_t sa_k, const double* B, int64_t ldb, int64_t m, int64_t n,
-                               int64_t kk, double alpha, int tri) {
-  rows(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);
+// Rows [i0, i0 + NB) of T: in each column block [j, j + W) (two 32-byte vectors) the rows first
+// sum, side by side, the rows k < i0 above them (NB independent chains held in registers), then
+// finish one after the other over the rows of the block before them; each T(i, j) is summed
+// over k in order. T[k, j:] = 0 for k < j, so column block j needs only k >= j.
+template <int NB, class R>
+__attribute__((always_inline)) inline void ul_rows(R* T, int64_t ldt, const R* A, int64_t lda,
+                                                   const R* s, int64_t n, int64_t i0) {
+  typedef R V __attribute__((vector_size(32)));
+  typedef R VU __attribute__((vector_size(32), aligned(sizeof(R)), may_alias));
+  constexpr int64_t L = 32 / sizeof(R), W = 2 * L;
+  const int64_t nw = n / W * W;  // columns in whole blocks
+  const R* e1 = unit<R>();
+  R si[NB];
+  const R* ar[NB];
+  for (int r = 0; r < NB; ++r) {
+    si[r] = s ? s[i0 + r] : R(1);
+    ar[r] = A + (i0 + r) * lda;
+  }
+  for (int64_t j = 0; j < nw; j += W) {
+    if (j >= i0 + NB) {  // above the diagonal for every row of the block
+      for (int r = 0; r < NB; ++r) {
+        *reinterpret_cast<VU*>(T + (i0 + r) * ldt + j) = V{};
+        *reinterpret_cast<VU*>(T + (i0 + r) * ldt + j + L) = V{};
+      }
+      continue;
+    }
+    V c[NB][2];
+    for (int r = 0; r < NB; ++r) c[r][0] = c[r][1] = V{};
+    for (int64_t k = j; k < i0; ++k) {  // rows above the block
+      const R* tk = T + k * ldt + j;
+      const V b0 = *reinterpret_cast<const VU*>(tk), b1 = *reinterpret_cast<const VU*>(tk + L);
+      for (int r = 0; r < NB; ++r) {
+        const R f = si[r] * ar[r][k];
+        if (f == R(0)) continue;
+        c[r][0] -= f * b0;
+        c[r][1] -= f * b1;
+      }
+    }
+    // rows of the block, in order (j <= i0: every k of the block is >= j), each read from the
+    // registers of the rows before it once its diagonal 1 is in (that entry's sum is an exact 0)
+#pragma GCC unroll 4
+    for (int r = 0; r < NB; ++r) {
+      const int64_t i = i0 + r;
+#pragma GCC unroll 4
+      for (int r2 = 0; r2 < r; ++r2) {
+        const R f = si[r] * ar[r][i0 + r2];
+        if (f == R(0)) continue;
+        c[r][0] -= f * c[r2][0];
+        c[r][1] -= f * c[r2][1];
+      }
+      if (i < j + W) {  // + e_{i - j}
+        const R* e = e1 + W - (i - j);
+        c[r][0] += *reinterpret_cast<const VU*>(e);
+        c[r][1] += *reinterpret_cast<const VU*>(e + L);
+      }
+      R* ti = T + i * ldt;
+      *reinterpret_cast<VU*>(ti + j) = c[r][0];
+      *reinterpret_cast<VU*>(ti + j + L) = c[r][1];
+    }
+  }
+  for (int r = 0; r < NB; ++r) {  // the last n - nw columns
+    const int64_t i = i0 + r;
+    R* ti = T + i * ldt;
+    for (int64_t j = nw; j < n; ++j) {
+      R c = 0;
+      for (int64_t k = j; k < i; ++k) {
+        const R f = si[r] * ar[r][k];
+        if (f != R(0)) c -= f * T[k * ldt + j];
+      }
+      ti[j] = j == i ? R(1) : c;
+    }
+  }
 }
+
+template <class R>
+__attribute__((always_inline)) inline void ul_inverse(R* T, int64_t ldt, const R* A, int64_t lda,
+                                                      const R* s, int64_t n) {
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) ul_rows<4>(T, ldt, A, lda, s, n, i0);
+  for (; i0 < n; ++i0) ul_rows<1>(T, ldt, A, lda, s, n, i0);
+}
+}  // namespace
+
+HILA_CPU_CLONES void unit_lower_inverse(float* T, int64_t ldt, const float* A, int64_t lda,
+                                        const float* s, int64_t n) {
+  ul_inverse(T, ldt, A, lda, s, n);
+}
+
+HILA_CPU_CLONES void unit_lower_inverse(double* T, int64_t ldt, const double* A, int64_t lda,
+                                        const double* s, int64_t n) {
+  ul_inverse(T, ldt, A, lda, s, n);
+}
+
+// gemm_rows in three versions, one picked at load time (an ifunc on x86-64 ELF builds with GCC):
+// the x86-64 baseline and x86-64-v3 (AVX2 + FMA) hold a tile row in two 32-byte vectors,
+// x86-64-v4 (AVX-512) in one 64-byte vector (half the multiply-add instructions). Each C(i, j)
+// is summed over k in the same order in all three (v3 and v4 with one fused multiply-add per k:
+// the same results).
+#define HILA_GEMM_ROWS(name, R, VB)                                                              \
+  void name(R* C, int64_t ldc, const R* A, int64_t sa_row, int64_t sa_k, const R* B, int64_t ldb, \
+            int64_t m, int64_t n, int64_t kk, R alpha, int tri) {                                 \
+    rows<VB>(C, ldc, A, sa_row, sa_k, B, ldb, m, n, kk, alpha, tri);                             \
+  }
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+namespace {
+HILA_GEMM_ROWS(gemm_rows_base, float, 32)
+HILA_GEMM_ROWS(gemm_rows_base, double, 32)
+__attribute__((target("arch=x86-64-v3"))) HILA_GEMM_ROWS(gemm_rows_v3, float, 32)
+__attribute__((target("arch=x86-64-v3"))) HILA_GEMM_ROWS(gemm_rows_v3, double, 32)
+__attribute__((target("arch=x86-64-v4"))) HILA_GEMM_ROWS(gemm_rows_v4, float, 64)
+__attribute__((target("arch=x86-64-v4"))) HILA_GEMM_ROWS(gemm_rows_v4, double, 64)
+template <class R>
+using GemmRows = void (*)(R*, int64_t, const R*, int64_t, int64_t, const R*, int64_t, int64_t,
+                          int64_t, int64_t, R, int);
+template <class R>
+GemmRows<R> pick_gemm_rows() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return gemm_rows_v4;
+  if (__builtin_cpu_supports("x86-64-v3")) return gemm_rows_v3;
+  return gemm_rows_base;
+}
+}  // namespace
+extern "C" {
+static GemmRows<float> hila_cpu_resolve_gemm_rows_f32() { return pick_gemm_rows<float>(); }
+static GemmRows<double> hila_cpu_resolve_gemm_rows_f64() { return pick_gemm_rows<double>(); }
+}
+void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k, const float* B,
+               int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha, int tri)
+    __attribute__((ifunc("hila_cpu_resolve_gemm_rows_f32")));
+void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
+               const double* B, int64_t ldb, int64_t m, int64_t n, int64_t kk, double alpha,
+               int tri) __attribute__((ifunc("hila_cpu_resolve_gemm_rows_f64")));
+#else
+HILA_GEMM_ROWS(gemm_rows, float, 32)
+HILA_GEMM_ROWS(gemm_rows, double, 32)
+#endif
+#undef HILA_GEMM_ROWS
 
 }  // namespace hila::cpu

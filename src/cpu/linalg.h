@@ -99,8 +99,8 @@ struct Mat {
 enum : int { kTriNone = 0, kALower = 1, kAUpper = 2, kCLower = 4, kCUnset = 8, kCZero = 16 };
 
 // C [m, n] += alpha op(A) [m, kk] x B [kk, n], B row-major, op(A)(i, k) = A[i sa_row + k sa_k],
-// with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and picked at load
-// time).
+// with the structure `tri` (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and for AVX-512,
+// the version picked at load time).
 void gemm_rows(float* C, int64_t ldc, const float* A, int64_t sa_row, int64_t sa_k, const float* B,
                int64_t ldb, int64_t m, int64_t n, int64_t kk, float alpha, int tri);
 void gemm_rows(double* C, int64_t ldc, const double* A, int64_t sa_row, int64_t sa_k,
@@ -244,23 +244,16 @@ R mask_row_backward(const R* __restrict dP, const R* __restrict D, const R* __re
   return s;
 }
 
-// (I + N)^-1 for strictly lower-triangular N [n, n], by forward substitution row by row:
-// T[i, :i] = -sum_{k<i} N[i,k] T[k, :i]  (unit lower result, unit-stride inner loop).
-template <class R>
-Mat<R> unit_lower_inverse(const Mat<R>& N) {
-  const int64_t n = N.r;
-  Mat<R> T(n, n);
-  for (int64_t i = 0; i < n; ++i) {
-    R* ti = T.row(i);
-    for (int64_t k = 0; k < i; ++k) {
-      const R a = N(i, k);
-      if (a == R(0)) continue;
-      const R* tk = T.row(k);
-      for (int64_t j = 0; j <= k; ++j) ti[j] -= a * tk[j];
-    }
-    ti[i] = 1;
-  }
-  return T;
-}
+// T [n, n] = (I + tril_-1(diag(s) A))^-1 for A [n, n] (rows lda apart; only its strict lower
+// triangle is read; s [n] or null = ones), unit lower triangular with every entry of T written
+// (zeros above the diagonal), by forward substitution:
+//   T[i, :i] = -sum_{k<i} s_i A[i,k] T[k, :i]
+// each T(i, j) summed over k in order (a k with s_i A[i,k] = 0 skipped). Rows go four at a time
+// in column blocks held in registers (linalg.cpp; on x86-64 also compiled for AVX2 + FMA and
+// picked at load time).
+void unit_lower_inverse(float* T, int64_t ldt, const float* A, int64_t lda, const float* s,
+                        int64_t n);
+void unit_lower_inverse(double* T, int64_t ldt, const double* A, int64_t lda, const double* s,
+                        int64_t n);
 
 }  // namespace hila::cpu

@@ -82,7 +82,8 @@ struct Seg {
   // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
   Mat<R> bk, KK, Tm, W;
 
-  Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_)
+  // ut: form the UT quantities bk, KK, Tm, W (delta; not for the gated-inverse form below)
+  Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_, bool ut = true)
       : i0(i0_), i1(i1_), nr(i1_ - i0_), s(a.n0 + i0_), e(a.n0 + i1_), b(static_cast<size_t>(nr)) {
     q = a.q.rows(i0, i1);
     k = a.k.rows(i0, i1);
@@ -101,16 +102,14 @@ struct Seg {
       eb[i] = std::exp(b[i]);
       er[i] = std::exp(rest[i]);
     }
-    if (!a.delta) return;
+    if (!a.delta || !ut) return;
     const int64_t dk = a.dk();
     bk = Mat<R>(nr, dk);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
     KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
-    Mat<R> N(nr, nr);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < i; ++j) N(i, j) = a.beta[i0 + i] * KK(i, j);
-    Tm = unit_lower_inverse(N);
+    Tm = Mat<R>(nr, nr, Uninit{});  // every entry written
+    unit_lower_inverse(Tm.row(0), nr, KK.row(0), nr, a.beta + i0, nr);
     W = matmul<R>(Tm, false, bk, false, kALower);  // [R,R] x [R,dk]
   }
 
@@ -118,13 +117,17 @@ struct Seg {
   // row by row, E[i, :i] = a_i E[i-1, :i] and E[i,i] = 1 (nr exps and O(nr^2) multiplies, the
   // cost of the mask itself; the row update is a unit-stride loop), so E is exactly 0 across a
   // reset (a_r = 0) and, after one, the product of the gates after it alone.
-  Mat<R> decay(const PrimArgs<R>& a) const {
+  Mat<R> decay(const PrimArgs<R>&) const {
     Mat<R> E(nr, nr);
+    decay_into(E);
+    return E;
+  }
+  // the same into E [nr, nr] whose entries above the diagonal are 0 (left alone)
+  void decay_into(Mat<R>& E) const {
     for (int64_t i = 0; i < nr; ++i) {
       if (i > 0) scaled(E.row(i), E.row(i - 1), ea[i], i);
       E(i, i) = 1;
     }
-    return E;
   }
   // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} E[i,j] on j <= i (docs/math/LOGLINEAR.md §3.1).
   // Flat (lambda = 1): M = E.
@@ -437,6 +440,252 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   return dHin;
 }
 
+// ---- Flat delta rule (gdn) in the gated-inverse form (docs/math/LOGLINEAR.md §6.4) ----------
+// The chunk form of a flat (non-Fenwick) delta primitive folds the decays into the inverse, so
+// no [R, R] product with the ungated Tm (D = X Tm, Q~ = q - D diag(beta) K) is formed:
+//   A = Gam o K K^T (strict lower),  Tg = (I + diag(beta) A)^-1,
+//   [Wg | Ug] = Tg [diag(beta e^b) K | diag(beta) V],   Vn = Ug - Wg H,
+//   O = diag(e^b) Q H + (X o Gam) Vn   (X = tril(Q K^T)),   H' = e^B H + K^T diag(e^{B-b}) Vn.
+// Gam is the segment's decay matrix (Seg::decay: exactly 0 across a reset), e^b, e^{B-b}, e^B its
+// direct-sum exponentials, so a reset only scales whole terms, as in the UT form.
+
+// m as an [r, c] matrix: kept when it has that shape, else a new zero-filled one (so entries a
+// user never writes, such as those above a diagonal, stay 0 across reuses).
+template <class R>
+void fit(Mat<R>& m, int64_t r, int64_t c) {
+  if (m.r != r || m.c != c) m = Mat<R>(r, c);
+}
+
+template <class R>
+struct GatedSeg {
+  Mat<R> E;   // Gam [R, R], lower with unit diagonal, zero above
+  Mat<R> A;   // Gam o K K^T [R, R], strict lower read
+  Mat<R> Tg;  // (I + diag(beta) A)^-1 [R, R], unit lower, zero above
+  Mat<R> Bm;  // [diag(beta e^b) K | diag(beta) V] [R, dk + dv]
+  Mat<R> WU;  // [Wg | Ug] = Tg Bm [R, dk + dv]
+  Mat<R> Vn;  // Ug - Wg H [R, dv]
+
+  GatedSeg() = default;
+  GatedSeg(const PrimArgs<R>& a, const Seg<R>& sg, const Mat<R>* H) { form(a, sg, H); }
+  // (re)forms every member for segment sg with incoming state H (null: zero), reusing storage
+  void form(const PrimArgs<R>& a, const Seg<R>& sg, const Mat<R>* H) {
+    const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), w = dk + dv;
+    fit(E, nr, nr);
+    sg.decay_into(E);
+    fit(A, nr, nr);
+    gemm<R>(A, sg.k, false, sg.k, true, R(1), R(0), kCLower | kCUnset);  // [R,dk] x [dk,R]
+    for (int64_t i = 0; i < nr; ++i) hadamard_into(A.row(i), E.row(i), i);
+    fit(Tg, nr, nr);  // every entry written
+    unit_lower_inverse(Tg.row(0), nr, A.row(0), nr, a.beta + sg.i0, nr);
+    fit(Bm, nr, w);
+    for (int64_t i = 0; i < nr; ++i) {
+      const R bi = a.beta[sg.i0 + i];
+      scaled(Bm.row(i), sg.k.row(i), bi * sg.eb[i], dk);
+      scaled(Bm.row(i) + dk, sg.v.row(i), bi, dv);
+    }
+    fit(WU, nr, w);
+    gemm<R>(WU, Tg, false, Bm, false, R(1), R(0), kALower);  // [R,R] x [R,dk+dv]
+    fit(Vn, nr, dv);
+    for (int64_t i = 0; i < nr; ++i) std::copy(WU.row(i) + dk, WU.row(i) + w, Vn.row(i));
+    if (H) gemm<R>(Vn, Wg(dk), false, *H, false, R(-1), R(1));  // [R,dk] x [dk,dv]
+  }
+  MRef<const R> Wg(int64_t dk) const { return {WU.row(0), WU.r, dk, WU.c}; }
+};
+
+// Temporaries of gated_forward and gated_backward, kept across the segments of a call (fit).
+template <class R>
+struct GatedWork {
+  Mat<R> P, QH, Ver, X, dWU, KdH, dP, dX, Yr, cdO, dBm, t2, dKK;
+  Vec<R> db, gcol;
+};
+
+// Outputs of one segment (O rows, optional) and the state at its end (Hout, optional).
+template <class R>
+void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs, const Mat<R>* H,
+                   MRef<R>* O, Mat<R>* Hout, GatedWork<R>& wk) {
+  const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
+  if (O) {
+    MRef<R> Or = *O;
+    Mat<R>& P = wk.P;  // P = X o Gam, zero above the diagonal
+    fit(P, nr, nr);
+    gemm<R>(P, sg.q, false, sg.k, true, R(1), R(0), kCLower | kCUnset);  // X [R,dk] x [dk,R]
+    for (int64_t i = 0; i < nr; ++i) {
+      hadamard_into(P.row(i), gs.E.row(i), i + 1);
+      std::fill(P.row(i) + i + 1, P.row(i) + nr, R(0));
+    }
+    gemm<R>(Or, P, false, gs.Vn, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
+    if (H) {
+      Mat<R>& T = wk.QH;
+      fit(T, nr, dv);
+      gemm<R>(T, sg.q, false, *H, false);  // [R,dk] x [dk,dv]
+      for (int64_t i = 0; i < nr; ++i) {
+        const R eb = sg.eb[i];
+        const R* t = T.row(i);
+        R* o = Or.row(i);
+        for (int64_t c = 0; c < dv; ++c) o[c] += eb * t[c];
+      }
+    }
+  }
+  if (!Hout) return;
+  *Hout = Mat<R>(dk, dv);
+  if (H) axpy<R>(*Hout, *H, std::exp(sg.B));
+  Mat<R>& Ver = wk.Ver;  // diag(e^{B-b}) Vn
+  fit(Ver, nr, dv);
+  for (int64_t j = 0; j < nr; ++j) scaled(Ver.row(j), gs.Vn.row(j), sg.er[j], dv);
+  gemm<R>(*Hout, sg.k, true, Ver, false, R(1), R(1));  // [dk,R] x [R,dv]
+}
+
+// Reverse of gated_forward for one segment: accumulates rows [i0, i1) of G from dO and the
+// cotangent dHout of the state at its end (null: none); returns the cotangent of H (empty when H
+// is null). With d(.) the cotangents and Gam's log-gradient g = d(b_i - b_j):
+//   dVn = (X o Gam)^T dO + diag(e^{B-b}) K dH',  dX o ... = dO Vn^T o Gam,  dWg = -dVn H^T,
+//   dBm = Tg^T [dWg | dVn],  dN = -tril_-1(Tg^T dTg Tg^T) = -tril_-1(dBm WU^T),
+//   N = diag(beta) A: dbeta += rowsum(dN o A), g += dN o N, dK += (dKK + dKK^T) K with
+//   dKK = diag(beta) dN o Gam; and the reads, the state update and Bm's row scales.
+template <class R>
+Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs,
+                      const Mat<R>* H, MRef<const R> dO, const Mat<R>* dHout, PrimGrads<R>& G,
+                      GatedWork<R>& wk) {
+  const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), w = dk + dv, i0 = sg.i0;
+  MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
+  R* dbeta = G.dbeta.data() + i0;
+  const R* beta = a.beta + i0;
+  Vec<R>& db = wk.db;
+  Vec<R>& gcol = wk.gcol;
+  db.assign(static_cast<size_t>(nr), R(0));
+  gcol.assign(static_cast<size_t>(nr), R(0));
+  R dB = 0;
+  const R eB = std::exp(sg.B);
+  Mat<R> dH;
+  if (H) dH = Mat<R>(dk, dv);
+  // X and P = X o Gam (zero above the diagonal)
+  Mat<R>& X = wk.X;
+  fit(X, nr, nr);
+  gemm<R>(X, sg.q, false, sg.k, true, R(1), R(0), kCLower | kCUnset);  // [R,dk] x [dk,R]
+  Mat<R>& P = wk.P;
+  fit(P, nr, nr);
+  for (int64_t i = 0; i < nr; ++i) {
+    hadamard(P.row(i), X.row(i), gs.E.row(i), i + 1);
+    std::fill(P.row(i) + i + 1, P.row(i) + nr, R(0));
+  }
+  // dWU = [dWg | dVn]
+  Mat<R>& dWU = wk.dWU;
+  fit(dWU, nr, w);
+  MRef<R> dVn{dWU.row(0) + dk, nr, dv, w}, dWg{dWU.row(0), nr, dk, w};
+  gemm<R>(dVn, P, true, dO, false, R(1), R(0), kAUpper);  // [R,R] x [R,dv]
+  if (dHout) {  // H' = e^B H + K^T diag(e^{B-b}) Vn
+    Mat<R>& KdH = wk.KdH;
+    fit(KdH, nr, dv);
+    gemm<R>(KdH, sg.k, false, *dHout, false);  // [R,dk] x [dk,dv]
+    Mat<R>& Ver = wk.Ver;
+    fit(Ver, nr, dv);
+    for (int64_t j = 0; j < nr; ++j) {
+      const R er = sg.er[j];
+      const R x = er * dot(KdH.row(j), gs.Vn.row(j), dv);  // d(B - b_j)
+      dB += x;
+      db[j] -= x;
+      R* d = dVn.row(j);
+      const R* kd = KdH.row(j);
+      for (int64_t c = 0; c < dv; ++c) d[c] += er * kd[c];
+      scaled(Ver.row(j), gs.Vn.row(j), er, dv);
+    }
+    gemm<R>(dk_, Ver, false, *dHout, true, R(1), R(1));  // [R,dv] x [dv,dk]
+    if (H) {
+      dB += eB * dot(dHout->row(0), H->row(0), dk * dv);
+      axpy<R>(dH, *dHout, eB);
+    }
+  }
+  // intra: O += (X o Gam) Vn
+  {
+    Mat<R>& dP = wk.dP;
+    fit(dP, nr, nr);
+    gemm<R>(dP, dO, false, gs.Vn, true, R(1), R(0), kCLower | kCUnset);  // [R,dv] x [dv,R]
+    Mat<R>& dX = wk.dX;  // written on j <= i, zero above
+    fit(dX, nr, nr);
+    for (int64_t i = 0; i < nr; ++i)
+      db[i] += mask_row_backward(dP.row(i), X.row(i), gs.E.row(i), dX.row(i), gcol.data(), i + 1);
+    gemm<R>(dq, dX, false, sg.k, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
+    gemm<R>(dk_, dX, true, sg.q, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
+  }
+  if (H) {  // O += diag(e^b) Q H;  Vn = Ug - Wg H
+    Mat<R>& Yr = wk.Yr;
+    fit(Yr, nr, dk);
+    gemm<R>(Yr, dO, false, *H, true);  // [R,dv] x [dv,dk]
+    Mat<R>& cdO = wk.cdO;
+    fit(cdO, nr, dv);
+    for (int64_t i = 0; i < nr; ++i) {
+      const R eb = sg.eb[i];
+      const R* y = Yr.row(i);
+      R* d = dq.row(i);
+      for (int64_t c = 0; c < dk; ++c) d[c] += eb * y[c];
+      db[i] += eb * dot(sg.q.row(i), y, dk);
+      scaled(cdO.row(i), dO.row(i), eb, dv);
+    }
+    gemm<R>(dH, sg.q, true, cdO, false, R(1), R(1));             // [dk,R] x [R,dv]
+    gemm<R>(dWg, dVn, false, *H, true, R(-1), R(0));             // [R,dv] x [dv,dk]
+    gemm<R>(dH, gs.Wg(dk), true, dVn, false, R(-1), R(1));       // [dk,R] x [R,dv]
+  } else {
+    for (int64_t i = 0; i < nr; ++i) std::fill(dWg.row(i), dWg.row(i) + dk, R(0));
+  }
+  // [Wg | Ug] = Tg Bm
+  Mat<R>& dBm = wk.dBm;
+  fit(dBm, nr, w);
+  gemm<R>(dBm, gs.Tg, true, dWU, false, R(1), R(0), kAUpper);  // Tg^T dWU  [R,R] x [R,w]
+  for (int64_t i = 0; i < nr; ++i) {
+    const R bi = beta[i], f = bi * sg.eb[i];
+    const R* dkb = dBm.row(i);
+    const R* dvb = dBm.row(i) + dk;
+    const R t = dot(dkb, sg.k.row(i), dk);
+    dbeta[i] += sg.eb[i] * t + dot(dvb, sg.v.row(i), dv);
+    db[i] += f * t;
+    R* gk = dk_.row(i);
+    for (int64_t c = 0; c < dk; ++c) gk[c] += f * dkb[c];
+    R* gv = dv_.row(i);
+    for (int64_t c = 0; c < dv; ++c) gv[c] += bi * dvb[c];
+  }
+  // Tg = (I + N)^-1, N = diag(beta) A:  dN = tril_-1(-Tg^T dTg Tg^T) with dTg = dWU Bm^T, that
+  // is dN = tril_-1(-dBm WU^T)  (Tg^T dWU = dBm, Bm^T Tg^T = WU^T): one product, no dTg
+  {
+    Mat<R>& t2 = wk.t2;
+    fit(t2, nr, nr);
+    gemm<R>(t2, dBm, false, gs.WU, true, R(1), R(0), kCLower | kCUnset);  // [R,w] x [w,R], strict lower read
+    Mat<R>& dKK = wk.dKK;  // written on j < i, zero elsewhere
+    fit(dKK, nr, nr);
+    for (int64_t i = 0; i < nr; ++i) {
+      const R bi = beta[i];
+      const R *t = t2.row(i), *Ai = gs.A.row(i), *Ei = gs.E.row(i);
+      R* d = dKK.row(i);
+      R sb = 0, sg_ = 0;
+      for (int64_t j = 0; j < i; ++j) {
+        const R dN = -t[j];
+        const R x = dN * Ai[j];  // dN o A; times beta: dN o N = d(b_i - b_j)
+        sb += x;
+        sg_ += bi * x;
+        gcol[j] += bi * x;
+        d[j] = bi * dN * Ei[j];
+      }
+      dbeta[i] += sb;
+      db[i] += sg_;
+    }
+    gemm<R>(dk_, dKK, false, sg.k, false, R(1), R(1), kALower);  // (dKK + dKK^T) K
+    gemm<R>(dk_, dKK, true, sg.k, false, R(1), R(1), kAUpper);
+  }
+  for (int64_t j = 0; j < nr; ++j) db[j] -= gcol[j];
+  db[nr - 1] += dB;
+  R acc = 0;
+  for (int64_t i = nr - 1; i >= 0; --i) G.dg[i0 + i] = (acc += db[i]);
+  // a reset token has dg = 0 (as in seg_backward)
+  for (int64_t i = 0; i < nr; ++i)
+    if (sg.ea[i] == R(0)) G.dg[i0 + i] = 0;
+  return dH;
+}
+
+// Whether a call takes the gated-inverse form: the chunk form of a flat delta primitive.
+template <class R>
+bool gated_form(PForm form, const PrimArgs<R>& a) {
+  return form == PForm::chunk && a.delta && !a.lv.fenwick;
+}
+
 template <class R>
 Canon<R> trimmed(const Canon<R>& H, const Levels& lv, int64_t n) {
   Canon<R> out;
@@ -579,6 +828,26 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
   Canon<R> st = trimmed(init, a.lv, n0);
   if (seg_in) seg_in->clear();
   if (n == 0) return st;
+  if (gated_form(form, a)) {
+    GatedSeg<R> gs;
+    GatedWork<R> wk;
+    for (auto [s, e] : form_segments(form, chunk, a)) {
+      const Seg<R> sg(a, s - n0, e - n0, false);
+      const Mat<R>* H = st.get(0);
+      gs.form(a, sg, H);
+      MRef<R> Or = O.rows(s - n0, e - n0);
+      Canon<R> next;
+      if (want_state || e < n0 + n) {
+        next.resize(1);
+        gated_forward(a, sg, gs, H, &Or, &next.slot[0], wk);
+      } else {
+        gated_forward(a, sg, gs, H, &Or, static_cast<Mat<R>*>(nullptr), wk);
+      }
+      if (seg_in) seg_in->push_back(std::move(st));
+      st = std::move(next);
+    }
+    return st;
+  }
   switch (form) {
     case PForm::naive:
     case PForm::chunk:
@@ -635,6 +904,37 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     return G;
   }
   const auto segs = form_segments(form, chunk, a);
+  if (gated_form(form, a)) {
+    // forward sweep: each segment's quantities and the state entering it (unless the forward
+    // kept them), then the reverse sweep
+    const bool kept = seg_in && seg_in->size() == segs.size();
+    std::vector<Seg<R>> sg;
+    std::vector<GatedSeg<R>> gs;
+    GatedWork<R> wk;
+    std::vector<Canon<R>> own(kept ? 0 : segs.size());
+    sg.reserve(segs.size());
+    gs.reserve(segs.size());
+    if (!kept) own[0] = st0;
+    const std::vector<Canon<R>>& Hin = kept ? *seg_in : own;
+    for (size_t c = 0; c < segs.size(); ++c) {
+      sg.emplace_back(a, segs[c].first - n0, segs[c].second - n0, false);
+      const Mat<R>* H = Hin[c].get(0);
+      gs.emplace_back(a, sg[c], H);
+      if (!kept && c + 1 < segs.size()) {
+        own[c + 1].resize(1);
+        gated_forward(a, sg[c], gs[c], H, static_cast<MRef<R>*>(nullptr), &own[c + 1].slot[0], wk);
+      }
+    }
+    Mat<R> d = dst.get(0) ? *dst.get(0) : Mat<R>();
+    for (size_t c = segs.size(); c-- > 0;)
+      d = gated_backward(a, sg[c], gs[c], Hin[c].get(0), dO.rows(sg[c].i0, sg[c].i1),
+                         d.empty() ? nullptr : &d, G, wk);
+    Canon<R> di;
+    di.resize(1);
+    di.slot[0] = std::move(d);
+    G.dinit = trimmed(di, a.lv, n0);
+    return G;
+  }
   // each segment's quantities, formed once for both sweeps
   std::vector<Seg<R>> sg;
   sg.reserve(segs.size());
