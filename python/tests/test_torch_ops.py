@@ -197,6 +197,28 @@ def test_meta_tensors_use_the_fake_kernels():
     assert fin.H.shape == (2, 3, hila.state_slots(9), 4, 5) and fin.pos.dtype == torch.int64
 
 
+@pytest.mark.parametrize("call, arg", [
+    (lambda t: ht.forward("loglinear", t, t, t, lam=torch.ones(1, 4, 1, 3), output_final_state=True,
+                          final_slots=-1), "final_slots"),
+    (lambda t: ht.forward("gla", t, t, t, chunk=2**64), "chunk"),
+    (lambda t: ht.forward("gla", t, t, t, chunk=None), "chunk"),
+    (lambda t: ht.forward("gla", t, t, t, form=None), "form"),
+    (lambda t: ht.forward("hla2", t, t, t, initial_state=ht.zero_state("hla2", 1, 1, 4, 4, device="meta")),
+     "initial_state.pos"),
+    (lambda t: ht.zero_state("gla", 1, float("nan"), 4, 4), "H"),
+    (lambda t: ht.zero_state("gla", 2**63 - 1, 1, 4, 4), "state"),
+    (lambda t: ht.zero_state("gla", 1, -7, 4, 4), "state"),
+    (lambda t: ht.zero_state("gla", 1, 1, 4, 4, dtype=torch.float16), "dtype"),
+    (lambda t: ht.zero_state(3, 1, 1, 4, 4), "op"),
+])
+def test_torch_careless_arguments_are_hila_errors(call, arg):
+    """Options and states a careless caller passes: HilaError naming them, never torch's or
+    nanobind's TypeError / RuntimeError, DLPack's BufferError (meta tensors) or a huge allocation."""
+    with pytest.raises(hila.HilaError) as e:
+        call(torch.zeros(1, 4, 1, 4))
+    assert e.value.argument == arg, str(e.value)
+
+
 def test_torch_errors():
     x, _, _ = _inputs("loglinear", "cpu")
     with pytest.raises(hila.HilaError, match="argument 'lam'") as e:

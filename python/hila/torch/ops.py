@@ -96,6 +96,9 @@ class _Spec:
                                eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                                check_values=check_values)  # HilaError('op', 'scale', ...)
         t = _ops._traits(op)
+        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or not -2**63 <= chunk < 2**63:
+            raise HilaError(f"hila: argument 'chunk': expected an int in [-2^63, 2^63), got {_ops._describe(chunk)}",
+                            "chunk")
         self.op, self.form, self.chunk = op, form, int(chunk)
         self.bwd_form = form if _ops.supports(op, form, True) else "chunk"  # HilaError('form')
         self.has_S, self.has_P, self.normalize = t["has_S"], t["has_P"], bool(normalize)
@@ -610,6 +613,10 @@ def _reraise(call: str, state_name: str, state, **tensors):
     err = _not_a_tensor(call, tensors)
     if err is not None:
         raise err from None
+    meta = next((n for n, x in tensors.items() if isinstance(x, Tensor) and x.is_meta), None)
+    if meta is not None:  # DLPack's BufferError: a meta tensor has no data to run on
+        raise HilaError(f"hila: argument '{meta}': expected a tensor with data (on the device of q), got a "
+                        "meta tensor", meta) from None
     raise
 
 
@@ -683,7 +690,7 @@ def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices,
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
             return _pooled_forward_call(spec, q, k, v, g, lam, beta, cu, idx, st, cu_host, pos_host), given
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.forward", "initial_state", st, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu)
     _check_state_parts("hila.torch.forward", "initial_state", st)
@@ -771,6 +778,8 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         final_slots = _final_slots(op, q.shape[1], q.shape[0],
                                    cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
                                    init[0] if pos_host is None else pos_host, max_seqlen)
+    elif output_final_state and not isinstance(final_slots, torch.SymInt):
+        final_slots = _ops.check_slots("final_slots", final_slots)
     scale = _scale_arg(scale)
     if direct:
         try:
@@ -788,7 +797,7 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
                                    int(final_slots or 1), cu_host, pos_host)
             return o, (None if fin is None else _with_counters(fin))
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.forward", "initial_state", init, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu_seqlens)
     _check_state_parts("hila.torch.forward", "initial_state", init)
@@ -828,7 +837,7 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
             if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
                 return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
             o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.step", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     else:
         _check_state_parts("hila.torch.step", "state", state)
@@ -903,7 +912,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                 cnt = _counters(owner, state.pos, state.H, q) if type(owner) is State else None
                 return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp,
                                           None if cnt is None else cnt[0])
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
@@ -967,8 +976,9 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
                             (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
                              _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
                             counters=None if cnt is None else _capsule(cnt[0]))
-    except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
-        return None                      # nothing was written, the general road names it
+    except (AttributeError, TypeError, BufferError):  # an argument that is not a tensor (or has no
+        return None  # data: meta), an unhashable option: nothing was written, the general road names it
+                     # nothing was written, the general road names it
     except HilaError:
         if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
                    for x in (q, k, v, g, lam, beta)):
@@ -1147,6 +1157,11 @@ def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: in
                device: Optional[torch.device] = None) -> State:
     """A zero state at position 0 for ``batch`` sequences, with the Fenwick capacity of sequences
     up to ``max_len`` tokens (log-linear operators). ``dtype``: float32, or float64 for float64 inputs."""
+    if dtype not in (torch.float32, torch.float64):
+        raise HilaError(f"hila: argument 'dtype': expected torch.float32 or torch.float64 (the dtypes of "
+                        f"states), got {dtype!r}", "dtype")
+    if not any(isinstance(x, torch.SymInt) for x in (batch, heads, dk, dv, max_len)):
+        _ops.state_shape(op, batch, heads, dk, dv, max_len, normalize=normalize)  # HilaError naming a bad size
     shapes = _ops.state_part_shapes(op, batch, heads, dk, dv, normalize=normalize,
                                     slots=_ops.state_slots(max_len))
     z = lambda s, dt=dtype: None if s is None else torch.zeros(s, dtype=dt, device=device)  # noqa: E731
