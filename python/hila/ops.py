@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
@@ -290,6 +291,25 @@ def use_framework_workspace(on: bool = True) -> bool:
     return prev
 
 
+_CHECKED_BYTES = 1 << 26  # host allocations from this size on are checked against memory_limit()
+
+
+def check_host_bytes(name: str, *arrays: Tuple[Optional[Sequence[int]], int]) -> None:
+    """HilaError(name) when arrays of these (shape, itemsize) (None: absent) would together take
+    more host memory than a hila call may (``_C.memory_limit()``: the machine's memory,
+    HILA_MAX_MEMORY, hila::set_memory_limit), before numpy or torch try the allocation (a
+    MemoryError, or an overcommitted block that fails when it is written)."""
+    n = 0
+    for shape, itemsize in arrays:
+        if shape is not None:
+            n += math.prod(int(d) for d in shape) * itemsize
+    if n >= _CHECKED_BYTES and n > _C.memory_limit():
+        shapes = " + ".join(str(list(shape)) for shape, _ in arrays if shape is not None)
+        raise HilaError(f"hila: argument '{name}': needs {n} bytes of host memory for arrays of shape "
+                        f"{shapes}, more than the {_C.memory_limit()} bytes hila may take (the "
+                        "machine's memory, HILA_MAX_MEMORY or hila::set_memory_limit)", name)
+
+
 class _Family:
     """Allocates outputs with the array library of a reference array."""
 
@@ -303,9 +323,15 @@ class _Family:
             self.xp = like.__array_namespace__()
             self.immutable = self.xp.__name__.split(".")[0] == "jax"
 
-    def empty(self, shape: Sequence[int], dtype: str) -> Array:
-        """An uninitialised output: the library writes every element of each output it is given
-        (outputs, final states, gradients), so none needs a fill."""
+    def host(self) -> bool:
+        """Whether the arrays of this family live in host memory (numpy, torch CPU tensors)."""
+        return self.like.device.type == "cpu" if self.torch else self.xp is None or self.immutable
+
+    def empty(self, shape: Sequence[int], dtype: str, name: str = "o") -> Array:
+        """An uninitialised output ``name``: the library writes every element of each output it is
+        given (outputs, final states, gradients), so none needs a fill."""
+        if self.host():
+            check_host_bytes(name, (shape, np.dtype(dtype).itemsize))
         if self.torch:
             import torch
             x = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
@@ -315,8 +341,10 @@ class _Family:
             x = np.empty(tuple(shape), dtype=np.dtype(dtype))
         return _poison(x) if _POISON_OUTPUTS[0] else x
 
-    def zeros(self, shape: Sequence[int], dtype: str) -> Array:
+    def zeros(self, shape: Sequence[int], dtype: str, name: str = "state.pos") -> Array:
         """A zero array (what must start at zero, e.g. the positions of a bare-array state)."""
+        if self.host():
+            check_host_bytes(name, (shape, np.dtype(dtype).itemsize))
         if self.torch:
             import torch
             return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
@@ -496,8 +524,11 @@ def _max_final_position(T: int, B: int, cu_seqlens: Optional[Array], init_pos: O
     """max_i (n0_i + len_i) over the sequences of a call, read from the (host) arrays; 0 when
     they cannot be read, which leaves the report of what is wrong with them to the C++ checks."""
     try:
-        if cu_seqlens is None:
-            lens = np.full(B, T, dtype=np.int64)
+        if cu_seqlens is None:  # every sequence has T tokens: no [B] array (B may be huge at T = 0)
+            if init_pos is None:
+                return int(T)
+            n0 = np.asarray(init_pos, dtype=np.int64)
+            return int(n0.max()) + int(T) if n0.size and n0.shape == (B,) else 0
         else:
             cu = np.asarray(cu_seqlens, dtype=np.int64)
             lens = cu[1:] - cu[:-1]
@@ -519,11 +550,14 @@ def check_slots(name: str, x: Any) -> int:
 def _allocate_state(fam: _Family, op: str, N: int, H: int, dk: int, dv: int, normalize: bool,
                     slots: int, dtype: str, with_pos: bool = True) -> State:
     shapes = state_part_shapes(op, N, H, dk, dv, normalize=normalize, slots=slots)
+    if fam.host():  # the parts together (each is checked again as it is allocated)
+        item = np.dtype(dtype).itemsize
+        check_host_bytes("final_state", (shapes.pos, 8), (shapes.S, item), (shapes.P, item), (shapes.H, item))
     return State(
-        pos=fam.empty(shapes.pos, "int64") if with_pos else None,
-        S=None if shapes.S is None else fam.empty(shapes.S, dtype),
-        P=None if shapes.P is None else fam.empty(shapes.P, dtype),
-        H=fam.empty(shapes.H, dtype),
+        pos=fam.empty(shapes.pos, "int64", "final_state.pos") if with_pos else None,
+        S=None if shapes.S is None else fam.empty(shapes.S, dtype, "final_state.S"),
+        P=None if shapes.P is None else fam.empty(shapes.P, dtype, "final_state.P"),
+        H=fam.empty(shapes.H, dtype, "final_state.H"),
     )
 
 
@@ -685,7 +719,7 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
             if out_slots is None:
                 out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
             shape[2] = check_slots("out_slots", out_slots)
-        out.append(None if x is None else fam.empty(shape, _dtype_name(x)))
+        out.append(None if x is None else fam.empty(shape, _dtype_name(x), f"state_out.{State._fields[i]}"))
     _call_C(_C.step, lambda: _checks(_NO_FORM, None, q, k, v, g, lam, beta, None, state=st), cfg, q,
             k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
     return fam.finish(o), _finish_state(fam, State(*out))

@@ -271,3 +271,25 @@ def test_step_that_overflows_the_state_is_an_error(op):
     with pytest.raises(hila.HilaError, match="not finite") as e:
         hila.step_(op, z, x, x, state=st, **extra)
     assert e.value.argument == part
+
+
+@pytest.mark.parametrize("op", ["gla", "loglinear_gdn"])
+def test_outputs_beyond_the_memory_limit_are_refused_before_allocation(op, monkeypatch):
+    """T = 0 with huge B, H, dk, dv: the final state would take TiBs. Refused by name against
+    hila's limit before numpy allocates (never a MemoryError, never a touched [B] temporary)."""
+    monkeypatch.setenv("HILA_MAX_MEMORY", "1G")
+    t = hila.op_traits(op)
+    B, H = 2**31, 4
+    q, v = np.zeros((B, 0, 1, 1024), np.float32), np.zeros((B, 0, H, 4096), np.float32)
+    extra = {}
+    if t["loglinear"]:
+        extra["lam"] = np.zeros((B, 0, H, 1), np.float32)
+    if t["delta"]:
+        extra["beta"] = np.zeros((B, 0, H), np.float32)
+    with pytest.raises(hila.HilaError) as e:
+        hila.forward(op, q, q, v, output_final_state=True, **extra)
+    assert e.value.argument == "final_state", str(e.value)
+    q = np.zeros((1, 0, 1, 1024), np.float32)
+    with pytest.raises(hila.HilaError) as e:  # a million empty sequences
+        hila.forward("gla", q, q, q, cu_seqlens=np.zeros(10**6 + 1, np.int64), output_final_state=True)
+    assert e.value.argument == "final_state", str(e.value)

@@ -460,12 +460,15 @@ for code in json.loads(sys.stdin.read()):
 def py_batch(c, family, codes, env=None):
     """Runs generated snippets in one interpreter; a crash or hang is pinned on the snippet that was
     running, and the rest run again in a fresh interpreter."""
+    # hila's memory limit at 4 GiB (the checks come before any allocation near it) and an address
+    # space limit as the CLI's: a case that slips past the checks fails instead of swapping the machine
+    e = {**os.environ, "HILA_MAX_MEMORY": "4G", **(env or {})}
     while codes:
         c.n += len(codes)
-        e = None if env is None else {**os.environ, **env}
         try:
             r = subprocess.run([c.python, "-c", PY_CHILD], input=json.dumps(codes).encode(), capture_output=True,
-                               timeout=c.timeout, env=e)
+                               timeout=c.timeout, env=e,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30)))
             lines, rc, hang = r.stdout.decode().splitlines(), r.returncode, False
             err = r.stderr.decode(errors="replace")[-300:]
         except subprocess.TimeoutExpired as t:
@@ -796,13 +799,109 @@ def gen_torch(g):
     return pre + body + "r = y.detach()\n"
 
 
+def gen_sizes(g):
+    """Python calls whose outputs would not fit in memory: T = 0 with huge B, H, dk, dv (the final
+    state is the big part), millions of empty sequences, huge decode states; numpy and torch."""
+    p = g.pick
+    op = p(OPS)
+    B, G, dk, dv = (int(p(x)) for x in ([1, 2**10, 2**20, 2**31], [1, 2**8], [4, 2**10, 2**16], [4, 2**12]))
+    H = G * int(p([1, 4]))
+    extra = ""
+    if op.startswith("loglinear"):
+        extra += f", lam=X.zeros(({B}, 0, {H}, 1), dtype=X.float32)"
+    if op.endswith("gdn"):
+        extra += f", beta=X.zeros(({B}, 0, {H}), dtype=X.float32)"
+    if g.c.rng.random() < 0.3:  # packed: B = 1, many empty sequences
+        extra = extra.replace(f"({B}, 0", "(1, 0") + f", cu_seqlens=X.zeros({int(p([2, 10**5, 2 * 10**6]))}, dtype=X.int64)"
+        B = 1
+    lib = p(["np", "torch"])
+    q, v = f"X.zeros(({B}, 0, {G}, {dk}), dtype=X.float32)", f"X.zeros(({B}, 0, {H}, {dv}), dtype=X.float32)"
+    what = g.c.rng.integers(3)
+    if what == 0:
+        call = f"hila.forward({op!r}, {q}, {q}, {v}{extra}, output_final_state=True)"
+        if lib == "torch":
+            call = "ht.forward" + call[len("hila.forward"):]
+    elif what == 1:
+        call = f"hila.DecodeState({op!r}, {B}, {H}, {dk}, {dv}).reserve({p([0, 2**20, 2**62])})"
+    else:
+        call = f"ht.zero_state({op!r}, {B}, {H}, {dk}, {dv}, max_len={p([1, 2**20, 2**62])})"
+    pre = "import torch, hila.torch as ht\n" if "ht." in call or lib == "torch" else ""
+    return f"{pre}r = {call}".replace("X.", f"{lib}.")
+
+
+FLA_CALLS = {  # fla function -> its positional tensors after q, k, v ('g', 'beta', 'lam')
+    "chunk_simple_gla": ("g",), "fused_recurrent_simple_gla": ("g",),
+    "chunk_gated_delta_rule": ("g", "beta"), "fused_recurrent_gated_delta_rule": ("g", "beta"),
+    "chunk_log_linear_attn": ("g", "lam"), "fused_recurrent_log_linear_attn": ("g", "lam"),
+    "chunk_log_linear_gated_delta_rule": ("g", "beta", "lam"),
+    "fused_recurrent_log_linear_gated_delta_rule": ("g", "beta", "lam"),
+    "chunk_hla2": ("g",), "fused_recurrent_ahla": ("g",), "chunk_hla3": ("g",),
+    "chunk_log_linear_hla2": ("g", "lam"),
+}
+
+
+def gen_fla(g):
+    """hila.torch.fla functions (fla's names and conventions) with careless tensors and options."""
+    rng, p, h = g.c.rng, g.pick, g.hostile
+    name = p(list(FLA_CALLS))
+    B, T, H, dk, dv = int(p([1, 2])), int(p([0, 1, 7])), int(p([1, 2])), int(p([2, 4])), int(p([2, 4]))
+    dt = p(["torch.float32", "torch.float64", "torch.bfloat16", "torch.float16"]) if h() else "torch.float32"
+    shapes = {"q": (B, T, H, dk), "k": (B, T, H, dk), "v": (B, T, H, dv), "g": (B, T, H), "beta": (B, T, H),
+              "lam": (B, T, H, 8)}
+    if h(0.3):  # a careless shape
+        key = p(list(shapes))
+        shapes[key] = shapes[key][:-1] if rng.random() < 0.5 else shapes[key] + (2,)
+    fill = {"q": "torch.randn", "k": "torch.randn", "v": "torch.randn", "g": "-torch.rand", "beta": "torch.rand",
+            "lam": "torch.rand"}
+    args = [f"{fill[x]}({shapes[x]}, dtype=torch.float64).to({dt})" for x in ("q", "k", "v") + FLA_CALLS[name]]
+    kw = []
+    if h(0.4):
+        kw.append(p([f"scale={g.float_()}", f"output_final_state={g.bool_()}", "initial_state=torch.zeros(3)",
+                     "cu_seqlens=torch.tensor([0, 1])", "head_first=True", "bogus=1", "use_qk_l2norm_in_kernel=1"]))
+    elif rng.random() < 0.5:
+        kw.append("output_final_state=True")
+    return (f"import torch, hila.torch.fla as fla\n"
+            f"o, fin = fla.{name}({', '.join(args + kw)})\nr = o")
+
+
+def gen_models(g):
+    """HilaLM and (when transformers is installed) hila.hf: careless configurations and token ids."""
+    p, h = g.pick, g.hostile
+    cfg = dict(vocab_size="32", hidden_size="16", num_layers="1",
+               mixer=p(["'hla'", "'loglinear_mamba2'", "'loglinear_gdn'"]), max_len="64")
+    kw = {"'hla'": "{'num_heads': 2, 'head_dim': 8}", "'loglinear_mamba2'": "{'head_dim': 8, 'state_size': 4}",
+          "'loglinear_gdn'": "{'num_heads': 2, 'head_dim': 4}"}[cfg["mixer"]]
+    if h(0.6):
+        key = p(list(cfg) + ["mixer_kwargs"])
+        if key == "mixer_kwargs":
+            kw = p(["[1]", "{'bogus': 1}", "{'num_heads': 0}", "None"])
+        else:
+            cfg[key] = p(["0", "-1", "1.5", "'x'", "None"])
+    ids = p(["torch.randint(0, 32, (2, 5))", "torch.randint(0, 32, (1, 1))", "torch.zeros(1, 0, dtype=torch.long)"])
+    if h(0.5):
+        ids = p(["torch.tensor([[0, 32]])", "torch.tensor([[-1, 3]])", "torch.rand(1, 5)", "torch.tensor([1, 2])",
+                 "[[1, 2]]", "torch.randint(0, 32, (1, 2, 3))"])
+    args = ", ".join(f"{k}={v}" for k, v in cfg.items())
+    if g.c.rng.random() < 0.5:
+        return (f"import torch, hila.torch as ht\nm = ht.HilaLM(ht.HilaLMConfig({args}, mixer_kwargs={kw}))\n"
+                f"out = m({ids}, use_cache=True)\nr = out.logits.detach()")
+    hf_args = args.replace("num_layers", "num_hidden_layers")
+    return (f"import torch\ntry:\n    import hila.hf as hh\nexcept ImportError:  # no transformers here\n"
+            f"    hh = None\nif hh is not None:\n"
+            f"    m = hh.HilaForCausalLM(hh.HilaConfig({hf_args}, mixer_kwargs={kw}))\n"
+            f"    r = m(input_ids={ids}).logits.detach()")
+
+
 def fam_python_api(c, n):
     g = Gen(c)
     for family, gen, k in (("python introspection", gen_introspection, n),
                            ("python forward/backward/step", gen_calls, 2 * n),
                            ("python DecodeState methods", gen_decode_state, n),
                            ("python shared DecodeState threads", gen_threads, max(1, n // 10)),
-                           ("hila.torch functions/layers", gen_torch, n)):
+                           ("hila.torch functions/layers", gen_torch, n),
+                           ("hila.torch.fla functions", gen_fla, max(1, n // 2)),
+                           ("HilaLM / hila.hf models", gen_models, max(1, n // 2)),
+                           ("python sizes beyond memory", gen_sizes, max(1, n // 4))):
         codes = []
         for _ in range(k):
             g.clean = c.rng.random() < 0.5
@@ -811,8 +910,11 @@ def fam_python_api(c, n):
             py_batch(c, family, codes[i:i + 100])
     # environment knobs read by the Python package, set to garbage
     for v in ("1", "yes", "", "\x7f", "2", "-1"):
-        py_batch(c, "python environment knobs", [gen_calls(g) for _ in range(max(1, n // 20))],
-                 env={"HILA_POISON_OUTPUTS": v, "HILA_FRAMEWORK_WORKSPACE": v})
+        codes = []
+        for _ in range(max(1, n // 20)):
+            g.clean = c.rng.random() < 0.5
+            codes.append(gen_calls(g))
+        py_batch(c, "python environment knobs", codes, env={"HILA_POISON_OUTPUTS": v, "HILA_FRAMEWORK_WORKSPACE": v})
 
 
 # ---- CLI subcommands other than `run`, option combinations, environment knobs -------------------
