@@ -279,6 +279,27 @@ TEST(NonFiniteOutputs, AreErrorsNamingTheCause) {
   }
 }
 
+// A step whose o is finite (q = 0) but whose state update overflows float32 (k v^T = 1e60): the
+// check covers the state it wrote, for a DecodeState and for a caller's StateView.
+TEST(NonFiniteOutputs, StepThatOverflowsTheStateIsAnError) {
+  for (Op op : {Op::gla, Op::hla2, Op::loglinear, Op::gdn}) {
+    OpConfig cfg;
+    cfg.op = op;
+    StepInputs in(op, 1, 4, 4);
+    in.q.fill(0), in.k.fill(1e30), in.v.fill(1e30);
+    hila::DecodeState st(cfg, 1, 1, 4, 4);
+    expect_error(op_tag(op) + " DecodeState",
+                 [&] { hila::step(step_params(cfg, in.q, in.k, in.v, in.g, in.lam, in.beta, in.o), st); },
+                 std::string(traits(op).has_S ? "state.S" : "state.H"), {"not finite"});
+    StateBuffers s = hila::tools::make_state(cfg, 1, 1, 4, 4, 8, DType::f32);  // slots up to position 8
+    expect_error(op_tag(op) + " StateView",
+                 [&] { hila::step(step_params(cfg, in.q, in.k, in.v, in.g, in.lam, in.beta, in.o), s.view()); },
+                 std::string(traits(op).has_S ? "state.S" : "state.H"), {"not finite"});
+    cfg.check_values = false;  // unchecked: computed as written, no error
+    EXPECT_NO_THROW(hila::step(step_params(cfg, in.q, in.k, in.v, in.g, in.lam, in.beta, in.o), s.view()));
+  }
+}
+
 // ---- aliasing ----------------------------------------------------------------------------------
 
 TEST(Aliasing, OutputsMayNotAliasInputs) {

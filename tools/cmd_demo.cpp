@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <memory>
 
 #include "commands.h"
@@ -127,6 +128,9 @@ DemoRow demo_op(Op op, const DemoOptions& o, Device dev, Progress& progress, int
 int demo(const DemoOptions& o) {
   const Device dev = parse_device(o.device);
   if (o.T < 1 || o.decode < 0) throw Error("T", "the prompt needs T >= 1 and --decode >= 0");
+  if (o.decode > std::numeric_limits<int64_t>::max() - o.T)  // T + decode tokens are generated
+    throw Error("decode", "the prompt and the decoded tokens, --T + --decode, exceed int64, got " +
+                              std::to_string(o.T) + " + " + std::to_string(o.decode));
   std::vector<Op> ops;
   for (const std::string& n : o.ops) ops.push_back(parse_op(n));
   if (ops.empty()) ops = all_ops();

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
@@ -95,33 +96,36 @@ class Grads(NamedTuple):
 def op_traits(op: str) -> dict:
     """What ``op`` is made of: ``loglinear`` (takes lam), ``delta`` (takes beta), ``has_S``,
     ``has_P``, ``num_primitives`` (untied gate columns) and ``hla_family`` (normalize, untied)."""
-    return _C.op_traits(op)
+    return _call_C(_C.op_traits, [("op", op, "str")], op)
 
 
-_TRAITS = {name: op_traits(name) for name in OPS}
+_TRAITS = {name: _C.op_traits(name) for name in OPS}
 
 
 def _traits(op: str) -> dict:
     t = _TRAITS.get(op)
     if t is None:
-        _C.op_traits(op)  # raises HilaError('op') listing the valid names
+        op_traits(op)  # raises HilaError('op') listing the valid names
     return t
 
 
 def supports(op: str, form: str, backward: bool = False) -> bool:
     """Whether ``form`` exists for ``op`` in that direction. Forward: all. Backward: naive and chunk
     for every operator, serial for gla/hla2/ahla/hla3, never scan."""
-    return _C.supports(op, form, backward)
+    if isinstance(backward, np.bool_):
+        backward = bool(backward)
+    return _call_C(_C.supports, [("op", op, "str"), ("form", form, "str"), ("backward", backward, "bool")],
+                   op, form, backward)
 
 
 def state_slots(n: int) -> int:
     """Fenwick slots of a log-linear state at position n: ``bitlen(n) + 1``."""
-    return _C.state_slots(n)
+    return _call_C(_C.state_slots, [("n", n, "int")], n)
 
 
 def levels_needed(n0: int, T: int) -> int:
     """lam levels a call over positions n0 .. n0+T-1 needs: ``bitlen(n0 + T - 1) + 1`` (0 if T == 0)."""
-    return _C.levels_needed(n0, T)
+    return _call_C(_C.levels_needed, [("n0", n0, "int"), ("T", T, "int")], n0, T)
 
 
 def state_part_shapes(op: str, N: int, H: int, dk: int, dv: int, *, normalize: bool = False,
@@ -132,6 +136,9 @@ def state_part_shapes(op: str, N: int, H: int, dk: int, dv: int, *, normalize: b
     Python, so it also works on symbolic sizes (torch fake tensors).
     """
     t = _traits(op)
+    for name, x in (("N", N), ("H", H), ("dk", dk), ("dv", dv), ("slots", slots)):
+        if isinstance(x, (bool, np.bool_)) or not hasattr(x, "__index__") or (isinstance(x, (int, np.integer)) and x < 0):
+            raise HilaError(f"hila: argument '{name}': expected a size, an int >= 0, got {_describe(x)}", name)
     dvp = dv + 1 if normalize else dv
     return State(
         pos=(N,),
@@ -145,7 +152,9 @@ def state_shape(op: str, N: int, H: int, dk: int, dv: int, max_pos: int, *,
                 normalize: bool = False) -> State:
     """Shapes of the state parts for N sequences whose largest position is ``max_pos``
     (the C++ ``hila::state_shape``)."""
-    d = _C.state_shape(config(op, normalize=normalize), N, H, dk, dv, max_pos)
+    d = _call_C(_C.state_shape, [(n, x, "int") for n, x in (("N", N), ("H", H), ("dk", dk), ("dv", dv),
+                                                             ("max_pos", max_pos))],
+                config(op, normalize=normalize), N, H, dk, dv, max_pos)
     return State(*(None if d[k] is None else tuple(d[k]) for k in State._fields))
 
 
@@ -229,7 +238,7 @@ def _number(name: str, x: Any) -> Optional[float]:
         if isinstance(x, (bool, np.bool_, str, bytes)):  # float("0.5") would pass a string
             raise TypeError
         return float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise HilaError(f"hila: argument '{name}': expected a number, got {_describe(x)}", name) from None
 
 
@@ -282,6 +291,25 @@ def use_framework_workspace(on: bool = True) -> bool:
     return prev
 
 
+_CHECKED_BYTES = 1 << 26  # host allocations from this size on are checked against memory_limit()
+
+
+def check_host_bytes(name: str, *arrays: Tuple[Optional[Sequence[int]], int]) -> None:
+    """HilaError(name) when arrays of these (shape, itemsize) (None: absent) would together take
+    more host memory than a hila call may (``_C.memory_limit()``: the machine's memory,
+    HILA_MAX_MEMORY, hila::set_memory_limit), before numpy or torch try the allocation (a
+    MemoryError, or an overcommitted block that fails when it is written)."""
+    n = 0
+    for shape, itemsize in arrays:
+        if shape is not None:
+            n += math.prod(int(d) for d in shape) * itemsize
+    if n >= _CHECKED_BYTES and n > _C.memory_limit():
+        shapes = " + ".join(str(list(shape)) for shape, _ in arrays if shape is not None)
+        raise HilaError(f"hila: argument '{name}': needs {n} bytes of host memory for arrays of shape "
+                        f"{shapes}, more than the {_C.memory_limit()} bytes hila may take (the "
+                        "machine's memory, HILA_MAX_MEMORY or hila::set_memory_limit)", name)
+
+
 class _Family:
     """Allocates outputs with the array library of a reference array."""
 
@@ -295,9 +323,15 @@ class _Family:
             self.xp = like.__array_namespace__()
             self.immutable = self.xp.__name__.split(".")[0] == "jax"
 
-    def empty(self, shape: Sequence[int], dtype: str) -> Array:
-        """An uninitialised output: the library writes every element of each output it is given
-        (outputs, final states, gradients), so none needs a fill."""
+    def host(self) -> bool:
+        """Whether the arrays of this family live in host memory (numpy, torch CPU tensors)."""
+        return self.like.device.type == "cpu" if self.torch else self.xp is None or self.immutable
+
+    def empty(self, shape: Sequence[int], dtype: str, name: str = "o") -> Array:
+        """An uninitialised output ``name``: the library writes every element of each output it is
+        given (outputs, final states, gradients), so none needs a fill."""
+        if self.host():
+            check_host_bytes(name, (shape, np.dtype(dtype).itemsize))
         if self.torch:
             import torch
             x = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
@@ -307,8 +341,10 @@ class _Family:
             x = np.empty(tuple(shape), dtype=np.dtype(dtype))
         return _poison(x) if _POISON_OUTPUTS[0] else x
 
-    def zeros(self, shape: Sequence[int], dtype: str) -> Array:
+    def zeros(self, shape: Sequence[int], dtype: str, name: str = "state.pos") -> Array:
         """A zero array (what must start at zero, e.g. the positions of a bare-array state)."""
+        if self.host():
+            check_host_bytes(name, (shape, np.dtype(dtype).itemsize))
         if self.torch:
             import torch
             return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=self.like.device)
@@ -388,10 +424,10 @@ def _bare_state(x: Any, name: str, op: Optional[str], grad: bool) -> tuple:
 def _stream(stream: Optional[int]) -> int:
     if stream is None:
         return 0
-    if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)) and 0 <= stream < 2**64:
         return int(stream)
-    raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int (0: the default "
-                    f"stream), got {_describe(stream)}", "stream")
+    raise HilaError(f"hila: argument 'stream': expected a cudaStream_t as an int in [0, 2^64) (0: the "
+                    f"default stream), got {_describe(stream)}", "stream")
 
 
 def _required(**arrays: Any) -> None:
@@ -423,7 +459,7 @@ def _bad_array(x: Any) -> bool:
     if x is None:
         return False
     if isinstance(x, np.ndarray):
-        return x.dtype.kind not in "biuf" and not _is_ml_bf16(x)
+        return (x.dtype.kind not in "biuf" or not x.dtype.isnative) and not _is_ml_bf16(x)
     return not hasattr(x, "__dlpack__")
 
 
@@ -451,8 +487,13 @@ def _call_C(fn, checks, *args, **kwargs):
             expected = f"a string ({', '.join(FORMS)})" if name == "form" else "a string"
         elif kind == "int" and (not isinstance(x, (int, np.integer)) or isinstance(x, bool)):
             expected = "an int"
+        elif kind == "int" and not -2**63 <= int(x) < 2**63:
+            expected = "an int in [-2^63, 2^63)"
+        elif kind == "bool" and not isinstance(x, (bool, np.bool_)):
+            expected = "a bool"
         elif kind == "array" and _bad_array(x):
-            expected = "an array of numbers (numpy, torch, cupy, jax: anything with __dlpack__)"
+            expected = ("an array in the machine's byte order" if isinstance(x, np.ndarray) and x.dtype.kind
+                        in "biuf" else "an array of numbers (numpy, torch, cupy, jax: anything with __dlpack__)")
         elif kind == "state" and x is not None and any(_bad_array(p) for p in x):
             part = next(f for f, p in zip(State._fields, x) if _bad_array(p))
             name, x, expected = f"{name}.{part}", x[State._fields.index(part)], "an array of numbers"
@@ -463,9 +504,12 @@ def _call_C(fn, checks, *args, **kwargs):
     raise HilaError(f"hila: invalid argument types: {str(exc).splitlines()[0]}") from None
 
 
+_NO_FORM = object()  # the form argument of _checks for a step, which takes no form and chunk
+
+
 def _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens, **states_and_arrays) -> list:
     """The (name, value, kind) list of :func:`_call_C` for an operator call."""
-    out = [] if form is None else [("form", form, "str"), ("chunk", chunk, "int")]
+    out = [] if form is _NO_FORM else [("form", form, "str"), ("chunk", chunk, "int")]
     out += [(n, x, "array") for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("lam", lam),
                                          ("beta", beta), ("cu_seqlens", cu_seqlens))]
     out += [(n, x, "state" if isinstance(x, tuple) else "array") for n, x in states_and_arrays.items()]
@@ -480,25 +524,40 @@ def _max_final_position(T: int, B: int, cu_seqlens: Optional[Array], init_pos: O
     """max_i (n0_i + len_i) over the sequences of a call, read from the (host) arrays; 0 when
     they cannot be read, which leaves the report of what is wrong with them to the C++ checks."""
     try:
-        if cu_seqlens is None:
-            lens = np.full(B, T, dtype=np.int64)
+        if cu_seqlens is None:  # every sequence has T tokens: no [B] array (B may be huge at T = 0)
+            if init_pos is None:
+                return int(T)
+            n0 = np.asarray(init_pos, dtype=np.int64)
+            return int(n0.max()) + int(T) if n0.size and n0.shape == (B,) else 0
         else:
             cu = np.asarray(cu_seqlens, dtype=np.int64)
             lens = cu[1:] - cu[:-1]
         n0 = np.zeros_like(lens) if init_pos is None else np.asarray(init_pos, dtype=np.int64)
         return int((n0 + lens).max()) if lens.size and lens.shape == n0.shape else 0
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         return 0
+
+
+def check_slots(name: str, x: Any) -> int:
+    """A Fenwick slot count argument (``final_slots``, ``out_slots``) as an int in [1, 64]: 64 slots
+    hold every position up to the bound 2^62 (``state_slots(2**62)``); HilaError naming it."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 1 <= x <= 64:
+        return int(x)
+    raise HilaError(f"hila: argument '{name}': expected an int in [1, 64] (Fenwick slots; 64 hold every "
+                    f"position up to 2^62), got {_describe(x)}", name)
 
 
 def _allocate_state(fam: _Family, op: str, N: int, H: int, dk: int, dv: int, normalize: bool,
                     slots: int, dtype: str, with_pos: bool = True) -> State:
     shapes = state_part_shapes(op, N, H, dk, dv, normalize=normalize, slots=slots)
+    if fam.host():  # the parts together (each is checked again as it is allocated)
+        item = np.dtype(dtype).itemsize
+        check_host_bytes("final_state", (shapes.pos, 8), (shapes.S, item), (shapes.P, item), (shapes.H, item))
     return State(
-        pos=fam.empty(shapes.pos, "int64") if with_pos else None,
-        S=None if shapes.S is None else fam.empty(shapes.S, dtype),
-        P=None if shapes.P is None else fam.empty(shapes.P, dtype),
-        H=fam.empty(shapes.H, dtype),
+        pos=fam.empty(shapes.pos, "int64", "final_state.pos") if with_pos else None,
+        S=None if shapes.S is None else fam.empty(shapes.S, dtype, "final_state.S"),
+        P=None if shapes.P is None else fam.empty(shapes.P, dtype, "final_state.P"),
+        H=fam.empty(shapes.H, dtype, "final_state.H"),
     )
 
 
@@ -565,9 +624,10 @@ def forward(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *e
     if output_final_state and _ndim(q) == 4 and _ndim(v) == 4:
         B, T, _, dk = q.shape
         H, dv = v.shape[2], v.shape[3]
-        N = B if cu_seqlens is None or _ndim(cu_seqlens) != 1 else cu_seqlens.shape[0] - 1
+        N = B if cu_seqlens is None or _ndim(cu_seqlens) != 1 else max(cu_seqlens.shape[0] - 1, 0)
         if final_slots is None:
             final_slots = state_slots(_max_final_position(T, B, cu_seqlens, None if init is None else init[0]))
+        final_slots = check_slots("final_slots", final_slots)
         final = _allocate_state(fam, op, N, H, dk, dv, normalize, final_slots, _state_dtype(q))
     st = _stream(stream)
     _call_C(_C.forward, lambda: _checks(form, chunk, q, k, v, g, lam, beta, cu_seqlens,
@@ -658,9 +718,9 @@ def step(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *extr
         if shape is not None and i == 3 and _traits(op)["loglinear"] and len(shape) == 5:
             if out_slots is None:
                 out_slots = max(shape[2], state_slots(_max_final_position(1, len(st[0]), None, st[0])))
-            shape[2] = out_slots
-        out.append(None if x is None else fam.empty(shape, _dtype_name(x)))
-    _call_C(_C.step, lambda: _checks(None, None, q, k, v, g, lam, beta, None, state=st), cfg, q,
+            shape[2] = check_slots("out_slots", out_slots)
+        out.append(None if x is None else fam.empty(shape, _dtype_name(x), f"state_out.{State._fields[i]}"))
+    _call_C(_C.step, lambda: _checks(_NO_FORM, None, q, k, v, g, lam, beta, None, state=st), cfg, q,
             k, v, g, lam, beta, st, o=o, state_out=tuple(out), stream=_stream(stream))
     return fam.finish(o), _finish_state(fam, State(*out))
 
@@ -685,7 +745,9 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *ext
             (never grown here: allocate the slots of the longest sequence to come, or use
             :class:`DecodeState`). Float parts all float32 or all float64 (on CUDA: float64
             exactly for float64 inputs). Immutable arrays (jax) cannot be stepped in place.
-        Other options as in :func:`forward`; ``check_values`` covers the step inputs, not the state.
+        Other options as in :func:`forward`; ``check_values`` covers the step inputs (not the state
+            passed in) and, after the step, o and the state it wrote: a step that fails that check
+            raises HilaError with ``state`` already advanced (holding the values the error names).
 
     Returns:
         o [N, H, dv] with the dtype of v, allocated by the array library of q. The state now
@@ -709,7 +771,7 @@ def step_(op: str, q: Array, k: Array, v: Array, g: Optional[Array] = None, *ext
                             f"state.{name}")
     fam = _Family(q)
     o = fam.empty(tuple(v.shape), _dtype_name(v))
-    _call_C(_C.step_inplace, lambda: _checks(None, None, q, k, v, g, lam, beta, None, state=st), cfg,
+    _call_C(_C.step_inplace, lambda: _checks(_NO_FORM, None, q, k, v, g, lam, beta, None, state=st), cfg,
             q, k, v, g, lam, beta, st, o=o, stream=_stream(stream))
     return fam.finish(o)
 
@@ -809,7 +871,8 @@ class DecodeState:
         """A decode state loaded from ``state`` (e.g. a prefill's final state); sizes and dtype
         are read from ``state.H``, the device too unless ``device`` is given (the state must then
         already live there). ``config_kwargs`` as in :func:`forward` (scale, normalize, ...)."""
-        H = _arr(state.H)
+        st = _state(state, "state", op)
+        H = None if st is None else st[3]
         if H is None or len(H.shape) < 4:
             raise HilaError("hila: argument 'state.H': expected [N, H, (Ls,) dk, dv'], got "
                             f"{None if H is None else tuple(H.shape)}", "state.H")
@@ -818,7 +881,7 @@ class DecodeState:
             device = H.__dlpack_device__() if hasattr(H, "__dlpack_device__") else "cpu"
         self = cls(op, H.shape[0], H.shape[1], H.shape[-2], dv, dtype=_dtype_name(H), device=device,
                    **config_kwargs)
-        self.load(state)
+        self.load(st)
         return self
 
     def step(self, q: Array, k: Array, v: Array, g: Optional[Array] = None, *,
@@ -826,19 +889,23 @@ class DecodeState:
              stream: Optional[int] = None) -> Array:
         """One token for every sequence and head: q, k [N, G, dk], v [N, H, dv], g [N, H] or
         [N, H, P], lam [N, H, L], beta [N, H], all on the state's device. Returns o [N, H, dv]
-        (dtype of v, allocated by q's array library); updates the state."""
+        (dtype of v, allocated by q's array library); updates the state. With value checks on, a
+        step whose o or new state is not finite raises HilaError after advancing the state (which
+        then holds those values: :meth:`load` a good state, or discard it)."""
         if q is None or k is None or v is None:
             _required(q=q, k=k, v=v)
         q, k, v, g, lam, beta = map(_arr, (q, k, v, g, lam, beta))
         fam = _Family(q)
         o = fam.empty(tuple(v.shape), _dtype_name(v))
-        _call_C(self._st.step, lambda: _checks(None, None, q, k, v, g, lam, beta, None), q, k, v, g,
+        _call_C(self._st.step, lambda: _checks(_NO_FORM, None, q, k, v, g, lam, beta, None), q, k, v, g,
                 lam, beta, o=o, stream=_stream(stream))
         return fam.finish(o)
 
     def load(self, state: State) -> None:
         """Copies ``state`` in (validated like an initial state; arrays on the state's device)."""
         st = _state(state, "state", self.op)
+        if st is None:
+            raise HilaError("hila: argument 'state': is required (the State to copy in), got None", "state")
         _call_C(self._st.load, [("state", st, "state")], st)
 
     def view(self) -> State:

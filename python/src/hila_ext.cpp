@@ -856,6 +856,7 @@ NB_MODULE(_C, m) {
       "op"_a, "form"_a, "backward"_a);
   m.def("state_shape", &state_shape_dict, "cfg"_a, "N"_a, "H"_a, "dk"_a, "dv"_a, "max_pos"_a);
   m.def("state_slots", &hila::state_slots, "n"_a);
+  m.def("memory_limit", &hila::memory_limit);
   m.def("step_counters_size", &hila::step_counters_size, "N"_a, "H"_a,
         "Elements of a step's counters (StepParams::counters) for N sequences and H value heads: N + N * H.");
   m.def("levels_needed", &hila::levels_needed, "n0"_a, "T"_a);

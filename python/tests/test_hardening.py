@@ -196,3 +196,100 @@ def test_non_finite_outputs_raise():
     with pytest.raises(hila.HilaError) as e:
         hila.forward("hla2", q, k, v, normalize=True, eps=0.0)
     assert e.value.argument == "eps"
+
+
+_Q = np.zeros((1, 4, 1, 4), np.float32)
+_T = np.zeros((1, 1, 4), np.float32)
+_LAM = np.ones((1, 4, 1, 3), np.float32)
+
+
+def _ll_state():
+    return hila.State(np.array([3], np.int64), None, None, np.zeros((1, 1, 3, 4, 4), np.float32))
+
+
+@pytest.mark.parametrize("call, arg", [
+    # introspection: nanobind's TypeError and out-of-range ints never escape
+    (lambda: hila.state_slots(2**64), "n"),
+    (lambda: hila.state_slots("x"), "n"),
+    (lambda: hila.levels_needed(-1, None), "T"),
+    (lambda: hila.supports(None, "chunk"), "op"),
+    (lambda: hila.supports("gla", None), "form"),
+    (lambda: hila.supports("gla", "chunk", []), "backward"),
+    (lambda: hila.op_traits(3), "op"),
+    (lambda: hila.state_shape("gla", 2**64, 1, 4, 4, 0), "N"),
+    (lambda: hila.state_part_shapes("gla", float("nan"), 1, 4, 4), "N"),
+    (lambda: hila.state_part_shapes("gla", 1, 1, 4, 4, slots=-1), "slots"),
+    (lambda: hila.config("gla", scale=2**1100), "scale"),
+    # slot counts of new states: never a negative or a 64 TiB numpy allocation
+    (lambda: hila.forward("loglinear", _Q, _Q, _Q, lam=_LAM, output_final_state=True, final_slots=-1), "final_slots"),
+    (lambda: hila.forward("loglinear", _Q, _Q, _Q, lam=_LAM, output_final_state=True, final_slots=2**40),
+     "final_slots"),
+    (lambda: hila.forward("loglinear", _Q, _Q, _Q, lam=_LAM, output_final_state=True, final_slots="x"),
+     "final_slots"),
+    (lambda: hila.step("loglinear", _T, _T, _T, lam=np.ones((1, 1, 4), np.float32), state=_ll_state(), out_slots=-1),
+     "out_slots"),
+    (lambda: hila.forward("gla", _Q, _Q, _Q, output_final_state=True, cu_seqlens=np.array([], np.int64)),
+     "cu_seqlens"),
+    (lambda: hila.forward("gla", _Q, _Q, _Q, output_final_state=True, cu_seqlens=[0, 2**70]), "cu_seqlens"),
+    (lambda: hila.forward("gla", _Q, _Q, _Q, chunk=2**63), "chunk"),
+    (lambda: hila.backward("gla", _Q, _Q, _Q, do=_Q, form=None), "form"),
+    (lambda: hila.forward("gla", _Q.astype(">f4"), _Q, _Q), "q"),
+    (lambda: hila.forward("gla", _Q, _Q, _Q, stream=-1), "stream"),
+    (lambda: hila.DecodeState("gla", 2**64, 1, 4, 4), "batch"),
+    (lambda: hila.DecodeState("gla", 1, 1, 4, 4).position(2**70), "seq"),
+    (lambda: hila.DecodeState("gla", 1, 1, 4, 4).load(None), "state"),
+    (lambda: hila.DecodeState("gla", 1, 1, 4, 4).step(_T, _T, _T, stream=-2**63), "stream"),
+    (lambda: hila.DecodeState.from_state("gla", None), "state.H"),
+    (lambda: hila.DecodeState.from_state("gla", np.zeros(3)), "state"),
+])
+def test_careless_arguments_are_hila_errors_naming_them(call, arg):
+    with pytest.raises(hila.HilaError) as e:
+        call()
+    assert e.value.argument == arg, str(e.value)
+
+
+def test_supports_takes_numpy_bools():
+    assert hila.supports("gla", "chunk", np.bool_(True)) is True
+
+
+@pytest.mark.parametrize("op", ["gla", "hla2", "loglinear", "gdn"])
+def test_step_that_overflows_the_state_is_an_error(op):
+    """q = 0 keeps o finite while k v^T = 1e60 overflows the float32 state: the value checks cover
+    the state a step wrote (DecodeState.step and step_), as they cover forward's final state."""
+    t = hila.op_traits(op)
+    z, x = np.zeros((1, 1, 4), np.float32), np.full((1, 1, 4), 1e30, np.float32)
+    extra = {}
+    if t["loglinear"]:
+        extra["lam"] = np.ones((1, 1, 4), np.float32)
+    if t["delta"]:
+        extra["beta"] = np.full((1, 1), 0.5, np.float32)
+    part = "state.S" if t["has_S"] else "state.H"
+    with pytest.raises(hila.HilaError, match="not finite") as e:
+        hila.DecodeState(op, 1, 1, 4, 4).step(z, x, x, **extra)
+    assert e.value.argument == part
+    st = hila.DecodeState(op, 1, 1, 4, 4).state()
+    with pytest.raises(hila.HilaError, match="not finite") as e:
+        hila.step_(op, z, x, x, state=st, **extra)
+    assert e.value.argument == part
+
+
+@pytest.mark.parametrize("op", ["gla", "loglinear_gdn"])
+def test_outputs_beyond_the_memory_limit_are_refused_before_allocation(op, monkeypatch):
+    """T = 0 with huge B, H, dk, dv: the final state would take TiBs. Refused by name against
+    hila's limit before numpy allocates (never a MemoryError, never a touched [B] temporary)."""
+    monkeypatch.setenv("HILA_MAX_MEMORY", "1G")
+    t = hila.op_traits(op)
+    B, H = 2**31, 4
+    q, v = np.zeros((B, 0, 1, 1024), np.float32), np.zeros((B, 0, H, 4096), np.float32)
+    extra = {}
+    if t["loglinear"]:
+        extra["lam"] = np.zeros((B, 0, H, 1), np.float32)
+    if t["delta"]:
+        extra["beta"] = np.zeros((B, 0, H), np.float32)
+    with pytest.raises(hila.HilaError) as e:
+        hila.forward(op, q, q, v, output_final_state=True, **extra)
+    assert e.value.argument == "final_state", str(e.value)
+    q = np.zeros((1, 0, 1, 1024), np.float32)
+    with pytest.raises(hila.HilaError) as e:  # a million empty sequences
+        hila.forward("gla", q, q, q, cu_seqlens=np.zeros(10**6 + 1, np.int64), output_final_state=True)
+    assert e.value.argument == "final_state", str(e.value)

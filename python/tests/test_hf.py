@@ -172,3 +172,18 @@ def test_checkpoints_shared_with_hila_lm(tmp_path):
     for (n, a), b in zip(lm.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), n
     assert transformers.__version__  # the version the suite ran with is in the pytest header
+
+
+def test_careless_configs_and_inputs_are_hila_errors():
+    with pytest.raises(hila.HilaError) as e:
+        hh.HilaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, mixer_kwargs=[1])
+    assert e.value.argument == "mixer_kwargs"
+    with pytest.raises(hila.HilaError) as e:
+        hh.HilaForCausalLM(hh.HilaConfig(vocab_size=VOCAB, hidden_size=-1, num_hidden_layers=1))
+    assert e.value.argument == "hidden_size"
+    model = hh.HilaForCausalLM(hh.HilaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                             mixer_kwargs={"num_heads": 2, "head_dim": 8}))
+    for ids in (torch.tensor([[0, VOCAB]]), torch.tensor([1, 2]), torch.rand(1, 3)):
+        with pytest.raises(hila.HilaError) as e:
+            model(input_ids=ids)
+        assert e.value.argument == "input_ids"

@@ -163,6 +163,43 @@ def test_layer_errors():
     assert e.value.argument == "state"
 
 
+@pytest.mark.parametrize("make, arg", [
+    (lambda: ht.HLAAttention(D, 0, head_dim=4), "num_heads"),
+    (lambda: ht.HLAAttention(D, 2, head_dim=4, chunk_size=None), "chunk_size"),
+    (lambda: ht.LogLinearMamba2(D, max_len=64, head_dim=0), "head_dim"),
+    (lambda: ht.LogLinearMamba2(D, max_len=64, expand=None), "expand"),
+    (lambda: ht.LogLinearGatedDeltaNet(None, max_len=64, num_heads=2, head_dim=4), "hidden_size"),
+    (lambda: ht.LogLinearGatedDeltaNet(D, max_len=1.5, num_heads=2, head_dim=4), "max_len"),
+])
+def test_layer_sizes_are_checked(make, arg):
+    """Sizes that are not ints >= 1: HilaError naming them, not a ZeroDivisionError or torch's
+    TypeError from inside the constructor."""
+    with pytest.raises(hila.HilaError) as e:
+        make()
+    assert e.value.argument == arg, str(e.value)
+
+
+@pytest.mark.parametrize("x", [
+    lambda: torch.randn(5, D), lambda: torch.randn(1, 5, D - 1), lambda: torch.randn(2, 3, 5, D),
+    lambda: torch.randn(1, 5, D, dtype=torch.float64), lambda: torch.ones(1, 5, D, dtype=torch.int64),
+    lambda: torch.randn(1, 5, D, device="meta"), lambda: "x",
+])
+def test_layer_inputs_are_checked(x):
+    """x of another rank, hidden size, dtype or device than the layer's: HilaError('x'), not
+    torch's RuntimeError from the first projection."""
+    layer = ht.HLAAttention(D, 2, head_dim=4)
+    with pytest.raises(hila.HilaError) as e:
+        layer(x())
+    assert e.value.argument == "x", str(e.value)
+
+
+def test_layer_runs_under_autocast():
+    layer = ht.HLAAttention(D, 2, head_dim=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = layer(torch.randn(1, 5, D, dtype=torch.bfloat16))
+    assert y.shape == (1, 5, D) and torch.isfinite(y.float()).all()
+
+
 def test_cache_select_and_size():
     layer = _layer("loglinear_mamba2", "cpu")
     x = _x("cpu", B=3, T=9)

@@ -122,3 +122,28 @@ def test_compile_inductor_hla():
     got = compiled(ids, labels=ids).loss
     got.backward()
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(vocab_size=0), "vocab_size"), (dict(hidden_size=-1), "hidden_size"), (dict(num_layers=-1), "num_layers"),
+    (dict(mixer="bogus"), "mixer"), (dict(mixer_kwargs=[1]), "mixer_kwargs"),
+    (dict(mixer_kwargs={"num_heads": 2, "bogus": 1}), "mixer_kwargs"),
+])
+def test_model_configuration_errors_name_the_field(kw, arg):
+    cfg = ht.HilaLMConfig(**{**dict(vocab_size=32, hidden_size=16, num_layers=1, mixer_kwargs={"num_heads": 2}), **kw})
+    with pytest.raises(hila.HilaError) as e:
+        ht.HilaLM(cfg)
+    assert e.value.argument == arg, str(e.value)
+
+
+@pytest.mark.parametrize("ids", [
+    lambda: torch.tensor([[0, 32]]), lambda: torch.tensor([[-1, 3]]), lambda: torch.rand(1, 5),
+    lambda: torch.tensor([1, 2]), lambda: [[1, 2]],
+])
+def test_token_ids_are_checked(ids):
+    """Ids outside the vocabulary, of a float dtype or another rank: HilaError('input_ids'), not
+    the embedding's IndexError (on CUDA a device-side assert)."""
+    model = ht.HilaLM(ht.HilaLMConfig(vocab_size=32, hidden_size=16, num_layers=1, mixer_kwargs={"num_heads": 2}))
+    with pytest.raises(hila.HilaError) as e:
+        model(ids())
+    assert e.value.argument == "input_ids", str(e.value)

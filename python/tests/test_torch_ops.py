@@ -197,6 +197,56 @@ def test_meta_tensors_use_the_fake_kernels():
     assert fin.H.shape == (2, 3, hila.state_slots(9), 4, 5) and fin.pos.dtype == torch.int64
 
 
+def test_torch_states_beyond_the_memory_limit_are_refused(monkeypatch):
+    """zero_state and a forward's final state: the parts together against hila's limit, before
+    torch allocates (each part alone fits: 2 x 0.75 GiB under a 1 GiB limit)."""
+    monkeypatch.setenv("HILA_MAX_MEMORY", "1G")
+    with pytest.raises(hila.HilaError) as e:
+        ht.zero_state("ahla", 3 * 2**16, 1, 32, 32)
+    assert e.value.argument == "state", str(e.value)
+    q = torch.zeros(2**20, 0, 1, 4096)
+    with pytest.raises(hila.HilaError) as e:
+        ht.forward("gla", q, q, q, output_final_state=True)
+    assert e.value.argument == "final_state", str(e.value)
+
+
+def test_fla_head_first_with_a_wrong_rank_is_a_named_error():
+    import hila.torch.fla as fla
+    q = torch.randn(1, 1, 1, 2, dtype=torch.float64)
+    with pytest.raises(hila.HilaError) as e:
+        fla.chunk_simple_gla(q, q, q, -torch.rand(1, 1, dtype=torch.float64), head_first=True)
+    assert e.value.argument == "g", str(e.value)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda t: ht.forward("loglinear", t, t, t, lam=torch.ones(1, 4, 1, 3), output_final_state=True,
+                          final_slots=-1), "final_slots"),
+    (lambda t: ht.forward("gla", t, t, t, chunk=2**64), "chunk"),
+    (lambda t: ht.forward("gla", t, t, t, chunk=None), "chunk"),
+    (lambda t: ht.forward("gla", t, t, t, form=None), "form"),
+    (lambda t: ht.forward("hla2", t, t, t, initial_state=ht.zero_state("hla2", 1, 1, 4, 4, device="meta")),
+     "initial_state.pos"),
+    (lambda t: ht.zero_state("gla", 1, float("nan"), 4, 4), "H"),
+    (lambda t: ht.zero_state("gla", 2**63 - 1, 1, 4, 4), "state"),
+    (lambda t: ht.zero_state("gla", 1, -7, 4, 4), "state"),
+    (lambda t: ht.zero_state("gla", 1, 1, 4, 4, dtype=torch.float16), "dtype"),
+    (lambda t: ht.zero_state(3, 1, 1, 4, 4), "op"),
+    # the custom-op road (q on meta): options and devices checked before torch's schema check, and a
+    # CPU tensor next to a meta q is not run through the shape function (uninitialized output)
+    (lambda t: ht.forward("gla", t.to("meta"), t, t), "k"),
+    (lambda t: ht.forward("gla", *[t.to("meta")] * 3, chunk="3"), "chunk"),
+    (lambda t: ht.forward("gla", *[t.to("meta")] * 3, eps="x"), "eps"),
+    (lambda t: ht.step("gla", *[t[:, 0].to("meta")] * 3, state=ht.zero_state("gla", 1, 1, 4, 4)), "state.pos"),
+    (lambda t: ht.step_("gla", *[t[:, 0].to("meta")] * 3, state=ht.zero_state("gla", 1, 1, 4, 4)), "state.pos"),
+])
+def test_torch_careless_arguments_are_hila_errors(call, arg):
+    """Options and states a careless caller passes: HilaError naming them, never torch's or
+    nanobind's TypeError / RuntimeError, DLPack's BufferError (meta tensors) or a huge allocation."""
+    with pytest.raises(hila.HilaError) as e:
+        call(torch.zeros(1, 4, 1, 4))
+    assert e.value.argument == arg, str(e.value)
+
+
 def test_torch_errors():
     x, _, _ = _inputs("loglinear", "cpu")
     with pytest.raises(hila.HilaError, match="argument 'lam'") as e:

@@ -320,9 +320,10 @@ void step(const StepParams& p, DecodeState& state) {
   try {
     detail::run_step(r, p, s.view(), s.on_cuda() ? s.counters->data() : nullptr);
   } catch (...) {
-    // A CPU step that failed its output check has advanced the state already: keep the host copy
-    // of the positions true to it.
-    if (!s.on_cuda()) s.pos = detail::read_positions(s.view().pos);
+    // A step that failed its output check (o or the state it wrote) has advanced the state already
+    // (on CUDA the kernel advanced the device positions): keep the host copy of the positions true
+    // to it, as the slot growth of the next step reads it.
+    s.pos = detail::read_positions(s.view().pos);
     throw;
   }
   for (int64_t& x : s.pos) ++x;  // the step advanced the view's positions (CPU) or the device copy

@@ -97,7 +97,7 @@ void run_step(const Resolved& r, const StepParams& p, const StateView& state, vo
   }
   if (!r.cfg.check_values) return;
   const StreamScope scope(p.stream);
-  check_step_outputs(r, p);
+  check_step_outputs(r, p, state);
 }
 }  // namespace detail
 

@@ -100,10 +100,11 @@ void check_state(const char* name, const StateView& s, const OpConfig& cfg, int6
 std::vector<int64_t> read_positions(const TensorView& pos);
 // With check_values on: every output finite, else hila::Error naming the output and the likely
 // cause (a divergent delta rule, magnitudes or scale beyond the compute precision, a normalize
-// denominator at zero). Host tensors; the CPU backend runs them after each call.
+// denominator at zero). Host tensors; the CPU backend runs them after each call. A step checks o and
+// the state it wrote (all of it, or its rows of a pool).
 void check_forward_outputs(const Resolved& r, const ForwardParams& p);
 void check_backward_outputs(const Resolved& r, const BackwardParams& p);
-void check_step_outputs(const Resolved& r, const StepParams& p);
+void check_step_outputs(const Resolved& r, const StepParams& p, const StateView& state);
 
 [[noreturn]] void fail_allocation(const std::string& arg, const std::string& what, const char* why);
 

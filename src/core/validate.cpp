@@ -1474,22 +1474,28 @@ void check_state_finite(const char* name, const StateView& s, const Cause& cause
   check_output_finite(nm.H, s.H, cause);
 }
 
+// The state a call wrote: all of it, or of a pool (the indices are read when values are checked) the
+// rows its sequences own.
+template <class Cause>
+void check_written_state(const char* name, const Resolved& r, const StateView& s, const Cause& cause) {
+  if (!r.pooled) return check_state_finite(name, s, cause);
+  const PartNames nm = part_names(name);
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const int64_t row = r.rows[i];
+    if (row < 0) continue;
+    if (s.S.defined()) check_output_finite(nm.S, row_of(s.S, row), cause);
+    if (s.P.defined()) check_output_finite(nm.P, row_of(s.P, row), cause);
+    if (s.H.defined()) check_output_finite(nm.H, row_of(s.H, row), cause);
+  }
+}
+
 }  // namespace
 
 void check_forward_outputs(const Resolved& r, const ForwardParams& p) {
   if (!r.cfg.check_values) return;
   auto cause = [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, true); };
   check_output_finite("o", p.o, cause);
-  if (!r.pooled) return check_state_finite("final_state", p.final_state, cause);
-  // a pool: the rows this call wrote (the indices are read when values are checked)
-  const PartNames nm = part_names("final_state");
-  for (size_t i = 0; i < r.rows.size(); ++i) {
-    const int64_t row = r.rows[i];
-    if (row < 0) continue;
-    if (p.final_state.S.defined()) check_output_finite(nm.S, row_of(p.final_state.S, row), cause);
-    if (p.final_state.P.defined()) check_output_finite(nm.P, row_of(p.final_state.P, row), cause);
-    if (p.final_state.H.defined()) check_output_finite(nm.H, row_of(p.final_state.H, row), cause);
-  }
+  check_written_state("final_state", r, p.final_state, cause);
 }
 
 void check_backward_outputs(const Resolved& r, const BackwardParams& p) {
@@ -1502,9 +1508,11 @@ void check_backward_outputs(const Resolved& r, const BackwardParams& p) {
   check_state_finite("d_init", p.d_init, cause);
 }
 
-void check_step_outputs(const Resolved& r, const StepParams& p) {
+void check_step_outputs(const Resolved& r, const StepParams& p, const StateView& state) {
   if (!r.cfg.check_values) return;
-  check_output_finite("o", p.o, [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, false); });
+  auto cause = [&] { return likely_cause(r, p.q, p.k, p.v, p.beta, false); };
+  check_output_finite("o", p.o, cause);
+  check_written_state("state", r, state, cause);  // a finite o can come with an overflowed state
 }
 
 }  // namespace hila::detail

@@ -248,3 +248,16 @@ def test_reset_gates_give_finite_outputs(hila_bin, tmp_path, gval):
         assert np.isfinite(outs[form]).all()
     for form in ("chunk", "scan", "naive"):
         np.testing.assert_allclose(outs[form], outs["serial"], rtol=0, atol=1e-6 * np.abs(outs["serial"]).max())
+
+
+@pytest.mark.parametrize("args, arg", [
+    (["--T", str(2**63 - 1000), "--decode", "1000"], "decode"),  # T + decode wraps int64
+    (["--T", "1", "--decode", str(2**63 - 1)], "decode"),
+    (["--T", "0"], "T"),
+])
+def test_demo_sizes_that_wrap_are_named_errors(hila_bin, args, arg):
+    r = subprocess.run([str(hila_bin), "demo", "--no-check", "--reps", "1", *args], capture_output=True,
+                       timeout=60)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2, f"expected exit 2 (bad input), got {r.returncode}: {err}"
+    assert f"argument '{arg}'" in err, err

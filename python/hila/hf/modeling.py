@@ -16,7 +16,7 @@ from ..torch.cache import Cache as _HilaCacheList
 from ..torch.cache import LayerState
 from ..torch.checkpoint import lm_config_from_dict, lm_config_to_dict
 from ..torch.fla_layers import unpad
-from ..torch.models import HilaLM, HilaLMConfig
+from ..torch.models import HilaLM, HilaLMConfig, check_input_ids
 
 __all__ = ["HilaConfig", "HilaCache", "HilaForCausalLM", "HilaPreTrainedModel"]
 
@@ -47,6 +47,9 @@ class HilaConfig(PretrainedConfig):
                             "expected False", "tie_word_embeddings")
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.mixer = mixer
+        if mixer_kwargs is not None and not isinstance(mixer_kwargs, dict):
+            raise HilaError(f"hila: argument 'mixer_kwargs': expected a dict of the mixer's arguments, got "
+                            f"{type(mixer_kwargs).__name__}", "mixer_kwargs")
         self.mixer_kwargs = dict(mixer_kwargs) if mixer_kwargs is not None else {"num_heads": 8}
         self.max_len, self.mlp_ratio, self.norm_eps, self.init_std = max_len, mlp_ratio, norm_eps, init_std
         self.use_cache = use_cache
@@ -257,6 +260,7 @@ class HilaForCausalLM(HilaPreTrainedModel, GenerationMixin):
             cache = None  # an empty cache of another kind: start a HilaCache
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", True)) and not self.training
+        check_input_ids(input_ids, self.config.vocab_size)
         B, T = input_ids.shape
         continuing = cache is not None and cache.has_state
         ids, cu, max_seqlen, indices = input_ids, None, None, None

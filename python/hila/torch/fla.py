@@ -200,8 +200,9 @@ def _run(op: str, form: str, fn: str, q: Tensor, k: Tensor, v: Tensor, g: Option
     cu_seqlens_cpu = extra.pop("cu_seqlens_cpu", None) if cu_seqlens_cpu is None else cu_seqlens_cpu
     head_first = bool(extra.pop("head_first", False))
     chunk = extra.pop("chunk_size", None) or 64
-    if head_first:  # [B, H, T, ...] -> [B, T, H, ...] views
-        q, k, v, g, beta, lam = (None if x is None else x.transpose(1, 2) for x in (q, k, v, g, beta, lam))
+    if head_first:  # [B, H, T, ...] -> [B, T, H, ...] views (other ranks as they are: the op names them)
+        q, k, v, g, beta, lam = (x.transpose(1, 2) if isinstance(x, Tensor) and x.dim() >= 3 else x
+                                 for x in (q, k, v, g, beta, lam))
     if g is not None and g_gamma is not None:
         raise HilaError(f"hila: argument 'g_gamma': {fn} takes g or g_gamma, not both", "g_gamma")
     if g_gamma is not None:  # [H] -> [B, T, H], a broadcast view

@@ -56,6 +56,14 @@ __all__ = ["HLAAttention", "LogLinearMamba2", "LogLinearGatedDeltaNet"]
 _MODES = {"chunk": "chunk", "recurrent": "serial"}
 
 
+def _check_sizes(optional=(), **sizes) -> None:
+    """HilaError naming the first size argument of a layer that is not an int >= 1 (or None, for
+    the names in ``optional``: unset)."""
+    for name, x in sizes.items():
+        if not (x is None and name in optional) and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+            raise HilaError(f"hila: argument '{name}': expected an int >= 1, got {_ops._describe(x)}", name)
+
+
 class _Call:
     """One call of a mixer: decides decode step vs. whole-sequence form, runs the short
     convolutions and the operator with their caches, and assembles the new LayerState."""
@@ -63,6 +71,14 @@ class _Call:
     def __init__(self, layer: "_Mixer", x: Tensor, state: Optional[LayerState],
                  cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], use_cache: bool,
                  cp_group=None, cp_shard_lens=None, cu_seqlens_cpu: Optional[Tensor] = None):
+        p = next(layer.parameters())
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != layer.hidden_size:
+            raise HilaError(f"hila: argument 'x': expected a tensor [B, T, {layer.hidden_size}] (hidden_size "
+                            f"{layer.hidden_size}), got {_ops._describe(x)}", "x")
+        if x.device != p.device or not x.is_floating_point() or (
+                x.dtype != p.dtype and not torch.is_autocast_enabled(x.device.type)):
+            raise HilaError(f"hila: argument 'x': expected {p.dtype} on {p.device} (the layer's parameters; "
+                            f"or autocast), got {x.dtype} on {x.device}", "x")
         if cu_seqlens is not None and x.shape[0] != 1:
             raise HilaError("hila: argument 'x': expected batch size 1 with cu_seqlens (packed "
                             f"sequences along T), got {tuple(x.shape)}", "x")
@@ -283,7 +299,11 @@ class HLAAttention(_Mixer):
                  scale: Optional[float] = None, use_output_gate: bool = True,
                  norm_eps: float = 1e-5, max_len: Optional[int] = None,
                  check_values: Optional[bool] = None, layer_idx: Optional[int] = None):
+        _check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+                     num_qk_groups=num_qk_groups, chunk_size=chunk_size, conv_size=conv_size, max_len=max_len,
+                     optional=("head_dim_v", "num_qk_groups", "max_len"))
         super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
+        self.hidden_size = hidden_size
         if not self.traits["hla_family"]:
             raise HilaError(f"hila: argument 'op': expected an HLA operator (hla2, ahla, hla3 or a "
                             f"loglinear_ version), got '{op}'", "op")
@@ -333,6 +353,8 @@ class LogLinearMamba2(_Mixer):
                  dt_init_floor: float = 1e-4, norm_eps: float = 1e-5, check_values: Optional[bool] = None,
                  layer_idx: Optional[int] = None, bias: bool = False, conv_bias: bool = True,
                  D_has_hdim: bool = False, norm_before_gate: bool = False):
+        _check_sizes(hidden_size=hidden_size, max_len=max_len, state_size=state_size, expand=expand,
+                     head_dim=head_dim, n_groups=n_groups, conv_size=conv_size, chunk_size=chunk_size)
         inner = expand * hidden_size
         if inner % head_dim:
             raise HilaError(f"hila: argument 'head_dim': expected a divisor of expand * hidden_size "
@@ -342,6 +364,7 @@ class LogLinearMamba2(_Mixer):
             raise HilaError(f"hila: argument 'n_groups': expected a divisor of the {H} heads, got "
                             f"{n_groups}", "n_groups")
         super().__init__("loglinear", mode, chunk_size, H, max_len, layer_idx, check_values)
+        self.hidden_size = hidden_size
         self.inner, self.num_heads, self.head_dim = inner, H, head_dim
         self.n_groups, self.state_size = n_groups, state_size
         conv_dim = inner + 2 * n_groups * state_size
@@ -397,9 +420,14 @@ class LogLinearGatedDeltaNet(_Mixer):
         if op not in ("loglinear_gdn", "gdn"):
             raise HilaError(f"hila: argument 'op': expected 'loglinear_gdn' or 'gdn' (Gated DeltaNet "
                             f"without levels), got '{op}'", "op")
+        _check_sizes(hidden_size=hidden_size, max_len=max_len, num_heads=num_heads, head_dim=head_dim,
+                     num_qk_groups=num_qk_groups, conv_size=conv_size, chunk_size=chunk_size,
+                     optional=("num_qk_groups", "max_len"))
         super().__init__(op, mode, chunk_size, num_heads, max_len, layer_idx, check_values)
+        self.hidden_size = hidden_size
         self.scale, self.allow_neg_eigval = scale, allow_neg_eigval
-        dk, dv = head_dim, int(head_dim * expand_v)
+        dk, dv = head_dim, int(head_dim * expand_v) if isinstance(expand_v, (int, float)) else 0
+        _check_sizes(**{"head_dim * expand_v": dv})
         G = self._qkv_projections(hidden_size, num_heads, num_qk_groups, dk, dv)
         self.q_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)
         self.k_conv = ShortConvolution(G * dk, conv_size, bias=conv_bias)

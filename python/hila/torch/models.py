@@ -7,6 +7,7 @@ normal init with std 0.006 (zero-free biases, norms at one).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Sequence, Union
 
@@ -18,7 +19,7 @@ from .._errors import HilaError
 from .cache import Cache
 from .checkpoint import load_pretrained, save_pretrained
 from .generation import new_token_count, prompt_rows, sample
-from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2
+from .layers import HLAAttention, LogLinearGatedDeltaNet, LogLinearMamba2, _check_sizes
 from .ops import _graph_capturable
 
 __all__ = ["HilaLMConfig", "HilaLM", "GatedMLP", "LMOutput"]
@@ -47,6 +48,21 @@ class HilaLMConfig:
     init_std: float = 0.006
 
 
+def check_input_ids(input_ids, vocab_size: int) -> None:
+    """HilaError('input_ids') unless input_ids is an integer tensor [B, T] with (on the CPU, where
+    the look is a host read) every id in [0, vocab_size)."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() or \
+            input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise HilaError(f"hila: argument 'input_ids': expected an integer tensor [B, T] of token ids, got "
+                        f"{type(input_ids).__name__}{list(input_ids.shape) if isinstance(input_ids, Tensor) else ''}"
+                        f"{' of ' + str(input_ids.dtype) if isinstance(input_ids, Tensor) else ''}", "input_ids")
+    if input_ids.is_cpu and input_ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise HilaError(f"hila: argument 'input_ids': expected token ids in [0, {vocab_size}) (vocab_size), "
+                            f"got ids in [{lo}, {hi}]", "input_ids")
+
+
 class LMOutput(NamedTuple):
     logits: Tensor               # [B, T, vocab]
     loss: Optional[Tensor]       # mean next-token cross entropy when labels are given
@@ -70,11 +86,19 @@ class GatedMLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: HilaLMConfig, layer_idx: int):
         super().__init__()
-        kwargs = dict(cfg.mixer_kwargs)
-        cls = MIXERS.get(cfg.mixer)
+        cls = MIXERS.get(cfg.mixer) if isinstance(cfg.mixer, str) else None
         if cls is None:
             raise HilaError(f"hila: argument 'mixer': expected one of {', '.join(MIXERS)}, got "
-                            f"'{cfg.mixer}'", "mixer")
+                            f"{cfg.mixer!r}", "mixer")
+        if not isinstance(cfg.mixer_kwargs, dict):
+            raise HilaError(f"hila: argument 'mixer_kwargs': expected a dict of {cls.__name__}'s arguments, "
+                            f"got {type(cfg.mixer_kwargs).__name__}", "mixer_kwargs")
+        kwargs = dict(cfg.mixer_kwargs)
+        known = inspect.signature(cls.__init__).parameters
+        unknown = [n for n in kwargs if n not in known or n in ("self", "hidden_size", "layer_idx")]
+        if unknown:
+            raise HilaError(f"hila: argument 'mixer_kwargs': {cls.__name__} does not take "
+                            f"{', '.join(map(repr, unknown))}", "mixer_kwargs")
         if cls is not HLAAttention or str(kwargs.get("op", "")).startswith("loglinear"):
             kwargs.setdefault("max_len", cfg.max_len)
         self.mixer_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -94,6 +118,10 @@ class HilaLM(nn.Module):
 
     def __init__(self, config: HilaLMConfig):
         super().__init__()
+        _check_sizes(vocab_size=config.vocab_size, hidden_size=config.hidden_size, max_len=config.max_len)
+        if isinstance(config.num_layers, bool) or not isinstance(config.num_layers, int) or config.num_layers < 0:
+            raise HilaError(f"hila: argument 'num_layers': expected an int >= 0, got {config.num_layers!r}",
+                            "num_layers")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
@@ -117,6 +145,7 @@ class HilaLM(nn.Module):
         next-token targets are taken as labels shifted by one, never across packed sequences).
         A ``cache`` continues its N sequences (decode: input_ids [N, 1]). ``logits_index`` (int64
         [K], without labels): the logits of those tokens only, [B, K, vocab]."""
+        check_input_ids(input_ids, self.config.vocab_size)
         x = self.embed(input_ids)
         new = Cache.empty(len(self.blocks)) if use_cache else None
         for i, block in enumerate(self.blocks):

@@ -136,12 +136,35 @@ class _Spec:
                                eps=eps, ridge=ridge, qk_l2norm=qk_l2norm,
                                check_values=check_values)  # HilaError('op', 'scale', ...)
         t = _ops._traits(op)
+        _check_chunk(chunk)
         self.op, self.form, self.chunk = op, form, int(chunk)
         self.bwd_form = form if _ops.supports(op, form, True) else "chunk"  # HilaError('form')
         self.has_S, self.has_P, self.normalize = t["has_S"], t["has_P"], bool(normalize)
         # a step_ of these options without max_position passes the bound of the state's capacity
         # where the State's positions are known on the host (see _position_bound)
         self.bounds_steps = bool(t["loglinear"]) and check_values is False
+
+
+def _check_chunk(chunk) -> None:
+    """HilaError('chunk') unless chunk is an int of int64 (the library checks its value)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or not -2**63 <= chunk < 2**63:
+        raise HilaError(f"hila: argument 'chunk': expected an int in [-2^63, 2^63), got {_ops._describe(chunk)}",
+                        "chunk")
+
+
+def _check_custom_op_call(form, chunk, normalize, eps, ridge, qk_l2norm, check_values) -> None:
+    """The types of a call's options, for the custom-op road (meta tensors, torch.compile, dispatch
+    modes), before torch's schema check (whose error names no argument): HilaError naming the option.
+    Pure Python (Dynamo traces it); the op itself checks the values, as :class:`_Spec` does."""
+    if not isinstance(form, str):
+        raise HilaError(f"hila: argument 'form': expected a string ({', '.join(_ops.FORMS)}), got "
+                        f"{_ops._describe(form)}", "form")
+    _check_chunk(chunk)
+    for name, x in (("eps", eps), ("ridge", ridge)):
+        _ops._number(name, x)
+    for name, x in (("normalize", normalize), ("qk_l2norm", qk_l2norm), ("check_values", check_values)):
+        if not isinstance(_flag(x), bool):
+            raise HilaError(f"hila: argument '{name}': expected a bool, got {_ops._describe(x)}", name)
 
 
 def _flag(x):
@@ -226,12 +249,17 @@ def _new_state(spec: _Spec, q: Tensor, v: Tensor, N: int, slots: int) -> State:
     shapes = _ops.state_part_shapes(spec.op, N, v.shape[2], q.shape[3], v.shape[3],
                                     normalize=spec.normalize, slots=slots)
     dt, dev = _state_dtype(q), q.device
+    checked = dev.type == "cpu" and not _is_compiling()  # (symbolic sizes under torch.compile)
+    if checked:  # the parts together
+        _ops.check_host_bytes("final_state", (shapes.pos, 8), *((x, dt.itemsize) for x in shapes[1:]))
 
-    def e(s, dtype=dt):
+    def e(name, s, dtype=dt):
+        if s is not None and checked:
+            _ops.check_host_bytes(f"final_state.{name}", (s, dtype.itemsize))
         x = None if s is None else torch.empty(s, dtype=dtype, device=dev)
         return _ops._poison(x) if x is not None and _POISON[0] else x
 
-    return State(e(shapes.pos, torch.int64), e(shapes.S), e(shapes.P), e(shapes.H))
+    return State(e("pos", shapes.pos, torch.int64), e("S", shapes.S), e("P", shapes.P), e("H", shapes.H))
 
 
 def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool,
@@ -241,8 +269,8 @@ def _forward_call(spec: _Spec, q, k, v, g, lam, beta, cu, init, want_final: bool
     o = _empty_like(v)
     fin = None
     if want_final and q.dim() == 4 and v.dim() == 4:  # else the library names the bad shape
-        N = q.shape[0] if cu is None or cu.dim() != 1 else cu.shape[0] - 1
-        fin = _new_state(spec, q, v, N, final_slots)
+        N = q.shape[0] if cu is None or cu.dim() != 1 else max(cu.shape[0] - 1, 0)  # (the library names a
+        fin = _new_state(spec, q, v, N, final_slots)                                # bad cu_seqlens)
     try:
         _C.forward(spec.cfg, spec.form, spec.chunk, _in(q), _in(k), _in(v), _in(g),
                    None if lam is None else _in(lam), None if beta is None else _in(beta),
@@ -650,16 +678,26 @@ def _reraise(call: str, state_name: str, state, **tensors):
     err = _not_a_tensor(call, tensors)
     if err is not None:
         raise err from None
+    meta = next((n for n, x in tensors.items() if isinstance(x, Tensor) and x.is_meta), None)
+    if meta is not None:  # DLPack's BufferError: a meta tensor has no data to run on
+        raise HilaError(f"hila: argument '{meta}': expected a tensor with data (on the device of q), got a "
+                        "meta tensor", meta) from None
     raise
 
 
 def _check_state_parts(call: str, state_name: str, state, **tensors) -> None:
     """Before a custom op (whose schema check dumps the values): HilaError for a part of the state,
-    or one of ``tensors``, that is not a torch tensor."""
+    or one of ``tensors``, that is not a torch tensor, or that is a meta tensor where q is not or the
+    reverse (the op would then run its shape function and return uninitialized memory)."""
     tensors.update((f"{state_name}.{f}", x) for f, x in zip(State._fields, state))
     err = _not_a_tensor(call, tensors)
     if err is not None:
         raise err
+    q = tensors.get("q")
+    for name, x in tensors.items():
+        if x is not None and q is not None and x.is_meta != q.is_meta:
+            raise HilaError(f"hila: argument '{name}': expected a tensor on q's device ({q.device}), got one on "
+                            f"{x.device}", name)
 
 
 def _as_state(op: str, s, name: str) -> Optional[State]:
@@ -723,10 +761,12 @@ def _pooled_forward(op, q, k, v, g, lam, beta, cu, cu_host, pool, state_indices,
         try:
             spec = _spec(op, form, chunk, scale, normalize, eps, ridge, qk_l2norm, check_values)
             return _pooled_forward_call(spec, q, k, v, g, lam, beta, cu, idx, st, cu_host, pos_host), given
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.forward", "initial_state", st, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu)
-    _check_state_parts("hila.torch.forward", "initial_state", st)
+    _check_custom_op_call(form, chunk, normalize, eps, ridge, qk_l2norm, check_values)
+    _check_state_parts("hila.torch.forward", "initial_state", st, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
+                       cu_seqlens=cu)
     o = torch.ops.hila.forward_pool_(q, k, v, g, lam, beta, cu, idx, *st, op, form, chunk, scale, normalize,
                                      float(eps), float(ridge), qk_l2norm, check_values, cu_host, pos_host)
     return o, given
@@ -842,6 +882,8 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
         final_slots = _final_slots(op, q.shape[1], q.shape[0],
                                    cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
                                    init[0] if pos_host is None else pos_host, max_seqlen)
+    elif output_final_state and not isinstance(final_slots, torch.SymInt):
+        final_slots = _ops.check_slots("final_slots", final_slots)
     scale = _scale_arg(scale)
     if direct:
         try:
@@ -859,10 +901,12 @@ def forward(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None
             o, fin = _forward_call(spec, q, k, v, g, lam, beta, cu_seqlens, init, output_final_state,
                                    int(final_slots or 1), cu_host, pos_host)
             return o, (None if fin is None else _with_counters(fin))
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.forward", "initial_state", init, k=k, v=v, g=g, lam=lam, beta=beta,
                      cu_seqlens=cu_seqlens)
-    _check_state_parts("hila.torch.forward", "initial_state", init)
+    _check_custom_op_call(form, chunk, normalize, eps, ridge, qk_l2norm, check_values)
+    _check_state_parts("hila.torch.forward", "initial_state", init, q=q, k=k, v=v, g=g, lam=lam, beta=beta,
+                       cu_seqlens=cu_seqlens)
     o, pos, S, P, H = torch.ops.hila.forward(
         q, k, v, g, lam, beta, cu_seqlens, *init, op, form, chunk, scale, normalize,
         float(eps), float(ridge), qk_l2norm, check_values, output_final_state, int(final_slots or 1),
@@ -899,10 +943,11 @@ def step(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, *
             if not (torch.is_grad_enabled() and _requires_grad(q, k, v, g, lam, beta, *state)):
                 return _step_call(spec, q, k, v, g, lam, beta, tuple(state))
             o, pos, S, P, H = _Step.apply(spec, q, k, v, g, lam, beta, *state)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.step", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     else:
-        _check_state_parts("hila.torch.step", "state", state)
+        _check_custom_op_call("chunk", 64, normalize, eps, ridge, qk_l2norm, check_values)
+        _check_state_parts("hila.torch.step", "state", state, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
         o, pos, S, P, H = torch.ops.hila.step(
             q, k, v, g, lam, beta, *state, op, scale, normalize, float(eps), float(ridge),
             qk_l2norm, check_values)
@@ -974,9 +1019,10 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                 cnt = _counters(owner, state.pos, state.H, q) if type(owner) is State else None
                 return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp,
                                           None if cnt is None else cnt[0])
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
-    _check_state_parts("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
+    _check_custom_op_call("chunk", 64, normalize, eps, ridge, qk_l2norm, check_values)
+    _check_state_parts("hila.torch.step_", "state", state, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
     return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
                                 float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
 
@@ -1038,8 +1084,9 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
                             (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
                              _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
                             counters=None if cnt is None else _capsule(cnt[0]))
-    except (AttributeError, TypeError):  # an argument that is not a tensor, an unhashable option:
-        return None                      # nothing was written, the general road names it
+    except (AttributeError, TypeError, BufferError):  # an argument that is not a tensor (or has no
+        return None  # data: meta), an unhashable option: nothing was written, the general road names it
+                     # nothing was written, the general road names it
     except HilaError:
         if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
                    for x in (q, k, v, g, lam, beta)):
@@ -1218,8 +1265,16 @@ def zero_state(op: str, batch: int, heads: int, dk: int, dv: int, *, max_len: in
                device: Optional[torch.device] = None) -> State:
     """A zero state at position 0 for ``batch`` sequences, with the Fenwick capacity of sequences
     up to ``max_len`` tokens (log-linear operators). ``dtype``: float32, or float64 for float64 inputs."""
+    if dtype not in (torch.float32, torch.float64):
+        raise HilaError(f"hila: argument 'dtype': expected torch.float32 or torch.float64 (the dtypes of "
+                        f"states), got {dtype!r}", "dtype")
+    concrete = not any(isinstance(x, torch.SymInt) for x in (batch, heads, dk, dv, max_len))
+    if concrete:
+        _ops.state_shape(op, batch, heads, dk, dv, max_len, normalize=normalize)  # HilaError naming a bad size
     shapes = _ops.state_part_shapes(op, batch, heads, dk, dv, normalize=normalize,
                                     slots=_ops.state_slots(max_len))
+    if concrete and (device is None or str(device).split(":")[0] == "cpu"):  # host memory: hila's limit
+        _ops.check_host_bytes("state", (shapes.pos, 8), *((x, dtype.itemsize) for x in shapes[1:]))
     z = lambda s, dt=dtype: None if s is None else torch.zeros(s, dtype=dt, device=device)  # noqa: E731
     st = _with_counters(State(z(shapes.pos, torch.int64), z(shapes.S), z(shapes.P), z(shapes.H)))
     if not st.pos.is_inference():
