@@ -856,7 +856,7 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
 template <class R>
 std::vector<std::pair<int64_t, int64_t>> form_segments(PForm form, int64_t chunk, const PrimArgs<R>& a) {
   if (form == PForm::naive) return {{a.n0, a.n0 + a.n()}};
-  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
+  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta, a.lv.fenwick));
 }
 
 template <class R>
