@@ -147,7 +147,8 @@ struct Seg {
     for (int64_t i = 0; i < nr; ++i)
       level_ranges(a.lv, s, i, [&](int l, int64_t j0, int64_t j1) {
         const R lam = a.lam(i0 + i, l);
-        for (int64_t j = j0; j < j1; ++j) E(i, j) *= lam;
+        R* __restrict e = E.row(i);
+        for (int64_t j = j0; j < j1; ++j) e[j] *= lam;
       });
     return E;
   }
@@ -283,12 +284,9 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   // delta: dNm = -tril_-1(S), S = Tm^T dTm Tm^T. Each term a b^T of dTm adds (Tm^T a)(Tm b)^T to
   // S, with both factors at hand (Tm^T K dH' and Tm Y of a token group, Tm^T dW and W, D and
   // dD Tm^T): no dTm is formed. S [R, R], strict lower read.
-  Mat<R> dQt, S, dW;
+  Mat<R> dQt, S, dW;  // dW: formed by the erase of a level whose re-keyed slot has a cotangent
   if (reads) dQt = Mat<R>(nr, dk);
-  if (delta) {
-    S = Mat<R>(nr, nr);
-    if (reads) dW = Mat<R>(nr, dk);
-  }
+  if (delta) S = Mat<R>(nr, nr);
   MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
   R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
   auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
@@ -358,6 +356,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
           axpy<R>(A[to], E, -eB);
         }
         const Mat<R>& dE = kd(to);  // K dH' (times -e^B below)
+        if (dW.empty()) dW = Mat<R>(nr, dk);
         // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
         dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
@@ -425,10 +424,11 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         Mat<R> dbk(nr, dk, Uninit{});  // d(diag(beta) K)
         gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));         // Q~ = q - D bk  [R,dk] x [dk,R]
         gemm<R>(dbk, D, true, dQt, false, R(-1), R(0), kAUpper);   // [R,R] x [R,dk]
-        // W = Tm bk: dTm += dW bk^T (S += (Tm^T dW) W^T), d(bk) += Tm^T dW
-        const Mat<R> TdW = matmul<R>(sg.Tm, true, dW, false, kAUpper);  // [R,R] x [R,dk]
-        gemm<R>(S, TdW, false, sg.wy(), true, R(1), R(1), kCLower);    // [R,dk] x [dk,R]
-        axpy<R>(dbk, TdW);
+        if (!dW.empty()) {  // W = Tm bk: dTm += dW bk^T (S += (Tm^T dW) W^T), d(bk) += Tm^T dW
+          const Mat<R> TdW = matmul<R>(sg.Tm, true, dW, false, kAUpper);  // [R,R] x [R,dk]
+          gemm<R>(S, TdW, false, sg.wy(), true, R(1), R(1), kCLower);    // [R,dk] x [dk,R]
+          axpy<R>(dbk, TdW);
+        }
         for (int64_t i = 0; i < nr; ++i) {
           const R bi = a.beta[i0 + i];
           R* __restrict gk = dk_.row(i);
