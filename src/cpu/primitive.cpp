@@ -104,9 +104,8 @@ struct Seg {
     }
     if (!a.delta || !ut) return;
     const int64_t dk = a.dk();
-    bk = Mat<R>(nr, dk);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
+    bk = Mat<R>(nr, dk, Uninit{});
+    for (int64_t i = 0; i < nr; ++i) scaled(bk.row(i), k.row(i), a.beta[i0 + i], dk);
     KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
     Tm = Mat<R>(nr, nr, Uninit{});  // every entry written
     unit_lower_inverse(Tm.row(0), nr, KK.row(0), nr, a.beta + i0, nr);
@@ -203,9 +202,8 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     for (int64_t i = 0; i < nr; ++i) hadamard_into(P.row(i), D.row(i), i + 1);
     Mat<R> bv;  // diag(beta) V (delta) or V
     if (a.delta) {
-      bv = Mat<R>(nr, dv);
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+      bv = Mat<R>(nr, dv, Uninit{});
+      for (int64_t i = 0; i < nr; ++i) scaled(bv.row(i), sg.v.row(i), a.beta[sg.i0 + i], dv);
     }
     MRef<R> Or = *O;
     gemm<R>(Or, P, false, a.delta ? bv.ref() : sg.v, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
@@ -217,7 +215,9 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
       for (int64_t i = 0; i < nr; ++i) {
         const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * sg.eb[i];
-        for (int64_t j = 0; j < dv; ++j) Or(i, j) += coef * T(i, j);
+        R* __restrict o = Or.row(i);
+        const R* __restrict t = T.row(i);
+        for (int64_t j = 0; j < dv; ++j) o[j] += coef * t[j];
       }
     }
   }
@@ -243,11 +243,8 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, eB, nullptr, dk, dv);
   }
   for (auto& [tl, m] : sg.token_groups(a)) {
-    Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
-    for (int64_t j = 0; j < nr; ++j) {
-      const R w = m[j] * a.b(sg.i0 + j) * sg.er[j];
-      for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
-    }
+    Mat<R> Y(nr, dv, Uninit{});  // diag(beta e^{B-b} 1_tl) V
+    for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), sg.v.row(j), m[j] * a.b(sg.i0 + j) * sg.er[j], dv);
     if (!a.delta) {
       gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
     } else if (Z[tl].empty()) {
