@@ -2,6 +2,8 @@
 // Every operator x form x direction against the float64 naive form (docs/math/HLA.md §1–7,
 // docs/math/LOGLINEAR.md §3–7): outputs, final states and all gradients, in float64 (1e-10, backward
 // 1e-9), float32 (1e-4) and bf16 / f16 inputs (computed in fp32).
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -212,6 +214,50 @@ TEST(FormsWideHeads, DeltaChunkMatchesNaiveFloat64) {
                                     : hila::tools::run_forward(ref, Form::naive);
             expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
           }
+}
+
+// The chunk form of the delta rule from other starting positions and across resets: sequence 0
+// starts from a state at position 40 (Fenwick levels 4 and 6 live, a first segment that ends at
+// 64), sequence 1 from a state at position 0 (no live incoming level: a first segment without
+// reads or erase); T = 1 (one token), 17, 64 (sequence 0 crosses 64 and 96) and 65; without and
+// with resets (g = -inf) at a segment boundary (row 24: absolute 64 for sequence 0) and inside a
+// segment (rows 5 and 45). Forward and backward against the float64 naive form.
+TEST(FormsWideHeads, DeltaChunkPositionsAndResetsMatchNaiveFloat64) {
+  const int64_t dims[][2] = {{16, 16}, {20, 16}};
+  for (Op op : {Op::gdn, Op::loglinear_gdn})
+    for (DType dt : {DType::f64, DType::f32})
+      for (const auto& d : dims)
+        for (int64_t T : {1, 17, 64, 65})
+          for (bool resets : {false, true})
+            for (bool bwd : {false, true}) {
+              const FormCase c{op, Form::chunk, 64, dt, T, Var::init, bwd};
+              ProblemSpec s = spec_of(c);
+              s.dk = d[0];
+              s.dv = d[1];
+              s.init_pos = {40, 0};
+              const std::string name = case_name(c) + "_dk" + std::to_string(d[0]) + "_dv" +
+                                       std::to_string(d[1]) + "_pos40_0" + (resets ? "_resets" : "");
+              SCOPED_TRACE(name);
+              Problem p = hila::tools::make_problem(s);
+              if (resets)
+                for (int64_t t : {5, 24, 45})
+                  if (t < T)
+                    for (int64_t b = 0; b < s.B; ++b)
+                      for (int64_t h = 0; h < s.H; ++h)
+                        p.g.set((b * T + t) * s.H + h, -std::numeric_limits<double>::infinity());
+              const Problem ref = dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
+              const Result got = bwd ? hila::tools::run_backward(p, Form::chunk, 64)
+                                     : hila::tools::run_forward(p, Form::chunk, 64);
+              const Result want = bwd ? hila::tools::run_backward(ref, Form::naive)
+                                      : hila::tools::run_forward(ref, Form::naive);
+              expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
+              if (resets && bwd)
+                for (int64_t t : {5, 24, 45})
+                  if (t < T)
+                    for (int64_t b = 0; b < s.B; ++b)
+                      for (int64_t h = 0; h < s.H; ++h)
+                        EXPECT_EQ(got.dg.get((b * T + t) * s.H + h), 0.0) << "dg of a reset gate";
+            }
 }
 
 // The naive form itself against an independent float64 reference: GLA with one head computed

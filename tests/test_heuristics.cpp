@@ -312,6 +312,11 @@ TEST(Heuristics, CpuSegmentRowsDivideTheChunk) {
   EXPECT_EQ(cpu_segment_rows(64, 8, 256, false), 64);  // the wider of dk and dv
   EXPECT_EQ(cpu_segment_rows(8, 16, 16, false), 8);    // never more than the chunk
   EXPECT_EQ(cpu_segment_rows(1, 128, 128, true), 1);
+  // the Fenwick delta rule: at least 32 rows, d / 2 above that
+  EXPECT_EQ(cpu_segment_rows(64, 16, 16, true, true), 32);
+  EXPECT_EQ(cpu_segment_rows(64, 32, 32, true, true), 32);
+  EXPECT_EQ(cpu_segment_rows(64, 128, 128, true, true), 64);
+  EXPECT_EQ(cpu_segment_rows(16, 16, 16, true, true), 16);
   // a power of two dividing every power-of-two chunk it does not exceed
   for (int64_t C = 1; C <= 1024; C *= 2)
     for (int64_t d : {1, 3, 8, 16, 33, 64, 100, 128, 512})

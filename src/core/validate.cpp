@@ -845,7 +845,7 @@ void check_cpu_memory(const Resolved& r, bool backward) {
   // rows per segment of the chunk form (cpu_segment_rows): the fewest of the call's primitives
   // (dims (dk, dk) give at most the rows of (dk, dv') and of an inner (dk, dk) primitive)
   const double seg_rows =
-      r.form == Form::chunk ? std::min(rows, double(cpu_segment_rows(r.chunk, r.dk, r.dk, r.traits.delta)))
+      r.form == Form::chunk ? std::min(rows, double(cpu_segment_rows(r.chunk, r.dk, r.dk, r.traits.delta, r.traits.loglinear)))
                             : rows;
   const double slots = r.traits.loglinear ? double(bitlen(static_cast<uint64_t>(last)) + 1) : 1;
   const double state = (r.traits.has_S ? dk * dk : 0) + (r.traits.has_P ? dk * dvp : 0) + slots * dk * dvp;

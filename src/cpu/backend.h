@@ -25,14 +25,18 @@ constexpr bool cpu_parallel(int64_t items, int64_t work) {
 // row whatever R; and each segment adds a fixed cost (its setup, the calls of its products, which
 // run at lower efficiency below 16 columns). With d = max(dk, dv) rounded up to a power of two,
 // cpu_bench (docs/PERFORMANCE.md) finds the fastest segment near R = max(32, d) for mamba and
-// R = max(16, d / 2) for the delta rule, whose R^2 term grows faster. Segments that never cross a
+// R = max(16, d / 2) for the flat delta rule, whose R^2 term grows faster, and R = max(32, d / 2)
+// for the Fenwick delta rule (loglinear_gdn), whose per-segment work over the incoming levels and
+// the token groups of the state update is larger. Segments that never cross a
 // multiple of R (a divisor of C) give the same operator (docs/math/LOGLINEAR.md §3.3), so this is
 // a tiling choice: the results differ from segments of C by rounding only. For d >= 64 (mamba)
 // or 128 (delta) the segment is the chunk (C = 64).
-constexpr int64_t cpu_segment_rows(int64_t chunk, int64_t dk, int64_t dv, bool delta) {
+constexpr int64_t cpu_segment_rows(int64_t chunk, int64_t dk, int64_t dv, bool delta,
+                                   bool fenwick = false) {
   int64_t d = 1;
   while (d < dk || d < dv) d *= 2;  // max(dk, dv) rounded up to a power of two
-  const int64_t R = delta ? (d / 2 > 16 ? d / 2 : 16) : (d > 32 ? d : 32);
+  const int64_t lo = fenwick ? 32 : 16;  // the delta rule's fewest rows
+  const int64_t R = delta ? (d / 2 > lo ? d / 2 : lo) : (d > 32 ? d : 32);
   return chunk < R ? chunk : R;
 }
 

@@ -79,8 +79,8 @@ struct Seg {
   // er[j] = exp(rest[j])
   Vec<R> ea, eb, er;
   MRef<const R> q, k, v;
-  // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1, W = Tm diag(beta) K
-  Mat<R> bk, KK, Tm, W;
+  // delta only (docs/math/LOGLINEAR.md §6.4): Tm = (I + tril_-1(diag(beta) K K^T))^-1; W (wy())
+  Mat<R> bk, KK, Tm;
 
   // ut: form the UT quantities bk, KK, Tm, W (delta; not for the gated-inverse form below)
   Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_, bool ut = true)
@@ -104,13 +104,23 @@ struct Seg {
     }
     if (!a.delta || !ut) return;
     const int64_t dk = a.dk();
-    bk = Mat<R>(nr, dk);
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t j = 0; j < dk; ++j) bk(i, j) = a.beta[i0 + i] * k(i, j);
+    bk = Mat<R>(nr, dk, Uninit{});
+    for (int64_t i = 0; i < nr; ++i) scaled(bk.row(i), k.row(i), a.beta[i0 + i], dk);
     KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
     Tm = Mat<R>(nr, nr, Uninit{});  // every entry written
     unit_lower_inverse(Tm.row(0), nr, KK.row(0), nr, a.beta + i0, nr);
-    W = matmul<R>(Tm, false, bk, false, kALower);  // [R,R] x [R,dk]
+  }
+  // W = Tm diag(beta) K [R, dk], formed on first use: only the erase of incoming levels (and a
+  // scan summary) reads it, so a segment without a live incoming level never forms it
+  const Mat<R>& wy() const {
+    if (W.empty()) W = matmul<R>(Tm, false, bk, false, kALower);  // [R,R] x [R,dk]
+    return W;
+  }
+  // Whether the segment reads an incoming level of Hin (a live, non-zero slot at s).
+  bool reads(const PrimArgs<R>& a, const Canon<R>& Hin) const {
+    for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l)
+      if (Hin.get(l) && a.lv.live(s, l)) return true;
+    return false;
   }
 
   // Decay matrix E[i,j] = exp(sum_{j<r<=i} g_r) = prod_{j<r<=i} a_r, a_r = exp(g_r), on j <= i:
@@ -136,7 +146,8 @@ struct Seg {
     for (int64_t i = 0; i < nr; ++i)
       level_ranges(a.lv, s, i, [&](int l, int64_t j0, int64_t j1) {
         const R lam = a.lam(i0 + i, l);
-        for (int64_t j = j0; j < j1; ++j) E(i, j) *= lam;
+        R* __restrict e = E.row(i);
+        for (int64_t j = j0; j < j1; ++j) e[j] *= lam;
       });
     return E;
   }
@@ -172,6 +183,9 @@ struct Seg {
               [](const auto& x, const auto& y) { return x.first < y.first; });
     return groups;
   }
+
+ private:
+  mutable Mat<R> W;
 };
 
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
@@ -188,13 +202,12 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
     for (int64_t i = 0; i < nr; ++i) hadamard_into(P.row(i), D.row(i), i + 1);
     Mat<R> bv;  // diag(beta) V (delta) or V
     if (a.delta) {
-      bv = Mat<R>(nr, dv);
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t j = 0; j < dv; ++j) bv(i, j) = a.b(sg.i0 + i) * sg.v(i, j);
+      bv = Mat<R>(nr, dv, Uninit{});
+      for (int64_t i = 0; i < nr; ++i) scaled(bv.row(i), sg.v.row(i), a.beta[sg.i0 + i], dv);
     }
     MRef<R> Or = *O;
     gemm<R>(Or, P, false, a.delta ? bv.ref() : sg.v, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
-    const Mat<R> Qd = sg.effective_q(a, D);
+    const Mat<R> Qd = sg.reads(a, Hin) ? sg.effective_q(a, D) : Mat<R>();
     const MRef<const R> Qt = sg.qt(a, Qd);
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
@@ -202,7 +215,9 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
       for (int64_t i = 0; i < nr; ++i) {
         const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * sg.eb[i];
-        for (int64_t j = 0; j < dv; ++j) Or(i, j) += coef * T(i, j);
+        R* __restrict o = Or.row(i);
+        const R* __restrict t = T.row(i);
+        for (int64_t j = 0; j < dv; ++j) o[j] += coef * t[j];
       }
     }
   }
@@ -222,17 +237,14 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
       axpy<R>(Hout.at(to, dk, dv), *H, eB);
       const bool first = Z[to].empty();
       if (first) Z[to] = Mat<R>(nr, dv, Uninit{});
-      gemm<R>(Z[to], sg.W, false, *H, false, -eB, first ? R(0) : R(1));  // [R,dk] x [dk,dv]
+      gemm<R>(Z[to], sg.wy(), false, *H, false, -eB, first ? R(0) : R(1));  // [R,dk] x [dk,dv]
     }
   } else {
     rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, eB, nullptr, dk, dv);
   }
   for (auto& [tl, m] : sg.token_groups(a)) {
-    Mat<R> Y(nr, dv);  // diag(beta e^{B-b} 1_tl) V
-    for (int64_t j = 0; j < nr; ++j) {
-      const R w = m[j] * a.b(sg.i0 + j) * sg.er[j];
-      for (int64_t c = 0; c < dv; ++c) Y(j, c) = w * sg.v(j, c);
-    }
+    Mat<R> Y(nr, dv, Uninit{});  // diag(beta e^{B-b} 1_tl) V
+    for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), sg.v.row(j), m[j] * a.b(sg.i0 + j) * sg.er[j], dv);
     if (!a.delta) {
       gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
     } else if (Z[tl].empty()) {
@@ -253,21 +265,25 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
                       MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
+  // without a live incoming level there are no reads, no erase and no re-key: Q~, W and their
+  // cotangents are not formed
+  const bool reads = sg.reads(a, Hin);
   Mat<R> X, Dd;
   sg.scores(a, X, Dd);
   const Mat<R>& D = delta ? Dd : X;
-  const Mat<R> Qd = sg.effective_q(a, D);
+  const Mat<R> Qd = reads ? sg.effective_q(a, D) : Mat<R>();
   const MRef<const R> Qt = sg.qt(a, Qd);
   const Mat<R> E = sg.decay(a);
   const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
   const Mat<R>& M = fen ? Mf : E;
   Vec<R> db(static_cast<size_t>(nr), R(0));
   R dB = 0;
-  Mat<R> dQt(nr, dk), dTm, dW;
-  if (delta) {
-    dTm = Mat<R>(nr, nr);
-    dW = Mat<R>(nr, dk);
-  }
+  // delta: dNm = -tril_-1(S), S = Tm^T dTm Tm^T. Each term a b^T of dTm adds (Tm^T a)(Tm b)^T to
+  // S, with both factors at hand (Tm^T K dH' and Tm Y of a token group, Tm^T dW and W, D and
+  // dD Tm^T): no dTm is formed. S [R, R], strict lower read.
+  Mat<R> dQt, S, dW;  // dW: formed by the erase of a level whose re-keyed slot has a cotangent
+  if (reads) dQt = Mat<R>(nr, dk);
+  if (delta) S = Mat<R>(nr, nr);
   MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
   R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
   auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
@@ -289,25 +305,27 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   for (auto& [tl, m] : groups) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
-    Mat<R> Y(nr, dv);
+    Mat<R> Y(nr, dv, Uninit{});
     Vec<R> coef(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
       coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
-      for (int64_t c = 0; c < dv; ++c) Y(j, c) = coef[j] * sg.v(j, c);
+      scaled(Y.row(j), sg.v.row(j), coef[j], dv);
     }
     const Mat<R>& kDz = kd(tl);
     Mat<R> dYd;
-    if (delta) {
+    if (delta) {  // Z = K^T Tm Y:  dTm += (K dH') Y^T
       A[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);      // Tm Y  [R,R] x [R,dv]
-      gemm<R>(dTm, kDz, false, Y, true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
-      dYd = matmul<R>(sg.Tm, true, kDz, false, kAUpper);       // [R,R] x [R,dv]
+      dYd = matmul<R>(sg.Tm, true, kDz, false, kAUpper);       // Tm^T K dH'  [R,R] x [R,dv]
+      gemm<R>(S, dYd, false, A[tl], true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
     } else {
       gemm<R>(dk_, Y, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
     }
     const Mat<R>& dY = delta ? dYd : kDz;
     for (int64_t j = 0; j < nr; ++j) {
       const R tY = dot(dY.row(j), sg.v.row(j), dv);
-      for (int64_t c = 0; c < dv; ++c) dv_(j, c) += coef[j] * dY(j, c);
+      R* __restrict gv = dv_.row(j);
+      const R* __restrict y = dY.row(j);
+      for (int64_t c = 0; c < dv; ++c) gv[c] += coef[j] * y[c];
       const R w = sg.er[j];
       if (delta) dbeta[j] += w * m[j] * tY;
       const R dwm = coef[j] * tY;  // d/d(B - b_j)
@@ -327,7 +345,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       axpy<R>(dX, *Dout, eB);
       if (delta) {
         const int to = a.lv.read_level(sg.e, sg.s, l);
-        const Mat<R> E = matmul<R>(sg.W, false, *H, false);  // [R,dk] x [dk,dv]
+        const Mat<R> E = matmul<R>(sg.wy(), false, *H, false);  // [R,dk] x [dk,dv]
         if (A[to].empty()) {
           A[to] = E;
           scale<R>(A[to], -eB);
@@ -335,25 +353,28 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
           axpy<R>(A[to], E, -eB);
         }
         const Mat<R>& dE = kd(to);  // K dH' (times -e^B below)
+        if (dW.empty()) dW = Mat<R>(nr, dk);
         // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
         dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
-        gemm<R>(dX, sg.W, true, dE, false, -eB, R(1));       // [dk,R] x [R,dv]
+        gemm<R>(dX, sg.wy(), true, dE, false, -eB, R(1));       // [dk,R] x [R,dv]
       } else {
         dB += eB * dot<R>(*Dout, *H);
       }
     }
     const Mat<R> Yr = matmul<R>(dO, false, *H, true);  // [R,dv] x [dv,dk]
-    Mat<R> cdO(nr, dv);
+    Mat<R> cdO(nr, dv, Uninit{});
     for (int64_t i = 0; i < nr; ++i) {
       const int lvl = a.lv.read_level(sg.s + i, sg.s, l);
       const R eb = sg.eb[i];
       const R coef = a.lambda(i0 + i, lvl) * eb;
-      const R qY = dot(Qt.row(i), Yr.row(i), dk);
-      for (int64_t c = 0; c < dk; ++c) dQt(i, c) += coef * Yr(i, c);
+      const R* __restrict y = Yr.row(i);
+      const R qY = dot(Qt.row(i), y, dk);
+      R* __restrict dqt = dQt.row(i);
+      for (int64_t c = 0; c < dk; ++c) dqt[c] += coef * y[c];
       if (fen) dlam(i, lvl) += eb * qY;
       db[i] += coef * qY;
-      for (int64_t c = 0; c < dv; ++c) cdO(i, c) = coef * dO(i, c);
+      scaled(cdO.row(i), dO.row(i), coef, dv);
     }
     gemm<R>(dX, Qt, true, cdO, false, R(1), R(1));  // [dk,R] x [R,dv]
   }
@@ -363,71 +384,85 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   {
     Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
     if (delta) {
-      bvd = Mat<R>(nr, dv);
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t c = 0; c < dv; ++c) bvd(i, c) = a.b(i0 + i) * sg.v(i, c);
+      bvd = Mat<R>(nr, dv, Uninit{});
+      for (int64_t i = 0; i < nr; ++i) scaled(bvd.row(i), sg.v.row(i), a.beta[i0 + i], dv);
     }
     const MRef<const R> bv = delta ? bvd.ref() : sg.v;
     for (int64_t i = 0; i < nr; ++i) hadamard(P.row(i), D.row(i), M.row(i), i + 1);
     dP = matmul<R>(dO, false, bv, true, kCLower | kCUnset);  // [R,dv] x [dv,R], j <= i read
     const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
-      for (int64_t c = 0; c < dv; ++c) dv_(i, c) += a.b(i0 + i) * dbv(i, c);
-      if (delta) dbeta[i] += dot(dbv.row(i), sg.v.row(i), dv);
+      const R bi = a.b(i0 + i);
+      R* __restrict gv = dv_.row(i);
+      const R* __restrict x = dbv.row(i);
+      for (int64_t c = 0; c < dv; ++c) gv[c] += bi * x[c];
+      if (delta) dbeta[i] += dot(x, sg.v.row(i), dv);
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
     Mat<R> dD(nr, nr);
     Vec<R> dGcol(static_cast<size_t>(nr), R(0));
+    Vec<R> pd(static_cast<size_t>(fen ? nr : 0));  // dP o D of one row
     for (int64_t i = 0; i < nr; ++i) {
       const R *dPi = dP.row(i), *Di = D.row(i);
       db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
-      if (fen) {
+      if (fen) {  // dlam(i, l) += sum over the row's level-l run of dP o D o Gam
         const R* Ei = E.row(i);
+        hadamard(pd.data(), dPi, Di, i + 1);
         level_ranges(a.lv, sg.s, i, [&](int l, int64_t j0, int64_t j1) {
-          R acc = 0;
-          for (int64_t j = j0; j < j1; ++j) acc += dPi[j] * Di[j] * Ei[j];
-          dlam(i, l) += acc;
+          dlam(i, l) += dot(pd.data() + j0, Ei + j0, j1 - j0);
         });
       }
     }
     for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
-    for (int64_t i = 0; i < nr; ++i)
-      for (int64_t c = 0; c < dk; ++c) dq(i, c) += dQt(i, c);
+    if (reads) axpy<R>(dq, dQt);
     Mat<R> dXm;
     if (delta) {
-      gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));    // Q~ = q - D bk  [R,dk] x [dk,R]
-      Mat<R> dbk = matmul<R>(D, true, dQt, false, kAUpper);  // [R,R] x [R,dk], negated below
-      scale<R>(dbk, R(-1));
-      gemm<R>(dTm, dW, false, sg.bk, true, R(1), R(1), kCLower);  // W = Tm bk  [R,dk] x [dk,R]
-      gemm<R>(dbk, sg.Tm, true, dW, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
-      for (int64_t i = 0; i < nr; ++i) {
-        for (int64_t c = 0; c < dk; ++c) dk_(i, c) += a.beta[i0 + i] * dbk(i, c);
-        dbeta[i] += dot(dbk.row(i), sg.k.row(i), dk);
+      if (reads) {
+        Mat<R> dbk(nr, dk, Uninit{});  // d(diag(beta) K)
+        gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));         // Q~ = q - D bk  [R,dk] x [dk,R]
+        gemm<R>(dbk, D, true, dQt, false, R(-1), R(0), kAUpper);   // [R,R] x [R,dk]
+        if (!dW.empty()) {  // W = Tm bk: dTm += dW bk^T (S += (Tm^T dW) W^T), d(bk) += Tm^T dW
+          const Mat<R> TdW = matmul<R>(sg.Tm, true, dW, false, kAUpper);  // [R,R] x [R,dk]
+          gemm<R>(S, TdW, false, sg.wy(), true, R(1), R(1), kCLower);    // [R,dk] x [dk,R]
+          axpy<R>(dbk, TdW);
+        }
+        for (int64_t i = 0; i < nr; ++i) {
+          const R bi = a.beta[i0 + i];
+          R* __restrict gk = dk_.row(i);
+          const R* __restrict x = dbk.row(i);
+          for (int64_t c = 0; c < dk; ++c) gk[c] += bi * x[c];
+          dbeta[i] += dot(x, sg.k.row(i), dk);
+        }
       }
       dXm = matmul<R>(dD, false, sg.Tm, true, kCLower | kCUnset);  // D = X Tm, upper set below
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t j = i + 1; j < nr; ++j) dXm(i, j) = 0;
-      gemm<R>(dTm, X, true, dD, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
+      for (int64_t i = 0; i < nr; ++i) std::fill(dXm.row(i) + i + 1, dXm.row(i) + nr, R(0));
+      // dTm += X^T dD:  S += Tm^T X^T dD Tm^T = D^T dXm; its strict lower triangle reads dXm(k, j)
+      // at k > j alone (D^T upper), entries the fill above left as they were
+      gemm<R>(S, D, true, dXm, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
     } else {
       dXm = std::move(dD);
     }
     gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
     gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
-    // Tm = (I + Nm)^-1:  dNm = tril_-1(-Tm^T dTm Tm^T). With Tm^T upper, the strict
-    // lower triangle of t2 reads only the strict lower triangles of t1 and dTm (dTm's products
-    // above are kCLower: their upper triangles are left unspecified).
+    // Tm = (I + Nm)^-1, Nm = tril_-1(diag(beta) K K^T):  dNm = -tril_-1(S);
+    // dbeta += rowsum(dNm o K K^T), dK += (dA + dA^T) K with dA = diag(beta) dNm (one product:
+    // dA + dA^T is formed)
     if (delta) {
-      const Mat<R> t1 = matmul<R>(sg.Tm, true, dTm, false, kAUpper | kCLower);
-      const Mat<R> t2 = matmul<R>(t1, false, sg.Tm, true, kCLower | kCUnset);  // strict lower read
-      Mat<R> dA(nr, nr);
-      for (int64_t i = 0; i < nr; ++i)
+      Mat<R> dA(nr, nr);  // dA + dA^T, zero diagonal
+      for (int64_t i = 0; i < nr; ++i) {
+        const R bi = a.beta[i0 + i];
+        const R *Si = S.row(i), *KKi = sg.KK.row(i);
+        R* __restrict di = dA.row(i);
+        R sb = 0;
         for (int64_t j = 0; j < i; ++j) {
-          const R dN = -t2(i, j);
-          dbeta[i] += dN * sg.KK(i, j);
-          dA(i, j) = a.beta[i0 + i] * dN;
+          const R dN = -Si[j];
+          sb += dN * KKi[j];
+          di[j] = bi * dN;
         }
-      gemm<R>(dk_, dA, false, sg.k, false, R(1), R(1), kALower);  // (dA + dA^T) K
-      gemm<R>(dk_, dA, true, sg.k, false, R(1), R(1), kAUpper);
+        dbeta[i] += sb;
+        for (int64_t j = 0; j < i; ++j) dA(j, i) = di[j];
+      }
+      gemm<R>(dk_, dA, false, sg.k, false, R(1), R(1));  // [R,R] x [R,dk]
     }
   }
   db[nr - 1] += dB;
@@ -818,7 +853,7 @@ void prim_step(const PrimArgs<R>& a, int64_t i, int64_t t, Canon<R>& st, R* o) {
 template <class R>
 std::vector<std::pair<int64_t, int64_t>> form_segments(PForm form, int64_t chunk, const PrimArgs<R>& a) {
   if (form == PForm::naive) return {{a.n0, a.n0 + a.n()}};
-  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta));
+  return segments(a.n0, a.n(), detail::cpu_segment_rows(chunk, a.dk(), a.dv(), a.delta, a.lv.fenwick));
 }
 
 template <class R>
@@ -967,7 +1002,7 @@ PrimSummary<R> prim_summarize(const PrimArgs<R>& a, int64_t i0, int64_t i1) {
     const int64_t dk = a.dk();
     S.M = Mat<R>(dk, dk);
     for (int64_t i = 0; i < dk; ++i) S.M(i, i) = 1;
-    gemm<R>(S.M, sg.k, true, sg.W, false, R(-1), R(1));  // [dk,R] x [R,dk]
+    gemm<R>(S.M, sg.k, true, sg.wy(), false, R(-1), R(1));  // [dk,R] x [R,dk]
     scale<R>(S.M, std::exp(sg.B));
   } else {
     S.logm = sg.B;
