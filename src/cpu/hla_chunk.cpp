@@ -1,13 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Chunk form of hla2 / ahla / hla3 with the flat (GLA) outer primitive, every primitive of the
-// composition worked segment by segment in one sweep (docs/math/HLA.md §3.5, §5.4, §6.4, §7.1,
-// §7.2):
-//   U  = GLA_gS(Q, K, K) (+ ridge Q),  Hh = GLA_gP(Q, K, V'),  O' = GLA_gO(Q, key, val)
-// with key = U or K and val = Hh or V'. A segment of rows [i0, i1) of one head (absolute
-// positions [s, e), never crossing a multiple of the segment rows R) with incoming states is, per
-// primitive Y = GLA_g(Q, Kp, Vp) with state H (docs/math/LOGLINEAR.md §3.3 at one level):
+// Chunk form of hla2 / ahla / hla3 and of loglinear_hla2 / loglinear_ahla / loglinear_hla3, every
+// primitive of the composition worked segment by segment in one sweep (docs/math/HLA.md §3.5,
+// §5.4, §6.4, §7.1, §7.2; docs/math/LOGLINEAR.md §3.3, §5.2, §7):
+//   U  = GLA_gS(Q, K, K) (+ ridge Q),  Hh = GLA_gP(Q, K, V'),  O' = prim_gO(Q, key, val)
+// with key = U or K and val = Hh or V', the inner primitives flat (GLA) and the outer one flat or
+// Fenwick (log-linear Mamba-2). A segment of rows [i0, i1) of one head (absolute positions [s, e),
+// never crossing a multiple of the segment rows R) with incoming states is, per flat primitive
+// Y = GLA_g(Q, Kp, Vp) with state H (docs/math/LOGLINEAR.md §3.3 at one level):
 //   Y = (X o E) Vp + diag(eb) Q H_in,      X = tril(Q Kp^T),  E[i,j] = prod_{j<r<=i} a_r
 //   H_out = eB H_in + Kp^T diag(er) Vp,   eb[i] = prod_{r<=i} a_r, er[j] = prod_{j<r<nr} a_r
+// and for the Fenwick outer primitive, with canonical states of slots l and L(t, u) = bitlen(t xor u):
+//   Y = (X o M) Vp + sum_l diag(lam_i^{L(s+i, sigma_l(s))} eb) Q H_in[l],
+//   M[i,j] = lam_i^{L(s+i, s+j)} E[i,j],
+//   H_out[L(e, sigma_l(s))] += eB H_in[l],  H_out[L(e, s+j)] += Kp_j^T er[j] Vp_j
 // What the generic path (compose.cpp over primitive.cpp) forms once per primitive is formed here
 // once per segment and shared: the gate exponentials and the decay matrix E of each distinct gate
 // column (the three primitives of a tied-gate op read one), tril(Q K^T) (both inner primitives,
