@@ -142,19 +142,32 @@ struct PrimSeg {
   R lambda(int64_t i, int l) const { return lv.fenwick ? lam(i, l) : R(1); }
 };
 
-// The segment's tokens by the slot of the outgoing state they enter: f(tl, j0, j1) for the rows
-// [j0, j1) into slot tl = level(e, s+j). For t < e the highest bit where t and e differ does not
-// grow with t, so each slot takes one contiguous range (flat: all rows into slot 0).
-template <class R, class F>
-void token_ranges(const PrimSeg<R>& ps, F f) {
+// The segment's tokens by the slot of the outgoing state they enter: rows [j0, j1) into slot
+// tl = level(e, s+j). For t < e the highest bit where t and e differ does not grow with t, so each
+// slot takes one contiguous range (flat: all rows into slot 0). A plain array, not a callback, so
+// the loops over the ranges stay in the (cloned) callers.
+struct TokenRange {
+  int tl;
+  int64_t j0, j1;
+};
+struct TokenRanges {
+  TokenRange r[65];
+  int n = 0;
+  const TokenRange* begin() const { return r; }
+  const TokenRange* end() const { return r + n; }
+};
+template <class R>
+TokenRanges token_ranges(const PrimSeg<R>& ps) {
+  TokenRanges out;
   const int64_t nr = ps.q.r;
   for (int64_t j0 = 0; j0 < nr;) {
     const int tl = ps.lv.level(ps.e, ps.s + j0);
     int64_t j1 = j0 + 1;
     while (j1 < nr && ps.lv.level(ps.e, ps.s + j1) == tl) ++j1;
-    f(tl, j0, j1);
+    out.r[out.n++] = {tl, j0, j1};
     j0 = j1;
   }
+  return out;
 }
 
 // M [nr, nr] = the level-weighted E of a Fenwick primitive on j <= i (the rest unset, never read).
@@ -203,15 +216,15 @@ HILA_CPU_CLONES Canon<R> prim_seg_state(const PrimSeg<R>& ps, const Canon<R>* Hi
   for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
   Canon<R> H;
   H.resize(ps.lv.slots(ps.e));
-  token_ranges(ps, [&](int tl, int64_t j0, int64_t j1) {
-    const MRef<const R> kJ = ps.key.rows(j0, j1), yJ = Y.rows(j0, j1);
-    Mat<R>& Ht = H.slot[tl];
+  for (const TokenRange& t : token_ranges(ps)) {
+    const MRef<const R> kJ = ps.key.rows(t.j0, t.j1), yJ = Y.rows(t.j0, t.j1);
+    Mat<R>& Ht = H.slot[t.tl];
     if (Ht.empty()) {
       Ht = matmul<R>(kJ, true, yJ, false);  // [dk,J] x [J,dv]
     } else {
       gemm<R>(Ht, kJ, true, yJ, false, R(1), R(1));
     }
-  });
+  }
   if (Hin) rekey_add<R>(H, *Hin, ps.lv, ps.s, ps.e, ps.gs->eB, nullptr, dk, dv);
   return H;
 }
@@ -252,9 +265,10 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Canon<R>* Hin
   if (dout) {
     const MRef<R> kD = ws.mat(0, nr, dv), Y = ws.mat(1, nr, dv);  // key dH[tl], diag(er) val
     const R* er = G.er();
-    token_ranges(ps, [&](int tl, int64_t j0, int64_t j1) {
-      const Mat<R>* D = dH.get(tl);
-      if (!D) return;
+    for (const TokenRange& t : token_ranges(ps)) {
+      const Mat<R>* D = dH.get(t.tl);
+      if (!D) continue;
+      const int64_t j0 = t.j0, j1 = t.j1;
       gemm<R>(kD.rows(j0, j1), ps.key.rows(j0, j1), false, *D, false);  // [J,dk] x [dk,dv]
       for (int64_t j = j0; j < j1; ++j) {
         const R w = er[j];
@@ -267,7 +281,7 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Canon<R>* Hin
         db[j] -= dwm;
       }
       gemm<R>(dkey.rows(j0, j1), Y.rows(j0, j1), false, *D, true, R(1), R(1));  // [J,dv] x [dv,dk]
-    });
+    }
   }
   // transitions and reads of the incoming state: Y += diag(lam eb) q H_in[l]
   Canon<R> dHin;
@@ -277,7 +291,8 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Canon<R>* Hin
     for (int l = 0; l < static_cast<int>(Hin->slot.size()); ++l) {
       const Mat<R>* H = ps.slot_in(*Hin, l);
       if (!H) continue;
-      const Mat<R>* D = dout ? dH.get(ps.lv.read_level(ps.e, ps.s, l)) : nullptr;
+      const int to = ps.lv.read_level(ps.e, ps.s, l);
+      const Mat<R>* D = dout ? dH.get(to) : nullptr;
       if (D) dB += G.eB * dot<R>(*D, *H);
       gemm<R>(Yr, dY, false, *H, true);  // [R,dv] x [dv,dk]
       for (int64_t i = 0; i < nr; ++i) {
@@ -293,8 +308,13 @@ HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Canon<R>* Hin
       }
       Mat<R>& dX = dHin.slot[l];
       if (D) {
-        dX = Mat<R>(dk, dv, Uninit{});
-        scaled(dX.row(0), D->row(0), G.eB, dk * dv);
+        if (fen) {  // several incoming slots may re-key into one outgoing slot
+          dX = Mat<R>(dk, dv, Uninit{});
+          scaled(dX.row(0), D->row(0), G.eB, dk * dv);
+        } else {  // one slot: dH's own storage
+          dX = std::move(dH.slot[to]);
+          scale<R>(dX, G.eB);
+        }
         gemm<R>(dX, ps.q, true, cdY, false, R(1), R(1));  // [dk,R] x [R,dv]
       } else {
         dX = matmul<R>(ps.q, true, cdY, false);
