@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CPU chunk form of hla2, ahla and hla3 (one sweep over segments for all primitives of the
-// composition, src/cpu/hla_chunk.cpp) against the float64 naive form at the edges of its segments:
+// The CPU chunk form of hla2, ahla, hla3 and their log-linear versions (one sweep over segments
+// for all primitives of the composition, src/cpu/hla_chunk.cpp; log-linear: a Fenwick outer
+// primitive with its level-weighted mask and multi-slot state) against the float64 naive form at
+// the edges of its segments:
 // d = 16 cuts chunk 64 into segments of R = 32 rows (cpu_segment_rows), chunk 16 into R = 16; T
 // around one and two segments, with and without gates, GQA, initial states at a position inside a
 // segment, untied gates with normalize (and ridge for hla2), resets (g = -inf) on segment
-// boundaries, and dk = 40 != dv = 24 (R = 64). Forward (o, final states) and backward (every gradient, initial-state gradients).
+// boundaries, and dk = 40 != dv = 24 (R = 64). Forward (o, final states) and backward (every
+// gradient, initial-state gradients; log-linear: dlam and every slot of the canonical states).
 #include <string>
 #include <vector>
 
@@ -39,6 +42,10 @@ std::string case_name(const Case& c) {
          std::to_string(c.T) + "_" + var_tag(c.var);
 }
 
+bool loglinear(Op op) {
+  return op == Op::loglinear_hla2 || op == Op::loglinear_ahla || op == Op::loglinear_hla3;
+}
+
 Problem make(const Case& c) {
   ProblemSpec s = spec_for(c.op, c.T, seed_of(case_name(c)));
   s.B = 2;
@@ -55,12 +62,14 @@ Problem make(const Case& c) {
       s.H = 4;
       s.init_state = true;
       s.init_pos = {5, 40};  // the first segment is partial (rows up to the next multiple of R)
+      if (loglinear(c.op)) s.init_extra_slots = 2;  // slots beyond those live at the position
       break;
     case Var::untied_normalize:
       s.cfg.gates = Gates::untied;
       s.cfg.normalize = true;
       s.nonneg = true;  // positive denominators (docs/math/HLA.md §4)
       if (takes_ridge(c.op)) s.cfg.ridge = 0.3;
+      if (loglinear(c.op)) s.extra_levels = 1;  // a lam column no pair reads
       break;
     case Var::wide:  // dk != dv, wider than a register tile; R = 64 at chunk 64
       s.dk = 40;
@@ -109,13 +118,15 @@ TEST_P(HlaChunk, BackwardMatchesNaiveFloat64) {
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (Op op : {Op::hla2, Op::ahla, Op::hla3})
+  for (Op op : {Op::hla2, Op::ahla, Op::hla3, Op::loglinear_hla2, Op::loglinear_ahla,
+                Op::loglinear_hla3})
     for (DType dt : {DType::f64, DType::f32})
       for (Var v : {Var::plain, Var::nogate, Var::init_gqa, Var::untied_normalize, Var::resets}) {
         for (int64_t T : {1, 31, 32, 33, 64, 65}) out.push_back({op, dt, 64, T, v});
         for (int64_t T : {15, 16, 17}) out.push_back({op, dt, 16, T, v});
       }
-  for (Op op : {Op::hla2, Op::ahla, Op::hla3})
+  for (Op op : {Op::hla2, Op::ahla, Op::hla3, Op::loglinear_hla2, Op::loglinear_ahla,
+                Op::loglinear_hla3})
     for (DType dt : {DType::f64, DType::f32})
       for (int64_t T : {63, 130}) out.push_back({op, dt, 64, T, Var::wide});
   return out;

@@ -63,8 +63,9 @@ void op_step(const OpPlan& p, const HeadView<R>& x, int64_t i, int64_t t, OpStat
 template <class R>
 Mat<R> normalize_cotangent(MRef<const R> Oraw, MRef<const R> dO, R eps);
 
-// Chunk form of hla2 / ahla / hla3 with a flat outer primitive, all primitives of a segment in one
-// sweep (hla_chunk.cpp); op_forward_raw and op_backward take it where hla_chunk_applies.
+// Chunk form of hla2 / ahla / hla3 and their log-linear versions (flat or Fenwick outer primitive,
+// mamba), all primitives of a segment in one sweep (hla_chunk.cpp); op_forward_raw and op_backward
+// take it where hla_chunk_applies.
 template <class R>
 bool hla_chunk_applies(const OpPlan& p, PForm form, const HeadView<R>& x);
 template <class R>

@@ -1,13 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Chunk form of hla2 / ahla / hla3 with the flat (GLA) outer primitive, every primitive of the
-// composition worked segment by segment in one sweep (docs/math/HLA.md §3.5, §5.4, §6.4, §7.1,
-// §7.2):
-//   U  = GLA_gS(Q, K, K) (+ ridge Q),  Hh = GLA_gP(Q, K, V'),  O' = GLA_gO(Q, key, val)
-// with key = U or K and val = Hh or V'. A segment of rows [i0, i1) of one head (absolute
-// positions [s, e), never crossing a multiple of the segment rows R) with incoming states is, per
-// primitive Y = GLA_g(Q, Kp, Vp) with state H (docs/math/LOGLINEAR.md §3.3 at one level):
+// Chunk form of hla2 / ahla / hla3 and of loglinear_hla2 / loglinear_ahla / loglinear_hla3, every
+// primitive of the composition worked segment by segment in one sweep (docs/math/HLA.md §3.5,
+// §5.4, §6.4, §7.1, §7.2; docs/math/LOGLINEAR.md §3.3, §5.2, §7):
+//   U  = GLA_gS(Q, K, K) (+ ridge Q),  Hh = GLA_gP(Q, K, V'),  O' = prim_gO(Q, key, val)
+// with key = U or K and val = Hh or V', the inner primitives flat (GLA) and the outer one flat or
+// Fenwick (log-linear Mamba-2). A segment of rows [i0, i1) of one head (absolute positions [s, e),
+// never crossing a multiple of the segment rows R) with incoming states is, per flat primitive
+// Y = GLA_g(Q, Kp, Vp) with state H (docs/math/LOGLINEAR.md §3.3 at one level):
 //   Y = (X o E) Vp + diag(eb) Q H_in,      X = tril(Q Kp^T),  E[i,j] = prod_{j<r<=i} a_r
 //   H_out = eB H_in + Kp^T diag(er) Vp,   eb[i] = prod_{r<=i} a_r, er[j] = prod_{j<r<nr} a_r
+// and for the Fenwick outer primitive, with canonical states of slots l and L(t, u) = bitlen(t xor u):
+//   Y = (X o M) Vp + sum_l diag(lam_i^{L(s+i, sigma_l(s))} eb) Q H_in[l],
+//   M[i,j] = lam_i^{L(s+i, s+j)} E[i,j],
+//   H_out[L(e, sigma_l(s))] += eB H_in[l],  H_out[L(e, s+j)] += Kp_j^T er[j] Vp_j
 // What the generic path (compose.cpp over primitive.cpp) forms once per primitive is formed here
 // once per segment and shared: the gate exponentials and the decay matrix E of each distinct gate
 // column (the three primitives of a tied-gate op read one), tril(Q K^T) (both inner primitives,
@@ -112,34 +117,115 @@ HILA_CPU_CLONES void masked(Mat<R>& P, const Mat<R>& X, const Mat<R>& E) {
 }
 
 // One primitive over one segment: its queries (the head's q rows), keys, values, gates, tril(q
-// key^T) and its masked product, each owned by the segment or shared with another primitive.
+// key^T), its mask and masked product, each owned by the segment or shared with another
+// primitive; and its level structure. Flat: one state slot, mask E. Fenwick (the outer primitive
+// of a log-linear composition, docs/math/LOGLINEAR.md §3.3, §7): the mask is
+// M[i, j] = lam_i^{l(s+i, s+j)} E[i, j], slot l of the incoming canonical state is read by row i
+// at level read_level(s+i, s, l) and re-keyed into slot read_level(e, s, l) of the outgoing one,
+// and token j enters slot level(e, s+j).
 template <class R>
 struct PrimSeg {
   MRef<const R> q, key, val;  // [nr, dk], [nr, dk], [nr, dv]
   const GateSeg<R>* gs = nullptr;
   const Mat<R>* X = nullptr;   // tril(q key^T)
-  const Mat<R>* PM = nullptr;  // X o E
+  const Mat<R>* M = nullptr;   // mask: gs->E (flat) or the level-weighted E
+  const Mat<R>* PM = nullptr;  // X o M
+  Levels lv;
+  MRef<const R> lam;      // [nr, nL] level weights (Fenwick)
+  int64_t s = 0, e = 0;   // absolute positions of the segment's rows [s, e)
+
+  // slot l of the incoming state H_in where it can be non-zero (else null)
+  const Mat<R>* slot_in(const Canon<R>& Hin, int l) const {
+    return lv.live(s, l) ? Hin.get(l) : nullptr;
+  }
+  int read_level(int64_t i, int l) const { return lv.read_level(s + i, s, l); }
+  R lambda(int64_t i, int l) const { return lv.fenwick ? lam(i, l) : R(1); }
 };
 
-// Y [nr, dv] = PM val + diag(eb) q H_in (H_in null: a zero state); tmp: work space.
+// The segment's tokens by the slot of the outgoing state they enter: rows [j0, j1) into slot
+// tl = level(e, s+j). For t < e the highest bit where t and e differ does not grow with t, so each
+// slot takes one contiguous range (flat: all rows into slot 0). A plain array, not a callback, so
+// the loops over the ranges stay in the (cloned) callers.
+struct TokenRange {
+  int tl;
+  int64_t j0, j1;
+};
+struct TokenRanges {
+  TokenRange r[65];
+  int n = 0;
+  const TokenRange* begin() const { return r; }
+  const TokenRange* end() const { return r + n; }
+};
 template <class R>
-HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<R> Y, Vec<R>& tmp) {
+TokenRanges token_ranges(const PrimSeg<R>& ps) {
+  TokenRanges out;
+  const int64_t nr = ps.q.r;
+  for (int64_t j0 = 0; j0 < nr;) {
+    const int tl = ps.lv.level(ps.e, ps.s + j0);
+    int64_t j1 = j0 + 1;
+    while (j1 < nr && ps.lv.level(ps.e, ps.s + j1) == tl) ++j1;
+    out.r[out.n++] = {tl, j0, j1};
+    j0 = j1;
+  }
+  return out;
+}
+
+// M [nr, nr] = the level-weighted E of a Fenwick primitive on j <= i (the rest unset, never read).
+template <class R>
+HILA_CPU_CLONES void level_mask(Mat<R>& M, const PrimSeg<R>& ps, const Mat<R>& E) {
+  const int64_t nr = E.r;
+  reshape(M, nr, nr);
+  for (int64_t i = 0; i < nr; ++i)
+    level_ranges(ps.lv, ps.s, i, [&](int l, int64_t j0, int64_t j1) {
+      scaled(M.row(i) + j0, E.row(i) + j0, ps.lam(i, l), j1 - j0);
+    });
+}
+
+// Whether some slot of c is set.
+template <class R>
+bool any_slot(const Canon<R>& c) {
+  for (const Mat<R>& m : c.slot)
+    if (!m.empty()) return true;
+  return false;
+}
+
+// Y [nr, dv] = PM val + sum_l diag(lam_i^{read_level(i, l)} eb) q H_in[l] (H_in null: a zero
+// state); tmp: work space.
+template <class R>
+HILA_CPU_CLONES void prim_seg_out(const PrimSeg<R>& ps, const Canon<R>* Hin, MRef<R> Y,
+                                  Vec<R>& tmp) {
   gemm<R>(Y, *ps.PM, false, ps.val, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
   if (!Hin) return;
   const int64_t nr = ps.q.r, dk = ps.q.c;
-  const MRef<R> Qe = scratch(tmp, nr, dk);  // diag(eb) q
-  for (int64_t i = 0; i < nr; ++i) scaled(Qe.row(i), ps.q.row(i), ps.gs->eb[i], dk);
-  gemm<R>(Y, Qe, false, *Hin, false, R(1), R(1));  // [R,dk] x [dk,dv]
+  const MRef<R> Qe = scratch(tmp, nr, dk);  // diag(lam eb) q
+  for (int l = 0; l < static_cast<int>(Hin->slot.size()); ++l) {
+    const Mat<R>* H = ps.slot_in(*Hin, l);
+    if (!H) continue;
+    for (int64_t i = 0; i < nr; ++i)
+      scaled(Qe.row(i), ps.q.row(i), ps.gs->eb[i] * ps.lambda(i, ps.read_level(i, l)), dk);
+    gemm<R>(Y, Qe, false, *H, false, R(1), R(1));  // [R,dk] x [dk,dv]
+  }
 }
 
-// H_out [dk, dv] = eB H_in + key^T diag(er) val; tmp: work space.
+// H_out = rekey(eB H_in) + key_J^T diag(er) val_J into slot tl for the tokens J of each slot
+// (flat: eB H_in + key^T diag(er) val); exactly lv.slots(e) slots; tmp: work space.
 template <class R>
-HILA_CPU_CLONES Mat<R> prim_seg_state(const PrimSeg<R>& ps, const Mat<R>* Hin, Vec<R>& tmp) {
-  const int64_t nr = ps.q.r, dv = ps.val.c;
+HILA_CPU_CLONES Canon<R> prim_seg_state(const PrimSeg<R>& ps, const Canon<R>* Hin, Vec<R>& tmp) {
+  const int64_t nr = ps.q.r, dk = ps.key.c, dv = ps.val.c;
   const MRef<R> Y = scratch(tmp, nr, dv);  // diag(er) val
   for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), ps.val.row(j), ps.gs->er()[j], dv);
-  Mat<R> H = matmul<R>(ps.key, true, Y, false);  // [dk,R] x [R,dv]
-  if (Hin) axpy<R>(H, *Hin, ps.gs->eB);
+  Canon<R> H;
+  H.resize(ps.lv.slots(ps.e));
+  for (const TokenRange& t : token_ranges(ps)) {
+    const MRef<const R> kJ = ps.key.rows(t.j0, t.j1), yJ = Y.rows(t.j0, t.j1);
+    Mat<R>& Ht = H.slot[t.tl];
+    if (Ht.empty()) {
+      Ht = matmul<R>(kJ, true, yJ, false);  // [dk,J] x [J,dv]
+    } else {
+      gemm<R>(Ht, kJ, true, yJ, false, R(1), R(1));
+    }
+  }
+  if (Hin) rekey_add<R>(H, *Hin, ps.lv, ps.s, ps.e, ps.gs->eB, nullptr, dk, dv);
   return H;
 }
 
@@ -159,69 +245,103 @@ struct BwdScratch {
   R* vec(int t) { return buf.data() + 4 * R_ * d_ + 2 * R_ * R_ + t * R_; }  // t = 0, 1
 };
 
-// Reverse of prim_seg_out and prim_seg_state (docs/math/HLA.md §7.1): from dY [nr, dv] and the
-// cotangent dH of H_out (empty: zero), adds to dq, dkey [nr, dk], dval [nr, dv] and writes dg
-// [nr] (the gradient of the segment's log-gates); dH becomes the cotangent of H_in (empty where
-// H_in is).
+// Reverse of prim_seg_out and prim_seg_state (docs/math/HLA.md §7.1; docs/math/LOGLINEAR.md §5.2
+// for the Fenwick levels): from dY [nr, dv] and the cotangent dH of H_out (no slot set: zero),
+// adds to dq, dkey [nr, dk], dval [nr, dv] and (Fenwick) dlam [nr, nL], writes dg [nr] (the
+// gradient of the segment's log-gates); dH becomes the cotangent of H_in (no slot where H_in is
+// null).
 template <class R>
-HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Mat<R>* Hin, MRef<const R> dY,
-                                       Mat<R>& dH, MRef<R> dq, MRef<R> dkey, MRef<R> dval, R* dg,
-                                       BwdScratch<R>& ws) {
+HILA_CPU_CLONES void prim_seg_backward(const PrimSeg<R>& ps, const Canon<R>* Hin, MRef<const R> dY,
+                                       Canon<R>& dH, MRef<R> dq, MRef<R> dkey, MRef<R> dval,
+                                       MRef<R> dlam, R* dg, BwdScratch<R>& ws) {
   const int64_t nr = ps.q.r, dk = ps.q.c, dv = ps.val.c;
   const GateSeg<R>& G = *ps.gs;
+  const bool fen = ps.lv.fenwick;
   R* db = ws.vec(0);  // d/d b_i, b_i = sum_{r<=i} g_r
   zero_fill(db, nr);
   R dB = 0;  // d/d B, B = b_{nr-1}
-  // state: H_out = eB H_in + key^T diag(er) val
-  if (!dH.empty()) {
-    const MRef<R> kD = ws.mat(0, nr, dv), Y = ws.mat(1, nr, dv);  // key dH, diag(er) val
-    gemm<R>(kD, ps.key, false, dH, false);                          // [R,dk] x [dk,dv]
+  // state: H_out[tl] += key_J^T diag(er) val_J,  H_out[read_level(e, s, l)] += eB H_in[l]
+  const bool dout = any_slot(dH);
+  if (dout) {
+    const MRef<R> kD = ws.mat(0, nr, dv), Y = ws.mat(1, nr, dv);  // key dH[tl], diag(er) val
     const R* er = G.er();
-    for (int64_t j = 0; j < nr; ++j) {
-      const R w = er[j];
-      scaled(Y.row(j), ps.val.row(j), w, dv);
-      R* dvj = dval.row(j);
-      const R* kdj = kD.row(j);
-      for (int64_t c = 0; c < dv; ++c) dvj[c] += w * kdj[c];
-      const R dwm = w * dot(kdj, ps.val.row(j), dv);  // d/d(B - b_j)
-      dB += dwm;
-      db[j] -= dwm;
+    for (const TokenRange& t : token_ranges(ps)) {
+      const Mat<R>* D = dH.get(t.tl);
+      if (!D) continue;
+      const int64_t j0 = t.j0, j1 = t.j1;
+      gemm<R>(kD.rows(j0, j1), ps.key.rows(j0, j1), false, *D, false);  // [J,dk] x [dk,dv]
+      for (int64_t j = j0; j < j1; ++j) {
+        const R w = er[j];
+        scaled(Y.row(j), ps.val.row(j), w, dv);
+        R* dvj = dval.row(j);
+        const R* kdj = kD.row(j);
+        for (int64_t c = 0; c < dv; ++c) dvj[c] += w * kdj[c];
+        const R dwm = w * dot(kdj, ps.val.row(j), dv);  // d/d(B - b_j)
+        dB += dwm;
+        db[j] -= dwm;
+      }
+      gemm<R>(dkey.rows(j0, j1), Y.rows(j0, j1), false, *D, true, R(1), R(1));  // [J,dv] x [dv,dk]
     }
-    gemm<R>(dkey, Y, false, dH, true, R(1), R(1));  // [R,dv] x [dv,dk]
-    if (Hin) dB += G.eB * dot<R>(dH, *Hin);
   }
-  // reads of the incoming state: Y += diag(eb) q H_in
-  Mat<R> dHin;
+  // transitions and reads of the incoming state: Y += diag(lam eb) q H_in[l]
+  Canon<R> dHin;
   if (Hin) {
-    const MRef<R> Yr = ws.mat(2, nr, dk), cdY = ws.mat(3, nr, dv);  // dY H_in^T, diag(eb) dY
-    gemm<R>(Yr, dY, false, *Hin, true);                               // [R,dv] x [dv,dk]
-    for (int64_t i = 0; i < nr; ++i) {
-      const R eb = G.eb[i];
-      const R* yi = Yr.row(i);
-      R* dqi = dq.row(i);
-      for (int64_t c = 0; c < dk; ++c) dqi[c] += eb * yi[c];
-      db[i] += eb * dot(ps.q.row(i), yi, dk);
-      scaled(cdY.row(i), dY.row(i), eb, dv);
-    }
-    if (dH.empty()) {
-      dHin = matmul<R>(ps.q, true, cdY, false);  // [dk,R] x [R,dv]
-    } else {
-      dHin = std::move(dH);
-      scale<R>(dHin, G.eB);
-      gemm<R>(dHin, ps.q, true, cdY, false, R(1), R(1));
+    dHin.resize(static_cast<int64_t>(Hin->slot.size()));
+    const MRef<R> Yr = ws.mat(2, nr, dk), cdY = ws.mat(3, nr, dv);  // dY H_in^T, diag(lam eb) dY
+    for (int l = 0; l < static_cast<int>(Hin->slot.size()); ++l) {
+      const Mat<R>* H = ps.slot_in(*Hin, l);
+      if (!H) continue;
+      const int to = ps.lv.read_level(ps.e, ps.s, l);
+      const Mat<R>* D = dout ? dH.get(to) : nullptr;
+      if (D) dB += G.eB * dot<R>(*D, *H);
+      gemm<R>(Yr, dY, false, *H, true);  // [R,dv] x [dv,dk]
+      for (int64_t i = 0; i < nr; ++i) {
+        const int lvl = ps.read_level(i, l);
+        const R eb = G.eb[i], coef = eb * ps.lambda(i, lvl);
+        const R* yi = Yr.row(i);
+        R* dqi = dq.row(i);
+        for (int64_t c = 0; c < dk; ++c) dqi[c] += coef * yi[c];
+        const R qY = dot(ps.q.row(i), yi, dk);
+        db[i] += coef * qY;
+        if (fen) dlam(i, lvl) += eb * qY;
+        scaled(cdY.row(i), dY.row(i), coef, dv);
+      }
+      Mat<R>& dX = dHin.slot[l];
+      if (D) {
+        if (fen) {  // several incoming slots may re-key into one outgoing slot
+          dX = Mat<R>(dk, dv, Uninit{});
+          scaled(dX.row(0), D->row(0), G.eB, dk * dv);
+        } else {  // one slot: dH's own storage
+          dX = std::move(dH.slot[to]);
+          scale<R>(dX, G.eB);
+        }
+        gemm<R>(dX, ps.q, true, cdY, false, R(1), R(1));  // [dk,R] x [R,dv]
+      } else {
+        dX = matmul<R>(ps.q, true, cdY, false);
+      }
     }
   }
   dH = std::move(dHin);
-  // intra-segment: Y = (X o E) val
+  // intra-segment: Y = (X o M) val
   gemm<R>(dval, *ps.PM, true, dY, false, R(1), R(1), kAUpper);  // [R,R] x [R,dv]
   const MRef<R> dP = ws.mat(4, nr, nr), dX = ws.mat(5, nr, nr);
   gemm<R>(dP, dY, false, ps.val, true, R(1), R(0), kCLower | kCUnset);  // [R,dv] x [dv,R]
-  // dX = dP o E (exact zeros above the diagonal); dG = dP o X o E = d/d(b_i - b_j)
+  // dX = dP o M (exact zeros above the diagonal); dG = dP o X o M = d/d(b_i - b_j);
+  // Fenwick: d/d lam_i^l = sum over the columns of level l of dP o X o E
   R* dGcol = ws.vec(1);
   zero_fill(dGcol, nr);
   for (int64_t i = 0; i < nr; ++i) {
-    db[i] += mask_row_backward(dP.row(i), ps.X->row(i), G.E.row(i), dX.row(i), dGcol, i + 1);
+    const R *dPi = dP.row(i), *Xi = ps.X->row(i);
+    db[i] += mask_row_backward(dPi, Xi, ps.M->row(i), dX.row(i), dGcol, i + 1);
     zero_fill(dX.row(i) + i + 1, nr - i - 1);
+    if (fen) {
+      const R* Ei = G.E.row(i);
+      level_ranges(ps.lv, ps.s, i, [&](int l, int64_t j0, int64_t j1) {
+        R acc = 0;
+        for (int64_t j = j0; j < j1; ++j) acc += dPi[j] * Xi[j] * Ei[j];
+        dlam(i, l) += acc;
+      });
+    }
   }
   for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
   gemm<R>(dq, dX, false, ps.key, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
@@ -243,8 +363,8 @@ struct SegCtx {
   int64_t i0 = 0, i1 = 0;
   GateSeg<R> gates[3];  // distinct gate columns (ng of them)
   int ng = 0;
-  Mat<R> X1, X2, PMs[3];  // tril(q k^T), tril(q U^T); distinct masked products
-  PrimSeg<R> prim[3];     // S, P, outer
+  Mat<R> X1, X2, Mo, PMs[3];  // tril(q k^T), tril(q U^T); the outer Fenwick mask; masked products
+  PrimSeg<R> prim[3];         // S, P, outer
 };
 
 // The sweep over one head's segments (forward: rows of U, Hh and O'; backward: the same, keeping
@@ -257,7 +377,7 @@ struct HlaChunk {
   Mat<R> U, Hh;
   Vec<R> tmp;  // work space of the segment products
   std::vector<SegCtx<R>> segs;
-  std::vector<Mat<R>> Sin, Pin, Hin;  // states entering each segment (empty: zero)
+  std::vector<Canon<R>> Sin, Pin, Hin;  // states entering each segment (no slot set: zero)
 
   HlaChunk(const OpPlan& p_, int64_t C, const HeadView<R>& x_)
       : p(p_), x(x_), n(x_.n()), dk(x_.k.c), dvp(x_.v.c) {
@@ -272,7 +392,7 @@ struct HlaChunk {
   }
 
   // Forms segment c's shared quantities and its inner outputs (rows of U and Hh).
-  void prepare(SegCtx<R>& sc, const Mat<R>* S, const Mat<R>* P) {
+  void prepare(SegCtx<R>& sc, const Canon<R>* S, const Canon<R>* P) {
     const int64_t i0 = sc.i0, i1 = sc.i1, nr = i1 - i0;
     const MRef<const R> q = x.q.rows(i0, i1), k = x.k.rows(i0, i1), v = x.v.rows(i0, i1);
     auto gate = [&](int col) -> const GateSeg<R>* {
@@ -282,16 +402,16 @@ struct HlaChunk {
       make_gates(sc.gates[sc.ng], gp, nr);
       return &sc.gates[sc.ng++];
     };
-    // masked product X o E, shared between primitives with the same scores and gates
+    // masked product X o M, shared between primitives with the same scores and mask
     const Mat<R>* pmX[3] = {nullptr, nullptr, nullptr};
-    const GateSeg<R>* pmG[3] = {nullptr, nullptr, nullptr};
+    const Mat<R>* pmM[3] = {nullptr, nullptr, nullptr};
     int npm = 0;
-    auto masked_of = [&](const Mat<R>* X, const GateSeg<R>* gs) -> const Mat<R>* {
+    auto masked_of = [&](const Mat<R>* X, const Mat<R>* M) -> const Mat<R>* {
       for (int t = 0; t < npm; ++t)
-        if (pmX[t] == X && pmG[t] == gs) return &sc.PMs[t];
-      masked(sc.PMs[npm], *X, gs->E);
+        if (pmX[t] == X && pmM[t] == M) return &sc.PMs[t];
+      masked(sc.PMs[npm], *X, *M);
       pmX[npm] = X;
-      pmG[npm] = gs;
+      pmM[npm] = M;
       return &sc.PMs[npm++];
     };
     if (p.has_S || p.has_P) lower_scores<R>(sc.X1, q, k);
@@ -302,7 +422,16 @@ struct HlaChunk {
       ps.val = val;
       ps.gs = gate(col);
       ps.X = X;
-      ps.PM = masked_of(X, ps.gs);
+      ps.s = x.n0 + i0;
+      ps.e = x.n0 + i1;
+      ps.lv.fenwick = w == kO && p.fenwick;
+      ps.M = &ps.gs->E;
+      if (ps.lv.fenwick) {
+        ps.lam = x.lam.rows(i0, i1);
+        level_mask(sc.Mo, ps, ps.gs->E);
+        ps.M = &sc.Mo;
+      }
+      ps.PM = masked_of(X, ps.M);
     };
     MRef<const R> key = k, val = v;
     if (p.has_S) {
@@ -321,13 +450,12 @@ struct HlaChunk {
     setup(kO, p.gO, key, val, p.has_S ? &sc.X2 : &sc.X1);
   }
 
+  static const Canon<R>* ptr(const Canon<R>& c) { return any_slot(c) ? &c : nullptr; }
+
   // Forward sweep. Oraw: rows of O' (null: not formed); keep: keep every segment's context and
   // incoming states (for the backward); want_state: form the states after the last segment.
   OpState<R> forward(const OpState<R>& init, MRef<R>* Oraw, bool keep, bool want_state) {
-    const Mat<R>* s0 = init.S.get(0);
-    const Mat<R>* p0 = init.P.get(0);
-    const Mat<R>* h0 = init.H.get(0);
-    Mat<R> S = s0 ? *s0 : Mat<R>(), P = p0 ? *p0 : Mat<R>(), H = h0 ? *h0 : Mat<R>();
+    Canon<R> S = init.S, P = init.P, H = init.H;
     const size_t ns = segs.size();
     if (keep) {
       Sin.resize(ns);
@@ -342,7 +470,6 @@ struct HlaChunk {
         sc.i0 = segs[c].i0;
         sc.i1 = segs[c].i1;
       }
-      auto ptr = [](const Mat<R>& m) { return m.empty() ? nullptr : &m; };
       prepare(sc, ptr(S), ptr(P));
       if (Oraw) prim_seg_out(sc.prim[kO], ptr(H), Oraw->rows(sc.i0, sc.i1), tmp);
       if (keep) {
@@ -351,22 +478,16 @@ struct HlaChunk {
         Hin[c] = std::move(H);
       }
       if (c + 1 == ns && !want_state) break;
-      const Mat<R>&S0 = keep ? Sin[c] : S, &P0 = keep ? Pin[c] : P, &H0 = keep ? Hin[c] : H;
+      const Canon<R>&S0 = keep ? Sin[c] : S, &P0 = keep ? Pin[c] : P, &H0 = keep ? Hin[c] : H;
       if (p.has_S) S = prim_seg_state(sc.prim[kS], ptr(S0), tmp);
       if (p.has_P) P = prim_seg_state(sc.prim[kP], ptr(P0), tmp);
       H = prim_seg_state(sc.prim[kO], ptr(H0), tmp);
     }
     OpState<R> out;
     if (!want_state) return out;
-    auto canon = [](Mat<R>& m) {
-      Canon<R> cs;
-      cs.resize(1);
-      cs.slot[0] = std::move(m);
-      return cs;
-    };
-    if (p.has_S) out.S = canon(S);
-    if (p.has_P) out.P = canon(P);
-    out.H = canon(H);
+    if (p.has_S) out.S = std::move(S);
+    if (p.has_P) out.P = std::move(P);
+    out.H = std::move(H);
     return out;
   }
 };
@@ -375,7 +496,7 @@ struct HlaChunk {
 
 template <class R>
 bool hla_chunk_applies(const OpPlan& p, PForm form, const HeadView<R>& x) {
-  return form == PForm::chunk && !p.fenwick && !p.delta && (p.has_S || p.has_P) && x.n() > 0;
+  return form == PForm::chunk && !p.delta && (p.has_S || p.has_P) && x.n() > 0;
 }
 
 template <class R>
@@ -409,13 +530,16 @@ OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
   Mat<R> dvfull(n, dvp);
   Mat<R> dU = p.has_S ? Mat<R>(n, dk) : Mat<R>();  // cotangent of U (the outer key)
   Mat<R> dHh = p.has_P ? Mat<R>(n, dvp) : Mat<R>();  // cotangent of Hh (the outer value)
+  if (p.fenwick) G.dlam = Mat<R>(n, x.lam.c);
   for (int w = 0; w < 3; ++w) {
     const int col = w == kS ? p.gS : w == kP ? p.gP : p.gO;
     if (col >= 0) G.dg[col].assign(static_cast<size_t>(n), R(0));
   }
-  auto cot = [](const Canon<R>& c) { return c.get(0) ? *c.get(0) : Mat<R>(); };
-  Mat<R> dS = cot(dfinal.S), dP = cot(dfinal.P), dH = cot(dfinal.H);
-  auto ptr = [](const Mat<R>& m) { return m.empty() ? nullptr : &m; };
+  Levels flat, lvO;
+  lvO.fenwick = p.fenwick;
+  Canon<R> dS = trimmed(dfinal.S, flat, x.n0 + n), dP = trimmed(dfinal.P, flat, x.n0 + n),
+           dH = trimmed(dfinal.H, lvO, x.n0 + n);
+  auto ptr = [](const Canon<R>& c) { return any_slot(c) ? &c : nullptr; };
   int64_t rmax = 0;
   for (const SegCtx<R>& sc : hc.segs) rmax = std::max(rmax, sc.i1 - sc.i0);
   BwdScratch<R> ws(rmax, std::max(dk, dvp));
@@ -423,29 +547,23 @@ OpGrads<R> hla_chunk_backward(const OpPlan& p, int64_t C, const HeadView<R>& x,
     const SegCtx<R>& sc = hc.segs[c];
     const int64_t i0 = sc.i0, i1 = sc.i1;
     MRef<R> dq = G.dq.rows(i0, i1), dk_ = G.dk.rows(i0, i1), dv_ = dvfull.rows(i0, i1);
-    // outer: O' = GLA_gO(Q, key, val)
+    // outer: O' = prim_gO(Q, key, val)
     MRef<R> dkey = p.has_S ? dU.rows(i0, i1) : dk_;
     MRef<R> dval = p.has_P ? dHh.rows(i0, i1) : dv_;
     prim_seg_backward(sc.prim[kO], ptr(hc.Hin[c]), dOr.rows(i0, i1), dH, dq, dkey, dval,
-                      G.dg[p.gO].data() + i0, ws);
+                      p.fenwick ? G.dlam.rows(i0, i1) : MRef<R>(), G.dg[p.gO].data() + i0, ws);
     if (p.has_P)  // Hh = GLA_gP(Q, K, V'): its cotangent is the outer value gradient
       prim_seg_backward(sc.prim[kP], ptr(hc.Pin[c]), MRef<const R>(dval), dP, dq, dk_, dv_,
-                        G.dg[p.gP].data() + i0, ws);
+                        MRef<R>(), G.dg[p.gP].data() + i0, ws);
     if (p.has_S) {  // U = GLA_gS(Q, K, K) + ridge Q: its cotangent is the outer key gradient
       if (p.ridge != 0) axpy<R>(dq, MRef<const R>(dkey), R(p.ridge));
       prim_seg_backward(sc.prim[kS], ptr(hc.Sin[c]), MRef<const R>(dkey), dS, dq, dk_, dk_,
-                        G.dg[p.gS].data() + i0, ws);
+                        MRef<R>(), G.dg[p.gS].data() + i0, ws);
     }
   }
-  auto canon = [](Mat<R>& m) {
-    Canon<R> cs;
-    cs.resize(1);
-    cs.slot[0] = std::move(m);
-    return cs;
-  };
-  G.dinit.H = canon(dH);
-  if (p.has_S) G.dinit.S = canon(dS);
-  if (p.has_P) G.dinit.P = canon(dP);
+  G.dinit.H = trimmed(dH, lvO, x.n0);
+  if (p.has_S) G.dinit.S = trimmed(dS, flat, x.n0);
+  if (p.has_P) G.dinit.P = trimmed(dP, flat, x.n0);
   if (p.normalize) {  // drop the ones column
     G.dv = Mat<R>(n, dv, Uninit{});
     for (int64_t i = 0; i < n; ++i) std::copy(dvfull.row(i), dvfull.row(i) + dv, G.dv.row(i));

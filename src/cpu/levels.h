@@ -3,6 +3,7 @@
 // primitive routines serves plain GLA / GDN (one state slot, every pair at level 0, lambda = 1)
 // and their log-linear versions (slot = level, level(t,s) = bitlen(t xor s)).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 namespace hila::cpu {
@@ -28,5 +29,20 @@ struct Levels {
     return fenwick ? bitlen(uint64_t(t ^ sigma(n, l))) : 0;
   }
 };
+
+// The columns j <= i of row i of a segment starting at absolute position s, cut into the
+// contiguous ranges of one level l = level(s + i, s + j): f(l, j0, j1) for [j0, j1). With
+// t = s + i, level 0 is j = i alone and level l >= 1 the positions [sigma_l(t), sigma_{l-1}(t))
+// (same bits as t above bit l, not above bit l - 1); flat: one range at level 0.
+template <class F>
+inline void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
+  if (!lv.fenwick) return f(0, int64_t(0), i + 1);
+  const int64_t t = s + i;
+  f(0, i, i + 1);
+  for (int l = 1; sigma(t, l - 1) > s; ++l) {
+    const int64_t lo = std::max(sigma(t, l), s), hi = sigma(t, l - 1);
+    if (lo < hi) f(l, lo - s, hi - s);
+  }
+}
 
 }  // namespace hila::cpu

@@ -46,21 +46,6 @@ namespace {
 template <class R>
 using Vec = std::vector<R, NoInitAlloc<R>>;
 
-// The columns j <= i of row i of a segment starting at absolute position s, cut into the
-// contiguous ranges of one level l = level(s + i, s + j): f(l, j0, j1) for [j0, j1). With
-// t = s + i, level 0 is j = i alone and level l >= 1 the positions [sigma_l(t), sigma_{l-1}(t))
-// (same bits as t above bit l, not above bit l - 1); flat: one range at level 0.
-template <class F>
-void level_ranges(const Levels& lv, int64_t s, int64_t i, F f) {
-  if (!lv.fenwick) return f(0, int64_t(0), i + 1);
-  const int64_t t = s + i;
-  f(0, i, i + 1);
-  for (int l = 1; sigma(t, l - 1) > s; ++l) {
-    const int64_t lo = std::max(sigma(t, l), s), hi = sigma(t, l - 1);
-    if (lo < hi) f(l, lo - s, hi - s);
-  }
-}
-
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
 // absolute positions [s, e).
 //
@@ -719,15 +704,6 @@ Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>&
 template <class R>
 bool gated_form(PForm form, const PrimArgs<R>& a) {
   return form == PForm::chunk && a.delta && !a.lv.fenwick;
-}
-
-template <class R>
-Canon<R> trimmed(const Canon<R>& H, const Levels& lv, int64_t n) {
-  Canon<R> out;
-  out.resize(lv.slots(n));
-  for (int l = 0; l < static_cast<int>(std::min(out.slot.size(), H.slot.size())); ++l)
-    if (lv.live(n, l) && H.get(l)) out.slot[l] = H.slot[l];
-  return out;
 }
 
 template <class R>

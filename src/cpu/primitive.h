@@ -35,6 +35,16 @@ struct Canon {
   }
 };
 
+// H with exactly lv.slots(n) slots, the slots not live at n dropped.
+template <class R>
+Canon<R> trimmed(const Canon<R>& H, const Levels& lv, int64_t n) {
+  Canon<R> out;
+  out.resize(lv.slots(n));
+  for (int l = 0; l < static_cast<int>(std::min(out.slot.size(), H.slot.size())); ++l)
+    if (lv.live(n, l) && H.get(l)) out.slot[l] = H.slot[l];
+  return out;
+}
+
 template <class R>
 struct PrimArgs {
   MRef<const R> q, k, v;      // [n, dk], [n, dk], [n, dv]; q pre-scaled
