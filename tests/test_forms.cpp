@@ -188,6 +188,16 @@ INSTANTIATE_TEST_SUITE_P(Sweep, Forms, ::testing::ValuesIn(sweep_cases()), param
 INSTANTIATE_TEST_SUITE_P(Variants, Forms, ::testing::ValuesIn(variant_cases()), param_name);
 INSTANTIATE_TEST_SUITE_P(LowPrecision, Forms, ::testing::ValuesIn(lowp_cases()), param_name);
 
+// The chunk form (chunk 64) of p against the float64 naive form of the same problem, forward or
+// backward; returns the chunk form's result.
+Result chunk_matches_naive(const Problem& p, DType dt, bool bwd, const std::string& name) {
+  const Problem ref = dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
+  Result got = bwd ? hila::tools::run_backward(p, Form::chunk, 64) : hila::tools::run_forward(p, Form::chunk, 64);
+  const Result want = bwd ? hila::tools::run_backward(ref, Form::naive) : hila::tools::run_forward(ref, Form::naive);
+  expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
+  return got;
+}
+
 // The chunk form of the delta rule at head sizes that fill the CPU's register tiles (16 floats,
 // 8 doubles a vector row) and overrun them (20), with dk != dv: gdn (its gated-inverse form) and
 // loglinear_gdn, one segment (T = 16), one row more (17), whole chunks (64) and a partial one (65),
@@ -206,13 +216,7 @@ TEST(FormsWideHeads, DeltaChunkMatchesNaiveFloat64) {
             const std::string name = case_name(c) + "_dk" + std::to_string(d[0]) + "_dv" +
                                      std::to_string(d[1]);
             SCOPED_TRACE(name);
-            const Problem p = hila::tools::make_problem(s);
-            const Problem ref = dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
-            const Result got = bwd ? hila::tools::run_backward(p, Form::chunk, 64)
-                                   : hila::tools::run_forward(p, Form::chunk, 64);
-            const Result want = bwd ? hila::tools::run_backward(ref, Form::naive)
-                                    : hila::tools::run_forward(ref, Form::naive);
-            expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
+            chunk_matches_naive(hila::tools::make_problem(s), dt, bwd, name);
           }
 }
 
@@ -245,12 +249,7 @@ TEST(FormsWideHeads, DeltaChunkPositionsAndResetsMatchNaiveFloat64) {
                     for (int64_t b = 0; b < s.B; ++b)
                       for (int64_t h = 0; h < s.H; ++h)
                         p.g.set((b * T + t) * s.H + h, -std::numeric_limits<double>::infinity());
-              const Problem ref = dt == DType::f64 ? p : hila::tools::cast_problem(p, DType::f64);
-              const Result got = bwd ? hila::tools::run_backward(p, Form::chunk, 64)
-                                     : hila::tools::run_forward(p, Form::chunk, 64);
-              const Result want = bwd ? hila::tools::run_backward(ref, Form::naive)
-                                      : hila::tools::run_forward(ref, Form::naive);
-              expect_results_close(got, want, fwd_tol(dt), bwd_tol(dt), name, grad_floor(dt));
+              const Result got = chunk_matches_naive(p, dt, bwd, name);
               if (resets && bwd)
                 for (int64_t t : {5, 24, 45})
                   if (t < T)
