@@ -46,6 +46,22 @@ namespace {
 template <class R>
 using Vec = std::vector<R, NoInitAlloc<R>>;
 
+// m as an [r, c] matrix: kept when it has that shape, else a new zero-filled one (so entries a
+// user never writes, such as those above a diagonal, stay 0 across reuses).
+template <class R>
+void fit(Mat<R>& m, int64_t r, int64_t c) {
+  if (m.r != r || m.c != c) m = Mat<R>(r, c);
+}
+// m as a zero [r, c] matrix (storage kept when it has that shape)
+template <class R>
+void fit_zero(Mat<R>& m, int64_t r, int64_t c) {
+  if (m.r == r && m.c == c) {
+    std::fill(m.row(0), m.row(0) + r * c, R(0));
+  } else {
+    m = Mat<R>(r, c);
+  }
+}
+
 // Per-segment quantities shared by forward, backward and summaries. Rows [i0, i1) of the call,
 // absolute positions [s, e).
 //
@@ -126,78 +142,102 @@ struct Seg {
   }
   // Mixing mask M[i,j] = lam_i^{l(s+i,s+j)} E[i,j] on j <= i (docs/math/LOGLINEAR.md §3.1).
   // Flat (lambda = 1): M = E.
-  Mat<R> mask(const PrimArgs<R>& a, Mat<R> E) const {
-    if (!a.lv.fenwick) return E;
+  // (in place: E holds the decay matrix on entry, the mask on return)
+  void mask_in_place(const PrimArgs<R>& a, Mat<R>& E) const {
+    if (!a.lv.fenwick) return;
     for (int64_t i = 0; i < nr; ++i)
       level_ranges(a.lv, s, i, [&](int l, int64_t j0, int64_t j1) {
         const R lam = a.lam(i0 + i, l);
         R* __restrict e = E.row(i);
         for (int64_t j = j0; j < j1; ++j) e[j] *= lam;
       });
-    return E;
   }
   // X = tril(q k^T) and, for delta, Dd = X Tm. The un-masked intra-segment scores are
   // D = Dd (delta) or X (mamba); the caller picks (no copy of X for mamba).
   void scores(const PrimArgs<R>& a, Mat<R>& X, Mat<R>& Dd) const {
-    X = matmul<R>(q, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], upper set below
+    fit(X, nr, nr);
+    gemm<R>(X, q, false, k, true, R(1), R(0), kCLower | kCUnset);  // [R,dk] x [dk,R], upper set below
     for (int64_t i = 0; i < nr; ++i) std::fill(X.row(i) + i + 1, X.row(i) + nr, R(0));
-    // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
-    if (a.delta) Dd = matmul<R>(X, false, Tm, false, kALower);
+    if (a.delta) {  // [R,R] x [R,R], lower x unit lower: D is lower (its upper triangle exactly 0)
+      fit(Dd, nr, nr);
+      gemm<R>(Dd, X, false, Tm, false, R(1), R(0), kALower);
+    }
   }
   // Effective queries Q~ = q - D diag(beta) K (delta); empty for mamba, where Q~ = q (see qt).
-  Mat<R> effective_q(const PrimArgs<R>& a, const Mat<R>& D) const {
-    if (!a.delta) return Mat<R>();
-    Mat<R> Qt(nr, q.c);
+  // (into Qt [R, dk]; left alone for mamba)
+  void effective_q(const PrimArgs<R>& a, const Mat<R>& D, Mat<R>& Qt) const {
+    if (!a.delta) return;
+    fit(Qt, nr, q.c);
     for (int64_t i = 0; i < nr; ++i) std::copy(q.row(i), q.row(i) + q.c, Qt.row(i));
     gemm<R>(Qt, D, false, bk, false, R(-1), R(1), kALower);  // [R,R] x [R,dk]
-    return Qt;
   }
   MRef<const R> qt(const PrimArgs<R>& a, const Mat<R>& Qd) const { return a.delta ? Qd.ref() : q; }
-  // Distinct target slots of this segment's own tokens in the state at e (ascending), with row
-  // masks.
-  std::vector<std::pair<int, Vec<R>>> token_groups(const PrimArgs<R>& a) const {
-    std::vector<std::pair<int, Vec<R>>> groups;
+  // Target slot of each own token in the state at e (tok [R]) and the distinct ones, ascending
+  // (lvls): the token groups, row j in group tl when tok[j] == tl.
+  void token_groups(const PrimArgs<R>& a, std::vector<int>& tok, std::vector<int>& lvls) const {
+    tok.resize(static_cast<size_t>(nr));
+    lvls.clear();
     for (int64_t j = 0; j < nr; ++j) {
       const int tl = a.lv.level(e, s + j);
-      size_t g = 0;
-      while (g < groups.size() && groups[g].first != tl) ++g;
-      if (g == groups.size()) groups.emplace_back(tl, Vec<R>(static_cast<size_t>(nr), R(0)));
-      groups[g].second[j] = 1;
+      tok[j] = tl;
+      if (std::find(lvls.begin(), lvls.end(), tl) == lvls.end()) lvls.push_back(tl);
     }
-    std::sort(groups.begin(), groups.end(),
-              [](const auto& x, const auto& y) { return x.first < y.first; });
-    return groups;
+    std::sort(lvls.begin(), lvls.end());
   }
 
  private:
   mutable Mat<R> W;
 };
 
+// Temporaries of seg_forward and seg_backward, kept across the segments of a call (fit). The
+// [R, R] members whose upper triangle the code never writes (P, E, M) keep it 0 across reuses.
+// Per-slot matrices (Z, A, kD) are in use where the matching flag is set.
+template <class R>
+struct SegWork {
+  Mat<R> X, Dd, Qd, P, bv, T, Y, E, M, dQt, S, dW, dYd, WH, Yr, cdO, dP, dbv, dD, dbk, TdW, dXm, dA;
+  Vec<R> db, coef, dGcol, pd;
+  std::vector<Mat<R>> Z, A, kD;
+  std::vector<char> Zset, Aset, kDset;
+  std::vector<int> tok, lvls;  // token groups (Seg::token_groups)
+};
+
+// n per-slot matrices, none in use (storage kept)
+template <class R>
+void slots(std::vector<Mat<R>>& m, std::vector<char>& set, size_t n) {
+  if (m.size() < n) m.resize(n);
+  set.assign(n, 0);
+}
+
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
 // when !state).
 template <class R>
-Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin, SegWork<R>& wk,
                      MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
-    Mat<R> X, Dd;
-    sg.scores(a, X, Dd);
-    const Mat<R>& D = a.delta ? Dd : X;
-    Mat<R> P = sg.mask(a, sg.decay(a));  // P = M o D
+    sg.scores(a, wk.X, wk.Dd);
+    const Mat<R>& D = a.delta ? wk.Dd : wk.X;
+    Mat<R>& P = wk.P;  // P = M o D, zero above the diagonal
+    fit(P, nr, nr);
+    sg.decay_into(P);
+    sg.mask_in_place(a, P);
     for (int64_t i = 0; i < nr; ++i) hadamard_into(P.row(i), D.row(i), i + 1);
-    Mat<R> bv;  // diag(beta) V (delta) or V
+    Mat<R>& bv = wk.bv;  // diag(beta) V (delta) or V
     if (a.delta) {
-      bv = Mat<R>(nr, dv, Uninit{});
+      fit(bv, nr, dv);
       for (int64_t i = 0; i < nr; ++i) scaled(bv.row(i), sg.v.row(i), a.beta[sg.i0 + i], dv);
     }
     MRef<R> Or = *O;
     gemm<R>(Or, P, false, a.delta ? bv.ref() : sg.v, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
-    const Mat<R> Qd = sg.reads(a, Hin) ? sg.effective_q(a, D) : Mat<R>();
-    const MRef<const R> Qt = sg.qt(a, Qd);
+    const bool reads = sg.reads(a, Hin);
+    if (reads) sg.effective_q(a, D, wk.Qd);
+    const MRef<const R> Qt = sg.qt(a, wk.Qd);  // read only when reads
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
-      const Mat<R> T = matmul<R>(Qt, false, *H, false);  // [R,dk] x [dk,dv]
+      Mat<R>& T = wk.T;
+      fit(T, nr, dv);
+      gemm<R>(T, Qt, false, *H, false);  // [R,dk] x [dk,dv]
       for (int64_t i = 0; i < nr; ++i) {
         const R coef = a.lambda(sg.i0 + i, a.lv.read_level(sg.s + i, sg.s, l)) * sg.eb[i];
         R* __restrict o = Or.row(i);
@@ -213,33 +253,43 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
   // delta: every live level is erased by the segment, e^B (H - K^T (W H)), and the new tokens add
   // K^T Tm Y; per outgoing slot l' one product K^T Z[l'] with
   // Z[l'] = sum of Tm Y of the tokens into l' - e^B sum of W H of the levels re-keyed into l'.
-  std::vector<Mat<R>> Z(a.delta ? Hout.slot.size() : 0);
+  std::vector<Mat<R>>& Z = wk.Z;
+  std::vector<char>& Zset = wk.Zset;
+  slots(Z, Zset, a.delta ? Hout.slot.size() : 0);
   if (a.delta) {
     for (int l = 0; l < static_cast<int>(Hin.slot.size()); ++l) {
       const Mat<R>* H = Hin.get(l);
       if (!H || !a.lv.live(sg.s, l)) continue;
       const int to = a.lv.read_level(sg.e, sg.s, l);
       axpy<R>(Hout.at(to, dk, dv), *H, eB);
-      const bool first = Z[to].empty();
-      if (first) Z[to] = Mat<R>(nr, dv, Uninit{});
+      const bool first = !Zset[to];
+      if (first) fit(Z[to], nr, dv);
+      Zset[to] = 1;
       gemm<R>(Z[to], sg.wy(), false, *H, false, -eB, first ? R(0) : R(1));  // [R,dk] x [dk,dv]
     }
   } else {
     rekey_add<R>(Hout, Hin, a.lv, sg.s, sg.e, eB, nullptr, dk, dv);
   }
-  for (auto& [tl, m] : sg.token_groups(a)) {
-    Mat<R> Y(nr, dv, Uninit{});  // diag(beta e^{B-b} 1_tl) V
-    for (int64_t j = 0; j < nr; ++j) scaled(Y.row(j), sg.v.row(j), m[j] * a.b(sg.i0 + j) * sg.er[j], dv);
+  sg.token_groups(a, wk.tok, wk.lvls);
+  for (const int tl : wk.lvls) {
+    Mat<R>& Y = wk.Y;  // diag(beta e^{B-b} 1_tl) V
+    fit(Y, nr, dv);
+    for (int64_t j = 0; j < nr; ++j) {
+      const R m = wk.tok[j] == tl ? R(1) : R(0);
+      scaled(Y.row(j), sg.v.row(j), m * a.b(sg.i0 + j) * sg.er[j], dv);
+    }
     if (!a.delta) {
       gemm<R>(Hout.at(tl, dk, dv), sg.k, true, Y, false, R(1), R(1));  // [dk,R] x [R,dv]
-    } else if (Z[tl].empty()) {
-      Z[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);  // [R,R] x [R,dv]
+    } else if (!Zset[tl]) {
+      fit(Z[tl], nr, dv);
+      Zset[tl] = 1;
+      gemm<R>(Z[tl], sg.Tm, false, Y, false, R(1), R(0), kALower);  // [R,R] x [R,dv]
     } else {
       gemm<R>(Z[tl], sg.Tm, false, Y, false, R(1), R(1), kALower);
     }
   }
-  for (size_t l = 0; l < Z.size(); ++l)
-    if (!Z[l].empty()) gemm<R>(Hout.at(static_cast<int>(l), dk, dv), sg.k, true, Z[l], false, R(1), R(1));  // [dk,R] x [R,dv]
+  for (size_t l = 0; l < Zset.size(); ++l)
+    if (Zset[l]) gemm<R>(Hout.at(static_cast<int>(l), dk, dv), sg.k, true, Z[l], false, R(1), R(1));  // [dk,R] x [R,dv]
   return Hout;
 }
 
@@ -247,28 +297,35 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
 // delta path with Tm = I and beta = 1). Accumulates rows [i0, i1) of G; returns the adjoint of Hin.
 template <class R>
 Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
-                      MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G) {
+                      MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G, SegWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
   // without a live incoming level there are no reads, no erase and no re-key: Q~, W and their
   // cotangents are not formed
   const bool reads = sg.reads(a, Hin);
-  Mat<R> X, Dd;
-  sg.scores(a, X, Dd);
-  const Mat<R>& D = delta ? Dd : X;
-  const Mat<R> Qd = reads ? sg.effective_q(a, D) : Mat<R>();
-  const MRef<const R> Qt = sg.qt(a, Qd);
-  const Mat<R> E = sg.decay(a);
-  const Mat<R> Mf = fen ? sg.mask(a, E) : Mat<R>();
-  const Mat<R>& M = fen ? Mf : E;
-  Vec<R> db(static_cast<size_t>(nr), R(0));
+  sg.scores(a, wk.X, wk.Dd);
+  const Mat<R>& D = delta ? wk.Dd : wk.X;
+  if (reads) sg.effective_q(a, D, wk.Qd);
+  const MRef<const R> Qt = sg.qt(a, wk.Qd);  // read only when reads
+  Mat<R>& E = wk.E;
+  fit(E, nr, nr);
+  sg.decay_into(E);
+  if (fen) {
+    fit(wk.M, nr, nr);
+    for (int64_t i = 0; i < nr; ++i) std::copy(E.row(i), E.row(i) + i + 1, wk.M.row(i));
+    sg.mask_in_place(a, wk.M);
+  }
+  const Mat<R>& M = fen ? wk.M : E;
+  Vec<R>& db = wk.db;
+  db.assign(static_cast<size_t>(nr), R(0));
   R dB = 0;
   // delta: dNm = -tril_-1(S), S = Tm^T dTm Tm^T. Each term a b^T of dTm adds (Tm^T a)(Tm b)^T to
   // S, with both factors at hand (Tm^T K dH' and Tm Y of a token group, Tm^T dW and W, D and
   // dD Tm^T): no dTm is formed. S [R, R], strict lower read.
-  Mat<R> dQt, S, dW;  // dW: formed by the erase of a level whose re-keyed slot has a cotangent
-  if (reads) dQt = Mat<R>(nr, dk);
-  if (delta) S = Mat<R>(nr, nr);
+  Mat<R>&dQt = wk.dQt, &S = wk.S, &dW = wk.dW;
+  bool have_dW = false;  // dW: formed by the erase of a level whose re-keyed slot has a cotangent
+  if (reads) fit_zero(dQt, nr, dk);
+  if (delta) fit_zero(S, nr, nr);
   MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
   R* dbeta = delta ? G.dbeta.data() + i0 : nullptr;
   auto dlam = [&](int64_t i, int l) -> R& { return G.dlam(i0 + i, l); };
@@ -276,31 +333,48 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
   // new-token groups: Z_tl = K^T Tm diag(beta w 1_tl) V (none without a cotangent of the state)
   bool any_dout = false;
   for (int l = 0; l < static_cast<int>(dHout.slot.size()); ++l) any_dout |= dHout.get(l) != nullptr;
-  const auto groups = any_dout ? sg.token_groups(a) : decltype(sg.token_groups(a)){};
+  if (any_dout) {
+    sg.token_groups(a, wk.tok, wk.lvls);
+  } else {
+    wk.lvls.clear();
+  }
   // K dH'[l'] [R, dv] per outgoing slot, formed once: the tokens into l' and (delta) the erase of
   // the levels re-keyed into l' both read it
-  std::vector<Mat<R>> kD(dHout.slot.size());
+  std::vector<Mat<R>>& kD = wk.kD;
+  slots(kD, wk.kDset, dHout.slot.size());
   auto kd = [&](int l) -> const Mat<R>& {
-    if (kD[l].empty()) kD[l] = matmul<R>(sg.k, false, *dHout.get(l), false);  // [R,dk] x [dk,dv]
+    if (!wk.kDset[l]) {
+      fit(kD[l], nr, dv);
+      gemm<R>(kD[l], sg.k, false, *dHout.get(l), false);  // [R,dk] x [dk,dv]
+      wk.kDset[l] = 1;
+    }
     return kD[l];
   };
   // delta: dK += A[l'] dH'[l']^T once per slot, A[l'] = sum of Tm Y of the tokens into l'
   // - e^B sum of W H of the levels re-keyed into l' (the forward's Z)
-  std::vector<Mat<R>> A(delta ? dHout.slot.size() : 0);
-  for (auto& [tl, m] : groups) {
+  std::vector<Mat<R>>& A = wk.A;
+  std::vector<char>& Aset = wk.Aset;
+  slots(A, Aset, delta ? dHout.slot.size() : 0);
+  for (const int tl : wk.lvls) {
     const Mat<R>* Dz = dHout.get(tl);
     if (!Dz) continue;
-    Mat<R> Y(nr, dv, Uninit{});
-    Vec<R> coef(static_cast<size_t>(nr));
+    Mat<R>& Y = wk.Y;
+    fit(Y, nr, dv);
+    Vec<R>& coef = wk.coef;
+    coef.resize(static_cast<size_t>(nr));
     for (int64_t j = 0; j < nr; ++j) {
-      coef[j] = m[j] * a.b(i0 + j) * sg.er[j];
+      const R m = wk.tok[j] == tl ? R(1) : R(0);
+      coef[j] = m * a.b(i0 + j) * sg.er[j];
       scaled(Y.row(j), sg.v.row(j), coef[j], dv);
     }
     const Mat<R>& kDz = kd(tl);
-    Mat<R> dYd;
+    Mat<R>& dYd = wk.dYd;
     if (delta) {  // Z = K^T Tm Y:  dTm += (K dH') Y^T
-      A[tl] = matmul<R>(sg.Tm, false, Y, false, kALower);      // Tm Y  [R,R] x [R,dv]
-      dYd = matmul<R>(sg.Tm, true, kDz, false, kAUpper);       // Tm^T K dH'  [R,R] x [R,dv]
+      fit(A[tl], nr, dv);
+      Aset[tl] = 1;
+      gemm<R>(A[tl], sg.Tm, false, Y, false, R(1), R(0), kALower);  // Tm Y  [R,R] x [R,dv]
+      fit(dYd, nr, dv);
+      gemm<R>(dYd, sg.Tm, true, kDz, false, R(1), R(0), kAUpper);   // Tm^T K dH'  [R,R] x [R,dv]
       gemm<R>(S, dYd, false, A[tl], true, R(1), R(1), kCLower);  // [R,dv] x [dv,R]
     } else {
       gemm<R>(dk_, Y, false, *Dz, true, R(1), R(1));           // [R,dv] x [dv,dk]
@@ -312,7 +386,7 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       const R* __restrict y = dY.row(j);
       for (int64_t c = 0; c < dv; ++c) gv[c] += coef[j] * y[c];
       const R w = sg.er[j];
-      if (delta) dbeta[j] += w * m[j] * tY;
+      if (delta) dbeta[j] += w * (wk.tok[j] == tl ? R(1) : R(0)) * tY;
       const R dwm = coef[j] * tY;  // d/d(B - b_j)
       dB += dwm;
       db[j] -= dwm;
@@ -330,15 +404,20 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       axpy<R>(dX, *Dout, eB);
       if (delta) {
         const int to = a.lv.read_level(sg.e, sg.s, l);
-        const Mat<R> E = matmul<R>(sg.wy(), false, *H, false);  // [R,dk] x [dk,dv]
-        if (A[to].empty()) {
-          A[to] = E;
+        Mat<R>& E = wk.WH;  // W H
+        fit(E, nr, dv);
+        gemm<R>(E, sg.wy(), false, *H, false);  // [R,dk] x [dk,dv]
+        if (!Aset[to]) {
+          fit(A[to], nr, dv);
+          Aset[to] = 1;
+          for (int64_t i = 0; i < nr; ++i) std::copy(E.row(i), E.row(i) + dv, A[to].row(i));
           scale<R>(A[to], -eB);
         } else {
           axpy<R>(A[to], E, -eB);
         }
         const Mat<R>& dE = kd(to);  // K dH' (times -e^B below)
-        if (dW.empty()) dW = Mat<R>(nr, dk);
+        if (!have_dW) fit_zero(dW, nr, dk);
+        have_dW = true;
         // d/dB of e^B <dH', H - K^T E> = e^B (<dH', H> - <K dH', E>): no [dk, dv] copy of H - K^T E
         dB += eB * (dot<R>(*Dout, *H) - dot<R>(dE, E));
         gemm<R>(dW, dE, false, *H, true, -eB, R(1));         // [R,dv] x [dv,dk]
@@ -347,8 +426,10 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
         dB += eB * dot<R>(*Dout, *H);
       }
     }
-    const Mat<R> Yr = matmul<R>(dO, false, *H, true);  // [R,dv] x [dv,dk]
-    Mat<R> cdO(nr, dv, Uninit{});
+    Mat<R>&Yr = wk.Yr, &cdO = wk.cdO;
+    fit(Yr, nr, dk);
+    gemm<R>(Yr, dO, false, *H, true);  // [R,dv] x [dv,dk]
+    fit(cdO, nr, dv);
     for (int64_t i = 0; i < nr; ++i) {
       const int lvl = a.lv.read_level(sg.s + i, sg.s, l);
       const R eb = sg.eb[i];
@@ -363,19 +444,22 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     gemm<R>(dX, Qt, true, cdO, false, R(1), R(1));  // [dk,R] x [R,dv]
   }
-  for (size_t l = 0; l < A.size(); ++l)
-    if (!A[l].empty()) gemm<R>(dk_, A[l], false, *dHout.get(static_cast<int>(l)), true, R(1), R(1));  // [R,dv] x [dv,dk]
+  for (size_t l = 0; l < Aset.size(); ++l)
+    if (Aset[l]) gemm<R>(dk_, A[l], false, *dHout.get(static_cast<int>(l)), true, R(1), R(1));  // [R,dv] x [dv,dk]
   // intra: O = (D o M) diag(beta) V
   {
-    Mat<R> bvd, P(nr, nr), dP;  // diag(beta) V (delta; V for mamba)
+    Mat<R>&bvd = wk.bv, &P = wk.P, &dP = wk.dP, &dbv = wk.dbv;  // bvd: diag(beta) V (delta; V for mamba)
     if (delta) {
-      bvd = Mat<R>(nr, dv, Uninit{});
+      fit(bvd, nr, dv);
       for (int64_t i = 0; i < nr; ++i) scaled(bvd.row(i), sg.v.row(i), a.beta[i0 + i], dv);
     }
     const MRef<const R> bv = delta ? bvd.ref() : sg.v;
+    fit(P, nr, nr);  // P = D o M, zero above the diagonal
     for (int64_t i = 0; i < nr; ++i) hadamard(P.row(i), D.row(i), M.row(i), i + 1);
-    dP = matmul<R>(dO, false, bv, true, kCLower | kCUnset);  // [R,dv] x [dv,R], j <= i read
-    const Mat<R> dbv = matmul<R>(P, true, dO, false, kAUpper);  // [R,R] x [R,dv]
+    fit(dP, nr, nr);
+    gemm<R>(dP, dO, false, bv, true, R(1), R(0), kCLower | kCUnset);  // [R,dv] x [dv,R], j <= i read
+    fit(dbv, nr, dv);
+    gemm<R>(dbv, P, true, dO, false, R(1), R(0), kAUpper);  // [R,R] x [R,dv]
     for (int64_t i = 0; i < nr; ++i) {
       const R bi = a.b(i0 + i);
       R* __restrict gv = dv_.row(i);
@@ -384,9 +468,12 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
       if (delta) dbeta[i] += dot(x, sg.v.row(i), dv);
     }
     // dD = dP o M; dG = dP o D o M = d/d(b_i - b_j): db_i += sum_j dG_ij, db_j -= sum_i dG_ij
-    Mat<R> dD(nr, nr);
-    Vec<R> dGcol(static_cast<size_t>(nr), R(0));
-    Vec<R> pd(static_cast<size_t>(fen ? nr : 0));  // dP o D of one row
+    Mat<R>& dD = wk.dD;
+    fit_zero(dD, nr, nr);
+    Vec<R>& dGcol = wk.dGcol;
+    dGcol.assign(static_cast<size_t>(nr), R(0));
+    Vec<R>& pd = wk.pd;  // dP o D of one row
+    pd.resize(static_cast<size_t>(fen ? nr : 0));
     for (int64_t i = 0; i < nr; ++i) {
       const R *dPi = dP.row(i), *Di = D.row(i);
       db[i] += mask_row_backward(dPi, Di, M.row(i), dD.row(i), dGcol.data(), i + 1);
@@ -400,14 +487,16 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     }
     for (int64_t j = 0; j < nr; ++j) db[j] -= dGcol[j];
     if (reads) axpy<R>(dq, dQt);
-    Mat<R> dXm;
     if (delta) {
       if (reads) {
-        Mat<R> dbk(nr, dk, Uninit{});  // d(diag(beta) K)
+        Mat<R>& dbk = wk.dbk;  // d(diag(beta) K)
+        fit(dbk, nr, dk);
         gemm<R>(dD, dQt, false, sg.bk, true, R(-1), R(1));         // Q~ = q - D bk  [R,dk] x [dk,R]
         gemm<R>(dbk, D, true, dQt, false, R(-1), R(0), kAUpper);   // [R,R] x [R,dk]
-        if (!dW.empty()) {  // W = Tm bk: dTm += dW bk^T (S += (Tm^T dW) W^T), d(bk) += Tm^T dW
-          const Mat<R> TdW = matmul<R>(sg.Tm, true, dW, false, kAUpper);  // [R,R] x [R,dk]
+        if (have_dW) {  // W = Tm bk: dTm += dW bk^T (S += (Tm^T dW) W^T), d(bk) += Tm^T dW
+          Mat<R>& TdW = wk.TdW;
+          fit(TdW, nr, dk);
+          gemm<R>(TdW, sg.Tm, true, dW, false, R(1), R(0), kAUpper);  // [R,R] x [R,dk]
           gemm<R>(S, TdW, false, sg.wy(), true, R(1), R(1), kCLower);    // [R,dk] x [dk,R]
           axpy<R>(dbk, TdW);
         }
@@ -419,13 +508,15 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
           dbeta[i] += dot(x, sg.k.row(i), dk);
         }
       }
-      dXm = matmul<R>(dD, false, sg.Tm, true, kCLower | kCUnset);  // D = X Tm, upper set below
+    }
+    Mat<R>& dXm = delta ? wk.dXm : dD;
+    if (delta) {
+      fit(dXm, nr, nr);
+      gemm<R>(dXm, dD, false, sg.Tm, true, R(1), R(0), kCLower | kCUnset);  // D = X Tm, upper set below
       for (int64_t i = 0; i < nr; ++i) std::fill(dXm.row(i) + i + 1, dXm.row(i) + nr, R(0));
       // dTm += X^T dD:  S += Tm^T X^T dD Tm^T = D^T dXm; its strict lower triangle reads dXm(k, j)
       // at k > j alone (D^T upper), entries the fill above left as they were
       gemm<R>(S, D, true, dXm, false, R(1), R(1), kAUpper | kCLower);  // [R,R] x [R,R]
-    } else {
-      dXm = std::move(dD);
     }
     gemm<R>(dq, dXm, false, sg.k, false, R(1), R(1), kALower);  // [R,R] x [R,dk]
     gemm<R>(dk_, dXm, true, sg.q, false, R(1), R(1), kAUpper);  // [R,R] x [R,dk]
@@ -433,7 +524,8 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
     // dbeta += rowsum(dNm o K K^T), dK += (dA + dA^T) K with dA = diag(beta) dNm (one product:
     // dA + dA^T is formed)
     if (delta) {
-      Mat<R> dA(nr, nr);  // dA + dA^T, zero diagonal
+      Mat<R>& dA = wk.dA;  // dA + dA^T, zero diagonal
+      fit_zero(dA, nr, nr);
       for (int64_t i = 0; i < nr; ++i) {
         const R bi = a.beta[i0 + i];
         const R *Si = S.row(i), *KKi = sg.KK.row(i);
@@ -468,13 +560,6 @@ Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hi
 //   O = diag(e^b) Q H + (X o Gam) Vn   (X = tril(Q K^T)),   H' = e^B H + K^T diag(e^{B-b}) Vn.
 // Gam is the segment's decay matrix (Seg::decay: exactly 0 across a reset), e^b, e^{B-b}, e^B its
 // direct-sum exponentials, so a reset only scales whole terms, as in the UT form.
-
-// m as an [r, c] matrix: kept when it has that shape, else a new zero-filled one (so entries a
-// user never writes, such as those above a diagonal, stay 0 across reuses).
-template <class R>
-void fit(Mat<R>& m, int64_t r, int64_t c) {
-  if (m.r != r || m.c != c) m = Mat<R>(r, c);
-}
 
 template <class R>
 struct GatedSeg {
@@ -859,13 +944,14 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
     }
     return st;
   }
+  SegWork<R> wk;
   switch (form) {
     case PForm::naive:
     case PForm::chunk:
       for (auto [s, e] : form_segments(form, chunk, a)) {
         Seg<R> sg(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
-        Canon<R> next = seg_forward(a, sg, st, &Or, want_state || e < n0 + n);
+        Canon<R> next = seg_forward(a, sg, st, wk, &Or, want_state || e < n0 + n);
         if (seg_in) seg_in->push_back(std::move(st));
         st = std::move(next);
       }
@@ -889,7 +975,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
         const auto [s, e] = segs[c];
         Seg<R> sg(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
-        seg_forward(a, sg, prim_apply(prefix[c], st, a.lv, a.delta, dk, dv), &Or);
+        seg_forward(a, sg, prim_apply(prefix[c], st, a.lv, a.delta, dk, dv), wk, &Or);
       }
       return trimmed(prim_apply(total, st, a.lv, a.delta, dk, dv), a.lv, n0 + n);
     }
@@ -948,6 +1034,7 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
   }
   // each segment's quantities, formed once for both sweeps
   std::vector<Seg<R>> sg;
+  SegWork<R> wk;
   sg.reserve(segs.size());
   for (auto [s, e] : segs) sg.emplace_back(a, s - n0, e - n0);
   // states-only sweep: the canonical state entering each segment (unless the forward kept them)
@@ -956,12 +1043,12 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
   if (!Hin || Hin->size() != segs.size()) {
     own.resize(segs.size());
     own[0] = st0;
-    for (size_t c = 0; c + 1 < segs.size(); ++c) own[c + 1] = seg_forward(a, sg[c], own[c]);
+    for (size_t c = 0; c + 1 < segs.size(); ++c) own[c + 1] = seg_forward(a, sg[c], own[c], wk);
     Hin = &own;
   }
   Canon<R> d = dst;
   for (size_t c = segs.size(); c-- > 0;)
-    d = seg_backward(a, sg[c], (*Hin)[c], dO.rows(sg[c].i0, sg[c].i1), d, G);
+    d = seg_backward(a, sg[c], (*Hin)[c], dO.rows(sg[c].i0, sg[c].i1), d, G, wk);
   G.dinit = trimmed(d, a.lv, n0);
   return G;
 }
@@ -973,7 +1060,8 @@ PrimSummary<R> prim_summarize(const PrimArgs<R>& a, int64_t i0, int64_t i1) {
   S.identity = false;
   S.a = sg.s;
   S.b = sg.e;
-  S.P = seg_forward(a, sg, Canon<R>{});
+  SegWork<R> wk;
+  S.P = seg_forward(a, sg, Canon<R>{}, wk);
   if (a.delta) {  // M = e^B (I - K^T W)
     const int64_t dk = a.dk();
     S.M = Mat<R>(dk, dk);
