@@ -189,7 +189,9 @@ struct Seg {
   mutable Mat<R> W;
 };
 
-// Temporaries of seg_forward and seg_backward, kept across the segments of a call (fit). The
+// Temporaries of seg_forward and seg_backward, kept across the segments of a call and, one per
+// thread, across calls (fit: a call of another shape re-forms them; what stays held is the work
+// space of the largest segment seen, O(slots R dv + R^2) values). The
 // [R, R] members whose upper triangle the code never writes (P, E, M) keep it 0 across reuses.
 // Per-slot matrices (Z, A, kD) are in use where the matching flag is set.
 template <class R>
@@ -597,7 +599,8 @@ struct GatedSeg {
   MRef<const R> Wg(int64_t dk) const { return {WU.row(0), WU.r, dk, WU.c}; }
 };
 
-// Temporaries of gated_forward and gated_backward, kept across the segments of a call (fit).
+// Temporaries of gated_forward and gated_backward, kept across the segments of a call and, one per
+// thread, across calls (fit, as SegWork).
 template <class R>
 struct GatedWork {
   Mat<R> P, QH, Ver, X, dWU, KdH, dP, dX, Yr, cdO, dBm, t2, dKK;
@@ -925,8 +928,8 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
   if (seg_in) seg_in->clear();
   if (n == 0) return st;
   if (gated_form(form, a)) {
-    GatedSeg<R> gs;
-    GatedWork<R> wk;
+    thread_local GatedSeg<R> gs;
+    thread_local GatedWork<R> wk;
     for (auto [s, e] : form_segments(form, chunk, a)) {
       const Seg<R> sg(a, s - n0, e - n0, false);
       const Mat<R>* H = st.get(0);
@@ -944,7 +947,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
     }
     return st;
   }
-  SegWork<R> wk;
+  thread_local SegWork<R> wk;
   switch (form) {
     case PForm::naive:
     case PForm::chunk:
@@ -1007,7 +1010,7 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     const bool kept = seg_in && seg_in->size() == segs.size();
     std::vector<Seg<R>> sg;
     std::vector<GatedSeg<R>> gs;
-    GatedWork<R> wk;
+    thread_local GatedWork<R> wk;
     std::vector<Canon<R>> own(kept ? 0 : segs.size());
     sg.reserve(segs.size());
     gs.reserve(segs.size());
@@ -1034,7 +1037,7 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
   }
   // each segment's quantities, formed once for both sweeps
   std::vector<Seg<R>> sg;
-  SegWork<R> wk;
+  thread_local SegWork<R> wk;
   sg.reserve(segs.size());
   for (auto [s, e] : segs) sg.emplace_back(a, s - n0, e - n0);
   // states-only sweep: the canonical state entering each segment (unless the forward kept them)
