@@ -4,10 +4,14 @@
 // chunk and naive forms, from position 0 and from a later position with an initial state, with a
 // final-state cotangent. The forms themselves are checked against the float64 naive form by the
 // form tests; this checks the road on which a composition hands its inner forward's states over.
+// WorkSpaceReuse: the chunk form keeps its segment work space per thread across calls; a call's
+// results must not depend on the calls of other shapes the thread made before it.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "cpu/levels.h"
@@ -109,6 +113,106 @@ INSTANTIATE_TEST_SUITE_P(All, PrimSegStates, ::testing::ValuesIn(cases()), [](co
          (c.form == PForm::chunk ? "_chunk" : "_naive") + "_n" + std::to_string(c.n) + "_at" +
          std::to_string(c.n0);
 });
+
+// One chunk-form forward + backward of a fixed problem (seeded by its shape), with a reset token.
+struct Shape {
+  int64_t dk, dv, n, n0, chunk;
+};
+struct Result {
+  Mat<double> O;
+  Canon<double> fin;
+  PrimGrads<double> G;
+};
+
+Result run_shape(bool delta, bool fenwick, const Shape& sh) {
+  const int64_t dk = sh.dk, dv = sh.dv, n = sh.n;
+  std::mt19937_64 rng(11 + 3 * dk + 5 * dv + n);
+  const Mat<double> q = randn(rng, n, dk, 0.25), v = randn(rng, n, dv, 1.0);
+  Mat<double> k = randn(rng, n, dk, 0.25);
+  for (int64_t i = 0; i < n; ++i) {  // unit-norm keys
+    double s = 0;
+    for (int64_t j = 0; j < dk; ++j) s += k(i, j) * k(i, j);
+    for (int64_t j = 0; j < dk; ++j) k(i, j) /= std::sqrt(s);
+  }
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<double> g(n), beta(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = -0.05 * u(rng), beta[i] = u(rng);
+  g[n / 2] = -std::numeric_limits<double>::infinity();  // a reset
+  PrimArgs<double> a;
+  a.q = {q.a.data(), n, dk, dk}, a.k = {k.a.data(), n, dk, dk}, a.v = {v.a.data(), n, dv, dv};
+  a.g = g.data();
+  a.n0 = sh.n0;
+  a.lv.fenwick = fenwick;
+  a.delta = delta;
+  Mat<double> lam;
+  if (fenwick) {
+    lam = randn(rng, n, 64, 0.3);
+    for (auto& x : lam.a) x = 1.0 + x;
+    a.lam = {lam.a.data(), n, 64, 64};
+  }
+  if (delta) a.beta = beta.data();
+  Canon<double> init;
+  if (sh.n0 > 0) {
+    init.resize(a.lv.slots(sh.n0));
+    for (int l = 0; l < int(init.slot.size()); ++l)
+      if (a.lv.live(sh.n0, l)) init.slot[l] = randn(rng, dk, dv, 0.5);
+  }
+  Result r;
+  r.O = Mat<double>(n, dv);
+  r.fin = prim_forward(PForm::chunk, sh.chunk, a, init, r.O.ref(), true);
+  const Mat<double> dO = randn(rng, n, dv, 1.0);
+  Canon<double> dfin;
+  dfin.resize(r.fin.slot.size());
+  for (size_t l = 0; l < r.fin.slot.size(); ++l)
+    if (!r.fin.slot[l].empty()) dfin.slot[l] = randn(rng, dk, dv, 1.0);
+  r.G = prim_backward<double>(PForm::chunk, sh.chunk, a, init, {dO.a.data(), n, dv, dv}, dfin, nullptr);
+  return r;
+}
+
+void expect_same(const Result& x, const Result& y, bool fenwick) {
+  expect_same(x.O, y.O, "O");
+  ASSERT_EQ(x.fin.slot.size(), y.fin.slot.size());
+  for (size_t l = 0; l < x.fin.slot.size(); ++l) expect_same(x.fin.slot[l], y.fin.slot[l], "state");
+  expect_same(x.G.dq, y.G.dq, "dq");
+  expect_same(x.G.dk, y.G.dk, "dk");
+  expect_same(x.G.dv, y.G.dv, "dv");
+  EXPECT_EQ(x.G.dg, y.G.dg);
+  EXPECT_EQ(x.G.dbeta, y.G.dbeta);
+  if (fenwick) expect_same(x.G.dlam, y.G.dlam, "dlam");
+  ASSERT_EQ(x.G.dinit.slot.size(), y.G.dinit.slot.size());
+  for (size_t l = 0; l < x.G.dinit.slot.size(); ++l)
+    expect_same(x.G.dinit.slot[l], y.G.dinit.slot[l], "dinit");
+  for (double v : x.G.dq.a) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(PrimWorkSpace, ReuseAcrossShapesGivesTheSameResults) {
+  // shapes that change every work-space dimension (segment rows, key and value widths, slots);
+  // each cut into segments of one size, so a call after one of the same shape reuses every buffer
+  // as the previous call left it
+  const Shape big{20, 9, 96, 0, 32}, small{16, 12, 48, 16, 16};
+  for (bool delta : {false, true})
+    for (bool fenwick : {false, true}) {
+      SCOPED_TRACE(std::string(delta ? "delta" : "mamba") + (fenwick ? "_fenwick" : "_flat"));
+      // reference results, each from a fresh thread (a fresh work space)
+      Result big0, small0;
+      std::thread([&] { big0 = run_shape(delta, fenwick, big); }).join();
+      std::thread([&] { small0 = run_shape(delta, fenwick, small); }).join();
+      // one thread: big, small, big, big, small (after a call of another shape and of the same)
+      Result big1, small1, big2, big3, small2;
+      std::thread([&] {
+        big1 = run_shape(delta, fenwick, big);
+        small1 = run_shape(delta, fenwick, small);
+        big2 = run_shape(delta, fenwick, big);
+        big3 = run_shape(delta, fenwick, big);
+        small2 = run_shape(delta, fenwick, small);
+      }).join();
+      expect_same(big0, big1, fenwick);
+      expect_same(small0, small1, fenwick);
+      expect_same(big0, big2, fenwick);
+      expect_same(big0, big3, fenwick);
+      expect_same(small0, small2, fenwick);
+    }
+}
 
 }  // namespace
 }  // namespace hila::cpu
