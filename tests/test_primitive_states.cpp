@@ -189,28 +189,37 @@ TEST(PrimWorkSpace, ReuseAcrossShapesGivesTheSameResults) {
   // shapes that change every work-space dimension (segment rows, key and value widths, slots);
   // each cut into segments of one size, so a call after one of the same shape reuses every buffer
   // as the previous call left it
-  const Shape big{20, 9, 96, 0, 32}, small{16, 12, 48, 16, 16};
+  // (long: more segments than a thread keeps after a call)
+  const Shape big{20, 9, 96, 0, 32}, small{16, 12, 48, 16, 16}, lng{16, 12, 160, 0, 16};
   for (bool delta : {false, true})
     for (bool fenwick : {false, true}) {
       SCOPED_TRACE(std::string(delta ? "delta" : "mamba") + (fenwick ? "_fenwick" : "_flat"));
       // reference results, each from a fresh thread (a fresh work space)
-      Result big0, small0;
+      Result big0, small0, lng0;
       std::thread([&] { big0 = run_shape(delta, fenwick, big); }).join();
       std::thread([&] { small0 = run_shape(delta, fenwick, small); }).join();
-      // one thread: big, small, big, big, small (after a call of another shape and of the same)
-      Result big1, small1, big2, big3, small2;
+      std::thread([&] { lng0 = run_shape(delta, fenwick, lng); }).join();
+      // one thread: big, small, big, big, small, long, small, long (after a call of another shape
+      // and of the same)
+      Result big1, small1, big2, big3, small2, lng1, small3, lng2;
       std::thread([&] {
         big1 = run_shape(delta, fenwick, big);
         small1 = run_shape(delta, fenwick, small);
         big2 = run_shape(delta, fenwick, big);
         big3 = run_shape(delta, fenwick, big);
         small2 = run_shape(delta, fenwick, small);
+        lng1 = run_shape(delta, fenwick, lng);
+        small3 = run_shape(delta, fenwick, small);
+        lng2 = run_shape(delta, fenwick, lng);
       }).join();
       expect_same(big0, big1, fenwick);
       expect_same(small0, small1, fenwick);
       expect_same(big0, big2, fenwick);
       expect_same(big0, big3, fenwick);
       expect_same(small0, small2, fenwick);
+      expect_same(lng0, lng1, fenwick);
+      expect_same(small0, small3, fenwick);
+      expect_same(lng0, lng2, fenwick);
     }
 }
 

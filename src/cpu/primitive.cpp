@@ -72,7 +72,7 @@ void fit_zero(Mat<R>& m, int64_t r, int64_t c) {
 // exactly 0 and a decay after it is exp of the gates after it alone, as in the serial form.
 template <class R>
 struct Seg {
-  int64_t i0, i1, nr, s, e;
+  int64_t i0 = 0, i1 = 0, nr = 0, s = 0, e = 0;
   Vec<R> b;    // b[i] = sum_{r<=i} g_r: decay exp(b[i]) of the incoming state at row i
   Vec<R> rest; // rest[j] = sum_{j<r<nr} g_r: decay exp(rest[j]) from row j to the end
   R B = 0;             // sum of all g: decay exp(B) across the segment
@@ -84,8 +84,14 @@ struct Seg {
   Mat<R> bk, KK, Tm;
 
   // ut: form the UT quantities bk, KK, Tm, W (delta; not for the gated-inverse form below)
-  Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_, bool ut = true)
-      : i0(i0_), i1(i1_), nr(i1_ - i0_), s(a.n0 + i0_), e(a.n0 + i1_), b(static_cast<size_t>(nr)) {
+  Seg() = default;
+  Seg(const PrimArgs<R>& a, int64_t i0_, int64_t i1_, bool ut = true) { form(a, i0_, i1_, ut); }
+  // (re)forms every member for rows [i0_, i1_), reusing storage (fit)
+  void form(const PrimArgs<R>& a, int64_t i0_, int64_t i1_, bool ut = true) {
+    i0 = i0_, i1 = i1_, nr = i1_ - i0_, s = a.n0 + i0_, e = a.n0 + i1_;
+    B = 0;
+    w_ok = false;
+    b.resize(static_cast<size_t>(nr));
     q = a.q.rows(i0, i1);
     k = a.k.rows(i0, i1);
     v = a.v.rows(i0, i1);
@@ -105,16 +111,21 @@ struct Seg {
     }
     if (!a.delta || !ut) return;
     const int64_t dk = a.dk();
-    bk = Mat<R>(nr, dk, Uninit{});
+    fit(bk, nr, dk);
     for (int64_t i = 0; i < nr; ++i) scaled(bk.row(i), k.row(i), a.beta[i0 + i], dk);
-    KK = matmul<R>(k, false, k, true, kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
-    Tm = Mat<R>(nr, nr, Uninit{});  // every entry written
+    fit(KK, nr, nr);
+    gemm<R>(KK, k, false, k, true, R(1), R(0), kCLower | kCUnset);  // [R,dk] x [dk,R], strict lower read
+    fit(Tm, nr, nr);  // every entry written
     unit_lower_inverse(Tm.row(0), nr, KK.row(0), nr, a.beta + i0, nr);
   }
   // W = Tm diag(beta) K [R, dk], formed on first use: only the erase of incoming levels (and a
   // scan summary) reads it, so a segment without a live incoming level never forms it
   const Mat<R>& wy() const {
-    if (W.empty()) W = matmul<R>(Tm, false, bk, false, kALower);  // [R,R] x [R,dk]
+    if (!w_ok) {
+      fit(W, nr, bk.c);
+      gemm<R>(W, Tm, false, bk, false, R(1), R(0), kALower);  // [R,R] x [R,dk]
+      w_ok = true;
+    }
     return W;
   }
   // Whether the segment reads an incoming level of Hin (a live, non-zero slot at s).
@@ -187,6 +198,7 @@ struct Seg {
 
  private:
   mutable Mat<R> W;
+  mutable bool w_ok = false;  // W formed for this segment
 };
 
 // Temporaries of seg_forward and seg_backward, kept across the segments of a call and, one per
@@ -928,10 +940,11 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
   if (seg_in) seg_in->clear();
   if (n == 0) return st;
   if (gated_form(form, a)) {
+    thread_local Seg<R> sg;
     thread_local GatedSeg<R> gs;
     thread_local GatedWork<R> wk;
     for (auto [s, e] : form_segments(form, chunk, a)) {
-      const Seg<R> sg(a, s - n0, e - n0, false);
+      sg.form(a, s - n0, e - n0, false);
       const Mat<R>* H = st.get(0);
       gs.form(a, sg, H);
       MRef<R> Or = O.rows(s - n0, e - n0);
@@ -948,11 +961,12 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
     return st;
   }
   thread_local SegWork<R> wk;
+  thread_local Seg<R> sg;
   switch (form) {
     case PForm::naive:
     case PForm::chunk:
       for (auto [s, e] : form_segments(form, chunk, a)) {
-        Seg<R> sg(a, s - n0, e - n0);
+        sg.form(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
         Canon<R> next = seg_forward(a, sg, st, wk, &Or, want_state || e < n0 + n);
         if (seg_in) seg_in->push_back(std::move(st));
@@ -976,7 +990,7 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
       const auto prefix = blelloch_exclusive(sums, PrimSummary<R>{}, comb, &total);
       for (size_t c = 0; c < segs.size(); ++c) {
         const auto [s, e] = segs[c];
-        Seg<R> sg(a, s - n0, e - n0);
+        sg.form(a, s - n0, e - n0);
         MRef<R> Or = O.rows(s - n0, e - n0);
         seg_forward(a, sg, prim_apply(prefix[c], st, a.lv, a.delta, dk, dv), wk, &Or);
       }
@@ -985,6 +999,26 @@ Canon<R> prim_forward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Can
   }
   throw std::logic_error("prim_forward: bad form");
 }
+
+// A per-thread vector of per-segment quantities, at least n entries for one call; when the call
+// ends at most kKeptSegs entries stay held (their storage reused by the next call), so a long
+// call's quantities are released after it.
+constexpr size_t kKeptSegs = 8;
+template <class T>
+struct KeptSegs {
+  std::vector<T>& v;
+  KeptSegs(std::vector<T>& v_, size_t n) : v(v_) {
+    if (v.size() < n) v.resize(n);
+  }
+  ~KeptSegs() {
+    if (v.size() > kKeptSegs) {
+      v.resize(kKeptSegs);
+      v.shrink_to_fit();
+    }
+  }
+  KeptSegs(const KeptSegs&) = delete;
+  KeptSegs& operator=(const KeptSegs&) = delete;
+};
 
 template <class R>
 PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, const Canon<R>& init,
@@ -1008,18 +1042,18 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     // forward sweep: each segment's quantities and the state entering it (unless the forward
     // kept them), then the reverse sweep
     const bool kept = seg_in && seg_in->size() == segs.size();
-    std::vector<Seg<R>> sg;
-    std::vector<GatedSeg<R>> gs;
+    thread_local std::vector<Seg<R>> sg;
+    thread_local std::vector<GatedSeg<R>> gs;
     thread_local GatedWork<R> wk;
     std::vector<Canon<R>> own(kept ? 0 : segs.size());
-    sg.reserve(segs.size());
-    gs.reserve(segs.size());
+    const KeptSegs<Seg<R>> keep_sg(sg, segs.size());
+    const KeptSegs<GatedSeg<R>> keep_gs(gs, segs.size());
     if (!kept) own[0] = st0;
     const std::vector<Canon<R>>& Hin = kept ? *seg_in : own;
     for (size_t c = 0; c < segs.size(); ++c) {
-      sg.emplace_back(a, segs[c].first - n0, segs[c].second - n0, false);
+      sg[c].form(a, segs[c].first - n0, segs[c].second - n0, false);
       const Mat<R>* H = Hin[c].get(0);
-      gs.emplace_back(a, sg[c], H);
+      gs[c].form(a, sg[c], H);
       if (!kept && c + 1 < segs.size()) {
         own[c + 1].resize(1);
         gated_forward(a, sg[c], gs[c], H, static_cast<MRef<R>*>(nullptr), &own[c + 1].slot[0], wk);
@@ -1036,10 +1070,10 @@ PrimGrads<R> prim_backward(PForm form, int64_t chunk, const PrimArgs<R>& a, cons
     return G;
   }
   // each segment's quantities, formed once for both sweeps
-  std::vector<Seg<R>> sg;
+  thread_local std::vector<Seg<R>> sg;
   thread_local SegWork<R> wk;
-  sg.reserve(segs.size());
-  for (auto [s, e] : segs) sg.emplace_back(a, s - n0, e - n0);
+  const KeptSegs<Seg<R>> keep_sg(sg, segs.size());
+  for (size_t c = 0; c < segs.size(); ++c) sg[c].form(a, segs[c].first - n0, segs[c].second - n0);
   // states-only sweep: the canonical state entering each segment (unless the forward kept them)
   std::vector<Canon<R>> own;
   const std::vector<Canon<R>>* Hin = seg_in;
