@@ -33,6 +33,15 @@ Mat<double> randn(std::mt19937_64& rng, int64_t r, int64_t c, double scale) {
   return m;
 }
 
+// Rows scaled to unit norm: keys of a contracting delta rule (with beta in [0, 1]).
+void unit_rows(Mat<double>& k) {
+  for (int64_t i = 0; i < k.r; ++i) {
+    double s = 0;
+    for (int64_t j = 0; j < k.c; ++j) s += k(i, j) * k(i, j);
+    for (int64_t j = 0; j < k.c; ++j) k(i, j) /= std::sqrt(s);
+  }
+}
+
 void expect_same(const Mat<double>& a, const Mat<double>& b, const char* what) {
   ASSERT_EQ(a.a.size(), b.a.size()) << what;
   for (size_t i = 0; i < a.a.size(); ++i) ASSERT_EQ(a.a[i], b.a[i]) << what << " at " << i;
@@ -46,12 +55,7 @@ TEST_P(PrimSegStates, KeptStatesGiveTheSameGradients) {
   std::mt19937_64 rng(7 + n + c.n0);
   const Mat<double> q = randn(rng, n, dk, 0.25), k0 = randn(rng, n, dk, 0.25), v = randn(rng, n, dv, 1.0);
   Mat<double> k = k0;
-  if (c.delta)  // unit-norm keys: a contracting delta rule
-    for (int64_t i = 0; i < n; ++i) {
-      double s = 0;
-      for (int64_t j = 0; j < dk; ++j) s += k(i, j) * k(i, j);
-      for (int64_t j = 0; j < dk; ++j) k(i, j) /= std::sqrt(s);
-    }
+  if (c.delta) unit_rows(k);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::vector<double> g(n), beta(n);
   for (int64_t i = 0; i < n; ++i) g[i] = -0.05 * u(rng), beta[i] = u(rng);
@@ -129,11 +133,7 @@ Result run_shape(bool delta, bool fenwick, const Shape& sh) {
   std::mt19937_64 rng(11 + 3 * dk + 5 * dv + n);
   const Mat<double> q = randn(rng, n, dk, 0.25), v = randn(rng, n, dv, 1.0);
   Mat<double> k = randn(rng, n, dk, 0.25);
-  for (int64_t i = 0; i < n; ++i) {  // unit-norm keys
-    double s = 0;
-    for (int64_t j = 0; j < dk; ++j) s += k(i, j) * k(i, j);
-    for (int64_t j = 0; j < dk; ++j) k(i, j) /= std::sqrt(s);
-  }
+  unit_rows(k);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::vector<double> g(n), beta(n);
   for (int64_t i = 0; i < n; ++i) g[i] = -0.05 * u(rng), beta[i] = u(rng);
