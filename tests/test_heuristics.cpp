@@ -287,11 +287,15 @@ TEST(Heuristics, DecodeStep) {
 
 // ---- CPU backend ---------------------------------------------------------------------------------
 
-TEST(Heuristics, CpuParallelOnlyForSeveralItemsAndMuchWork) {
+TEST(Heuristics, CpuParallelOnlyForSeveralItemsAndEnoughWork) {
   using hila::detail::cpu_parallel;
   using hila::detail::kCpuParallelWork;
-  // a tiny training call (1 sequence x 2 heads, T = 64, d = 16: ~2^17 multiply-adds) is serial
-  EXPECT_FALSE(cpu_parallel(2, 3 * 64 * 16 * (16 + 3 * 16)));
+  // work per (sequence, head) as backend.cpp counts it: dk (dk + 3 dv) T, 4x for Fenwick ops
+  const int64_t d16 = 16 * (16 + 3 * 16);
+  EXPECT_TRUE(cpu_parallel(2, d16 * 64));      // a tiny training call: 2 heads, T = 64, d = 16
+  EXPECT_TRUE(cpu_parallel(2, 4 * d16 * 64));  // the same for a log-linear op
+  EXPECT_FALSE(cpu_parallel(2, d16 * 16));     // T = 16: a few microseconds in all, serial
+  EXPECT_FALSE(cpu_parallel(32, d16));         // a decode-sized call (T = 1) over 32 heads
   EXPECT_FALSE(cpu_parallel(1, kCpuParallelWork * 8));  // one item: nothing to share
   EXPECT_FALSE(cpu_parallel(4, kCpuParallelWork / 4 - 1));
   EXPECT_TRUE(cpu_parallel(4, kCpuParallelWork / 4));

@@ -7,6 +7,8 @@
 #include <exception>
 #include <mutex>
 
+#include <omp.h>
+
 #include "core/access.h"
 #include "cpu/backend.h"
 #include "cpu/compose.h"
@@ -246,8 +248,8 @@ int64_t work(const Resolved& r) {
 PForm pform(Form f) { return static_cast<PForm>(static_cast<int>(f)); }
 
 // Run body(seq, head) over all pairs, in parallel when cpu_parallel says the work pays for a
-// parallel region (`work`: a rough count of multiply-adds per pair); rethrow the first exception
-// afterwards.
+// parallel region (`work`: a rough count of multiply-adds per pair) and OpenMP has more than one
+// thread to give; rethrow the first exception afterwards.
 template <class F>
 void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
   std::exception_ptr err;
@@ -260,7 +262,7 @@ void parallel_heads(int64_t N, int64_t H, int64_t work, F body) {
       if (!err) err = std::current_exception();
     }
   };
-  if (cpu_parallel(N * H, work)) {
+  if (cpu_parallel(N * H, work) && omp_get_max_threads() > 1) {
 #pragma omp parallel for schedule(dynamic)
     for (int64_t item = 0; item < N * H; ++item) run(item);
   } else {  // no OpenMP region at all (an if(false) region still costs a runtime call)

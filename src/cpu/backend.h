@@ -10,10 +10,14 @@ void cpu_backward(const Resolved& r, const BackwardParams& p);
 void cpu_step(const Resolved& r, const StepParams& p, const StateView& state);
 
 // Launch policy: whether `items` (sequence, head) pairs of `work` multiply-adds each (a rough
-// count) run in an OpenMP parallel region. A region costs thread wake-up and a barrier (tens of
-// microseconds when the cores are busy with other work), so a call runs serially unless there
-// are several items and about a millisecond of work in all: 2^22 multiply-adds.
-constexpr int64_t kCpuParallelWork = int64_t(1) << 22;
+// count) run in an OpenMP parallel region. A region costs a few microseconds while the pool's
+// threads are awake (libgomp's threads spin for a while after each region; where torch's wheel
+// bundles libgomp under the soname libgomp.so.1, as torch 2.15's does, torch's intra-op regions
+// and hila's share that one pool), more when they must be woken.
+// 2^16 multiply-adds in all (about 5 to 10 us of serial work: B = 1, T = 64, H = 2, d = 16 for
+// gla is 2^17) pays for one at two threads; a region is about as fine-grained as torch's own
+// at::parallel_for, whose grain is 32768 elements. One item runs serially.
+constexpr int64_t kCpuParallelWork = int64_t(1) << 16;
 constexpr bool cpu_parallel(int64_t items, int64_t work) {
   return items > 1 && work > 0 && items * work >= kCpuParallelWork;
 }

@@ -225,7 +225,7 @@ void slots(std::vector<Mat<R>>& m, std::vector<char>& set, size_t n) {
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
 // when !state).
 template <class R>
-Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin, SegWork<R>& wk,
+HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin, SegWork<R>& wk,
                      MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
@@ -310,7 +310,7 @@ Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin
 // Reverse of seg_forward (docs/math/LOGLINEAR.md §5.2 for mamba, §6.5 for delta; the mamba path is the
 // delta path with Tm = I and beta = 1). Accumulates rows [i0, i1) of G; returns the adjoint of Hin.
 template <class R>
-Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+HILA_CPU_CLONES Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
                       MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G, SegWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
@@ -621,7 +621,7 @@ struct GatedWork {
 
 // Outputs of one segment (O rows, optional) and the state at its end (Hout, optional).
 template <class R>
-void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs, const Mat<R>* H,
+HILA_CPU_CLONES void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs, const Mat<R>* H,
                    MRef<R>* O, Mat<R>* Hout, GatedWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
@@ -663,7 +663,7 @@ void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs
 //   N = diag(beta) A: dbeta += rowsum(dN o A), g += dN o N, dK += (dKK + dKK^T) K with
 //   dKK = diag(beta) dN o Gam; and the reads, the state update and Bm's row scales.
 template <class R>
-Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs,
+HILA_CPU_CLONES Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs,
                       const Mat<R>* H, MRef<const R> dO, const Mat<R>* dHout, PrimGrads<R>& G,
                       GatedWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), w = dk + dv, i0 = sg.i0;

@@ -173,8 +173,8 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
         import torch
         from .train import resolve_device, run
         before = torch.get_num_threads()
-        # One torch thread on the CPU by default: hila's OpenMP pool and torch's are different
-        # runtimes, and two pools of spinning threads on few cores slow both down.
+        # One torch thread on the CPU by default: torch's intra-op threads and hila's OpenMP
+        # regions (one libgomp runtime or two, as torch was packaged) oversubscribe a few cores.
         torch.set_num_threads(threads or (1 if resolve_device(devices[0]).type == "cpu" else before))
         try:
             for cfg in todo:
