@@ -2,9 +2,12 @@
 // Every operator x form x direction against the float64 naive form (docs/math/HLA.md §1–7,
 // docs/math/LOGLINEAR.md §3–7): outputs, final states and all gradients, in float64 (1e-10, backward
 // 1e-9), float32 (1e-4) and bf16 / f16 inputs (computed in fp32).
+#include <omp.h>
+
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "support_hila.h"
@@ -398,6 +401,39 @@ TEST(FormsOracle, NaiveMatchesSpecRecurrences) {
     }
     expect_buffer_close(r.o, want, 1e-12, op_tag(op) + " naive vs spec recurrence");
   }
+}
+
+
+// The CPU backend runs a call's (sequence, head) pairs in one OpenMP region when the work pays for
+// it (src/cpu/backend.h, cpu_parallel: a 2-sequence x 4-head call of T = 64, d = 16 does). Each pair
+// is computed alone, with its thread's own segment work space, so any number of threads gives the
+// bits of one thread: forward, final state and every gradient, with states, GQA and resets.
+TEST(FormsThreads, ParallelHeadsGiveTheBitsOfOneThread) {
+  const int before = omp_get_max_threads();
+  for (Op op : hila::all_ops())
+    for (DType dt : {DType::f32, DType::f64}) {
+      SCOPED_TRACE(op_tag(op) + " " + dtype_tag(dt));
+      ProblemSpec s = spec_for(op, 64, seed_of("FormsThreads" + op_tag(op)));
+      s.B = 2, s.G = 2, s.H = 4, s.dk = 16, s.dv = 16;
+      s.dtype = dt;
+      s.init_state = true;
+      Problem p = hila::tools::make_problem(s);
+      p.g.set(37, -std::numeric_limits<double>::infinity());  // a reset inside the first chunk
+      Result one, many;
+      omp_set_num_threads(1);
+      one = run_backward(p, Form::chunk, 64);
+      omp_set_num_threads(4);
+      many = run_backward(p, Form::chunk, 64);
+      omp_set_num_threads(before);
+      for (const auto& [name, a, b] :
+           {std::tuple<const char*, const Buffer*, const Buffer*>{"o", &one.o, &many.o}, {"dq", &one.dq, &many.dq},
+            {"dk", &one.dk, &many.dk}, {"dv", &one.dv, &many.dv}, {"dg", &one.dg, &many.dg},
+            {"dlam", &one.dlam, &many.dlam}, {"dbeta", &one.dbeta, &many.dbeta}})
+        EXPECT_TRUE(same_bytes(*a, *b)) << name;
+      EXPECT_TRUE(same_state(one.final_state, many.final_state)) << "final_state";
+      EXPECT_TRUE(same_state(one.d_init, many.d_init)) << "d_init";
+      EXPECT_TRUE(all_finite(one.o) && all_finite(one.dq)) << "non-finite results";
+    }
 }
 
 }  // namespace
