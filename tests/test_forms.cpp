@@ -403,13 +403,15 @@ TEST(FormsOracle, NaiveMatchesSpecRecurrences) {
   }
 }
 
-
 // The CPU backend runs a call's (sequence, head) pairs in one OpenMP region when the work pays for
 // it (src/cpu/backend.h, cpu_parallel: a 2-sequence x 4-head call of T = 64, d = 16 does). Each pair
 // is computed alone, with its thread's own segment work space, so any number of threads gives the
 // bits of one thread: forward, final state and every gradient, with states, GQA and resets.
 TEST(FormsThreads, ParallelHeadsGiveTheBitsOfOneThread) {
-  const int before = omp_get_max_threads();
+  struct Restore {  // the thread count of the tests that follow, whatever happens here
+    int n = omp_get_max_threads();
+    ~Restore() { omp_set_num_threads(n); }
+  } restore;
   for (Op op : hila::all_ops())
     for (DType dt : {DType::f32, DType::f64}) {
       SCOPED_TRACE(op_tag(op) + " " + dtype_tag(dt));
@@ -424,7 +426,6 @@ TEST(FormsThreads, ParallelHeadsGiveTheBitsOfOneThread) {
       one = run_backward(p, Form::chunk, 64);
       omp_set_num_threads(4);
       many = run_backward(p, Form::chunk, 64);
-      omp_set_num_threads(before);
       for (const auto& [name, a, b] :
            {std::tuple<const char*, const Buffer*, const Buffer*>{"o", &one.o, &many.o}, {"dq", &one.dq, &many.dq},
             {"dk", &one.dk, &many.dk}, {"dv", &one.dv, &many.dv}, {"dg", &one.dg, &many.dg},

@@ -225,8 +225,8 @@ void slots(std::vector<Mat<R>>& m, std::vector<char>& set, size_t n) {
 // Forward over one segment: O rows (optional) and the outgoing canonical state at e (empty
 // when !state).
 template <class R>
-HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin, SegWork<R>& wk,
-                     MRef<R>* O = nullptr, bool state = true) {
+HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
+                                     SegWork<R>& wk, MRef<R>* O = nullptr, bool state = true) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
     sg.scores(a, wk.X, wk.Dd);
@@ -311,7 +311,8 @@ HILA_CPU_CLONES Canon<R> seg_forward(const PrimArgs<R>& a, const Seg<R>& sg, con
 // delta path with Tm = I and beta = 1). Accumulates rows [i0, i1) of G; returns the adjoint of Hin.
 template <class R>
 HILA_CPU_CLONES Canon<R> seg_backward(const PrimArgs<R>& a, const Seg<R>& sg, const Canon<R>& Hin,
-                      MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G, SegWork<R>& wk) {
+                                      MRef<const R> dO, const Canon<R>& dHout, PrimGrads<R>& G,
+                                      SegWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), i0 = sg.i0;
   const bool delta = a.delta, fen = a.lv.fenwick;
   // without a live incoming level there are no reads, no erase and no re-key: Q~, W and their
@@ -621,8 +622,8 @@ struct GatedWork {
 
 // Outputs of one segment (O rows, optional) and the state at its end (Hout, optional).
 template <class R>
-HILA_CPU_CLONES void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs, const Mat<R>* H,
-                   MRef<R>* O, Mat<R>* Hout, GatedWork<R>& wk) {
+HILA_CPU_CLONES void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs,
+                                   const Mat<R>* H, MRef<R>* O, Mat<R>* Hout, GatedWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv();
   if (O) {
     MRef<R> Or = *O;
@@ -664,8 +665,8 @@ HILA_CPU_CLONES void gated_forward(const PrimArgs<R>& a, const Seg<R>& sg, const
 //   dKK = diag(beta) dN o Gam; and the reads, the state update and Bm's row scales.
 template <class R>
 HILA_CPU_CLONES Mat<R> gated_backward(const PrimArgs<R>& a, const Seg<R>& sg, const GatedSeg<R>& gs,
-                      const Mat<R>* H, MRef<const R> dO, const Mat<R>* dHout, PrimGrads<R>& G,
-                      GatedWork<R>& wk) {
+                                      const Mat<R>* H, MRef<const R> dO, const Mat<R>* dHout,
+                                      PrimGrads<R>& G, GatedWork<R>& wk) {
   const int64_t nr = sg.nr, dk = a.dk(), dv = a.dv(), w = dk + dv, i0 = sg.i0;
   MRef<R> dq = G.dq.rows(i0, sg.i1), dk_ = G.dk.rows(i0, sg.i1), dv_ = G.dv.rows(i0, sg.i1);
   R* dbeta = G.dbeta.data() + i0;
