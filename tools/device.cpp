@@ -195,7 +195,7 @@ void map_forward(ForwardParams& p, DeviceMirror& m) {
 // An exactly sized, poisoned workspace for the call (Temporaries::workspace).
 template <class P>
 void give_workspace(P& d, DeviceMirror& m, Temporaries tmp) {
-  if (tmp == Temporaries::pool) return;
+  if (tmp == Temporaries::pool || tmp == Temporaries::graph_pool) return;
   d.workspace_bytes = workspace_size(d);
   d.workspace = d.workspace_bytes ? m.scratch(d.workspace_bytes) : nullptr;
 }
@@ -224,12 +224,12 @@ void expect_no_host_copies(cudaGraph_t g) {
 }
 #endif
 
-// call(d) directly, or (Temporaries::graph) captured on a new non-blocking stream into a CUDA
+// call(d) directly, or (Temporaries::graph, graph_pool) captured on a new non-blocking stream into a CUDA
 // graph (which must not copy from host memory), instantiated and launched twice on that stream:
 // the outputs stay poisoned unless the replays write them
 template <class P, class F>
 void run_call(P& d, Temporaries tmp, F call) {
-  if (tmp != Temporaries::graph) return call(d);
+  if (tmp != Temporaries::graph && tmp != Temporaries::graph_pool) return call(d);
 #if defined(HILA_CUDA_EMU)
   (void)d;
   throw GraphCaptureUnsupported("the host emulator has no stream capture");

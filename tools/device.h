@@ -43,7 +43,7 @@ class DeviceMirror {
   std::vector<std::unique_ptr<Block>> blocks_;
 };
 
-// Thrown by a Temporaries::graph call where stream capture is not available.
+// Thrown by a Temporaries::graph / graph_pool call where stream capture is not available.
 struct GraphCaptureUnsupported : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

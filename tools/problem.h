@@ -142,7 +142,10 @@ struct Result {
 // graph: the workspace, and the call is captured (global capture mode) on a non-blocking stream
 // into a CUDA graph that is then launched twice instead of running directly
 // (GraphCaptureUnsupported where the runtime has no graphs: the host emulator).
-enum class Temporaries { pool, workspace, graph };
+// pool: the device's stream-ordered pool; workspace: an exactly sized, poisoned workspace;
+// graph: that workspace, the call captured into a CUDA graph and replayed; graph_pool: captured
+// and replayed with its temporaries from the pool (as hila.torch calls run by default).
+enum class Temporaries { pool, workspace, graph, graph_pool };
 
 // Outputs are allocated and poisoned, then hila::forward fills them. The problem's tensors live in
 // host memory; with a CUDA `dev` the call runs there on device copies (tools/device.h).

@@ -192,8 +192,9 @@ std::pair<int64_t, int64_t> io_bytes(const BackwardParams& p) {
 // against what the device can give (its free memory plus what the pool keeps cached and unused),
 // and temporaries + outputs against the configured limit (hila::set_memory_limit,
 // HILA_MAX_MEMORY) when there is one. A call whose tensors are small next to the device (below
-// 1/512 of its memory) is not measured for this (that would plan it twice): an allocation that
-// fails anyway is reported as hila::Error("memory") where it happens.
+// 1/512 of its memory) is not measured for this (that would plan it twice), nor is the device
+// asked while the stream is being captured: an allocation that fails anyway is reported as
+// hila::Error("memory") where it happens.
 template <class P>
 void check_device_memory(const Resolved& r, const P& p, int device) {
   const int64_t limit = configured_memory_limit();
@@ -207,6 +208,10 @@ void check_device_memory(const Resolved& r, const P& p, int device) {
                               bytes_str(double(out)) + "), more than the " + bytes_str(double(limit)) +
                               " hila may take (HILA_MAX_MEMORY or hila::set_memory_limit)");
   if (need == 0) return;
+  // Under stream capture the device is not asked: a graph's temporaries are its memory nodes,
+  // allocated when it is instantiated and launched, so the free memory now says nothing about
+  // them, and a call that is not stream work may invalidate a cudaStreamCaptureModeGlobal capture.
+  if (cuda::CallScope* c = cuda::CallScope::current(); c && c->capturing()) return;
   size_t free_b = 0, tot = 0;
   HILA_CUDA_CHECK(cudaMemGetInfo(&free_b, &tot));
   uint64_t reserved = 0, used = 0;

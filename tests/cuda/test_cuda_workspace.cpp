@@ -151,7 +151,10 @@ INSTANTIATE_TEST_SUITE_P(
 // CUDA graphs (what torch.compile's "reduce-overhead" mode and hand-written graph code do): the
 // forward and the backward captured on a non-blocking stream, with the exact workspace, launched
 // twice from the graph, give the results of direct calls on the pool; the outputs stay poisoned
-// unless the replays write them. The backward of gla and the HLA family runs the recomputed
+// unless the replays write them. The same captured with the temporaries from the stream-ordered
+// pool (hila.torch's default), under a configured memory limit: the call then plans its memory
+// as any call of at least 1/512 of the device's memory does, and must not ask the device for its
+// free memory inside the capture. The backward of gla and the HLA family runs the recomputed
 // forward on hila's side stream (SideStream), which the capture follows through its event fork
 // and join. Fixed-length batches without input states: a varlen call reads cu_seqlens, and a
 // call with an input state reads its positions, back to the host (validation and planning), which
@@ -162,23 +165,37 @@ TEST_P(CudaGraph, CapturedCallsReplayToTheDirectResults) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const Problem low = ws_problem(c);
+  struct Limit {  // a configured memory limit (far above these calls) for this scope only
+    explicit Limit(bool on) : on_(on) {
+      if (on_) hila::set_memory_limit(int64_t(1) << 40);
+    }
+    ~Limit() {
+      if (on_) hila::set_memory_limit(0);
+    }
+    bool on_;
+  };
   for (const bool bwd : {false, true}) {
     auto run = [&](Temporaries tmp) {
       return bwd ? run_backward(low, Form::chunk, 64, cuda0(), tmp) : run_forward(low, Form::chunk, 64, cuda0(), tmp);
     };
     const Result direct = run(Temporaries::pool);  // also creates the side stream outside the capture
-    Result graph;
-    try {
-      graph = run(Temporaries::graph);
-    } catch (const GraphCaptureUnsupported& e) {
-      GTEST_SKIP() << e.what();
-    } catch (const std::exception& e) {
-      FAIL() << c.name << (bwd ? " backward" : " forward") << " under stream capture threw: " << e.what();
-    }
-    for (const auto& [name, e] : compare(graph, direct)) {
-      std::printf("  %-28s %-3s %-10s rel err (graph vs direct) %.2e\n", c.name.c_str(), bwd ? "bwd" : "fwd",
-                  name.c_str(), e);
-      EXPECT_LE(e, 1e-5) << c.name << " " << name;
+    for (const Temporaries tmp : {Temporaries::graph, Temporaries::graph_pool}) {
+      const char* how = tmp == Temporaries::graph ? "workspace" : "pool+limit";
+      Result graph;
+      try {
+        const Limit limit(tmp == Temporaries::graph_pool);
+        graph = run(tmp);
+      } catch (const GraphCaptureUnsupported& e) {
+        GTEST_SKIP() << e.what();
+      } catch (const std::exception& e) {
+        FAIL() << c.name << (bwd ? " backward" : " forward") << " (" << how << ") under stream capture threw: "
+               << e.what();
+      }
+      for (const auto& [name, e] : compare(graph, direct)) {
+        std::printf("  %-28s %-3s %-10s %-10s rel err (graph vs direct) %.2e\n", c.name.c_str(), bwd ? "bwd" : "fwd",
+                    how, name.c_str(), e);
+        EXPECT_LE(e, 1e-5) << c.name << " " << how << " " << name;
+      }
     }
   }
 }

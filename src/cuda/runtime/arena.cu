@@ -47,14 +47,20 @@ int current_device() {
 }
 
 void keep_pool_cached() {
-  static std::once_flag done[64];
+  static std::atomic<bool> kept[64];
   const int dev = current_device();
+  if (kept[dev & 63].load(std::memory_order_acquire)) return;
+  // not while the call's stream is captured (a call that is not stream work may invalidate the
+  // capture): the next call outside a capture sets it
+  if (CallScope* c = CallScope::current(); c && c->capturing()) return;
+  static std::once_flag done[64];
   std::call_once(done[dev & 63], [dev] {
     cudaMemPool_t pool;
     HILA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
     uint64_t keep = UINT64_MAX;
     HILA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   });
+  kept[dev & 63].store(true, std::memory_order_release);
 }
 
 void fail_device_memory(size_t bytes, int device, const char* what) {
