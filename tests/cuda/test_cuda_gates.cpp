@@ -112,6 +112,8 @@ std::vector<DgCase> dg_cases() {
   // plain gdn with the sm_90a state sweeps forced on (src/cuda/delta/sweep_sm90.cu)
   for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
   add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
+  // the same inputs on the default (sm80) sweeps, beside it
+  add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, nullptr, "0"}, "_delta_sm80");
   // loglinear_gdn with its sm_90a level sweeps forced on (src/cuda/delta/loglinear_gdn_sm90.cu), both
   // directions: without a final-state cotangent
   add(Op::loglinear_gdn, 256, 128, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_train_delta_sm90");
