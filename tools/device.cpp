@@ -224,9 +224,9 @@ void expect_no_host_copies(cudaGraph_t g) {
 }
 #endif
 
-// call(d) directly, or (Temporaries::graph, graph_pool) captured on a new non-blocking stream into a CUDA
-// graph (which must not copy from host memory), instantiated and launched twice on that stream:
-// the outputs stay poisoned unless the replays write them
+// call(d) directly, or (Temporaries::graph, graph_pool) captured on a new non-blocking stream into
+// a CUDA graph (which must not copy from host memory), instantiated and launched twice on that
+// stream: the outputs stay poisoned unless the replays write them
 template <class P, class F>
 void run_call(P& d, Temporaries tmp, F call) {
   if (tmp != Temporaries::graph && tmp != Temporaries::graph_pool) return call(d);

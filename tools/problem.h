@@ -141,10 +141,8 @@ struct Result {
 // workspace of exactly hila::workspace_size bytes, poisoned (all bits set) before the call.
 // graph: the workspace, and the call is captured (global capture mode) on a non-blocking stream
 // into a CUDA graph that is then launched twice instead of running directly
-// (GraphCaptureUnsupported where the runtime has no graphs: the host emulator).
-// pool: the device's stream-ordered pool; workspace: an exactly sized, poisoned workspace;
-// graph: that workspace, the call captured into a CUDA graph and replayed; graph_pool: captured
-// and replayed with its temporaries from the pool (as hila.torch calls run by default).
+// (GraphCaptureUnsupported where the runtime has no graphs: the host emulator). graph_pool: the
+// same capture with the temporaries from the pool (as hila.torch's calls run by default).
 enum class Temporaries { pool, workspace, graph, graph_pool };
 
 // Outputs are allocated and poisoned, then hila::forward fills them. The problem's tensors live in
