@@ -3,17 +3,19 @@
 
 The tensors are tiny (N = 1 sequence, H = 1 head, dk = dv = 8, the shapes of bench/host_bench.cpp),
 so the arithmetic is negligible and what is timed is the host path of a call: the Python side of
-``step_`` (options, o, the state's binding), the extension (arguments, locks) and the library's
-validation and dispatch. Rows (CSV on stdout)::
+``step_`` (options, the state's bound and counters), the extension (arguments, o, locks) and the
+library's validation and dispatch, on each road of the decode step (``road``: ``cpp``,
+hila._torch_ops.step_ on the tensors, where that module was built; ``dlpack``, hila._C over DLPack
+capsules with the state bound once; docs/PYTHON.md). Rows (CSV on stdout)::
 
-    op,impl,ns_per_call
+    op,road,impl,ns_per_call
 
 * ``step_``          ``hila.torch.step_(op, q, k, v, g, ..., state=st)`` with default arguments
 * ``step_nocheck``   the same with ``check_values=False`` (what a CUDA step defaults to)
 * ``python``         the ``step_nocheck`` call with the extension's step replaced by a no-op:
   the Python part alone
 * ``cpp_step``       ``hila::step`` on a caller-owned state (build/hila_host_bench ``step``
-  rows, check_values off), when ``--host-bench`` names the binary
+  rows, check_values off; road ``-``), when ``--host-bench`` names the binary
 
 Every number is the median over ``--reps`` batches of ``--iters`` calls. Positions are rewound
 between batches (a log-linear state has the Fenwick slots of ``--iters`` steps).
@@ -70,7 +72,8 @@ def time_ns(call, st, reps: int, iters: int) -> float:
 
 
 def python_part(call, st, reps: int, iters: int) -> float:
-    """ns per call with the extension's step (hila._C.step_inplace, BoundState.step) a no-op."""
+    """ns per call with the extension's step (hila._torch_ops.step_; hila._C.step_inplace and
+    BoundState.step) a no-op."""
     with extension_steps_off(st):
         return time_ns(call, st, reps, iters)
 
@@ -92,19 +95,27 @@ def main() -> int:
     ops = a.ops.split(",")
     torch.set_num_threads(1)
     cpp = cpp_rows(a.host_bench, ops, a.reps, a.iters) if a.host_bench else {}
+    import hila.torch.ops as hops
+    roads = ("cpp", "dlpack") if hops._CPP_STEP is not None else ("dlpack",)
     w = csv.writer(sys.stdout)
-    w.writerow(["op", "impl", "ns_per_call"])
-    for op in ops:
-        tok, st = inputs(op, a.iters)
-        rows = [("step_", lambda: ht.step_(op, **tok, state=st)),
-                ("step_nocheck", lambda: ht.step_(op, **tok, state=st, check_values=False))]
-        for impl, call in rows:
-            w.writerow([op, impl, f"{time_ns(call, st, a.reps, a.iters):.0f}"])
+    w.writerow(["op", "road", "impl", "ns_per_call"])
+    prev = ht.cpp_road(False)
+    try:
+        for op in ops:
+            for road in roads:
+                ht.cpp_road(road == "cpp")
+                tok, st = inputs(op, a.iters)
+                rows = [("step_", lambda: ht.step_(op, **tok, state=st)),
+                        ("step_nocheck", lambda: ht.step_(op, **tok, state=st, check_values=False))]
+                for impl, call in rows:
+                    w.writerow([op, road, impl, f"{time_ns(call, st, a.reps, a.iters):.0f}"])
+                    sys.stdout.flush()
+                w.writerow([op, road, "python", f"{python_part(rows[1][1], st, a.reps, a.iters):.0f}"])
+            if op in cpp:
+                w.writerow([op, "-", "cpp_step", f"{cpp[op]:.0f}"])
             sys.stdout.flush()
-        w.writerow([op, "python", f"{python_part(rows[1][1], st, a.reps, a.iters):.0f}"])
-        if op in cpp:
-            w.writerow([op, "cpp_step", f"{cpp[op]:.0f}"])
-        sys.stdout.flush()
+    finally:
+        ht.cpp_road(prev)
     return 0
 
 

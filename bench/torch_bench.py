@@ -348,6 +348,9 @@ def section_step(a, device, out, cpp):
     H, d = (a.H, a.d) if device.type == "cuda" else (2, 16)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     reps = 200 if device.type == "cuda" else 50
+    import hila.torch.ops as hops
+    road = ("C++ road (hila._torch_ops.step_)" if hops._CPP[0] is not None and hops._CPP_STEP is not None
+            else "DLPack road (hila._C)")
     for op in a.step_ops.split(","):
         try:
             t = hila.op_traits(op)
@@ -387,7 +390,7 @@ def section_step(a, device, out, cpp):
                 ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
                 note = NOTE[cv] + (f", max_position={kw['max_position']}" if "max_position" in kw else "")
                 out.append(dict(base, impl=impl, ms=ms, host_us=statistics.median(host),
-                                note=note + "; caller-owned state (hila::step on a StateView)"))
+                                note=note + "; caller-owned state (hila::step on a StateView); " + road))
                 out.append(dict(base, impl=impl + "_python", ms=py / 1e3, host_us=py,
                                 note=note + "; Python part only: the extension call replaced by a no-op"))
             if cpp:
@@ -404,11 +407,12 @@ def section_step(a, device, out, cpp):
 @contextlib.contextmanager
 def extension_steps_off(state):
     """Inside: hila's extension calls of a step (hila._C.step_inplace, and the step of a bound
-    state, hila._C.BoundState) are no-ops, so hila.torch.step_ runs its Python side alone (o is
-    allocated, nothing runs). ``state``'s binding is dropped on entry and exit (the real one is
-    made again at its next step)."""
+    state, hila._C.BoundState, on the DLPack road; hila._torch_ops.step_ on the C++ road) are
+    no-ops, so hila.torch.step_ runs its Python side alone (on the DLPack road o is allocated, on
+    the C++ road the stand-in returns v: nothing runs). ``state``'s binding is dropped on entry and
+    exit (the real one is made again at its next step)."""
     import hila.torch.ops as hops
-    real = hops._C
+    real, real_cpp = hops._C, hops._CPP_STEP
 
     class NoStep:
         def __init__(self, *args, **kwargs):
@@ -424,10 +428,12 @@ def extension_steps_off(state):
             return NoStep if name == "BoundState" else getattr(real, name)
     state.__dict__.pop(hops._BOUND, None)
     hops._C = NoKernel()
+    if real_cpp is not None:
+        hops._CPP_STEP = lambda plan, q, k, v, *rest: v
     try:
         yield
     finally:
-        hops._C = real
+        hops._C, hops._CPP_STEP = real, real_cpp
         state.__dict__.pop(hops._BOUND, None)
 
 

@@ -19,7 +19,7 @@
 namespace hila_ext {
 
 inline constexpr const char* kApiCapsule = "hila._C._api";
-inline constexpr uint32_t kApiVersion = 1;
+inline constexpr uint32_t kApiVersion = 2;
 
 // A failed call: the hila::Error's message and argument (argument empty for other exceptions).
 struct CallError {
@@ -42,6 +42,11 @@ struct Api {
   // no backward, as hila.torch differentiates scan and the serial forms without one)
   bool (*resolve)(const char* op, const char* form, hila::Op* op_out, hila::Form* form_out,
                   hila::Form* bwd_form_out, CallError* err) noexcept;
+  uint32_t step_params_size;  // sizeof(hila::StepParams) in hila._C
+  // hila::step on a caller-owned state (pos, S, P, H) under that state's lock, the one
+  // hila._C's in-place steps take (keyed by the address of pos): two threads stepping one state
+  // never lose an update. Errors as hila._C's step_inplace names them (state.pos, ...).
+  bool (*step)(const hila::StepParams& p, const hila::StateView& state, CallError* err) noexcept;
 };
 
 // DLPack codes (dlpack.h): data type codes and device types hila takes.

@@ -383,11 +383,15 @@ void step_locked(const hila::StepParams& p, const StateView& s) {
   step_named(p, s);
 }
 
-StateView caller_state(const StateOut& state) {
-  const StateView s = state_of("state", std::optional<StateOut>(state));
+// The parts every caller-owned state of a step has.
+const StateView& require_step_state(const StateView& s) {
   if (!s.pos.defined()) throw Error("state.pos", "is required (int64 [N] positions), got nothing");
   if (!s.H.defined()) throw Error("state.H", "is required (the operator's outer state), got nothing");
   return s;
+}
+
+StateView caller_state(const StateOut& state) {
+  return require_step_state(state_of("state", std::optional<StateOut>(state)));
 }
 
 void step_inplace(const OpConfig& cfg, const In& q, const In& k, const In& v, const OptIn& g,
@@ -642,6 +646,20 @@ const hila_ext::Api g_api{
         *op_out = hila::parse_op(op);
         *form_out = hila::parse_form(form);
         *bwd_out = hila::supports(*op_out, *form_out, true) ? *form_out : hila::Form::chunk;
+      });
+    },
+    sizeof(hila::StepParams),
+    [](const hila::StepParams& p, const StateView& s, hila_ext::CallError* err) noexcept {
+      return lent(err, [&] {
+        for (const auto& [name, t] :
+             {std::pair<const char*, const TensorView*>{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"g", &p.g},
+              {"lam", &p.lam}, {"beta", &p.beta}, {"o", &p.o}, {"state_indices", &p.state_indices},
+              {"counters", &p.counters}})
+          require_host(name, *t);
+        require_host("state", s);
+        require_step_state(s);
+        const StateLocks::Guard lock(g_state_locks, s.pos.data);
+        step_named(p, s);
       });
     },
 };

@@ -12,6 +12,18 @@
 // forward_plan is forward on the configuration plan() numbered for those options (what
 // hila.torch calls: seven arguments for the dispatcher to parse instead of sixteen).
 //
+// The module also has one plain Python function, the decode loop's in-place step (not an
+// operator: hila.torch.step_ calls it directly, outside the dispatcher and autograd):
+//
+//   hila._torch_ops.step_(plan, q, k, v, g?, lam?, beta?, pos, S?, P?, H, max_position, counters?) -> o
+//
+// q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; the state's
+// parts pos [N], S, P, H as hila.State holds them (include/hila/ops.h, StateView); counters: int32
+// StepParams::counters or None. o = empty_like(v), hila::step on the state in place under the
+// state's lock (the one hila._C's in-place steps take), then the autograd version of each state
+// part is advanced (saved copies of them are stale). The same calls as hila._C's step_inplace for
+// the same arguments: the same bits, validation and errors.
+//
 // q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or [B, T, H, P]; lam [B, T, H, L];
 // beta [B, T, H]; o [B, T, H, dv]. No cu_seqlens, initial or final state: those calls stay on the
 // Python road (python/hila/torch/ops.py), and so do torch.compile and the other cases that use the
@@ -42,6 +54,8 @@
 #include <ATen/DLConvertor.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 #ifdef HILA_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -235,17 +249,18 @@ Tensor attach_workspace(P& p, const Plan& plan, const Tensor& q,
   return ws;
 }
 
-// The library call without the GIL (a call from Python through the dispatcher holds it).
-template <class P>
-void call(bool (*fn)(const P&, hila_ext::CallError*) noexcept, const P& p) {
+// The library call fn(&err), one of g_api's, without the GIL (a call from Python, through the
+// dispatcher or not, holds it).
+template <class F>
+void call(F&& fn) {
   hila_ext::CallError err;
   bool ok;
   if (Py_IsInitialized() && PyGILState_Check()) {
     PyThreadState* ts = PyEval_SaveThread();
-    ok = fn(p, &err);
+    ok = fn(&err);
     PyEval_RestoreThread(ts);
   } else {
-    ok = fn(p, &err);
+    ok = fn(&err);
   }
   if (!ok) raise(err);
 }
@@ -261,7 +276,7 @@ Tensor run_forward(const Plan& plan, const Tensor& q0, const Tensor& k0, const T
     p.o = view("o", o);
   });
   const Tensor ws = attach_workspace(p, plan, q, g_api->forward_workspace);
-  call(g_api->forward, p);
+  call([&](hila_ext::CallError* e) { return g_api->forward(p, e); });
   return o;
 }
 
@@ -306,7 +321,7 @@ struct PlainFunction : torch::autograd::Function<PlainFunction> {
       p.dbeta = view("dbeta", out[5]);
     });
     const Tensor ws = attach_workspace(p, *plan, in[0], g_api->backward_workspace);
-    call(g_api->backward, p);
+    call([&](hila_ext::CallError* e) { return g_api->backward(p, e); });
     return out;
   }
 };
@@ -444,7 +459,8 @@ bool load_api() {
       0;
 #endif
   if (api->version != hila_ext::kApiVersion || api->forward_params_size != sizeof(hila::ForwardParams) ||
-      api->backward_params_size != sizeof(hila::BackwardParams) || api->cuda != cuda) {
+      api->backward_params_size != sizeof(hila::BackwardParams) ||
+      api->step_params_size != sizeof(hila::StepParams) || api->cuda != cuda) {
     PyErr_SetString(PyExc_ImportError,
                     "hila._torch_ops: hila._C is from another build (its table of calls does not match)");
     return false;
@@ -458,10 +474,83 @@ bool load_api() {
   return true;
 }
 
+// ----------------------------------------------------------------------------- the decode step
+
+// Argument i of step_ as a tensor (None: undefined where the argument is optional); TypeError
+// naming it otherwise, which hila.torch takes as "not this road" (its general road names it).
+const Tensor* tensor_arg(PyObject* obj, const char* name, bool optional) {
+  static const Tensor none;
+  if (optional && obj == Py_None) return &none;
+  if (!THPVariable_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "hila._torch_ops.step_: argument '%s': expected a tensor%s, got %s", name,
+                 optional ? " or None" : "", Py_TYPE(obj)->tp_name);
+    return nullptr;
+  }
+  return &THPVariable_Unpack(obj);
+}
+
+// hila._torch_ops.step_ (the file comment): the arguments in order, positional only.
+PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr Py_ssize_t kArgs = 13;
+  if (nargs != kArgs)
+    return PyErr_Format(PyExc_TypeError, "hila._torch_ops.step_: expected %zd arguments, got %zd", kArgs, nargs);
+  // q k v g lam beta pos S P H (args 1..10), then max_position (11) and counters (12)
+  static constexpr const char* kName[] = {"q", "k", "v", "g", "lam", "beta", "state.pos", "state.S", "state.P",
+                                          "state.H"};
+  static constexpr bool kOptional[] = {false, false, false, true, true, true, false, true, true, false};
+  const Tensor* t[10];
+  for (int i = 0; i < 10; ++i)
+    if ((t[i] = tensor_arg(args[i + 1], kName[i], kOptional[i])) == nullptr) return nullptr;
+  const Tensor* counters = tensor_arg(args[12], "counters", true);
+  if (counters == nullptr) return nullptr;
+  const int64_t plan_no = PyLong_AsLongLong(args[0]);
+  const int64_t max_position = PyLong_AsLongLong(args[11]);
+  if (PyErr_Occurred()) return nullptr;
+  const PlanPtr plan = numbered(plan_no);
+  const Tensor& q = *t[0];
+  Tensor o = empty_output(*t[2]);  // [N, H, dv] like v
+  hila::StepParams p;
+  hila::StateView s;
+  named([&] {
+    p.q = view("q", q);
+    p.k = view("k", *t[1]);
+    p.v = view("v", *t[2]);
+    p.g = view("g", *t[3]);
+    p.lam = view("lam", *t[4]);
+    p.beta = view("beta", *t[5]);
+    p.o = view("o", o);
+    p.counters = view("counters", *counters);
+    s.pos = view("state.pos", *t[6]);
+    s.S = view("state.S", *t[7]);
+    s.P = view("state.P", *t[8]);
+    s.H = view("state.H", *t[9]);
+  });
+  p.cfg = plan->cfg;
+  p.cfg.gates = p.g.defined() && p.g.ndim == 3 ? hila::Gates::untied : hila::Gates::tied;
+  p.max_position = max_position;
+#ifdef HILA_WITH_CUDA
+  if (q.is_cuda()) p.stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+#endif
+  call([&](hila_ext::CallError* e) { return g_api->step(p, s, e); });
+  // what the kernel wrote behind autograd's back: saved copies of the state's parts are now stale
+  for (int i = 6; i < 10; ++i)
+    if (t[i]->defined()) torch::autograd::impl::bump_version(*t[i]);
+  return THPVariable_Wrap(std::move(o));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef g_methods[] = {
+    {"step_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&step_)), METH_FASTCALL,
+     "step_(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position, counters) -> o: one in-place decode "
+     "step on a caller-owned state (internal; used by hila.torch.step_)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_torch_ops",
                         "hila's plain training call as the libtorch operator torch.ops.hila_cpp.forward "
-                        "with a C++ autograd function (internal; used by hila.torch.forward).",
-                        -1, nullptr};
+                        "with a C++ autograd function, and the in-place decode step (internal; used by "
+                        "hila.torch.forward and hila.torch.step_).",
+                        -1, g_methods};
 
 }  // namespace hila_cpp
 

@@ -65,6 +65,19 @@ def _plain_road(request, road):
     request.addfinalizer(lambda: ht.cpp_road(prev))
 
 
+def _step_road(request, road):
+    """The decode step's road for the rest of the test: "dlpack" (hila._C's step_inplace and
+    BoundState over DLPack capsules) or "cpp" (hila._torch_ops.step_ on the tensors; skipped, with
+    the reason, where it is not available). Both are cpp_road's switch."""
+    if road == "cpp" and hops._CPP_STEP is None:
+        pytest.skip(f"no C++ road: {hops._CPP_WHY}")
+    prev = ht.cpp_road(road == "cpp")
+    request.addfinalizer(lambda: ht.cpp_road(prev))
+
+
+STEP_ROADS = ("dlpack", "cpp")
+
+
 @pytest.mark.parametrize("road", ("python", "cpp"))
 @pytest.mark.parametrize("op", OPS)
 def test_training_step_runs_no_fills_or_copies(op, road, device, request):
@@ -609,15 +622,56 @@ def test_strided_step_inputs_take_the_general_road(request):
     assert e.value.argument == "scale"
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=("f32", "f64"))
+@pytest.mark.parametrize("op", OPS)
+def test_step_roads_give_the_same_bits(op, dtype, device, request):
+    """The decode loop's step_ on the C++ road (hila._torch_ops.step_ on the tensors) gives the
+    bits of the DLPack road (hila._C) and of the custom op, for o and every state part, over 9
+    tokens from a state at positions 5 and 9, with GQA (G = 1, H = 2), untied gates, strided
+    inputs (q a slice of a wider tensor), max_position or not; on both roads a state part saved for
+    autograd is stale afterwards (version advanced) and o is a new contiguous tensor."""
+    require_device(device, op)
+    _step_road(request, "cpp")
+    x, state, mask = torch_inputs(op, device, T=9, n0=[5, 9], untied=hila.op_traits(op)["num_primitives"] > 1)
+    x = {k: v.detach().to(dtype) if k != "g" else v.detach() for k, v in x.items()}
+    parts = [None if s is None else s.detach().clone().to(dtype) for s in state[1:]]
+    if mask is not None:  # dead slots zero, and the slots of a step from max_position = 31
+        H = parts[2] * mask.to(dtype)
+        parts[2] = torch.cat([H, H.new_zeros(H.shape[:2] + (hila.state_slots(32) - H.shape[2],) + H.shape[3:])], 2)
+    roads = {r: hila.State(state[0].clone(), *(None if p is None else p.clone() for p in parts))
+             for r in ("cpp", "dlpack", "custom_op")}
+    for t in range(9):
+        tok = {k: v[:, t] for k, v in x.items()}
+        tok["q"] = torch.cat([tok["q"], tok["q"]], -1)[..., :tok["q"].shape[-1]]  # strided
+        kw = dict(max_position=31) if t % 2 else {}
+        outs = {}
+        with torch.no_grad():
+            for r, st in roads.items():
+                versions = [None if p is None else p._version for p in st]
+                ht.cpp_road(r == "cpp")
+                _setflag(request, hops._FAST, r != "custom_op")
+                outs[r] = ht.step_(op, **tok, state=st, check_values=False, **kw)
+                assert all(p is None or p._version > v for p, v in zip(st, versions)), r
+        _setflag(request, hops._FAST, True)
+        ht.cpp_road(True)
+        assert outs["cpp"].is_contiguous() and outs["cpp"].dtype == x["v"].dtype
+        for r in ("dlpack", "custom_op"):
+            assert torch.equal(outs["cpp"], outs[r]), (r, t)
+            assert all(a is None or torch.equal(a, b) for a, b in zip(roads["cpp"], roads[r])), (r, t)
+        assert torch.isfinite(outs["cpp"]).all()
+    assert roads["cpp"].pos.tolist() == [14, 18]
+
+
 @pytest.mark.parametrize("op", ("gla", "hla3", "loglinear_gdn"))
 def test_bound_state_steps_follow_the_state_memory(op, device, request):
-    """From its second step, a State stepped by step_ is bound to the extension once (hila.torch
-    keeps the binding in the State's __dict__): 6 steps give the custom op's bits; a part re-pointed
-    at other memory (.data =, set_) is rebound before the next step, which reads and advances the
-    new memory; copies and pickles of a State carry no binding."""
+    """On the DLPack road, from its second step, a State stepped by step_ is bound to the extension
+    once (hila.torch keeps the binding in the State's __dict__): 6 steps give the custom op's bits;
+    a part re-pointed at other memory (.data =, set_) is rebound before the next step, which reads
+    and advances the new memory; copies and pickles of a State carry no binding."""
     import copy
     import pickle
     require_device(device, op)
+    _step_road(request, "dlpack")
     x, state, mask = torch_inputs(op, device, T=6, n0=[5, 9])  # positions up to 15: 5 Fenwick slots
     x = {k: v.detach() for k, v in x.items()}
     parts = [None if s is None else s.detach().clone() for s in state[1:]]
@@ -646,16 +700,16 @@ def test_bound_state_steps_follow_the_state_memory(op, device, request):
 
 
 def _bound_loglinear_gdn(device):
-    """A loglinear_gdn state bound to the extension (two steps taken), its next token, and the
-    bound binding."""
+    """A loglinear_gdn state stepped twice, its next token, and its binding to the extension (None
+    on the C++ road, which binds nothing)."""
     x, _, _ = torch_inputs("loglinear_gdn", device, T=3, dk=4, dv=3)
     x = {k: v.detach() for k, v in x.items()}
     st = ht.zero_state("loglinear_gdn", 2, 2, 4, 3, max_len=8, dtype=torch.float64, device=device)
     with torch.no_grad():
         for t in range(2):
             ht.step_("loglinear_gdn", **{k: v[:, t] for k, v in x.items()}, state=st)
-    bound = st.__dict__[hops._BOUND][1]
-    assert isinstance(bound, hila._C.BoundState)
+    bound = st.__dict__.get(hops._BOUND, (None, None))[1]
+    assert isinstance(bound, hila._C.BoundState) == (hops._CPP[0] is None)
     return st, {k: v[:, 2] for k, v in x.items()}, bound
 
 
@@ -678,13 +732,15 @@ def _bad_bound_tokens(tok, device):
     return cases
 
 
+@pytest.mark.parametrize("road", STEP_ROADS)
 @pytest.mark.parametrize("what", [c[0] for c in _bad_bound_tokens(
     {k: torch.zeros(2, 2, 4) for k in ("q", "k", "v", "g", "lam", "beta")}, "cpu")])
-def test_bound_step_rejects_bad_inputs(what, device):
-    """A bound state's step (lent DLPack capsules, o by pointer) checks every input as step_inplace
-    does: a wrong shape, dtype or device is a HilaError naming the argument, the state untouched,
-    and the binding stays in use."""
+def test_bound_step_rejects_bad_inputs(what, road, device, request):
+    """A decode loop's step, on a bound state (lent DLPack capsules, o by pointer) or on the C++
+    road (the tensors themselves), checks every input as step_inplace does: a wrong shape, dtype or
+    device is a HilaError naming the argument, the state untouched, and the binding stays in use."""
     require_device(device, "loglinear_gdn")
+    _step_road(request, road)
     st, tok, bound = _bound_loglinear_gdn(device)
     cases = {c[0]: c[1:] for c in _bad_bound_tokens(tok, device)}
     if what not in cases:
@@ -695,18 +751,19 @@ def test_bound_step_rejects_bad_inputs(what, device):
         ht.step_("loglinear_gdn", **bad, state=st)
     assert e.value.argument == argument, str(e.value)
     assert all(a is None or torch.equal(a, b) for a, b in zip(st, before))
-    assert st.__dict__[hops._BOUND][1] is bound
+    assert st.__dict__.get(hops._BOUND, (None, None))[1] is bound
     with torch.no_grad():
         ht.step_("loglinear_gdn", **tok, state=st)  # the same binding steps on
-    assert st.pos.tolist() == [3, 3] and st.__dict__[hops._BOUND][1] is bound
+    assert st.pos.tolist() == [3, 3] and st.__dict__.get(hops._BOUND, (None, None))[1] is bound
 
 
-def test_bound_step_strided_and_lent_arguments(device):
+def test_bound_step_strided_and_lent_arguments(device, request):
     """The bound step reads strided inputs (outer strides of a slice, a transposed v) in place and
     writes a contiguous o; its arguments are read from DLPack capsules left unconsumed, and what is
     not an unused capsule, or a null o, is a HilaError naming the argument."""
     from torch.utils.dlpack import to_dlpack
     require_device(device, "loglinear_gdn")
+    _step_road(request, "dlpack")
     st, tok, bound = _bound_loglinear_gdn(device)
     ref = hila.State(*(None if p is None else p.clone() for p in st))
     qs = torch.cat([tok["q"], torch.full_like(tok["q"], float("nan"))], -1)[..., :4]  # strides (8, 8, 1)
@@ -750,6 +807,21 @@ def test_step_capacity_bound():
     assert hops._capacity(80, 80) == (1 << 62) - 1  # the library's bound on positions
 
 
+def _spy_steps(monkeypatch, seen, counters=None):
+    """Records the max_position (in ``seen``) and, given a list, the step counters (in
+    ``counters``) of every in-place step on both roads of the decode loop: hila._C's (see
+    _BoundSpy) and hila._torch_ops.step_ (the counters tensor, or None)."""
+    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen, counters))
+    real = hops._CPP_STEP
+    if real is not None:
+        def cpp_step(*a):
+            seen.append(a[11])
+            if counters is not None:
+                counters.append(a[12])
+            return real(*a)
+        monkeypatch.setattr(hops, "_CPP_STEP", cpp_step)
+
+
 class _BoundSpy:
     """hila._C with the max_position of every in-place step recorded (unbound and bound steps), and
     the step counters passed in ``counters`` when given a list: a tensor (unbound steps), the capsule
@@ -783,8 +855,9 @@ lent (bound steps), or None."""
         return getattr(real, name)
 
 
+@pytest.mark.parametrize("road", STEP_ROADS)
 @pytest.mark.parametrize("op", ("loglinear", "loglinear_gdn", "loglinear_hla2"))
-def test_step_position_bound_follows_the_state(op, device, request, monkeypatch):
+def test_step_position_bound_follows_the_state(op, road, device, request, monkeypatch):
     """A log-linear step_ without max_position passes the capacity bound exactly while the State's
     kept largest position holds: from zero_state and its own steps, the positions re-read once
     after any write to pos (indexing, fill_, zero_, set_, a pool step through state_indices, the
@@ -795,6 +868,7 @@ def test_step_position_bound_follows_the_state(op, device, request, monkeypatch)
     import copy
     import pickle
     require_device(device, op)
+    _step_road(request, road)
     if not str(device).startswith("cuda"):
         _setflag(request, hops._BOUND_ON_CPU, True)  # the CPU library reads positions anyway
     N, H, dk, dv = 2, 2, 4, 3
@@ -806,7 +880,7 @@ def test_step_position_bound_follows_the_state(op, device, request, monkeypatch)
     assert cap == 14
     ref = hila.State(*(None if p is None else p.clone() for p in st))
     seen = []
-    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen))
+    _spy_steps(monkeypatch, seen)
     clock = iter(range(10 ** 6))
 
     def step(expect, state=None, **kw):
@@ -885,7 +959,7 @@ def test_step_position_bound_under_inference_mode(request, monkeypatch):
     none (the library reads the positions)."""
     _setflag(request, hops._BOUND_ON_CPU, True)
     seen = []
-    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen))
+    _spy_steps(monkeypatch, seen)
     x, _, _ = torch_inputs("loglinear", "cpu", B=1, T=2, H=1, dk=2, dv=2)
     with torch.inference_mode():
         st = ht.zero_state("loglinear", 1, 1, 2, 2, max_len=4, dtype=torch.float64)
@@ -900,18 +974,21 @@ def _counters_of(state):
     return c if c is None or c is True else c[0]
 
 
+@pytest.mark.parametrize("road", STEP_ROADS)
 @pytest.mark.parametrize("op", ("hla2", "loglinear_gdn"))
-def test_states_own_step_counters(op, device, request, monkeypatch):
+def test_states_own_step_counters(op, road, device, request, monkeypatch):
     """The step counters a State owns (hila.torch.ops, "step counters"): zero_state, a forward's
     final state and a layer cache's copies are marked, and their first step_ on the direct road
     makes them (int32 zeros of step_counters_size(max(rows, N), H) = n (1 + H) elements on the
     state's device; on a CUDA device only: CPU states never make them) and passes them at every
-    step (unbound and bound), left zero; States the user built, copies and pickles own none; a pool
-    step of more sequences than they count and the custom ops' road pass none. Every step equals,
-    to the bit, the same step without counters (the custom op)."""
+    step (unbound and bound on the DLPack road; on the C++ road), left zero; States the user
+    built, copies and pickles own none; a pool step of more sequences than they count and the
+    custom ops' road pass none. Every step equals, to the bit, the same step without counters (the
+    custom op)."""
     import copy
     import pickle
     require_device(device, op)
+    _step_road(request, road)
     cuda = str(device).startswith("cuda")
     N, H, dk, dv = 2, 2, 4, 3
     x, _, _ = torch_inputs(op, device, B=N, T=12, H=H, dk=dk, dv=dv)
@@ -919,7 +996,7 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
     st = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
     assert st.__dict__[hops._COUNTERS] is True           # marked, nothing made yet
     seen, passed = [], []
-    monkeypatch.setattr(hops, "_C", _BoundSpy(hops._C, seen, passed))
+    _spy_steps(monkeypatch, seen, passed)
     clock = iter(range(10 ** 6))
 
     def step(state, rows=None, **kw):
@@ -951,16 +1028,19 @@ def test_states_own_step_counters(op, device, request, monkeypatch):
         return got is kept[1] or (isinstance(got, torch.Tensor) and got.data_ptr() == kept[0].data_ptr())
 
     fresh = ht.zero_state(op, N, H, dk, dv, max_len=16, dtype=torch.float64, device=device)
+    dlpack = road == "dlpack"
     for state in (st, fresh):  # stepped before (on the CPU), or not
         first = hops._BOUND not in state.__dict__          # never stepped: its first step is unbound
         got = step(state)                                 # the first step makes them
         c = _counters_of(state)
         assert c.dtype == torch.int32 and c.device == state.H.device and c.shape == (N * (1 + H),)
         assert owned(got, state)
-        assert isinstance(got, torch.Tensor) == first     # unbound at a State's first step
+        assert isinstance(got, torch.Tensor) == (first or not dlpack)  # unbound at a first step
         for _ in range(2):
             assert owned(step(state), state) and _counters_of(state) is c  # made once
-        assert state.__dict__[hops._BOUND][1] is not None and owned(step(state), state)  # bound
+        if dlpack:
+            assert state.__dict__[hops._BOUND][1] is not None  # bound
+        assert owned(step(state), state)
         assert not c.any()                                # left zero
     # a pool step: the counters of the pool's State; more sequences than they count: none
     c = _counters_of(st)
@@ -1032,11 +1112,14 @@ def test_bad_step_counters_are_named():
         assert e.value.argument == "counters", str(e.value)
 
 
-def test_bound_and_unbound_steps_of_one_state_lose_nothing():
-    """Threads stepping one State (bound from its second step: the binding's lock) and threads
-    stepping the same tensors through fresh State objects (never bound: step_inplace's lock of the
-    same positions) serialize on one lock: every step lands."""
+@pytest.mark.parametrize("road", STEP_ROADS)
+def test_bound_and_unbound_steps_of_one_state_lose_nothing(road, request):
+    """Threads stepping one State (on the DLPack road bound from its second step: the binding's
+    lock) and threads stepping the same tensors through fresh State objects (never bound:
+    step_inplace's lock of the same positions) serialize on one lock: every step lands. On the C++
+    road every step takes that lock through hila._C's table."""
     import threading
+    _step_road(request, road)
     st = ht.zero_state("gla", 1, 1, 4, 4)
     tok = dict(q=torch.full((1, 1, 4), 0.1), k=torch.full((1, 1, 4), 0.1), v=torch.ones(1, 1, 4),
                g=torch.full((1, 1), -0.01))
@@ -1056,7 +1139,7 @@ def test_bound_and_unbound_steps_of_one_state_lose_nothing():
     for th in threads:
         th.join()
     assert not errors, errors
-    assert isinstance(st.__dict__[hops._BOUND][1], hila._C.BoundState)
+    assert isinstance(st.__dict__.get(hops._BOUND, (None, None))[1], hila._C.BoundState) == (road == "dlpack")
     assert st.pos.tolist() == [1600]
 
 
@@ -1208,12 +1291,14 @@ def test_layer_decode_step_in_a_cuda_graph_equals_eager(name, device):
     assert st_graph.recurrent.pos.tolist() == [T0 + steps] * N
 
 
-@pytest.mark.parametrize("road", ("direct", "custom_op"))
+@pytest.mark.parametrize("road", STEP_ROADS + ("custom_op",))
 def test_in_place_step_invalidates_saved_state_tensors(road, device, request):
     """a tensor of the state saved for a backward and then advanced by step_ makes that backward
-    fail with autograd's in-place error (the step bumps the version counters)."""
+    fail with autograd's in-place error (the step bumps the version counters), on every road."""
     require_device(device, "hla2")
-    _setflag(request, hops._FAST, road == "direct")
+    _setflag(request, hops._FAST, road != "custom_op")
+    if road != "custom_op":
+        _step_road(request, road)
     x, _, _ = torch_inputs("hla2", device, T=1)
     tok = {k: v.detach()[:, 0] for k, v in x.items()}
     st = ht.zero_state("hla2", 2, 2, 3, 2, dtype=torch.float64, device=device)

@@ -28,7 +28,9 @@ Two roads reach the same C++ calls:
   The plain training call (no ``cu_seqlens``, initial or final state, or host copies) goes one step
   further where the extension hila._torch_ops was built (with torch at build time): it is one call
   of the libtorch op ``torch.ops.hila_cpp.forward_plan``, whose autograd function is C++ (no
-  Python autograd.Function, no DLPack capsules); see :func:`cpp_road`.
+  Python autograd.Function, no DLPack capsules); see :func:`cpp_road`. There, too, the decode
+  loop's :func:`step_` is one call of ``hila._torch_ops.step_``, which takes the tensors
+  themselves.
 * **the custom ops**: under torch.compile / torch.export, fake or meta tensors, an active
   ``TorchDispatchMode``, torch.func transforms, or when turned off with :func:`eager_fast_path`.
   They run the same calls with the same arguments, so both roads give bitwise identical results.
@@ -86,27 +88,30 @@ def eager_fast_path(enabled: bool = True) -> bool:
 # distinct options by torch.ops.hila_cpp.plan, see _cpp_plan), or None where the module was not
 # built or does not import (e.g. under another torch than the build's); HILA_TORCH_CPP=0 in the
 # environment at import leaves it off. _CPP_WHY: why it is not available ("" when it is).
+# _CPP_STEP: hila._torch_ops.step_, the C++ road of the decode loop's step_ (see _fast_step_).
 def _load_cpp():
     if os.environ.get("HILA_TORCH_CPP", "1") == "0":
-        return None, "turned off by HILA_TORCH_CPP=0"
+        return None, None, "turned off by HILA_TORCH_CPP=0"
     try:
-        from .. import _torch_ops  # noqa: F401  (registers torch.ops.hila_cpp.*)
-        return torch.ops.hila_cpp.forward_plan.default._op, ""
+        from .. import _torch_ops  # registers torch.ops.hila_cpp.*
+        return torch.ops.hila_cpp.forward_plan.default._op, _torch_ops.step_, ""
     except ImportError as e:  # not built (no torch at build time), or built for another torch
-        return None, f"hila._torch_ops does not import: {e}"
+        return None, None, f"hila._torch_ops does not import: {e}"
     except (AttributeError, OSError, RuntimeError) as e:
-        return None, f"hila._torch_ops does not load: {e}"
+        return None, None, f"hila._torch_ops does not load: {e}"
 
 
-_CPP_OP, _CPP_WHY = _load_cpp()
+_CPP_OP, _CPP_STEP, _CPP_WHY = _load_cpp()
 _CPP = [_CPP_OP]
 
 
 def cpp_road(enabled: bool = True) -> bool:
     """Whether the plain training call on the direct road (see :func:`eager_fast_path`) runs the
-    libtorch op ``torch.ops.hila_cpp.forward_plan`` with its C++ autograd function (on, the default
-    where hila._torch_ops was built) or the Python ``torch.autograd.Function`` (off). Both give
-    bitwise identical results; the C++ road costs less host time per call. Returns the previous
+    libtorch op ``torch.ops.hila_cpp.forward_plan`` with its C++ autograd function, and the decode
+    loop's :func:`step_` the C++ function ``hila._torch_ops.step_`` (on, the default where
+    hila._torch_ops was built), or the Python ``torch.autograd.Function`` and the DLPack calls of
+    hila._C (off). Both give bitwise identical results; the C++ road costs less host time per
+    call. Returns the previous
     setting; turning it on where the module is not available raises RuntimeError with the reason
     (``HILA_TORCH_CPP=0`` in the environment turns it off at import)."""
     prev = _CPP[0] is not None
@@ -1027,7 +1032,9 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                                 float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
 
 
-_STEP_SPECS: dict = {}  # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> _Spec
+# (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> (_Spec, the number of its C++
+# configuration for hila._torch_ops.step_, or -1 where that road is off or numbers no more)
+_STEP_SPECS: dict = {}
 atexit.register(_STEP_SPECS.clear)
 _CONTIGUOUS = torch.contiguous_format
 # torch.autograd.graph.increment_version without its wrapper (it takes a tuple of tensors); the
@@ -1036,17 +1043,33 @@ _increment_version = getattr(torch._C, "_increment_version", torch.autograd.grap
 _grad_enabled = torch.is_grad_enabled
 
 
+def _step_spec(op, scale, normalize, eps, ridge, qk_l2norm, check_values):
+    """(_Spec, C++ configuration number or -1) of a step's options (see _STEP_SPECS); a bad
+    option is a HilaError naming it, as on the general road."""
+    scale = _scale_arg(scale)
+    spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
+    plan = -1
+    if _CPP_STEP is not None:
+        plan = _cpp_plan(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values, False)
+    return spec, plan
+
+
 def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
                 check_values, max_position) -> Optional[Tensor]:
     """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
     serving indices, on the direct road) with the least host work: the configuration from a dict
-    keyed by the options as given, one ``torch.empty_like`` for o, and for a bound state (see
-    :func:`_bound_state`) one DLPack capsule per input lent to the extension (read in place, not
-    consumed) and o's data pointer (o is made here: contiguous, shaped, typed and placed like v).
-    Returns None where it does not apply (or an argument is not a tensor), and the caller then
-    takes the general road, which names what is wrong. Inputs whose innermost stride is not 1 are
-    not copied here: the library rejects them while validating, before it writes anything, and the
-    general road then runs the call on contiguous copies."""
+    keyed by the options as given, then
+    * on the C++ road (:func:`cpp_road`, where hila._torch_ops was built): one call of
+      ``hila._torch_ops.step_`` with the tensors themselves, which makes o, runs the step and
+      advances the state parts' autograd versions in C++;
+    * otherwise one ``torch.empty_like`` for o, and for a bound state (see :func:`_bound_state`)
+      one DLPack capsule per input lent to the extension (read in place, not consumed) and o's
+      data pointer (o is made here: contiguous, shaped, typed and placed like v).
+    Both run the same hila::step on the same arguments. Returns None where it does not apply (or
+    an argument is not a tensor), and the caller then takes the general road, which names what is
+    wrong. Inputs whose innermost stride is not 1 are not copied here: the library rejects them
+    while validating, before it writes anything, and the general road then runs the call on
+    contiguous copies."""
     pos, S, P, H = state
     if pos is None or H is None:
         return None
@@ -1056,22 +1079,27 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         if check_values is None:
             check_values = q.is_cpu
         key = (op, scale, normalize, eps, ridge, qk_l2norm, check_values)
-        spec = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
-        if spec is None:
+        got = _STEP_SPECS.get(key)  # TypeError for an unhashable option: the general road names it
+        if got is None:
             if not isinstance(op, str):
                 return None
-            spec = _spec(op, "chunk", 64, _scale_arg(scale), normalize, eps, ridge, qk_l2norm,
-                         check_values)
+            got = _step_spec(op, scale, normalize, eps, ridge, qk_l2norm, check_values)
             if len(_STEP_SPECS) >= 256:
                 _STEP_SPECS.clear()
-            _STEP_SPECS[key] = spec
+            _STEP_SPECS[key] = got
+        spec, plan = got
         top = None  # the largest position before this step, where _position_bound knows it
         if max_position < 0 and spec.bounds_steps and (pos.is_cuda or _BOUND_ON_CPU[0]):
             top, max_position = _position_bound(state, pos, H, lam, q)
+        cnt = _counters(state, pos, H, q)
+        if plan >= 0 and _CPP[0] is not None and not _POISON[0]:
+            o = _CPP_STEP(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position, None if cnt is None else cnt[0])
+            if top is not None:
+                _keep_positions(state, pos, top + 1)
+            return o
         o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
         if _POISON[0]:
             _ops._poison(o)
-        cnt = _counters(state, pos, H, q)
         bound = _bound_state(state, pos, S, P, H)
         if bound is not None:
             bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
