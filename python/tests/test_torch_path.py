@@ -573,22 +573,25 @@ def test_large_training_call_in_a_cuda_graph_equals_eager(op, device):
     if op == "gdn":
         x["q"], x["k"] = torch.nn.functional.normalize(x["q"], dim=-1), torch.nn.functional.normalize(x["k"], dim=-1)
         x["beta"] = torch.rand(1, T, H, device=device, generator=gen, dtype=torch.bfloat16)
-    leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
     do = torch.randn(1, T, H, d, device=device, generator=gen, dtype=torch.bfloat16)
 
-    def call():
+    def call(leaves):
         o, _ = ht.forward(op, **leaves)
         return (o, *torch.autograd.grad(o, tuple(leaves.values()), do))
 
-    eager = call()
+    eager = call({k: v.detach().requires_grad_() for k, v in x.items()})
+    # the captured call's own leaves, first used on the side stream (torch's recipe: autograd
+    # keeps, per leaf, the stream it first met it on, and a leaf first met on the default stream
+    # would make the capture sync that legacy stream)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call()  # warm-up on the capture's stream
+        call(leaves)  # warm-up on the capture's stream
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = call()
+        outs = call(leaves)
     for _ in range(2):
         for t in outs:
             t.fill_(float("nan"))
