@@ -398,17 +398,22 @@ def section_step(a, device, out, cpp):
                     for _ in range(10):
                         ht.step_(op, **tok, state=st, **kw)
                     host, dev_ms = [], []
+                    # the events are recorded on the stream object fetched once (Event.record()
+                    # without one makes a Python Stream object per call, host time inside the
+                    # timed span that hila_bench's cudaEventRecord does not have)
+                    stream = torch.cuda.current_stream() if device.type == "cuda" else None
                     for _ in range(reps):
-                        if device.type == "cuda":
+                        if stream is not None:
                             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            e0.record()
+                            e0.record(stream)
                         h0 = time.perf_counter()
                         ht.step_(op, **tok, state=st, **kw)
-                        host.append((time.perf_counter() - h0) * 1e6)
-                        if device.type == "cuda":
-                            e1.record()
+                        h1 = time.perf_counter()
+                        if stream is not None:
+                            e1.record(stream)
                             e1.synchronize()
                             dev_ms.append(e0.elapsed_time(e1))
+                        host.append((h1 - h0) * 1e6)
                     py = python_part_us(lambda: ht.step_(op, **tok, state=st, **kw), reps, st)
                 ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
                 note = NOTE[cv] + (f", max_position={kw['max_position']}" if "max_position" in kw else "")
