@@ -118,6 +118,13 @@ auto named(F&& f) {
 TensorView view(const char* name, const Tensor& t) {
   TensorView v;
   if (!t.defined()) return v;
+  // what the raw data pointer would misread: another layout, or a lazy negation / conjugation
+  // (inputs have theirs applied by input(); a tensor the library writes cannot)
+  if (t.layout() != at::kStrided)
+    throw hila::Error(name, "expected a dense (strided) tensor, got layout " + c10::str(t.layout()));
+  if (t.is_neg() || t.is_conj())
+    throw hila::Error(name, "expected a tensor without a lazy negation or conjugation (call .resolve_neg() / "
+                            ".resolve_conj() first), got one with it set");
   hila_ext::check_ndim(name, t.dim());
   const DLDataType dt = at::getDLDataType(t);
   v.dtype = hila_ext::dtype_from_dlpack(name, dt.code, dt.bits, dt.lanes);
@@ -134,9 +141,11 @@ TensorView view(const char* name, const Tensor& t) {
   return v;
 }
 
-// An input as the library reads it in place: innermost stride 1, else a contiguous copy
-// (incoming gradients are often expanded scalars, stride 0).
-Tensor input(const Tensor& x) {
+// An input as the library reads it in place: a lazy negation or conjugation applied (a copy; the
+// raw data pointer would miss it), innermost stride 1, else a contiguous copy (incoming gradients
+// are often expanded scalars, stride 0).
+Tensor input(const Tensor& x0) {
+  const Tensor x = x0.defined() && (x0.is_neg() || x0.is_conj()) ? x0.resolve_neg().resolve_conj() : x0;
   if (x.defined() && !x.is_contiguous() && x.dim() > 0 && x.stride(-1) != 1 && x.size(-1) > 1)
     return x.contiguous();
   return x;
@@ -508,17 +517,22 @@ PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t max_position = PyLong_AsLongLong(args[11]);
   if (PyErr_Occurred()) return nullptr;
   const PlanPtr plan = numbered(plan_no);
-  const Tensor& q = *t[0];
-  Tensor o = empty_output(*t[2]);  // [N, H, dv] like v
+  // the token's inputs with a lazy negation or conjugation applied (innermost strides as given:
+  // the library names one it cannot read, and hila.torch then copies)
+  Tensor in[6];
+  for (int i = 0; i < 6; ++i)
+    in[i] = t[i]->defined() && (t[i]->is_neg() || t[i]->is_conj()) ? t[i]->resolve_neg().resolve_conj() : *t[i];
+  const Tensor& q = in[0];
+  Tensor o = empty_output(in[2]);  // [N, H, dv] like v
   hila::StepParams p;
   hila::StateView s;
   named([&] {
     p.q = view("q", q);
-    p.k = view("k", *t[1]);
-    p.v = view("v", *t[2]);
-    p.g = view("g", *t[3]);
-    p.lam = view("lam", *t[4]);
-    p.beta = view("beta", *t[5]);
+    p.k = view("k", in[1]);
+    p.v = view("v", in[2]);
+    p.g = view("g", in[3]);
+    p.lam = view("lam", in[4]);
+    p.beta = view("beta", in[5]);
     p.o = view("o", o);
     p.counters = view("counters", *counters);
     s.pos = view("state.pos", *t[6]);

@@ -665,6 +665,43 @@ def test_step_roads_give_the_same_bits(op, dtype, device, request):
     assert roads["cpp"].pos.tolist() == [14, 18]
 
 
+@pytest.mark.parametrize("road", ("python", "cpp"))
+def test_lazily_negated_inputs_are_read_as_their_values(road, device, request):
+    """An input with torch's lazy negation bit (torch._neg_view; also what .imag of a conjugated
+    complex tensor gives), whose memory holds -x, is read as x on every road of forward, backward
+    and step_ (torch's DLPack export drops the bit, so hila applies it first): the outputs and
+    gradients equal those of the resolved tensor, to the bit."""
+    require_device(device, "gdn")
+    _plain_road(request, road)
+    _step_road(request, "cpp" if road == "cpp" else "dlpack")
+    x, _, _ = torch_inputs("gdn", device, T=9)
+    x = {k: v.detach() for k, v in x.items()}
+    neg = torch._neg_view(-x["q"])  # the values of q, stored negated
+    assert neg.is_neg() and torch.equal(neg.resolve_neg(), x["q"])
+    do = torch.randn_like(x["v"])
+
+    def grads(q):
+        leaves = {**x, "q": q}
+        leaves = {k: v.requires_grad_() if v.is_leaf else v for k, v in leaves.items()}
+        o, _ = ht.forward("gdn", **leaves)
+        return (o, *torch.autograd.grad(o, (leaves["k"], leaves["v"]), do))
+
+    base = {k: v.clone() for k, v in x.items()}
+    ref = grads(base["q"].clone().requires_grad_())
+    got = grads(torch._neg_view(-x["q"].clone()).requires_grad_())
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    sts = [ht.zero_state("gdn", 2, 2, 3, 2, dtype=torch.float64, device=device) for _ in range(2)]
+    with torch.no_grad():
+        for t in range(3):
+            tok = {k: v[:, t] for k, v in x.items()}
+            o_ref = ht.step_("gdn", **tok, state=sts[0])
+            o = ht.step_("gdn", **{**tok, "q": torch._neg_view(-tok["q"]), "beta": torch._neg_view(-tok["beta"])},
+                         state=sts[1])
+            assert torch.equal(o, o_ref), t
+    assert all(a is None or torch.equal(a, b) for a, b in zip(*sts))
+
+
 @pytest.mark.parametrize("op", ("gla", "hla3", "loglinear_gdn"))
 def test_bound_state_steps_follow_the_state_memory(op, device, request):
     """On the DLPack road, from its second step, a State stepped by step_ is bound to the extension

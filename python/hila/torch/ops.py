@@ -203,13 +203,22 @@ def _needs_copy(x: Tensor) -> bool:
 
 
 def _in(x: Optional[Tensor]):
-    """A DLPack capsule of input x (None stays None), as the library reads it in place: innermost
-    stride 1, else a contiguous copy (incoming gradients are often expanded scalars, stride 0)."""
+    """A DLPack capsule of input x (None stays None), as the library reads it in place: a lazy
+    negation or conjugation applied (see :func:`_lent`), innermost stride 1, else a contiguous copy
+    (incoming gradients are often expanded scalars, stride 0)."""
     if x is None:
         return None
+    if x.is_neg() or x.is_conj():
+        x = x.resolve_neg().resolve_conj()
     if not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1:
         x = x.contiguous()
     return _capsule(x)
+
+
+def _lent(x: Tensor):
+    """A DLPack capsule of input x as it is, but with a lazy negation or conjugation applied (a
+    copy): torch's DLPack export passes the raw memory without those bits."""
+    return _capsule(x.resolve_neg().resolve_conj() if x.is_neg() or x.is_conj() else x)
 
 
 def _cap(x: Optional[Tensor]):
@@ -1102,13 +1111,13 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
             _ops._poison(o)
         bound = _bound_state(state, pos, S, P, H)
         if bound is not None:
-            bound.step(spec.cfg, _capsule(q), _capsule(k), _capsule(v), None if g is None else _capsule(g),
-                       None if lam is None else _capsule(lam), None if beta is None else _capsule(beta),
+            bound.step(spec.cfg, _lent(q), _lent(k), _lent(v), None if g is None else _lent(g),
+                       None if lam is None else _lent(lam), None if beta is None else _lent(beta),
                        o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
         else:
-            _C.step_inplace(spec.cfg, _capsule(q), _capsule(k), _capsule(v),
-                            None if g is None else _capsule(g), None if lam is None else _capsule(lam),
-                            None if beta is None else _capsule(beta),
+            _C.step_inplace(spec.cfg, _lent(q), _lent(k), _lent(v),
+                            None if g is None else _lent(g), None if lam is None else _lent(lam),
+                            None if beta is None else _lent(beta),
                             (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
                              _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
                             counters=None if cnt is None else _capsule(cnt[0]))
