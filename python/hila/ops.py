@@ -463,14 +463,37 @@ def _bad_array(x: Any) -> bool:
     return not hasattr(x, "__dlpack__")
 
 
+def _lazy_bit(x: Any) -> bool:
+    """Whether x is a torch tensor with a lazy negation or conjugation bit set: its memory holds
+    other values than it stands for, and DLPack hands over the memory without the bit."""
+    is_neg = getattr(x, "is_neg", None)
+    return callable(is_neg) and (is_neg() or x.is_conj())
+
+
+def _check_lazy_bits(checks, args, kwargs) -> None:
+    """HilaError naming the first array argument (or state part) of a call that has a lazy bit
+    (see :func:`_lazy_bit`); the names come from ``kwargs`` or from ``checks``."""
+    parts = lambda x: x if isinstance(x, tuple) else (x,)  # noqa: E731  (a state's parts)
+    bad = next((y for a in (*args, *kwargs.values()) for y in parts(a) if y is not None and _lazy_bit(y)), None)
+    if bad is None:
+        return
+    named = list(kwargs.items()) + [(n, x) for n, x, _ in (checks() if callable(checks) else checks)]
+    name = next((n for n, x in named if any(y is bad for y in parts(x))), "array")
+    raise HilaError(f"hila: argument '{name}': expected an array without torch's lazy negation or conjugation "
+                    f"bit (DLPack hands over the raw memory without it: call .resolve_neg() / .resolve_conj() "
+                    f"first), got one with it set", name)
+
+
 def _call_C(fn, checks, *args, **kwargs):
     """Calls the extension; its (nanobind) TypeError for an argument of the wrong type becomes a
     HilaError naming the argument. ``checks``: (name, value, kind), kind 'str', 'int', 'array' or
-    'state' (a tuple of arrays), or a function returning them (built only when the call failed).
+    'state' (a tuple of arrays), or a function returning them (built only when the call failed or
+    named an array with a lazy bit, see :func:`_check_lazy_bits`).
 
     nanobind raises that TypeError while converting the arguments, before the call runs, so a call
     that failed on an ml_dtypes bfloat16 numpy array (which numpy cannot export over DLPack) is
     retried once with those arrays as DLPack bfloat16 views: only such calls pay for the look."""
+    _check_lazy_bits(checks, args, kwargs)
     try:
         return fn(*args, **kwargs)
     except TypeError as e:

@@ -52,6 +52,28 @@ def test_numpy_api_names_the_argument():
     _raises(lambda: st.load((np.zeros(4, np.int64), None, None, "x")), "state.H")
 
 
+def test_numpy_api_names_torch_tensors_with_a_lazy_bit():
+    """torch tensors with a lazy negation bit (their memory holds the negated values, which DLPack
+    hands over without the bit) are refused by the framework-neutral API, naming the argument, in
+    forward, backward, step and step_ (inputs and state parts); the same tensors resolved work."""
+    torch = pytest.importorskip("torch")
+    q, k, v, g = (torch.from_numpy(np.ascontiguousarray(x)) for x in _np_inputs(B=2, T=3))
+    neg = lambda x: torch._neg_view(-x)  # noqa: E731  (the values of x, stored negated)
+    assert torch.equal(neg(q).resolve_neg(), q)
+    _raises(lambda: hila.forward("gla", neg(q), k, v, g), "q", "negation")
+    _raises(lambda: hila.forward("gla", q, k, v, neg(g)), "g")
+    _raises(lambda: hila.backward("gla", q, k, v, g, do=neg(v)), "do")
+    st = hila.State(torch.zeros(2, dtype=torch.int64), None, None, torch.zeros(2, 2, 4, 4, dtype=torch.float64))
+    _raises(lambda: hila.step("gla", q[:, 0], neg(k[:, 0]), v[:, 0], g[:, 0], state=st), "k")
+    part = torch.zeros(2, 2, 4, 4, dtype=torch.float64)
+    bad = hila.State(torch.zeros(2, dtype=torch.int64), None, None, torch._neg_view(part))
+    msg = _raises(lambda: hila.step_("gla", q[:, 0], k[:, 0], v[:, 0], g[:, 0], state=bad), "state")
+    assert "resolve_neg" in msg
+    o, _ = hila.forward("gla", neg(q).resolve_neg(), k, v, g)
+    o_ref, _ = hila.forward("gla", q, k, v, g)
+    assert np.array_equal(np.asarray(o), np.asarray(o_ref))
+
+
 def test_numpy_api_options_after_a_cached_call():
     """hila.ops caches the Config of a call's options: an option that equals a cached one (1 and
     True) or cannot be hashed (a list) is still checked and named."""
