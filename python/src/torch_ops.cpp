@@ -141,11 +141,15 @@ TensorView view(const char* name, const Tensor& t) {
   return v;
 }
 
-// An input as the library reads it in place: a lazy negation or conjugation applied (a copy; the
-// raw data pointer would miss it), innermost stride 1, else a contiguous copy (incoming gradients
-// are often expanded scalars, stride 0).
+// x with a lazy negation or conjugation applied (a copy; the raw data pointer would miss it).
+Tensor resolved(const Tensor& x) {
+  return x.defined() && (x.is_neg() || x.is_conj()) ? x.resolve_neg().resolve_conj() : x;
+}
+
+// An input as the library reads it in place: resolved, innermost stride 1, else a contiguous copy
+// (incoming gradients are often expanded scalars, stride 0).
 Tensor input(const Tensor& x0) {
-  const Tensor x = x0.defined() && (x0.is_neg() || x0.is_conj()) ? x0.resolve_neg().resolve_conj() : x0;
+  const Tensor x = resolved(x0);
   if (x.defined() && !x.is_contiguous() && x.dim() > 0 && x.stride(-1) != 1 && x.size(-1) > 1)
     return x.contiguous();
   return x;
@@ -222,23 +226,32 @@ PlanPtr plan_of(c10::string_view op, c10::string_view form, int64_t chunk, doubl
 
 // ----------------------------------------------------------------------------- calls
 
-// The inputs forward and backward share, in the order hila._C reads them (errors name the first
-// bad one alike). Untied gates are told apart by their extra column axis: g [B, T, H, P].
-void set_inputs(hila::ForwardParams& p, const Plan& plan, hila::Form form, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& g, const Tensor& lam, const Tensor& beta) {
-  p.cfg = plan.cfg;
-  p.form = form;
-  p.chunk = plan.chunk;
+// The inputs q..beta of a call (ForwardParams, BackwardParams) or a step (StepParams), in the
+// order hila._C reads them (errors name the first bad one alike), the gates' kind and the caller's
+// stream. Untied gates are told apart by their extra column axis: g of tied_ndim + 1 dimensions
+// (g [B, T, H, P] for a call, [N, H, P] for a step). p.cfg is set.
+template <class P>
+void set_token_inputs(P& p, int tied_ndim, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                      const Tensor& lam, const Tensor& beta) {
   p.q = view("q", q);
   p.k = view("k", k);
   p.v = view("v", v);
   p.g = view("g", g);
   p.lam = view("lam", lam);
   p.beta = view("beta", beta);
-  p.cfg.gates = p.g.defined() && p.g.ndim == 4 ? hila::Gates::untied : hila::Gates::tied;
+  p.cfg.gates = p.g.defined() && p.g.ndim == tied_ndim + 1 ? hila::Gates::untied : hila::Gates::tied;
 #ifdef HILA_WITH_CUDA
   if (q.is_cuda()) p.stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
 #endif
+}
+
+// The inputs forward and backward share.
+void set_inputs(hila::ForwardParams& p, const Plan& plan, hila::Form form, const Tensor& q, const Tensor& k,
+                const Tensor& v, const Tensor& g, const Tensor& lam, const Tensor& beta) {
+  p.cfg = plan.cfg;
+  p.form = form;
+  p.chunk = plan.chunk;
+  set_token_inputs(p, 3, q, k, v, g, lam, beta);
 }
 
 // torch's caching allocator for the call's device temporaries where the plan asks for it: the
@@ -520,19 +533,14 @@ PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   // the token's inputs with a lazy negation or conjugation applied (innermost strides as given:
   // the library names one it cannot read, and hila.torch then copies)
   Tensor in[6];
-  for (int i = 0; i < 6; ++i)
-    in[i] = t[i]->defined() && (t[i]->is_neg() || t[i]->is_conj()) ? t[i]->resolve_neg().resolve_conj() : *t[i];
-  const Tensor& q = in[0];
+  for (int i = 0; i < 6; ++i) in[i] = resolved(*t[i]);
   Tensor o = empty_output(in[2]);  // [N, H, dv] like v
   hila::StepParams p;
   hila::StateView s;
+  p.cfg = plan->cfg;
+  p.max_position = max_position;
   named([&] {
-    p.q = view("q", q);
-    p.k = view("k", in[1]);
-    p.v = view("v", in[2]);
-    p.g = view("g", in[3]);
-    p.lam = view("lam", in[4]);
-    p.beta = view("beta", in[5]);
+    set_token_inputs(p, 2, in[0], in[1], in[2], in[3], in[4], in[5]);
     p.o = view("o", o);
     p.counters = view("counters", *counters);
     s.pos = view("state.pos", *t[6]);
@@ -540,12 +548,6 @@ PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     s.P = view("state.P", *t[8]);
     s.H = view("state.H", *t[9]);
   });
-  p.cfg = plan->cfg;
-  p.cfg.gates = p.g.defined() && p.g.ndim == 3 ? hila::Gates::untied : hila::Gates::tied;
-  p.max_position = max_position;
-#ifdef HILA_WITH_CUDA
-  if (q.is_cuda()) p.stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-#endif
   call([&](hila_ext::CallError* e) { return g_api->step(p, s, e); });
   // what the kernel wrote behind autograd's back: saved copies of the state's parts are now stale
   for (int i = 6; i < 10; ++i)

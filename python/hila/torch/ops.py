@@ -203,22 +203,26 @@ def _needs_copy(x: Tensor) -> bool:
 
 
 def _in(x: Optional[Tensor]):
-    """A DLPack capsule of input x (None stays None), as the library reads it in place: a lazy
-    negation or conjugation applied (see :func:`_lent`), innermost stride 1, else a contiguous copy
+    """A DLPack capsule of input x (None stays None), as the library reads it in place: resolved
+    (see :func:`_resolved`), innermost stride 1, else a contiguous copy
     (incoming gradients are often expanded scalars, stride 0)."""
     if x is None:
         return None
-    if x.is_neg() or x.is_conj():
-        x = x.resolve_neg().resolve_conj()
+    x = _resolved(x)
     if not x.is_contiguous() and x.dim() and x.stride(-1) != 1 and x.size(-1) > 1:
         x = x.contiguous()
     return _capsule(x)
 
 
+def _resolved(x: Tensor) -> Tensor:
+    """x with a lazy negation or conjugation applied (a copy): torch's DLPack export passes the raw
+    memory without those bits."""
+    return x.resolve_neg().resolve_conj() if x.is_neg() or x.is_conj() else x
+
+
 def _lent(x: Tensor):
-    """A DLPack capsule of input x as it is, but with a lazy negation or conjugation applied (a
-    copy): torch's DLPack export passes the raw memory without those bits."""
-    return _capsule(x.resolve_neg().resolve_conj() if x.is_neg() or x.is_conj() else x)
+    """A DLPack capsule of input x as it is, but resolved (see :func:`_resolved`)."""
+    return _capsule(_resolved(x))
 
 
 def _cap(x: Optional[Tensor]):
