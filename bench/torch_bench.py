@@ -344,19 +344,19 @@ def section_decode(a, device, out):
 
 def step_inputs(op, H, d, dtype, device, reps):
     """A State from zero_state at position 4096 (log-linear operators; 0 for the others) with the
-    slots of 4 * reps + 64 more steps, and one token of N = 1 sequence."""
+    slots of 8 * reps + 64 more steps, and one token of N = 1 sequence."""
     import hila
     import hila.torch as ht
     t = hila.op_traits(op)
     pos = 4096 if t["loglinear"] else 0
-    st = ht.zero_state(op, 1, H, d, d, max_len=pos + 4 * reps + 64, device=device)
+    st = ht.zero_state(op, 1, H, d, d, max_len=pos + 8 * reps + 64, device=device)
     st.pos.fill_(pos)
     tok = dict(q=torch.randn(1, H, d, device=device, dtype=dtype) * d ** -0.5,
                k=torch.randn(1, H, d, device=device, dtype=dtype) * d ** -0.5,
                v=torch.randn(1, H, d, device=device, dtype=dtype),
                g=torch.empty(1, H, device=device).uniform_(-0.1, 0.0))
     if t["loglinear"]:
-        tok["lam"] = torch.rand(1, H, hila.levels_needed(0, pos + 4 * reps + 64), device=device, dtype=dtype)
+        tok["lam"] = torch.rand(1, H, hila.levels_needed(0, pos + 8 * reps + 64), device=device, dtype=dtype)
     if t["delta"]:
         tok["beta"] = torch.rand(1, H, device=device, dtype=dtype)
     return st, tok
@@ -391,32 +391,37 @@ def section_step(a, device, out, cpp):
             base = dict(section="step", op=op, B=1, T=pos, H=H, d=d, direction="step")
             # the layers' decode call: check_values=False and the bound of the state's capacity
             # (a log-linear step then reads no positions back to the host)
-            bounded = ("hila_torch_max_position", False, dict(max_position=pos + 4 * reps + 63))
-            for impl, cv, *more in IMPLS + (bounded,):
+            bounded = ("hila_torch_max_position", False, dict(max_position=pos + 8 * reps + 63))
+            # and a decode loop that keeps its output buffer: out= (no allocation per step)
+            kept = ("hila_torch_out", False, dict(max_position=pos + 8 * reps + 63, out=torch.empty_like(tok["v"])))
+            for impl, cv, *more in IMPLS + (bounded, kept):
                 kw = {} if cv is None else dict(check_values=cv, **(more[0] if more else {}))
                 with torch.no_grad():
                     for _ in range(10):
                         ht.step_(op, **tok, state=st, **kw)
                     host, dev_ms = [], []
-                    # the events are recorded on the stream object fetched once (Event.record()
-                    # without one makes a Python Stream object per call, host time inside the
-                    # timed span that hila_bench's cudaEventRecord does not have)
+                    # the events are recorded on the stream object fetched once, by the C
+                    # method itself (Event.record() makes a Python Stream object per call without
+                    # one, and its Python frame is host time inside the timed span that
+                    # hila_bench's cudaEventRecord does not have)
                     stream = torch.cuda.current_stream() if device.type == "cuda" else None
+                    record = torch._C._CudaEventBase.record if stream is not None else None
                     for _ in range(reps):
                         if stream is not None:
                             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            e0.record(stream)
+                            record(e0, stream)
                         h0 = time.perf_counter()
                         ht.step_(op, **tok, state=st, **kw)
                         h1 = time.perf_counter()
                         if stream is not None:
-                            e1.record(stream)
+                            record(e1, stream)
                             e1.synchronize()
                             dev_ms.append(e0.elapsed_time(e1))
                         host.append((h1 - h0) * 1e6)
                     py = python_part_us(lambda: ht.step_(op, **tok, state=st, **kw), reps, st)
                 ms = statistics.median(dev_ms) if dev_ms else statistics.median(host) / 1e3
-                note = NOTE[cv] + (f", max_position={kw['max_position']}" if "max_position" in kw else "")
+                note = NOTE[cv] + (f", max_position={kw['max_position']}" if "max_position" in kw else "") + (
+                    ", out= a kept buffer" if "out" in kw else "")
                 out.append(dict(base, impl=impl, ms=ms, host_us=statistics.median(host),
                                 note=note + "; caller-owned state (hila::step on a StateView); " + road))
                 out.append(dict(base, impl=impl + "_python", ms=py / 1e3, host_us=py,
@@ -523,18 +528,20 @@ def tables(rows):
     if step:
         lines += ["", "step at N = 1 (µs: device time with a sync per step; host: time in the call; Python: the "
                   "host time with the extension call a no-op)", "",
-                  "| op | hila.torch.step_ | host | Python | checked | host | max_position | host | C++ step | host "
-                  "| default / C++ | max_position / C++ |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| op | hila.torch.step_ | host | Python | checked | host | max_position | host | + out= | host "
+                  "| C++ step | host | default / C++ | max_position / C++ | out= / C++ |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for op in dict.fromkeys(r["op"] for r in step):
             cell = {r["impl"]: r for r in step if r["op"] == op}
             us = lambda i, k="ms": None if i not in cell else (cell[i][k] * 1e3 if k == "ms" else cell[i][k])  # noqa: E731
             lines.append(f"| {op} | {f(us('hila_torch'))} | {f(us('hila_torch', 'host_us'))} | "
                          f"{f(us('hila_torch_python', 'host_us'))} | {f(us('hila_torch_checked'))} | "
                          f"{f(us('hila_torch_checked', 'host_us'))} | {f(us('hila_torch_max_position'))} | "
-                         f"{f(us('hila_torch_max_position', 'host_us'))} | {f(us('hila_cpp'))} | "
+                         f"{f(us('hila_torch_max_position', 'host_us'))} | {f(us('hila_torch_out'))} | "
+                         f"{f(us('hila_torch_out', 'host_us'))} | {f(us('hila_cpp'))} | "
                          f"{f(us('hila_cpp', 'host_us'))} | {ratio(us('hila_torch'), us('hila_cpp'))} | "
-                         f"{ratio(us('hila_torch_max_position'), us('hila_cpp'))} |")
+                         f"{ratio(us('hila_torch_max_position'), us('hila_cpp'))} | "
+                         f"{ratio(us('hila_torch_out'), us('hila_cpp'))} |")
     return "\n".join(lines)
 
 

@@ -53,7 +53,10 @@ struct Api {
 enum : int { kDLInt = 0, kDLFloat = 2, kDLBfloat = 4 };
 enum : int { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
 
-inline hila::DType dtype_from_dlpack(const std::string& name, int code, int bits, int lanes) {
+// (the argument's name as a C string: a step reads a dozen tensors, and only an error needs a
+// std::string of it)
+
+inline hila::DType dtype_from_dlpack(const char* name, int code, int bits, int lanes) {
   if (lanes == 1) {
     if (code == kDLFloat && bits == 64) return hila::DType::f64;
     if (code == kDLFloat && bits == 32) return hila::DType::f32;
@@ -67,14 +70,14 @@ inline hila::DType dtype_from_dlpack(const std::string& name, int code, int bits
                           " bits x " + std::to_string(lanes) + " lanes");
 }
 
-inline hila::Device device_from_dlpack(const std::string& name, int type, int id) {
+inline hila::Device device_from_dlpack(const char* name, int type, int id) {
   if (type == kDLCPU || type == kDLCUDAHost) return {};
   if (type == kDLCUDA) return {hila::DeviceType::cuda, id};
   throw hila::Error(name, "expected an array in host or CUDA memory, got DLPack device type " +
                               std::to_string(type));
 }
 
-inline void check_ndim(const std::string& name, int64_t ndim) {
+inline void check_ndim(const char* name, int64_t ndim) {
   if (ndim > hila::kMaxDims)
     throw hila::Error(name, "expected at most " + std::to_string(hila::kMaxDims) + " dimensions, got " +
                                 std::to_string(ndim));

@@ -51,11 +51,11 @@ using StateIn = std::tuple<OptIn, OptIn, OptIn, OptIn>;
 using StateOut = std::tuple<OptOut, OptOut, OptOut, OptOut>;
 
 DType dtype_of(const std::string& name, nb::dlpack::dtype d) {
-  return hila_ext::dtype_from_dlpack(name, d.code, d.bits, d.lanes);
+  return hila_ext::dtype_from_dlpack(name.c_str(), d.code, d.bits, d.lanes);
 }
 
 hila::Device device_of(const std::string& name, int type, int id) {
-  return hila_ext::device_from_dlpack(name, type, id);
+  return hila_ext::device_from_dlpack(name.c_str(), type, id);
 }
 
 // Without a CUDA backend, device memory never reaches the library (see the file comment).
@@ -75,7 +75,7 @@ void set_stream(P& p, uintptr_t stream) {
 
 template <class A>
 TensorView view_of(const std::string& name, const A& a) {
-  hila_ext::check_ndim(name, static_cast<int64_t>(a.ndim()));
+  hila_ext::check_ndim(name.c_str(), static_cast<int64_t>(a.ndim()));
   TensorView t;
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.dtype = dtype_of(name, a.dtype());

@@ -15,14 +15,17 @@
 // The module also has one plain Python function, the decode loop's in-place step (not an
 // operator: hila.torch.step_ calls it directly, outside the dispatcher and autograd):
 //
-//   hila._torch_ops.step_(plan, q, k, v, g?, lam?, beta?, pos, S?, P?, H, max_position, counters?) -> o
+//   hila._torch_ops.step_(plan, q, k, v, g?, lam?, beta?, pos, S?, P?, H, max_position, counters?,
+//                         out?) -> o
 //
 // q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; the state's
 // parts pos [N], S, P, H as hila.State holds them (include/hila/ops.h, StateView); counters: int32
-// StepParams::counters or None. o = empty_like(v), hila::step on the state in place under the
-// state's lock (the one hila._C's in-place steps take), then the autograd version of each state
-// part is advanced (saved copies of them are stale). The same calls as hila._C's step_inplace for
-// the same arguments: the same bits, validation and errors.
+// StepParams::counters or None (counters with fewer than N + N * H elements, or on another device
+// than H, are left out: the step then runs without them). o = out (the caller's [N, H, dv] tensor like v, returned as the
+// same object) or empty_like(v); hila::step on the state in place under the state's lock (the one
+// hila._C's in-place steps take), then the autograd version of each written tensor is advanced
+// (saved copies of them are stale). The same calls as hila._C's step_inplace for the same
+// arguments: the same bits, validation and errors (the library's checks of o name it 'out').
 //
 // q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or [B, T, H, P]; lam [B, T, H, L];
 // beta [B, T, H]; o [B, T, H, dv]. No cu_seqlens, initial or final state: those calls stay on the
@@ -511,13 +514,22 @@ const Tensor* tensor_arg(PyObject* obj, const char* name, bool optional) {
   return &THPVariable_Unpack(obj);
 }
 
+// The library's error e about o, for a step that writes the caller's `out`: named 'out'.
+hila_ext::CallError as_out(hila_ext::CallError e) {
+  if (e.argument != "o") return e;
+  e.argument = "out";
+  const std::string from = "argument 'o'";
+  if (const size_t at = e.what.find(from); at != std::string::npos) e.what.replace(at, from.size(), "argument 'out'");
+  return e;
+}
+
 // hila._torch_ops.step_ (the file comment): the arguments in order, positional only.
 PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  constexpr Py_ssize_t kArgs = 13;
+  constexpr Py_ssize_t kArgs = 14;
   if (nargs != kArgs)
     return PyErr_Format(PyExc_TypeError, "hila._torch_ops.step_: expected %zd arguments, got %zd", kArgs, nargs);
-  // q k v g lam beta pos S P H (args 1..10), then max_position (11) and counters (12)
+  // q k v g lam beta pos S P H (args 1..10), then max_position (11), counters (12) and out (13)
   static constexpr const char* kName[] = {"q", "k", "v", "g", "lam", "beta", "state.pos", "state.S", "state.P",
                                           "state.H"};
   static constexpr bool kOptional[] = {false, false, false, true, true, true, false, true, true, false};
@@ -525,40 +537,60 @@ PyObject* step_(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   for (int i = 0; i < 10; ++i)
     if ((t[i] = tensor_arg(args[i + 1], kName[i], kOptional[i])) == nullptr) return nullptr;
   const Tensor* counters = tensor_arg(args[12], "counters", true);
-  if (counters == nullptr) return nullptr;
+  const Tensor* out = counters == nullptr ? nullptr : tensor_arg(args[13], "out", true);
+  if (out == nullptr) return nullptr;
   const int64_t plan_no = PyLong_AsLongLong(args[0]);
   const int64_t max_position = PyLong_AsLongLong(args[11]);
   if (PyErr_Occurred()) return nullptr;
   const PlanPtr plan = numbered(plan_no);
+  if (out->defined() && out->requires_grad())
+    raise({"hila: argument 'out': expected a tensor that does not require grad (step_ writes it in place and is "
+           "not differentiable), got one that does",
+           "out"});
   // the token's inputs with a lazy negation or conjugation applied (innermost strides as given:
   // the library names one it cannot read, and hila.torch then copies)
   Tensor in[6];
   for (int i = 0; i < 6; ++i) in[i] = resolved(*t[i]);
-  Tensor o = empty_output(in[2]);  // [N, H, dv] like v
+  const Tensor o = out->defined() ? *out : empty_output(in[2]);  // [N, H, dv] like v
   hila::StepParams p;
   hila::StateView s;
   p.cfg = plan->cfg;
   p.max_position = max_position;
   named([&] {
     set_token_inputs(p, 2, in[0], in[1], in[2], in[3], in[4], in[5]);
-    p.o = view("o", o);
-    p.counters = view("counters", *counters);
+    p.o = view(out->defined() ? "out" : "o", o);
+    // counters too small for this step (step_counters_size(N, H) = N + N * H elements) or on
+    // another device than the state: a step without them (as hila.torch's _counters decides)
+    const Tensor& H = *t[9];
+    const int64_t N = in[0].dim() > 0 ? in[0].size(0) : 0;
+    const bool fits = counters->defined() && H.dim() >= 2 && counters->numel() >= N + N * H.size(1) &&
+                      counters->device() == H.device();
+    p.counters = fits ? view("counters", *counters) : TensorView();
     s.pos = view("state.pos", *t[6]);
     s.S = view("state.S", *t[7]);
     s.P = view("state.P", *t[8]);
     s.H = view("state.H", *t[9]);
   });
-  call([&](hila_ext::CallError* e) { return g_api->step(p, s, e); });
-  // what the kernel wrote behind autograd's back: saved copies of the state's parts are now stale
+  call([&](hila_ext::CallError* e) {
+    const bool ok = g_api->step(p, s, e);
+    if (!ok && out->defined()) *e = as_out(std::move(*e));
+    return ok;
+  });
+  // what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
   for (int i = 6; i < 10; ++i)
     if (t[i]->defined()) torch::autograd::impl::bump_version(*t[i]);
-  return THPVariable_Wrap(std::move(o));
+  if (out->defined()) {
+    torch::autograd::impl::bump_version(*out);
+    Py_INCREF(args[13]);
+    return args[13];
+  }
+  return THPVariable_Wrap(o);
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef g_methods[] = {
     {"step_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&step_)), METH_FASTCALL,
-     "step_(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position, counters) -> o: one in-place decode "
+     "step_(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position, counters, out) -> o: one in-place decode "
      "step on a caller-owned state (internal; used by hila.torch.step_)."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -1348,3 +1348,83 @@ def test_in_place_step_invalidates_saved_state_tensors(road, device, request):
         ht.step_("hla2", **tok, state=st)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+@pytest.mark.parametrize("road", STEP_ROADS + ("custom_op",))
+@pytest.mark.parametrize("op", OPS)
+def test_step_out_is_written_and_returned(op, road, device, request):
+    """step_(..., out=buf) writes o into buf (poisoned first: every element is written) and returns
+    buf itself, with the bits of a step without it, the state advanced the same, buf's autograd
+    version advanced; also for an out that is a slice of a wider buffer (innermost stride 1)."""
+    require_device(device, op)
+    _setflag(request, hops._FAST, road != "custom_op")
+    if road != "custom_op":
+        _step_road(request, road)
+    x, state, mask = torch_inputs(op, device, T=3, n0=[2, 5])
+    x = {k: v.detach() for k, v in x.items()}
+    parts = [None if s is None else s.detach().clone() for s in state[1:]]
+    if mask is not None:  # dead slots zero, and the slots of the steps to come
+        H = parts[2] * mask.to(parts[2].dtype)
+        parts[2] = torch.cat([H, H.new_zeros(H.shape[:2] + (hila.state_slots(16) - H.shape[2],) + H.shape[3:])], 2)
+    a = hila.State(state[0].clone(), *(None if p is None else p.clone() for p in parts))
+    b = hila.State(state[0].clone(), *(None if p is None else p.clone() for p in parts))
+    wide = torch.full(x["v"].shape[:1] + x["v"].shape[2:-1] + (x["v"].shape[-1] + 3,), float("nan"),
+                      dtype=x["v"].dtype, device=device)
+    for t in range(3):
+        tok = {k: v[:, t] for k, v in x.items()}
+        buf = torch.full_like(tok["v"], float("nan")) if t != 1 else wide[..., :tok["v"].shape[-1]]
+        version = buf._version
+        with torch.no_grad():
+            ref = ht.step_(op, **tok, state=a)
+            got = ht.step_(op, **tok, state=b, out=buf)
+        assert got is buf and buf._version > version
+        assert torch.equal(got, ref), (op, road, t)
+        assert all(p is None or torch.equal(p, r) for p, r in zip(b, a))
+    assert torch.isnan(wide[..., x["v"].shape[-1]:]).all()  # nothing beside the slice is written
+
+
+@pytest.mark.parametrize("road", STEP_ROADS)
+def test_step_bad_out_is_named_and_writes_nothing(road, device, request):
+    """a bad out (not a tensor, another shape or dtype, requiring grad, innermost stride 2, the
+    memory of v or of the state) is a HilaError naming 'out', and the state is not advanced."""
+    require_device(device, "hla2")
+    _step_road(request, road)
+    x, _, _ = torch_inputs("hla2", device, T=1)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    st = ht.zero_state("hla2", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    v = tok["v"]
+    bad = {"list": [0.0], "shape": v.new_zeros(2, 2, 3), "dtype": v.float(),
+           "grad": torch.zeros_like(v, requires_grad=True),
+           "stride": torch.zeros(v.shape + (2,), dtype=v.dtype, device=device)[..., 0],
+           "v": v, "state": st.S.view(-1)[:v.numel()].view(v.shape)}
+    for name, out in bad.items():
+        with torch.no_grad(), pytest.raises(hila.HilaError) as e:
+            ht.step_("hla2", **tok, state=st, out=out)
+        assert e.value.argument == "out" and "'out'" in str(e.value), (name, str(e.value))
+        assert st.pos.tolist() == [0, 0], name
+
+
+def test_cpp_step_leaves_out_counters_that_do_not_fit(device, request):
+    """hila._torch_ops.step_ given step counters with fewer than N + N * H elements (or none of
+    the state's device) steps without them, as the DLPack road's _counters decides, instead of the
+    library's error about them; the result equals a step without counters, to the bit."""
+    if hops._CPP_STEP is None:
+        pytest.skip(f"no C++ road: {hops._CPP_WHY}")
+    require_device(device, "gla")
+    x, _, _ = torch_inputs("gla", device, T=1)
+    tok = {k: v.detach()[:, 0] for k, v in x.items()}
+    a = ht.zero_state("gla", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    b = ht.zero_state("gla", 2, 2, 3, 2, dtype=torch.float64, device=device)
+    spec, plan = hops._step_spec("gla", None, False, 1e-6, 0.0, False, False)
+    small = torch.zeros(5, dtype=torch.int32, device=device)     # N + N * H = 6 needed
+    elsewhere = torch.zeros(6, dtype=torch.int32)                 # (on the CPU: fits, ignored there)
+    for cnt in (small, elsewhere):
+        with torch.no_grad():
+            ref = hops._CPP_STEP(plan, tok["q"], tok["k"], tok["v"], tok["g"], None, None, *a, -1, None, None)
+            got = hops._CPP_STEP(plan, tok["q"], tok["k"], tok["v"], tok["g"], None, None, *b, -1, cnt, None)
+        assert torch.equal(got, ref) and all(p is None or torch.equal(p, r) for p, r in zip(b, a))
+        assert int(cnt.abs().sum()) == 0
+    with pytest.raises(hila.HilaError) as e:   # counters that fit are the library's to check
+        hops._CPP_STEP(plan, tok["q"], tok["k"], tok["v"], tok["g"], None, None, *b, -1,
+                       torch.zeros(6, dtype=torch.int64, device=device), None)
+    assert e.value.argument == "counters"

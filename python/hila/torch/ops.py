@@ -41,6 +41,7 @@ cannot run on a device (docs/API.md) raises :class:`hila.HilaError`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import numbers
 import os
@@ -378,17 +379,47 @@ def _step_call(spec: _Spec, q, k, v, g, lam, beta, state) -> Tuple[Tensor, State
 
 
 def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H, state_indices=None,
-                       max_position: int = -1, counters: Optional[Tensor] = None) -> Tensor:
+                       max_position: int = -1, counters: Optional[Tensor] = None,
+                       out: Optional[Tensor] = None) -> Tensor:
     """The fused decode step advancing (pos, S, P, H) in place (a pool's rows state_indices);
-    returns o [N, H, dv]. counters: the State's step counters (see _counters), or None."""
-    o = _empty_like(v)
-    _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
-                    (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q),
-                    state_indices=_cap(state_indices), max_position=int(max_position),
-                    counters=_cap(counters))
+    returns o [N, H, dv]: ``out`` where given (checked by :func:`_check_out`), else a new tensor.
+    counters: the State's step counters (see _counters), or None."""
+    o = _empty_like(v) if out is None else out
+    with _naming_out(out):
+        _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
+                        (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q),
+                        state_indices=_cap(state_indices), max_position=int(max_position),
+                        counters=_cap(counters))
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
-    torch.autograd.graph.increment_version([x for x in (pos, S, P, H) if x is not None])
+    torch.autograd.graph.increment_version([x for x in (pos, S, P, H, out) if x is not None])
     return o
+
+
+def _check_out(out, v) -> None:
+    """step_'s ``out``: a tensor like v's ([N, H, dv], v's dtype and device) that autograd does not
+    track (step_ writes it in place); HilaError naming 'out' otherwise. The library checks the
+    rest where it writes out itself (strides, overlap with the inputs and the state)."""
+    if not isinstance(out, Tensor):
+        raise HilaError(f"hila: argument 'out': expected a tensor or None, got {type(out).__name__}", "out")
+    if out.requires_grad:
+        raise HilaError("hila: argument 'out': expected a tensor that does not require grad (step_ writes it in "
+                        "place and is not differentiable), got one that does", "out")
+    if isinstance(v, Tensor) and (out.shape != v.shape or out.dtype != v.dtype or out.device != v.device):
+        raise HilaError(f"hila: argument 'out': expected a tensor like v ({list(v.shape)}, {v.dtype}, on "
+                        f"{v.device}), got {list(out.shape)}, {out.dtype}, on {out.device}", "out")
+    if _needs_copy(out):
+        raise HilaError(f"hila: argument 'out': expected innermost stride 1, got strides {list(out.stride())}", "out")
+
+
+@contextlib.contextmanager
+def _naming_out(out):
+    """Inside: the library's errors about o name 'out' where the caller gave ``out``."""
+    try:
+        yield
+    except HilaError as e:
+        if out is None or e.argument != "o":
+            raise
+        raise HilaError(str(e).replace("argument 'o'", "argument 'out'", 1), "out") from None
 
 
 def _no_double_backward() -> None:
@@ -976,7 +1007,7 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
           lam: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
           normalize: bool = False, eps: float = 1e-6, ridge: float = 0.0, qk_l2norm: bool = False,
           check_values: Optional[bool] = None, state_indices: Optional[Tensor] = None,
-          max_position: Optional[int] = None, **unknown) -> Tensor:
+          max_position: Optional[int] = None, out: Optional[Tensor] = None, **unknown) -> Tensor:
     """One fused decode token for N sequences, advancing ``state`` IN PLACE (``torch.ops.hila.step_``).
 
     Shapes as in :func:`step`; ``state`` is a :class:`hila.State` of tensors on q's device (a
@@ -1002,15 +1033,24 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
     positions hila.torch knows (from :func:`zero_state` and its own steps, read once after ``pos``
     was written) passes the bound of the state's capacity itself and reads nothing back either
     (docs/PYTHON.md, "Host overhead"); results are the same as after reading the positions.
+
+    ``out``: a tensor like v ([N, H, dv], v's dtype and device, innermost stride 1, not requiring
+    grad, overlapping no input and no state part) that the step writes o into and returns, as
+    ``out=`` of torch's functions: a decode loop that keeps one output buffer spares an allocation
+    per step. Every element is written; a bad ``out`` is a HilaError naming it (the registered
+    operator's road, under torch.compile or a dispatch mode, writes a new o into it with
+    ``copy_``, so there an ``out`` that overlaps an input is not an error).
     """
     if not (extra or unknown) and state_indices is None and type(state) is State and _direct(q):
         o = _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
-                        check_values, -1 if max_position is None else max_position)
+                        check_values, -1 if max_position is None else max_position, out)
         if o is not None:
             return o
     direct = _direct(q)
     if extra or unknown or not direct or not isinstance(op, str):
         _check_call("hila.torch.step_", op, extra, unknown, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
+    if out is not None:
+        _check_out(out, v)
     mp = -1 if max_position is None else max_position
     idx = None
     owner = state  # the State whose step counters a direct step passes (see _counters)
@@ -1020,9 +1060,10 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
         from .serving import gathered_step_, prepare_pool
         state, idx, bare, in_place = prepare_pool(op, state, state_indices, q, q.shape[0], "state")
         if not in_place:
-            return gathered_step_(op, q, k, v, g, pool=state, idx=idx, bare=bare, lam=lam, beta=beta,
-                                  scale=scale, normalize=normalize, eps=eps, ridge=ridge,
-                                  qk_l2norm=qk_l2norm, check_values=check_values, max_position=max_position)
+            o = gathered_step_(op, q, k, v, g, pool=state, idx=idx, bare=bare, lam=lam, beta=beta,
+                               scale=scale, normalize=normalize, eps=eps, ridge=ridge,
+                               qk_l2norm=qk_l2norm, check_values=check_values, max_position=max_position)
+            return o if out is None else _copied_out(out, o)
         if bare:  # gla / gdn pools keep no positions: zeros stand in for them
             state = State(torch.zeros(state.H.shape[0], dtype=torch.int64, device=state.H.device), None, None,
                           state.H)
@@ -1036,13 +1077,21 @@ def step_(op: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, 
                 spec = _spec(op, "chunk", 64, scale, normalize, eps, ridge, qk_l2norm, check_values)
                 cnt = _counters(owner, state.pos, state.H, q) if type(owner) is State else None
                 return _step_inplace_call(spec, q, k, v, g, lam, beta, *state, idx, mp,
-                                          None if cnt is None else cnt[0])
+                                          None if cnt is None else cnt[0], out)
         except (AttributeError, TypeError, BufferError):
             _reraise("hila.torch.step_", "state", state, k=k, v=v, g=g, lam=lam, beta=beta)
     _check_custom_op_call("chunk", 64, normalize, eps, ridge, qk_l2norm, check_values)
     _check_state_parts("hila.torch.step_", "state", state, q=q, k=k, v=v, g=g, lam=lam, beta=beta)
-    return torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
-                                float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
+    o = torch.ops.hila.step_(q, k, v, g, lam, beta, *state, op, scale, normalize,
+                             float(eps), float(ridge), qk_l2norm, check_values, idx, int(mp))
+    return o if out is None else _copied_out(out, o)
+
+
+def _copied_out(out: Tensor, o: Tensor) -> Tensor:
+    """``out`` holding o: the roads that make o themselves (the registered operator, serving pools
+    gathered into a scratch state). The direct roads write ``out`` itself."""
+    with torch.no_grad():
+        return out.copy_(o)
 
 
 # (op, scale, normalize, eps, ridge, qk_l2norm, check_values) -> (_Spec, the number of its C++
@@ -1068,16 +1117,17 @@ def _step_spec(op, scale, normalize, eps, ridge, qk_l2norm, check_values):
 
 
 def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, qk_l2norm,
-                check_values, max_position) -> Optional[Tensor]:
+                check_values, max_position, out) -> Optional[Tensor]:
     """The decode loop's call of :func:`step_` (a State of plain tensors, no gradient needed, no
     serving indices, on the direct road) with the least host work: the configuration from a dict
     keyed by the options as given, then
     * on the C++ road (:func:`cpp_road`, where hila._torch_ops was built): one call of
       ``hila._torch_ops.step_`` with the tensors themselves, which makes o, runs the step and
       advances the state parts' autograd versions in C++;
-    * otherwise one ``torch.empty_like`` for o, and for a bound state (see :func:`_bound_state`)
-      one DLPack capsule per input lent to the extension (read in place, not consumed) and o's
-      data pointer (o is made here: contiguous, shaped, typed and placed like v).
+    * otherwise one ``torch.empty_like`` for o (or the caller's ``out``), and for a bound state
+      (see :func:`_bound_state`) one DLPack capsule per input lent to the extension (read in place,
+      not consumed) and o's data pointer (o made here is contiguous, shaped, typed and placed like
+      v; an ``out`` is checked by :func:`_check_out` first).
     Both run the same hila::step on the same arguments. Returns None where it does not apply (or
     an argument is not a tensor), and the caller then takes the general road, which names what is
     wrong. Inputs whose innermost stride is not 1 are not copied here: the library rejects them
@@ -1104,38 +1154,49 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
         top = None  # the largest position before this step, where _position_bound knows it
         if max_position < 0 and spec.bounds_steps and (pos.is_cuda or _BOUND_ON_CPU[0]):
             top, max_position = _position_bound(state, pos, H, lam, q)
-        cnt = _counters(state, pos, H, q)
         if plan >= 0 and _CPP[0] is not None and not _POISON[0]:
-            o = _CPP_STEP(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position, None if cnt is None else cnt[0])
+            # the State's counters as made (hila._torch_ops.step_ drops them where they are too
+            # small for this step or on another device, as _counters does)
+            cnt = state.__dict__.get(_COUNTERS)
+            if cnt is True:
+                cnt = _counters(state, pos, H, q)
+            o = _CPP_STEP(plan, q, k, v, g, lam, beta, pos, S, P, H, max_position,
+                          None if cnt is None else cnt[0], out)
             if top is not None:
                 _keep_positions(state, pos, top + 1)
             return o
-        o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
+        cnt = _counters(state, pos, H, q)
+        if out is None:
+            o = torch.empty_like(v) if v.is_contiguous() else torch.empty_like(v, memory_format=_CONTIGUOUS)
+        else:
+            _check_out(out, v)
+            o = out
         if _POISON[0]:
             _ops._poison(o)
-        bound = _bound_state(state, pos, S, P, H)
-        if bound is not None:
-            bound.step(spec.cfg, _lent(q), _lent(k), _lent(v), None if g is None else _lent(g),
-                       None if lam is None else _lent(lam), None if beta is None else _lent(beta),
-                       o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
-        else:
-            _C.step_inplace(spec.cfg, _lent(q), _lent(k), _lent(v),
-                            None if g is None else _lent(g), None if lam is None else _lent(lam),
-                            None if beta is None else _lent(beta),
-                            (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
-                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
-                            counters=None if cnt is None else _capsule(cnt[0]))
+        # (a bound state's step takes o as the data pointer of a contiguous tensor like v)
+        bound = _bound_state(state, pos, S, P, H) if out is None or out.is_contiguous() else None
+        with _naming_out(out):
+            if bound is not None:
+                bound.step(spec.cfg, _lent(q), _lent(k), _lent(v), None if g is None else _lent(g),
+                           None if lam is None else _lent(lam), None if beta is None else _lent(beta),
+                           o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
+            else:
+                _C.step_inplace(spec.cfg, _lent(q), _lent(k), _lent(v),
+                                None if g is None else _lent(g), None if lam is None else _lent(lam),
+                                None if beta is None else _lent(beta),
+                                (_capsule(pos), None if S is None else _capsule(S),
+                                 None if P is None else _capsule(P), _capsule(H)),
+                                o=_capsule(o), stream=_stream(q), max_position=max_position,
+                                counters=None if cnt is None else _capsule(cnt[0]))
     except (AttributeError, TypeError, BufferError):  # an argument that is not a tensor (or has no
         return None  # data: meta), an unhashable option: nothing was written, the general road names it
-                     # nothing was written, the general road names it
     except HilaError:
         if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
                    for x in (q, k, v, g, lam, beta)):
             return None  # rejected while validating: the general road copies (or names) these inputs
         raise
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
-    _increment_version((pos, H) if S is None and P is None else
-                       tuple(x for x in (pos, S, P, H) if x is not None))
+    _increment_version(tuple(x for x in (pos, S, P, H, out) if x is not None))
     if top is not None:
         _keep_positions(state, pos, top + 1)
     return o
