@@ -62,10 +62,11 @@ def test_mqar_arguments():
     assert e.value.argument == "seq_len"
 
 
+@pytest.mark.parametrize("haystack", data.HAYSTACKS)
 @pytest.mark.parametrize("needles,depth", [(1, None), (1, 0.0), (1, 1.0), (3, 0.5), (4, None)])
-def test_niah_layout(needles, depth):
+def test_niah_layout(needles, depth, haystack):
     n, T, V = 48, 96, 64
-    b = data.niah(n, T, needles, vocab_size=V, seed=5, depth=depth)
+    b = data.niah(n, T, needles, vocab_size=V, seed=5, depth=depth, haystack=haystack)
     H = T - data.QUERY_LEN * needles
     assert b.inputs.shape == b.labels.shape == b.depth.shape == b.needle.shape == (n, T)
     assert int(b.inputs.max()) < V
@@ -96,6 +97,60 @@ def test_niah_layout(needles, depth):
     pos, target = data.labelled(b.labels)
     assert pos.tolist() == [qkeys] * n and torch.equal(target, b.labels[:, qkeys])
     assert torch.equal(b.pos, pos) and torch.equal(b.target, target)
+    # the token ranges: needles' keys and values in theirs, the rest of the haystack in its own
+    ranges = data.niah_vocab(V, haystack)
+    inside = lambda t, r: (t >= r[0]) & (t < r[1])  # noqa: E731
+    starts = b.inputs[:, :H] == data.NEEDLE
+    key_at = torch.zeros_like(starts)
+    key_at[:, 1:] = starts[:, :-1]
+    value_at = torch.zeros_like(starts)
+    value_at[:, 2:] = starts[:, :-2]
+    assert inside(b.inputs[:, :H][key_at], ranges["keys"]).all()
+    assert inside(b.inputs[:, :H][value_at], ranges["values"]).all()
+    assert inside(b.inputs[:, qkeys], ranges["keys"]).all() and inside(b.target, ranges["values"]).all()
+    rest = b.inputs[:, :H][~(starts | key_at | value_at)]
+    assert inside(rest, ranges["haystack"]).all()
+    if haystack == "filler":       # a key or a value occurs only in its needle (and the key in its query)
+        assert not (inside(rest, ranges["keys"]) | inside(rest, ranges["values"])).any()
+    else:                          # keys and values are also the haystack's tokens
+        assert inside(rest, ranges["keys"]).any() and inside(rest, ranges["values"]).any()
+    again = data.niah(n, T, needles, vocab_size=V, seed=5, depth=depth, haystack=haystack)
+    other = data.niah(n, T, needles, vocab_size=V, seed=6, depth=depth, haystack=haystack)
+    assert torch.equal(b.inputs, again.inputs) and torch.equal(b.labels, again.labels)
+    assert not torch.equal(b.inputs, other.inputs)
+
+
+def test_niah_vocab_and_arguments():
+    """The filler split: keys, values and filler disjoint, in [NIAH_FIRST_KEY, V), a third each;
+    "kv": keys and values a half each, the haystack both. Errors name the argument."""
+    for V in (64, 65, 66, 8192):
+        r = data.niah_vocab(V, "filler")
+        assert r["keys"][0] == data.NIAH_FIRST_KEY and r["keys"][1] == r["values"][0]
+        assert r["values"][1] == r["haystack"][0] and r["haystack"][1] == V
+        t = (V - data.NIAH_FIRST_KEY) // 3
+        assert r["keys"][1] - r["keys"][0] == r["values"][1] - r["values"][0] == t
+        assert r["haystack"][1] - r["haystack"][0] >= t
+        kv = data.niah_vocab(V, "kv")
+        assert kv["haystack"] == (kv["keys"][0], kv["values"][1]) and kv["keys"][1] == kv["values"][0]
+    assert data.niah_vocab(8192) == data.niah_vocab(8192, "kv")
+    assert data.niah_vocab(8192, "filler") == dict(keys=(3, 2732), values=(2732, 5461), haystack=(5461, 8192))
+    # "kv" is the default: the same examples with and without the argument
+    a, b = data.niah(4, 64, 2, vocab_size=64, seed=1), data.niah(4, 64, 2, vocab_size=64, seed=1, haystack="kv")
+    assert all(torch.equal(x.nan_to_num(-1), y.nan_to_num(-1)) for x, y in zip(a, b))
+    # 10 needles need 10 keys: 3 + 2 * 10 tokens with "kv", 3 + 3 * 10 with "filler"
+    data.niah(2, 64, 10, vocab_size=23)
+    data.niah(2, 64, 10, vocab_size=33, haystack="filler")
+    for kw, arg in [(dict(haystack="text"), "haystack"), (dict(haystack="filler", vocab_size=32), "vocab_size"),
+                    (dict(vocab_size=22), "vocab_size"), (dict(num_needles=0), "num_needles"),
+                    (dict(seq_len=49), "seq_len"), (dict(depth=1.5), "depth"), (dict(n=0), "n")]:
+        args = dict(n=2, seq_len=64, num_needles=10, vocab_size=64)
+        args.update(kw)
+        with pytest.raises(hila.HilaError) as e:
+            data.niah(**args)
+        assert e.value.argument == arg, (kw, e.value.argument)
+    with pytest.raises(hila.HilaError) as e:
+        data.niah_vocab(64, "Filler")
+    assert e.value.argument == "haystack"
 
 
 def test_labelled_needs_equal_counts():
@@ -218,8 +273,8 @@ def test_grid_spec():
 
 def test_gpu_presets_cover_the_table():
     """mqar --preset gpu-budget: every default mixer x 4 dims x 2 lengths x 2 seeds x its learning
-    rates, tied embeddings; niah --preset gpu-small: every mixer x N = 1, 4 at D = 64, one learning
-    rate each (its family's). A grid with per-mixer learning rates must name one for every mixer."""
+    rates, tied embeddings; niah --preset gpu-small: every mixer at D = 64, learning rate 1e-2. A
+    grid with per-mixer learning rates (FAMILY_LRS: one per family) must name one for every mixer."""
     preset = cli.PRESETS["mqar"]["gpu-budget"]
     runs = cli._runs("mqar", cli._parser().parse_args(["mqar", "--preset", "gpu-budget"]))
     assert len(runs) == 9 * 4 * 2 * 2 * len(preset["lrs"]) and len({r.key() for r in runs}) == len(runs)
@@ -229,10 +284,11 @@ def test_gpu_presets_cover_the_table():
                                                        "--lrs", "1e-3"]))
     assert not any(r.tie_embeddings for r in runs) and {r.lr for r in runs} == {1e-3}
     runs = cli._runs("niah", cli._parser().parse_args(["niah", "--preset", "gpu-small"]))
-    assert len(runs) == 9 * 2 and len({r.key() for r in runs}) == 9 * 2
-    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS)
-    assert all([r.lr] == cli.FAMILY_LRS[r.mixer] for r in runs)
+    assert len(runs) == 9 and len({r.key() for r in runs}) == 9
+    assert {r.mixer for r in runs} == set(mixers.DEFAULT_MIXERS) and {r.lr for r in runs} == {1e-2}
     assert set(cli.FAMILY_LRS) == set(mixers.MIXERS)
+    runs = runner.grid("niah", ["sdpa", "gla"], [64], [1024], [0], cli.FAMILY_LRS)
+    assert sorted((r.mixer, r.lr) for r in runs) == [("gla", 3e-3), ("sdpa", 1e-3)]
     with pytest.raises(hila.HilaError) as e:
         runner.grid("mqar", ["gla", "sdpa"], [16], [256], [0], {"gla": [1e-3]})
     assert e.value.argument == "lrs"
@@ -255,6 +311,17 @@ def test_rows_written_before_a_setting_existed_keep_their_runs(tmp_path):
     rows = runner.read_rows(path)
     assert [(r["mixer"], r["acc"], r["tie_embeddings"]) for r in rows] == [("gla", "0.5", "False"),
                                                                            ("sdpa", "1.0", "True")]
+    # niah's later settings (train_lengths, eval_needles, haystack): the finished runs of the niah
+    # grid written before them (every default mixer, N = 1 and 4, 1K-8K tokens, 1000 steps of 16)
+    # keep their keys
+    small = Path(__file__).resolve().parents[2] / "experiments" / "results" / "gpu-small" / "niah.csv"
+    if small.exists():
+        runs = runner.grid("niah", list(mixers.DEFAULT_MIXERS), [64], [1024, 2048, 4096, 8192], [0], cli.FAMILY_LRS,
+                           needles=[1, 4], vocab=8192, steps=1000, batch=16, eval_examples=32, eval_every=250,
+                           depths="0,0.2,0.4,0.6,0.8,1")
+        done = runner.done_keys(small)
+        assert done and done <= {r.key() for r in runs}
+        assert all(r["eval_needles"] == "" and r["haystack"] == "kv" for r in runner.read_rows(small))
     smoke = Path(__file__).resolve().parents[2] / "experiments" / "results" / "cpu-smoke" / "mqar.csv"
     if smoke.exists():  # the repository's smoke results: every run of their command is done
         args = cli._parser().parse_args(["mqar", "--preset", "smoke", "--seeds", "0,1", "--mixers",
@@ -455,3 +522,200 @@ def test_cuda_graph_is_eager_on_the_cpu():
     b = train.run(RunConfig(**cfg), device="cpu", progress=False, cuda_graph=True)[0]
     assert a["cuda_graph"] is False and b["cuda_graph"] is False
     assert a["curve"] == b["curve"] and a["acc"] == b["acc"]
+
+
+# ---- niah: training lengths, evaluated needle counts, haystack --------------------------------
+
+_NIAH_NEW = ("train_lengths", "eval_needles", "haystack")
+
+
+def _niah_cfg(**kw):
+    args = dict(task="niah", mixer="gla", dim=16, seq_len=64, lr=3e-3, lengths="64,128", vocab=64)
+    args.update(kw)
+    return RunConfig(**args)
+
+
+def test_niah_run_config_fields_and_keys():
+    """train_lengths, eval_needles and haystack: at their implied values ("" , "", "kv": today's
+    runs) left out of the key, so the keys of the rows written before them are unchanged; set, in
+    the key; normalised to one spelling per experiment; seq_len covers every length."""
+    assert {k: train.IMPLIED[k] for k in _NIAH_NEW} == dict(train_lengths="", eval_needles="", haystack="kv")
+    cfg = _niah_cfg(needles=4)
+    assert not any(f"{k}=" in cfg.key() for k in _NIAH_NEW)
+    assert cfg.train_length_list() == [64, 128] and cfg.eval_needle_list() == [4] and cfg.seq_len == 128
+    # the defaults spelled out are the same experiment
+    same = _niah_cfg(needles=4, train_lengths="64,128", eval_needles="4", haystack="kv")
+    assert (same.train_lengths, same.eval_needles, same.key()) == ("", "", cfg.key())
+    new = _niah_cfg(needles=12, train_lengths=[96], eval_needles=(1, 4), haystack="filler")
+    assert (new.train_lengths, new.eval_needles, new.haystack) == ("96", "1,4", "filler")
+    assert new.train_length_list() == [96] and new.length_list() == [64, 128] and new.eval_needle_list() == [1, 4]
+    parts = new.key().split("|")
+    assert parts[-3:] == ["train_lengths=96", "eval_needles=1,4", "haystack=filler"]
+    old = "|".join(p for p in parts[:-3])
+    assert old == _niah_cfg(needles=12).key()           # the other fields keep their places
+    assert _niah_cfg(lengths="64", train_lengths="256").seq_len == 256
+    assert _niah_cfg(train_lengths="64, 96").train_lengths == "64,96"
+    assert _niah_cfg(lengths="256", eval_needles="1,30").eval_needle_list() == [1, 30]   # 30 keys: fits
+    assert _niah_cfg(lengths="256", eval_needles="20", haystack="filler").eval_needle_list() == [20]
+    assert "train T96" in new.label() and "filler" in new.label()
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(train_lengths="abc"), "train_lengths"), (dict(train_lengths="64,0"), "train_lengths"),
+    (dict(train_lengths="1.5"), "train_lengths"), (dict(eval_needles="x"), "eval_needles"),
+    (dict(eval_needles="0"), "eval_needles"),
+    (dict(needles=16, train_lengths="64"), "train_lengths"),          # 64 tokens hold 12 needles at most
+    (dict(needles=16, lengths="128", train_lengths="128", eval_needles="30"), "eval_needles"),
+    (dict(needles=30), "lengths"),
+    (dict(needles=0), "needles"),
+    (dict(haystack="text"), "haystack"),
+    (dict(haystack="filler", lengths="256", eval_needles="1,21"), "vocab"),   # (64 - 3) // 3 = 20 keys
+    (dict(lengths="256", eval_needles="1,31"), "vocab"),                      # (64 - 3) // 2 = 30 keys
+])
+def test_niah_run_config_errors(kw, arg):
+    with pytest.raises(hila.HilaError) as e:
+        _niah_cfg(**kw)
+    assert e.value.argument == arg, (kw, e.value.argument, str(e.value))
+
+
+def test_niah_settings_are_not_mqar_settings():
+    for name, value in dict(train_lengths="64", eval_needles="2", haystack="filler").items():
+        with pytest.raises(hila.HilaError) as e:
+            RunConfig(task="mqar", mixer="gla", dim=16, seq_len=64, lr=3e-3, **{name: value})
+        assert e.value.argument == name
+
+
+def test_niah_trains_at_train_lengths_and_evaluates_every_needle_count(monkeypatch):
+    """Training batches at train_lengths with the training needles and haystack; one cell per
+    (needle count evaluated, length, depth) with its eval_needles; sequences longer than the
+    training length evaluated in proportionally smaller batches."""
+    calls, hits = [], []
+    niah, score = data.niah, train._hits
+
+    def spy(n, seq_len, num_needles, *a, **k):
+        calls.append((seq_len, num_needles, k.get("haystack"), k.get("depth")))
+        return niah(n, seq_len, num_needles, *a, **k)
+
+    def spy_hits(model, ids, pos, target, batch):
+        hits.append((ids.shape[1], batch))
+        return score(model, ids, pos, target, batch)
+
+    monkeypatch.setattr(train.data, "niah", spy)
+    monkeypatch.setattr(train, "_hits", spy_hits)
+    cfg = RunConfig(task="niah", mixer="gla", dim=16, seq_len=64, lengths="32,64", train_lengths="32",
+                    needles=4, eval_needles="1,2", haystack="filler", depths="0,1", lr=3e-3, vocab=64,
+                    steps=3, batch=4, eval_examples=4, eval_every=3, head_dim=8, state_size=8)
+    rows = train.run(cfg, device="cpu", progress=False)
+    assert [c for c in calls if c[3] is None] == [(32, 4, "filler", None)] * 3
+    assert [c for c in calls if c[3] is not None] == [(T, N, "filler", d) for N in (1, 2) for T in (32, 64)
+                                                      for d in (0.0, 1.0)]
+    assert sorted(set(hits)) == [(32, 4), (64, 2)]
+    assert [(r["eval_needles"], r["eval_len"], r["depth"]) for r in rows] == [
+        (N, T, d) for N in (1, 2) for T in (32, 64) for d in (0.0, 1.0)]
+    assert all(r["key"] == cfg.key() and "eval_needles=1,2" in r["key"] for r in rows)
+    assert all(r["needles"] == 4 and r["train_lengths"] == "32" and r["haystack"] == "filler" for r in rows)
+    # the runs of today's settings: one cell per (length, depth), at the run's needles
+    calls.clear()
+    rows = train.run(RunConfig(**dict(dataclasses_asdict(cfg), train_lengths="", eval_needles="",
+                                      haystack="kv", needles=2)), device="cpu", progress=False)
+    assert [(r["eval_needles"], r["eval_len"]) for r in rows] == [(2, 32), (2, 32), (2, 64), (2, 64)]
+    assert sorted({c[0] for c in calls if c[3] is None}) <= [32, 64] and {c[2] for c in calls} == {"kv"}
+
+
+def dataclasses_asdict(cfg):
+    import dataclasses
+    return dataclasses.asdict(cfg)
+
+
+def _niah_rows(cfg, accs, outcome=None):
+    """Rows of a finished niah run as train.run writes them: accs {(eval_needles, T, depth): acc}."""
+    base = dict(dataclasses_asdict(cfg), key=cfg.key(), status="ok", acc=0.5, best_acc=0.5, final_loss=1.0,
+                curve="1:1.0:0.5", params=1, ms_per_step=10.0, wall_s=1.0, device="cpu (1 torch thread)",
+                cuda_graph=False, matmul="fp32", torch="x", finished="now", **(outcome or {}))
+    return [dict(base, eval_needles=N, eval_len=T, depth=d, cell_acc=a, cell_acc_all=a)
+            for (N, T, d), a in accs.items()]
+
+
+def test_niah_report_groups_cells_by_needles_evaluated(tmp_path):
+    """One run evaluated at N = 1 and 4 gives a table and a heatmap per N, every mixer in both
+    (each at its best learning rate); rows written before eval_needles existed (blank cells)
+    count as evaluated at their run's needles, under their own setting."""
+    from hila.experiments import report
+    path = tmp_path / "niah.csv"
+    old = _niah_cfg(needles=1, lengths="64", depths="0,1")
+    old_rows = _niah_rows(old, {(1, 64, 0.0): 0.0, (1, 64, 1.0): 0.0})
+    for r in old_rows:                                      # as written before the new columns
+        for name in _NIAH_NEW:
+            del r[name]
+    runner.append_rows(path, old_rows)
+    new = dict(needles=12, lengths="64,128", train_lengths="64", eval_needles="1,4", haystack="filler",
+               depths="0,1", vocab=256)
+
+    def accs(a1, a4):
+        return {(N, T, d): (a1 if N == 1 else a4) * (1.0 if T == 64 else 0.5) for N in (1, 4) for T in (64, 128)
+                for d in (0.0, 1.0)}
+    runner.append_rows(path, _niah_rows(_niah_cfg(mixer="sdpa", lr=1e-3, **new), accs(1.0, 0.8)))
+    runner.append_rows(path, _niah_rows(_niah_cfg(mixer="gla", lr=3e-3, **new), accs(0.6, 0.4)))
+    runner.append_rows(path, _niah_rows(_niah_cfg(mixer="gla", lr=1e-2, **new), accs(0.9, 0.2)))
+    rows = runner.read_rows(path)
+    assert [report.eval_needles_of(r) for r in rows[:2]] == [1, 1] and rows[0]["eval_needles"] == ""
+    groups, meta = report.niah_cells(rows)
+    by_n = sorted((n, sorted(ms)) for (_, n), ms in groups.items())
+    assert by_n == [(1, ["gla"]), (1, ["gla", "sdpa"]), (4, ["gla", "sdpa"])]
+    (g1,) = [g for g in groups if g[1] == 1 and "sdpa" in groups[g]]
+    (g4,) = [g for g in groups if g[1] == 4]
+    assert dict(g1[0])["needles"] == "12" and dict(g1[0])["haystack"] == "filler"
+    assert groups[g1]["sdpa"][(64, 0.0)] == 100.0 and groups[g1]["sdpa"][(128, 1.0)] == 50.0
+    assert groups[g4]["sdpa"][(64, 1.0)] == 80.0
+    # gla's best learning rate per needle count: 1e-2 at N = 1 (0.9 > 0.6), 3e-3 at N = 4 (0.4 > 0.2)
+    assert meta[g1]["gla"]["lr"] == "0.01" and groups[g1]["gla"][(64, 0.0)] == 90.0
+    assert meta[g4]["gla"]["lr"] == "0.003" and groups[g4]["gla"][(64, 0.0)] == 40.0
+    assert cli.main(["report", "--results", str(tmp_path)]) == 0
+    md = (tmp_path / "niah.md").read_text()
+    assert md.count("## N = 1 needle evaluated") == 2 and md.count("## N = 4 needles evaluated") == 1
+    assert "| sdpa | 100.0 | 50.0 | 75.0 | 0.001 | 10.0 |" in md
+    assert "| gla | 90.0 | 45.0 | 67.5 | 0.01 | 10.0 |" in md and "| gla | 40.0 | 20.0 | 30.0 | 0.003 | 10.0 |" in md
+    for name in ("niah_1_n1.png", "niah_2_n1.png", "niah_2_n4.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"`{name}`" in md
+
+
+def test_niah_cli_flags_and_gpu_small_preset():
+    """--train-lengths, --eval-needles and --haystack reach the runs; niah --preset gpu-small trains
+    every default mixer at 256 tokens with 16 needles in a filler haystack (64K tokens per step,
+    learning rate 1e-2) and evaluates it at 256 and 1K-8K tokens with 1 and 4 needles."""
+    parse = cli._parser().parse_args
+    runs = cli._runs("niah", parse(["niah", "--preset", "smoke", "--train-lengths", "32", "--eval-needles",
+                                    "1,2", "--haystack", "filler", "--needles", "4"]))
+    assert [(r.train_lengths, r.eval_needles, r.haystack, r.needles) for r in runs] == [("32", "1,2", "filler", 4)]
+    runs = cli._runs("niah", parse(["niah", "--preset", "smoke"]))
+    assert all((r.train_lengths, r.eval_needles, r.haystack) == ("", "", "kv") for r in runs)
+    for bad in (["--haystack", "text"], ["--train-lengths", "a"], ["--eval-needles", "1.5"]):
+        with pytest.raises(SystemExit):
+            parse(["niah"] + bad)
+    with pytest.raises(SystemExit):
+        parse(["mqar", "--haystack", "filler"])
+    runs = cli._runs("niah", parse(["niah", "--preset", "gpu-small"]))
+    assert sorted(r.mixer for r in runs) == sorted(mixers.DEFAULT_MIXERS) and len({r.key() for r in runs}) == 9
+    assert {r.lr for r in runs} == {1e-2}
+    for r in runs:
+        assert (r.dim, r.needles, r.train_lengths, r.eval_needles, r.haystack) == (64, 16, "256", "1,4", "filler")
+        assert r.length_list() == [256, 1024, 2048, 4096, 8192] and r.seq_len == 8192
+        assert r.depth_list() == [0, 0.2, 0.4, 0.6, 0.8, 1] and r.seed == 0 and r.vocab == 8192
+        assert r.batch * max(r.train_length_list()) == 65536 and r.steps == 1500 and r.eval_examples == 32
+    # --train-lengths overrides the preset's
+    runs = cli._runs("niah", parse(["niah", "--preset", "gpu-small", "--train-lengths", "512,1024"]))
+    assert {r.train_lengths for r in runs} == {"512,1024"}
+
+
+def test_cli_replays_cuda_graphs_by_default(monkeypatch, tmp_path):
+    """``--cuda-graph`` is on by default (graphs on CUDA devices; the CPU runs eagerly either way)
+    and ``--no-cuda-graph`` turns it off; the flag reaches the runner."""
+    from hila.experiments import cli
+    seen = []
+    monkeypatch.setattr(cli, "execute", lambda runs, out, **kw: seen.append(kw["cuda_graph"]) or 0)
+    base = ["mqar", "--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
+    assert cli._parser().parse_args(base).cuda_graph is True
+    assert cli._parser().parse_args(base + ["--no-cuda-graph"]).cuda_graph is False
+    assert cli.main(base) == 0 and cli.main(base + ["--no-cuda-graph"]) == 0
+    assert seen == [True, False]

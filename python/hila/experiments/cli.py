@@ -5,7 +5,8 @@ Every setting has a flag; a preset fills the flags not given. ``--preset gpu`` (
 the full grid with a learning-rate sweep, sized for an H200 with several processes at once
 (``--parallel``); ``mqar --preset gpu-budget`` the same table with two learning rates, to be
 spread over device calls of a few minutes (docs/EXPERIMENTS.md,
-"Presets"); ``niah --preset gpu-small`` one learning rate per mixer family and fewer steps;
+"Presets"); ``niah --preset gpu-small`` every mixer trained at 256 tokens with 16 needles in a
+filler haystack and evaluated at 256-8K tokens with 1 and 4 needles, one learning rate;
 ``--preset smoke`` is a tiny run that finishes on a 2-core CPU in well under two minutes.
 """
 from __future__ import annotations
@@ -15,13 +16,15 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .data import HAYSTACKS
 from .mixers import DEFAULT_MIXERS, MIXERS
 from .runner import GRID_AXES, execute, grid, parse_grid
 
 __all__ = ["main", "PRESETS", "FAMILY_LRS"]
 
-# One learning rate per mixer family, for grids that cannot afford the sweep (niah --preset
-# gpu-small; the values of the CPU smoke runs and of the families' papers):
+# One learning rate per mixer family, for grids that cannot afford the sweep (the values of the
+# CPU smoke runs and of the families' papers; a preset takes them as ``lrs=FAMILY_LRS``; the niah
+# runs of experiments/results/gpu-small/niah.csv were trained with them):
 #   softmax attention 1e-3; the Mamba-2 family (gla, loglinear) and the Gated DeltaNet family
 #   (gdn, loglinear_gdn) 3e-3; the HLA family (hla2, ahla, hla3, loglinear_hla2 and the normalized
 #   variants) 1e-3.
@@ -52,14 +55,22 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
                       state_size=16, tie_embeddings=False),
     },
     "niah": {
-        "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192], needles=[1, 4],
-                    seeds=[0], lrs=[3e-3], vocab=8192, steps=3000, batch=16, eval_examples=32,
-                    eval_every=500),
-        # Every mixer at D = 64, N = 1 and 4, 1K-8K tokens (18 runs): 1000 steps, the family
-        # learning rates, 6 depths per length.
-        "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[1024, 2048, 4096, 8192],
-                          needles=[1, 4], seeds=[0], lrs=FAMILY_LRS, vocab=8192, steps=1000, batch=16,
-                          eval_examples=32, eval_every=250, depths="0,0.2,0.4,0.6,0.8,1"),
+        # gpu-small's design (below) with two seeds, two learning rates and twice the steps (36 runs).
+        "gpu": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[256, 1024, 2048, 4096, 8192], needles=[16],
+                    seeds=[0, 1], lrs=[3e-3, 1e-2], vocab=8192, steps=3000, batch=256, eval_examples=64,
+                    eval_every=500, depths="0,0.2,0.4,0.6,0.8,1", train_lengths="256", eval_needles="1,4",
+                    haystack="filler"),
+        # Every mixer at D = 64 (9 runs): trained at 256 tokens with 16 needles (16 labels per
+        # sequence) in a filler haystack, 1500 steps of 256 sequences (64K tokens per step, as mqar
+        # gpu-budget at T = 512), learning rate 1e-2; evaluated with 1 and 4 needles at the training
+        # length and at 1K-8K tokens (length generalisation, 4 to 32 times the training length) and
+        # 6 depths. Both choices rest on the CPU check of docs/EXPERIMENTS.md ("Needle in a
+        # haystack"): at vocabulary 8192 the family rates 1e-3 and 3e-3 leave sdpa and gla at
+        # chance where 1e-2 trains both, and within 1500 steps both learn at 256 tokens, not at 1024.
+        "gpu-small": dict(mixers=list(DEFAULT_MIXERS), dims=[64], lengths=[256, 1024, 2048, 4096, 8192],
+                          needles=[16], seeds=[0], lrs=[1e-2], vocab=8192, steps=1500, batch=256,
+                          eval_examples=32, eval_every=250, depths="0,0.2,0.4,0.6,0.8,1",
+                          train_lengths="256", eval_needles="1,4", haystack="filler"),
         "smoke": dict(mixers=["gla"], dims=[32], lengths=[32, 64], needles=[1], seeds=[0], lrs=[3e-3],
                       vocab=64, steps=100, batch=16, eval_examples=16, eval_every=100, depths="0,0.5,1"),
     },
@@ -68,11 +79,16 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
 _LISTS = dict(mixers=str, dims=int, lengths=int, seeds=int, lrs=float, needles=int)
 _SHARED = dict(vocab=int, steps=int, batch=int, train_examples=int, eval_examples=int, eval_every=int,
                warmup=float, weight_decay=float, layers=int, head_dim=int, state_size=int, init_std=float,
-               pairs=int, power_a=float, depths=str)
+               pairs=int, power_a=float, depths=str, train_lengths=str, eval_needles=str, haystack=str)
 
 
 def _csv_list(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def _csv_string(kind):
+    """A comma list checked item by item, kept as the comma string "a,b" (a RunConfig field)."""
+    return lambda s: ",".join(str(kind(x)) for x in s.split(",") if x)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,12 +105,22 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument("--mixers", type=_csv_list(str), help=f"comma list of: {', '.join(MIXERS)}")
         t.add_argument("--dims", type=_csv_list(int), help="model widths")
         t.add_argument("--lengths", type=_csv_list(int),
-                       help="sequence lengths (niah: the lengths every run trains and is evaluated at)")
+                       help="sequence lengths (niah: the lengths every run is evaluated at, and trains at "
+                            "unless --train-lengths)")
         t.add_argument("--seeds", type=_csv_list(int))
         t.add_argument("--lrs", type=_csv_list(float), help="learning rates (peak of warmup + cosine)")
         if task == "niah":
-            t.add_argument("--needles", type=_csv_list(int), help="needles per sequence, e.g. 1,4")
+            t.add_argument("--needles", type=_csv_list(int),
+                           help="needles per training sequence (one label each), e.g. 1,4 (a grid axis)")
             t.add_argument("--depths", help="evaluation depths in [0, 1], comma list (default 0,0.1,...,1)")
+            t.add_argument("--train-lengths", type=_csv_string(int),
+                           help="lengths of the training batches, comma list (default: --lengths); "
+                                "evaluation stays at --lengths")
+            t.add_argument("--eval-needles", type=_csv_string(int),
+                           help="needle counts evaluated, comma list (default: the run's --needles)")
+            t.add_argument("--haystack", choices=HAYSTACKS,
+                           help="haystack tokens: kv (drawn from the key and value tokens, the default) or "
+                                "filler (a range of the vocabulary disjoint from keys and values)")
         else:
             t.add_argument("--pairs", type=int, help="key-value pairs (default: Zoology's for the length)")
             t.add_argument("--power-a", type=float, help="power law of the query gaps (default 0.01)")
@@ -123,9 +149,10 @@ def _parser() -> argparse.ArgumentParser:
                        "process; with --parallel N: 1 per worker on GPUs, cores / N on the CPU)")
         t.add_argument("--time-limit", type=float, help="seconds after which no new run starts")
         t.add_argument("--no-progress", action="store_true", help="no progress bars")
-        t.add_argument("--cuda-graph", action="store_true",
+        t.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                        help="on CUDA, replay each training step from a CUDA graph (the same updates, "
-                            "without the launch cost of its ~1000 kernels)")
+                            "without the launch cost of its ~1000 kernels; default: on; --no-cuda-graph: "
+                            "eager steps)")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")
     r = sub.add_parser("report", help="summary tables (markdown) and plots (PNG) from the result CSVs")
     r.add_argument("--results", type=Path, default=Path("experiments/results"),

@@ -16,7 +16,7 @@ from torch import Tensor
 from .._errors import HilaError
 
 __all__ = ["IGNORE", "ZOOLOGY_PAIRS", "pairs_for_length", "mqar", "niah", "NEEDLE", "QUERY",
-           "NIAH_FIRST_KEY", "NIAHBatch", "labelled"]
+           "NIAH_FIRST_KEY", "HAYSTACKS", "niah_vocab", "NIAHBatch", "labelled"]
 
 IGNORE = -100
 
@@ -126,10 +126,33 @@ def mqar(n: int, seq_len: int, num_pairs: int, vocab_size: int = 8192, seed: int
     return inputs, labels
 
 
-# Needle in a haystack vocabulary: 0 unused, NEEDLE and QUERY markers, keys in
-# [NIAH_FIRST_KEY, NIAH_FIRST_KEY + half), values in the rest (half = (V - NIAH_FIRST_KEY) // 2).
+# Needle in a haystack vocabulary: 0 unused, the NEEDLE and QUERY markers, then from NIAH_FIRST_KEY
+# on the keys, the values and (haystack "filler") the filler tokens: see niah_vocab.
 NEEDLE, QUERY, NIAH_FIRST_KEY = 1, 2, 3
 NEEDLE_LEN, QUERY_LEN = 3, 2
+HAYSTACKS = ("kv", "filler")
+
+
+def niah_vocab(vocab_size: int, haystack: str = "kv") -> Dict[str, Tuple[int, int]]:
+    """The token ranges [lo, hi) of a needle in a haystack vocabulary of V = vocab_size tokens:
+    {"keys", "values", "haystack"}.
+
+    haystack "kv": keys and values take half of [NIAH_FIRST_KEY, V) each (h = (V - 3) // 2 tokens),
+    and the haystack is drawn from both (keys and values also occur as distractors).
+    haystack "filler": keys, values and filler take a third each (t = (V - 3) // 3 tokens; the
+    filler also the remainder), and the haystack is drawn from the filler only, disjoint from keys
+    and values: a key occurs in a sequence only in its needle and its query.
+    """
+    V = int(vocab_size)
+    if haystack not in HAYSTACKS:
+        raise HilaError(f"hila: argument 'haystack': expected one of {', '.join(HAYSTACKS)}, got "
+                        f"'{haystack}'", "haystack")
+    F = NIAH_FIRST_KEY
+    if haystack == "kv":
+        h = max(0, (V - F) // 2)
+        return dict(keys=(F, F + h), values=(F + h, F + 2 * h), haystack=(F, F + 2 * h))
+    t = max(0, (V - F) // 3)
+    return dict(keys=(F, F + t), values=(F + t, F + 2 * t), haystack=(F + 2 * t, V))
 
 
 class NIAHBatch(NamedTuple):
@@ -142,15 +165,22 @@ class NIAHBatch(NamedTuple):
 
 
 def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, seed: int = 0,
-         depth: Optional[float] = None, device="cpu") -> "NIAHBatch":
+         depth: Optional[float] = None, haystack: str = "kv", device="cpu") -> "NIAHBatch":
     """Synthetic needle in a haystack with ``num_needles`` key-value needles and one query each.
 
     Layout of one example of T = seq_len tokens with N = num_needles:
 
-        haystack of T - 2N tokens, drawn uniformly from the key and value tokens (so keys and values
-        also occur as distractors), holding N needles ``NEEDLE key value`` (3 tokens each, distinct
-        keys, non-overlapping, at slots of 3 tokens);
-        then N queries ``QUERY key`` in random order; the label at each query's key is its value.
+        haystack of H = T - 2N tokens holding N needles ``NEEDLE key value`` (3 tokens each,
+        distinct keys, values drawn with replacement, non-overlapping, at slots of 3 tokens:
+        positions 3s, 3s + 1, 3s + 2 for slot s < H // 3);
+        then N queries ``QUERY key`` in random order at positions H + 2j, H + 2j + 1; the label at
+        each query's key (H + 2j + 1) is its needle's value, every other label is IGNORE.
+
+    The haystack's other tokens are drawn uniformly from the range that ``haystack`` names
+    (:func:`niah_vocab`): "kv", the key and value tokens (keys and values also occur as
+    distractors, so a query's key can occur in the haystack outside its needle); "filler", a range
+    of the vocabulary disjoint from keys and values (a key occurs only in its needle and its
+    query).
 
     The depth of a needle is the position of its NEEDLE marker over the last position a needle can
     start at (0: first token, 1: right before the queries). ``depth=None`` places every needle at a
@@ -162,27 +192,28 @@ def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, see
     -1 elsewhere; 0 is the probe); the query positions and their labels [n, N].
     """
     T, N, V = int(seq_len), int(num_needles), int(vocab_size)
-    half = (V - NIAH_FIRST_KEY) // 2
     if N < 1:
         raise HilaError(f"hila: argument 'num_needles': expected >= 1, got {N}", "num_needles")
     slots = (T - QUERY_LEN * N) // NEEDLE_LEN
     if slots < N:
         raise HilaError(f"hila: argument 'seq_len': {T} tokens hold no {N} needles and their queries",
                         "seq_len")
-    if half < N:
-        raise HilaError(f"hila: argument 'vocab_size': expected at least {NIAH_FIRST_KEY + 2 * N} "
-                        f"tokens, got {V}", "vocab_size")
+    ranges = niah_vocab(V, haystack)
+    (k_lo, k_hi), (v_lo, v_hi), (h_lo, h_hi) = ranges["keys"], ranges["values"], ranges["haystack"]
+    if k_hi - k_lo < N or v_hi <= v_lo or h_hi <= h_lo:
+        per = 2 if haystack == "kv" else 3
+        raise HilaError(f"hila: argument 'vocab_size': expected at least {NIAH_FIRST_KEY + per * N} "
+                        f"tokens for {N} needles with haystack '{haystack}', got {V}", "vocab_size")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise HilaError(f"hila: argument 'depth': expected a fraction in [0, 1], got {depth}", "depth")
     if n < 1:
         raise HilaError(f"hila: argument 'n': expected >= 1 examples, got {n}", "n")
     gen = _generator(seed, device)
     H = T - QUERY_LEN * N                                                        # haystack length
-    inputs = torch.randint(NIAH_FIRST_KEY, NIAH_FIRST_KEY + 2 * half, (n, T), generator=gen, device=device)
+    inputs = torch.randint(h_lo, h_hi, (n, T), generator=gen, device=device)
     labels = torch.full((n, T), IGNORE, dtype=torch.int64, device=device)
-    keys = _distinct(n, N, half, gen, device) + NIAH_FIRST_KEY                   # [n, N]
-    values = torch.randint(NIAH_FIRST_KEY + half, NIAH_FIRST_KEY + 2 * half, (n, N), generator=gen,
-                           device=device)
+    keys = _distinct(n, N, k_hi - k_lo, gen, device) + k_lo                      # [n, N]
+    values = torch.randint(v_lo, v_hi, (n, N), generator=gen, device=device)
     if depth is None:
         slot = _distinct(n, N, slots, gen, device)                               # [n, N]
     else:

@@ -7,8 +7,13 @@ best accuracy averaged over seeds, with that mean and the seeds' range. Writes `
 best learning rates, and the log-linear paper's published numbers beside ours at T = 256) and
 ``mqar.png`` (accuracy against model dim, one panel per length).
 
-NIAH (``niah.csv``): per needle count, ``niah.md`` (mean probe accuracy over depths per mixer and
-length) and ``niah_n{needles}.png`` (heatmaps of accuracy against length and depth, one per mixer).
+NIAH (``niah.csv``): runs are grouped by their shared settings (everything but mixer, seed and lr;
+the training needle count included) and their cells by the needle count evaluated (a cell's
+``eval_needles``; rows written before that column existed evaluated the run's ``needles``). A mixer
+run at several learning rates shows the one with the best mean probe accuracy over the group's
+cells (and seeds). Per (setting, needle count evaluated): a table in ``niah.md`` (mean probe accuracy over depths per
+mixer and evaluation length) and ``niah_n{N}.png`` (heatmaps of accuracy against length and depth,
+one per mixer; ``niah_{i}_n{N}.png``, i = 1, 2, ..., where several settings are reported).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import Dict, List, Tuple
 from .mixers import MIXERS
 from .runner import read_rows
 
-__all__ = ["build_report", "mqar_cells", "PUBLISHED_MQAR"]
+__all__ = ["build_report", "mqar_cells", "niah_cells", "eval_needles_of", "PUBLISHED_MQAR"]
 
 # MQAR accuracy (%) at T = 256 by model dim, published with log-linear attention (Guo et al. 2025):
 # {hila mixer whose design it is: (published model, {dim: accuracy as published})}.
@@ -35,7 +40,8 @@ _CELL = ("mixer", "dim", "seq_len", "pairs")
 _RUN_AXES = _CELL + ("seed", "lr")
 # Columns that describe a run's outcome, not its setting.
 _OUTCOME = {"key", "status", "acc", "best_acc", "final_loss", "curve", "params", "ms_per_step", "wall_s",
-            "device", "cuda_graph", "matmul", "torch", "finished", "eval_len", "depth", "cell_acc", "cell_acc_all"}
+            "device", "cuda_graph", "matmul", "torch", "finished", "eval_needles", "eval_len", "depth",
+            "cell_acc", "cell_acc_all"}
 
 
 def _order(mixer: str) -> int:
@@ -70,7 +76,7 @@ def mqar_cells(rows: List[Dict[str, str]]) -> Dict[Tuple, Dict[Tuple, Dict]]:
 
 
 # Settings that a task does not read (left out of its captions).
-_UNUSED = {"mqar": {"task", "needles", "lengths", "depths"},
+_UNUSED = {"mqar": {"task", "needles", "lengths", "depths", "train_lengths", "eval_needles", "haystack"},
            "niah": {"task", "pairs", "train_examples", "power_a", "random_non_queries"}}
 
 
@@ -158,16 +164,31 @@ def _mqar_plot(cells_by_setting, path: Path) -> None:
     plt.close(fig)
 
 
-def _niah_cells(rows):
-    """{(setting, needles): {mixer: {(eval_len, depth): accuracy}}} and the runs' metadata."""
-    out = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    meta = defaultdict(dict)
+def eval_needles_of(row: Dict[str, str]) -> int:
+    """The needle count a niah row's cell was evaluated at: its ``eval_needles`` column, or the
+    run's ``needles`` in rows written before that column existed (blank there)."""
+    return int(row.get("eval_needles") or row["needles"])
+
+
+def niah_cells(rows: List[Dict[str, str]]):
+    """{(setting, needles evaluated): {mixer: {(eval_len, depth): accuracy (%), mean over seeds}}}
+    and the runs' metadata {group: {mixer: a row of its runs}}. The setting holds the training
+    needle count, not the learning rate: of a mixer's learning rates, the one with the best mean
+    over the group's cells is reported (the smaller on a tie), and its row is the metadata's."""
+    out = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    rows_of = defaultdict(dict)
     for r in rows:
-        group = (_setting(r, ("mixer", "seed", "needles")), int(r["needles"]))
-        out[group][r["mixer"]][(int(r["eval_len"]), float(r["depth"]))].append(100 * float(r["cell_acc"]))
-        meta[group][r["mixer"]] = r
-    means = {g: {m: {c: mean(v) for c, v in cells.items()} for m, cells in ms.items()}
-             for g, ms in out.items()}
+        group = (_setting(r, ("mixer", "seed", "lr")), eval_needles_of(r))
+        lr = float(r["lr"])
+        out[group][r["mixer"]][lr][(int(r["eval_len"]), float(r["depth"]))].append(100 * float(r["cell_acc"]))
+        rows_of[(group, r["mixer"])][lr] = r
+    means, meta = {}, defaultdict(dict)
+    for g, ms in out.items():
+        means[g] = {}
+        for m, by_lr in ms.items():
+            cells = {lr: {c: mean(v) for c, v in cs.items()} for lr, cs in by_lr.items()}
+            lr = max(cells, key=lambda x: (mean(cells[x].values()), -x))
+            means[g][m], meta[g][m] = cells[lr], rows_of[(g, m)][lr]
     return means, meta
 
 
@@ -175,25 +196,30 @@ def _niah_outputs(rows, out: Path) -> List[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    groups, meta = _niah_cells(rows)
+    groups, meta = niah_cells(rows)
     lines = ["# Needle in a haystack results", "",
-             "Accuracy (%) of retrieving the probe needle, averaged over the evaluated depths (and seeds).",
-             ""]
+             "Accuracy (%) of retrieving the probe needle, averaged over the evaluated depths (and seeds), "
+             "per number of needles in the evaluation sequences (N); the setting names the training needles "
+             "(`needles`) and lengths (`train_lengths`, blank: the evaluation lengths).", ""]
     paths = []
-    for (setting, needles), mixers in sorted(groups.items(), key=lambda kv: kv[0][1]):
+    settings = list(dict.fromkeys(setting for setting, _ in groups))
+    for (setting, needles), mixers in sorted(groups.items(), key=lambda kv: (settings.index(kv[0][0]), kv[0][1])):
         lengths = sorted({c[0] for cells in mixers.values() for c in cells})
         depths = sorted({c[1] for cells in mixers.values() for c in cells})
         names = sorted(mixers, key=_order)
         devices = sorted({meta[(setting, needles)][m]["device"] for m in names})
-        lines += [f"## {needles} needle{'s' if needles > 1 else ''}; setting: {_fmt_setting(setting)}", "",
-                  f"Devices: {', '.join(devices)}.", "",
-                  "| mixer | " + " | ".join(f"T = {T}" for T in lengths) + " | mean | ms/step |",
-                  "|---|" + "---|" * (len(lengths) + 2)]
+        prefix = "niah" if len(settings) == 1 else f"niah_{settings.index(setting) + 1}"
+        path = out / f"{prefix}_n{needles}.png"
+        lines += [f"## N = {needles} needle{'s' if needles > 1 else ''} evaluated; setting: "
+                  f"{_fmt_setting(setting)}", "",
+                  f"Devices: {', '.join(devices)}. Heatmaps: `{path.name}`.", "",
+                  "| mixer | " + " | ".join(f"T = {T}" for T in lengths) + " | mean | lr | ms/step |",
+                  "|---|" + "---|" * (len(lengths) + 3)]
         for m in names:
             per_len = [mean(mixers[m][(T, d)] for d in depths if (T, d) in mixers[m]) for T in lengths]
-            ms = float(meta[(setting, needles)][m]["ms_per_step"])
+            r = meta[(setting, needles)][m]
             lines.append(f"| {m} | " + " | ".join(f"{a:.1f}" for a in per_len)
-                         + f" | {mean(per_len):.1f} | {ms:.1f} |")
+                         + f" | {mean(per_len):.1f} | {float(r['lr']):g} | {float(r['ms_per_step']):.1f} |")
         lines.append("")
         cols = min(len(names), 3)
         rows_n = -(-len(names) // cols)
@@ -215,8 +241,8 @@ def _niah_outputs(rows, out: Path) -> List[Path]:
                     if a == a:
                         ax.text(j, i, f"{a:.0f}", ha="center", va="center", fontsize=6)
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (%)")
-        fig.suptitle(f"needle in a haystack, {needles} needle{'s' if needles > 1 else ''}", fontsize=10)
-        path = out / f"niah_n{needles}.png"
+        fig.suptitle(f"needle in a haystack, {needles} needle{'s' if needles > 1 else ''} evaluated",
+                     fontsize=10)
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)

@@ -29,7 +29,9 @@ TASKS = ("mqar", "niah")
 
 # Fields added to RunConfig after results were written, with the value the older rows had (their
 # CSV cells are blank): left out of the key at that value, filled in when rows are read.
-IMPLIED = {"tie_embeddings": False}
+# train_lengths "": train at ``lengths``; eval_needles "": evaluate at ``needles``; haystack "kv":
+# haystack drawn from the key and value tokens.
+IMPLIED = {"tie_embeddings": False, "train_lengths": "", "eval_needles": "", "haystack": "kv"}
 
 
 @dataclass
@@ -39,9 +41,14 @@ class RunConfig:
     mqar: sequences of ``seq_len`` tokens with ``pairs`` key-value pairs (0: Zoology's count for
     the length), a fixed training set of ``train_examples`` sequences (as Zoology), a test set of
     ``eval_examples`` sequences drawn with another seed.
-    niah: training batches drawn fresh at every step, each of one length of ``lengths`` (uniform),
-    with ``needles`` needles at random depths; evaluation at every length and every depth of
-    ``depths`` with ``eval_examples`` sequences per cell. ``seq_len`` is the longest length.
+    niah: training batches drawn fresh at every step, each of one length of ``train_lengths``
+    (uniform; "": ``lengths``), with ``needles`` needles at random depths (``needles`` labels per
+    sequence) in a haystack of kind ``haystack`` (data.niah: "kv" or "filler"); evaluation at every
+    needle count of ``eval_needles`` ("": ``needles``), every length of ``lengths`` and every depth
+    of ``depths``, with ``eval_examples`` sequences per cell. ``seq_len`` is the longest length
+    trained or evaluated at. ``train_lengths`` and ``eval_needles`` take comma lists (or lists of
+    ints) and are stored as comma strings, "" where they equal their default (``lengths``,
+    ``needles``): one key per experiment.
     """
 
     task: str
@@ -69,6 +76,9 @@ class RunConfig:
     tie_embeddings: bool = True
     power_a: float = 0.01
     random_non_queries: bool = False
+    train_lengths: str = ""
+    eval_needles: str = ""
+    haystack: str = "kv"
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -84,15 +94,64 @@ class RunConfig:
         if self.task == "mqar" and self.train_examples < self.batch:
             raise HilaError(f"hila: argument 'train_examples': expected at least one batch "
                             f"({self.batch}), got {self.train_examples}", "train_examples")
+        self.train_lengths = _int_list_field("train_lengths", self.train_lengths)
+        self.eval_needles = _int_list_field("eval_needles", self.eval_needles)
+        if self.haystack not in data.HAYSTACKS:
+            raise HilaError(f"hila: argument 'haystack': expected one of {', '.join(data.HAYSTACKS)}, got "
+                            f"'{self.haystack}'", "haystack")
+        if self.task == "mqar":
+            for name in ("train_lengths", "eval_needles", "haystack"):
+                if getattr(self, name) != IMPLIED[name]:
+                    raise HilaError(f"hila: argument '{name}': a niah setting, expected "
+                                    f"'{IMPLIED[name]}' for mqar, got '{getattr(self, name)}'", name)
         if self.task == "niah":
-            if not self.lengths:
-                self.lengths = str(self.seq_len)
-            self.seq_len = max(self.length_list())
-            if not self.depths:
-                self.depths = ",".join(f"{i / 10:g}" for i in range(11))
+            self._check_niah()
+
+    def _check_niah(self) -> None:
+        if not self.lengths:
+            self.lengths = str(self.seq_len)
+        if not self.depths:
+            self.depths = ",".join(f"{i / 10:g}" for i in range(11))
+        lengths = _int_list_field("lengths", self.lengths)
+        if int(self.needles) < 1:
+            raise HilaError(f"hila: argument 'needles': expected >= 1, got {self.needles}", "needles")
+        # the defaults spelled out are the defaults: one key per experiment
+        if self.train_lengths == lengths:
+            self.train_lengths = ""
+        if self.eval_needles == str(self.needles):
+            self.eval_needles = ""
+        # a length holds N needles and their queries when its haystack has N 3-token slots
+        fits = lambda T, N: (T - data.QUERY_LEN * N) // data.NEEDLE_LEN >= N  # noqa: E731
+        train = "train_lengths" if self.train_lengths else "lengths"
+        for T in self.train_length_list():
+            if not fits(T, self.needles):
+                raise HilaError(f"hila: argument '{train}': {T} tokens hold no {self.needles} needles "
+                                f"and their queries (at least {5 * self.needles})", train)
+        name = "eval_needles" if self.eval_needles else "lengths"
+        for N in self.eval_needle_list():
+            for T in self.length_list():
+                if not fits(T, N):
+                    raise HilaError(f"hila: argument '{name}': evaluation length {T} holds no {N} "
+                                    f"needles and their queries (at least {5 * N} tokens)", name)
+        ranges = data.niah_vocab(self.vocab, self.haystack)
+        most = max([self.needles] + self.eval_needle_list())
+        if ranges["keys"][1] - ranges["keys"][0] < most:
+            per = 2 if self.haystack == "kv" else 3
+            raise HilaError(f"hila: argument 'vocab': {most} needles with haystack '{self.haystack}' need "
+                            f"at least {data.NIAH_FIRST_KEY + per * most} tokens, got {self.vocab}", "vocab")
+        self.seq_len = max(self.length_list() + self.train_length_list())
 
     def length_list(self) -> List[int]:
+        """niah: the evaluation lengths (and the training lengths unless ``train_lengths``)."""
         return [int(x) for x in str(self.lengths).split(",") if x]
+
+    def train_length_list(self) -> List[int]:
+        """niah: the lengths training batches are drawn at."""
+        return [int(x) for x in self.train_lengths.split(",") if x] or self.length_list()
+
+    def eval_needle_list(self) -> List[int]:
+        """niah: the needle counts evaluated."""
+        return [int(x) for x in self.eval_needles.split(",") if x] or [int(self.needles)]
 
     def depth_list(self) -> List[float]:
         return [float(x) for x in str(self.depths).split(",") if x]
@@ -106,7 +165,27 @@ class RunConfig:
 
     def label(self) -> str:
         extra = f"kv{self.pairs}" if self.task == "mqar" else f"n{self.needles}"
+        if self.task == "niah" and self.train_lengths:
+            extra += f" train T{self.train_lengths}"
+        if self.task == "niah" and self.haystack != IMPLIED["haystack"]:
+            extra += f" {self.haystack}"
         return f"{self.mixer} d{self.dim} T{self.seq_len} {extra} lr{self.lr:g} s{self.seed}"
+
+
+def _int_list_field(name: str, value) -> str:
+    """A comma list of positive ints (a string, an int, or a sequence of ints) as the comma string
+    "a,b,c" ("" for an empty one); anything else is a HilaError naming the field."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", "").split(",")
+    try:
+        ints = [int(x) for x in items if str(x) != ""]
+        if any(str(x) != "" and float(x) != int(x) for x in items):
+            raise ValueError
+    except (TypeError, ValueError):
+        ints = None
+    if ints is None or any(x < 1 for x in ints):
+        raise HilaError(f"hila: argument '{name}': expected a comma list of positive integers, got "
+                        f"'{value}'", name)
+    return ",".join(str(x) for x in ints)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -308,30 +387,40 @@ class _NIAH(_Task):
     def __init__(self, cfg, dev):
         super().__init__(cfg, dev)
         self.rng = random.Random(cfg.seed)
-        self.lengths = cfg.length_list()
+        self.train_lengths = cfg.train_length_list()
 
     def batch(self, step):
-        T = self.rng.choice(self.lengths)
+        T = self.rng.choice(self.train_lengths)
         b = data.niah(self.cfg.batch, T, self.cfg.needles, self.cfg.vocab,
-                      seed=self.cfg.seed * 1_000_003 + step, device=self.dev)
+                      seed=self.cfg.seed * 1_000_003 + step, haystack=self.cfg.haystack, device=self.dev)
         return b.inputs, b.pos, b.target
 
     @torch.no_grad()
     def evaluate(self, model, cells: bool = False):
-        """Probe accuracy (needle 0 at the cell's depth) and all-needle accuracy, per cell when
-        ``cells``; "acc" is the mean probe accuracy over all cells. Eval data depend only on the
-        length, depth and needles, never on the run's seed: every model sees the same sequences."""
+        """Probe accuracy (needle 0 at the cell's depth) and all-needle accuracy per cell (needle
+        count evaluated x length x depth), the cells' rows when ``cells``; "acc" is the mean probe
+        accuracy over all cells. The evaluation sequences depend only on the cell (its needle
+        count's, length's and depth's places in the run's lists) and the haystack, never on the
+        run's seed or mixer: the runs of one grid see the same sequences.
+
+        Sequences longer than the longest training length are evaluated in smaller batches, of at
+        most ``batch`` x that length tokens (the training step's), so that evaluating 8K tokens
+        after training at 1K needs no more memory than training."""
         out, accs = [], []
-        for i, T in enumerate(self.lengths):
-            for j, d in enumerate(self.cfg.depth_list()):
-                b = data.niah(self.cfg.eval_examples, T, self.cfg.needles, self.cfg.vocab,
-                              seed=10_000_019 + 1000 * i + j, depth=d, device=self.dev)
-                probe = b.needle.gather(1, b.pos) == 0                                   # [n, N]
-                hits = _hits(model, b.inputs, b.pos, b.target, self.cfg.batch)
-                acc = hits[probe].float().mean().item()
-                accs.append(acc)
-                out.append(dict(eval_len=T, depth=d, cell_acc=round(acc, 5),
-                                cell_acc_all=round(hits.float().mean().item(), 5)))
+        longest = max(self.train_lengths)
+        for k, N in enumerate(self.cfg.eval_needle_list()):
+            for i, T in enumerate(self.cfg.length_list()):
+                batch = min(self.cfg.batch, max(1, self.cfg.batch * longest // T))
+                for j, d in enumerate(self.cfg.depth_list()):
+                    b = data.niah(self.cfg.eval_examples, T, N, self.cfg.vocab,
+                                  seed=10_000_019 + 100_000 * k + 1000 * i + j, depth=d,
+                                  haystack=self.cfg.haystack, device=self.dev)
+                    probe = b.needle.gather(1, b.pos) == 0                               # [n, N]
+                    hits = _hits(model, b.inputs, b.pos, b.target, batch)
+                    acc = hits[probe].float().mean().item()
+                    accs.append(acc)
+                    out.append(dict(eval_needles=N, eval_len=T, depth=d, cell_acc=round(acc, 5),
+                                    cell_acc_all=round(hits.float().mean().item(), 5)))
         res = {"acc": sum(accs) / len(accs)}
         if cells:
             res["cells"] = out
@@ -354,8 +443,10 @@ def _score(model, ids, pos, target, batch):
 
 def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0,
         cuda_graph: bool = False) -> List[Dict]:
-    """Trains and evaluates one run. Returns its result rows: one for mqar; one per (evaluation
-    length, depth) cell for niah (the run's fields repeated in each).
+    """Trains and evaluates one run. Returns its result rows: one for mqar; one per (needle count
+    evaluated, evaluation length, depth) cell for niah (the run's fields repeated in each; the
+    cell's columns ``eval_needles``, ``eval_len``, ``depth``, ``cell_acc``, ``cell_acc_all``; so in
+    a niah row ``eval_needles`` is the cell's needle count, the run's list being in its ``key``).
 
     A run whose loss stops being finite ends there with ``status`` 'diverged' and accuracy 0 (a
     result of that learning rate, kept so that the run is not repeated); otherwise 'ok'.
@@ -438,8 +529,9 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
     train_time = time.perf_counter() - t_timed - eval_time
     bar.close()
     if status == "diverged":
-        final = {"acc": 0.0, "cells": [dict(eval_len=T, depth=d, cell_acc=0.0, cell_acc_all=0.0)
-                                       for T in cfg.length_list() for d in cfg.depth_list()]}
+        final = {"acc": 0.0, "cells": [dict(eval_needles=N, eval_len=T, depth=d, cell_acc=0.0, cell_acc_all=0.0)
+                                       for N in cfg.eval_needle_list() for T in cfg.length_list()
+                                       for d in cfg.depth_list()]}
     row = dict(dataclasses.asdict(cfg))
     row.update(key=cfg.key(), status=status, acc=round(final["acc"], 5),
                best_acc=round(max(float(c.split(":")[2]) for c in curve), 5),
