@@ -53,9 +53,8 @@ struct Api {
 enum : int { kDLInt = 0, kDLFloat = 2, kDLBfloat = 4 };
 enum : int { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
 
-// (the argument's name as a C string: a step reads a dozen tensors, and only an error needs a
-// std::string of it)
-
+// The argument's name comes as a C string: a step reads a dozen tensors, and only an error needs a
+// std::string of it.
 inline hila::DType dtype_from_dlpack(const char* name, int code, int bits, int lanes) {
   if (lanes == 1) {
     if (code == kDLFloat && bits == 64) return hila::DType::f64;

@@ -21,10 +21,10 @@
 // q, k [N, G, dk]; v [N, H, dv]; g [N, H] or [N, H, P]; lam [N, H, L]; beta [N, H]; the state's
 // parts pos [N], S, P, H as hila.State holds them (include/hila/ops.h, StateView); counters: int32
 // StepParams::counters or None (counters with fewer than N + N * H elements, or on another device
-// than H, are left out: the step then runs without them). o = out (the caller's [N, H, dv] tensor like v, returned as the
-// same object) or empty_like(v); hila::step on the state in place under the state's lock (the one
-// hila._C's in-place steps take), then the autograd version of each written tensor is advanced
-// (saved copies of them are stale). The same calls as hila._C's step_inplace for the same
+// than H, are left out: the step then runs without them). o = out (the caller's [N, H, dv] tensor
+// like v, returned as the same object) or empty_like(v); hila::step on the state in place under the
+// state's lock (the one hila._C's in-place steps take), then the autograd version of each written
+// tensor is advanced (saved copies of them are stale). The same calls as hila._C's step_inplace for the same
 // arguments: the same bits, validation and errors (the library's checks of o name it 'out').
 //
 // q, k [B, T, G, dk]; v [B, T, H, dv]; g [B, T, H] or [B, T, H, P]; lam [B, T, H, L];

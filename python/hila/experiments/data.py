@@ -155,6 +155,18 @@ def niah_vocab(vocab_size: int, haystack: str = "kv") -> Dict[str, Tuple[int, in
     return dict(keys=(F, F + t), values=(F + t, F + 2 * t), haystack=(F + 2 * t, V))
 
 
+def check_niah_vocab(vocab_size: int, haystack: str, needles: int, name: str) -> Dict[str, Tuple[int, int]]:
+    """:func:`niah_vocab`'s ranges, where they hold ``needles`` distinct keys and some values and
+    haystack tokens; a HilaError naming ``name`` (the vocabulary's argument) otherwise."""
+    ranges = niah_vocab(vocab_size, haystack)
+    (k_lo, k_hi), (v_lo, v_hi), (h_lo, h_hi) = ranges["keys"], ranges["values"], ranges["haystack"]
+    if k_hi - k_lo < needles or v_hi <= v_lo or h_hi <= h_lo:
+        per = 2 if haystack == "kv" else 3
+        raise HilaError(f"hila: argument '{name}': expected at least {NIAH_FIRST_KEY + per * needles} "
+                        f"tokens for {needles} needles with haystack '{haystack}', got {vocab_size}", name)
+    return ranges
+
+
 class NIAHBatch(NamedTuple):
     inputs: Tensor     # [n, T] int64
     labels: Tensor     # [n, T] int64, IGNORE except at the query keys
@@ -198,12 +210,8 @@ def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, see
     if slots < N:
         raise HilaError(f"hila: argument 'seq_len': {T} tokens hold no {N} needles and their queries",
                         "seq_len")
-    ranges = niah_vocab(V, haystack)
+    ranges = check_niah_vocab(V, haystack, N, "vocab_size")
     (k_lo, k_hi), (v_lo, v_hi), (h_lo, h_hi) = ranges["keys"], ranges["values"], ranges["haystack"]
-    if k_hi - k_lo < N or v_hi <= v_lo or h_hi <= h_lo:
-        per = 2 if haystack == "kv" else 3
-        raise HilaError(f"hila: argument 'vocab_size': expected at least {NIAH_FIRST_KEY + per * N} "
-                        f"tokens for {N} needles with haystack '{haystack}', got {V}", "vocab_size")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise HilaError(f"hila: argument 'depth': expected a fraction in [0, 1], got {depth}", "depth")
     if n < 1:

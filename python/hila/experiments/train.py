@@ -133,12 +133,7 @@ class RunConfig:
                 if not fits(T, N):
                     raise HilaError(f"hila: argument '{name}': evaluation length {T} holds no {N} "
                                     f"needles and their queries (at least {5 * N} tokens)", name)
-        ranges = data.niah_vocab(self.vocab, self.haystack)
-        most = max([self.needles] + self.eval_needle_list())
-        if ranges["keys"][1] - ranges["keys"][0] < most:
-            per = 2 if self.haystack == "kv" else 3
-            raise HilaError(f"hila: argument 'vocab': {most} needles with haystack '{self.haystack}' need "
-                            f"at least {data.NIAH_FIRST_KEY + per * most} tokens, got {self.vocab}", "vocab")
+        data.check_niah_vocab(self.vocab, self.haystack, max([self.needles] + self.eval_needle_list()), "vocab")
         self.seq_len = max(self.length_list() + self.train_length_list())
 
     def length_list(self) -> List[int]:

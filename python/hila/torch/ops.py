@@ -41,7 +41,6 @@ cannot run on a device (docs/API.md) raises :class:`hila.HilaError`.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import numbers
 import os
@@ -385,11 +384,13 @@ def _step_inplace_call(spec: _Spec, q, k, v, g, lam, beta, pos, S, P, H, state_i
     returns o [N, H, dv]: ``out`` where given (checked by :func:`_check_out`), else a new tensor.
     counters: the State's step counters (see _counters), or None."""
     o = _empty_like(v) if out is None else out
-    with _naming_out(out):
+    try:
         _C.step_inplace(spec.cfg, _in(q), _in(k), _in(v), _in(g), _in(lam), _in(beta),
                         (_cap(pos), _cap(S), _cap(P), _cap(H)), o=_capsule(o), stream=_stream(q),
                         state_indices=_cap(state_indices), max_position=int(max_position),
                         counters=_cap(counters))
+    except HilaError as e:
+        raise _as_out(e, out) from None
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     torch.autograd.graph.increment_version([x for x in (pos, S, P, H, out) if x is not None])
     return o
@@ -411,15 +412,11 @@ def _check_out(out, v) -> None:
         raise HilaError(f"hila: argument 'out': expected innermost stride 1, got strides {list(out.stride())}", "out")
 
 
-@contextlib.contextmanager
-def _naming_out(out):
-    """Inside: the library's errors about o name 'out' where the caller gave ``out``."""
-    try:
-        yield
-    except HilaError as e:
-        if out is None or e.argument != "o":
-            raise
-        raise HilaError(str(e).replace("argument 'o'", "argument 'out'", 1), "out") from None
+def _as_out(e: HilaError, out) -> HilaError:
+    """The library's error ``e``, naming 'out' where it is about o and the caller gave ``out``."""
+    if out is None or e.argument != "o":
+        return e
+    return HilaError(str(e).replace("argument 'o'", "argument 'out'", 1), "out")
 
 
 def _no_double_backward() -> None:
@@ -1175,26 +1172,24 @@ def _fast_step_(op, q, k, v, g, lam, beta, state, scale, normalize, eps, ridge, 
             _ops._poison(o)
         # (a bound state's step takes o as the data pointer of a contiguous tensor like v)
         bound = _bound_state(state, pos, S, P, H) if out is None or out.is_contiguous() else None
-        with _naming_out(out):
-            if bound is not None:
-                bound.step(spec.cfg, _lent(q), _lent(k), _lent(v), None if g is None else _lent(g),
-                           None if lam is None else _lent(lam), None if beta is None else _lent(beta),
-                           o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
-            else:
-                _C.step_inplace(spec.cfg, _lent(q), _lent(k), _lent(v),
-                                None if g is None else _lent(g), None if lam is None else _lent(lam),
-                                None if beta is None else _lent(beta),
-                                (_capsule(pos), None if S is None else _capsule(S),
-                                 None if P is None else _capsule(P), _capsule(H)),
-                                o=_capsule(o), stream=_stream(q), max_position=max_position,
-                                counters=None if cnt is None else _capsule(cnt[0]))
+        if bound is not None:
+            bound.step(spec.cfg, _lent(q), _lent(k), _lent(v), None if g is None else _lent(g),
+                       None if lam is None else _lent(lam), None if beta is None else _lent(beta),
+                       o.data_ptr(), _stream(q), max_position, counters=None if cnt is None else cnt[1])
+        else:
+            _C.step_inplace(spec.cfg, _lent(q), _lent(k), _lent(v),
+                            None if g is None else _lent(g), None if lam is None else _lent(lam),
+                            None if beta is None else _lent(beta),
+                            (_capsule(pos), None if S is None else _capsule(S), None if P is None else _capsule(P),
+                             _capsule(H)), o=_capsule(o), stream=_stream(q), max_position=max_position,
+                            counters=None if cnt is None else _capsule(cnt[0]))
     except (AttributeError, TypeError, BufferError):  # an argument that is not a tensor (or has no
         return None  # data: meta), an unhashable option: nothing was written, the general road names it
-    except HilaError:
+    except HilaError as e:
         if not all(x is None or (isinstance(x, Tensor) and not _needs_copy(x))
                    for x in (q, k, v, g, lam, beta)):
             return None  # rejected while validating: the general road copies (or names) these inputs
-        raise
+        raise _as_out(e, out) from None
     # what the kernel wrote behind autograd's back: saved copies of these tensors are now stale
     _increment_version(tuple(x for x in (pos, S, P, H, out) if x is not None))
     if top is not None:
