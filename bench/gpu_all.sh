@@ -13,7 +13,7 @@
 # fla's Triton compiles: SAVE_TRITON_CACHE=1 writes $OUT/triton_cache.tgz; given as TRITON_CACHE_TAR
 # (default .dev/triton_cache.tgz) it is unpacked before the anchors of a later call.
 # Stage `ab`: the same benchmark under several settings (AB_ENVS, default the sm_90a kernels off /
-# backward only / all), AB_OPS on AB_SHAPES; ab.csv and a ms table per setting. A setting
+# backward only / all), AB_OPS on AB_SHAPES (with BENCH_ARGS); ab.csv and a ms table per setting. A setting
 # "tar:FILE" runs the hila_bench of another build instead (FILE an archive like BINS_TAR, e.g. the
 # binaries of the previous commit): AB_ENVS="tar:bins_base.tar.xz;default". AB_ROUNDS=2 repeats the
 # settings in turn (interleaved rounds; the table shows each round's column). AB_DECODE=1 also
@@ -137,7 +137,7 @@ if has ab; then  # the same binary under each setting of AB_ENVS ("VAR=value ...
         bench="$dir/hila_bench" e="" lbl=$(basename "${lbl#tar:}")
       fi
       [ "$e" = default ] && e=""  # "default": no setting
-      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" \
+      env $e timeout 240 "$bench" --reps ${REPS:-10} --ops "${AB_OPS:-gla,hla2}" --shapes "${AB_SHAPES:-$SHAPES}" ${BENCH_ARGS:-} \
         >"$LOGS/ab_part.csv" 2>>"$LOGS/ab.err"
       note "ab [$lbl] round $round rc=$?"
       if [ $first = 1 ]; then sed -n '1s/^/env,/p' "$LOGS/ab_part.csv" >"$OUT/ab.csv"; first=0; fi

@@ -44,7 +44,7 @@ TEST(Config, DefaultsWithoutKnobs) {
   EXPECT_FALSE(c.gla_sm90.forced);
   EXPECT_EQ(c.gla_fused, Force::automatic);
   EXPECT_TRUE(c.gdn_tc);
-  EXPECT_FALSE(c.delta_sm90);
+  EXPECT_TRUE(c.delta_sm90);
   EXPECT_TRUE(c.loglinear_tree);
   EXPECT_EQ(c.loglinear_tree_sweep, Force::automatic);
   EXPECT_FALSE(c.loglinear_store_budget.has_value());
@@ -54,12 +54,12 @@ TEST(Config, DefaultsWithoutKnobs) {
 TEST(Config, SwitchesTakeTheirValues) {
   const Config c = parse({{"HILA_UPLOAD_KERNEL", "1"}, {"HILA_SIDE_STREAM", "0"}, {"HILA_FOLD_S", "0"},
                           {"HILA_GDN_TC", "0"}, {"HILA_LOGLINEAR_TREE", "0"}, {"HILA_EMU_SM90", "1"},
-                          {"HILA_DELTA_SM90", "1"}});
+                          {"HILA_DELTA_SM90", "0"}});
   EXPECT_TRUE(c.upload_kernel);
   EXPECT_FALSE(c.side_stream);
   EXPECT_FALSE(c.fold_s);
   EXPECT_FALSE(c.gdn_tc);
-  EXPECT_TRUE(c.delta_sm90);
+  EXPECT_FALSE(c.delta_sm90);
   EXPECT_FALSE(c.loglinear_tree);
   EXPECT_TRUE(c.emu_sm90);
   // only the exact value switches: "2" is not "1", "no" is not "0"
@@ -227,7 +227,7 @@ TEST(Heuristics, DeltaRule) {
 TEST(Heuristics, DeltaSm90Sweeps) {
   EXPECT_TRUE(h::delta_sm90_sweep(128, 128, 1 << 20, true));
   EXPECT_TRUE(h::delta_sm90_sweep(64, 256, 1 << 20, true));
-  EXPECT_FALSE(h::delta_sm90_sweep(128, 128, 1 << 20, false));  // HILA_DELTA_SM90 unset: opt-in
+  EXPECT_FALSE(h::delta_sm90_sweep(128, 128, 1 << 20, false));  // HILA_DELTA_SM90=0
   EXPECT_FALSE(h::delta_sm90_sweep(96, 128, 1 << 20, true));    // one or two m64 state slabs
   EXPECT_FALSE(h::delta_sm90_sweep(48, 64, 1 << 20, true));
   EXPECT_FALSE(h::delta_sm90_sweep(128, 80, 1 << 20, true));    // 64-column value tiles

@@ -457,6 +457,58 @@ def test_parallel_workers_and_time_limit(tmp_path):
     assert sorted(r["mixer"] for r in rows) == ["gla", "sdpa"] and all(r["status"] == "ok" for r in rows)
 
 
+def test_out_of_memory_errors_are_recognised():
+    """The three ways a failed device allocation reaches a worker's traceback text."""
+    assert runner.out_of_memory("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 34.00 MiB.")
+    assert runner.out_of_memory("torch.AcceleratorError: CUDA error: out of memory")
+    assert runner.out_of_memory("hila._errors.HilaError: hila: argument 'memory': could not allocate 16777216 "
+                                "bytes (16.0 MiB) of device memory on cuda:0 for a temporary of the call")
+    assert not runner.out_of_memory("ValueError: expected a positive dim")
+    assert not runner.out_of_memory(None)
+
+
+def test_after_out_of_memory_allows_one_run_fewer_until_alone():
+    assert runner.after_out_of_memory(limit=24, alone=False, retries=0, max_retries=24) == 23
+    assert runner.after_out_of_memory(limit=2, alone=False, retries=3, max_retries=24) == 1
+    # a run that failed beside others after the limit already came down to 1: retried alone
+    assert runner.after_out_of_memory(limit=1, alone=False, retries=0, max_retries=24) == 1
+    assert runner.after_out_of_memory(limit=1, alone=True, retries=0, max_retries=24) is None  # failed alone
+    assert runner.after_out_of_memory(limit=8, alone=False, retries=24, max_retries=24) is None  # retried enough
+
+
+def _oom_once_worker(cfg, devices, progress, cuda_graph):
+    """A worker whose first attempt at each run fails as a failed device allocation does, and
+    whose later attempts train (the runs of test_runs_out_of_memory_are_retried_with_fewer_at_once);
+    HILA_TEST_OOM_DIR holds a marker per attempted run, HILA_TEST_OOM_ALWAYS=1 fails every attempt."""
+    import os
+    marker = Path(os.environ["HILA_TEST_OOM_DIR"]) / cfg.mixer
+    if os.environ.get("HILA_TEST_OOM_ALWAYS") == "1" or not marker.exists():
+        marker.touch()
+        return None, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    return runner._run_one(cfg, devices, progress, cuda_graph)
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_runs_out_of_memory_are_retried_with_fewer_at_once(tmp_path, monkeypatch, capsys, always):
+    """A run that fails for device memory goes back to the queue and the grid goes on with one run
+    fewer at once; a run that still fails alone is a failure, and its rows are not written."""
+    monkeypatch.setenv("HILA_TEST_OOM_DIR", str(tmp_path))  # the spawned workers inherit it
+    monkeypatch.setenv("HILA_TEST_OOM_ALWAYS", "1" if always else "0")
+    out = tmp_path / "mqar.csv"
+    runs = runner.grid("mqar", ["gla", "sdpa"], [16], [16], [0], [1e-3], pairs=2, vocab=16, steps=3, batch=4,
+                       train_examples=8, eval_examples=4, eval_every=3)
+    failures = runner.execute(runs, out, parallel=2, devices=["cpu"], progress=False, threads=1,
+                              worker=_oom_once_worker)
+    err = capsys.readouterr().err
+    assert "ran out of device memory; queued again, at most 1 runs at once" in err
+    if always:
+        assert failures == 2 and not out.exists()  # both failed alone at last
+        assert err.count("failed:") == 2
+    else:
+        assert failures == 0
+        assert sorted(r["mixer"] for r in runner.read_rows(out)) == ["gla", "sdpa"]
+
+
 def test_progress_lines_without_tqdm(capsys):
     from hila.experiments import train
     bar = train._Lines(20, "run", True)

@@ -38,7 +38,8 @@ namespace hila::tools {
 namespace {
 
 // The knobs a case sets for its calls (nullptr: left unset): HILA_GLA_SM90, HILA_LOGLINEAR_TREE,
-// HILA_LOGLINEAR_TREE_SWEEP, HILA_GDN_TC; HILA_DELTA_SM90 (nullptr: left as the process has it).
+// HILA_LOGLINEAR_TREE_SWEEP, HILA_GDN_TC; HILA_DELTA_SM90 (nullptr: "0", the delta rule's sm80 sweeps;
+// "1", the default, in the cases tagged _delta_sm90).
 struct Knobs {
   const char *sm90 = nullptr, *tree = nullptr, *tree_sweep = nullptr, *gdn_tc = nullptr, *delta_sm90 = nullptr;
 };
@@ -54,8 +55,7 @@ std::string with_knobs(const Knobs& k, F f) {
       }));
     });
   };
-  if (!k.delta_sm90) return knobs();
-  return with_env("HILA_DELTA_SM90", k.delta_sm90, [&] { rethrow(knobs()); });
+  return with_env("HILA_DELTA_SM90", k.delta_sm90 ? k.delta_sm90 : "0", [&] { rethrow(knobs()); });
 }
 
 enum class SlowGates { logsigmoid16, near_zero };
@@ -109,14 +109,18 @@ std::vector<DgCase> dg_cases() {
   add(Op::gla, 256, 128, SlowGates::logsigmoid16, {"1"}, "_sm90");
   add(Op::hla2, 256, 64, SlowGates::logsigmoid16, {"1"}, "_sm90");
   add(Op::loglinear, 4096, 64, SlowGates::logsigmoid16, {nullptr, nullptr, "1"}, "_tree_sweep");
-  // plain gdn with the sm_90a state sweeps forced on (src/cuda/delta/sweep_sm90.cu)
-  for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
-  add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, nullptr, "1"}, "_delta_sm90");
-  // the same inputs on the default (sm80) sweeps, beside it
+  // plain gdn on the sm_90a state sweeps (src/cuda/delta/sweep_sm90.cu), the default where they apply
+  const Knobs delta_sm90{nullptr, nullptr, nullptr, nullptr, "1"};
+  for (int64_t d : {64, 128}) add(Op::gdn, 256, d, SlowGates::logsigmoid16, delta_sm90, "_delta_sm90");
+  for (int64_t T : {4096, 16384})
+    for (SlowGates sg : {SlowGates::logsigmoid16, SlowGates::near_zero}) add(Op::gdn, T, 64, sg, delta_sm90, "_delta_sm90");
+  add(Op::loglinear_gdn, 65536, 64, SlowGates::logsigmoid16, delta_sm90, "_delta_sm90");
+  add(Op::gdn, 4096, 128, SlowGates::near_zero, delta_sm90, "_delta_sm90");
+  // the same inputs on the sm80 sweeps, beside it
   add(Op::gdn, 4096, 128, SlowGates::near_zero, {nullptr, nullptr, nullptr, nullptr, "0"}, "_delta_sm80");
   // loglinear_gdn with its sm_90a level sweeps forced on (src/cuda/delta/loglinear_gdn_sm90.cu), both
   // directions: without a final-state cotangent
-  add(Op::loglinear_gdn, 256, 128, SlowGates::logsigmoid16, {nullptr, nullptr, nullptr, nullptr, "1"}, "_train_delta_sm90");
+  add(Op::loglinear_gdn, 256, 128, SlowGates::logsigmoid16, delta_sm90, "_train_delta_sm90");
   cs.back().train = true;
   return cs;
 }

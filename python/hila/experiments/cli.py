@@ -142,7 +142,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the vocabulary head is the embedding (default: on, as Zoology)")
         t.add_argument("--out", type=Path, default=Path("experiments/results"),
                        help=f"results folder; rows go to OUT/{task}.csv (default experiments/results)")
-        t.add_argument("--parallel", type=int, default=1, help="training processes at once (default 1)")
+        t.add_argument("--parallel", type=int, default=1,
+                       help="training processes at once (default 1; one fewer after each run that runs out of "
+                            "device memory, which is queued again)")
         t.add_argument("--device", default="auto",
                        help="auto (CUDA when present), cpu, cuda, or a comma list of devices for the workers")
         t.add_argument("--threads", type=int, help="torch CPU threads per process (default: 1 in one CPU "

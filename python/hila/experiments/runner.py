@@ -22,7 +22,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
 from .._errors import HilaError
 from .train import IMPLIED, RunConfig
 
-__all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads"]
+__all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads",
+           "out_of_memory", "after_out_of_memory"]
 
 GRID_AXES = ("mixers", "dims", "lengths", "seeds", "lrs", "needles")
 
@@ -138,15 +139,46 @@ def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool, cuda_graph:
                    cuda_graph=cuda_graph), None
     except Exception:  # reported by the parent, which keeps going with the other runs
         return None, traceback.format_exc()
+    finally:  # a worker between runs (or idle at the end) holds no cached device memory
+        import torch
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+# What torch and hila report when a device allocation fails (torch.OutOfMemoryError, a CUDA error
+# "out of memory", hila's "could not allocate ... of device memory").
+_OOM_MARKS = ("OutOfMemoryError", "out of memory", "of device memory")
+
+
+def out_of_memory(err: Optional[str]) -> bool:
+    """Whether a run's error (its traceback text) is a failed device allocation."""
+    return err is not None and any(m in err for m in _OOM_MARKS)
+
+
+def after_out_of_memory(limit: int, alone: bool, retries: int, max_retries: int) -> Optional[int]:
+    """The runs allowed at once (now ``limit``) after a run failed for device memory, ``alone``
+    when it ran with no other run beside it, after ``retries`` earlier attempts: one fewer (at
+    least 1), and the run goes back to the queue; None (a failure) when it failed alone or had
+    ``max_retries`` attempts already."""
+    if alone or retries >= max_retries:
+        return None
+    return max(1, limit - 1)
 
 
 def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices: Sequence[str] = ("auto",),
             time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None,
-            cuda_graph: bool = False) -> int:
+            cuda_graph: bool = False, worker=None) -> int:
     """Runs every run whose key is not in out_csv yet, ``parallel`` at a time (1: in this process),
     appending each one's rows as it finishes. No run starts after ``time_limit`` seconds. Returns
     the number of runs that failed with an error (diverged runs are results, not failures).
-    ``cuda_graph``: train.run's (training steps replayed from CUDA graphs on CUDA devices)."""
+    ``cuda_graph``: train.run's (training steps replayed from CUDA graphs on CUDA devices).
+
+    With ``parallel`` > 1 a run that fails for device memory (:func:`out_of_memory`) is not a
+    failure yet: it goes back to the front of the queue and one run fewer is allowed at once from
+    then on (:func:`after_out_of_memory`), so a grid started with too many processes for the
+    card's memory settles at a number that fits. ``worker``: the function each worker process
+    calls, ``worker(cfg, devices, progress, cuda_graph) -> (rows, error text)`` (default: train.run's;
+    tests give others)."""
     runs, done = list(runs), done_keys(out_csv)
     todo = [r for r in runs if r.key() not in done]
     print(f"hila.experiments: {len(todo)} runs to do, {len(runs) - len(todo)} already in {out_csv} "
@@ -194,23 +226,35 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
         # hila's OpenMP pool (CPU backend) sizes itself from OMP_NUM_THREADS when a worker loads it
         omp = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        limit, retries = parallel, {}
         try:
             with cf.ProcessPoolExecutor(parallel, mp_context=ctx, initializer=_init_worker,
                                         initargs=(counter, lock, threads)) as pool:
                 queue, running = list(todo), {}
                 while queue or running:
-                    while queue and len(running) < parallel and not out_of_time():
+                    while queue and len(running) < limit and not out_of_time():
                         cfg = queue.pop(0)
-                        running[pool.submit(_run_one, cfg, list(devices), progress, cuda_graph)] = cfg
+                        fut = pool.submit(worker or _run_one, cfg, list(devices), progress, cuda_graph)
+                        running[fut] = (cfg, limit == 1)  # alone: no other run starts beside it
                     if not running:
                         break
                     ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                     for fut in ready:
-                        cfg = running.pop(fut)
+                        cfg, alone = running.pop(fut)
                         try:
                             rows, err = fut.result()
                         except Exception:  # the worker process died
                             rows, err = None, traceback.format_exc()
+                        if out_of_memory(err):
+                            n = retries.get(cfg.key(), 0)
+                            fewer = after_out_of_memory(limit, alone, n, max_retries=parallel)
+                            if fewer is not None:
+                                retries[cfg.key()] = n + 1
+                                limit = fewer
+                                queue.insert(0, cfg)
+                                print(f"hila.experiments: {cfg.label()} ran out of device memory; queued again, "
+                                      f"at most {limit} runs at once from now on", file=sys.stderr, flush=True)
+                                continue
                         record(cfg, rows, err)
         finally:
             if omp is None:

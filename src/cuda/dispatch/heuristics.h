@@ -159,9 +159,10 @@ constexpr bool loglinear_outputs_chunk_parallel(bool has_output, int64_t nseg, s
 constexpr bool delta_sm80(int dk, int dv, bool knob) { return knob && dk <= 128 && dv <= 256; }
 
 // The sm90 state sweeps (TMA + wgmma, delta/sweep_sm90.cu) in place of the sm80 ones, for padded
-// dk of 64 or 128 (one or two m64 state slabs per warpgroup) and dv a multiple of 64. Opt-in
-// (HILA_DELTA_SM90=1) until a GPU A/B against the sm80 sweeps at the benchmark shapes decides the
-// default; they fall back to the sm80 sweeps where the device does not run sm_90a code.
+// dk of 64 or 128 (one or two m64 state slabs per warpgroup) and dv a multiple of 64: the default
+// (an interleaved A/B at the benchmark shapes, docs/PERFORMANCE.md: gdn forward+backward 0.79-0.94x
+// the sm80 sweeps' time, loglinear_gdn 0.84-0.95x); HILA_DELTA_SM90=0 keeps the sm80 sweeps. The
+// sm80 sweeps also run where the device does not run sm_90a code.
 constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
   return knob && (dk == 64 || dk == 128) && dv % 64 == 0 && tma_rows_fit(Ttot, 64);
 }
@@ -169,8 +170,8 @@ constexpr bool delta_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
 // loglinear_gdn's level sweeps on the sm90 tier (delta/loglinear_gdn_sm90.cu: the plain sweeps'
 // state tiles, ring and stash; one warpgroup per level block and 64 value columns) in place of the
 // sm80 ones, for the shapes of the plain sm90 sweeps: padded dk of 64 or 128, dv a multiple of 64, rows
-// TMA can address. The same opt-in knob (HILA_DELTA_SM90=1); the sm80 sweeps where the device does
-// not run sm_90a code or two ring stages do not fit.
+// TMA can address. The same knob (HILA_DELTA_SM90=0: the sm80 sweeps); the sm80 sweeps also where
+// the device does not run sm_90a code or two ring stages do not fit.
 constexpr bool loglinear_gdn_sm90_sweep(int dk, int dv, int64_t Ttot, bool knob) {
   return delta_sm90_sweep(dk, dv, Ttot, knob);
 }

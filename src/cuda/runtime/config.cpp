@@ -68,7 +68,7 @@ Config Config::parse(const char* (*env)(const char*)) {
   c.gla_sm90 = sm90_kernels(env("HILA_GLA_SM90"));
   c.gla_fused = force(env("HILA_GLA_FUSED"));
   c.gdn_tc = !is(env("HILA_GDN_TC"), "0");
-  c.delta_sm90 = is(env("HILA_DELTA_SM90"), "1");
+  c.delta_sm90 = !is(env("HILA_DELTA_SM90"), "0");
   c.loglinear_tree = !is(env("HILA_LOGLINEAR_TREE"), "0");
   c.loglinear_tree_sweep = force(env("HILA_LOGLINEAR_TREE_SWEEP"));
   if (const char* b = env("HILA_LOGLINEAR_STORE_BUDGET")) c.loglinear_store_budget = size_t(std::strtoull(b, nullptr, 10));

@@ -29,7 +29,7 @@ struct Config {
   Sm90Kernels gla_sm90;         // HILA_GLA_SM90: unset / 1 / 0 / a list of sweep,bwd,fwd
   Force gla_fused = Force::automatic;              // HILA_GLA_FUSED=0|1: the one-kernel GLA forward
   bool gdn_tc = true;                              // HILA_GDN_TC=0: the delta rule's portable kernels only
-  bool delta_sm90 = false;                         // HILA_DELTA_SM90=1: the delta rule's sm_90a state sweeps
+  bool delta_sm90 = true;                          // HILA_DELTA_SM90=0: the delta rule's sm80 state sweeps on Hopper too
   bool loglinear_tree = true;                      // HILA_LOGLINEAR_TREE=0: the log-linear segment sweep only
   Force loglinear_tree_sweep = Force::automatic;   // HILA_LOGLINEAR_TREE_SWEEP=0|1: the tree build in the sweep
   std::optional<size_t> loglinear_store_budget;    // HILA_LOGLINEAR_STORE_BUDGET: bytes of stored levels
