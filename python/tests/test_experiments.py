@@ -637,6 +637,63 @@ def test_niah_settings_are_not_mqar_settings():
         assert e.value.argument == name
 
 
+def test_niah_tail_appends_haystack_after_the_queries():
+    """tail: the layout of seq_len - tail tokens (same seed: the same tokens, labels and query
+    positions), then tail haystack tokens with no label."""
+    for haystack in data.HAYSTACKS:
+        a = data.niah(8, 64, 4, 64, seed=3, haystack=haystack, tail=10)
+        b = data.niah(8, 54, 4, 64, seed=3, haystack=haystack)
+        assert a.inputs.shape == (8, 64) and torch.equal(a.inputs[:, :54], b.inputs)
+        assert torch.equal(a.labels[:, :54], b.labels) and (a.labels[:, 54:] == data.IGNORE).all()
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.target, b.target)
+        assert (a.needle[:, 54:] == -1).all() and a.depth[:, 54:].isnan().all()
+        lo, hi = data.niah_vocab(64, haystack)["haystack"]
+        assert ((a.inputs[:, 54:] >= lo) & (a.inputs[:, 54:] < hi)).all()
+    for bad in (-1, 64):
+        with pytest.raises(hila.HilaError) as e:
+            data.niah(2, 64, 4, 64, tail=bad)
+        assert e.value.argument == "tail"
+
+
+def _query_levels(task, steps):
+    """Fenwick levels bitlen(t XOR s) between each query key t and its needle's value s over the
+    training batches of ``steps`` steps (filler haystack: a key occurs only in its needle and its
+    query)."""
+    levels = set()
+    for step in range(1, steps + 1):
+        ids, pos, _ = task.batch(step)
+        for row, qs in zip(ids.tolist(), pos.tolist()):
+            for t in qs:
+                s = row.index(row[t]) + 1                       # the needle's value
+                levels.add((t ^ s).bit_length())
+    return levels
+
+
+def test_niah_train_tail_puts_needles_at_every_level_of_their_queries():
+    """With the queries ending every training sequence (256 tokens, 16 needles: the aligned block
+    [224, 256)) each needle is at level 6 or above of its query; a random tail of up to 32 tokens
+    after the queries moves the block, and the needles take levels 3-5 as well (a value is at
+    least 2 tokens before its query's key: level 2 needs the needle right before the first query,
+    level 1 never occurs). The tail is in the key, the label and niah only."""
+    kw = dict(task="niah", mixer="gla", dim=16, seq_len=256, lr=1e-2, needles=16, haystack="filler",
+              vocab=8192, batch=8, depths="0,1")
+    plain, tailed = RunConfig(**kw), RunConfig(**kw, train_tail=32)
+    assert "train_tail" not in plain.key() and tailed.key().endswith("|train_tail=32")
+    assert "tail32" in tailed.label()
+    dev = torch.device("cpu")
+    assert min(_query_levels(train._NIAH(plain, dev), 20)) >= 6
+    assert {3, 4, 5} <= _query_levels(train._NIAH(tailed, dev), 20)
+    with pytest.raises(hila.HilaError) as e:
+        RunConfig(task="mqar", mixer="gla", dim=16, seq_len=64, lr=3e-3, train_tail=4)
+    assert e.value.argument == "train_tail"
+    for bad, arg in ((dict(train_tail=-1), "train_tail"), (dict(train_tail=200), "lengths")):
+        with pytest.raises(hila.HilaError) as e:
+            RunConfig(**kw, **bad)
+        assert e.value.argument == arg
+    runs = cli._runs("niah", cli._parser().parse_args(["niah", "--preset", "smoke", "--train-tail", "8"]))
+    assert {r.train_tail for r in runs} == {8}
+
+
 def test_niah_trains_at_train_lengths_and_evaluates_every_needle_count(monkeypatch):
     """Training batches at train_lengths with the training needles and haystack; one cell per
     (needle count evaluated, length, depth) with its eval_needles; sequences longer than the

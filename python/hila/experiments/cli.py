@@ -79,7 +79,8 @@ PRESETS: Dict[str, Dict[str, Dict]] = {
 _LISTS = dict(mixers=str, dims=int, lengths=int, seeds=int, lrs=float, needles=int)
 _SHARED = dict(vocab=int, steps=int, batch=int, train_examples=int, eval_examples=int, eval_every=int,
                warmup=float, weight_decay=float, layers=int, head_dim=int, state_size=int, init_std=float,
-               pairs=int, power_a=float, depths=str, train_lengths=str, eval_needles=str, haystack=str)
+               pairs=int, power_a=float, depths=str, train_lengths=str, eval_needles=str, haystack=str,
+               train_tail=int)
 
 
 def _csv_list(kind):
@@ -121,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
             t.add_argument("--haystack", choices=HAYSTACKS,
                            help="haystack tokens: kv (drawn from the key and value tokens, the default) or "
                                 "filler (a range of the vocabulary disjoint from keys and values)")
+            t.add_argument("--train-tail", type=int,
+                           help="haystack tokens after the queries of a training batch, drawn in [0, N] per "
+                                "batch (default 0): needles at every Fenwick level of their queries")
         else:
             t.add_argument("--pairs", type=int, help="key-value pairs (default: Zoology's for the length)")
             t.add_argument("--power-a", type=float, help="power law of the query gaps (default 0.01)")

@@ -177,7 +177,7 @@ class NIAHBatch(NamedTuple):
 
 
 def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, seed: int = 0,
-         depth: Optional[float] = None, haystack: str = "kv", device="cpu") -> "NIAHBatch":
+         depth: Optional[float] = None, haystack: str = "kv", tail: int = 0, device="cpu") -> "NIAHBatch":
     """Synthetic needle in a haystack with ``num_needles`` key-value needles and one query each.
 
     Layout of one example of T = seq_len tokens with N = num_needles:
@@ -199,11 +199,27 @@ def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, see
     uniformly random slot; ``depth=d`` places needle 0 (the probe) at the slot nearest to depth d
     and the others at random slots.
 
+    ``tail``: that many haystack tokens after the queries (labels IGNORE); the first
+    T - tail tokens are the layout above for a sequence of T - tail tokens. Training batches with
+    a random tail put their query block at varying positions, so that the needles before it take
+    every Fenwick level of the query keys (log-linear mixers weight each level by its own lambda;
+    with the queries always in the last, aligned block of the sequence, a needle is never at the
+    low levels of its query in training; docs/EXPERIMENTS.md, "Needle in a haystack").
+
     Returns a :class:`NIAHBatch`: inputs, labels [n, T] int64; at each query position the depth of
     the needle it asks for (float64 [n, T], NaN elsewhere) and that needle's index (int64 [n, T],
     -1 elsewhere; 0 is the probe); the query positions and their labels [n, N].
     """
     T, N, V = int(seq_len), int(num_needles), int(vocab_size)
+    if not 0 <= int(tail) < T:
+        raise HilaError(f"hila: argument 'tail': expected 0 <= tail < seq_len = {T}, got {tail}", "tail")
+    if tail:
+        b = niah(n, T - int(tail), N, V, seed, depth, haystack, 0, device)
+        h_lo, h_hi = check_niah_vocab(V, haystack, N, "vocab_size")["haystack"]
+        pad = torch.randint(h_lo, h_hi, (n, int(tail)), generator=_generator(seed + 7_919, device), device=device)
+        ends = dict(inputs=pad, labels=torch.full_like(pad, IGNORE), needle=torch.full_like(pad, -1),
+                    depth=torch.full(pad.shape, float("nan"), dtype=torch.float64, device=device))
+        return b._replace(**{k: torch.cat([getattr(b, k), v], 1) for k, v in ends.items()})
     if N < 1:
         raise HilaError(f"hila: argument 'num_needles': expected >= 1, got {N}", "num_needles")
     slots = (T - QUERY_LEN * N) // NEEDLE_LEN

@@ -30,8 +30,8 @@ TASKS = ("mqar", "niah")
 # Fields added to RunConfig after results were written, with the value the older rows had (their
 # CSV cells are blank): left out of the key at that value, filled in when rows are read.
 # train_lengths "": train at ``lengths``; eval_needles "": evaluate at ``needles``; haystack "kv":
-# haystack drawn from the key and value tokens.
-IMPLIED = {"tie_embeddings": False, "train_lengths": "", "eval_needles": "", "haystack": "kv"}
+# haystack drawn from the key and value tokens; train_tail 0: the queries end every training sequence.
+IMPLIED = {"tie_embeddings": False, "train_lengths": "", "eval_needles": "", "haystack": "kv", "train_tail": 0}
 
 
 @dataclass
@@ -45,7 +45,9 @@ class RunConfig:
     (uniform; "": ``lengths``), with ``needles`` needles at random depths (``needles`` labels per
     sequence) in a haystack of kind ``haystack`` (data.niah: "kv" or "filler"); evaluation at every
     needle count of ``eval_needles`` ("": ``needles``), every length of ``lengths`` and every depth
-    of ``depths``, with ``eval_examples`` sequences per cell. ``seq_len`` is the longest length
+    of ``depths``, with ``eval_examples`` sequences per cell. ``train_tail``: each training batch
+    ends with a number of haystack tokens after its queries drawn uniformly from [0, train_tail]
+    (data.niah's ``tail``; evaluation sequences end with their queries). ``seq_len`` is the longest length
     trained or evaluated at. ``train_lengths`` and ``eval_needles`` take comma lists (or lists of
     ints) and are stored as comma strings, "" where they equal their default (``lengths``,
     ``needles``): one key per experiment.
@@ -79,6 +81,7 @@ class RunConfig:
     train_lengths: str = ""
     eval_needles: str = ""
     haystack: str = "kv"
+    train_tail: int = 0
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -99,8 +102,11 @@ class RunConfig:
         if self.haystack not in data.HAYSTACKS:
             raise HilaError(f"hila: argument 'haystack': expected one of {', '.join(data.HAYSTACKS)}, got "
                             f"'{self.haystack}'", "haystack")
+        self.train_tail = int(self.train_tail)
+        if self.train_tail < 0:
+            raise HilaError(f"hila: argument 'train_tail': expected >= 0, got {self.train_tail}", "train_tail")
         if self.task == "mqar":
-            for name in ("train_lengths", "eval_needles", "haystack"):
+            for name in ("train_lengths", "eval_needles", "haystack", "train_tail"):
                 if getattr(self, name) != IMPLIED[name]:
                     raise HilaError(f"hila: argument '{name}': a niah setting, expected "
                                     f"'{IMPLIED[name]}' for mqar, got '{getattr(self, name)}'", name)
@@ -124,9 +130,9 @@ class RunConfig:
         fits = lambda T, N: (T - data.QUERY_LEN * N) // data.NEEDLE_LEN >= N  # noqa: E731
         train = "train_lengths" if self.train_lengths else "lengths"
         for T in self.train_length_list():
-            if not fits(T, self.needles):
-                raise HilaError(f"hila: argument '{train}': {T} tokens hold no {self.needles} needles "
-                                f"and their queries (at least {5 * self.needles})", train)
+            if not fits(T - self.train_tail, self.needles):
+                raise HilaError(f"hila: argument '{train}': {T} tokens less a tail of {self.train_tail} hold no "
+                                f"{self.needles} needles and their queries (at least {5 * self.needles})", train)
         name = "eval_needles" if self.eval_needles else "lengths"
         for N in self.eval_needle_list():
             for T in self.length_list():
@@ -164,6 +170,8 @@ class RunConfig:
             extra += f" train T{self.train_lengths}"
         if self.task == "niah" and self.haystack != IMPLIED["haystack"]:
             extra += f" {self.haystack}"
+        if self.task == "niah" and self.train_tail:
+            extra += f" tail{self.train_tail}"
         return f"{self.mixer} d{self.dim} T{self.seq_len} {extra} lr{self.lr:g} s{self.seed}"
 
 
@@ -386,8 +394,9 @@ class _NIAH(_Task):
 
     def batch(self, step):
         T = self.rng.choice(self.train_lengths)
-        b = data.niah(self.cfg.batch, T, self.cfg.needles, self.cfg.vocab,
-                      seed=self.cfg.seed * 1_000_003 + step, haystack=self.cfg.haystack, device=self.dev)
+        tail = self.rng.randint(0, self.cfg.train_tail) if self.cfg.train_tail else 0
+        b = data.niah(self.cfg.batch, T, self.cfg.needles, self.cfg.vocab, seed=self.cfg.seed * 1_000_003 + step,
+                      haystack=self.cfg.haystack, tail=tail, device=self.dev)
         return b.inputs, b.pos, b.target
 
     @torch.no_grad()
