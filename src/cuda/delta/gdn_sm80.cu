@@ -23,10 +23,10 @@
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
 // backward: delta_rsweep_kernel (the reverse sweep of dS, fp32 in registers), GLA's chunk-gradient
-// kernel on Vn, then wy_bwd_kernel (chunk-parallel). On Hopper the two sweeps may run as TMA +
-// wgmma kernels instead (sweep_sm90.cu, heuristics::delta_sm90_sweep; HILA_DELTA_SM90=1). W, Vn,
-// Tg and the per-chunk states and cotangents are stored in 16 bits as GEMM operands; U, dVn, the
-// carries and every accumulation are fp32.
+// kernel on Vn, then wy_bwd_kernel (chunk-parallel). On Hopper the two sweeps run as TMA + wgmma
+// kernels instead where they apply (sweep_sm90.cu, heuristics::delta_sm90_sweep; HILA_DELTA_SM90=0:
+// these sm80 sweeps everywhere). W, Vn, Tg and the per-chunk states and cotangents are stored in
+// 16 bits as GEMM operands; U, dVn, the carries and every accumulation are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"

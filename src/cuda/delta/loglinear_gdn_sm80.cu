@@ -12,7 +12,7 @@
 // backward (section comment above loglinear_level_rsweep_kernel) reverses the level sweeps, then forms the level
 // terms (loglinear_grad_kernel), the chunk's own terms (loglinear_intra_bwd_kernel) and the WY backward.
 // Both level sweeps run as the sm90 kernels of loglinear_gdn_sm90.cu instead where
-// heuristics::loglinear_gdn_sm90_sweep chooses them (HILA_DELTA_SM90=1).
+// heuristics::loglinear_gdn_sm90_sweep chooses them (on Hopper, unless HILA_DELTA_SM90=0).
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
 // output accumulator and every accumulation are fp32.
 #include "cuda/delta/delta.cuh"
