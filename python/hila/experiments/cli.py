@@ -123,8 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="haystack tokens: kv (drawn from the key and value tokens, the default) or "
                                 "filler (a range of the vocabulary disjoint from keys and values)")
             t.add_argument("--train-tail", type=int,
-                           help="haystack tokens after the queries of a training batch, drawn in [0, N] per "
-                                "batch (default 0): needles at every Fenwick level of their queries")
+                           help="haystack tokens after the queries of a training batch, drawn in [0, TRAIN_TAIL] "
+                                "per batch (default 0): needles at the low Fenwick levels of their queries too")
         else:
             t.add_argument("--pairs", type=int, help="key-value pairs (default: Zoology's for the length)")
             t.add_argument("--power-a", type=float, help="power law of the query gaps (default 0.01)")

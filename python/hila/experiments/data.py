@@ -210,13 +210,13 @@ def niah(n: int, seq_len: int, num_needles: int = 1, vocab_size: int = 8192, see
     the needle it asks for (float64 [n, T], NaN elsewhere) and that needle's index (int64 [n, T],
     -1 elsewhere; 0 is the probe); the query positions and their labels [n, N].
     """
-    T, N, V = int(seq_len), int(num_needles), int(vocab_size)
-    if not 0 <= int(tail) < T:
+    T, N, V, tail = int(seq_len), int(num_needles), int(vocab_size), int(tail)
+    if not 0 <= tail < T:
         raise HilaError(f"hila: argument 'tail': expected 0 <= tail < seq_len = {T}, got {tail}", "tail")
-    if tail:
-        b = niah(n, T - int(tail), N, V, seed, depth, haystack, 0, device)
-        h_lo, h_hi = check_niah_vocab(V, haystack, N, "vocab_size")["haystack"]
-        pad = torch.randint(h_lo, h_hi, (n, int(tail)), generator=_generator(seed + 7_919, device), device=device)
+    if tail:  # the layout of T - tail tokens (which checks the other arguments), then the tail
+        b = niah(n, T - tail, N, V, seed=seed, depth=depth, haystack=haystack, device=device)
+        h_lo, h_hi = niah_vocab(V, haystack)["haystack"]
+        pad = torch.randint(h_lo, h_hi, (n, tail), generator=_generator(seed + 7_919, device), device=device)
         ends = dict(inputs=pad, labels=torch.full_like(pad, IGNORE), needle=torch.full_like(pad, -1),
                     depth=torch.full(pad.shape, float("nan"), dtype=torch.float64, device=device))
         return b._replace(**{k: torch.cat([getattr(b, k), v], 1) for k, v in ends.items()})
