@@ -22,8 +22,7 @@
 //   <dS, S_out> sums about dk dv terms that cancel to about 1% of sum |dS o S_out| when the gates
 //   decay slowly, so S_out is taken in fp32: <dS, hbuf> in the reverse sweep (dS fp32) plus
 //   <dS16, hlo> in wy_bwd_kernel, hlo = S - hbuf the 16-bit residual that the backward's forward
-//   sweep stores beside hbuf (hbuf's rounding alone gave dg 1.7x the other gradients' error at
-//   dk = 128, g = -1e-3).
+//   sweep stores beside hbuf (docs/math/LOGLINEAR.md §6.5).
 // Kernels: wy_kernel (chunk-parallel: Tg in fp32 by 16 x 16 blocks, W and U by mma; for the
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
