@@ -61,11 +61,9 @@ __device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out
         const uint32_t x = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(Ss + r * kLd + col) = x;
         if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + v0 + col) = x;
-        if (lo) {
-          const float2 hi = mma::unpack2<T>(x);
+        if (lo)
           *reinterpret_cast<uint32_t*>(lo + int64_t(r) * dv + v0 + col) =
-              mma::pack2<T>(acc[j][2 * hf] - hi.x, acc[j][2 * hf + 1] - hi.y);
-        }
+              mma::pack2_residual<T>(x, acc[j][2 * hf], acc[j][2 * hf + 1]);
       }
   if (bv < kVT)
     for (int e = threadIdx.x; e < dk * (kVT - bv); e += blockDim.x)

@@ -51,11 +51,9 @@ __device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T
         const uint32_t x = mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(st16 + sm90::swz(64 * M, r, fr.col(0, j))) = x;
         if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + 8 * j) = x;
-        if (lo) {
-          const float2 hi = mma::unpack2<T>(x);
+        if (lo)
           *reinterpret_cast<uint32_t*>(lo + int64_t(r) * dv + 8 * j) =
-              mma::pack2<T>(acc[m][4 * j + 2 * hf] - hi.x, acc[m][4 * j + 2 * hf + 1] - hi.y);
-        }
+              mma::pack2_residual<T>(x, acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
       }
 }
 #endif
