@@ -19,10 +19,6 @@
 //   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
 //   the chunk's last row; dg is its reverse cumsum inside the chunk.
-//   <dS, S_out> sums about dk dv terms that cancel to about 1% of sum |dS o S_out| when the gates
-//   decay slowly, so S_out is taken in fp32: <dS, hbuf> in the reverse sweep (dS fp32) plus
-//   <dS16, hlo> in wy_bwd_kernel, hlo = S - hbuf the 16-bit residual that the backward's forward
-//   sweep stores beside hbuf (docs/math/LOGLINEAR.md §6.5).
 // Kernels: wy_kernel (chunk-parallel: Tg in fp32 by 16 x 16 blocks, W and U by mma; for the
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
@@ -52,13 +48,12 @@ namespace {
 // (16-bit) and the gates arrive by cp.async, and U [C, 64] (fp32) in one buffer, loaded for the
 // next chunk once (2) has read it (one buffer keeps the block within half an SM's shared memory,
 // two blocks per SM); then
-//   (1) S -> 16-bit Ss (and hbuf: the state entering the chunk, for the output kernel; in the
-//       backward also hlo = S - hbuf, 16-bit)
+//   (1) S -> 16-bit Ss (and hbuf: the state entering the chunk, for the output kernel)
 //   (2) Vn = U - W Ss    [C,dk]x[dk,64]: warp w rows 16 (w % 4), columns 32 (w / 4); to Vns and Vn
 //   (3) S = e^B S + K^T diag(e^{B-b}) Vns
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, const T* W, const float* U, T* Vn, T* hlo) {
+__global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, const T* W, const float* U, T* Vn) {
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -94,8 +89,8 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
     const int st = c % kSweepStages, nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     // (1) the state entering the chunk, 16-bit
-    const int64_t hoff = ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv;
-    stash_state(acc, active, s.Ss, a.hbuf ? a.hbuf + hoff : nullptr, a.dk, a.dv, v0, bv, hlo ? hlo + hoff : nullptr);
+    stash_state(acc, active, s.Ss, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * int64_t(a.dk) * a.dv : nullptr,
+                a.dk, a.dv, v0, bv);
     __syncthreads();
     {  // (2) Vn = U - W Ss
       const int m0 = 16 * (w & 3), n0 = 32 * (w >> 2);
@@ -255,22 +250,21 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 
 
 
-// The state sweep: Vn, the states entering each chunk (hbuf) and the final states (ht); with hlo
-// (the backward), hbuf's 16-bit residuals too.
+// The state sweep: Vn, the states entering each chunk (hbuf) and the final states (ht).
 template <class T>
-void gdn_sweep(GdnCall<T>& x, T* hlo = nullptr) {
+void gdn_sweep(GdnCall<T>& x) {
   x.Vn = DevBuf<T>(size_t(x.r.H * x.Ttot * x.dv), x.s);
   x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
   x.a.hbuf = x.hbuf.get();
   if (x.NH == 0) return;
   if (heuristics::delta_sm90_sweep(x.dk, x.dv, x.Ttot, config().delta_sm90) &&
-      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), hlo, x.s))
+      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), x.s))
     return;
   const size_t bytes = sweep_smem(x.dk);
   set_smem(delta_sweep_kernel<T>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
   delta_sweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, x.s>>>(
-      x.a, x.W.get(), x.U.get(), x.Vn.get(), hlo);
+      x.a, x.W.get(), x.U.get(), x.Vn.get());
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -314,9 +308,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
     DevBuf<float> dvi(size_t(H * Ttot * dv), s);
     x.wy(tg.get(), dvi.get());
-    // hbuf's 16-bit residuals: with them the WY backward's <dS, S_out> reads the fp32 state (wy_sm80.cu)
-    DevBuf<T> hlo(size_t(nch * H * dk * dv), s);
-    gdn_sweep(x, hlo.get());
+    gdn_sweep(x);
     x.output(p.o);
     x.write_final(p.final_state);
     // the reverse sweep: dhbuf (the cotangents at the chunk ends), dS_0 and the parts of <dS, S_out>
@@ -351,7 +343,6 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     if (nch > 0) {  // the WY backward
       WyBwdArgs<T> wb;
       wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
-      wb.dhbuf = dhbuf.get(), wb.hlo = hlo.get();
       wb.dk = dk_wy.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
       launch_wy_bwd(x.a, wb, s);  // the raw values v
     }

@@ -44,12 +44,9 @@ struct SweepItem {
 
 // A sweep's fp32 state tile in registers (warp w: rows 16w + g (+8), columns 8j + 2t (+1), j < bv/8)
 // as a 16-bit GEMM operand: to Ss [dk][kLd] and, when out is set, to columns [v0, v0+bv) of out
-// [dk][dv]; when lo is set too, the residual acc - out (16-bit) to the same entries of lo, so that
-// out + lo keeps the fp32 state. Columns bv..63 of Ss are zeroed, so that products over the tile read
-// no stale values.
+// [dk][dv]. Columns bv..63 of Ss are zeroed, so that products over the tile read no stale values.
 template <class T>
-__device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out, int dk, int dv, int v0, int bv,
-                            T* lo = nullptr) {
+__device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out, int dk, int dv, int v0, int bv) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
 #pragma unroll
@@ -61,9 +58,6 @@ __device__ void stash_state(const float (&acc)[8][4], bool active, T* Ss, T* out
         const uint32_t x = mma::pack2<T>(acc[j][2 * hf], acc[j][2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(Ss + r * kLd + col) = x;
         if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + v0 + col) = x;
-        if (lo)
-          *reinterpret_cast<uint32_t*>(lo + int64_t(r) * dv + v0 + col) =
-              mma::pack2_residual<T>(x, acc[j][2 * hf], acc[j][2 * hf + 1]);
       }
   if (bv < kVT)
     for (int e = threadIdx.x; e < dk * (kVT - bv); e += blockDim.x)

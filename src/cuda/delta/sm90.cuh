@@ -35,10 +35,9 @@ int ring_stages(int64_t blocks, int64_t max_per_sm) {
 #if HILA_SM90A
 // This thread's 16-bit state entries (slab m rows 64m + 16w + g (+8), columns 8j + 2t (+1):
 // acc[m][4j + 2hf + e]) into the swizzled [DK][64] tile at st16 and, when out is set, to the
-// [dk][dv] matrix out (row 0, column v0 + 2t of it); when lo is set too (at the same offset), the
-// residual acc - out (16-bit) there, so that out + lo keeps the fp32 state.
+// [dk][dv] matrix out (row 0, column v0 + 2t of it).
 template <class T, int M>
-__device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv, T* lo = nullptr) {
+__device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T* out, int64_t dv) {
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;  // w: warp in the warpgroup
   const mma::Frag fr{lane >> 2, lane & 3};
 #pragma unroll
@@ -51,9 +50,6 @@ __device__ __forceinline__ void stash16(const float (&acc)[M][32], char* st16, T
         const uint32_t x = mma::pack2<T>(acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
         *reinterpret_cast<uint32_t*>(st16 + sm90::swz(64 * M, r, fr.col(0, j))) = x;
         if (out) *reinterpret_cast<uint32_t*>(out + int64_t(r) * dv + 8 * j) = x;
-        if (lo)
-          *reinterpret_cast<uint32_t*>(lo + int64_t(r) * dv + 8 * j) =
-              mma::pack2_residual<T>(x, acc[m][4 * j + 2 * hf], acc[m][4 * j + 2 * hf + 1]);
       }
 }
 #endif

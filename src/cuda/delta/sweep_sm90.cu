@@ -5,7 +5,7 @@
 // [dk, 64] fp32 state (dk = 64 or 128: one or two m64 slabs) in wgmma accumulators. Per chunk,
 // with b the chunk-local cumsum of the log-gates, B = b[nr-1], w = e^{B-b}:
 //   forward (S: the state entering the chunk)
-//     (1) S -> 16-bit st16 [dk][64] (swizzled; and hbuf, and in the backward hlo = S - hbuf)
+//     (1) S -> 16-bit st16 [dk][64] (swizzled; and hbuf)
 //     (2) Vn = U - W st16                   [C,dk]x[dk,64]  W K-major, st16 MN-major; Vn to global
 //     (3) S = e^B S + K^T (diag(w) Vn)      [dk,C]x[C,64]   per slab: K MN-major, diag(w) Vn (16-bit,
 //                                                          in st16's place) MN-major
@@ -39,7 +39,7 @@ using namespace gla_sm90;
 template <class T, int DK, int S>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
-                            unsigned order, GlaArgs<T> a, const float* U, T* Vn, T* hlo) {
+                            unsigned order, GlaArgs<T> a, const float* U, T* Vn) {
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
@@ -98,8 +98,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
     if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
-    const int64_t hoff = ((a.chunk0[seq] + c) * a.H + h) * mat + v0 + 2 * t;
-    stash16<T, M>(acc, st16, a.hbuf ? a.hbuf + hoff : nullptr, a.dv, hlo ? hlo + hoff : nullptr);
+    stash16<T, M>(acc, st16, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * mat + v0 + 2 * t : nullptr, a.dv);
     fence_async_smem();
     __syncthreads();
     mbar_wait(&full[st], par);
@@ -298,7 +297,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 }  // namespace
 
 template <class T>
-bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, T* hlo, cudaStream_t s) {
+bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cudaStream_t s) {
   const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
     const int S = ring_stages<Ring<DK, 2>>(blocks, 2);
@@ -313,7 +312,7 @@ bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, T*
         return false;
       if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
       kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / 64)), kSm90Threads, bytes, s>>>(
-          mw, mk, unsigned(sw) | unsigned(sk) << 1, a, U, Vn, hlo);
+          mw, mk, unsigned(sw) | unsigned(sk) << 1, a, U, Vn);
       HILA_CUDA_CHECK_LAUNCH();
       return true;
     });
@@ -355,7 +354,7 @@ bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float*
 }
 
 #define HILA_INSTANTIATE(T)                                                                          \
-  template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, T*, T*, cudaStream_t); \
+  template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, T*, cudaStream_t); \
   template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, float*, cudaStream_t);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)

@@ -8,8 +8,7 @@
 //   dv = diag(beta) tU, dk += diag(beta e^b) tW + (dAkk + dAkk^T) K with dAkk = diag(beta) dN o Gam,
 //   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
-//   the chunk's last row (the reverse sweep's sdot over hbuf, plus <dS, hlo> here); dg is its reverse
-//   cumsum inside the chunk.
+//   the chunk's last row; dg is its reverse cumsum inside the chunk.
 #include <algorithm>
 
 #include "cuda/delta/wy_sm80.cuh"
@@ -518,28 +517,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
     atomicAdd(&s.db[i0], db0), atomicAdd(&s.db[i1], db1);
     atomicAdd(&s.dbeta[i0], dbt0), atomicAdd(&s.dbeta[i1], dbt1);
   }
-  // the rest of <dS, S_out> where S_out is the 16-bit state entering the next chunk of the sequence:
-  // <dS, lo> with lo = S_out - hbuf its residual (dS in 16 bits here: its rounding is 2^-9 of a term
-  // that is itself 2^-9 of the state, while hbuf's rounding alone would carry 2^-9 of the state into a sum
-  // that cancels to about 1% of sum |dS o S| at slow gates)
-  __shared__ float corr;
-  if (threadIdx.x == 0) corr = 0.f;
-  __syncthreads();
-  if (x.hlo && (it.c + 1) * kChunk < a.len[it.seq]) {
-    const T* D = x.dhbuf + (cg * a.H + h) * mat;
-    const T* Lo = x.hlo + ((cg + 1) * a.H + h) * mat;
-    float part = 0.f;
-    for (int64_t e = 2 * threadIdx.x; e < mat; e += 2 * blockDim.x) {  // [dk][dv] in pairs (dv even)
-      const float2 d = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(D + e));
-      const float2 l = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Lo + e));
-      part += d.x * l.x + d.y * l.y;
-    }
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) atomicAdd(&corr, part);
-  }
   __syncthreads();
   if (threadIdx.x == 0) {  // dg: reverse cumsum of db inside the chunk, dB's <dS, S_out> at the last row
-    float acc = corr;
+    float acc = 0.f;
     for (int k = 0; x.sdot && k < x.nvt; ++k) acc += x.sdot[(cg * a.H + h) * x.nvt + k];
     for (int i = nr - 1; i >= 0; --i) x.dg[rowbase + i] = (acc += s.db[i]);
   }

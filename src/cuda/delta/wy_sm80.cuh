@@ -35,10 +35,6 @@ struct WyBwdArgs {
   const T* dvn = nullptr;       // [H][Ttot][dv]: dVn (GLA's dv with Vn for v, 16-bit)
   const float* sdot = nullptr;  // [nchunks][H][nvt]: parts of <dS, S_out> (delta_rsweep_kernel); nullptr: none
   int nvt = 1;
-  // with sdot over the 16-bit S_out of hbuf: dS at each chunk end (16-bit) and hbuf's residuals, for the
-  // rest of <dS, S_out> (wy_bwd_kernel); nullptr: none
-  const T* dhbuf = nullptr;     // [nchunks][H][dk][dv]
-  const T* hlo = nullptr;       // [nchunks][H][dk][dv]
   // loglinear_gdn (loglinear_grad_kernel, loglinear_intra_bwd_kernel): dW given [H][Ttot][dk] (16-bit) instead of
   // -dVn Hp^T, an extra cotangent of TgU = Tg diag(beta) [nchunks][H][C][C] (fp32), and dv added to
   const T* dw = nullptr;

@@ -29,13 +29,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
   else return __half22float2(*reinterpret_cast<__half2*>(&x));
 }
-// The 16-bit residuals (lo - x.lo, hi - x.hi) of the pair x = pack2<T>(lo, hi): x + residual
-// keeps the fp32 pair to about 2^-17.
-template <class T>
-__device__ __forceinline__ uint32_t pack2_residual(uint32_t x, float lo, float hi) {
-  const float2 r = unpack2<T>(x);
-  return pack2<T>(lo - r.x, hi - r.y);
-}
 
 // e^x on the special-function unit with denormals flushed: one FMUL and one MUFU.EX2 (__expf
 // adds a range fix-up for results below 2^-126, which the gate weights never need).
