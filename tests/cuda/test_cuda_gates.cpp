@@ -66,28 +66,23 @@ struct DgCase {
   SlowGates gates;
   Knobs knobs;
   std::string name;
-  bool whole_sequence_dg = false;  // this path's dg is still a reverse cumsum over the sequence
   bool train = false;              // no final-state cotangent (loglinear_gdn: its tensor-core backward)
 };
-
-// The log-linear tree form (loglinear, loglinear_hla2 with 16-bit operands, unless
-// HILA_LOGLINEAR_TREE=0) still sums its dg over the whole sequence (docs/math/LOGLINEAR.md §5.3).
-bool tree_form(Op op, const Knobs& k) {
-  return (op == Op::loglinear || op == Op::loglinear_hla2) && !(k.tree && std::string(k.tree) == "0");
-}
 
 std::vector<DgCase> dg_cases() {
   std::vector<DgCase> cs;
   auto add = [&](Op op, int64_t T, int64_t d, SlowGates sg, Knobs k, const std::string& tag) {
     const std::string name = std::string(op_name(op)) + (d != 64 ? "_d" + std::to_string(d) : "") + "_T" +
                              std::to_string(T) + (sg == SlowGates::logsigmoid16 ? "_logsig16" : "_g1em3") + tag;
-    cs.push_back({op, T, d, sg, k, name, tree_form(op, k) && T > 1024});
+    cs.push_back({op, T, d, sg, k, name});
   };
   const Op ops[] = {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn};
   // T = 65536 (each case's float64 reference takes about 10 s of one CPU core): gla with both gate
-  // kinds and one slow-gate case of each kernel family (composition, delta rule, log-linear sweep)
+  // kinds and one slow-gate case of each kernel family (composition, delta rule, log-linear tree and
+  // sweep)
   const auto long_case = [](Op op, SlowGates sg) {
-    return op == Op::gla || (sg == SlowGates::logsigmoid16 && (op == Op::hla2 || op == Op::loglinear_gdn));
+    return op == Op::gla ||
+           (sg == SlowGates::logsigmoid16 && (op == Op::hla2 || op == Op::loglinear || op == Op::loglinear_gdn));
   };
   for (Op op : ops)
     for (int64_t T : {256, 1024, 4096, 16384, 65536})
@@ -130,9 +125,6 @@ class CudaGateGradients : public ::testing::TestWithParam<DgCase> {};
 TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const DgCase c = GetParam();
-  if (c.whole_sequence_dg)
-    GTEST_SKIP() << "the log-linear tree form's dg is a reverse cumsum over the whole sequence: its bf16 error "
-                    "grows with T (docs/math/LOGLINEAR.md §5.3); HILA_LOGLINEAR_TREE=0 gives a chunk-local dg";
   if (c.op == Op::loglinear_hla2)
     GTEST_SKIP() << "loglinear_hla2: its dg sums the inner GLA's and the outer log-linear primitive's gate gradients "
                     "(tied gates), which cancel: on the host emulator its error is 1.7-2x the other gradients' already "

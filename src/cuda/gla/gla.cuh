@@ -14,7 +14,7 @@
 //   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j          (H_end = e^B Hp + K^T diag(w) V)
 // so no rounding is carried from one chunk's dg to another's.
 // Stages, one file per stage and kernel tier (gla.cu chooses the tier):
-//   gates           gates.cu                            chunk cumsum b (dg of the tree form)
+//   gates           gates.cu                            chunk cumsum b
 //   state sweep     sweep_{portable,sm80,sm90}.cu       H through the chunks (forward / reverse)
 //   output          sweep_portable.cu, output_sm80.cu   O from the states entering the chunks
 //   fused forward   fused_fwd_{sm80,sm90}.cu            sweep and output in one kernel
@@ -106,12 +106,9 @@ size_t gla_smem_need(int dk, int dv);
 
 // ---- its stages, for the other primitives built on them (log-linear tree, delta rule) ------------------
 // gates.cu, every dtype: b = chunk-local inclusive cumsum of a.g per (chunk, head) into [H][Ttot]
-// (no-op without gates); gla_dg: dg = reverse cumsum per (sequence, head) of the per-row dc in a.dg
-// (plus <dht, ht> at the last token), for the log-linear tree form.
+// (no-op without gates).
 template <class T>
 void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
-template <class T>
-void gla_dg(const GlaArgs<T>& a, cudaStream_t stream);
 // bf16 / fp16 (gla.cu picks the tier of each: sm90 where heuristics.h chooses it, else sm80):
 // the state sweep (reverse: the cotangent sweep; stores hbuf / dhbuf);
 template <class T>

@@ -3,6 +3,8 @@
 // and the node layout). The chunk kernels are the GLA core's (gla.cuh: gla_output, gla_bwd_chunk)
 // with the tree operands; this file builds the tree: beta, Z and the node levels (forward), the node
 // cotangents and their push-down (backward).
+#include <cub/block/block_scan.cuh>
+
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/gla.cuh"
 #include "cuda/loglinear/tree.cuh"
@@ -181,17 +183,25 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
 //         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3.
+//         With `apart` it also writes, for every even node (m, i) it forms (the nodes chunks
+//         read), A_m[i] = <D_m[i] - R_m[i], node_m[i]>: the part of the node's cotangent from its
+//         ancestors' readers and the final state, dotted with the node (16-bit copy) — per warp of
+//         128 elements, apart [slots][H][ceil(tile / 128)] (tree_dg_kernel sums the warps).
 
 template <class T, bool kDown>
 __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
                                                       TreeArgs ta, const float* node, T* n16, const float* parts,
-                                                      int split) {
+                                                      int split, float* apart) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
   const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
   const int64_t base = sn.base, a0 = sn.a0;
-  const int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (nc == 0 || e >= tile) return;
+  const int64_t e_raw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  // the warps of `apart` stay whole (their shuffles): a lane past the tile works on its warp's first
+  // elements and stores nothing
+  const bool valid = e_raw < tile;
+  if (nc == 0 || (kDown && apart ? (e_raw & ~int64_t(127)) >= tile : !valid)) return;
+  const int64_t e = valid ? e_raw : (e_raw & ~int64_t(127));
   const int top = sn.top();           // levels 1..top hold nodes
   int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
   off[1] = 0;
@@ -202,12 +212,22 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
   auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
   auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + (slot * H + h) * tile + e); };
   auto put = [&](int64_t slot, float4 x) {
+    if (!valid) return;
     uint2 u;
     u.x = mma::pack2<T>(x.x, x.y), u.y = mma::pack2<T>(x.z, x.w);
     *reinterpret_cast<uint2*>(n16 + (slot * H + h) * tile + e) = u;
   };
   auto axpy = [](float4& y, float f, const float4& x) { y.x += f * x.x, y.y += f * x.y, y.z += f * x.z, y.w += f * x.w; };
   auto decay = [&](int m, int64_t i) { return __expf(ta.beta[idx(m, i) * H + h]); };
+  // A_m[i] = <x, node_m[i]> of this warp's 128 elements into apart (see above)
+  auto node_dot = [&](int64_t slot, const float4& x) {
+    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const T*>(ta.node16) + (slot * H + h) * tile + e);
+    const float2 n01 = mma::unpack2<T>(u.x), n23 = mma::unpack2<T>(u.y);
+    float d = valid ? x.x * n01.x + x.y * n01.y + x.z * n23.x + x.w * n23.y : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    if ((threadIdx.x & 31) == 0) apart[(slot * H + h) * ((tile + 127) / 128) + (e >> 7)] = d;
+  };
   float4 stk[kMaxLevels + 1];
   if constexpr (!kDown) {
     // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
@@ -247,8 +267,15 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
         const int64_t i = (a0 + j) >> (m - 1);
         float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i < sn.hi(m)) {  // a complete node (pending ones get no cotangent: no final-state cotangent)
+          // D = R + (final-state part + c D_parent); the bracket first, for A
+          add_final(d, m, i);
+          if (m < top && (i >> 1) < sn.hi(m + 1)) {
+            const float c = (i & 1) ? 1.f : decay(m, i + 1);
+            axpy(d, c, stk[m + 1]);
+          }
+          if (apart && !(i & 1)) node_dot(idx(m, i), d);
           if (m < split) {
-            if (!(i & 1)) d = load(idx(m, i));  // odd nodes are never read: R = 0
+            if (!(i & 1)) axpy(d, 1.f, load(idx(m, i)));  // odd nodes are never read: R = 0
           } else if (!(i & 1) && ((i + 1) << (m - 1)) < nc) {  // R from the parts of its reading range
             const int64_t nb = (nc + kSplit - 1) / kSplit, c1 = min((i + 2) << (m - 1), nc);
             float gap = 0.f;
@@ -258,22 +285,20 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
               if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
             }
           }
-          add_final(d, m, i);
-          if (m < top && (i >> 1) < sn.hi(m + 1)) {
-            const float c = (i & 1) ? 1.f : decay(m, i + 1);
-            axpy(d, c, stk[m + 1]);
-          }
         }
         stk[m] = d;
       }
-      if (j == 0 && ta.dh0)  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
+      if (j == 0 && (ta.dh0 || apart))  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
         for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
           if (!((a0 >> (m - 1)) & 1)) continue;
           const int64_t i0 = (a0 >> (m - 1)) - 1;
-          float4 d = load(idx(m, i0));  // its reads (R), and dHT when no full chunk of the call reached it
+          float4 d = make_float4(0.f, 0.f, 0.f, 0.f);  // dHT when no full chunk of the call reached it
           add_final(d, m, i0);
           if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
-          *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
+          if (apart) node_dot(idx(m, i0), d);
+          axpy(d, 1.f, load(idx(m, i0)));  // its reads (R)
+          if (ta.dh0 && valid)
+            *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
         }
       put(chunk0[seq] + j, stk[1]);
     }
@@ -462,11 +487,121 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
 
 template <class T, bool kDown>
 void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
-                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels) {
+                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels,
+                 float* apart = nullptr) {
   if (dry_run()) return;  // dry run: workspace_size
   loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
-      len, chunk0, H, tile, ta, node, n16, parts, split);
+      len, chunk0, H, tile, ta, node, n16, parts, split, apart);
   HILA_CUDA_CHECK_LAUNCH();
+}
+
+// The gate gradient of the tree form per chunk (docs/math/LOGLINEAR.md §5.3): for row t of chunk c
+// (absolute n = a0 + c),  dg_t = sum_{t <= i in chunk} dc_i + Y_c,  with Y_c the cross-boundary sum
+//   X(n + 1) = sum over the pairs (i >= (n+1) C, j < (n+1) C) of dP_ij P_ij
+// (Y_c = <dHT, HT> for the last chunk), formed from terms that are each one read of one node, so no
+// rounding is carried along the sequence. The sources before boundary n' are the nodes D_m(n') =
+// node_m[(n' >> (m-1)) - 1] of the set bits m-1 of n'; each is read by the chunks
+// [n', ((n' >> (m-1)) + 1) << (m-1)) at level p + m and by its ancestors' readers (and the final state):
+//   X(n') = sum_{m: bit m-1 of n'} ( sum_{r in [n', end_m(n'))} sigma_m(r)  +  A_m[(n' >> (m-1)) - 1] ),
+//   sigma_m(r) = sum_{i in chunk r} lam[i, p+m] dlam[i, p+m]   (one level's read by chunk r, dotted with dO),
+// A from the push-down (loglinear_tree_kernel's `apart`).
+
+// sig[cg][h][m] = sigma_m(chunk cg) for m = 1 .. lstk - 1 (levels past nL - p - 1: 0); grid (nchunks, H),
+// kChunk threads (one row each).
+template <class T>
+__global__ void __launch_bounds__(kChunk) tree_sigma_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, float* sig) {
+  __shared__ float red[kChunk / 32][kMaxLevels + 1];
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq];
+  const int nr = rows_in(a.len[seq], c), i = threadIdx.x, lane = i & 31, w = i >> 5;
+  const int64_t row = (int64_t(h) * a.Ttot + a.row0[seq] + c * kChunk + i) * ta.nL;
+  for (int m = 1; m < lstk; ++m) {
+    const int l = kLogChunk + m;
+    float x = (i < nr && l < ta.nL) ? ta.lam[row + l] * ta.dlam[row + l] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) red[w][m] = x;
+  }
+  __syncthreads();
+  for (int m = 1 + i; m < lstk; m += kChunk) {
+    float x = 0.f;
+#pragma unroll
+    for (int k = 0; k < kChunk / 32; ++k) x += red[k][m];
+    sig[(cg * a.H + h) * lstk + m] = x;
+  }
+}
+
+// Y[cg][h] per chunk (above); one block per (sequence, head). P[cg][h][m] = sum_{r' >= r} sigma_m(r')
+// over the sequence's chunks (fp64, so that a range P_m(n') - P_m(end) keeps the precision of its
+// own terms however long the sequence).
+template <class T>
+__global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, const float* sig, double* P,
+                                                      const float* apart, int64_t tile, const float* HT, float* Y) {
+  using Scan = cub::BlockScan<double, 256>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ float red[256];
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int64_t nc = chunks_of(a.len, seq), c0 = a.chunk0[seq];
+  if (nc == 0) return;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int top = sn.top();
+  for (int m = 1; m <= top && m < lstk; ++m) {
+    double carry = 0.0;
+    for (int64_t base = nc; base > 0; base -= 256) {  // tiles from the end, reversed
+      const int64_t c = base - 1 - threadIdx.x, x = ((c0 + c) * a.H + h) * lstk + m;
+      double incl, total;
+      Scan(tmp).InclusiveSum(c >= 0 ? double(sig[x]) : 0.0, incl, total);
+      if (c >= 0) P[x] = incl + carry;
+      carry += total;
+      __syncthreads();
+    }
+  }
+  // the last chunk: <dHT, HT> (Fenwick [Ls][dk][dv] per sequence and head)
+  float fin = 0.f;
+  if (ta.dht) {
+    const int64_t sidx = (int64_t(seq) * a.H + h) * ta.Ls * tile;
+    for (int64_t e = threadIdx.x; e < ta.Ls * tile; e += blockDim.x) fin += ta.dht[sidx + e] * HT[sidx + e];
+  }
+  red[threadIdx.x] = fin;
+  __syncthreads();
+  for (int s = 128; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  const int nw = int((tile + 127) / 128);
+  for (int64_t c = threadIdx.x; c < nc; c += blockDim.x) {
+    float x = 0.f;
+    if (c + 1 == nc) {
+      x = red[0];
+    } else {
+      const int64_t n = sn.a0 + c + 1;  // the boundary after chunk c (absolute)
+      for (int m = 1; m <= top && m < lstk; ++m) {
+        if (!((n >> (m - 1)) & 1)) continue;
+        const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
+        x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
+        const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
+        for (int k = 0; k < nw; ++k) x += ap[k];
+      }
+    }
+    Y[(c0 + c) * a.H + h] = x;
+  }
+}
+
+// dg rows: dg_t = (suffix sum of dc over the chunk's rows from t) + Y_c; grid (nchunks, H), one warp.
+template <class T>
+__global__ void __launch_bounds__(32) tree_dg_rows_kernel(GlaArgs<T> a, const float* Y) {
+  using R = Acc<T>;
+  const int64_t cg = blockIdx.x;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg];
+  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
+  const int nr = rows_in(a.len[seq], c), i0 = 2 * threadIdx.x, i1 = i0 + 1;
+  R* dg = a.dg + int64_t(h) * a.Ttot + r0;
+  R x0 = i0 < nr ? dg[i0] : R(0), x1 = i1 < nr ? dg[i1] : R(0);
+  warp_pair_suffix_sum(x0, x1);
+  const R y = Y[cg * a.H + h];
+  if (i0 < nr) dg[i0] = x0 + y;
+  if (i1 < nr) dg[i1] = x1 + y;
 }
 
 // beta, Z into node level 1, and the upper node levels (and tr.ta.pend when set, lstk levels).
@@ -559,15 +694,25 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
     launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
+    // dg per chunk (tree_dg_kernel): the push-down's node terms A, [slots][H][ceil(tile / 128)]
+    const bool gates = a.p.dg != nullptr;
+    DevBuf<float> apart(gates ? size_t(tr.slots * a.p.H * ((tile + 127) / 128)) : 0, s);
     launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
-                         parts.get(), split);
+                         parts.get(), split, apart.get());
     tr.ta.dz16 = dz16.get();
-    gla_bwd_chunk(a.p, s, &tr.ta);
-    // dg = reverse cumsum of q.dq - k.dk, plus <dHT, HT> at the last row: gla_dg reduces its
-    // [N][H][dk][dv] states, so the Fenwick [N][H][Ls][dk][dv] ones pass as dk' = Ls dk rows
-    GlaArgs<T> p = a.p;
-    p.dht = fin ? a.p.dht : nullptr, p.ht = HT.get(), p.dk = a.Ls * a.p.dk;
-    gla_dg(p, s);
+    gla_bwd_chunk(a.p, s, &tr.ta);  // dq, dk, dv, dlam, and the rows' dc in dg
+    const size_t nsig = gates ? size_t(a.p.nchunks * a.p.H * tr.lstk) : 0;
+    DevBuf<float> sig(nsig, s), Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);
+    DevBuf<double> P(nsig, s);
+    if (gates && !dry_run()) {  // dry run: workspace_size
+      tree_sigma_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), kChunk, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get());
+      HILA_CUDA_CHECK_LAUNCH();
+      tree_dg_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get(), P.get(), apart.get(), tile, HT.get(),
+                                                      Y.get());
+      HILA_CUDA_CHECK_LAUNCH();
+      tree_dg_rows_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), 32, 0, s>>>(a.p, Y.get());
+      HILA_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 
