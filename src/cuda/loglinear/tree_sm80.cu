@@ -569,22 +569,26 @@ __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta,
     if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
     __syncthreads();
   }
-  const int nw = int((tile + 127) / 128);
-  for (int64_t c = threadIdx.x; c < nc; c += blockDim.x) {
+  // one warp per chunk: lane 0 takes the sigma ranges, the lanes share the node terms' warp parts
+  const int nw = int((tile + 127) / 128), lane = threadIdx.x & 31;
+  for (int64_t c = threadIdx.x >> 5; c < nc; c += blockDim.x >> 5) {
     float x = 0.f;
     if (c + 1 == nc) {
-      x = red[0];
+      x = lane == 0 ? red[0] : 0.f;
     } else {
       const int64_t n = sn.a0 + c + 1;  // the boundary after chunk c (absolute)
       for (int m = 1; m <= top && m < lstk; ++m) {
         if (!((n >> (m - 1)) & 1)) continue;
         const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
-        x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
+        if (lane == 0)
+          x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
         const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
-        for (int k = 0; k < nw; ++k) x += ap[k];
+        for (int k = lane; k < nw; k += 32) x += ap[k];
       }
     }
-    Y[(c0 + c) * a.H + h] = x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) Y[(c0 + c) * a.H + h] = x;
   }
 }
 
