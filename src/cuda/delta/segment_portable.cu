@@ -169,20 +169,6 @@ __device__ void bgemm(R* C, int ldc, const R* A, int lda, bool ta, const R* B, i
   __syncthreads();
 }
 
-// Sum over the block (all threads get it). red: kThreads entries of shared memory.
-template <class R>
-__device__ R block_sum(R x, R* red) {
-  red[threadIdx.x] = x;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {  // blockDim.x: a power of two <= kThreads
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
-  const R r = red[0];
-  __syncthreads();
-  return r;
-}
-
 // One segment of one (sequence, head): rows [row, row + nr) of the packed buffers, absolute
 // positions [s, e); hoff / dhoff: offsets (in matrices per head) of its stored levels at s / e.
 struct SegCtx {

@@ -83,19 +83,6 @@ __device__ void add_level_product(R* G, int dv, int v0, R* Hf, int ldvr, const T
   __syncthreads();
 }
 
-template <class R>
-__device__ R block_sum(R x, R* red) {
-  red[threadIdx.x] = x;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
-  const R r = red[0];
-  __syncthreads();
-  return r;
-}
-
 // ---- forward sweep ---------------------------------------------------------------------------
 
 template <class T>

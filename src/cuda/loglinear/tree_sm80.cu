@@ -223,9 +223,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
   auto node_dot = [&](int64_t slot, const float4& x) {
     const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const T*>(ta.node16) + (slot * H + h) * tile + e);
     const float2 n01 = mma::unpack2<T>(u.x), n23 = mma::unpack2<T>(u.y);
-    float d = valid ? x.x * n01.x + x.y * n01.y + x.z * n23.x + x.w * n23.y : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    const float d = warp_sum(valid ? x.x * n01.x + x.y * n01.y + x.z * n23.x + x.w * n23.y : 0.f);
     if ((threadIdx.x & 31) == 0) apart[(slot * H + h) * ((tile + 127) / 128) + (e >> 7)] = d;
   };
   float4 stk[kMaxLevels + 1];
@@ -518,9 +516,7 @@ __global__ void __launch_bounds__(kChunk) tree_sigma_kernel(GlaArgs<T> a, TreeAr
   const int64_t row = (int64_t(h) * a.Ttot + a.row0[seq] + c * kChunk + i) * ta.nL;
   for (int m = 1; m < lstk; ++m) {
     const int l = kLogChunk + m;
-    float x = (i < nr && l < ta.nL) ? ta.lam[row + l] * ta.dlam[row + l] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    const float x = warp_sum((i < nr && l < ta.nL) ? ta.lam[row + l] * ta.dlam[row + l] : 0.f);
     if (lane == 0) red[w][m] = x;
   }
   __syncthreads();
@@ -563,18 +559,13 @@ __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta,
     const int64_t sidx = (int64_t(seq) * a.H + h) * ta.Ls * tile;
     for (int64_t e = threadIdx.x; e < ta.Ls * tile; e += blockDim.x) fin += ta.dht[sidx + e] * HT[sidx + e];
   }
-  red[threadIdx.x] = fin;
-  __syncthreads();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
+  fin = block_sum(fin, red);
   // one warp per chunk: lane 0 takes the sigma ranges, the lanes share the node terms' warp parts
   const int nw = int((tile + 127) / 128), lane = threadIdx.x & 31;
   for (int64_t c = threadIdx.x >> 5; c < nc; c += blockDim.x >> 5) {
     float x = 0.f;
     if (c + 1 == nc) {
-      x = lane == 0 ? red[0] : 0.f;
+      x = lane == 0 ? fin : 0.f;
     } else {
       const int64_t n = sn.a0 + c + 1;  // the boundary after chunk c (absolute)
       for (int m = 1; m <= top && m < lstk; ++m) {
@@ -586,8 +577,7 @@ __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta,
         for (int k = lane; k < nw; k += 32) x += ap[k];
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    x = warp_sum(x);
     if (lane == 0) Y[(c0 + c) * a.H + h] = x;
   }
 }
@@ -601,11 +591,7 @@ __global__ void __launch_bounds__(32) tree_dg_rows_kernel(GlaArgs<T> a, const fl
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
   const int nr = rows_in(a.len[seq], c), i0 = 2 * threadIdx.x, i1 = i0 + 1;
   R* dg = a.dg + int64_t(h) * a.Ttot + r0;
-  R x0 = i0 < nr ? dg[i0] : R(0), x1 = i1 < nr ? dg[i1] : R(0);
-  warp_pair_suffix_sum(x0, x1);
-  const R y = Y[cg * a.H + h];
-  if (i0 < nr) dg[i0] = x0 + y;
-  if (i1 < nr) dg[i1] = x1 + y;
+  chunk_dg(dg, i0 < nr ? dg[i0] : R(0), i1 < nr ? dg[i1] : R(0), R(Y[cg * a.H + h]), nr);
 }
 
 // beta, Z into node level 1, and the upper node levels (and tr.ta.pend when set, lstk levels).

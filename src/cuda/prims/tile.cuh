@@ -127,6 +127,20 @@ __device__ __forceinline__ R warp_sum(R x) {
   return x;
 }
 
+// Sum over the block (every thread gets it); blockDim.x a power of two, red [blockDim.x] shared.
+template <class R>
+__device__ R block_sum(R x, R* red) {
+  red[threadIdx.x] = x;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  const R r = red[0];
+  __syncthreads();
+  return r;
+}
+
 // The gate gradient of one chunk's rows (docs/math/HLA.md §7.1, "the gate gradient per chunk"):
 //   dg_i = D + sum_{i <= r < nr} dc_r
 // with dc the per-row q^.dq^ - k.dk (lane l holds rows 2l, 2l+1 in x0, x1; 0 from row nr on) and
