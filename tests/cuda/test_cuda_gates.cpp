@@ -66,7 +66,8 @@ struct DgCase {
   SlowGates gates;
   Knobs knobs;
   std::string name;
-  bool train = false;              // no final-state cotangent (loglinear_gdn: its tensor-core backward)
+  bool train = false;              // no final-state cotangent (loglinear_gdn: its tensor-core backward;
+                                   // loglinear_hla2, above)
 };
 
 std::vector<DgCase> dg_cases() {
@@ -75,6 +76,11 @@ std::vector<DgCase> dg_cases() {
     const std::string name = std::string(op_name(op)) + (d != 64 ? "_d" + std::to_string(d) : "") + "_T" +
                              std::to_string(T) + (sg == SlowGates::logsigmoid16 ? "_logsig16" : "_g1em3") + tag;
     cs.push_back({op, T, d, sg, k, name});
+    // loglinear_hla2 without a final-state cotangent (the training setting): with one, its last
+    // chunks' dg reads the cotangent through the 16-bit dZ in the rows' k.dk but through the fp32
+    // final state in <dHT, HT>, which do not cancel in rounding (docs/PERFORMANCE.md, "Gate-gradient
+    // accuracy")
+    if (op == Op::loglinear_hla2) cs.back().train = true;
   };
   const Op ops[] = {Op::gla, Op::hla2, Op::ahla, Op::hla3, Op::loglinear, Op::loglinear_hla2, Op::gdn, Op::loglinear_gdn};
   // T = 65536 (each case's float64 reference takes about 10 s of one CPU core): gla with both gate
@@ -125,11 +131,6 @@ class CudaGateGradients : public ::testing::TestWithParam<DgCase> {};
 TEST_P(CudaGateGradients, SlowGatesDgAsAccurateAsTheOtherGradients) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const DgCase c = GetParam();
-  if (c.op == Op::loglinear_hla2)
-    GTEST_SKIP() << "loglinear_hla2: on the host emulator its dg error is 1.7-2x the other gradients' already at "
-                    "T = 256, on the segment sweep (chunk-local dg) as on the tree (hla2: 0.3x); its inner and outer "
-                    "gate gradients do not cancel in float64, and the cause is open (docs/PERFORMANCE.md, "
-                    "\"Gate-gradient accuracy\"), so this bound is not asserted";
   ProblemSpec s;
   s.cfg.op = c.op;
   s.B = 1, s.T = c.T, s.G = 1, s.H = 2, s.dk = s.dv = c.d;
