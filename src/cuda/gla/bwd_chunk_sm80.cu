@@ -20,7 +20,8 @@ using namespace gla_sm80;
 //   dV  = diag(w) K dH + P^T dO
 //   dc  = q^ . dq^ - k . dk,  dg = its reverse cumsum in the chunk + <dH, H_end>   (gla.cuh)
 //   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j
-// (the tree form and a.dg_rows: dc per row instead).
+// (the tree form and a.dg_rows: dc per row instead; the tree form writes the second term, plus
+// sum_j k_j . fin_dk_j on a last partial chunk, to ta.rho: loglinear/tree.cuh).
 // Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc (+ the
 // per-warp parts of <dH, H_end>).
 constexpr int kBwdThreads = 256;
@@ -231,21 +232,28 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   // kTree with a final-state cotangent: the last partial chunk's rows gain fin [C][d] (fp32, per
   // (sequence, head); loglinear_final_bwd_kernel): its levels <= p of the final state
   const bool fin_rows = kTree && ta.fin_dk && nr < kChunk;
-  auto add_fin = [&](float(&acc)[8][4], const float* fin, int d, int c0, int nt) {
+  // (with kdot: kdot += k . fin over these columns, for ta.rho)
+  auto add_fin = [&](float(&acc)[8][4], const float* fin, int d, int c0, int nt, float* kdot) {
     const float* base = fin + (int64_t(seq) * a.H + h) * kChunk * d;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j < nt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int i = hf ? i1 : i0;
+          const int i = hf ? i1 : i0, col = c0 + 8 * j + 2 * t;
           if (i < nr) {
-            const float2 x = *reinterpret_cast<const float2*>(base + int64_t(i) * d + c0 + 8 * j + 2 * t);
+            const float2 x = *reinterpret_cast<const float2*>(base + int64_t(i) * d + col);
             acc[j][2 * hf] += x.x, acc[j][2 * hf + 1] += x.y;
+            if (kdot) {
+              const float2 k = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.K + i * s.ldk + col));
+              *kdot += k.x * x.x + k.y * x.y;
+            }
           }
         }
   };
-  float dpart = 0.f;  // this thread's part of <dH, H_end> (not in the tree form)
+  // this thread's part of <dH, H_end> (gla) or of ta.rho (the tree form: its state-write term alone)
+  float dpart = 0.f;
+  const bool part = !a.dg_rows && (!kTree || ta.rho);
   if constexpr (!kTree) {  // dH landed
     mma::cp_async_wait<0>();
     __syncthreads();
@@ -267,13 +275,13 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     mma::zero(acc), mma::zero(acc2);
     mma::warp_gemm<T, 8, false, false>(acc, s.V, s.ldv, 16 * rb, s.dH, s.ldv, cc, nt, 0, dv);
     mma::warp_gemm<T, 8, true, true>(acc2, s.dA, kLdTile, 16 * rb, s.Q, s.ldk, cc, nt, 16 * rb, kChunk);
-    if constexpr (!kTree) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+    if (part) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
       float d0 = 0.f, d1 = 0.f;
       dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);
       dpart += w0 * d0 + w1 * d1;
     }
     combine(acc, acc2, sc);
-    if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt);
+    if (fin_rows) add_fin(acc, ta.fin_dk, dk, cc, nt, part ? &dpart : nullptr);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, s.K, s.ldk, cc, nt, d0, d1);  // dc reads the key-role gradient alone
     dcp0 -= d0, dcp1 -= d1;
@@ -295,7 +303,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
     mma::warp_gemm<T, 8, false, true>(acc, s.K, s.ldk, 16 * rb, s.dH, s.ldv, cc, nt, 0, dk);
     mma::warp_gemm<T, 8, true, true>(acc2, s.P, kLdTile, 16 * rb, s.dO, s.ldv, cc, nt, 16 * rb, kChunk);
     combine(acc, acc2, 1.f);
-    if (fin_rows) add_fin(acc, ta.fin_dv, dv, cc, nt);
+    if (fin_rows) add_fin(acc, ta.fin_dv, dv, cc, nt, nullptr);
     store(a.dv_, dv, a.dv_out, acc, cc, nt);
   }
   // dc: reduce over the 4 lanes of a row, then over the two column halves
@@ -303,17 +311,20 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 1), dcp1 += __shfl_xor_sync(0xffffffffu, dcp1, 2);
   if (t == 0) s.dc[ch * kChunk + i0] = dcp0, s.dc[ch * kChunk + i1] = dcp1;
   const bool rows_only = kTree || a.dg_rows;
-  if (!rows_only) {
+  if (part) {
     dpart = warp_sum(dpart);
     if (lane == 0) s.dc[2 * kChunk + w] = dpart;
   }
   __syncthreads();
-  if (rows_only) {
-    if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
-  } else if (w == 0) {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>
-    float D = 0.f;
+  float D = 0.f;  // the chunk's <dH, H_end> (gla) or rho (tree)
+  if (part && w == 0) {
 #pragma unroll
     for (int x = 0; x < kBwdThreads / 32; ++x) D += s.dc[2 * kChunk + x];
+  }
+  if (rows_only) {
+    if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
+    if (kTree && part && threadIdx.x == 0) ta.rho[cg * a.H + h] = D;
+  } else if (w == 0) {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>
     const int j0 = 2 * lane, j1 = j0 + 1;
     chunk_dg(a.dg + rowbase, j0 < nr ? s.dc[j0] + s.dc[kChunk + j0] : 0.f,
              j1 < nr ? s.dc[j1] + s.dc[kChunk + j1] : 0.f, D, nr);

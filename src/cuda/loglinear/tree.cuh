@@ -107,6 +107,10 @@ struct TreeArgs {
   // chunk's rows gain fin_dk [N][H][C][dk], fin_dv [N][H][C][dv] in dk, dv (loglinear_final_bwd_kernel)
   const float* dht = nullptr;
   const float *fcoef = nullptr, *fin_dk = nullptr, *fin_dv = nullptr;
+  // backward with gates: the chunk kernel writes rho[cg][h] = the pairs (i past the chunk, j in it)
+  // of the chunk's dg term, sum_j k_j . dk_j over its state-write parts (w_j (V dZ^T)_j + fin_dk_j),
+  // from the same products as its rows' dc (tree_dg_kernel adds the rest of Y_c)
+  float* rho = nullptr;
 };
 
 __device__ __forceinline__ SeqNodes seq_nodes(const TreeArgs& ta, const int64_t* chunk0, int seq, int64_t nc) {

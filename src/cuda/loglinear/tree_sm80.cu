@@ -494,15 +494,19 @@ void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64
 }
 
 // The gate gradient of the tree form per chunk (docs/math/LOGLINEAR.md §5.3): for row t of chunk c
-// (absolute n = a0 + c),  dg_t = sum_{t <= i in chunk} dc_i + Y_c,  with Y_c the cross-boundary sum
-//   X(n + 1) = sum over the pairs (i >= (n+1) C, j < (n+1) C) of dP_ij P_ij
-// (Y_c = <dHT, HT> for the last chunk), formed from terms that are each one read of one node, so no
-// rounding is carried along the sequence. The sources before boundary n' are the nodes D_m(n') =
-// node_m[(n' >> (m-1)) - 1] of the set bits m-1 of n'; each is read by the chunks
-// [n', ((n' >> (m-1)) + 1) << (m-1)) at level p + m and by its ancestors' readers (and the final state):
-//   X(n') = sum_{m: bit m-1 of n'} ( sum_{r in [n', end_m(n'))} sigma_m(r)  +  A_m[(n' >> (m-1)) - 1] ),
+// (absolute n = a0 + c),  dg_t = sum_{t <= i in chunk} dc_i + Y_c,  with Y_c the sum of dP_ij P_ij over
+// the pairs i >= (n+1) C > j (the final state counting as a reader after the last row), split by the
+// source j:
+//   Y_c = rho_c + X(n):  rho_c the sources in chunk c (the chunk kernel: sum_j k_j . dk_j over the
+//   state-write parts of dk_j, from the same 16-bit dZ as the rows' k . dk, so that its large parts
+//   cancel exactly, as in GLA), X(n) the sources before boundary n read past chunk c:
+//   X(n) = sum_{m: bit m-1 of n} ( sum_{r in [n + 1, e_m(n))} sigma_m(r)  +  A_m[(n >> (m-1)) - 1] ),
+// with D_m(n) = node_m[(n >> (m-1)) - 1] the nodes of the set bits m-1 of n, each read at level p + m
+// by the chunks [n, e_m(n)), e_m(n) = ((n >> (m-1)) + 1) << (m-1), and by its ancestors' readers and
+// the final state:
 //   sigma_m(r) = sum_{i in chunk r} lam[i, p+m] dlam[i, p+m]   (one level's read by chunk r, dotted with dO),
-// A from the push-down (loglinear_tree_kernel's `apart`).
+// A from the push-down (loglinear_tree_kernel's `apart`). Every term is one read of one node, so no
+// rounding is carried along the sequence.
 
 // sig[cg][h][m] = sigma_m(chunk cg) for m = 1 .. lstk - 1 (levels past nL - p - 1: 0); grid (nchunks, H),
 // kChunk threads (one row each).
@@ -528,15 +532,14 @@ __global__ void __launch_bounds__(kChunk) tree_sigma_kernel(GlaArgs<T> a, TreeAr
   }
 }
 
-// Y[cg][h] per chunk (above); one block per (sequence, head). P[cg][h][m] = sum_{r' >= r} sigma_m(r')
-// over the sequence's chunks (fp64, so that a range P_m(n') - P_m(end) keeps the precision of its
-// own terms however long the sequence).
+// Y[cg][h] += X(n) per chunk (above; Y holds rho); one block per (sequence, head). P[cg][h][m] =
+// sum_{r' >= r} sigma_m(r') over the sequence's chunks (fp64, so that a range P_m(n + 1) - P_m(end)
+// keeps the precision of its own terms however long the sequence).
 template <class T>
 __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, const float* sig, double* P,
-                                                      const float* apart, int64_t tile, const float* HT, float* Y) {
+                                                      const float* apart, int64_t tile, float* Y) {
   using Scan = cub::BlockScan<double, 256>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ float red[256];
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int64_t nc = chunks_of(a.len, seq), c0 = a.chunk0[seq];
   if (nc == 0) return;
@@ -553,32 +556,21 @@ __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta,
       __syncthreads();
     }
   }
-  // the last chunk: <dHT, HT> (Fenwick [Ls][dk][dv] per sequence and head)
-  float fin = 0.f;
-  if (ta.dht) {
-    const int64_t sidx = (int64_t(seq) * a.H + h) * ta.Ls * tile;
-    for (int64_t e = threadIdx.x; e < ta.Ls * tile; e += blockDim.x) fin += ta.dht[sidx + e] * HT[sidx + e];
-  }
-  fin = block_sum(fin, red);
   // one warp per chunk: lane 0 takes the sigma ranges, the lanes share the node terms' warp parts
   const int nw = int((tile + 127) / 128), lane = threadIdx.x & 31;
   for (int64_t c = threadIdx.x >> 5; c < nc; c += blockDim.x >> 5) {
     float x = 0.f;
-    if (c + 1 == nc) {
-      x = lane == 0 ? fin : 0.f;
-    } else {
-      const int64_t n = sn.a0 + c + 1;  // the boundary after chunk c (absolute)
-      for (int m = 1; m <= top && m < lstk; ++m) {
-        if (!((n >> (m - 1)) & 1)) continue;
-        const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
-        if (lane == 0)
-          x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
-        const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
-        for (int k = lane; k < nw; k += 32) x += ap[k];
-      }
+    const int64_t n = sn.a0 + c;  // the boundary before chunk c (absolute)
+    for (int m = 1; m <= top && m < lstk; ++m) {
+      if (!((n >> (m - 1)) & 1)) continue;
+      const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
+      if (lane == 0 && c + 1 < nc)  // the reads by chunks c + 1 .. end - 1
+        x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
+      const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
+      for (int k = lane; k < nw; k += 32) x += ap[k];
     }
     x = warp_sum(x);
-    if (lane == 0) Y[(c0 + c) * a.H + h] = x;
+    if (lane == 0) Y[(c0 + c) * a.H + h] += x;
   }
 }
 
@@ -654,13 +646,12 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     }
     Tree<T> tr(a, t, s);
     tr.ta.dh0 = a.p.dh0;
-    // a final-state cotangent: the pending nodes (for HT, the dg term) and loglinear_final_bwd_kernel's terms
+    // a final-state cotangent: the pending nodes' coefficients and loglinear_final_bwd_kernel's terms
     const bool fin = a.p.dht != nullptr;
-    DevBuf<float> pend(fin ? size_t(NH * tr.lstk * tile) : 0, s), HT(fin ? size_t(NH * a.Ls * tile) : 0, s);
     DevBuf<float> fcoef(fin ? size_t(NH * tr.lstk) : 0, s);
     DevBuf<float> fin_dk(fin ? size_t(NH * kChunk * a.p.dk) : 0, s), fin_dv(fin ? size_t(NH * kChunk * a.p.dv) : 0, s);
     if (fin) {
-      tr.ta.pend = pend.get(), tr.ta.lpend = tr.lstk;
+      tr.ta.lpend = tr.lstk;
       tr.ta.dht = a.p.dht, tr.ta.fcoef = fcoef.get();
       tr.ta.fin_dk = fin_dk.get(), tr.ta.fin_dv = fin_dv.get();
     }
@@ -668,11 +659,6 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     if (fin && !dry_run()) {  // dry run: workspace_size
       loglinear_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
       HILA_CUDA_CHECK_LAUNCH();
-      if (a.p.nchunks > 0) {
-        loglinear_final_kernel<T><<<dim3(unsigned(NH), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
-                             128, 0, s>>>(a.p, tr.ta, HT.get());
-        HILA_CUDA_CHECK_LAUNCH();
-      }
     }
     if (a.p.nchunks == 0) return;
     DevBuf<float> dnode(size_t(tr.slots * a.p.H * tile), s);
@@ -690,15 +676,16 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
                          parts.get(), split, apart.get());
     tr.ta.dz16 = dz16.get();
-    gla_bwd_chunk(a.p, s, &tr.ta);  // dq, dk, dv, dlam, and the rows' dc in dg
+    DevBuf<float> Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);  // Y_c per chunk (tree_dg_kernel): rho_c first
+    tr.ta.rho = Y.get();
+    gla_bwd_chunk(a.p, s, &tr.ta);  // dq, dk, dv, dlam, the rows' dc in dg and rho in Y
     const size_t nsig = gates ? size_t(a.p.nchunks * a.p.H * tr.lstk) : 0;
-    DevBuf<float> sig(nsig, s), Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);
+    DevBuf<float> sig(nsig, s);
     DevBuf<double> P(nsig, s);
     if (gates && !dry_run()) {  // dry run: workspace_size
       tree_sigma_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), kChunk, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get());
       HILA_CUDA_CHECK_LAUNCH();
-      tree_dg_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get(), P.get(), apart.get(), tile, HT.get(),
-                                                      Y.get());
+      tree_dg_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get(), P.get(), apart.get(), tile, Y.get());
       HILA_CUDA_CHECK_LAUNCH();
       tree_dg_rows_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), 32, 0, s>>>(a.p, Y.get());
       HILA_CUDA_CHECK_LAUNCH();
