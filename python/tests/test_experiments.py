@@ -509,6 +509,27 @@ def test_runs_out_of_memory_are_retried_with_fewer_at_once(tmp_path, monkeypatch
         assert sorted(r["mixer"] for r in runner.read_rows(out)) == ["gla", "sdpa"]
 
 
+def _slow_worker(cfg, devices, progress, cuda_graph):
+    """A worker that waits a second before training (test_parallel_runs_report_their_starts_and_a_heartbeat)."""
+    import time
+    time.sleep(1.0)
+    return runner._run_one(cfg, devices, progress, cuda_graph)
+
+
+def test_parallel_runs_report_their_starts_and_a_heartbeat(tmp_path, capsys):
+    """With several processes each start is printed, and the runs still going at every heartbeat
+    without a finished run."""
+    out = tmp_path / "mqar.csv"
+    runs = runner.grid("mqar", ["gla", "sdpa"], [16], [16], [0], [1e-3], pairs=2, vocab=16, steps=3, batch=4,
+                       train_examples=8, eval_examples=4, eval_every=3)
+    assert runner.execute(runs, out, parallel=2, devices=["cpu"], progress=False, threads=1, worker=_slow_worker,
+                          heartbeat=0.2) == 0
+    err = capsys.readouterr().err
+    assert err.count("hila.experiments: started ") == 2
+    assert "2 running after" in err and "0 finished: " in err
+    assert len(runner.read_rows(out)) == 2
+
+
 def test_progress_lines_without_tqdm(capsys):
     from hila.experiments import train
     bar = train._Lines(20, "run", True)

@@ -167,7 +167,7 @@ def after_out_of_memory(limit: int, alone: bool, retries: int, max_retries: int)
 
 def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices: Sequence[str] = ("auto",),
             time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None,
-            cuda_graph: bool = False, worker=None) -> int:
+            cuda_graph: bool = False, worker=None, heartbeat: Optional[float] = 60.0) -> int:
     """Runs every run whose key is not in out_csv yet, ``parallel`` at a time (1: in this process),
     appending each one's rows as it finishes. No run starts after ``time_limit`` seconds. Returns
     the number of runs that failed with an error (diverged runs are results, not failures).
@@ -178,7 +178,9 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
     then on (:func:`after_out_of_memory`), so a grid started with too many processes for the
     card's memory settles at a number that fits. ``worker``: the function each worker process
     calls, ``worker(cfg, devices, progress, cuda_graph) -> (rows, error text)`` (default: train.run's;
-    tests give others)."""
+    tests give others). With ``parallel`` > 1 each run's start is printed, and every ``heartbeat``
+    seconds without a finished run (None: never) the runs still going, so that a log shows where
+    a call stood when it was stopped."""
     runs, done = list(runs), done_keys(out_csv)
     todo = [r for r in runs if r.key() not in done]
     print(f"hila.experiments: {len(todo)} runs to do, {len(runs) - len(todo)} already in {out_csv} "
@@ -236,9 +238,15 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
                         cfg = queue.pop(0)
                         fut = pool.submit(worker or _run_one, cfg, list(devices), progress, cuda_graph)
                         running[fut] = (cfg, limit == 1)  # alone: no other run starts beside it
+                        print(f"hila.experiments: started {cfg.label()} ({len(running)} running)", file=sys.stderr,
+                              flush=True)
                     if not running:
                         break
-                    ready, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                    ready, _ = cf.wait(running, timeout=heartbeat, return_when=cf.FIRST_COMPLETED)
+                    if not ready:
+                        print(f"hila.experiments: {len(running)} running after {time.monotonic() - start:.0f} s, "
+                              f"{finished} finished: " + ", ".join(c.label() for c, _ in running.values()),
+                              file=sys.stderr, flush=True)
                     for fut in ready:
                         cfg, alone = running.pop(fut)
                         try:
