@@ -21,13 +21,13 @@
 //   dlam[i, p+m] = e^{b_i+gap} q^_i.(dO node_m^T)_i, dlam[i, LUT] from the intra block, dc = q^.dq^ - k.dk
 //   (the initial levels' reads enter q^.dq^ like any other), and
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
-//   dg per chunk: the chunk's reverse cumsum of dc plus the sum over the pairs crossing its end, from
-//   the levels' reads (sum of lam dlam per chunk) and the push-down's node terms (tree_sm80.cu,
-//   tree_dg_kernel; docs/math/LOGLINEAR.md §5.3).
+//   dg per chunk: the chunk's reverse cumsum of dc plus the sum over the pairs crossing its end: rho
+//   (the chunk's own state write, TreeArgs::rho) plus, for the sources before the chunk, the levels'
+//   reads (sum of lam dlam per chunk) and the push-down's node terms (tree_sm80.cu, tree_dg_kernel;
+//   docs/math/LOGLINEAR.md §5.3).
 //   A final-state cotangent dHT (final state as in loglinear_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
-//   the pending node of level m before the push-down, w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
-//   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}), and <dHT, HT> to the last
-//   chunk's dg.
+//   the pending node of level m before the push-down, and w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
+//   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}); dg reads it through these.
 //   The parts of long reading ranges (loglinear_wkv_kernel kPart) need a0 = 0.
 // All nodes, their cotangents and beta are fp32.
 //
