@@ -23,8 +23,9 @@
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
 //   dg per chunk: the chunk's reverse cumsum of dc plus the sum over the pairs crossing its end: rho
 //   (the chunk's own state write, TreeArgs::rho) plus, for the sources before the chunk, the levels'
-//   reads (sum of lam dlam per chunk) and the push-down's node terms (tree_sm80.cu, tree_dg_kernel;
-//   docs/math/LOGLINEAR.md §5.3).
+//   reads (sum of lam dlam per chunk) and the push-down's node terms A (tree_sm80.cu, tree_dg_kernel;
+//   docs/math/LOGLINEAR.md §5.3). The backward builds the nodes after the push-down, so that the
+//   build forms A from each fp32 node as it forms it (TreeArgs::pcot, apart).
 //   A final-state cotangent dHT (final state as in loglinear_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
 //   the pending node of level m before the push-down, and w_s dHT[l_s] v_s and w_s dHT[l_s]^T k_s to dk,
 //   dv of the last partial chunk's rows (level l_s, w_s = e^{B_r - b_s}); dg reads it through these.
@@ -111,7 +112,17 @@ struct TreeArgs {
   // of the chunk's dg term, sum_j k_j . dk_j over its state-write parts (w_j (V dZ^T)_j + fin_dk_j),
   // from the same products as its rows' dc (tree_dg_kernel adds the rest of Y_c)
   float* rho = nullptr;
+  // backward with gates: the builds (tree_close, loglinear_tree_kernel's up pass) write the node
+  // terms A_m[j] = <pcot, node_m[j]> of every node they form, from the fp32 node: pcot [slots][H][dk][dv]
+  // is the part of the node's cotangent from its ancestors and the final state (the push-down's D - R);
+  // apart [slots][H][ceil(dk dv / 128)] takes one partial sum per warp of 128 elements (or of one
+  // 64 x 64 state tile's 16 rows, at (tile index) * 4 + warp), zero elsewhere (tree_dg_kernel sums them)
+  const float* pcot = nullptr;
+  float* apart = nullptr;
 };
+
+// The number of partial sums per node of TreeArgs::apart.
+__host__ __device__ __forceinline__ int64_t apart_parts(int64_t tile) { return (tile + 127) / 128; }
 
 __device__ __forceinline__ SeqNodes seq_nodes(const TreeArgs& ta, const int64_t* chunk0, int seq, int64_t nc) {
   SeqNodes sn;
@@ -216,6 +227,19 @@ __device__ __forceinline__ void tree_close(const TreeArgs& ta, const SeqNodes& s
   stk.put(m, at);
   if (active)
     mma::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
+  if (ta.apart && active) {  // A_m[i] = <pcot, node_m[i]> over this warp's 16 rows of the tile (fp32)
+    const int64_t slot = sn.slot(m, i), tile = int64_t(dk) * dv;
+    const float* pc = ta.pcot + (slot * H + h) * tile;
+    float x = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x += at(j, e) * pc[int64_t(r + 8 * (e >> 1)) * dv + c0 + 8 * j + (e & 1)];
+    x = warp_sum(x);
+    const int part = ((r >> 6) * ((dv + 63) / 64) + (c0 >> 6)) * 4 + ((r >> 4) & 3);
+    if ((threadIdx.x & 31) == 0) ta.apart[(slot * H + h) * apart_parts(tile) + part] = x;
+  }
 }
 
 // After the last full chunk (nch of them): the pending nodes, level m for each set bit m-1 of

@@ -177,30 +177,33 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 // N x H), four elements per thread, per-level registers in `stk` (a binary counter).
 //   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
 //         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
-//         (levels >= 2, even i; level 1 comes from the Z kernel), and with `pend` the nodes
-//         pending at the end (TreeArgs::pend).
+//         (levels >= 2, even i; level 1 comes from the Z kernel), with `pend` the nodes
+//         pending at the end (TreeArgs::pend), and with ta.apart the node terms A of the nodes it
+//         forms (levels >= 2), from the fp32 node: per warp of 128 elements (TreeArgs::apart).
 //   down: D_m[i] = R_m[i] + c D_{m+1}[i/2], c = e^{beta_m[i+1]} (i even) or 1 (i odd), with R the
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
 //         writes dZ = D_1 to n16 (16-bit, by global chunk). It is the push-down of §5.3.
-//         With `apart` it also writes, for every even node (m, i) it forms (the nodes chunks
-//         read), A_m[i] = <D_m[i] - R_m[i], node_m[i]>: the part of the node's cotangent from its
-//         ancestors' readers and the final state, dotted with the node (16-bit copy) — per warp of
-//         128 elements, apart [slots][H][ceil(tile / 128)] (tree_dg_kernel sums the warps).
+//         With `pout` it also writes, for every even node (m, i) (the nodes chunks read), its
+//         D_m[i] - R_m[i] to pout[slot] (the part of the node's cotangent from its ancestors'
+//         readers and the final state; pout may be `node` itself: each element is read before it
+//         is written, by the same thread); the builds dot it with the fp32 node for A_m[i]
+//         (TreeArgs::pcot, apart). The initial state's nodes get their A here, from H0 (fp32), in
+//         `apart` (per warp of 128 elements).
 
 template <class T, bool kDown>
 __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
                                                       TreeArgs ta, const float* node, T* n16, const float* parts,
-                                                      int split, float* apart) {
+                                                      int split, float* pout, float* apart) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
   const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
   const int64_t base = sn.base, a0 = sn.a0;
   const int64_t e_raw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  // the warps of `apart` stay whole (their shuffles): a lane past the tile works on its warp's first
-  // elements and stores nothing
-  const bool valid = e_raw < tile;
-  if (nc == 0 || (kDown && apart ? (e_raw & ~int64_t(127)) >= tile : !valid)) return;
+  // the warps of the node terms A stay whole (their shuffles): a lane past the tile works on its
+  // warp's first elements and stores nothing
+  const bool valid = e_raw < tile, whole = kDown ? apart != nullptr : ta.apart != nullptr;
+  if (nc == 0 || (whole ? (e_raw & ~int64_t(127)) >= tile : !valid)) return;
   const int64_t e = valid ? e_raw : (e_raw & ~int64_t(127));
   const int top = sn.top();           // levels 1..top hold nodes
   int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
@@ -219,12 +222,10 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
   };
   auto axpy = [](float4& y, float f, const float4& x) { y.x += f * x.x, y.y += f * x.y, y.z += f * x.z, y.w += f * x.w; };
   auto decay = [&](int m, int64_t i) { return __expf(ta.beta[idx(m, i) * H + h]); };
-  // A_m[i] = <x, node_m[i]> of this warp's 128 elements into apart (see above)
-  auto node_dot = [&](int64_t slot, const float4& x) {
-    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const T*>(ta.node16) + (slot * H + h) * tile + e);
-    const float2 n01 = mma::unpack2<T>(u.x), n23 = mma::unpack2<T>(u.y);
-    const float d = warp_sum(valid ? x.x * n01.x + x.y * n01.y + x.z * n23.x + x.w * n23.y : 0.f);
-    if ((threadIdx.x & 31) == 0) apart[(slot * H + h) * ((tile + 127) / 128) + (e >> 7)] = d;
+  // A = <x, y> of this warp's 128 elements into a[slot] (TreeArgs::apart)
+  auto node_dot = [&](float* a, int64_t slot, const float4& x, const float4& y) {
+    const float d = warp_sum(valid ? x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w : 0.f);
+    if ((threadIdx.x & 31) == 0) a[(slot * H + h) * apart_parts(tile) + (e >> 7)] = d;
   };
   float4 stk[kMaxLevels + 1];
   if constexpr (!kDown) {
@@ -244,11 +245,13 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
         i >>= 1, ++m;
         if (!(i & 1)) put(idx(m, i), cur);
       }
+      if (ta.apart)  // A of the node formed, (m, i even); level 1 too (Z, its 16-bit copy from the Z kernel)
+        node_dot(ta.apart, idx(m, i), cur, *reinterpret_cast<const float4*>(ta.pcot + (idx(m, i) * H + h) * tile + e));
       stk[m] = cur;  // a left child (i even), pending its sibling
     }
     if (ta.pend)
       for (int m = 1; m < ta.lpend; ++m)
-        if (((a0 + nf) >> (m - 1)) & 1)
+        if (valid && (((a0 + nf) >> (m - 1)) & 1))
           *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
   } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
     // the final-state cotangent of the pending node (m, i): fcoef dHT[p + m] (TreeArgs::dht)
@@ -271,7 +274,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
             const float c = (i & 1) ? 1.f : decay(m, i + 1);
             axpy(d, c, stk[m + 1]);
           }
-          if (apart && !(i & 1)) node_dot(idx(m, i), d);
+          const float4 pc = d;
           if (m < split) {
             if (!(i & 1)) axpy(d, 1.f, load(idx(m, i)));  // odd nodes are never read: R = 0
           } else if (!(i & 1) && ((i + 1) << (m - 1)) < nc) {  // R from the parts of its reading range
@@ -283,6 +286,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
               if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
             }
           }
+          if (pout && !(i & 1) && valid) *reinterpret_cast<float4*>(pout + (idx(m, i) * H + h) * tile + e) = pc;
         }
         stk[m] = d;
       }
@@ -293,7 +297,8 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
           float4 d = make_float4(0.f, 0.f, 0.f, 0.f);  // dHT when no full chunk of the call reached it
           add_final(d, m, i0);
           if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
-          if (apart) node_dot(idx(m, i0), d);
+          const float* h0 = ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile;
+          if (apart) node_dot(apart, idx(m, i0), d, *reinterpret_cast<const float4*>(h0 + e));
           axpy(d, 1.f, load(idx(m, i0)));  // its reads (R)
           if (ta.dh0 && valid)
             *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
@@ -486,10 +491,10 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
 template <class T, bool kDown>
 void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
                  const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels,
-                 float* apart = nullptr) {
+                 float* pout = nullptr, float* apart = nullptr) {
   if (dry_run()) return;  // dry run: workspace_size
   loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
-      len, chunk0, H, tile, ta, node, n16, parts, split, apart);
+      len, chunk0, H, tile, ta, node, n16, parts, split, pout, apart);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
@@ -505,7 +510,8 @@ void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64
 // by the chunks [n, e_m(n)), e_m(n) = ((n >> (m-1)) + 1) << (m-1), and by its ancestors' readers and
 // the final state:
 //   sigma_m(r) = sum_{i in chunk r} lam[i, p+m] dlam[i, p+m]   (one level's read by chunk r, dotted with dO),
-// A from the push-down (loglinear_tree_kernel's `apart`). Every term is one read of one node, so no
+// A from the builds (TreeArgs::apart: the push-down's D - R dotted with the fp32 node, so that A
+// carries no rounding of a 16-bit node copy). Every term is one read of one node, so no
 // rounding is carried along the sequence.
 
 // sig[cg][h][m] = sigma_m(chunk cg) for m = 1 .. lstk - 1 (levels past nL - p - 1: 0); grid (nchunks, H),
@@ -586,13 +592,18 @@ __global__ void __launch_bounds__(32) tree_dg_rows_kernel(GlaArgs<T> a, const fl
   chunk_dg(dg, i0 < nr ? dg[i0] : R(0), i1 < nr ? dg[i1] : R(0), R(Y[cg * a.H + h]), nr);
 }
 
-// beta, Z into node level 1, and the upper node levels (and tr.ta.pend when set, lstk levels).
+// beta of every node.
 template <class T>
-void build_tree(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
-  if (!dry_run()) {  // dry run: workspace_size
-    loglinear_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
-    HILA_CUDA_CHECK_LAUNCH();
-  }
+void build_beta(const GlaArgs<T>& p, Tree<T>& tr, cudaStream_t s) {
+  if (dry_run()) return;  // dry run: workspace_size
+  loglinear_beta_kernel<T><<<unsigned(p.N * p.H), 256, 0, s>>>(p, tr.ta, tr.beta.get());
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+// Z into node level 1 and the upper node levels, after build_beta (and tr.ta.pend when set, lstk
+// levels; with tr.ta.apart the node terms A).
+template <class T>
+void build_nodes(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
   if (heuristics::loglinear_tree_build_in_sweep(gla_sweep_blocks(p), sm_count(), config().loglinear_tree_sweep)) {
     DevBuf<float> stack(gla_tree_sweep_stack(p, lstk), s);
     gla_tree_sweep(p, tr.ta, stack.get(), lstk, s);
@@ -624,7 +635,7 @@ void loglinear_tree_forward(const LoglinearArgs<T>& a, const LoglinearTables& t,
     const int lstk = tr.lstk;
     DevBuf<float> pend(a.want_final ? size_t(int64_t(a.p.N) * a.p.H * lstk * a.p.dk * a.p.dv) : 0, s);
     tr.ta.pend = pend.get(), tr.ta.lpend = a.want_final ? lstk : 0;
-    if (a.p.nchunks > 0) build_tree(a.p, tr, lstk, s);
+    if (a.p.nchunks > 0) build_beta(a.p, tr, s), build_nodes(a.p, tr, lstk, s);
     if (a.p.o && a.p.nchunks > 0) gla_output(a.p, s, &tr.ta);
     if (a.want_final && !dry_run()) {  // dry run: workspace_size
       loglinear_final_kernel<T><<<dim3(unsigned(a.p.N * a.p.H), 1, unsigned(((a.p.dk + kTile - 1) / kTile) * ((a.p.dv + kTile - 1) / kTile))),
@@ -655,7 +666,9 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
       tr.ta.dht = a.p.dht, tr.ta.fcoef = fcoef.get();
       tr.ta.fin_dk = fin_dk.get(), tr.ta.fin_dv = fin_dv.get();
     }
-    if (a.p.nchunks > 0) build_tree(a.p, tr, tr.lstk, s);
+    // the nodes are built after the push-down, so that the build forms the node terms A of dg from
+    // the fp32 nodes (TreeArgs::pcot, apart); beta first (the reads' gaps, fcoef)
+    if (a.p.nchunks > 0) build_beta(a.p, tr, s);
     if (fin && !dry_run()) {  // dry run: workspace_size
       loglinear_final_bwd_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, fcoef.get(), fin_dk.get(), fin_dv.get(), a.p.dh0);
       HILA_CUDA_CHECK_LAUNCH();
@@ -670,11 +683,15 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
     launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
-    // dg per chunk (tree_dg_kernel): the push-down's node terms A, [slots][H][ceil(tile / 128)]
+    // dg per chunk (tree_dg_kernel): the node terms A, [slots][H][apart_parts(tile)], zero where no
+    // node is formed; the push-down leaves D - R of the even nodes in dnode (in place of R)
     const bool gates = a.p.dg != nullptr;
-    DevBuf<float> apart(gates ? size_t(tr.slots * a.p.H * ((tile + 127) / 128)) : 0, s);
+    DevBuf<float> apart(gates ? size_t(tr.slots * a.p.H * apart_parts(tile)) : 0, s, true);
     launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
-                         parts.get(), split, apart.get());
+                         parts.get(), split, gates ? dnode.get() : nullptr, apart.get());
+    tr.ta.pcot = gates ? dnode.get() : nullptr, tr.ta.apart = apart.get();
+    build_nodes(a.p, tr, tr.lstk, s);
+    tr.ta.pcot = nullptr, tr.ta.apart = nullptr;
     tr.ta.dz16 = dz16.get();
     DevBuf<float> Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);  // Y_c per chunk (tree_dg_kernel): rho_c first
     tr.ta.rho = Y.get();
