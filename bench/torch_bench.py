@@ -26,13 +26,17 @@
   the extension's ``step_inplace`` replaced by a no-op).
 
 Writes ``torch_bench.csv`` and ``torch_bench.png`` (matplotlib) under ``--out`` and prints short
-tables last. Each section, and each operator in it, runs under its own try/except: a failure is
+tables last; where the train rows allow, also the kernel targets (``TARGETS``: forward + backward
+ratios against fla or hila's gla from the same run) as ``targets.md`` and ``targets.png``.
+``--targets LABEL=CSV ...`` makes the same table and plot from earlier runs' CSVs without running
+anything (a ratio is only formed within one run). Each section, and each operator in it, runs under its own try/except: a failure is
 reported on stderr and the rest still runs. ``--quick``: one shape, fewer repetitions, a 4-layer
 model. ``--device cpu --quick``: a smoke run of the same code on the CPU (tiny shapes, wall-clock
 timing, no C++ bench, no fla, no graphs).
 
     python bench/torch_bench.py --hila-bench .dev/bin/hila_bench --out torch-bench
     python bench/torch_bench.py --device cpu --quick --out /tmp/tb
+    python bench/torch_bench.py --targets "H200 run 1=gdn.csv" "H200 run 2=gla.csv" --out targets
 """
 import argparse
 import contextlib
@@ -212,11 +216,12 @@ def section_train(a, device, out, cpp):
     timer = Timer(device, a.warmup, a.reps)
     shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
     for op in a.ops.split(","):
+        l2norm = a.l2norm and op in ("gdn", "loglinear_gdn")  # --l2norm: the gdn operators only
         try:
             ref = {}
             if cpp:
                 for r in hila_bench_rows(cpp, ["--reps", a.reps, "--warmup", a.warmup, "--ops", op, "--H", a.H,
-                                               "--d", a.d, "--shapes", a.shapes] + (["--l2norm"] if a.l2norm else [])):
+                                               "--d", a.d, "--shapes", a.shapes] + (["--l2norm"] if l2norm else [])):
                     if r.get("direction") in ("fwd", "fwdbwd"):
                         ref[(int(r["B"]), int(r["T"]), r["direction"])] = (float(r["ms"]), float(r["sync_ms"]))
             for B, T in shapes:
@@ -226,7 +231,7 @@ def section_train(a, device, out, cpp):
                     for impl, cv in IMPLS:
                         if impl not in a.train_impls:
                             continue
-                        for dirn, (ms, sync) in time_torch(timer, op, sets, cv, a.l2norm).items():
+                        for dirn, (ms, sync) in time_torch(timer, op, sets, cv, l2norm).items():
                             out.append(dict(base, direction=dirn, impl=impl, ms=ms, sync_ms=sync, note=NOTE[cv]))
                     for dirn in ("fwd", "fwdbwd"):
                         if (B, T, dirn) in ref:
@@ -589,6 +594,63 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+# The kernel targets (forward + backward through hila.torch with default arguments, against a
+# reference timed in the same run): (name, hila op, reference op, reference impls, bound).
+TARGETS = [("gdn / fla chunk_gated_delta_rule", "gdn", "gdn", ("fla", "fla_guard_lifted"), 0.8),
+           ("loglinear_gdn / fla chunk_gated_delta_rule", "loglinear_gdn", "gdn", ("fla", "fla_guard_lifted"), 2.0),
+           ("hla2 / fla chunk_simple_gla", "hla2", "hla2", ("fla", "fla_guard_lifted"), 1.0),
+           ("loglinear / hila gla", "loglinear", "gla", ("hila_torch",), 2.0)]
+
+
+def kernel_targets(rows):
+    """Per target and shape of one run's train rows: (name, B, T, hila ms, reference ms, ratio, bound)."""
+    ms = {(r["op"], int(r["B"]), int(r["T"]), r["impl"]): float(r["ms"]) for r in rows
+          if r["section"] == "train" and r["direction"] == "fwdbwd" and r["ms"] not in ("", None)}
+    out = []
+    for name, op, ref_op, ref_impls, bound in TARGETS:
+        for B, T in dict.fromkeys((b, t) for o, b, t, i in ms if o == op and i == "hila_torch"):
+            ref = next((ms[(ref_op, B, T, i)] for i in ref_impls if (ref_op, B, T, i) in ms), None)
+            if ref:
+                h = ms[(op, B, T, "hila_torch")]
+                out.append((name, B, T, h, ref, h / ref, bound))
+    return out
+
+
+def write_targets(runs, out):
+    """targets.md and targets.png under `out` from runs = [(label, rows)], each the rows of one run
+    (a ratio is only formed within one run)."""
+    got = [(label,) + t for label, rows in runs for t in kernel_targets(rows)]
+    lines = ["| target | run | B × T | hila.torch ms | reference ms | ratio | bound |", "|---|---|---|---|---|---|---|"]
+    for label, name, B, T, h, ref, r, bound in got:
+        lines.append(f"| {name} | {label} | {B} × {T} | {h:.3f} | {ref:.3f} | {r:.2f}×{' (met)' if r <= bound else ''} "
+                     f"| ≤ {bound}× |")
+    with open(os.path.join(out, "targets.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("# matplotlib missing: no targets plot")
+        return "\n".join(lines)
+    names = list(dict.fromkeys(g[1] for g in got))
+    if names:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for k, name in enumerate(names):
+            pts = [(g[3], g[6]) for g in got if g[1] == name]
+            line, = ax.plot([t for t, _ in pts], [r for _, r in pts], marker="os^D"[k % 4], label=name)
+            ax.axhline(next(g[7] for g in got if g[1] == name), color=line.get_color(), linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (B·T = 32K tokens)")
+        ax.set_ylabel("forward + backward time ratio (dashed: target)")
+        ax.set_title(f"kernel targets: hila.torch, default arguments ({', '.join(dict.fromkeys(g[0] for g in got))})",
+                     fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "targets.png"), dpi=110)
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -611,7 +673,19 @@ def main():
     ap.add_argument("--no-fla", dest="fla", action="store_false")
     ap.add_argument("--train-impls", default=",".join(i for i, _ in IMPLS),
                     help="the hila.torch variants of the train section (hila_torch = default arguments)")
+    ap.add_argument("--targets", nargs="+", metavar="LABEL=CSV",
+                    help="no run: the kernel targets' table and plot (targets.md, targets.png under --out) from "
+                         "the torch_bench.csv of earlier runs, each labelled (e.g. its device)")
     a = ap.parse_args()
+    if a.targets:
+        os.makedirs(a.out, exist_ok=True)
+        runs = []
+        for item in a.targets:
+            label, _, path = item.rpartition("=")
+            with open(path) as f:
+                runs.append((label or path, list(csv.DictReader(f))))
+        print(write_targets(runs, a.out))
+        return
     a.train_impls = set(a.train_impls.split(","))
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -648,6 +722,11 @@ def main():
         except Exception:
             failed("plot")
         print(tables(rows))
+        try:
+            if kernel_targets(rows):
+                print(write_targets([(torch.cuda.get_device_name() if not cpu else "cpu", rows)], a.out))
+        except Exception:
+            failed("targets")
         log(f"# wrote {os.path.join(a.out, 'torch_bench.csv')} and torch_bench.png")
 
 

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The benchmark scripts that the GPU runs take their numbers from, run small on the CPU so that
 they cannot rot between device calls: bench/dg_accuracy.py (gradient errors against the float64
-reference; hila's rows only, without fla)."""
+reference; hila's rows only, without fla) and bench/torch_bench.py (its CPU smoke run, and the
+kernel targets' table and plot from earlier runs' CSVs)."""
+import csv
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,37 @@ def test_dg_accuracy_rows_are_bf16_accurate(capsys, gates):
         # bf16 inputs and outputs against float64 on the same inputs: about 2^-9; dg is fp32 here
         assert all(math.isfinite(e) and e < 1e-2 for e in errs.values()), r
         assert errs["dg"] < 1e-4, r
+
+
+def test_torch_bench_cpu_smoke_with_l2norm_times_every_operator(tmp_path, monkeypatch):
+    # --l2norm applies to the gdn operators only; the others run as usual in the same call
+    monkeypatch.setattr(sys, "argv", ["torch_bench.py", "--device", "cpu", "--quick", "--sections", "train",
+                                      "--ops", "gla,hla2,gdn,loglinear_gdn", "--l2norm", "--out", str(tmp_path)])
+    _load("torch_bench").main()
+    with open(tmp_path / "torch_bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    timed = {(r["op"], r["direction"]) for r in rows if r["impl"] == "hila_torch" and float(r["ms"]) > 0}
+    assert timed == {(op, d) for op in ("gla", "hla2", "gdn", "loglinear_gdn") for d in ("fwd", "fwdbwd")}
+
+
+def test_torch_bench_targets_form_ratios_within_one_run(tmp_path, monkeypatch, capsys):
+    def run(path, cells):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["section", "op", "B", "T", "direction", "impl", "ms"])
+            w.writeheader()
+            for (op, impl), ms in cells.items():
+                w.writerow(dict(section="train", op=op, B=8, T=4096, direction="fwdbwd", impl=impl, ms=ms))
+    run(tmp_path / "a.csv", {("gdn", "hila_torch"): 3.0, ("gdn", "fla_guard_lifted"): 4.0,
+                             ("loglinear_gdn", "hila_torch"): 10.0})
+    run(tmp_path / "b.csv", {("gla", "hila_torch"): 1.0, ("loglinear", "hila_torch"): 3.0,
+                             ("hla2", "hila_torch"): 2.0})  # no fla row here: no hla2 ratio
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["torch_bench.py", "--targets", f"one={tmp_path / 'a.csv'}",
+                                      f"two={tmp_path / 'b.csv'}", "--out", str(out)])
+    _load("torch_bench").main()
+    table = (out / "targets.md").read_text()
+    assert "| gdn / fla chunk_gated_delta_rule | one | 8 × 4096 | 3.000 | 4.000 | 0.75× (met) | ≤ 0.8× |" in table
+    assert "| loglinear_gdn / fla chunk_gated_delta_rule | one | 8 × 4096 | 10.000 | 4.000 | 2.50× | ≤ 2.0× |" in table
+    assert "| loglinear / hila gla | two | 8 × 4096 | 3.000 | 1.000 | 3.00× | ≤ 2.0× |" in table
+    assert "hla2" not in table
+    assert (out / "targets.png").stat().st_size > 0
