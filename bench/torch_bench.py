@@ -29,7 +29,8 @@ Writes ``torch_bench.csv`` and ``torch_bench.png`` (matplotlib) under ``--out`` 
 tables last; where the train rows allow, also the kernel targets (``TARGETS``: forward + backward
 ratios against fla or hila's gla from the same run) as ``targets.md`` and ``targets.png``.
 ``--targets LABEL=CSV ...`` makes the same table and plot from earlier runs' CSVs without running
-anything (a ratio is only formed within one run). Each section, and each operator in it, runs under its own try/except: a failure is
+anything (a ratio is only formed within one run). Each section, and each operator in it, runs
+under its own try/except: a failure is
 reported on stderr and the rest still runs. ``--quick``: one shape, fewer repetitions, a 4-layer
 model. ``--device cpu --quick``: a smoke run of the same code on the CPU (tiny shapes, wall-clock
 timing, no C++ bench, no fla, no graphs).
@@ -633,13 +634,14 @@ def write_targets(runs, out):
     except ImportError:
         log("# matplotlib missing: no targets plot")
         return "\n".join(lines)
-    names = list(dict.fromkeys(g[1] for g in got))
-    if names:
+    curves = list(dict.fromkeys((g[0], g[1]) for g in got))  # (run, target): one line each
+    if curves:
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        for k, name in enumerate(names):
-            pts = [(g[3], g[6]) for g in got if g[1] == name]
-            line, = ax.plot([t for t, _ in pts], [r for _, r in pts], marker="os^D"[k % 4], label=name)
-            ax.axhline(next(g[7] for g in got if g[1] == name), color=line.get_color(), linestyle="--", linewidth=0.8)
+        for k, (label, name) in enumerate(curves):
+            pts = [(g[3], g[6], g[7]) for g in got if (g[0], g[1]) == (label, name)]
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^D"[k % 4],
+                            label=name if len({c[0] for c in curves}) == 1 else f"{name} ({label})")
+            ax.axhline(pts[0][2], color=line.get_color(), linestyle="--", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (B·T = 32K tokens)")
         ax.set_ylabel("forward + backward time ratio (dashed: target)")

@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 //   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
 //         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
 //         (levels >= 2, even i; level 1 comes from the Z kernel), with `pend` the nodes
-//         pending at the end (TreeArgs::pend), and with ta.apart the node terms A of the nodes it
-//         forms (levels >= 2), from the fp32 node: per warp of 128 elements (TreeArgs::apart).
+//         pending at the end (TreeArgs::pend), and with ta.apart the node terms A of the even nodes
+//         it forms (level 1 too: Z), from the fp32 node: per warp of 128 elements (TreeArgs::apart).
 //   down: D_m[i] = R_m[i] + c D_{m+1}[i/2], c = e^{beta_m[i+1]} (i even) or 1 (i odd), with R the
 //         read cotangents (fp32 in `node`, node slots; at levels m >= split the sum of the parts
 //         in `parts` times e^{gap to the part}) and D = 0 past the end (no parent: c D = 0);
