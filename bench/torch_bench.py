@@ -25,6 +25,11 @@
   (a C++ ``DecodeState`` step), and the Python part of the host time alone (the same call with
   the extension's ``step_inplace`` replaced by a no-op).
 
+* ``kernels`` (not in the default ``--sections``): per operator and shape, the GPU time of each
+  kernel that one forward + backward launches (torch.profiler, averaged over ``--reps`` calls after
+  warm-up; short kernel names), for hila.torch with default arguments and for fla where it has the
+  operator; rows with ``kernel`` and ``launches`` (per call), and a table per run sorted by time.
+
 Writes ``torch_bench.csv`` and ``torch_bench.png`` (matplotlib) under ``--out`` and prints short
 tables last; where the train rows allow, also the kernel targets (``TARGETS``: forward + backward
 ratios against fla or hila's gla from the same run) as ``targets.md`` and ``targets.png``.
@@ -37,6 +42,7 @@ timing, no C++ bench, no fla, no graphs).
 
     python bench/torch_bench.py --hila-bench .dev/bin/hila_bench --out torch-bench
     python bench/torch_bench.py --device cpu --quick --out /tmp/tb
+    python bench/torch_bench.py --sections kernels --ops gdn --l2norm --shapes 8:4096 --out kernels
     python bench/torch_bench.py --targets "H200 run 1=gdn.csv" "H200 run 2=gla.csv" --out targets
 """
 import argparse
@@ -52,7 +58,8 @@ import traceback
 
 import torch
 
-FIELDS = ["section", "op", "B", "T", "H", "d", "direction", "impl", "ms", "sync_ms", "host_us", "note"]
+FIELDS = ["section", "op", "B", "T", "H", "d", "direction", "impl", "ms", "sync_ms", "host_us", "note", "kernel",
+          "launches"]
 TRAIN_OPS = "gla,hla2,ahla,hla3,loglinear,gdn,loglinear_gdn"
 SHAPES = "32:1024,8:4096,2:16384,1:65536"
 
@@ -163,8 +170,9 @@ def rotate(items):
     return nxt
 
 
-def time_torch(timer, op, sets, check_values, l2norm):
-    """check_values None: the call with its default arguments (no check_values passed)."""
+def torch_calls(op, sets, check_values, l2norm):
+    """The forward (no grad) and forward + backward closures of hila.torch on the input sets in turn.
+    check_values None: the call with its default arguments (no check_values passed)."""
     import hila.torch as ht
     kw = dict(qk_l2norm=l2norm) if check_values is None else dict(check_values=check_values, qk_l2norm=l2norm)
     nxt = rotate(sets)
@@ -178,16 +186,19 @@ def time_torch(timer, op, sets, check_values, l2norm):
         x, do = nxt()
         o, _ = ht.forward(op, **x, **kw)
         torch.autograd.grad(o, list(x.values()), do)
-    return {"fwd": timer(fwd), "fwdbwd": timer(fwdbwd)}
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
 
 
-def time_fla(timer, op, sets, d):
-    """fla's time for the operator fla has (gla for the GLA family, gdn), as bench/anchors.py
-    calls it (its fla_impl() lifts fla's Hopper backward guard for timing when needed)."""
+def time_torch(timer, op, sets, check_values, l2norm):
+    return {k: timer(fn) for k, fn in torch_calls(op, sets, check_values, l2norm).items()}
+
+
+def fla_calls(op, sets, d):
+    """fla's closures for the operator fla has (gla for the GLA family, gdn), as bench/anchors.py
+    calls it (its fla_impl() lifts fla's Hopper backward guard for timing when needed):
+    (impl, fla function, {"fwd": ..., "fwdbwd": ...}), or None."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import anchors
-    impl = anchors.fla_impl()
-    nxt = rotate(sets)
     if op in ("gla", "hla2", "ahla", "hla3"):
         from fla.ops.simple_gla import chunk_simple_gla
         call = lambda x: chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], scale=d ** -0.5)[0]  # noqa: E731
@@ -201,6 +212,8 @@ def time_fla(timer, op, sets, d):
         name = "chunk_gated_delta_rule(l2norm)"
     else:
         return None
+    impl = anchors.fla_impl()
+    nxt = rotate(sets)
 
     def fwd():
         x, _ = nxt()
@@ -210,7 +223,15 @@ def time_fla(timer, op, sets, d):
     def fwdbwd():
         x, do = nxt()
         torch.autograd.grad(call(x), [x[k] for k in leaves], do)
-    return impl, name, {"fwd": timer(fwd), "fwdbwd": timer(fwdbwd)}
+    return impl, name, {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def time_fla(timer, op, sets, d):
+    got = fla_calls(op, sets, d)
+    if got is None:
+        return None
+    impl, name, calls = got
+    return impl, name, {k: timer(fn) for k, fn in calls.items()}
 
 
 def section_train(a, device, out, cpp):
@@ -275,17 +296,78 @@ def decode_model(kind, layers, hidden, vocab, max_len, device, dtype):
     return model.to(dtype).eval(), desc, heads, head_dim
 
 
-def kernel_ms_per_step(step, steps):
-    """GPU time of the kernels (and device copies) that `steps` calls of step() launch, per call."""
+def kernel_name(name):
+    """A kernel's short name: no return type, namespaces, template arguments or parameters."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)", "anon")
+    depth, head = 0, []
+    for ch in name:  # drop <...> (nested) and everything from the parameter list on
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            break
+        elif depth == 0:
+            head.append(ch)
+    return "".join(head).split("::")[-1].strip() or name
+
+
+def kernel_profile(step, steps):
+    """GPU time per call of the kernels (and device copies) that `steps` calls of step() launch, by
+    short kernel name: {name: (launches per call, ms per call)} (torch.profiler)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    n = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return us / 1e3 / steps, n / steps
+    agg = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            n, us = agg.get(kernel_name(e.name), (0, 0.0))
+            agg[kernel_name(e.name)] = (n + 1, us + e.time_range.elapsed_us())
+    return {k: (n / steps, us / 1e3 / steps) for k, (n, us) in agg.items()}
+
+
+def kernel_ms_per_step(step, steps):
+    """GPU time of the kernels (and device copies) that `steps` calls of step() launch, per call."""
+    prof = kernel_profile(step, steps)
+    return sum(ms for _, ms in prof.values()), sum(n for n, _ in prof.values())
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def section_kernels(a, device, out):
+    """Per-kernel GPU time of one forward + backward: hila.torch (default arguments) and fla."""
+    if device.type != "cuda":
+        log("# kernels: needs a CUDA device (torch.profiler's kernel times); skipped")
+        return
+    shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+    for op in a.ops.split(","):
+        l2norm = a.l2norm and op in ("gdn", "loglinear_gdn")
+        for B, T in shapes:
+            try:
+                sets = train_inputs(op, B, T, a.H, a.d, device)
+                runs = [("hila_torch", NOTE[None], torch_calls(op, sets, None, l2norm)["fwdbwd"])]
+                if a.fla:
+                    try:
+                        got = fla_calls(op, sets, a.d)
+                        if got:
+                            runs.append((got[0], got[1], got[2]["fwdbwd"]))
+                    except Exception:
+                        failed(f"fla {op} {B}x{T}")
+                base = dict(section="kernels", op=op, B=B, T=T, H=a.H, d=a.d, direction="fwdbwd")
+                for impl, note, fn in runs:
+                    for _ in range(max(1, a.warmup)):
+                        fn()
+                    torch.cuda.synchronize()
+                    for name, (n, ms) in kernel_profile(fn, a.reps).items():
+                        out.append(dict(base, impl=impl, ms=ms, kernel=name, launches=n, note=note))
+                del sets, runs
+            except Exception:
+                failed(f"kernels {op} {B}x{T}")
+            torch.cuda.empty_cache()
+            flush_csv(a, out)
 
 
 def section_decode(a, device, out):
@@ -548,6 +630,17 @@ def tables(rows):
                          f"{f(us('hila_cpp', 'host_us'))} | {ratio(us('hila_torch'), us('hila_cpp'))} | "
                          f"{ratio(us('hila_torch_max_position'), us('hila_cpp'))} | "
                          f"{ratio(us('hila_torch_out'), us('hila_cpp'))} |")
+    kern = [r for r in rows if r["section"] == "kernels"]
+    for op, B, T, impl in dict.fromkeys((r["op"], r["B"], r["T"], r["impl"]) for r in kern):
+        ks = sorted((r for r in kern if (r["op"], r["B"], r["T"], r["impl"]) == (op, B, T, impl)), key=lambda r: -r["ms"])
+        total = sum(r["ms"] for r in ks)
+        lines += ["", f"kernels of one forward + backward: {op} {B}x{T}, {impl} ({ks[0]['note']}): "
+                  f"{total:.3f} ms GPU time", "", "| kernel | launches | ms | share |", "|---|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r['launches']:g} | {r['ms']:.3f} | {r['ms'] / total:.0%} |" for r in ks[:12]]
+        if len(ks) > 12:
+            rest = sum(r["ms"] for r in ks[12:])
+            lines.append(f"| {len(ks) - 12} others | {sum(r['launches'] for r in ks[12:]):g} | {rest:.3f} | "
+                         f"{rest / total:.0%} |")
     return "\n".join(lines)
 
 
@@ -706,7 +799,7 @@ def main():
         f"{os.path.dirname(hila.__file__)}; hila_bench: {cpp or 'not found (no C++ rows)'}")
     rows = []
     sections = {"train": lambda: section_train(a, device, rows, cpp), "decode": lambda: section_decode(a, device, rows),
-                "step": lambda: section_step(a, device, rows, cpp)}
+                "step": lambda: section_step(a, device, rows, cpp), "kernels": lambda: section_kernels(a, device, rows)}
     def stop(signum, frame):  # a time limit (SIGTERM): keep the rows measured so far
         raise SystemExit(128 + signum)
 

@@ -70,3 +70,24 @@ def test_torch_bench_targets_form_ratios_within_one_run(tmp_path, monkeypatch, c
     assert "| loglinear / hila gla | two | 8 × 4096 | 3.000 | 1.000 | 3.00× | ≤ 2.0× |" in table
     assert "hla2" not in table
     assert (out / "targets.png").stat().st_size > 0
+
+
+def test_torch_bench_kernel_names_and_table():
+    tb = _load("torch_bench")
+    assert tb.kernel_name("void hila::cuda::gdn::(anonymous namespace)::wy_bwd_kernel<__nv_bfloat16>"
+                          "(hila::cuda::GlaArgs<__nv_bfloat16>, WyBwdArgs<__nv_bfloat16>)") == "wy_bwd_kernel"
+    assert tb.kernel_name("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+    assert tb.kernel_name("Memset (Device)") == "Memset"
+    base = dict(section="kernels", op="gdn", B=8, T=4096, direction="fwdbwd", note="n")
+    rows = [dict(base, impl="hila_torch", kernel=f"k{i}", launches=1.0, ms=float(i + 1)) for i in range(14)]
+    table = tb.tables(rows)
+    assert "gdn 8x4096, hila_torch (n): 105.000 ms GPU time" in table
+    assert "| k13 | 1 | 14.000 | 13% |" in table  # sorted by time, the largest first
+    assert "| 2 others | 2 | 3.000 | 3% |" in table  # k0, k1 folded
+
+
+def test_torch_bench_kernels_section_skips_without_cuda(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["torch_bench.py", "--device", "cpu", "--quick", "--sections", "kernels",
+                                      "--ops", "gdn", "--out", str(tmp_path)])
+    _load("torch_bench").main()
+    assert "kernels: needs a CUDA device" in capsys.readouterr().err

@@ -639,8 +639,8 @@ void backward_call(const detail::Resolved& r, const BackwardParams& p, cudaStrea
 // The delta family (gdn, loglinear_gdn) is its outer primitive alone (OpPlan: no inner primitives,
 // no normalize), as in cpu/compose.cpp, but that primitive reads the caller's tensors rather than
 // Call's operands: its kernels take other layouts than the GLA kernels (the portable ones unpadded
-// head dims, the tensor-core ones their own packing), l2-normalised q and k whose raw copies the
-// backward's chain rule needs, and beta; packing them as Call does would change what a call
+// head dims, the tensor-core ones their own packing), l2-normalised q and k whose raw rows the
+// backward's chain rule reads from the caller's tensors, and beta; packing them as Call does would change what a call
 // allocates (its workspace size) and runs. delta/delta.cu is that primitive's entry.
 template <class T>
 void compose_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {

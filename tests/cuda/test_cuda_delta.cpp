@@ -58,6 +58,10 @@ std::vector<DeltaCase> cases() {
     cs.push_back({op, DType::bf16, 1, 200, 2, 4, 40, 72, {}, false, true, {200}, false, 1e-2,
                   n + "_bf16_dk40_dv72_ungated_gqa2_init200"});
     cs.push_back({op, DType::f16, 2, 130, 1, 2, 64, 64, {}, true, true, {13}, true, 1e-2, n + "_f16_init13_l2norm"});
+    // qk_l2norm with dk % 4 != 0: q, k and dq, dk element by element in the packing and the chain
+    // rule (qk.cu), the padded columns of the per-head gradients masked
+    cs.push_back({op, DType::bf16, 1, 150, 2, 4, 42, 40, {}, true, !ll, {0}, true, 1e-2,
+                  n + "_bf16_dk42_dv40_gqa2_l2norm" + (ll ? "_train" : "_init"), 0, !ll});
     for (int64_t T : {65, 1000})
       cs.push_back({op, DType::f32, 2, T, 2, 2, 64, 64, {}, true, false, {}, false, 1e-4,
                     n + "_f32_d64_T" + std::to_string(T)});

@@ -48,12 +48,13 @@ void delta_portable_backward(const detail::Resolved& r, const BackwardParams& p,
 // q, k and their gradients under qk_l2norm (qk.cu), over the G x Ttot rows of a call:
 // dq or dk per group into `out` (the caller's [B, T, G, dk]): mult * the sum over the group's heads
 // of the per-head gradient (dx, plus dx2 when given; packed [H][Ttot][dkp]), then through the l2
-// normalisation of x (the packed raw input [G][Ttot][dkp]) when the call asks for it.
+// normalisation of x (the caller's raw input [B, T, G, dk]) when the call asks for it.
 template <class T>
-void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r,
-                      int dk, int dkp, Acc<T> mult, cudaStream_t s);
-// rows of [rows][dp] (first d columns): x -> x / sqrt(|x|^2 + kL2NormEps), src to dst (may be equal).
+void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const TensorView& x,
+                      const detail::Resolved& r, int dk, int dkp, Acc<T> mult, cudaStream_t s);
+// the caller's q or k [B, T, G, d] -> packed [G][Ttot][dp] (dp % 4 == 0, dp <= 256), each row
+// x / sqrt(|x|^2 + kL2NormEps), the padding columns zero (16-bit T).
 template <class T>
-void launch_l2norm_rows(const T* src, T* dst, int64_t rows, int d, int dp, cudaStream_t s);
+void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, int d, int dp, cudaStream_t s);
 
 }  // namespace hila::cuda

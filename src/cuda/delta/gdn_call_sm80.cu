@@ -9,25 +9,19 @@
 namespace hila::cuda::gdn {
 
 template <class T>
-GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool keep_raw)
+GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
     : r(r_), s(s_), seqs(r_, s_, kChunk), dk(pad16(r_.dk)), dv(pad16(r_.dv)), rep(int(r_.H / r_.G)),
       Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
-  const bool l2 = r.cfg.qk_l2norm && Ttot > 0;
   const size_t nqk = size_t(r.G * Ttot * dk);
   q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
-  T* qp = q.get();
-  T* kp = k.get();
-  if (l2 && keep_raw) {  // pack into the raw copies, normalise into q, k
-    q_raw = DevBuf<T>(nqk, s), k_raw = DevBuf<T>(nqk, s);
-    qp = q_raw.get(), kp = k_raw.get();
+  if (r.cfg.qk_l2norm) {  // packed and normalised in one pass; the backward's chain rule reads p.q, p.k
+    launch_l2norm_pack<T>(q.get(), p.q, r, int(r.dk), dk, s);
+    launch_l2norm_pack<T>(k.get(), p.k, r, int(r.dk), dk, s);
+  } else {
+    pack_to<T>(q.get(), p.q, r, r.G, int(r.dk), dk, -1, s);
+    pack_to<T>(k.get(), p.k, r, r.G, int(r.dk), dk, -1, s);
   }
-  pack_to<T>(qp, p.q, r, r.G, int(r.dk), dk, -1, s);
-  pack_to<T>(kp, p.k, r, r.G, int(r.dk), dk, -1, s);
   a.v = operand(p.v, r.H, int(r.dv), dv, v, a.v_ld, a.v_hs);
-  if (l2) {  // one warp per row
-    launch_l2norm_rows<T>(qp, q.get(), r.G * Ttot, int(r.dk), dk, s);
-    launch_l2norm_rows<T>(kp, k.get(), r.G * Ttot, int(r.dk), dk, s);
-  }
   if (r.gate_cols > 0) {
     g = DevBuf<R>(size_t(r.H * Ttot), s);
     HILA_LAUNCH(pack_log_gates<R>, r.H * Ttot, s, g.get(), Strided(p.g), r.T, r.H, Ttot, 0);
@@ -90,10 +84,8 @@ template <class T>
 void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb,
                            const R* dg, const R* dbeta) const {
   if (Ttot == 0) return;
-  const T* qx = q_raw.get() ? q_raw.get() : q.get();
-  const T* kx = k_raw.get() ? k_raw.get() : k.get();
-  if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, qx, r, int(r.dk), dk, R(r.scale), s);
-  if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, kx, r, int(r.dk), dk, R(1), s);
+  if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, p.q, r, int(r.dk), dk, R(r.scale), s);
+  if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, p.k, r, int(r.dk), dk, R(1), s);
   if (p.dv.defined()) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);
   if (p.dg.defined())
     HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * Ttot, s, Strided(p.dg), dg, g.get(), r.T, r.H, Ttot, 0);

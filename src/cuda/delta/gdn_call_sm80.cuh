@@ -9,8 +9,7 @@
 namespace hila::cuda::gdn {
 
 // One call's packed operands and the forward pass shared by the forward and the backward: q, k
-// [G][Ttot][dk] (l2-normalised when asked; the raw copies are kept in q_raw, k_raw for the
-// backward's chain rule), v [H][Ttot][dv], the gates' chunk cumsum b and beta [H][Ttot], the
+// [G][Ttot][dk] (l2-normalised when asked; the backward's chain rule reads the caller's raw q, k), v [H][Ttot][dv], the gates' chunk cumsum b and beta [H][Ttot], the
 // initial and final states [N][H][dk][dv] (fp32), W, U, Vn and the states entering each chunk.
 template <class T>
 struct GdnCall {
@@ -20,12 +19,12 @@ struct GdnCall {
   SeqTables seqs;
   int dk, dv, rep;
   int64_t Ttot, N, NH;
-  DevBuf<T> q, k, q_raw, k_raw, v, W, Vn, hbuf;
+  DevBuf<T> q, k, v, W, Vn, hbuf;
   DevBuf<R> g, beta, bsum, h0, ht;
   DevBuf<float> U;
   GlaArgs<T> a;
 
-  GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool keep_raw);
+  GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_);
   // The caller's [B, T, X, d] tensor read in place (ld, hs set), or packed into buf [X][Ttot][dp].
   const T* operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld, int64_t& hs) const;
   // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.

@@ -288,7 +288,7 @@ bool gdn_sm80_usable(const detail::Resolved& r, bool backward) {
 template <class T>
 void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
-    GdnCall<T> x(r, p, s, false);
+    GdnCall<T> x(r, p, s);
     x.wy();
     gdn_sweep(x);
     x.output(p.o);
@@ -302,7 +302,7 @@ template <class T>
 void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     using R = Acc<T>;
-    GdnCall<T> x(r, p, s, true);
+    GdnCall<T> x(r, p, s);
     const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);

@@ -790,7 +790,7 @@ struct LoglinearGdnCall {
   DevBuf<T> qeff, u16, hl;
 
   LoglinearGdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
-      : x(r_, p, s_, backward), r(r_), s(s_), H(r_.H), Ttot(x.Ttot), dk(x.dk), dv(x.dv), nch(x.seqs.nchunks),
+      : x(r_, p, s_), r(r_), s(s_), H(r_.H), Ttot(x.Ttot), dk(x.dk), dv(x.dv), nch(x.seqs.nchunks),
         nL(int(r_.nL)), fin(p.final_state.H.defined()) {
     for (const auto& q : r.seqs) {
       Ls = std::max(Ls, bitlen64u(uint64_t(q.len)) + 1);

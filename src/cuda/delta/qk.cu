@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // qk_l2norm's rows and the dq / dk chain rule through it (delta.cuh), for every delta-rule
 // implementation (docs/math/LOGLINEAR.md §6.1: x -> x / sqrt(|x|^2 + eps)).
+#include <algorithm>
+
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
+#include "cuda/prims/mma.cuh"
+#include "cuda/prims/pack.cuh"
 
 namespace hila::cuda {
 
@@ -10,10 +14,10 @@ namespace {
 
 // dq or dk per group: mult * sum over the group's heads of the per-head gradient (dx, plus dx2 when
 // given), then through the l2 normalisation: dx = (dy - y (y.dy)) / sqrt(|x|^2 + eps)
-// (docs/math/LOGLINEAR.md §6.1). One warp per (group, row), lanes over the columns; x is the packed raw
-// input. dx and x rows have dkp >= dk columns (the padding of x is zero); the first dk are written.
+// (docs/math/LOGLINEAR.md §6.1). One warp per (group, row), lanes over the columns; x is the caller's
+// raw input [B, T, G, dk]. dx rows have dkp >= dk columns; the first dk are read and written.
 template <class T>
-__global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, int64_t T_, int64_t G, int rep,
+__global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2, Strided x, int64_t T_, int64_t G, int rep,
                                 int64_t Ttot, int dk, int dkp, Acc<T> mult, bool l2) {
   using R = Acc<T>;
   const int lane = threadIdx.x & 31;
@@ -28,13 +32,14 @@ __global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2
       }
       return mult * s;
     };
-    const T* xr = x + (g * Ttot + r) * dkp;
+    const int64_t xr = b * x.s[0] + t * x.s[1] + g * x.s[2];
+    auto xv_at = [&](int cc) { return ld<R>(x, xr + cc * x.s[3]); };
     auto put = [&](int cc, R d) { st<R>(out, b * out.s[0] + t * out.s[1] + g * out.s[2] + cc * out.s[3], d); };
     R inv = 1, ydy = 0;
     if (l2) {
       R ss = 0, xdy = 0;
       for (int cc = lane; cc < dk; cc += 32) {
-        const R xv = from<R>(xr[cc]);
+        const R xv = xv_at(cc);
         ss += xv * xv;
         xdy += xv * dy(cc);
       }
@@ -45,51 +50,201 @@ __global__ void delta_unpack_qk(Strided out, const Acc<T>* dx, const Acc<T>* dx2
       inv = R(1) / sqrt(ss + R(detail::kL2NormEps));
       ydy = xdy * inv;
     }
-    for (int cc = lane; cc < dk; cc += 32) put(cc, l2 ? (dy(cc) - from<R>(xr[cc]) * inv * ydy) * inv : dy(cc));
+    for (int cc = lane; cc < dk; cc += 32) put(cc, l2 ? (dy(cc) - xv_at(cc) * inv * ydy) * inv : dy(cc));
   }
 }
-// q^ or k rows of [X][Ttot][dp] (first d columns) -> x / sqrt(|x|^2 + eps), from src to dst
-// (which may be the same buffer). One warp per row.
+// 4 consecutive 16-bit values <-> fp32 (8 bytes)
 template <class T>
-__global__ void l2norm_rows(const T* src, T* dst, int64_t rows, int d, int dp) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows;
-       r += int64_t(gridDim.x) * blockDim.x / 32) {
-    const T* row = src + r * dp;
-    float ss = 0.f;
-    for (int j = lane; j < d; j += 32) ss += float(row[j]) * float(row[j]);
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
-    for (int j = lane; j < d; j += 32) dst[r * dp + j] = to<T>(float(row[j]) * inv);
+__device__ __forceinline__ float4 load4(const T* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = mma::unpack2<T>(u.x), b = mma::unpack2<T>(u.y);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <class T>
+__device__ __forceinline__ void store4(T* p, float4 v) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(mma::pack2<T>(v.x, v.y), mma::pack2<T>(v.z, v.w));
+}
+
+// The offset of row r (of the B x T merged rows) of group g in a [B, T, G, d] view, without 64-bit
+// divisions where (B, T) merge into rows of one stride (B == 1 or s0 == T s1).
+struct RowAddr {
+  int64_t s0, s1, s2, T;
+  bool merged;
+  explicit RowAddr(const TensorView& t, int64_t B, int64_t T_)
+      : s0(t.stride[0]), s1(t.stride[1]), s2(t.stride[2]), T(T_), merged(B == 1 || t.stride[0] == T_ * t.stride[1]) {}
+  __device__ int64_t operator()(int64_t r, int64_t g) const {
+    return merged ? r * s1 + g * s2 : (r / T) * s0 + (r % T) * s1 + g * s2;
   }
+};
+
+// delta_unpack_qk for the tensor-core tier's 16-bit T (fp32 dx), dkp % 4 == 0, dkp <= 128 V: lane l
+// holds the columns [4 (l + 32 v), +4) of its row in registers, every load issued before the
+// reductions: dx (and dx2) as float4, x and out as four 16-bit values (8 bytes) where their layout
+// allows (vx, vo: unit column stride, dk % 4 == 0, 8-byte aligned rows, T's dtype), else element
+// by element.
+template <class T, int V>
+__global__ void delta_unpack_qk4(Strided out, RowAddr oa, const float* dx, const float* dx2, Strided x, RowAddr xa,
+                                 int64_t G, int rep, int64_t Ttot, int dk, int dkp, float mult, bool l2, bool vx,
+                                 bool vo) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups): one warp per row
+    for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r < Ttot;
+         r += int64_t(gridDim.x) * blockDim.x / 32) {
+      const int64_t xr = xa(r, g), orow = oa(r, g);
+      float4 y[V], xv[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c0 = 4 * (lane + 32 * v);
+        y[v] = xv[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c0 >= dk) continue;
+        for (int j = 0; j < rep; ++j) {  // the group's heads: [H][Ttot][dkp]
+          const int64_t o = ((g * rep + j) * Ttot + r) * dkp + c0;
+          const float4 a = *reinterpret_cast<const float4*>(dx + o);
+          y[v].x += a.x, y[v].y += a.y, y[v].z += a.z, y[v].w += a.w;
+          if (dx2) {
+            const float4 a2 = *reinterpret_cast<const float4*>(dx2 + o);
+            y[v].x += a2.x, y[v].y += a2.y, y[v].z += a2.z, y[v].w += a2.w;
+          }
+        }
+        if (c0 + 4 > dk) {  // dk % 4 != 0: the padding columns of dx are not the gradient's
+          float* ys = &y[v].x;
+          for (int u = dk - c0; u < 4; ++u) ys[u] = 0.f;
+        }
+        if (!l2) continue;
+        if (vx) xv[v] = load4(static_cast<const T*>(x.p) + xr + c0);
+        else {
+          float* xs = &xv[v].x;
+          for (int u = 0; u < 4 && c0 + u < dk; ++u) xs[u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
+        }
+      }
+      float inv = 1.f, ydy = 0.f;
+      if (l2) {  // the columns >= dk hold y = 0 (not read) and x = 0
+        float ss = 0.f, xdy = 0.f;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          ss += xv[v].x * xv[v].x + xv[v].y * xv[v].y + xv[v].z * xv[v].z + xv[v].w * xv[v].w;
+          xdy += xv[v].x * y[v].x + xv[v].y * y[v].y + xv[v].z * y[v].z + xv[v].w * y[v].w;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+          ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
+        }
+        inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
+        ydy = mult * xdy * inv;
+      }
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c0 = 4 * (lane + 32 * v);
+        if (c0 >= dk) continue;
+        float4 d = make_float4(mult * y[v].x, mult * y[v].y, mult * y[v].z, mult * y[v].w);
+        if (l2)  // (dy - y (y.dy)) / |x|, y = x / |x|
+          d = make_float4((d.x - xv[v].x * inv * ydy) * inv, (d.y - xv[v].y * inv * ydy) * inv,
+                          (d.z - xv[v].z * inv * ydy) * inv, (d.w - xv[v].w * inv * ydy) * inv);
+        if (vo) store4(static_cast<T*>(out.p) + orow + c0, d);
+        else {
+          const float* ds = &d.x;
+          for (int u = 0; u < 4 && c0 + u < dk; ++u) st<float>(out, orow + (c0 + u) * out.s[3], ds[u]);
+        }
+      }
+    }
+}
+
+// The caller's q or k [B, T, G, d] -> packed [G][Ttot][dp], each row x / sqrt(|x|^2 + eps) (the
+// padding columns zero). One warp per row, lane l on the columns [4 (l + 32 v), +4), v < V
+// (dp <= 128 V); 8-byte loads where the input's layout allows (vx), else element by element.
+template <class T, int V>
+__global__ void l2norm_pack(T* dst, Strided x, RowAddr xa, int64_t G, int64_t Ttot, int d, int dp, bool vx) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups): one warp per row
+    for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r < Ttot;
+         r += int64_t(gridDim.x) * blockDim.x / 32) {
+      const int64_t e = g * Ttot + r, xr = xa(r, g);
+      float4 xv[V];
+      float ss = 0.f;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c0 = 4 * (lane + 32 * v);
+        xv[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c0 >= d) continue;
+        if (vx) xv[v] = load4(static_cast<const T*>(x.p) + xr + c0);
+        else {
+          float* xs = &xv[v].x;
+          for (int u = 0; u < 4 && c0 + u < d; ++u) xs[u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
+        }
+        ss += xv[v].x * xv[v].x + xv[v].y * xv[v].y + xv[v].z * xv[v].z + xv[v].w * xv[v].w;
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c0 = 4 * (lane + 32 * v);
+        if (c0 < dp)
+          store4(dst + e * dp + c0, make_float4(xv[v].x * inv, xv[v].y * inv, xv[v].z * inv, xv[v].w * inv));
+      }
+    }
+}
+
+// one warp per row of 8-warp blocks: x over the B x T rows, y over the groups
+inline dim3 rows_grid(const detail::Resolved& r) {
+  return dim3(unsigned(std::min<int64_t>((r.B * r.T + 7) / 8, 1 << 20)), unsigned(std::min<int64_t>(r.G, 65535)));
+}
+
+// whether a [B, T, X, d] view can be read or written four 16-bit elements of T at a time
+template <class T>
+bool rows4(const TensorView& t, int d) {
+  if (sizeof(T) != 2 || t.dtype != dtype_of<T>() || t.ndim != 4 || d % 4 != 0 || t.stride[3] != 1) return false;
+  for (int i = 0; i < 3; ++i)
+    if (t.stride[i] % 4 != 0) return false;
+  return reinterpret_cast<uintptr_t>(t.data) % 8 == 0;
 }
 
 }  // namespace
 
 template <class T>
-void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const T* x, const detail::Resolved& r, int dk, int dkp,
-                      Acc<T> mult, cudaStream_t s) {
+void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const TensorView& x,
+                      const detail::Resolved& r, int dk, int dkp, Acc<T> mult, cudaStream_t s) {
   const int64_t rows = r.G * r.B * r.T;
   if (rows == 0 || dry_run()) return;  // dry run: workspace_size
-  delta_unpack_qk<T><<<grid_for(rows * 32), 256, 0, s>>>(Strided(out), dx, dx2, x, r.T, r.G, int(r.H / r.G), r.B * r.T,
-                                                         dk, dkp, mult, r.cfg.qk_l2norm);
+  const int rep = int(r.H / r.G);
+  const bool l2 = r.cfg.qk_l2norm;
+  if constexpr (kTensorCore<T>) {
+    if (dkp % 4 == 0 && dkp <= 256) {
+      auto go = [&](auto kernel) {
+        kernel<<<rows_grid(r), 256, 0, s>>>(Strided(out), RowAddr(out, r.B, r.T), dx, dx2, Strided(x),
+                                            RowAddr(x, r.B, r.T), r.G, rep, r.B * r.T, dk, dkp, mult, l2,
+                                            rows4<T>(x, dk), rows4<T>(out, dk));
+      };
+      if (dkp <= 128) go(delta_unpack_qk4<T, 1>);
+      else go(delta_unpack_qk4<T, 2>);
+      HILA_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  delta_unpack_qk<T><<<grid_for(rows * 32), 256, 0, s>>>(Strided(out), dx, dx2, Strided(x), r.T, r.G, rep, r.B * r.T,
+                                                         dk, dkp, mult, l2);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
-void launch_l2norm_rows(const T* src, T* dst, int64_t rows, int d, int dp, cudaStream_t s) {
-  if (dry_run()) return;  // dry run: workspace_size
-  l2norm_rows<T><<<grid_for(rows * 32), 256, 0, s>>>(src, dst, rows, d, dp);
+void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, int d, int dp, cudaStream_t s) {
+  const int64_t rows = r.G * r.B * r.T;
+  if (rows == 0 || dry_run()) return;  // dry run: workspace_size
+  auto go = [&](auto kernel) {
+    kernel<<<rows_grid(r), 256, 0, s>>>(dst, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp, rows4<T>(x, d));
+  };
+  if (dp <= 128) go(l2norm_pack<T, 1>);
+  else go(l2norm_pack<T, 2>);
   HILA_CUDA_CHECK_LAUNCH();
 }
 
 #define HILA_INSTANTIATE(T)                                                                                         \
-  template void launch_unpack_qk<T>(const TensorView&, const Acc<T>*, const Acc<T>*, const T*, const detail::Resolved&, \
-                                    int, int, Acc<T>, cudaStream_t);
+  template void launch_unpack_qk<T>(const TensorView&, const Acc<T>*, const Acc<T>*, const TensorView&,        \
+                                    const detail::Resolved&, int, int, Acc<T>, cudaStream_t);
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
-// l2-normalised copies are taken by the sm80 tier only
-template void launch_l2norm_rows<__nv_bfloat16>(const __nv_bfloat16*, __nv_bfloat16*, int64_t, int, int, cudaStream_t);
-template void launch_l2norm_rows<__half>(const __half*, __half*, int64_t, int, int, cudaStream_t);
+// l2-normalised packed copies are taken by the sm80 tier only
+template void launch_l2norm_pack<__nv_bfloat16>(__nv_bfloat16*, const TensorView&, const detail::Resolved&, int, int,
+                                                cudaStream_t);
+template void launch_l2norm_pack<__half>(__half*, const TensorView&, const detail::Resolved&, int, int, cudaStream_t);
 
 }  // namespace hila::cuda

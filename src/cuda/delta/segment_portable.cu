@@ -909,8 +909,8 @@ void delta_portable_backward(const detail::Resolved& r, const BackwardParams& p,
     }
   }
   if (Ttot > 0) {
-    if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq.get(), nullptr, c.q.get(), r, c.dk, c.dk, R(r.scale), s);
-    if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dkb.get(), nullptr, c.k.get(), r, c.dk, c.dk, R(1), s);
+    if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq.get(), nullptr, p.q, r, c.dk, c.dk, R(r.scale), s);
+    if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dkb.get(), nullptr, p.k, r, c.dk, c.dk, R(1), s);
     if (p.dv.defined())
       unpack_to<R>(p.dv, dvb.get(), r, H, 1, c.dv, c.dv, R(1), s);
     if (p.dg.defined())
