@@ -38,6 +38,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 
 namespace emu {
 constexpr int kSmemOptin = 232448;  // H100 / H200 opt-in dynamic shared memory per block
