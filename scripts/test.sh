@@ -35,6 +35,8 @@ EMU_SMOKE='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d64_T65:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_f64_d32_init13_T1:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_f16_init13_l2norm:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_bf16_d128_T129_train_tc:'\
+'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_dk42_dv40_gqa2_l2norm_init:'\
+'CudaDeltaViews.StridedQkvWithL2NormMatchFloat64Oracle:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/gla_f16_d64:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/hla2_f16_d64:'\
 'AllOps/CudaStep.PrefillThenDecodeMatchesNaiveFloat64/loglinear_f16_d64:'\

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <tuple>
 
 #include "cuda_support.h"
 #include "problem.h"
@@ -275,6 +276,79 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDelta, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
+
+// q, k, v and dq, dk, dv as strided views with qk_l2norm (the packing, normalisation and chain rule
+// of delta/qk.cu read and write the caller's rows): interleaved in one fused [B, Tb, 3, H, d] buffer
+// of Tb > T rows, so (B, T) do not merge into rows of one stride, with a row of 3 H d elements (four
+// at a time) or of 3 H d + 2 (element by element). gdn (tensor-core tier) and loglinear_gdn (its
+// training call) against the float64 naive form.
+TEST(CudaDeltaViews, StridedQkvWithL2NormMatchFloat64Oracle) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped";
+  for (Op op : {Op::gdn, Op::loglinear_gdn})
+    for (int64_t extra : {0, 2}) {
+      ProblemSpec s;
+      s.cfg.op = op;
+      s.cfg.qk_l2norm = true;
+      s.B = 2, s.T = 130, s.G = 2, s.H = 2, s.dk = 64, s.dv = 64;
+      s.gated = true;
+      s.dtype = DType::f64;
+      s.seed = 29;
+      Problem low = cast_problem(make_problem(s), DType::bf16);
+      low.d_final = {};
+      const Result ref = run_backward(cast_problem(low, DType::f64), Form::naive);
+      const int64_t B = s.B, T = s.T, Tb = T + 3, H = s.H, d = s.dk, row = 3 * H * d + extra;
+      Buffer fused(DType::bf16, {B * Tb * row});
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < H * d; ++i) {
+            const int64_t at = (b * Tb + t) * row, from = (b * T + t) * H * d + i;
+            fused.set(at + i, low.q.get(from));
+            fused.set(at + H * d + i, low.k.get(from));
+            fused.set(at + 2 * H * d + i, low.v.get(from));
+          }
+      DevTensor x(fused), gx(fused, true), g(low.g), beta(low.beta), dO(low.d_o), o(ref.o.cast(DType::bf16), true);
+      DevTensor dg(low.g, true), dbeta(low.beta, true), lam(low.lam), dlam(low.lam, true);
+      auto part = [&](const DevTensor& t, int which) {
+        TensorView v = TensorView::contiguous_view(static_cast<char*>(t.p) + which * H * d * 2, DType::bf16,
+                                                   {B, T, H, d}, Device{DeviceType::cuda, 0});
+        v.stride[0] = Tb * row, v.stride[1] = row;
+        return v;
+      };
+      BackwardParams p;
+      static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
+      p.q = part(x, 0), p.k = part(x, 1), p.v = part(x, 2), p.g = g.view(), p.beta = beta.view(), p.o = o.view();
+      p.lam = lam.view(), p.dlam = dlam.view();
+      p.init = {}, p.final_state = {}, p.d_final = {}, p.d_init = {};
+      p.d_o = dO.view();
+      p.dq = part(gx, 0), p.dk = part(gx, 1), p.dv = part(gx, 2), p.dg = dg.view(), p.dbeta = dbeta.view();
+      const std::string name = std::string(op_name(op)) + (extra ? "_row_plus2" : "_fused_qkv");
+      try {
+        backward(p);
+      } catch (const std::exception& e) {
+        FAIL() << name << ": backward threw: " << e.what();
+      }
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Buffer got = gx.fetch();
+      Buffer gq(DType::bf16, {B, T, H, d}), gk = gq, gv = gq;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < H * d; ++i) {
+            const int64_t at = (b * Tb + t) * row, to = (b * T + t) * H * d + i;
+            gq.set(to, got.get(at + i)), gk.set(to, got.get(at + H * d + i)), gv.set(to, got.get(at + 2 * H * d + i));
+          }
+      for (int64_t b = 0; b < B; ++b)  // the rows past T are the poison DevTensor wrote, untouched
+        for (int64_t t = T; t < Tb; ++t)
+          for (int64_t i = 0; i < 3 * H * d; ++i)
+            ASSERT_FALSE(std::isfinite(got.get((b * Tb + t) * row + i))) << name << ": row " << t << " written";
+      for (auto [what, a, want] : {std::tuple{"o", o.fetch(), ref.o}, std::tuple{"dq", gq, ref.dq},
+                                   std::tuple{"dk", gk, ref.dk}, std::tuple{"dv", gv, ref.dv},
+                                   std::tuple{"dbeta", dbeta.fetch(), ref.dbeta}}) {
+        const double e = rel_err(a, want);
+        std::printf("  %-30s %-6s rel err %.2e\n", name.c_str(), what, e);
+        EXPECT_LE(e, 1e-2) << name << " " << what;
+      }
+    }
+}
 
 // The forward alone at longer lengths: gdn (with an initial state) and loglinear_gdn (from position
 // 0, no initial state) in 16 bits run the tensor-core path (delta/gdn_sm80.cu), against the float64 chunk
