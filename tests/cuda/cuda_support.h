@@ -72,6 +72,14 @@ struct DevTensor {
     v.device = cuda0();
     return v;
   }
+  // a [B, T, X, d] view of this buffer from element `at` on (of its dtype), with the batch and row
+  // strides s0, s1 (the heads and columns contiguous): q, k or v inside a fused qkv buffer
+  TensorView rows_view(int64_t at, int64_t B, int64_t T, int64_t X, int64_t d, int64_t s0, int64_t s1) const {
+    TensorView v = TensorView::contiguous_view(static_cast<char*>(p) + at * dtype_size(host.dtype), host.dtype,
+                                               {B, T, X, d}, cuda0());
+    v.stride[0] = s0, v.stride[1] = s1;
+    return v;
+  }
   Buffer fetch() const {
     Buffer b = host;
     if (!b.empty()) check(cudaMemcpy(b.bytes.data(), p, b.bytes.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");

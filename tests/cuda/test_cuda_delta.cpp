@@ -308,12 +308,7 @@ TEST(CudaDeltaViews, StridedQkvWithL2NormMatchFloat64Oracle) {
           }
       DevTensor x(fused), gx(fused, true), g(low.g), beta(low.beta), dO(low.d_o), o(ref.o.cast(DType::bf16), true);
       DevTensor dg(low.g, true), dbeta(low.beta, true), lam(low.lam), dlam(low.lam, true);
-      auto part = [&](const DevTensor& t, int which) {
-        TensorView v = TensorView::contiguous_view(static_cast<char*>(t.p) + which * H * d * 2, DType::bf16,
-                                                   {B, T, H, d}, Device{DeviceType::cuda, 0});
-        v.stride[0] = Tb * row, v.stride[1] = row;
-        return v;
-      };
+      auto part = [&](const DevTensor& t, int which) { return t.rows_view(which * H * d, B, T, H, d, Tb * row, row); };
       BackwardParams p;
       static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
       p.q = part(x, 0), p.k = part(x, 1), p.v = part(x, 2), p.g = g.view(), p.beta = beta.view(), p.o = o.view();

@@ -271,12 +271,7 @@ TEST(CudaOps, FusedQkvViewsInPlace) {
       }
     DevTensor x(fused), gx(fused, true), g(low.g), dO(low.d_o), o(ref.o.cast(DType::bf16), true), dg(low.g, true);
     DevTensor dSt(low.d_final.S), dPt(low.d_final.P), dht(low.d_final.H);  // the reference takes d_final too
-    auto part = [&](const DevTensor& t, int which) {
-      TensorView v = TensorView::contiguous_view(static_cast<char*>(t.p) + which * H * d * 2, DType::bf16,
-                                                 {B, T, H, d}, Device{DeviceType::cuda, 0});
-      v.stride[0] = T * row, v.stride[1] = row;
-      return v;
-    };
+    auto part = [&](const DevTensor& t, int which) { return t.rows_view(which * H * d, B, T, H, d, T * row, row); };
     BackwardParams p;
     static_cast<ForwardParams&>(p) = low.forward_params(Form::chunk, 64);
     p.q = part(x, 0), p.k = part(x, 1), p.v = part(x, 2), p.g = g.view(), p.o = o.view();
