@@ -234,11 +234,16 @@ def time_fla(timer, op, sets, d):
     return impl, name, {k: timer(fn) for k, fn in calls.items()}
 
 
+def op_l2norm(a, op):
+    """--l2norm applies to the gdn operators only (qk_l2norm, as fla's gdn anchor)."""
+    return a.l2norm and op in ("gdn", "loglinear_gdn")
+
+
 def section_train(a, device, out, cpp):
     timer = Timer(device, a.warmup, a.reps)
     shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
     for op in a.ops.split(","):
-        l2norm = a.l2norm and op in ("gdn", "loglinear_gdn")  # --l2norm: the gdn operators only
+        l2norm = op_l2norm(a, op)
         try:
             ref = {}
             if cpp:
@@ -344,7 +349,7 @@ def section_kernels(a, device, out):
         return
     shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
     for op in a.ops.split(","):
-        l2norm = a.l2norm and op in ("gdn", "loglinear_gdn")
+        l2norm = op_l2norm(a, op)
         for B, T in shapes:
             try:
                 sets = train_inputs(op, B, T, a.H, a.d, device)

@@ -228,6 +228,8 @@ void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2
 template <class T>
 void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, int d, int dp, cudaStream_t s) {
   const int64_t rows = r.G * r.B * r.T;
+  // the tensor-core tier's padded head dims (heuristics::delta_sm80: dk <= 128) are within this
+  if (dp % 4 != 0 || dp > 256) throw Error("dk", "l2norm_pack takes padded head dims of at most 256 (multiples of 4)");
   if (rows == 0 || dry_run()) return;  // dry run: workspace_size
   auto go = [&](auto kernel) {
     kernel<<<rows_grid(r), 256, 0, s>>>(dst, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp, rows4<T>(x, d));
