@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The benchmark scripts that the GPU runs take their numbers from, run small on the CPU so that
 they cannot rot between device calls: bench/dg_accuracy.py (gradient errors against the float64
-reference; hila's rows only, without fla) and bench/torch_bench.py (its CPU smoke run, and the
-kernel targets' table and plot from earlier runs' CSVs)."""
+reference; hila's rows only, without fla), bench/torch_bench.py (its CPU smoke run, and the
+kernel targets' table and plot from earlier runs' CSVs) and bench/experiment_step.py (the training
+step of hila.experiments' models, timed and profiled)."""
 import csv
 import importlib.util
 import math
@@ -91,3 +92,23 @@ def test_torch_bench_kernels_section_skips_without_cuda(tmp_path, monkeypatch, c
                                       "--ops", "gdn", "--out", str(tmp_path)])
     _load("torch_bench").main()
     assert "kernels: needs a CUDA device" in capsys.readouterr().err
+
+
+def test_experiment_step_times_each_mixer_and_finds_hila_in_the_profile(capsys):
+    _load("experiment_step").main(["--mixers", "gla,hla2", "--dim", "16", "--seq-len", "64", "--batch", "4",
+                                   "--steps", "1", "--top", "3", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    head = lines[0].split(",")
+    rows = [dict(zip(head, line.split(","))) for line in lines[1:]]
+    assert [r["mixer"] for r in rows] == ["gla", "hla2"]
+    for r in rows:
+        assert r["graph_ms"] == ""  # CUDA graphs only on CUDA
+        eager, total, own = float(r["eager_ms"]), float(r["profiled_ms"]), float(r["hila_ms"])
+        assert eager > 0 and 0 < own < total, r
+    assert err.count(" ms  x") == 6  # the --top table: three ops per mixer
+
+
+def test_experiment_step_rejects_a_bad_size():
+    with pytest.raises(SystemExit):
+        _load("experiment_step").main(["--dim", "0", "--device", "cpu"])
