@@ -849,3 +849,118 @@ def test_cli_replays_cuda_graphs_by_default(monkeypatch, tmp_path):
     assert cli._parser().parse_args(base + ["--no-cuda-graph"]).cuda_graph is False
     assert cli.main(base) == 0 and cli.main(base + ["--no-cuda-graph"]) == 0
     assert seen == [True, False]
+
+
+class _Stop(Exception):
+    """Stands for a run stopped part-way (a killed worker, a caller's timeout)."""
+
+
+def _stop_at(monkeypatch, task_cls, at):
+    batch = task_cls.batch
+
+    def stopping(self, step):
+        if step == at:
+            raise _Stop(step)
+        return batch(self, step)
+    monkeypatch.setattr(task_cls, "batch", stopping)
+
+
+_SAME = ("acc", "best_acc", "final_loss", "curve", "status")
+
+
+@pytest.mark.parametrize("task", ["mqar", "niah"])
+def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_rows(tmp_path, monkeypatch, capsys, task):
+    """A run stopped between two logging points goes on from its last checkpoint and ends with the
+    rows of the run that was never stopped (same data order, optimizer state and loss sums): the
+    curve, the final loss and accuracy agree exactly on the CPU."""
+    if task == "mqar":
+        cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=32, lr=3e-3, pairs=4, vocab=32, steps=60,
+                        batch=8, train_examples=64, eval_examples=16, eval_every=20, head_dim=16, state_size=16)
+        cls = train._MQAR
+    else:
+        cfg = _niah_cfg(steps=60, batch=4, eval_examples=4, eval_every=20, depths="0,1", train_lengths="64,128")
+        cls = train._NIAH
+    whole = train.run(cfg, device="cpu", progress=False)
+    ck = tmp_path / "ck.pt"
+    with monkeypatch.context() as m:
+        _stop_at(m, cls, 44)  # log points every 3 steps: the last save is after step 42
+        with pytest.raises(_Stop):
+            train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=0)
+    saved = train.load_checkpoint(ck, cfg.key())
+    assert saved["step"] == 42 and saved["curve"] == [c for c in whole[0]["curve"].split() if int(c.split(":")[0]) <= 40]
+    capsys.readouterr()
+    resumed = train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=0)
+    assert "resuming after step 42" in capsys.readouterr().err
+    assert len(resumed) == len(whole)
+    for a, b in zip(resumed, whole):
+        assert {k: a[k] for k in _SAME} == {k: b[k] for k in _SAME}
+        assert a.get("cell_acc") == b.get("cell_acc")
+    assert float(resumed[0]["ms_per_step"]) > 0 and float(resumed[0]["wall_s"]) > 0
+
+
+def test_checkpoints_of_other_runs_or_unreadable_are_ignored(tmp_path, capsys):
+    cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=32, lr=3e-3, pairs=4, vocab=32, steps=6,
+                    batch=4, train_examples=16, eval_examples=8, eval_every=3, head_dim=16, state_size=16)
+    ck = tmp_path / "ck.pt"
+    assert train.load_checkpoint(ck, cfg.key()) is None  # none yet
+    torch.save(dict(key="another run", step=3), ck)
+    assert train.load_checkpoint(ck, cfg.key()) is None
+    assert "another run's" in capsys.readouterr().err
+    ck.write_bytes(b"not a checkpoint")
+    assert train.load_checkpoint(ck, cfg.key()) is None
+    assert "unreadable" in capsys.readouterr().err
+    rows = train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=0)  # trains from step 1
+    assert rows[0]["status"] == "ok" and rows[0]["curve"].split()[0].startswith("3:")
+    with pytest.raises(hila.HilaError) as e:
+        train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=-1)
+    assert e.value.argument == "checkpoint_seconds"
+
+
+def test_runner_resumes_a_stopped_run_and_removes_its_checkpoint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "mqar.csv"
+    runs = runner.grid("mqar", ["gla"], [16], [32], [0], [3e-3], pairs=4, vocab=32, steps=30, batch=8,
+                       train_examples=32, eval_examples=8, eval_every=10, head_dim=16, state_size=16)
+    with monkeypatch.context() as m:
+        _stop_at(m, train._MQAR, 17)
+        assert runner.execute(runs, out, devices=["cpu"], progress=False, checkpoint_seconds=0) == 1  # a failure
+    ck = runner.checkpoint_path(tmp_path / "checkpoints", runs[0])
+    assert ck.exists() and not out.exists()
+    capsys.readouterr()
+    assert runner.execute(runs, out, devices=["cpu"], progress=False, checkpoint_seconds=0) == 0
+    assert "resuming after step 16" in capsys.readouterr().err  # (30 steps: a log point at every step)
+    assert not ck.exists() and [r["status"] for r in runner.read_rows(out)] == ["ok"]
+    with pytest.raises(hila.HilaError):
+        runner.execute(runs, out, devices=["cpu"], progress=False, checkpoint_seconds=-5)
+
+
+def test_cli_checkpoint_flags(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(cli, "execute", lambda runs, out, **kw: seen.append(kw["checkpoint_seconds"]) or 0)
+    base = ["mqar", "--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(base) == 0 and cli.main(base + ["--checkpoint-seconds", "5"]) == 0
+    assert cli.main(base + ["--no-checkpoints"]) == 0
+    assert seen == [60.0, 5.0, None]
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--checkpoint-seconds", "-1"])
+
+
+def test_a_stopped_cuda_graph_run_resumes(tmp_path, monkeypatch):
+    """On CUDA, with the steps replayed from graphs (the default): the resumed run loads the
+    capturable optimizer's state (its learning rates back on the device), captures its graph again
+    and finishes with the full curve (CUDA's embedding backward is not bitwise reproducible, so the
+    points after the resume are not compared)."""
+    if not torch.cuda.is_available():
+        pytest.skip("captures CUDA graphs: needs a CUDA device")
+    cfg = RunConfig(task="mqar", mixer="gla", dim=16, seq_len=32, lr=3e-3, pairs=4, vocab=32, steps=60,
+                    batch=8, train_examples=64, eval_examples=16, eval_every=20, head_dim=16, state_size=16)
+    ck = tmp_path / "ck.pt"
+    with monkeypatch.context() as m:
+        _stop_at(m, train._MQAR, 44)
+        with pytest.raises(_Stop):
+            train.run(cfg, device="cuda", progress=False, cuda_graph=True, checkpoint=ck, checkpoint_seconds=0)
+    before = train.load_checkpoint(ck, cfg.key())["curve"]
+    rows = train.run(cfg, device="cuda", progress=False, cuda_graph=True, checkpoint=ck, checkpoint_seconds=0)
+    r = rows[0]
+    assert r["status"] == "ok" and r["cuda_graph"] is True and float(r["ms_per_step"]) > 0
+    assert [c.split(":")[0] for c in r["curve"].split()] == ["20", "40", "60"]
+    assert r["curve"].split()[:2] == before

@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="on CUDA, replay each training step from a CUDA graph (the same updates, "
                             "without the launch cost of its ~1000 kernels; default: on; --no-cuda-graph: "
                             "eager steps)")
+        t.add_argument("--checkpoint-seconds", type=float, default=60.0,
+                       help="each run saves its training state beside the CSV (checkpoints/) this often "
+                            "(seconds, at logging points; 0: at every one) and a stopped run goes on from "
+                            "it when the command runs again (default 60)")
+        t.add_argument("--no-checkpoints", action="store_true", help="no checkpoints: a stopped run starts over")
         t.add_argument("--list", action="store_true", help="print the runs to do and exit")
     r = sub.add_parser("report", help="summary tables (markdown) and plots (PNG) from the result CSVs")
     r.add_argument("--results", type=Path, default=Path("experiments/results"),
@@ -190,7 +195,10 @@ def _runs(task: str, args) -> List:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command != "report" and not args.checkpoint_seconds >= 0:
+        parser.error(f"--checkpoint-seconds: expected a number >= 0, got {args.checkpoint_seconds}")
     if args.command == "report":
         from .report import build_report
         for path in build_report(args.results, args.out or args.results):
@@ -206,7 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     failures = execute(runs, csv_path, parallel=args.parallel, devices=args.device.split(","),
                        time_limit=args.time_limit, progress=not args.no_progress, threads=args.threads,
-                       cuda_graph=args.cuda_graph)
+                       cuda_graph=args.cuda_graph,
+                       checkpoint_seconds=None if args.no_checkpoints else args.checkpoint_seconds)
     return 1 if failures else 0
 
 

@@ -4,12 +4,16 @@
 A grid is the product of mixers x dims x lengths x seeds x lrs (and needles for niah) over one set
 of shared settings. Every finished run appends its rows at once (written by this process only, so
 parallel workers never interleave), so an interrupted grid keeps what it finished, and running the
-same command again (or over several calls, each with a time limit) completes it.
+same command again (or over several calls, each with a time limit) completes it. A run in progress
+saves its training state in ``checkpoints/`` beside the CSV (train.run's ``checkpoint``), so a
+run stopped part-way goes on from its last save when the command runs again; the file is removed
+once the run's rows are in the CSV.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
+import hashlib
 import itertools
 import multiprocessing as mp
 import os
@@ -23,7 +27,7 @@ from .._errors import HilaError
 from .train import IMPLIED, RunConfig
 
 __all__ = ["grid", "done_keys", "append_rows", "read_rows", "execute", "parse_grid", "worker_threads",
-           "out_of_memory", "after_out_of_memory"]
+           "out_of_memory", "after_out_of_memory", "checkpoint_path"]
 
 GRID_AXES = ("mixers", "dims", "lengths", "seeds", "lrs", "needles")
 
@@ -118,8 +122,18 @@ def append_rows(path: Path, rows: List[Dict]) -> None:
 _SLOT = None  # this worker's index (its progress bar line and its device)
 
 
-def _init_worker(counter, lock, threads: int) -> None:
-    global _SLOT
+def checkpoint_path(folder: Path, cfg: RunConfig) -> Path:
+    """The checkpoint file of a run in folder: named by a hash of its key (keys are long)."""
+    return Path(folder) / f"{cfg.task}-{cfg.mixer}-{hashlib.sha1(cfg.key().encode()).hexdigest()[:16]}.pt"
+
+
+# A worker's checkpoint folder and interval (None: no checkpoints), set by _init_worker.
+_CHECKPOINTS: Optional[tuple] = None
+
+
+def _init_worker(counter, lock, threads: int, checkpoints: Optional[tuple] = None) -> None:
+    global _SLOT, _CHECKPOINTS
+    _CHECKPOINTS = checkpoints
     with lock:
         _SLOT = counter.value
         counter.value += 1
@@ -134,9 +148,11 @@ def _init_worker(counter, lock, threads: int) -> None:
 def _run_one(cfg: RunConfig, devices: Sequence[str], progress: bool, cuda_graph: bool):
     from .train import run
     slot = _SLOT or 0
+    ck = {} if _CHECKPOINTS is None else dict(checkpoint=checkpoint_path(_CHECKPOINTS[0], cfg),
+                                              checkpoint_seconds=_CHECKPOINTS[1])
     try:
         return run(cfg, device=devices[slot % len(devices)], progress=progress, position=slot + 1,
-                   cuda_graph=cuda_graph), None
+                   cuda_graph=cuda_graph, **ck), None
     except Exception:  # reported by the parent, which keeps going with the other runs
         return None, traceback.format_exc()
     finally:  # a worker between runs (or idle at the end) holds no cached device memory
@@ -167,7 +183,8 @@ def after_out_of_memory(limit: int, alone: bool, retries: int, max_retries: int)
 
 def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices: Sequence[str] = ("auto",),
             time_limit: Optional[float] = None, progress: bool = True, threads: Optional[int] = None,
-            cuda_graph: bool = False, worker=None, heartbeat: Optional[float] = 60.0) -> int:
+            cuda_graph: bool = False, worker=None, heartbeat: Optional[float] = 60.0,
+            checkpoint_seconds: Optional[float] = 60.0) -> int:
     """Runs every run whose key is not in out_csv yet, ``parallel`` at a time (1: in this process),
     appending each one's rows as it finishes. No run starts after ``time_limit`` seconds. Returns
     the number of runs that failed with an error (diverged runs are results, not failures).
@@ -180,7 +197,15 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
     calls, ``worker(cfg, devices, progress, cuda_graph) -> (rows, error text)`` (default: train.run's;
     tests give others). With ``parallel`` > 1 each run's start is printed, and every ``heartbeat``
     seconds without a finished run (None: never) the runs still going, so that a log shows where
-    a call stood when it was stopped."""
+    a call stood when it was stopped.
+
+    ``checkpoint_seconds``: each run saves its training state in ``checkpoints/`` beside out_csv
+    at its first logging point that many seconds after its start or last save, and starts from
+    such a file when there is one (module docstring); None: no checkpoints."""
+    if checkpoint_seconds is not None and not checkpoint_seconds >= 0:
+        raise HilaError(f"checkpoint_seconds: expected a number >= 0 or None, got {checkpoint_seconds}", "checkpoint_seconds")
+    ck_dir = Path(out_csv).parent / "checkpoints"
+    checkpoints = None if checkpoint_seconds is None else (str(ck_dir), float(checkpoint_seconds))
     runs, done = list(runs), done_keys(out_csv)
     todo = [r for r in runs if r.key() not in done]
     print(f"hila.experiments: {len(todo)} runs to do, {len(runs) - len(todo)} already in {out_csv} "
@@ -197,6 +222,8 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
             print(f"hila.experiments: {cfg.label()} failed:\n{err}", file=sys.stderr, flush=True)
             return
         append_rows(out_csv, rows)
+        if checkpoints is not None:  # the rows are kept: the run is not resumed again
+            checkpoint_path(ck_dir, cfg).unlink(missing_ok=True)
         finished += 1
         r = rows[0]
         print(f"hila.experiments: [{finished}/{len(todo)}] {cfg.label()}: acc {r['acc']:.4f} "
@@ -214,8 +241,10 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
             for cfg in todo:
                 if out_of_time():
                     break
+                ck = {} if checkpoints is None else dict(checkpoint=checkpoint_path(ck_dir, cfg),
+                                                         checkpoint_seconds=checkpoint_seconds)
                 try:
-                    rows, err = run(cfg, device=devices[0], progress=progress, cuda_graph=cuda_graph), None
+                    rows, err = run(cfg, device=devices[0], progress=progress, cuda_graph=cuda_graph, **ck), None
                 except Exception:
                     rows, err = None, traceback.format_exc()
                 record(cfg, rows, err)
@@ -231,7 +260,7 @@ def execute(runs: Iterable[RunConfig], out_csv: Path, parallel: int = 1, devices
         limit, retries = parallel, {}
         try:
             with cf.ProcessPoolExecutor(parallel, mp_context=ctx, initializer=_init_worker,
-                                        initargs=(counter, lock, threads)) as pool:
+                                        initargs=(counter, lock, threads, checkpoints)) as pool:
                 queue, running = list(todo), {}
                 while queue or running:
                     while queue and len(running) < limit and not out_of_time():

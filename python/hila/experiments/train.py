@@ -4,16 +4,24 @@ progress bar with loss and accuracy, periodic evaluation, and the result rows it
 
 A run's rows hold its whole configuration (``key`` identifies it: runs with the same key are the
 same experiment), its learning curve, its final accuracy, its wall time and its device.
+
+A run given a checkpoint file saves its whole training state there (model, optimizer, data order,
+the loss accumulated since its last evaluation, its curve and timings) at logging points, and a
+run that finds a checkpoint of its key goes on from it: a run stopped part-way (a time limit, a
+killed process) loses at most the steps since its last save and ends with the rows it would have
+had without the stop.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -23,7 +31,7 @@ from . import data
 from .mixers import MixerShape
 from .model import RecallLM
 
-__all__ = ["RunConfig", "run", "resolve_device", "warmup_steps"]
+__all__ = ["RunConfig", "run", "resolve_device", "warmup_steps", "load_checkpoint"]
 
 TASKS = ("mqar", "niah")
 
@@ -359,6 +367,13 @@ class _Task:
         """{"acc": accuracy} (and "cells", the per-cell rows of niah, when ``cells``)."""
         raise NotImplementedError
 
+    def state(self) -> Dict:
+        """What decides the batches still to come (for a checkpoint)."""
+        raise NotImplementedError
+
+    def load_state(self, state: Dict) -> None:
+        raise NotImplementedError
+
 
 class _MQAR(_Task):
     def __init__(self, cfg, dev):
@@ -380,6 +395,14 @@ class _MQAR(_Task):
         self.at += B
         return tuple(t[idx] for t in self.train)
 
+    def state(self):
+        return dict(gen=self.gen.get_state(), order=None if self.order is None else self.order.cpu(), at=self.at)
+
+    def load_state(self, state):
+        self.gen.set_state(state["gen"])
+        self.order = None if state["order"] is None else state["order"].to(self.dev)
+        self.at = state["at"]
+
     @torch.no_grad()
     def evaluate(self, model, cells=False):
         correct, total = _score(model, *self.test, self.cfg.batch)
@@ -398,6 +421,12 @@ class _NIAH(_Task):
         b = data.niah(self.cfg.batch, T, self.cfg.needles, self.cfg.vocab, seed=self.cfg.seed * 1_000_003 + step,
                       haystack=self.cfg.haystack, tail=tail, device=self.dev)
         return b.inputs, b.pos, b.target
+
+    def state(self):
+        return dict(rng=self.rng.getstate())
+
+    def load_state(self, state):
+        self.rng.setstate(state["rng"])
 
     @torch.no_grad()
     def evaluate(self, model, cells: bool = False):
@@ -446,7 +475,7 @@ def _score(model, ids, pos, target, batch):
 
 
 def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0,
-        cuda_graph: bool = False) -> List[Dict]:
+        cuda_graph: bool = False, checkpoint: Optional[Path] = None, checkpoint_seconds: float = 60.0) -> List[Dict]:
     """Trains and evaluates one run. Returns its result rows: one for mqar; one per (needle count
     evaluated, evaluation length, depth) cell for niah (the run's fields repeated in each; the
     cell's columns ``eval_needles``, ``eval_len``, ``depth``, ``cell_acc``, ``cell_acc_all``; so in
@@ -466,6 +495,14 @@ def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0,
     the same updates as the eager steps, without their per-kernel launch cost). The row's
     ``cuda_graph`` column says whether it did (not part of the run's key: it changes the speed,
     not the experiment).
+
+    ``checkpoint``: a file for the run's training state (module docstring). The run starts from it
+    when it holds a state of this run's key (another key's or an unreadable file is ignored, with a
+    note on stderr) and saves there at the first logging point ``checkpoint_seconds`` or more after
+    its start or last save (0: at every one; it is written whole, then renamed over the old one).
+    The caller removes it once the rows are kept. A resumed run leaves the first
+    ``warmup_steps(cfg)`` steps after the resume out of ``ms_per_step`` too, and its ``wall_s``
+    adds the times of its parts.
     """
     t_start = time.perf_counter()
     dev = resolve_device(device) if isinstance(device, str) else device
@@ -476,7 +513,8 @@ def run(cfg: RunConfig, device="auto", progress: bool = True, position: int = 0,
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")
     try:
-        return _run(cfg, dev, progress, position, t_start, cuda_graph)
+        ck = _Checkpoint(Path(checkpoint), checkpoint_seconds) if checkpoint is not None else None
+        return _run(cfg, dev, progress, position, t_start, cuda_graph, ck)
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -486,30 +524,94 @@ def warmup_steps(cfg: RunConfig) -> int:
     return min(10, max(0, cfg.steps // 10))
 
 
+class _Checkpoint:
+    """Where and how often a run saves its training state (:func:`run`'s ``checkpoint``)."""
+
+    def __init__(self, path: Path, seconds: float):
+        if not seconds >= 0:
+            raise HilaError(f"checkpoint_seconds: expected a number >= 0, got {seconds}", "checkpoint_seconds")
+        self.path, self.seconds, self.last = path, seconds, time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.seconds
+
+    def save(self, state: Dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path)  # a stop while saving leaves the previous checkpoint whole
+        self.last = time.monotonic()
+
+
+def load_checkpoint(path: Path, key: str) -> Optional[Dict]:
+    """The training state saved at path for the run of this key; None when there is none, it is
+    another run's or it cannot be read (noted on stderr)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a file cut short by a full disk, another format: train from the start
+        print(f"hila.experiments: ignoring unreadable checkpoint {path}: {e}", file=sys.stderr, flush=True)
+        return None
+    if not isinstance(state, dict) or state.get("key") != key:
+        print(f"hila.experiments: ignoring checkpoint {path}: another run's", file=sys.stderr, flush=True)
+        return None
+    return state
+
+
 def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float,
-         cuda_graph: bool) -> List[Dict]:
+         cuda_graph: bool, ck: Optional[_Checkpoint] = None) -> List[Dict]:
     torch.manual_seed(cfg.seed)
     model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
                      tie_embeddings=cfg.tie_embeddings,
                      shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
     task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
     opt = _optimizer(model, cfg, dev)
-    steps = _GraphedSteps(model, opt, dev) if cuda_graph and dev.type == "cuda" else _EagerSteps(model, opt)
     log_every = max(1, min(100, cfg.steps // 20))
-    warm = warmup_steps(cfg)
-    bar = _progress(cfg.steps, cfg.label(), position, progress)
     final, curve, status = {}, [], "ok"
     loss_sum, loss_n, shown = None, 0, dict(loss="-", acc="-", eval="-")
+    # the parts before a resume: timed steps, their seconds, wall seconds
+    done, before = 0, dict(timed=0, train_s=0.0, wall_s=0.0)
+    saved = load_checkpoint(ck.path, cfg.key()) if ck is not None else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        for group in opt.param_groups:  # the capturable optimizer's learning rates live on the device
+            if isinstance(group["lr"], Tensor):
+                group["lr"] = group["lr"].to(dev)
+        task.load_state(saved["task"])
+        torch.set_rng_state(saved["rng"])
+        if dev.type == "cuda" and saved.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"], dev)
+        done, before, curve, shown, final = saved["step"], saved["timing"], saved["curve"], saved["shown"], saved["final"]
+        loss_n = saved["loss_n"]
+        loss_sum = None if saved["loss_sum"] is None else saved["loss_sum"].to(dev)
+        print(f"hila.experiments: {cfg.label()}: resuming after step {done}", file=sys.stderr, flush=True)
+    steps = _GraphedSteps(model, opt, dev) if cuda_graph and dev.type == "cuda" else _EagerSteps(model, opt)
+    warm = done + warmup_steps(cfg)  # this part's timed steps start after its own warm-up
+    bar = _progress(cfg.steps, cfg.label(), position, progress)
+    if done:
+        bar.update(done)
     _sync(dev)
-    t_timed, eval_time, timed_from = time.perf_counter(), 0.0, 0
-    for step in range(1, cfg.steps + 1):
+    t_part = time.perf_counter()
+    t_timed, excluded, timed_from = t_part, 0.0, done  # excluded: evaluations and saves
+
+    def timing(step: int) -> Dict:
+        """The run's timing after ``step`` (a synchronised point): this part's and the earlier ones'."""
+        timed, train_s = step - timed_from, time.perf_counter() - t_timed - excluded
+        return dict(timed=before["timed"] + timed, train_s=before["train_s"] + train_s,
+                    wall_s=before["wall_s"] + time.perf_counter() - t_start)
+
+    step = done
+    for step in range(done + 1, cfg.steps + 1):
         ids, pos, target = task.batch(step)
         loss, hits = steps(ids, pos, target, _lr_at(step - 1, cfg))
         loss_sum = loss.clone() if loss_sum is None else loss_sum + loss  # (a graph's loss is overwritten)
         loss_n += 1
         if step == warm:  # the timed steps start after the warm-up
             _sync(dev)
-            t_timed, eval_time, timed_from = time.perf_counter(), 0.0, warm
+            t_timed, excluded, timed_from = time.perf_counter(), 0.0, warm
         is_eval = step % cfg.eval_every == 0 or step == cfg.steps
         if step % log_every and not is_eval:
             continue
@@ -523,14 +625,22 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
         if is_eval:
             t0 = time.perf_counter()
             final = task.evaluate(model, cells=step == cfg.steps)
-            eval_time += time.perf_counter() - t0
+            excluded += time.perf_counter() - t0
             curve.append(f"{step}:{mean_loss:.4f}:{final['acc']:.4f}")
             shown["eval"] = f"{final['acc']:.3f}"
             loss_sum, loss_n = None, 0
         bar.set_postfix(shown, refresh=False)
         bar.update(step - bar.n)
+        if ck is not None and step < cfg.steps and ck.due():
+            t0 = time.perf_counter()
+            ck.save(dict(key=cfg.key(), step=step, model=model.state_dict(), opt=opt.state_dict(),
+                         task=task.state(), rng=torch.get_rng_state(),
+                         cuda_rng=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
+                         timing=timing(step), curve=list(curve), shown=dict(shown), final=final, loss_n=loss_n,
+                         loss_sum=None if loss_sum is None else loss_sum.detach().cpu()))
+            excluded += time.perf_counter() - t0
     _sync(dev)
-    train_time = time.perf_counter() - t_timed - eval_time
+    total = timing(step)
     bar.close()
     if status == "diverged":
         final = {"acc": 0.0, "cells": [dict(eval_needles=N, eval_len=T, depth=d, cell_acc=0.0, cell_acc_all=0.0)
@@ -540,8 +650,8 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
     row.update(key=cfg.key(), status=status, acc=round(final["acc"], 5),
                best_acc=round(max(float(c.split(":")[2]) for c in curve), 5),
                final_loss=curve[-1].split(":")[1], curve=" ".join(curve), params=model.num_params(),
-               ms_per_step=round(1000 * train_time / max(1, step - timed_from), 3),
-               wall_s=round(time.perf_counter() - t_start, 2), device=device_name(dev),
+               ms_per_step=round(1000 * total["train_s"] / max(1, total["timed"]), 3),
+               wall_s=round(total["wall_s"], 2), device=device_name(dev),
                cuda_graph=steps.graphs > 0,
                matmul=("tf32" if dev.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
                        else "fp32"),
