@@ -964,3 +964,20 @@ def test_a_stopped_cuda_graph_run_resumes(tmp_path, monkeypatch):
     assert r["status"] == "ok" and r["cuda_graph"] is True and float(r["ms_per_step"]) > 0
     assert [c.split(":")[0] for c in r["curve"].split()] == ["20", "40", "60"]
     assert r["curve"].split()[:2] == before
+
+
+def test_cli_list_names_the_runs_a_checkpoint_resumes(tmp_path, monkeypatch, capsys):
+    base = ["mqar", "--grid", "mixers=gla dims=16 lengths=32 seeds=0 lrs=0.003", "--pairs", "4", "--vocab", "32",
+            "--steps", "30", "--batch", "8", "--train-examples", "32", "--eval-examples", "8", "--eval-every", "10",
+            "--head-dim", "16", "--state-size", "16", "--out", str(tmp_path), "--no-progress", "--device", "cpu",
+            "--checkpoint-seconds", "0"]
+    with monkeypatch.context() as m:
+        _stop_at(m, train._MQAR, 12)
+        assert cli.main(base) == 1
+    capsys.readouterr()
+    assert cli.main(base + ["--list"]) == 0
+    assert capsys.readouterr().out.strip().endswith("(resumes after step 11)")
+    assert cli.main(base) == 0
+    capsys.readouterr()
+    assert cli.main(base + ["--list"]) == 0
+    assert capsys.readouterr().out.startswith("done  ")

@@ -207,10 +207,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs = _runs(args.command, args)
     csv_path = args.out / f"{args.command}.csv"
     if args.list:
-        from .runner import done_keys
+        from .runner import checkpoint_path, done_keys
+        from .train import load_checkpoint
         done = done_keys(csv_path)
         for r in runs:
-            print(("done  " if r.key() in done else "todo  ") + r.label())
+            if r.key() in done:
+                print("done  " + r.label())
+                continue
+            saved = load_checkpoint(checkpoint_path(args.out / "checkpoints", r), r.key())
+            print("todo  " + r.label() + (f"  (resumes after step {saved['step']})" if saved else ""))
         return 0
     failures = execute(runs, csv_path, parallel=args.parallel, devices=args.device.split(","),
                        time_limit=args.time_limit, progress=not args.no_progress, threads=args.threads,
