@@ -911,6 +911,13 @@ def test_checkpoints_of_other_runs_or_unreadable_are_ignored(tmp_path, capsys):
     assert "unreadable" in capsys.readouterr().err
     rows = train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=0)  # trains from step 1
     assert rows[0]["status"] == "ok" and rows[0]["curve"].split()[0].startswith("3:")
+    # this run's key, but a state the model cannot take (written by other code): trains from step 1
+    state = train.load_checkpoint(ck, cfg.key())
+    state["model"] = {"no such parameter": torch.zeros(1)}
+    torch.save(state, ck)
+    again = train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=0)
+    assert "does not fit this run" in capsys.readouterr().err
+    assert {k: again[0][k] for k in _SAME} == {k: rows[0][k] for k in _SAME}
     with pytest.raises(hila.HilaError) as e:
         train.run(cfg, device="cpu", progress=False, checkpoint=ck, checkpoint_seconds=-1)
     assert e.value.argument == "checkpoint_seconds"

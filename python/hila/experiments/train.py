@@ -562,12 +562,15 @@ def load_checkpoint(path: Path, key: str) -> Optional[Dict]:
 
 def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float,
          cuda_graph: bool, ck: Optional[_Checkpoint] = None) -> List[Dict]:
-    torch.manual_seed(cfg.seed)
-    model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
-                     tie_embeddings=cfg.tie_embeddings,
-                     shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
-    task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
-    opt = _optimizer(model, cfg, dev)
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
+                         tie_embeddings=cfg.tie_embeddings,
+                         shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
+        task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
+        return model, task, _optimizer(model, cfg, dev)
+
+    model, task, opt = fresh()
     log_every = max(1, min(100, cfg.steps // 20))
     final, curve, status = {}, [], "ok"
     loss_sum, loss_n, shown = None, 0, dict(loss="-", acc="-", eval="-")
@@ -575,19 +578,27 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
     done, before = 0, dict(timed=0, train_s=0.0, wall_s=0.0)
     saved = load_checkpoint(ck.path, cfg.key()) if ck is not None else None
     if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        for group in opt.param_groups:  # the capturable optimizer's learning rates live on the device
-            if isinstance(group["lr"], Tensor):
-                group["lr"] = group["lr"].to(dev)
-        task.load_state(saved["task"])
-        torch.set_rng_state(saved["rng"])
-        if dev.type == "cuda" and saved.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(saved["cuda_rng"], dev)
-        done, before, curve, shown, final = saved["step"], saved["timing"], saved["curve"], saved["shown"], saved["final"]
-        loss_n = saved["loss_n"]
-        loss_sum = None if saved["loss_sum"] is None else saved["loss_sum"].to(dev)
-        print(f"hila.experiments: {cfg.label()}: resuming after step {done}", file=sys.stderr, flush=True)
+        try:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            for group in opt.param_groups:  # the capturable optimizer's learning rates live on the device
+                if isinstance(group["lr"], Tensor):
+                    group["lr"] = group["lr"].to(dev)
+            task.load_state(saved["task"])
+            torch.set_rng_state(saved["rng"])
+            if dev.type == "cuda" and saved.get("cuda_rng") is not None:
+                torch.cuda.set_rng_state(saved["cuda_rng"], dev)
+            done, before, curve, shown, final = (saved["step"], saved["timing"], saved["curve"], saved["shown"],
+                                                 saved["final"])
+            loss_n = saved["loss_n"]
+            loss_sum = None if saved["loss_sum"] is None else saved["loss_sum"].to(dev)
+            print(f"hila.experiments: {cfg.label()}: resuming after step {done}", file=sys.stderr, flush=True)
+        except Exception as e:  # a state this code cannot take (the model changed since): start over
+            print(f"hila.experiments: ignoring checkpoint {ck.path} that does not fit this run: {e}",
+                  file=sys.stderr, flush=True)
+            model, task, opt = fresh()
+            final, curve, loss_sum, loss_n, shown = {}, [], None, 0, dict(loss="-", acc="-", eval="-")
+            done, before = 0, dict(timed=0, train_s=0.0, wall_s=0.0)
     steps = _GraphedSteps(model, opt, dev) if cuda_graph and dev.type == "cuda" else _EagerSteps(model, opt)
     warm = done + warmup_steps(cfg)  # this part's timed steps start after its own warm-up
     bar = _progress(cfg.steps, cfg.label(), position, progress)
