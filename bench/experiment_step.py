@@ -21,15 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hila.experiments.mixers import MixerShape
-from hila.experiments.model import RecallLM
-from hila.experiments.train import (RunConfig, _EagerSteps, _GraphedSteps, _lr_at, _MQAR, _optimizer,
-                                    resolve_device)
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from hila.experiments.train import RunConfig, _build, _EagerSteps, _GraphedSteps, _lr_at, _sync, resolve_device
 
 
 def _time(steps, task, cfg, dev, n):
@@ -50,12 +42,7 @@ def _is_hila(name: str) -> bool:
 def measure(mixer: str, dim: int, seq_len: int, batch: int, n: int, dev: torch.device, top: int):
     cfg = RunConfig(task="mqar", mixer=mixer, dim=dim, seq_len=seq_len, lr=3e-3, batch=batch,
                     train_examples=max(4 * batch, 256), eval_examples=batch)
-    torch.manual_seed(0)
-    model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
-                     tie_embeddings=cfg.tie_embeddings,
-                     shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
-    task = _MQAR(cfg, dev)
-    opt = _optimizer(model, cfg, dev)
+    model, task, opt = _build(cfg, dev)
     eager = _time(_EagerSteps(model, opt), task, cfg, dev, n)
     graph = _time(_GraphedSteps(model, opt, dev), task, cfg, dev, n) if dev.type == "cuda" else None
     steps, k = _EagerSteps(model, opt), 3

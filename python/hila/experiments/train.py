@@ -560,17 +560,19 @@ def load_checkpoint(path: Path, key: str) -> Optional[Dict]:
     return state
 
 
+def _build(cfg: RunConfig, dev: torch.device):
+    """A run's model (initialised from its seed), task (data) and optimizer, before any step."""
+    torch.manual_seed(cfg.seed)
+    model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
+                     tie_embeddings=cfg.tie_embeddings,
+                     shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
+    task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
+    return model, task, _optimizer(model, cfg, dev)
+
+
 def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_start: float,
          cuda_graph: bool, ck: Optional[_Checkpoint] = None) -> List[Dict]:
-    def fresh():
-        torch.manual_seed(cfg.seed)
-        model = RecallLM(cfg.vocab, cfg.dim, cfg.mixer, cfg.seq_len, num_layers=cfg.layers, init_std=cfg.init_std,
-                         tie_embeddings=cfg.tie_embeddings,
-                         shape=MixerShape(head_dim=cfg.head_dim, state_size=cfg.state_size)).to(dev)
-        task = (_MQAR if cfg.task == "mqar" else _NIAH)(cfg, dev)
-        return model, task, _optimizer(model, cfg, dev)
-
-    model, task, opt = fresh()
+    model, task, opt = _build(cfg, dev)
     log_every = max(1, min(100, cfg.steps // 20))
     final, curve, status = {}, [], "ok"
     loss_sum, loss_n, shown = None, 0, dict(loss="-", acc="-", eval="-")
@@ -596,7 +598,7 @@ def _run(cfg: RunConfig, dev: torch.device, progress: bool, position: int, t_sta
         except Exception as e:  # a state this code cannot take (the model changed since): start over
             print(f"hila.experiments: ignoring checkpoint {ck.path} that does not fit this run: {e}",
                   file=sys.stderr, flush=True)
-            model, task, opt = fresh()
+            model, task, opt = _build(cfg, dev)
             final, curve, loss_sum, loss_n, shown = {}, [], None, 0, dict(loss="-", acc="-", eval="-")
             done, before = 0, dict(timed=0, train_s=0.0, wall_s=0.0)
     steps = _GraphedSteps(model, opt, dev) if cuda_graph and dev.type == "cuda" else _EagerSteps(model, opt)
