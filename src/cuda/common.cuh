@@ -61,7 +61,11 @@ __host__ __device__ constexpr int ld_of(int cols) {
 // C [M, N] (Acc, ldc) = (acc ? C : 0) + op(A) op(B), all in shared memory.
 //   A: [M, K] (lda) or, with TA, stored [K, M] and used transposed.
 //   B: [K, N] (ldb) or, with TB, stored [N, K] and used transposed.
-// M, N, K are multiples of 16. Every thread of the block must call it; ends with a barrier.
+// 16-bit T (WMMA): M, N, K multiples of 16. fp32 / fp64: any sizes; with 256 threads, 64 x 64 tiles
+// of C, 4 x 4 outputs per thread (rows ty + 16 r, columns tx + 16 c: a warp reads 16 consecutive
+// columns of B and broadcasts A), 8 shared loads per 16 FMAs; other block sizes (the host
+// emulation) one output per thread. Both sum k in increasing order from C (or 0), one FMA per term,
+// so they round alike. Every thread of the block must call it; ends with a barrier.
 template <class T, bool TA, bool TB>
 __device__ void smem_gemm(Acc<T>* C, int ldc, const T* A, int lda, const T* B, int ldb, int M,
                           int N, int K, bool acc) {
@@ -85,6 +89,39 @@ __device__ void smem_gemm(Acc<T>* C, int ldc, const T* A, int lda, const T* B, i
       }
       wmma::store_matrix_sync(C + i * ldc + j, c, ldc, wmma::mem_row_major);
     }
+  } else if (blockDim.x == 256) {
+    using R = Acc<T>;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int i0 = 0; i0 < M; i0 += 64)
+      for (int j0 = 0; j0 < N; j0 += 64) {
+        int ri[4], cj[4];  // this thread's rows and columns, clamped into C (the extra ones are not stored)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ri[r] = min(i0 + ty + 16 * r, M - 1);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cj[c] = min(j0 + tx + 16 * c, N - 1);
+        R s[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)  // (C's rows and columns past M, N are another thread's: not read)
+            s[r][c] = acc && i0 + ty + 16 * r < M && j0 + tx + 16 * c < N ? C[ri[r] * ldc + cj[c]] : R(0);
+        for (int k = 0; k < K; ++k) {
+          R x[4], y[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) x[r] = TA ? A[k * lda + ri[r]] : A[ri[r] * lda + k];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) y[c] = TB ? B[cj[c] * ldb + k] : B[k * ldb + cj[c]];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[r][c] += x[r] * y[c];
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            if (i0 + ty + 16 * r < M && j0 + tx + 16 * c < N) C[ri[r] * ldc + cj[c]] = s[r][c];
+      }
   } else {
     using R = Acc<T>;
     for (int e = threadIdx.x; e < M * N; e += blockDim.x) {
