@@ -63,9 +63,9 @@ __host__ __device__ constexpr int ld_of(int cols) {
 //   B: [K, N] (ldb) or, with TB, stored [N, K] and used transposed.
 // 16-bit T (WMMA): M, N, K multiples of 16. fp32 / fp64: any sizes; with 256 threads, 64 x 64 tiles
 // of C, 4 x 4 outputs per thread (rows ty + 16 r, columns tx + 16 c: a warp reads 16 consecutive
-// columns of B and broadcasts A), 8 shared loads per 16 FMAs; other block sizes (the host
-// emulation) one output per thread. Both sum k in increasing order from C (or 0), one FMA per term,
-// so they round alike. Every thread of the block must call it; ends with a barrier.
+// columns of B and broadcasts A), 8 shared loads per 16 FMAs; other block sizes one output per
+// thread. Both sum k in increasing order from C (or 0), one FMA per term, so they round alike.
+// Every thread of the block must call it; ends with a barrier.
 template <class T, bool TA, bool TB>
 __device__ void smem_gemm(Acc<T>* C, int ldc, const T* A, int lda, const T* B, int ldb, int M,
                           int N, int K, bool acc) {
