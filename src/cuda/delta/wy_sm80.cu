@@ -10,6 +10,7 @@
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
 //   the chunk's last row; dg is its reverse cumsum inside the chunk.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/delta/wy_sm80.cuh"
 #include "cuda/loglinear/tree.cuh"
@@ -60,13 +61,16 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
   const int nr = rows_in(a.len[seq], c);
+  // two cp.async groups: K and Q (the K K^T and Q K^T products), then V and dO, which land during the
+  // triangular solve
   mma::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
                  a.dk, kChunk);
-  mma::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, 0,
-                 a.dv, kChunk);
   if (qp)
     mma::async_rows(s.Q, s.ldk, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr,
                    0, a.dk, kChunk);
+  mma::cp_async_commit();
+  mma::async_rows(s.V, s.ldv, a.v + (h / a.v_div) * head_stride(a.v_hs, a.Ttot, a.dv), row_ld(a.v_ld, a.dv), r0, nr, 0,
+                 a.dv, kChunk);
   if (bwd)
     mma::async_rows(s.dO, s.ldv, a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv), row_ld(a.dO_ld, a.dv), r0, nr, 0, a.dv,
                    kChunk);
@@ -81,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
       const int i = e / kLamLd, l = e % kLamLd;
       s.lam[e] = i < nr && l < ll.nL ? ll.lam[(int64_t(h) * a.Ttot + r0 + i) * ll.nL + l] : 0.f;
     }
-  mma::cp_async_wait<0>();
+  mma::cp_async_wait<1>();  // K, Q
   __syncthreads();
   {  // warp w: rows 16 (w % 4), columns 32 (w / 4) of
     //   A = tril_-1(diag(beta) (Gam o K K^T)) (fp32) and, with bwd or ll, P = scale tril(Q K^T) o Gam (16-bit)
@@ -110,54 +114,69 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
       }
   }
   __syncthreads();
-  // Tg = (I + A)^-1 in 16 x 16 blocks, in place over A (fp32): A strictly lower triangular, so
-  // the diagonal blocks invert by forward substitution, Tg_II = (I + A_II)^-1 (warp I, lanes 2j + p
-  // sum the m = p mod 2 terms of column j: Tg[i][j] = -sum_{j<=m<i} A[i][m] Tg[m][j]), and block row
-  // I = 1..3 follows from the rows above it: Tg_IJ = -Tg_II sum_{J<=K<I} A_IK Tg_KJ (J < I).
-  static_assert(kChunk == 64 && kThreads == 256, "4 x 4 blocks of 16; 256 threads per block row stage");
-  if (w < 4) {
-    const int base = 16 * w, jl = lane >> 1, part = lane & 1;
-    for (int il = 1; il < 16; ++il) {
-      float x = 0.f;
-      if (jl < il)
-        for (int m = jl + part; m < il; m += 2)
-          x -= s.A[(base + il) * kLdA + base + m] * (m == jl ? 1.f : s.A[(base + m) * kLdA + base + jl]);
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      __syncwarp();  // row il of the block is read
-      if (part == 0 && jl < il) s.A[(base + il) * kLdA + base + jl] = x;
-      __syncwarp();
+  // Tg = (I + A)^-1 in place over A (fp32; A strictly lower triangular with zeros above), by
+  // doubling: the 16 x 16 diagonal blocks invert by forward substitution, then each 2 x 2 split of
+  // n x n blocks (n = 16: two pairs, n = 32: one) takes
+  //   Tg_21 = -Tg_22 (A_21 Tg_11)     [n,n]x([n,n]x[n,n])
+  // from its inverted diagonal blocks. The diagonal holds 1 and the upper triangle 0 from the first
+  // step on, so the products read the blocks as they stand.
+  static_assert(kChunk == 64 && kThreads == 256, "4 diagonal blocks of 16; 256 threads per merge");
+  if (w < 4) {  // warp I: Tg_II[i][j] = -sum_{m<i} A_II[i][m] Tg_II[m][j] (i > j), lane j's column in registers
+    const int base = 16 * w, j = lane & 15;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) acc -= s.A[(base + i) * kLdA + base + m] * x[m];
+      x[i] = i == j ? 1.f : acc;  // x[m] = 0 for m < j, so acc = 0 for i < j
     }
+    __syncwarp();  // block I of A is read
+    if (lane < 16)
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (i >= j) s.A[(base + i) * kLdA + base + j] = x[i];
   }
   __syncthreads();
-  for (int I = 1; I < 4; ++I) {  // block row I: thread e of 256 * I elements (J = e / 256, r, c)
-    float x[3];
+  static_assert(32 * 33 * sizeof(float) <= kChunk * kLd * 2, "the merges' scratch fits in TgW");
+  float* xs = reinterpret_cast<float*>(s.TgW);  // X = A_21 Tg_11 of each pair, [n][n+1] fp32 (TgW is free until the pack)
+  auto merge = [&](auto n_) {  // thread: rows r, r + 1 and columns c .. c + n/16 - 1 of one pair's [n, n] blocks
+    constexpr int n = decltype(n_)::value, nc = n / 16, per = kThreads * 2 * n / kChunk;  // per: threads of a pair
+    const int p = threadIdx.x / per, e = threadIdx.x % per, r = 2 * (e / (n / nc)), c = nc * (e % (n / nc));
+    const int b1 = 2 * n * p, b2 = b1 + n;  // first row of the pair's blocks 1 and 2
+    float* x = xs + p * n * (n + 1);
+    float acc[2][nc] = {};
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {  // X_J = sum_{J<=K<I} A_IK Tg_KJ   (Tg_KK's unit diagonal is implicit)
-      x[q] = 0.f;
-      if (q >= I) continue;
-      const int J = q, r = threadIdx.x >> 4, cc = threadIdx.x & 15, i = 16 * I + r, j = 16 * J + cc;
-      for (int m = j; m < 16 * I; ++m)  // Tg[m][j] = 0 for m < j
-        x[q] += s.A[i * kLdA + m] * (m == j ? 1.f : s.A[m * kLdA + j]);
+    for (int m = 0; m < n; ++m) {  // X = A_21 Tg_11
+      const float a0 = s.A[(b2 + r) * kLdA + b1 + m], a1 = s.A[(b2 + r + 1) * kLdA + b1 + m];
+#pragma unroll
+      for (int q = 0; q < nc; ++q) {
+        const float t = s.A[(b1 + m) * kLdA + b1 + c + q];
+        acc[0][q] += a0 * t, acc[1][q] += a1 * t;
+      }
     }
-    __syncthreads();  // A_IJ is read
 #pragma unroll
-    for (int q = 0; q < 3; ++q)
-      if (q < I) s.A[(16 * I + (threadIdx.x >> 4)) * kLdA + 16 * q + (threadIdx.x & 15)] = x[q];
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < nc; ++q) x[(r + h) * (n + 1) + c + q] = acc[h][q], acc[h][q] = 0.f;
     __syncthreads();
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {  // Tg_IJ = -Tg_II X_J
-      if (q >= I) continue;
-      const int r = threadIdx.x >> 4, cc = threadIdx.x & 15, i = 16 * I + r;
-      float y = -s.A[i * kLdA + 16 * q + cc];
-      for (int m = 0; m < r; ++m) y -= s.A[i * kLdA + 16 * I + m] * s.A[(16 * I + m) * kLdA + 16 * q + cc];
-      x[q] = y;
+    for (int m = 0; m < n; ++m) {  // Tg_21 = -Tg_22 X
+      const float a0 = s.A[(b2 + r) * kLdA + b2 + m], a1 = s.A[(b2 + r + 1) * kLdA + b2 + m];
+#pragma unroll
+      for (int q = 0; q < nc; ++q) {
+        const float t = x[m * (n + 1) + c + q];
+        acc[0][q] += a0 * t, acc[1][q] += a1 * t;
+      }
     }
-    __syncthreads();
 #pragma unroll
-    for (int q = 0; q < 3; ++q)
-      if (q < I) s.A[(16 * I + (threadIdx.x >> 4)) * kLdA + 16 * q + (threadIdx.x & 15)] = x[q];
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < nc; ++q) s.A[(b2 + r + h) * kLdA + b1 + c + q] = -acc[h][q];
     __syncthreads();
-  }
+  };
+  merge(std::integral_constant<int, 16>{});
+  merge(std::integral_constant<int, 32>{});
   // 16-bit operands, two columns per thread: W = Tg diag(beta e^b) K and U = Tg diag(beta) V take
   // Tg with its columns scaled (TgW, TgU); the backward stores Tg itself (tg [nchunks][H][C][C]).
   T* tgo = tg ? tg + (cg * a.H + h) * kChunk * kChunk : nullptr;
@@ -172,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float*
         mma::pack2<T>(v[0] * f0 * __expf(s.b[j]), v[1] * f1 * __expf(s.b[j + 1]));
     if (tgo) *reinterpret_cast<uint32_t*>(tgo + i * kChunk + j) = mma::pack2<T>(v[0], v[1]);
   }
+  mma::cp_async_wait<0>();  // V, dO
   __syncthreads();
   // W = TgW K  [C,C]x[C,dk],  U = TgU V  [C,C]x[C,dv],  dvi = P^T dO  [C,C]x[C,dv]:
   // warp w rows 16 (w % 4), column blocks of 64 from 64 (w / 4) in steps of 128
