@@ -20,14 +20,9 @@ import argparse
 
 import numpy as np
 
+from dg_cancellation import bf16  # round to bfloat16 (nearest even), as float64
+
 C = 64
-
-
-def bf16(x):
-    """Round to bfloat16 (nearest even), returned as float32."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32)
 
 
 def substitute(a):
@@ -63,7 +58,7 @@ def doubling(a):
 
 def chunk_a(rng, d, gates):
     k = rng.standard_normal((C, d))
-    k = bf16(k / np.linalg.norm(k, axis=1, keepdims=True)).astype(np.float64)
+    k = bf16(k / np.linalg.norm(k, axis=1, keepdims=True))
     beta = 1.0 / (1.0 + np.exp(-rng.standard_normal(C)))
     g = np.full(C, -1e-3) if gates == "-1e-3" else -np.log1p(np.exp(-rng.standard_normal(C))) / 16
     b = np.cumsum(g)
