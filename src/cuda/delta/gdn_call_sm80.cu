@@ -86,7 +86,7 @@ void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1,
   if (Ttot == 0) return;
   if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, p.q, r, int(r.dk), dk, R(r.scale), s);
   if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, p.k, r, int(r.dk), dk, R(1), s);
-  if (p.dv.defined()) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);
+  if (p.dv.defined() && dvb) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);  // dvb null: written in place
   if (p.dg.defined())
     HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * Ttot, s, Strided(p.dg), dg, g.get(), r.T, r.H, Ttot, 0);
   if (p.dbeta.defined()) HILA_LAUNCH(unpack_gates<R>, r.H * Ttot, s, Strided(p.dbeta), dbeta, r.T, r.H, Ttot, 0);

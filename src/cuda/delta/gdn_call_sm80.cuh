@@ -33,7 +33,7 @@ struct GdnCall {
   // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
   void output(const TensorView& o);
   // The gradients into the caller's tensors: dq (w.r.t. q^, times scale), dk = dk1 + dk2, dv, dg, dbeta
-  // (packed [H][Ttot][..] fp32), through the l2norm chain when it is on.
+  // (packed [H][Ttot][..] fp32; dvb null: dv was written in place), through the l2norm chain when it is on.
   void write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb, const R* dg,
                    const R* dbeta) const;
   void write_final(const StateView& fin);

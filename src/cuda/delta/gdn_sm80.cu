@@ -334,7 +334,9 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     }
     // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc
     DevBuf<R> dq(size_t(H * Ttot * dk), s), dk_gla(size_t(H * Ttot * dk), s), dk_wy(size_t(H * Ttot * dk), s);
-    DevBuf<R> dg(size_t(H * Ttot), s), dvb(size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
+    // dv straight into the caller's tensor where its layout allows (no fp32 copy, no unpack pass)
+    const bool dv_direct = int(r.dv) == dv && in_place_ok<T>(p.dv, r.B, r.T);
+    DevBuf<R> dg(size_t(H * Ttot), s), dvb(dv_direct ? 0 : size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
     DevBuf<T> dvn(size_t(H * Ttot * dv), s);
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
     a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
@@ -344,9 +346,10 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
       WyBwdArgs<T> wb;
       wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
       wb.dk = dk_wy.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
+      if (dv_direct) wb.dv16 = static_cast<T*>(p.dv.data), wb.dv16_ld = p.dv.stride[1], wb.dv16_hs = p.dv.stride[2];
       launch_wy_bwd(x.a, wb, s);  // the raw values v
     }
-    x.write_grads(p, dq.get(), dk_gla.get(), dk_wy.get(), dvb.get(), dg.get(), dbeta.get());
+    x.write_grads(p, dq.get(), dk_gla.get(), dk_wy.get(), dv_direct ? nullptr : dvb.get(), dg.get(), dbeta.get());
     if (p.d_init.H.defined())
       HILA_LAUNCH(unpack_state<R>, x.NH * r.dk * r.dv, s, Strided(p.d_init.H), dh0.get(), x.NH, H, int(r.dk),
                   int(r.dv), int(dk), int(dv));

@@ -49,11 +49,14 @@ struct WyTiles {
   }
 };
 
-template <class T>
-__global__ void __launch_bounds__(kThreads) wy_kernel(GlaArgs<T> a, const float* beta, T* W, float* U, T* tg,
-                                                      float* dvi, LoglinearWy<T> ll) {
+// Registers bounded for the blocks per SM that shared memory allows at dk = dv = 128: kPlain, the
+// plain gdn forward (no dvi, no LoglinearWy; 70 KB, launched with the max-shared carveout), three;
+// the backward's recompute and loglinear_gdn, two.
+template <class T, bool kPlain>
+__global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T> a, const float* beta, T* W, float* U,
+                                                                       T* tg, float* dvi, LoglinearWy<T> ll) {
   extern __shared__ __align__(128) char smem[];
-  const bool bwd = dvi != nullptr, lg = ll.qeff != nullptr, qp = bwd || lg;
+  const bool bwd = !kPlain && dvi != nullptr, lg = !kPlain && ll.qeff != nullptr, qp = bwd || lg;
   WyTiles<T> s(smem, a.dk, a.dv, bwd, lg);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
@@ -437,8 +440,13 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
         for (int hf = 0; hf < 2; ++hf) {
           const int i = hf ? i1 : i0;
           if (i < nr) {
-            float2* o = reinterpret_cast<float2*>(x.dv + (rowbase + i) * dv + cc + 8 * j + 2 * t);
+            const int col = cc + 8 * j + 2 * t;
             float2 y = make_float2(s.beta[i] * acc[j][2 * hf], s.beta[i] * acc[j][2 * hf + 1]);
+            if (x.dv16) {
+              *reinterpret_cast<uint32_t*>(x.dv16 + h * x.dv16_hs + (r0 + i) * x.dv16_ld + col) = mma::pack2<T>(y.x, y.y);
+              continue;
+            }
+            float2* o = reinterpret_cast<float2*>(x.dv + (rowbase + i) * dv + col);
             if (x.dv_add) y.x += o->x, y.y += o->y;
             *o = y;
           }
@@ -555,10 +563,15 @@ size_t wy_bwd_smem(int dk, int dv) { return layout_bytes<WyBwdTiles<__nv_bfloat1
 template <class T>
 void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, float* U, T* tg, float* dvi, const LoglinearWy<T>& ll,
                cudaStream_t s) {
+  const bool plain = dvi == nullptr && ll.qeff == nullptr;
   const size_t bytes = wy_smem(a.dk, a.dv, dvi != nullptr, ll.qeff != nullptr);
-  set_smem(wy_kernel<T>, bytes);
+  auto kernel = plain ? wy_kernel<T, true> : wy_kernel<T, false>;
+  if (plain && !smem_set(reinterpret_cast<const void*>(kernel), bytes))  // once, with the opt-in below
+    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
+  set_smem(kernel, bytes);
   if (dry_run()) return;  // dry run: workspace_size
-  wy_kernel<T><<<dim3(unsigned(a.nchunks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
+  kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
   HILA_CUDA_CHECK_LAUNCH();
 }
 

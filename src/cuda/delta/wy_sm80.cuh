@@ -41,7 +41,9 @@ struct WyBwdArgs {
   const float* dtgu = nullptr;
   bool dv_add = false;
   float* dk = nullptr;          // [H][Ttot][dk] out: the WY part of dk
-  float* dv = nullptr;          // [H][Ttot][dv] out
+  float* dv = nullptr;          // [H][Ttot][dv] out, or (dv16 set) not written:
+  T* dv16 = nullptr;            // the caller's 16-bit dv, row r0 + i of head h at dv16 + h dv16_hs + (r0 + i) dv16_ld
+  int64_t dv16_ld = 0, dv16_hs = 0;
   float* dg = nullptr;          // [H][Ttot]: GLA's dc in, dg out
   float* dbeta = nullptr;       // [H][Ttot] out
 };
