@@ -77,116 +77,154 @@ struct RowAddr {
   }
 };
 
-// delta_unpack_qk for the tensor-core tier's 16-bit T (fp32 dx), dkp % 4 == 0, dkp <= 128 V: lane l
-// holds the columns [4 (l + 32 v), +4) of its row in registers, every load issued before the
-// reductions: dx (and dx2) as float4, x and out as four 16-bit values (8 bytes) where their layout
-// allows (vx, vo: unit column stride, dk % 4 == 0, 8-byte aligned rows, T's dtype), else element
-// by element.
+// Rows per warp of delta_unpack_qk4 and l2norm_pack: a warp issues the loads of kRows rows before
+// its first reduction, so that each warp has kRows rows of loads in flight (with one row per warp
+// these passes run at about half of the copy bandwidth: docs/PERFORMANCE.md).
+constexpr int kRows = 4;
+
+// The columns [4 (lane + 32 v), +4) of the warp's rows r0 + q W (q < kRows) of group g of the
+// caller's [B, T, G, d] x, as fp32 (0 past d and for rows >= Ttot): 8-byte loads where the layout
+// allows (vx), else element by element.
 template <class T, int V>
-__global__ void delta_unpack_qk4(Strided out, RowAddr oa, const float* dx, const float* dx2, Strided x, RowAddr xa,
-                                 int64_t G, int rep, int64_t Ttot, int dk, int dkp, float mult, bool l2, bool vx,
-                                 bool vo) {
+__device__ __forceinline__ void load_rows4(float4 (&xv)[kRows][V], const Strided& x, const RowAddr& xa, int64_t g,
+                                           int64_t r0, int64_t W, int64_t Ttot, int d, bool vx) {
   const int lane = threadIdx.x & 31;
-  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups): one warp per row
-    for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r < Ttot;
-         r += int64_t(gridDim.x) * blockDim.x / 32) {
-      const int64_t xr = xa(r, g), orow = oa(r, g);
-      float4 y[V], xv[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const int c0 = 4 * (lane + 32 * v);
-        y[v] = xv[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c0 >= dk) continue;
-        for (int j = 0; j < rep; ++j) {  // the group's heads: [H][Ttot][dkp]
-          const int64_t o = ((g * rep + j) * Ttot + r) * dkp + c0;
-          const float4 a = *reinterpret_cast<const float4*>(dx + o);
-          y[v].x += a.x, y[v].y += a.y, y[v].z += a.z, y[v].w += a.w;
-          if (dx2) {
-            const float4 a2 = *reinterpret_cast<const float4*>(dx2 + o);
-            y[v].x += a2.x, y[v].y += a2.y, y[v].z += a2.z, y[v].w += a2.w;
-          }
-        }
-        if (c0 + 4 > dk) {  // dk % 4 != 0: the padding columns of dx are not the gradient's
-          float* ys = &y[v].x;
-          for (int u = dk - c0; u < 4; ++u) ys[u] = 0.f;
-        }
-        if (!l2) continue;
-        if (vx) xv[v] = load4(static_cast<const T*>(x.p) + xr + c0);
-        else {
-          float* xs = &xv[v].x;
-          for (int u = 0; u < 4 && c0 + u < dk; ++u) xs[u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
-        }
+  for (int q = 0; q < kRows; ++q) {
+    const int64_t r = r0 + q * W;
+    const int64_t xr = r < Ttot ? xa(r, g) : 0;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const int c0 = 4 * (lane + 32 * v);
+      xv[q][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r >= Ttot || c0 >= d) continue;
+      if (vx) xv[q][v] = load4(static_cast<const T*>(x.p) + xr + c0);
+      else {
+        float* xs = &xv[q][v].x;
+        for (int u = 0; u < 4 && c0 + u < d; ++u) xs[u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
       }
-      float inv = 1.f, ydy = 0.f;
-      if (l2) {  // the columns >= dk hold y = 0 (not read) and x = 0
-        float ss = 0.f, xdy = 0.f;
+    }
+  }
+}
+
+// delta_unpack_qk for the tensor-core tier's 16-bit T (fp32 dx), dkp % 4 == 0, dkp <= 128 V: lane l
+// holds the columns [4 (l + 32 v), +4) of its rows in registers, every load of the warp's kRows rows
+// (rows r, r + W, .., W the warps of the grid) issued before the reductions: dx (and dx2) as
+// float4, x and out as four 16-bit values (8 bytes) where their layout allows (vx, vo: unit column
+// stride, dk % 4 == 0, 8-byte aligned rows, T's dtype), else element by element.
+// Registers bounded for three blocks per SM at V = 1 (80, no spills; the loads of four rows held).
+template <class T, int V>
+__global__ void __launch_bounds__(256, V == 1 ? 3 : 1)
+    delta_unpack_qk4(Strided out, RowAddr oa, const float* dx, const float* dx2, Strided x, RowAddr xa, int64_t G,
+                     int rep, int64_t Ttot, int dk, int dkp, float mult, bool l2, bool vx, bool vo) {
+  const int lane = threadIdx.x & 31;
+  const int64_t W = int64_t(gridDim.x) * blockDim.x / 32;  // warps of the grid's x axis
+  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)      // grid (row blocks, groups)
+    for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kRows * W) {
+      float4 y[kRows][V], xv[kRows][V] = {};
+      if (l2) load_rows4<T, V>(xv, x, xa, g, r0, W, Ttot, dk, vx);
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {
+        const int64_t r = r0 + q * W;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          ss += xv[v].x * xv[v].x + xv[v].y * xv[v].y + xv[v].z * xv[v].z + xv[v].w * xv[v].w;
-          xdy += xv[v].x * y[v].x + xv[v].y * y[v].y + xv[v].z * y[v].z + xv[v].w * y[v].w;
+          const int c0 = 4 * (lane + 32 * v);
+          y[q][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (r >= Ttot || c0 >= dk) continue;
+          for (int j = 0; j < rep; ++j) {  // the group's heads: [H][Ttot][dkp]
+            const int64_t o = ((g * rep + j) * Ttot + r) * dkp + c0;
+            const float4 a = *reinterpret_cast<const float4*>(dx + o);
+            y[q][v].x += a.x, y[q][v].y += a.y, y[q][v].z += a.z, y[q][v].w += a.w;
+            if (dx2) {
+              const float4 a2 = *reinterpret_cast<const float4*>(dx2 + o);
+              y[q][v].x += a2.x, y[q][v].y += a2.y, y[q][v].z += a2.z, y[q][v].w += a2.w;
+            }
+          }
+          if (c0 + 4 > dk) {  // dk % 4 != 0: the padding columns of dx are not the gradient's
+            float* ys = &y[q][v].x;
+            for (int u = dk - c0; u < 4; ++u) ys[u] = 0.f;
+          }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-          ss += __shfl_xor_sync(0xffffffffu, ss, o);
-          xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
-        }
-        inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
-        ydy = mult * xdy * inv;
       }
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const int c0 = 4 * (lane + 32 * v);
-        if (c0 >= dk) continue;
-        float4 d = make_float4(mult * y[v].x, mult * y[v].y, mult * y[v].z, mult * y[v].w);
-        if (l2)  // (dy - y (y.dy)) / |x|, y = x / |x|
-          d = make_float4((d.x - xv[v].x * inv * ydy) * inv, (d.y - xv[v].y * inv * ydy) * inv,
-                          (d.z - xv[v].z * inv * ydy) * inv, (d.w - xv[v].w * inv * ydy) * inv);
-        if (vo) store4(static_cast<T*>(out.p) + orow + c0, d);
-        else {
-          const float* ds = &d.x;
-          for (int u = 0; u < 4 && c0 + u < dk; ++u) st<float>(out, orow + (c0 + u) * out.s[3], ds[u]);
+      for (int q = 0; q < kRows; ++q) {
+        const int64_t r = r0 + q * W;
+        if (r >= Ttot) break;  // uniform over the warp
+        float inv = 1.f, ydy = 0.f;
+        if (l2) {  // the columns >= dk hold y = 0 (not read) and x = 0
+          float ss = 0.f, xdy = 0.f;
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const float4 a = xv[q][v], b = y[q][v];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            xdy += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+          }
+          for (int o = 16; o > 0; o >>= 1) {
+            ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            xdy += __shfl_xor_sync(0xffffffffu, xdy, o);
+          }
+          inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
+          ydy = mult * xdy * inv;
+        }
+        const int64_t orow = oa(r, g);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const int c0 = 4 * (lane + 32 * v);
+          if (c0 >= dk) continue;
+          const float4 a = xv[q][v], b = y[q][v];
+          float4 d = make_float4(mult * b.x, mult * b.y, mult * b.z, mult * b.w);
+          if (l2)  // (dy - y (y.dy)) / |x|, y = x / |x|
+            d = make_float4((d.x - a.x * inv * ydy) * inv, (d.y - a.y * inv * ydy) * inv,
+                            (d.z - a.z * inv * ydy) * inv, (d.w - a.w * inv * ydy) * inv);
+          if (vo) store4(static_cast<T*>(out.p) + orow + c0, d);
+          else {
+            const float* ds = &d.x;
+            for (int u = 0; u < 4 && c0 + u < dk; ++u) st<float>(out, orow + (c0 + u) * out.s[3], ds[u]);
+          }
         }
       }
     }
 }
 
 // The caller's q or k [B, T, G, d] -> packed [G][Ttot][dp], each row x / sqrt(|x|^2 + eps) (the
-// padding columns zero). One warp per row, lane l on the columns [4 (l + 32 v), +4), v < V
-// (dp <= 128 V); 8-byte loads where the input's layout allows (vx), else element by element.
+// padding columns zero). Lane l on the columns [4 (l + 32 v), +4), v < V (dp <= 128 V), kRows rows
+// per warp as delta_unpack_qk4; 8-byte loads where the input's layout allows (vx), else element by
+// element.
 template <class T, int V>
 __global__ void l2norm_pack(T* dst, Strided x, RowAddr xa, int64_t G, int64_t Ttot, int d, int dp, bool vx) {
   const int lane = threadIdx.x & 31;
-  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups): one warp per row
-    for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r < Ttot;
-         r += int64_t(gridDim.x) * blockDim.x / 32) {
-      const int64_t e = g * Ttot + r, xr = xa(r, g);
-      float4 xv[V];
-      float ss = 0.f;
+  const int64_t W = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups)
+    for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kRows * W) {
+      float4 xv[kRows][V];
+      load_rows4<T, V>(xv, x, xa, g, r0, W, Ttot, d, vx);
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const int c0 = 4 * (lane + 32 * v);
-        xv[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c0 >= d) continue;
-        if (vx) xv[v] = load4(static_cast<const T*>(x.p) + xr + c0);
-        else {
-          float* xs = &xv[v].x;
-          for (int u = 0; u < 4 && c0 + u < d; ++u) xs[u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
+      for (int q = 0; q < kRows; ++q) {
+        const int64_t r = r0 + q * W;
+        if (r >= Ttot) break;  // uniform over the warp
+        float ss = 0.f;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float4 a = xv[q][v];
+          ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
         }
-        ss += xv[v].x * xv[v].x + xv[v].y * xv[v].y + xv[v].z * xv[v].z + xv[v].w * xv[v].w;
-      }
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
+        const int64_t e = g * Ttot + r;
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const int c0 = 4 * (lane + 32 * v);
-        if (c0 < dp)
-          store4(dst + e * dp + c0, make_float4(xv[v].x * inv, xv[v].y * inv, xv[v].z * inv, xv[v].w * inv));
+        for (int v = 0; v < V; ++v) {
+          const int c0 = 4 * (lane + 32 * v);
+          const float4 a = xv[q][v];
+          if (c0 < dp) store4(dst + e * dp + c0, make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv));
+        }
       }
     }
 }
 
-// one warp per row of 8-warp blocks: x over the B x T rows, y over the groups
+// Grid of the row passes: 8 warps per block, kRows rows per warp, the groups on y.
 inline dim3 rows_grid(const detail::Resolved& r) {
-  return dim3(unsigned(std::min<int64_t>((r.B * r.T + 7) / 8, 1 << 20)), unsigned(std::min<int64_t>(r.G, 65535)));
+  return dim3(unsigned(std::min<int64_t>((r.B * r.T + 8 * kRows - 1) / (8 * kRows), 1 << 20)),
+              unsigned(std::min<int64_t>(r.G, 65535)));
 }
 
 // whether a [B, T, X, d] view can be read or written four 16-bit elements of T at a time
