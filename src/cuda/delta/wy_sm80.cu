@@ -566,10 +566,7 @@ void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, float* U, T* tg, fl
   const bool plain = dvi == nullptr && ll.qeff == nullptr;
   const size_t bytes = wy_smem(a.dk, a.dv, dvi != nullptr, ll.qeff != nullptr);
   auto kernel = plain ? wy_kernel<T, true> : wy_kernel<T, false>;
-  if (plain && !smem_set(reinterpret_cast<const void*>(kernel), bytes))  // once, with the opt-in below
-    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         int(cudaSharedmemCarveoutMaxShared)));
-  set_smem(kernel, bytes);
+  set_smem(kernel, bytes, /*max_carveout=*/plain);
   if (dry_run()) return;  // dry run: workspace_size
   kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
   HILA_CUDA_CHECK_LAUNCH();

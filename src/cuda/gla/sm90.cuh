@@ -90,9 +90,7 @@ __device__ __forceinline__ void init_ring(uint64_t* full, int n, int tid) {
 template <class K>
 bool ready_sm90(K kernel, size_t bytes) {
   if (!sm90::runs_sm90a(reinterpret_cast<const void*>(kernel))) return false;
-  set_smem(kernel, bytes);
-  HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       int(cudaSharedmemCarveoutMaxShared)));
+  set_smem(kernel, bytes, /*max_carveout=*/true);
   return true;
 }
 // Tensor maps m[0..2] of q, k, v (input_map) and their swapped bits 0..2 in `order`.

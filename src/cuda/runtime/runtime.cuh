@@ -310,12 +310,17 @@ inline heuristics::Device device_info() { return heuristics::Device{sm_count(), 
 bool smem_set(const void* kernel, size_t bytes);
 void note_smem(const void* kernel, size_t bytes);
 
-// Opts a kernel into `bytes` of dynamic shared memory.
+// Opts a kernel into `bytes` of dynamic shared memory; with max_carveout also into the carveout
+// that gives the SM's unified memory to shared memory (kernels with several large blocks per SM).
+// Both attributes are set once per kernel and device, not per launch.
 template <class F>
-void set_smem(F* kernel, size_t bytes) {
+void set_smem(F* kernel, size_t bytes, bool max_carveout = false) {
   const void* k = reinterpret_cast<const void*>(kernel);
   if (smem_set(k, bytes)) return;
   HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  if (max_carveout)
+    HILA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
   note_smem(k, bytes);
 }
 
