@@ -78,6 +78,13 @@ std::vector<DeltaCase> cases() {
   // plain gdn in 16 bits at a longer length: the tensor-core forward and backward (delta/gdn_sm80.cu)
   cs.push_back({Op::gdn, DType::bf16, 1, 4096, 1, 2, 128, 128, {}, true, true, {0}, true, 1e-2,
                 "gdn_bf16_T4096_init_l2norm"});
+  // qk_l2norm with one head per group: the WY backward writes the final dk through the l2norm chain
+  // rule into the caller's tensor (wy_bwd_kernel's dk16), both sweeps and loglinear_gdn's training call
+  for (const char* sm : {"0", "1"})
+    cs.push_back({Op::gdn, DType::bf16, 2, 300, 2, 2, 128, 128, {}, true, true, {0}, true, 1e-2,
+                  std::string("gdn_bf16_d128_T300_init_l2norm") + (sm[0] == '1' ? "_sm90" : ""), 0, true, sm});
+  cs.push_back({Op::loglinear_gdn, DType::bf16, 2, 300, 2, 2, 128, 128, {}, true, false, {}, true, 1e-2,
+                "loglinear_gdn_bf16_d128_T300_l2norm_train_tc", 0, false});
   // dv = 256 (four value tiles per sweep; the backward's kernels fit shared memory with dk <= 64)
   cs.push_back({Op::gdn, DType::bf16, 1, 130, 1, 2, 64, 256, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_dk64_dv256_T130_init"});

@@ -53,8 +53,10 @@ template <class T>
 void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const TensorView& x,
                       const detail::Resolved& r, int dk, int dkp, Acc<T> mult, cudaStream_t s);
 // the caller's q or k [B, T, G, d] -> packed [G][Ttot][dp] (dp % 4 == 0, dp <= 256), each row
-// x / sqrt(|x|^2 + kL2NormEps), the padding columns zero (16-bit T).
+// x / sqrt(|x|^2 + kL2NormEps), the padding columns zero (16-bit T); rstd [G][Ttot] (or nullptr):
+// 1 / sqrt(|x|^2 + kL2NormEps) of each row.
 template <class T>
-void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, int d, int dp, cudaStream_t s);
+void launch_l2norm_pack(T* dst, float* rstd, const TensorView& x, const detail::Resolved& r, int d, int dp,
+                        cudaStream_t s);
 
 }  // namespace hila::cuda

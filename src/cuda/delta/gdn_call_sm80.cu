@@ -14,9 +14,10 @@ GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStre
       Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
   const size_t nqk = size_t(r.G * Ttot * dk);
   q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
-  if (r.cfg.qk_l2norm) {  // packed and normalised in one pass; the backward's chain rule reads p.q, p.k
-    launch_l2norm_pack<T>(q.get(), p.q, r, int(r.dk), dk, s);
-    launch_l2norm_pack<T>(k.get(), p.k, r, int(r.dk), dk, s);
+  if (r.cfg.qk_l2norm) {  // packed and normalised in one pass (k_rstd: for the WY backward's dk)
+    k_rstd = DevBuf<float>(size_t(r.G * Ttot), s);
+    launch_l2norm_pack<T>(q.get(), nullptr, p.q, r, int(r.dk), dk, s);
+    launch_l2norm_pack<T>(k.get(), k_rstd.get(), p.k, r, int(r.dk), dk, s);
   } else {
     pack_to<T>(q.get(), p.q, r, r.G, int(r.dk), dk, -1, s);
     pack_to<T>(k.get(), p.k, r, r.G, int(r.dk), dk, -1, s);
@@ -60,9 +61,9 @@ const T* GdnCall<T>::operand(const TensorView& t, int64_t X, int d, int dp, DevB
 }
 
 template <class T>
-void GdnCall<T>::wy(T* tg, float* dvi, LoglinearWy<T> ll) {
+void GdnCall<T>::wy(T* tg, T* dvi, LoglinearWy<T> ll) {
   W = DevBuf<T>(size_t(r.H * Ttot * dk), s);
-  if (!ll.qeff) U = DevBuf<float>(size_t(r.H * Ttot * dv), s);
+  if (!ll.qeff) U = DevBuf<T>(size_t(r.H * Ttot * dv), s);
   if (seqs.nchunks == 0) return;
   launch_wy(a, beta.get(), W.get(), U.get(), tg, dvi, ll, s);
 }
@@ -81,11 +82,19 @@ void GdnCall<T>::output(const TensorView& o) {
 }
 
 template <class T>
+bool GdnCall<T>::dk_in_wy_bwd(const BackwardParams& p, WyBwdArgs<T>& wb) const {
+  if (!p.dk.defined() || rep != 1 || int(r.dk) != dk || !in_place_ok<T>(p.dk, r.B, r.T)) return false;
+  wb.dk16 = static_cast<T*>(p.dk.data), wb.dk16_ld = p.dk.stride[1], wb.dk16_hs = p.dk.stride[2];
+  wb.k_rstd = k_rstd.get();  // nullptr without qk_l2norm
+  return true;
+}
+
+template <class T>
 void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb,
-                           const R* dg, const R* dbeta) const {
+                             const R* dg, const R* dbeta) const {
   if (Ttot == 0) return;
   if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, p.q, r, int(r.dk), dk, R(r.scale), s);
-  if (p.dk.defined()) launch_unpack_qk<T>(p.dk, dk1, dk2, p.k, r, int(r.dk), dk, R(1), s);
+  if (p.dk.defined() && dk1) launch_unpack_qk<T>(p.dk, dk1, dk2, p.k, r, int(r.dk), dk, R(1), s);  // dk1 null: written
   if (p.dv.defined() && dvb) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);  // dvb null: written in place
   if (p.dg.defined())
     HILA_LAUNCH(unpack_log_gate_grads<R>, r.H * Ttot, s, Strided(p.dg), dg, g.get(), r.T, r.H, Ttot, 0);

@@ -19,9 +19,9 @@ struct GdnCall {
   SeqTables seqs;
   int dk, dv, rep;
   int64_t Ttot, N, NH;
-  DevBuf<T> q, k, v, W, Vn, hbuf;
+  DevBuf<T> q, k, v, W, U, Vn, hbuf;
   DevBuf<R> g, beta, bsum, h0, ht;
-  DevBuf<float> U;
+  DevBuf<float> k_rstd;  // [G][Ttot] 1 / sqrt(|k|^2 + eps) of each raw row (qk_l2norm)
   GlaArgs<T> a;
 
   GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_);
@@ -29,11 +29,15 @@ struct GdnCall {
   const T* operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld, int64_t& hs) const;
   // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.
   // With ll.qeff set, loglinear_gdn's Qeff, intra output and final in-chunk levels too (LoglinearWy).
-  void wy(T* tg = nullptr, float* dvi = nullptr, LoglinearWy<T> ll = {});
+  void wy(T* tg = nullptr, T* dvi = nullptr, LoglinearWy<T> ll = {});
   // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
   void output(const TensorView& o);
-  // The gradients into the caller's tensors: dq (w.r.t. q^, times scale), dk = dk1 + dk2, dv, dg, dbeta
-  // (packed [H][Ttot][..] fp32; dvb null: dv was written in place), through the l2norm chain when it is on.
+  // Whether wy_bwd_kernel can write the final dk into the caller's tensor (through the l2norm chain
+  // when it is on: one head per group, the caller's layout read in place); if so, wb set for it.
+  bool dk_in_wy_bwd(const BackwardParams& p, WyBwdArgs<T>& wb) const;
+  // The gradients into the caller's tensors: dq (w.r.t. q^, times scale), dk = dk1 + dk2 (dk2 may be
+  // null), dv, dg, dbeta (packed [H][Ttot][..] fp32; dk1, dvb null: written in place), through the
+  // l2norm chain when it is on.
   void write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb, const R* dg,
                    const R* dbeta) const;
   void write_final(const StateView& fin);

@@ -4,7 +4,7 @@
 // gdn_chunk_plain, gdn_plain_vjp_chunk). Per chunk of C = 64 rows, with the chunk-local cumsum b
 // of the log-gates, B = b[C-1], w = e^{B-b}:
 //   Tg = (I + tril_-1(diag(beta) (Gam o K K^T)))^-1     [C,C], Gam_ij = e^{b_i - b_j}
-//   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (fp32)
+//   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]
 // along the chunks of a sequence, with S the state entering the chunk:
 //   Vn = U - W S                 [C,dk]x[dk,dv]        S <- e^B S + K^T diag(w) Vn
 // and the output is GLA's with Vn for the values (gla/output_sm80.cu):
@@ -25,8 +25,9 @@
 // backward: delta_rsweep_kernel (the reverse sweep of dS, fp32 in registers), GLA's chunk-gradient
 // kernel on Vn, then wy_bwd_kernel (chunk-parallel). On Hopper the two sweeps run as TMA + wgmma
 // kernels instead where they apply (sweep_sm90.cu, heuristics::delta_sm90_sweep; HILA_DELTA_SM90=0:
-// these sm80 sweeps everywhere). W, Vn, Tg and the per-chunk states and cotangents are stored in
-// 16 bits as GEMM operands; U, dVn, the carries and every accumulation are fp32.
+// these sm80 sweeps everywhere). W, U, Vn, Tg, dvi and the per-chunk states and cotangents are
+// stored in 16 bits (as fla's chunk_gated_delta_rule stores W, U, Vn and dv); the carries, the
+// states in the sweeps and every accumulation are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
@@ -45,7 +46,7 @@ namespace {
 
 // The state sweep; grid (N x H, 1, dv tiles of 64), 8 warps, warp w owns state rows [16w, 16w+16)
 // (those < dk) and columns [v0, v0+64) in registers. Per chunk, double-buffered W, K [C, dk]
-// (16-bit) and the gates arrive by cp.async, and U [C, 64] (fp32) in one buffer, loaded for the
+// (16-bit) and the gates arrive by cp.async, and U [C, 64] (16-bit) in one buffer, loaded for the
 // next chunk once (2) has read it (one buffer keeps the block within half an SM's shared memory,
 // two blocks per SM); then
 //   (1) S -> 16-bit Ss (and hbuf: the state entering the chunk, for the output kernel)
@@ -53,7 +54,7 @@ namespace {
 //   (3) S = e^B S + K^T diag(e^{B-b}) Vns
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, const T* W, const float* U, T* Vn) {
+__global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, const T* W, const T* U, T* Vn) {
   extern __shared__ __align__(128) char smem[];
   SweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
   const bool active = it.active;
   const int64_t len = it.len, row0 = it.row0;
   const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
-  const float* Uh = U + int64_t(h) * a.Ttot * a.dv;
+  const T* Uh = U + int64_t(h) * a.Ttot * a.dv;
   const T* Kh = a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
   const int64_t kld = row_ld(a.k_ld, a.dk);
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
@@ -71,14 +72,8 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
   float acc[8][4];  // rows 16w + g (+8), columns v0 + 8j + 2t (+1)
   load_state(acc, active, a.h0 ? a.h0 + sidx : nullptr, a.dv, v0, bv);
   auto issue = [&](int64_t c) { s.issue(c, Wh, Kh, kld, b, row0, len, a.dk); };  // W, K, b of chunk c
-  auto issue_u = [&](int c) {  // U [C, bv] fp32, rows >= nr zero
-    const int64_t r0 = row0 + int64_t(c) * kChunk;
-    const int nr = rows_in(len, c);
-    for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {
-      const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
-      const bool in = i < nr;
-      mma::cp_async16(s.U + i * kLdU + j, in ? Uh + (r0 + i) * a.dv + v0 + j : Uh, in ? 16 : 0);
-    }
+  auto issue_u = [&](int c) {  // U [C, bv], rows >= nr zero
+    mma::async_rows(s.U, kLd, Uh, a.dv, row0 + int64_t(c) * kChunk, rows_in(len, c), v0, bv, kChunk);
     mma::cp_async_commit();
   };
   if (nch > 0) issue(0), issue_u(0);
@@ -97,13 +92,13 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
       float x[4][4];
       mma::zero(x);
       mma::warp_gemm<T, 4, false, true>(x, s.W(st), s.ldk, m0, s.Ss, kLd, n0, 4, 0, a.dk);
-      const float* Ut = s.U;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = fr.row(m0, hf), col = fr.col(n0, j);
-          const float2 u = col < bv ? *reinterpret_cast<const float2*>(Ut + i * kLdU + col) : make_float2(0.f, 0.f);
+          const float2 u = col < bv ? mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.U + i * kLd + col))
+                                    : make_float2(0.f, 0.f);
           const uint32_t y = mma::pack2<T>(u.x - x[j][2 * hf], u.y - x[j][2 * hf + 1]);  // columns >= bv: 0
           *reinterpret_cast<uint32_t*>(s.Vns + i * kLd + col) = y;
           if (i < nr && col < bv) *reinterpret_cast<uint32_t*>(Vn + (int64_t(h) * a.Ttot + r0 + i) * a.dv + v0 + col) = y;
@@ -119,8 +114,8 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
 
 // The reverse sweep of the backward; grid (N x H, 1, dv tiles of 64), 8 warps, warp w owns the
 // cotangent rows [16w, 16w+16) (those < dk) and columns [v0, v0+64) in registers, from dS_T (a.dht,
-// else 0). Per chunk, last first, double-buffered Q, K, W [C, dk], dO [C, 64] (16-bit), dvi [C, 64]
-// (fp32) and the gates arrive by cp.async; then
+// else 0). Per chunk, last first, double-buffered Q, K, W [C, dk], dO, dvi [C, 64] (16-bit) and the
+// gates arrive by cp.async; then
 //   (1) dS -> 16-bit dSs (and dhbuf: the cotangent at the chunk's end, for the gradient kernels)
 //   (2) dVn = dvi + diag(w) K dSs    [C,dk]x[dk,64]: warp w rows 16 (w % 4), columns 32 (w / 4)
 //   (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn    [dk,C]x[C,64], twice
@@ -129,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
 // final state ht) for the WY backward's dB: sdot [nchunks][H][dv tiles].
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, const T* W, const float* dvi, float* sdot) {
+__global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, const T* W, const T* dvi, float* sdot) {
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -144,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
   const T* Wh = W + int64_t(h) * a.Ttot * a.dk;
   const T* dOh = a.dO + h * head_stride(a.dO_hs, a.Ttot, a.dv);
   const int64_t dold = row_ld(a.dO_ld, a.dv);
-  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv;
+  const T* dvih = dvi + int64_t(h) * a.Ttot * a.dv;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const float sc = float(a.scale);
@@ -158,11 +153,7 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     mma::async_rows(s.K(st), s.ldk, Kh, kld, r0, nr, 0, a.dk, kChunk);
     mma::async_rows(s.W(st), s.ldk, Wh, a.dk, r0, nr, 0, a.dk, kChunk);
     mma::async_rows(s.dO(st), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
-    for (int e = threadIdx.x; e < kChunk * (bv / 4); e += blockDim.x) {  // dvi [C, bv] fp32, rows >= nr zero
-      const int i = e / (bv / 4), j = (e % (bv / 4)) * 4;
-      const bool in = i < nr;
-      mma::cp_async16(s.dvi(st) + i * kLdU + j, in ? dvih + (r0 + i) * a.dv + v0 + j : dvih, in ? 16 : 0);
-    }
+    mma::async_rows(s.dvi(st), kLd, dvih, a.dv, r0, nr, v0, bv, kChunk);
     if (threadIdx.x < kChunk) {
       const bool in = b && int(threadIdx.x) < nr;
       mma::cp_async4(s.b(st) + threadIdx.x, in ? static_cast<const void*>(b + r0 + threadIdx.x) : dvih, in ? 4 : 0);
@@ -220,14 +211,15 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
       float x[4][4];
       mma::zero(x);
       mma::warp_gemm<T, 4, false, true>(x, s.K(st), s.ldk, m0, s.dSs, kLd, n0, 4, 0, a.dk);
-      const float* Dt = s.dvi(st);
+      const T* Dt = s.dvi(st);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = fr.row(m0, hf), col = fr.col(n0, j);
           const float wi = __expf(B - bt[i]);
-          const float2 u = col < bv ? *reinterpret_cast<const float2*>(Dt + i * kLdU + col) : make_float2(0.f, 0.f);
+          const float2 u = col < bv ? mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Dt + i * kLd + col))
+                                    : make_float2(0.f, 0.f);
           *reinterpret_cast<uint32_t*>(s.dVns + i * kLd + col) =
               mma::pack2<T>(u.x + wi * x[j][2 * hf], u.y + wi * x[j][2 * hf + 1]);  // columns >= bv: 0
         }
@@ -306,7 +298,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
-    DevBuf<float> dvi(size_t(H * Ttot * dv), s);
+    DevBuf<T> dvi(size_t(H * Ttot * dv), s);
     x.wy(tg.get(), dvi.get());
     gdn_sweep(x);
     x.output(p.o);
@@ -333,23 +325,25 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
       }
     }
     // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc
-    DevBuf<R> dq(size_t(H * Ttot * dk), s), dk_gla(size_t(H * Ttot * dk), s), dk_wy(size_t(H * Ttot * dk), s);
+    // the WY backward; dk and dv straight into the caller's tensors where their layouts allow
+    WyBwdArgs<T> wb;
+    const bool dk_direct = x.dk_in_wy_bwd(p, wb);
+    DevBuf<R> dq(size_t(H * Ttot * dk), s), dkb(size_t(H * Ttot * dk), s);  // dkb: GLA's part of dk
+    DevBuf<R> dkw(dk_direct ? 0 : size_t(H * Ttot * dk), s);               // the WY part, unless direct
     // dv straight into the caller's tensor where its layout allows (no fp32 copy, no unpack pass)
     const bool dv_direct = int(r.dv) == dv && in_place_ok<T>(p.dv, r.B, r.T);
     DevBuf<R> dg(size_t(H * Ttot), s), dvb(dv_direct ? 0 : size_t(H * Ttot * dv), s), dbeta(size_t(H * Ttot), s);
     DevBuf<T> dvn(size_t(H * Ttot * dv), s);
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
-    a.dq = dq.get(), a.dk_ = dk_gla.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
+    a.dq = dq.get(), a.dk_ = dkb.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
     gla_bwd_chunk(a, s);
-    if (nch > 0) {  // the WY backward
-      WyBwdArgs<T> wb;
-      wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
-      wb.dk = dk_wy.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
-      if (dv_direct) wb.dv16 = static_cast<T*>(p.dv.data), wb.dv16_ld = p.dv.stride[1], wb.dv16_hs = p.dv.stride[2];
-      launch_wy_bwd(x.a, wb, s);  // the raw values v
-    }
-    x.write_grads(p, dq.get(), dk_gla.get(), dk_wy.get(), dv_direct ? nullptr : dvb.get(), dg.get(), dbeta.get());
+    wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
+    wb.dk = dk_direct ? dkb.get() : dkw.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
+    if (dv_direct) wb.dv16 = static_cast<T*>(p.dv.data), wb.dv16_ld = p.dv.stride[1], wb.dv16_hs = p.dv.stride[2];
+    if (nch > 0) launch_wy_bwd(x.a, wb, s);  // the raw values v
+    x.write_grads(p, dq.get(), dk_direct ? nullptr : dkb.get(), dkw.get(), dv_direct ? nullptr : dvb.get(), dg.get(),
+                  dbeta.get());
     if (p.d_init.H.defined())
       HILA_LAUNCH(unpack_state<R>, x.NH * r.dk * r.dv, s, Strided(p.d_init.H), dh0.get(), x.NH, H, int(r.dk),
                   int(r.dv), int(dk), int(dv));

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2) loglinear_level_sweep_kernel(GlaA
 
 // The reverse level sweep of level m: grid (N x H, level-m blocks, dv tiles of 64), 8 warps; the
 // cotangent in registers as in delta_rsweep_kernel; per chunk (last first) Qeff, K, W [C, dk],
-// dO [C, 64] and lam^{p+m}, b double-buffered (lam in the dvi slot of RsweepTiles).
+// dO [C, 64] and lam^{p+m}, b double-buffered (RsweepTiles::lam).
 // (LoglinearRsweepArgs: loglinear_gdn_sm90.cuh)
 
 template <class T>
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
     mma::async_rows(s.dO(sg), kLd, dOh, dold, r0, nr, v0, bv, kChunk);
     if (threadIdx.x < kChunk) {
       const bool in = int(threadIdx.x) < nr;
-      mma::cp_async4(s.dvi(sg) + threadIdx.x,
+      mma::cp_async4(s.lam(sg) + threadIdx.x,
                     in ? static_cast<const void*>(x.lam + (int64_t(h) * a.Ttot + r0 + threadIdx.x) * x.nL + kLogChunk + m)
                        : Wh,
                     in ? 4 : 0);
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) loglinear_level_rsweep_kernel(GlaArg
     __syncthreads();
     // (3) dS = e^B dT - W^T dVn + Qeff^T diag(lam^{p+m}) dO
     const float decay = __expf(B);
-    const float* lm = s.dvi(sg);
+    const float* lm = s.lam(sg);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -878,7 +878,10 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
     }
     DevBuf<T> dqeff16(size_t(H * Ttot * dk), s);
     DevBuf<float> dqeff(size_t(H * Ttot * dk), s), dka(size_t(H * Ttot * dk), s), db(size_t(H * Ttot), s);
-    DevBuf<float> dq(size_t(H * Ttot * dk), s), dkw(size_t(H * Ttot * dk), s), dvb(size_t(H * Ttot * dv), s);
+    WyBwdArgs<T> wb;  // the WY backward's; dk straight into the caller's tensor where its layout allows
+    const bool dk_direct = x.dk_in_wy_bwd(p, wb);
+    DevBuf<float> dq(size_t(H * Ttot * dk), s), dvb(size_t(H * Ttot * dv), s);
+    DevBuf<float> dkw(dk_direct ? 0 : size_t(H * Ttot * dk), s);  // the WY part of dk, unless direct
     DevBuf<float> dbeta(size_t(H * Ttot), s), dlam(size_t(H * Ttot * nL), s, true);
     DevBuf<float> dtgu(size_t(nch * H * kChunk * kChunk), s);  // db becomes dg in place (wy_bwd_kernel)
     DevBuf<T> dW(size_t(H * Ttot * dk), s), dU(size_t(H * Ttot * dv), s);
@@ -902,13 +905,12 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
       set_smem(loglinear_intra_bwd_kernel<T>, bytes);
       loglinear_intra_bwd_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ia);
       HILA_CUDA_CHECK_LAUNCH();
-      WyBwdArgs<T> wb;
       wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dU.get(), wb.sdot = nullptr, wb.nvt = 0;
-      wb.dk = dkw.get(), wb.dv = dvb.get(), wb.dg = db.get(), wb.dbeta = dbeta.get();
+      wb.dk = dk_direct ? dka.get() : dkw.get(), wb.dv = dvb.get(), wb.dg = db.get(), wb.dbeta = dbeta.get();
       wb.dw = dW.get(), wb.dtgu = dtgu.get(), wb.dv_add = true;
       launch_wy_bwd(x.a, wb, s);
     }
-    x.write_grads(p, dq.get(), dka.get(), dkw.get(), dvb.get(), db.get(), dbeta.get());
+    x.write_grads(p, dq.get(), dk_direct ? nullptr : dka.get(), dkw.get(), dvb.get(), db.get(), dbeta.get());
     if (Ttot > 0) {
       if (p.dlam.defined())
         HILA_LAUNCH(unpack_rows<R>, H * Ttot * nL, s, Strided(p.dlam), dlam.get(), r.T, H, 1, Ttot, nL, nL, R(1));

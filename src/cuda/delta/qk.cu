@@ -77,20 +77,20 @@ struct RowAddr {
   }
 };
 
-// Rows per warp of delta_unpack_qk4 and l2norm_pack: a warp issues the loads of kRows rows before
-// its first reduction, so that each warp has kRows rows of loads in flight (with one row per warp
-// these passes run at about half of the copy bandwidth: docs/PERFORMANCE.md).
-constexpr int kRows = 4;
+// Rows per warp of delta_unpack_qk4 (kRows) and l2norm_pack (kPackRows): a warp issues the loads
+// of its rows before its first reduction. Four rows per warp make the chain rule's pass faster
+// and the normalising pass slower than one (docs/PERFORMANCE.md).
+constexpr int kRows = 4, kPackRows = 1;
 
-// The columns [4 (lane + 32 v), +4) of the warp's rows r0 + q W (q < kRows) of group g of the
+// The columns [4 (lane + 32 v), +4) of the warp's rows r0 + q W (q < R) of group g of the
 // caller's [B, T, G, d] x, as fp32 (0 past d and for rows >= Ttot): 8-byte loads where the layout
 // allows (vx), else element by element.
-template <class T, int V>
-__device__ __forceinline__ void load_rows4(float4 (&xv)[kRows][V], const Strided& x, const RowAddr& xa, int64_t g,
+template <class T, int V, int R>
+__device__ __forceinline__ void load_rows4(float4 (&xv)[R][V], const Strided& x, const RowAddr& xa, int64_t g,
                                            int64_t r0, int64_t W, int64_t Ttot, int d, bool vx) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
+  for (int q = 0; q < R; ++q) {
     const int64_t r = r0 + q * W;
     const int64_t xr = r < Ttot ? xa(r, g) : 0;
 #pragma unroll
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(256, V == 1 ? 3 : 1)
   for (int64_t g = blockIdx.y; g < G; g += gridDim.y)      // grid (row blocks, groups)
     for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kRows * W) {
       float4 y[kRows][V], xv[kRows][V] = {};
-      if (l2) load_rows4<T, V>(xv, x, xa, g, r0, W, Ttot, dk, vx);
+      if (l2) load_rows4<T, V, kRows>(xv, x, xa, g, r0, W, Ttot, dk, vx);
 #pragma unroll
       for (int q = 0; q < kRows; ++q) {
         const int64_t r = r0 + q * W;
@@ -187,19 +187,19 @@ __global__ void __launch_bounds__(256, V == 1 ? 3 : 1)
 }
 
 // The caller's q or k [B, T, G, d] -> packed [G][Ttot][dp], each row x / sqrt(|x|^2 + eps) (the
-// padding columns zero). Lane l on the columns [4 (l + 32 v), +4), v < V (dp <= 128 V), kRows rows
-// per warp as delta_unpack_qk4; 8-byte loads where the input's layout allows (vx), else element by
-// element.
+// padding columns zero), and 1 / sqrt(|x|^2 + eps) to rstd [G][Ttot] when given. Lane l on the
+// columns [4 (l + 32 v), +4), v < V (dp <= 128 V), kPackRows rows per warp; 8-byte loads where the
+// input's layout allows (vx), else element by element.
 template <class T, int V>
-__global__ void l2norm_pack(T* dst, Strided x, RowAddr xa, int64_t G, int64_t Ttot, int d, int dp, bool vx) {
+__global__ void l2norm_pack(T* dst, float* rstd, Strided x, RowAddr xa, int64_t G, int64_t Ttot, int d, int dp, bool vx) {
   const int lane = threadIdx.x & 31;
   const int64_t W = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups)
-    for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kRows * W) {
-      float4 xv[kRows][V];
-      load_rows4<T, V>(xv, x, xa, g, r0, W, Ttot, d, vx);
+    for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kPackRows * W) {
+      float4 xv[kPackRows][V];
+      load_rows4<T, V, kPackRows>(xv, x, xa, g, r0, W, Ttot, d, vx);
 #pragma unroll
-      for (int q = 0; q < kRows; ++q) {
+      for (int q = 0; q < kPackRows; ++q) {
         const int64_t r = r0 + q * W;
         if (r >= Ttot) break;  // uniform over the warp
         float ss = 0.f;
@@ -211,6 +211,7 @@ __global__ void l2norm_pack(T* dst, Strided x, RowAddr xa, int64_t G, int64_t Tt
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
         const int64_t e = g * Ttot + r;
+        if (rstd && lane == 0) rstd[e] = inv;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           const int c0 = 4 * (lane + 32 * v);
@@ -221,9 +222,9 @@ __global__ void l2norm_pack(T* dst, Strided x, RowAddr xa, int64_t G, int64_t Tt
     }
 }
 
-// Grid of the row passes: 8 warps per block, kRows rows per warp, the groups on y.
-inline dim3 rows_grid(const detail::Resolved& r) {
-  return dim3(unsigned(std::min<int64_t>((r.B * r.T + 8 * kRows - 1) / (8 * kRows), 1 << 20)),
+// Grid of the row passes: 8 warps per block, R rows per warp, the groups on y.
+inline dim3 rows_grid(const detail::Resolved& r, int R) {
+  return dim3(unsigned(std::min<int64_t>((r.B * r.T + 8 * R - 1) / (8 * R), 1 << 20)),
               unsigned(std::min<int64_t>(r.G, 65535)));
 }
 
@@ -248,7 +249,7 @@ void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2
   if constexpr (kTensorCore<T>) {
     if (dkp % 4 == 0 && dkp <= 256) {
       auto go = [&](auto kernel) {
-        kernel<<<rows_grid(r), 256, 0, s>>>(Strided(out), RowAddr(out, r.B, r.T), dx, dx2, Strided(x),
+        kernel<<<rows_grid(r, kRows), 256, 0, s>>>(Strided(out), RowAddr(out, r.B, r.T), dx, dx2, Strided(x),
                                             RowAddr(x, r.B, r.T), r.G, rep, r.B * r.T, dk, dkp, mult, l2,
                                             rows4<T>(x, dk), rows4<T>(out, dk));
       };
@@ -264,13 +265,15 @@ void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2
 }
 
 template <class T>
-void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, int d, int dp, cudaStream_t s) {
+void launch_l2norm_pack(T* dst, float* rstd, const TensorView& x, const detail::Resolved& r, int d, int dp,
+                        cudaStream_t s) {
   const int64_t rows = r.G * r.B * r.T;
   // the tensor-core tier's padded head dims (heuristics::delta_sm80: dk <= 128) are within this
   if (dp % 4 != 0 || dp > 256) throw Error("dk", "l2norm_pack takes padded head dims of at most 256 (multiples of 4)");
   if (rows == 0 || dry_run()) return;  // dry run: workspace_size
   auto go = [&](auto kernel) {
-    kernel<<<rows_grid(r), 256, 0, s>>>(dst, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp, rows4<T>(x, d));
+    kernel<<<rows_grid(r, kPackRows), 256, 0, s>>>(dst, rstd, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp,
+                                        rows4<T>(x, d));
   };
   if (dp <= 128) go(l2norm_pack<T, 1>);
   else go(l2norm_pack<T, 2>);
@@ -283,8 +286,9 @@ void launch_l2norm_pack(T* dst, const TensorView& x, const detail::Resolved& r, 
 HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 // l2-normalised packed copies are taken by the sm80 tier only
-template void launch_l2norm_pack<__nv_bfloat16>(__nv_bfloat16*, const TensorView&, const detail::Resolved&, int, int,
-                                                cudaStream_t);
-template void launch_l2norm_pack<__half>(__half*, const TensorView&, const detail::Resolved&, int, int, cudaStream_t);
+template void launch_l2norm_pack<__nv_bfloat16>(__nv_bfloat16*, float*, const TensorView&, const detail::Resolved&, int,
+                                                int, cudaStream_t);
+template void launch_l2norm_pack<__half>(__half*, float*, const TensorView&, const detail::Resolved&, int, int,
+                                         cudaStream_t);
 
 }  // namespace hila::cuda

@@ -19,7 +19,6 @@ constexpr int kMaxD = 128;         // dk (padded) held by one block: one 16-row 
 constexpr int kVT = 64;            // value columns per sweep block
 constexpr int kLd = kVT + 8;       // padded smem row of a 64-column 16-bit tile
 constexpr int kLdA = kChunk + 1;   // fp32 [C][C] rows
-constexpr int kLdU = kVT + 4;      // fp32 [C][64] rows (16-byte aligned)
 constexpr int kLamLd = 8;          // per-row lambda of the in-chunk levels 0..p (p = 6) in smem
 
 // Padded smem row (16-bit elements) of a [rows][d] tile: 16-byte rows, staggered banks.
@@ -119,7 +118,7 @@ struct ChunkItem {
 template <class T>
 struct SweepTiles {
   T *Ss, *Vns;
-  float* U;
+  T* U;  // [C][kLd] 16-bit
   float* lam = nullptr;  // loglinear_gdn's level sweep: lambda of the read level per row [C]
   int ldk;
   size_t stage_bytes;
@@ -129,8 +128,9 @@ struct SweepTiles {
     stage_bytes = size_t(2) * kChunk * ldk * sizeof(T) + kChunk * sizeof(float);
     stage_bytes = (stage_bytes + 127) / 128 * 128;
     char* p = base ? base + kSweepStages * stage_bytes : nullptr;
-    const size_t ub = size_t(kChunk) * kLdU * sizeof(float), sb = size_t(dk) * kLd * sizeof(T);
-    U = reinterpret_cast<float*>(p);
+    // U, or the level sweep's Qeff [C, dk] in its place
+    const size_t ub = size_t(kChunk) * (ldk > kLd ? ldk : kLd) * sizeof(T), sb = size_t(dk) * kLd * sizeof(T);
+    U = reinterpret_cast<T*>(p);
     Ss = reinterpret_cast<T*>(p ? p + ub : nullptr);
     Vns = reinterpret_cast<T*>(p ? p + ub + sb : nullptr);
     size_t used = kSweepStages * stage_bytes + ub + sb + size_t(kChunk) * kLd * sizeof(T);
@@ -158,10 +158,9 @@ struct SweepTiles {
     }
     mma::cp_async_commit();
   }
-  // the level sweep's Qeff [C, dk] (16-bit), in U's place (C kLdU floats >= C ldk 16-bit elements)
-  __device__ T* Qe() const { return reinterpret_cast<T*>(U); }
+  // the level sweep's Qeff [C, dk] (16-bit), in U's place
+  __device__ T* Qe() const { return U; }
 };
-static_assert(kChunk * kLdU * sizeof(float) >= kChunk * (kMaxD + 8) * 2, "Qeff fits in U's buffer");
 
 
 template <class T>
@@ -171,8 +170,7 @@ struct RsweepTiles {
   size_t stage_bytes;
   char* base;
   __host__ __device__ RsweepTiles(char* base_, int dk, size_t* bytes = nullptr) : ldk(ld_of(dk)), base(base_) {
-    stage_bytes = (size_t(3) * kChunk * ldk + size_t(kChunk) * kLd) * sizeof(T) +
-                  (size_t(kChunk) * kLdU + kChunk) * sizeof(float);
+    stage_bytes = (size_t(3) * kChunk * ldk + size_t(2) * kChunk * kLd) * sizeof(T) + kChunk * sizeof(float);
     stage_bytes = (stage_bytes + 127) / 128 * 128;
     char* p = base ? base + kSweepStages * stage_bytes : nullptr;
     dSs = reinterpret_cast<T*>(p);
@@ -185,8 +183,10 @@ struct RsweepTiles {
   __device__ T* K(int st) const { return Q(st) + kChunk * ldk; }
   __device__ T* W(int st) const { return K(st) + kChunk * ldk; }
   __device__ T* dO(int st) const { return W(st) + kChunk * ldk; }
-  __device__ float* dvi(int st) const { return reinterpret_cast<float*>(dO(st) + kChunk * kLd); }
-  __device__ float* b(int st) const { return dvi(st) + kChunk * kLdU; }
+  __device__ T* dvi(int st) const { return dO(st) + kChunk * kLd; }  // [C][kLd] 16-bit
+  // loglinear_gdn's level rsweep: lambda of the read level per row [C] (fp32), in dvi's place
+  __device__ float* lam(int st) const { return reinterpret_cast<float*>(dvi(st)); }
+  __device__ float* b(int st) const { return reinterpret_cast<float*>(dvi(st) + kChunk * kLd); }
 };
 
 

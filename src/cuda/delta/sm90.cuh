@@ -91,18 +91,20 @@ __device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], flo
 
 #if HILA_SM90A
 // This thread's rows r = rl, rl + 8 of a chunk whose rows [r0, r0 + nr) are in the sequence: their
-// gates bi[hf] = b[r0 + r] and fp32 entries u[j][hf] = X[(r0 + r) ld + 8j .. +1] (X already at this
-// thread's column: the C fragment's 2t), 0 past nr or without b. The forward sweep's U, the reverse
-// sweep's dvi.
-__device__ __forceinline__ void load_rows_f32(float2 (&u)[8][2], float (&bi)[2], const float* X, int64_t ld,
-                                              const float* b, int64_t r0, int nr, int rl) {
+// gates bi[hf] = b[r0 + r] and entries u[j][hf] = X[(r0 + r) ld + 8j .. +1] (16-bit X, already at
+// this thread's column: the C fragment's 2t), two 16-bit values per register, unpacked where they
+// are used (an unpack here would wait for the load at the load); 0 past nr or without b. The
+// forward sweep's U, the reverse sweep's dvi.
+template <class T>
+__device__ __forceinline__ void load_rows16(uint32_t (&u)[8][2], float (&bi)[2], const T* X, int64_t ld,
+                                            const float* b, int64_t r0, int nr, int rl) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = rl + 8 * hf;
     bi[hf] = b && r < nr ? b[r0 + r] : 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      u[j][hf] = r < nr ? *reinterpret_cast<const float2*>(X + (r0 + r) * ld + 8 * j) : make_float2(0.f, 0.f);
+      u[j][hf] = r < nr ? *reinterpret_cast<const uint32_t*>(X + (r0 + r) * ld + 8 * j) : 0u;
   }
 }
 

@@ -15,7 +15,7 @@
 //     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
 //         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
 // W, K (and Q, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1 issued as
-// chunk c starts; U / dvi (fp32), the gates (and S_out) are read from global memory into registers
+// chunk c starts; U / dvi (16-bit), the gates (and S_out) are read from global memory into registers
 // a chunk ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the
 // sequence (the next one's, or TMA's zeros) enter the products only against the zero rows of
 // diag(w) Vn, diag(scale e^b) dO and -dVn. The reverse sweep's block may hold two warpgroups, each
@@ -39,7 +39,7 @@ using namespace gla_sm90;
 template <class T, int DK, int S>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
-                            unsigned order, GlaArgs<T> a, const float* U, T* Vn) {
+                            unsigned order, GlaArgs<T> a, const T* U, T* Vn) {
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  const float* Uh = U + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
+  const T* Uh = U + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
   T* Vnh = Vn + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const int64_t mat = int64_t(a.dk) * a.dv;
@@ -80,12 +80,12 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     for (int c = 0; c < S - 1; ++c) issue(c, c);
   // this thread's U [C][64] entries of chunk c (rows >= nr: 0) and gates: loaded a chunk ahead, once
   // chunk c-1's have been used, in flight over the end of chunk c-1 and the start of chunk c
-  float2 u[8][2];
+  uint32_t u[8][2];
   float bi[2], B = 0.f;
   auto load_u = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    load_rows_f32(u, bi, Uh, a.dv, b, r0, nr, rl);
+    load_rows16(u, bi, Uh, a.dv, b, r0, nr, rl);
     B = b ? b[r0 + nr - 1] : 0.f;
   };
   if (nch > 0) load_u(0);
@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       const float wi = mma::fexp(B - bi[hf]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float y0 = in ? u[j][hf].x - x[4 * j + 2 * hf] : 0.f, y1 = in ? u[j][hf].y - x[4 * j + 2 * hf + 1] : 0.f;
+        const float2 uv = mma::unpack2<T>(u[j][hf]);
+        const float y0 = in ? uv.x - x[4 * j + 2 * hf] : 0.f, y1 = in ? uv.y - x[4 * j + 2 * hf + 1] : 0.f;
         if (in) *reinterpret_cast<uint32_t*>(Vnh + (r0 + i) * a.dv + 8 * j) = mma::pack2<T>(y0, y1);
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
       }
@@ -146,7 +147,7 @@ template <class T, int DK, int S, int NW>
 __global__ void __launch_bounds__(kSm90Threads * NW)
     delta_rsweep_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                              const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
-                             unsigned order, GlaArgs<T> a, const float* dvi, float* sdot) {
+                             unsigned order, GlaArgs<T> a, const T* dvi, float* sdot) {
   static_assert(S >= 2, "a stage in the products and one in flight");
   static_assert(NW == 1 || NW == 2, "one or two warpgroups");
 #if HILA_SM90A
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), qx = h / a.q_div, kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  const float* dvih = dvi + int64_t(h) * a.Ttot * a.dv + vb + ct;
+  const T* dvih = dvi + int64_t(h) * a.Ttot * a.dv + vb + ct;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const int64_t mat = int64_t(a.dk) * a.dv;
   const float sc = float(a.scale);
@@ -209,12 +210,12 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     for (int i = 0; i < S - 1; ++i) issue(i, i);
   // this thread's dvi [C][64] entries of chunk c (rows >= nr: 0), gates of its rows rl, rl + 8 and
   // of the dO rows it scales (wt / 8 + 16q), S_out: loaded a chunk ahead, as the forward's U
-  float2 u[8][2];
+  uint32_t u[8][2];
   float bi[2], bo[4], B = 0.f;
   auto load_u = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    load_rows_f32(u, bi, dvih, a.dv, b, r0, nr, rl);
+    load_rows16(u, bi, dvih, a.dv, b, r0, nr, rl);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = wt / 8 + 16 * q;
@@ -272,8 +273,9 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
       const float wi = mma::fexp(B - bi[hf]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {  // -dVn
-        const float y0 = in ? -(u[j][hf].x + wi * x[4 * j + 2 * hf]) : 0.f;
-        const float y1 = in ? -(u[j][hf].y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
+        const float2 uv = mma::unpack2<T>(u[j][hf]);
+        const float y0 = in ? -(uv.x + wi * x[4 * j + 2 * hf]) : 0.f;
+        const float y1 = in ? -(uv.y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
       }
     }
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 }  // namespace
 
 template <class T>
-bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cudaStream_t s) {
+bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaStream_t s) {
   const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
     const int S = ring_stages<Ring<DK, 2>>(blocks, 2);
@@ -320,7 +322,7 @@ bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cu
 }
 
 template <class T>
-bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float* sdot, cudaStream_t s) {
+bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, float* sdot, cudaStream_t s) {
   const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
     using L1 = Ring<DK, 3, true, 1>;
@@ -354,8 +356,8 @@ bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float*
 }
 
 #define HILA_INSTANTIATE(T)                                                                          \
-  template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, T*, cudaStream_t); \
-  template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const float*, float*, cudaStream_t);
+  template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const T*, T*, cudaStream_t); \
+  template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const T*, float*, cudaStream_t);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)
 #undef HILA_INSTANTIATE

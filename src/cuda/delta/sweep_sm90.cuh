@@ -8,16 +8,16 @@
 namespace hila::cuda::gdn {
 
 // The forward sweep: Vn [H][Ttot][dv] (16-bit), the states entering each chunk (a.hbuf) and the
-// final states (a.ht) from W [H][Ttot][dk] (16-bit), U [H][Ttot][dv] (fp32), a.k, a.b, a.h0.
+// final states (a.ht) from W [H][Ttot][dk] (16-bit), U [H][Ttot][dv] (16-bit), a.k, a.b, a.h0.
 // False where this device does not run the build's sm_90a code, TMA cannot describe the operands or
 // the shared memory does not hold two ring stages (the caller then runs the sm80 sweep).
 template <class T>
-bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const float* U, T* Vn, cudaStream_t s);
+bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaStream_t s);
 
 // The reverse sweep: the cotangents at the chunk ends (a.dhbuf, 16-bit), of the initial state
 // (a.dh0) and the per-block parts of <dS, S_out> (sdot [nchunks][H][dv / 64]) from a.dht, a.q,
-// a.k, a.dO, W, dvi = A^T dO [H][Ttot][dv] (fp32), the stored states a.hbuf and a.ht. False as above.
+// a.k, a.dO, W, dvi = A^T dO [H][Ttot][dv] (16-bit), the stored states a.hbuf and a.ht. False as above.
 template <class T>
-bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const float* dvi, float* sdot, cudaStream_t s);
+bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, float* sdot, cudaStream_t s);
 
 }  // namespace hila::cuda::gdn

@@ -2,7 +2,7 @@
 // The WY chunks of the delta rule's sm80 tier (wy_sm80.cuh; docs/math/LOGLINEAR.md §6.4, §6.5), per chunk of
 // C = 64 rows with the chunk-local cumsum b of the log-gates, B = b[C-1]:
 //   Tg = (I + tril_-1(diag(beta) (Gam o K K^T)))^-1     [C,C], Gam_ij = e^{b_i - b_j}
-//   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (fp32)
+//   W  = Tg diag(beta e^b) K     [C,C]x[C,dk]          U = Tg diag(beta) V     [C,C]x[C,dv]  (16-bit)
 // and the backward through W, U and Tg, with dW = -dVn S^T (or loglinear_gdn's dW), dU = dVn:
 //   tU = Tg^T dU, tW = Tg^T dW, dTg = dU (beta V)^T + dW (beta e^b K)^T, dN = -tril_-1(Tg^T dTg Tg^T),
 //   dv = diag(beta) tU, dk += diag(beta e^b) tW + (dAkk + dAkk^T) K with dAkk = diag(beta) dN o Gam,
@@ -20,7 +20,7 @@ namespace hila::cuda::gdn {
 namespace {
 
 // Tg, W and U of one chunk; grid (nchunks, H), 8 warps. With `bwd` (the backward's recompute)
-// also Tg in 16 bits to tg [nchunks][H][C][C] and the intra part of dVn, A^T dO, to dvi (fp32
+// also Tg in 16 bits to tg [nchunks][H][C][C] and the intra part of dVn, A^T dO, to dvi (16-bit
 // [H][Ttot][dv]); that takes Q, dO and P = A (16-bit) in smem too. With `ll` (loglinear_gdn, LoglinearWy
 // below) Q and P and the level table of the rows; Q's tile, sized for [C, max(dk, dv)], is then
 // reused for the final state's [C, dv] tile Y.
@@ -53,8 +53,8 @@ struct WyTiles {
 // plain gdn forward (no dvi, no LoglinearWy; 70 KB, launched with the max-shared carveout), three;
 // the backward's recompute and loglinear_gdn, two.
 template <class T, bool kPlain>
-__global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T> a, const float* beta, T* W, float* U,
-                                                                       T* tg, float* dvi, LoglinearWy<T> ll) {
+__global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T> a, const float* beta, T* W, T* U,
+                                                                       T* tg, T* dvi, LoglinearWy<T> ll) {
   extern __shared__ __align__(128) char smem[];
   const bool bwd = !kPlain && dvi != nullptr, lg = !kPlain && ll.qeff != nullptr, qp = bwd || lg;
   WyTiles<T> s(smem, a.dk, a.dv, bwd, lg);
@@ -317,11 +317,11 @@ __global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T>
 //   5  dN, dAkk (over dW), the db / dbeta sums      6  dk += (dAkk + dAkk^T) K; dg, dbeta
 // Dynamic smem (16-bit unless noted): K [C, dk+8]; V [C, dv+8], later M [C, 72]; dVn [C, dv+8],
 // later K K^T [C, C+1] fp32; Hp [dk, dv+8], later dW [C, dk+8] then dAkk [C, 72], with dTg [C, 72]
-// after them; Tg [C, 72]; per-row beta, b, db, dbeta (fp32). Under half an SM at dk = dv = 128.
+// after them; Tg [C, 72]; per-row beta, b, db, dbeta, ydy (fp32). Under half an SM at dk = dv = 128.
 template <class T>
 struct WyBwdTiles {
   T *K, *V, *M, *dVn, *Hp, *dW, *dAkk, *dTg, *Tg;
-  float *Akk, *beta, *b, *db, *dbeta;
+  float *Akk, *beta, *b, *db, *dbeta, *ydy;
   int ldk, ldv;
   __host__ __device__ WyBwdTiles(char* base, int dk, int dv, size_t* bytes = nullptr)
       : ldk(ld_of(dk)), ldv(ld_of(dv)) {
@@ -339,6 +339,7 @@ struct WyBwdTiles {
     b = c.take<float>(kChunk);
     db = c.take<float>(kChunk);
     dbeta = c.take<float>(kChunk);
+    ydy = c.take<float>(kChunk);
     if (bytes) *bytes = c.used;
   }
 };
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
     s.beta[i] = i < nr ? x.beta[rowbase + i] : 0.f;
     s.b[i] = gate_at(a.b ? a.b + int64_t(h) * a.Ttot : nullptr, r0, i, nr);
     s.db[i] = i < nr ? x.dg[rowbase + i] : 0.f;  // GLA's dc = q^.dq^ - k.dk
-    s.dbeta[i] = 0.f;
+    s.dbeta[i] = s.ydy[i] = 0.f;
   }
   mma::cp_async_wait<0>();
   __syncthreads();
@@ -526,26 +527,57 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
   // 6: the WY part of dk: diag(beta e^b) tW + (dAkk + dAkk^T) K   (dAkk strictly lower triangular)
   mma::warp_gemm<T, 8, false, true>(dka, s.dAkk, kLd, 16 * rb, s.K, s.ldk, ck0, nkt, 0, 16 * rb + 16);
   mma::warp_gemm<T, 8, true, true>(dka, s.dAkk, kLd, 16 * rb, s.K, s.ldk, ck0, nkt, 16 * rb, kChunk);
+  // the WY part of dk to x.dk, or (dk16) dy = x.dk + the WY part held for the caller's tensor, with
+  // y.dy's row sums (the l2norm chain: y = a.k's normalised rows, in s.K)
+  float ydy0 = 0.f, ydy1 = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (j < nkt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0;
-        if (i < nr)
-          *reinterpret_cast<float2*>(x.dk + (rowbase + i) * dk + ck0 + 8 * j + 2 * t) =
-              make_float2(dka[j][2 * hf], dka[j][2 * hf + 1]);
+        const int i = hf ? i1 : i0, col = ck0 + 8 * j + 2 * t;
+        if (i < nr) {
+          float2* o = reinterpret_cast<float2*>(x.dk + (rowbase + i) * dk + col);
+          float2 y = make_float2(dka[j][2 * hf], dka[j][2 * hf + 1]);
+          if (x.dk16) {
+            const float2 other = *o;
+            y.x += other.x, y.y += other.y;
+            dka[j][2 * hf] = y.x, dka[j][2 * hf + 1] = y.y;
+            const float2 kv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.K + i * s.ldk + col));
+            (hf ? ydy1 : ydy0) += kv.x * y.x + kv.y * y.y;
+          } else {
+            *o = y;
+          }
+        }
       }
   // row sums over the 4 lanes of a row, then the two column halves (shared atomics)
-  for (float* v : {&db0, &db1, &dbt0, &dbt1}) {
+  for (float* v : {&db0, &db1, &dbt0, &dbt1, &ydy0, &ydy1}) {
     *v += __shfl_xor_sync(0xffffffffu, *v, 1);
     *v += __shfl_xor_sync(0xffffffffu, *v, 2);
   }
   if (t == 0) {
     atomicAdd(&s.db[i0], db0), atomicAdd(&s.db[i1], db1);
     atomicAdd(&s.dbeta[i0], dbt0), atomicAdd(&s.dbeta[i1], dbt1);
+    if (x.dk16 && x.k_rstd) atomicAdd(&s.ydy[i0], ydy0), atomicAdd(&s.ydy[i1], ydy1);
   }
   __syncthreads();
+  if (x.dk16) {  // (dy - y (y.dy)) rstd, or dy without the l2norm, in 16 bits into the caller's dk
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = hf ? i1 : i0;
+      if (i >= nr) continue;
+      const float yd = s.ydy[i], rs = x.k_rstd ? x.k_rstd[rowbase + i] : 1.f;
+      T* o = x.dk16 + h * x.dk16_hs + (r0 + i) * x.dk16_ld;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < nkt) {
+          const int col = ck0 + 8 * j + 2 * t;
+          const float2 kv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(s.K + i * s.ldk + col));
+          *reinterpret_cast<uint32_t*>(o + col) =
+              mma::pack2<T>((dka[j][2 * hf] - kv.x * yd) * rs, (dka[j][2 * hf + 1] - kv.y * yd) * rs);
+        }
+    }
+  }
   if (threadIdx.x == 0) {  // dg: reverse cumsum of db inside the chunk, dB's <dS, S_out> at the last row
     float acc = 0.f;
     for (int k = 0; x.sdot && k < x.nvt; ++k) acc += x.sdot[(cg * a.H + h) * x.nvt + k];
@@ -561,7 +593,7 @@ size_t wy_smem(int dk, int dv, bool bwd, bool ll) { return layout_bytes<WyTiles<
 size_t wy_bwd_smem(int dk, int dv) { return layout_bytes<WyBwdTiles<__nv_bfloat16>>(dk, dv); }
 
 template <class T>
-void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, float* U, T* tg, float* dvi, const LoglinearWy<T>& ll,
+void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, T* U, T* tg, T* dvi, const LoglinearWy<T>& ll,
                cudaStream_t s) {
   const bool plain = dvi == nullptr && ll.qeff == nullptr;
   const size_t bytes = wy_smem(a.dk, a.dv, dvi != nullptr, ll.qeff != nullptr);
@@ -582,7 +614,7 @@ void launch_wy_bwd(const GlaArgs<T>& a, const WyBwdArgs<T>& x, cudaStream_t s) {
 }
 
 #define HILA_INSTANTIATE(T)                                                                                          \
-  template void launch_wy<T>(const GlaArgs<T>&, const float*, T*, float*, T*, float*, const LoglinearWy<T>&, cudaStream_t); \
+  template void launch_wy<T>(const GlaArgs<T>&, const float*, T*, T*, T*, T*, const LoglinearWy<T>&, cudaStream_t); \
   template void launch_wy_bwd<T>(const GlaArgs<T>&, const WyBwdArgs<T>&, cudaStream_t);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)

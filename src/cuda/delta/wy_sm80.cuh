@@ -40,7 +40,14 @@ struct WyBwdArgs {
   const T* dw = nullptr;
   const float* dtgu = nullptr;
   bool dv_add = false;
-  float* dk = nullptr;          // [H][Ttot][dk] out: the WY part of dk
+  // [H][Ttot][dk]: the WY part of dk written here, or (dk16 set: one head per group) dy = the other
+  // parts read from here plus the WY part, and the final dk written into the caller's 16-bit tensor,
+  // row r0 + i of head h at dk16 + h dk16_hs + (r0 + i) dk16_ld, through the l2norm chain rule when
+  // k_rstd [H][Ttot] is given: dk = (dy - y (y.dy)) k_rstd with y the normalised k (a.k)
+  float* dk = nullptr;
+  T* dk16 = nullptr;
+  int64_t dk16_ld = 0, dk16_hs = 0;
+  const float* k_rstd = nullptr;
   float* dv = nullptr;          // [H][Ttot][dv] out, or (dv16 set) not written:
   T* dv16 = nullptr;            // the caller's 16-bit dv, row r0 + i of head h at dv16 + h dv16_hs + (r0 + i) dv16_ld
   int64_t dv16_ld = 0, dv16_hs = 0;
@@ -49,10 +56,10 @@ struct WyBwdArgs {
 };
 
 // wy_kernel on grid (nchunks, H) of the call `a` (its k, v, q, dO, b, chunk tables): W [H][Ttot][dk]
-// (16-bit), U [H][Ttot][dv] (fp32; unused with ll.qeff), with tg (the backward's recompute) Tg in
-// 16 bits [nchunks][H][C][C] and dvi = A^T dO (fp32 [H][Ttot][dv]).
+// and U [H][Ttot][dv] (16-bit; U unused with ll.qeff), with tg (the backward's recompute) Tg in
+// 16 bits [nchunks][H][C][C] and dvi = A^T dO (16-bit [H][Ttot][dv]).
 template <class T>
-void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, float* U, T* tg, float* dvi, const LoglinearWy<T>& ll,
+void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, T* U, T* tg, T* dvi, const LoglinearWy<T>& ll,
                cudaStream_t s);
 size_t wy_smem(int dk, int dv, bool bwd, bool ll = false);
 // wy_bwd_kernel on grid (nchunks, H) of the call `a` (the raw values v).
