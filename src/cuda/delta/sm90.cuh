@@ -93,8 +93,8 @@ __device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], flo
 // This thread's rows r = rl, rl + 8 of a chunk whose rows [r0, r0 + nr) are in the sequence: their
 // gates bi[hf] = b[r0 + r] and entries u[j][hf] = X[(r0 + r) ld + 8j .. +1] (16-bit X, already at
 // this thread's column: the C fragment's 2t), two 16-bit values per register, unpacked where they
-// are used (an unpack here would wait for the load at the load); 0 past nr or without b. The
-// forward sweep's U, the reverse sweep's dvi.
+// are used (unpacked here, each would stall at its load); 0 past nr or without b. The forward
+// sweep's U, the reverse sweep's dvi.
 template <class T>
 __device__ __forceinline__ void load_rows16(uint32_t (&u)[8][2], float (&bi)[2], const T* X, int64_t ld,
                                             const float* b, int64_t r0, int nr, int rl) {
