@@ -135,12 +135,11 @@ std::vector<DeltaCase> cases() {
   cs.push_back({Op::gdn, DType::bf16, 1, 200, 2, 4, 40, 72, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_dk40_dv72_gqa2_init" + s9, 0, true, "1"});
   // more sweep blocks than SMs (136 on the 132 of an H200 or the emulator): the forward two per SM,
-  // the reverse two warpgroups per block, rings three stages deep (above: four), five chunks
-  // wrapping them
+  // the reverse two warpgroups per block, rings shallower than above, five chunks wrapping them
   cs.push_back({Op::gdn, DType::bf16, 1, 260, 68, 68, 128, 128, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_d128_H68_T260_init_wide" + s9, 0, true, "1"});
   // dk = 64 with more tiles than two blocks per SM hold (272): one warpgroup per block, two blocks
-  // per SM, the reverse sweep's ring three stages deep (three chunks: no wrap), the forward's four
+  // per SM, three chunks
   cs.push_back({Op::gdn, DType::bf16, 1, 130, 136, 136, 64, 128, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_dk64_dv128_H136_T130_init_wide" + s9, 0, true, "1"});
   // loglinear_gdn's level sweeps on the sm90 tier forced on (src/cuda/delta/loglinear_gdn_sm90.cu):

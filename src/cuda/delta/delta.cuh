@@ -52,7 +52,7 @@ void delta_portable_backward(const detail::Resolved& r, const BackwardParams& p,
 template <class T>
 void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2, const TensorView& x,
                       const detail::Resolved& r, int dk, int dkp, Acc<T> mult, cudaStream_t s);
-// the caller's q or k [B, T, G, d] -> packed [G][Ttot][dp] (dp % 4 == 0, dp <= 256), each row
+// the caller's q or k [B, T, G, d] -> packed [G][Ttot][dp] (dp % 8 == 0, dp <= 256), each row
 // x / sqrt(|x|^2 + kL2NormEps), the padding columns zero (16-bit T); rstd [G][Ttot] (or nullptr):
 // 1 / sqrt(|x|^2 + kL2NormEps) of each row.
 template <class T>

@@ -9,14 +9,14 @@
 namespace hila::cuda::gdn {
 
 template <class T>
-GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_)
+GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
     : r(r_), s(s_), seqs(r_, s_, kChunk), dk(pad16(r_.dk)), dv(pad16(r_.dv)), rep(int(r_.H / r_.G)),
       Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
   const size_t nqk = size_t(r.G * Ttot * dk);
   q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
-  if (r.cfg.qk_l2norm) {  // packed and normalised in one pass (k_rstd: for the WY backward's dk)
-    k_rstd = DevBuf<float>(size_t(r.G * Ttot), s);
-    launch_l2norm_pack<T>(q.get(), nullptr, p.q, r, int(r.dk), dk, s);
+  if (r.cfg.qk_l2norm) {  // packed and normalised in one pass (the rstd: for the backward's chain rules)
+    if (backward) k_rstd = DevBuf<float>(size_t(r.G * Ttot), s), q_rstd = DevBuf<float>(size_t(r.G * Ttot), s);
+    launch_l2norm_pack<T>(q.get(), q_rstd.get(), p.q, r, int(r.dk), dk, s);
     launch_l2norm_pack<T>(k.get(), k_rstd.get(), p.k, r, int(r.dk), dk, s);
   } else {
     pack_to<T>(q.get(), p.q, r, r.G, int(r.dk), dk, -1, s);
@@ -90,10 +90,18 @@ bool GdnCall<T>::dk_in_wy_bwd(const BackwardParams& p, WyBwdArgs<T>& wb) const {
 }
 
 template <class T>
+bool GdnCall<T>::dq_in_chunk_kernel(const BackwardParams& p, GradOut<T>& out) const {
+  if (!p.dq.defined() || rep != 1 || int(r.dk) != dk || !in_place_ok<T>(p.dq, r.B, r.T)) return false;
+  out.p = static_cast<T*>(p.dq.data), out.ld = p.dq.stride[1], out.hs = p.dq.stride[2];
+  out.mult = float(r.scale), out.rstd = q_rstd.get();  // rstd nullptr without qk_l2norm
+  return true;
+}
+
+template <class T>
 void GdnCall<T>::write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb,
                              const R* dg, const R* dbeta) const {
   if (Ttot == 0) return;
-  if (p.dq.defined()) launch_unpack_qk<T>(p.dq, dq, nullptr, p.q, r, int(r.dk), dk, R(r.scale), s);
+  if (p.dq.defined() && dq) launch_unpack_qk<T>(p.dq, dq, nullptr, p.q, r, int(r.dk), dk, R(r.scale), s);  // dq null: written
   if (p.dk.defined() && dk1) launch_unpack_qk<T>(p.dk, dk1, dk2, p.k, r, int(r.dk), dk, R(1), s);  // dk1 null: written
   if (p.dv.defined() && dvb) unpack_to<R>(p.dv, dvb, r, r.H, 1, int(r.dv), dv, R(1), s);  // dvb null: written in place
   if (p.dg.defined())

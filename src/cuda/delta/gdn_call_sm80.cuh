@@ -21,10 +21,11 @@ struct GdnCall {
   int64_t Ttot, N, NH;
   DevBuf<T> q, k, v, W, U, Vn, hbuf;
   DevBuf<R> g, beta, bsum, h0, ht;
-  DevBuf<float> k_rstd;  // [G][Ttot] 1 / sqrt(|k|^2 + eps) of each raw row (qk_l2norm)
+  DevBuf<float> k_rstd, q_rstd;  // [G][Ttot] 1 / sqrt(|x|^2 + eps) of each raw row of k, q (qk_l2norm)
   GlaArgs<T> a;
 
-  GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_);
+  // backward: the rstd of q and k kept for the chain rules (qk_l2norm)
+  GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward);
   // The caller's [B, T, X, d] tensor read in place (ld, hs set), or packed into buf [X][Ttot][dp].
   const T* operand(const TensorView& t, int64_t X, int d, int dp, DevBuf<T>& buf, int64_t& ld, int64_t& hs) const;
   // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.
@@ -35,8 +36,12 @@ struct GdnCall {
   // Whether wy_bwd_kernel can write the final dk into the caller's tensor (through the l2norm chain
   // when it is on: one head per group, the caller's layout read in place); if so, wb set for it.
   bool dk_in_wy_bwd(const BackwardParams& p, WyBwdArgs<T>& wb) const;
+  // Whether GLA's chunk-gradient kernel may write dq into the caller's tensor (one head per group,
+  // the layout in place; through the l2norm chain rule on the sm90 kernel only: gla_bwd_chunk says
+  // whether it did); if so, out set for it.
+  bool dq_in_chunk_kernel(const BackwardParams& p, GradOut<T>& out) const;
   // The gradients into the caller's tensors: dq (w.r.t. q^, times scale), dk = dk1 + dk2 (dk2 may be
-  // null), dv, dg, dbeta (packed [H][Ttot][..] fp32; dk1, dvb null: written in place), through the
+  // null), dv, dg, dbeta (packed [H][Ttot][..] fp32; dq, dk1, dvb null: written in place), through the
   // l2norm chain when it is on.
   void write_grads(const BackwardParams& p, const R* dq, const R* dk1, const R* dk2, const R* dvb, const R* dg,
                    const R* dbeta) const;

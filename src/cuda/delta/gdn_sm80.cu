@@ -18,7 +18,10 @@
 //   dv = diag(beta) tU, dk += diag(beta e^b) tW + (dAkk + dAkk^T) K with dAkk = diag(beta) dN o Gam,
 //   dbeta = rowsum(tU o V) + e^b rowsum(tW o K) + rowsum(dN o Gam o K K^T),
 //   db = dc + beta e^b rowsum(tW o K) + rowsum(L) - colsum(L), L = dAkk o K K^T, plus <dS, S_out> at
-//   the chunk's last row; dg is its reverse cumsum inside the chunk.
+//   the chunk's last row; dg is its reverse cumsum inside the chunk. GLA's chunk kernel adds
+//   <dS, S_out> = e^B <dS, S> + sum_j w_j k_j.(Vn dS^T)_j to the last row's dc from the same 16-bit dS
+//   (dhbuf) as the rows' k.dk, so that the terms of dg reading dS cancel to fp32 rounding (dS in fp32
+//   on one side and in 16 bits on the other gives a 1.2x larger dg error at slowly decaying gates).
 // Kernels: wy_kernel (chunk-parallel: Tg in fp32 by 16 x 16 blocks, W and U by mma; for the
 // backward also Tg in 16 bits and A^T dO), delta_sweep_kernel (sequential over the chunks of one
 // (sequence x head, 64 value columns), the fp32 state in registers), the GLA output kernel;
@@ -29,6 +32,8 @@
 // stored in 16 bits (as fla's chunk_gated_delta_rule stores W, U, Vn and dv); the carries, the
 // states in the sweeps and every accumulation are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
+#include <optional>
+
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
@@ -119,12 +124,10 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
 //   (1) dS -> 16-bit dSs (and dhbuf: the cotangent at the chunk's end, for the gradient kernels)
 //   (2) dVn = dvi + diag(w) K dSs    [C,dk]x[dk,64]: warp w rows 16 (w % 4), columns 32 (w / 4)
 //   (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn    [dk,C]x[C,64], twice
-// and the cotangent of the initial state goes to a.dh0. With (1) each block also forms its part of
-// <dS, S_out> (S_out: the state at the chunk's end, the next chunk's entering state in hbuf or the
-// final state ht) for the WY backward's dB: sdot [nchunks][H][dv tiles].
+// and the cotangent of the initial state goes to a.dh0.
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, const T* W, const T* dvi, float* sdot) {
+__global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, const T* W, const T* dvi) {
   extern __shared__ __align__(128) char smem[];
   RsweepTiles<T> s(smem, a.dk);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -160,18 +163,6 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     }
     mma::cp_async_commit();
   };
-  // this thread's entries of S_out, the state at the end of the chunk (16-bit, from hbuf), loaded a
-  // chunk ahead into registers; after the last chunk it is the final state, read from ht
-  uint32_t so16[8][2] = {};
-  auto soff = [&](int j, int hf) { return fr.off<int64_t>(16 * w, hf, a.dv, v0, j); };
-  auto prefetch_so = [&](int64_t cnext) {  // hbuf of chunk cnext
-    const T* So = a.hbuf + (cnext * a.H + h) * int64_t(a.dk) * a.dv;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        so16[j][hf] = active && j < nt ? *reinterpret_cast<const uint32_t*>(So + soff(j, hf)) : 0u;
-  };
   if (nch > 0) issue(nch - 1);
   else mma::cp_async_commit();
   for (int c = nch - 1; c >= 0; --c) {
@@ -181,29 +172,9 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     else mma::cp_async_commit();
     const int st = c & 1, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
-    // (1) the cotangent at the chunk's end, 16-bit; this block's part of <dS, S_out>
+    // (1) the cotangent at the chunk's end, 16-bit
     stash_state(acc, active, s.dSs, a.dhbuf + (cg * a.H + h) * int64_t(a.dk) * a.dv, a.dk, a.dv, v0, bv);
-    {
-      float part = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (active && j < nt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const float2 so = c + 1 == nch ? *reinterpret_cast<const float2*>(a.ht + sidx + soff(j, hf))
-                                           : mma::unpack2<T>(so16[j][hf]);
-            part += acc[j][2 * hf] * so.x + acc[j][2 * hf + 1] * so.y;
-          }
-      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-      if (lane == 0) s.red[w] = part;
-      if (c > 0) prefetch_so(cg);  // S_out of chunk c-1: the state entering chunk c
-    }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      float x = 0.f;
-      for (int k = 0; k < kThreads / 32; ++k) x += s.red[k];
-      sdot[(cg * a.H + h) * gridDim.z + blockIdx.z] = x;
-    }
     const float* bt = s.b(st);
     const float B = bt[nr - 1];
     {  // (2) dVn = dvi + diag(e^{B-b}) K dSs
@@ -242,20 +213,24 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
 
 
 
-// The state sweep: Vn, the states entering each chunk (hbuf) and the final states (ht).
+// The state sweep on stream st: Vn, the states entering each chunk (hbuf) and the final states (ht),
+// into buffers allocated before (sweep_buffers; it allocates nothing, so it may run on a side stream).
 template <class T>
-void gdn_sweep(GdnCall<T>& x) {
+void sweep_buffers(GdnCall<T>& x) {
   x.Vn = DevBuf<T>(size_t(x.r.H * x.Ttot * x.dv), x.s);
   x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
   x.a.hbuf = x.hbuf.get();
+}
+template <class T>
+void gdn_sweep(const GdnCall<T>& x, cudaStream_t st) {
   if (x.NH == 0) return;
   if (heuristics::delta_sm90_sweep(x.dk, x.dv, x.Ttot, config().delta_sm90) &&
-      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), x.s))
+      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), st))
     return;
   const size_t bytes = sweep_smem(x.dk);
   set_smem(delta_sweep_kernel<T>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
-  delta_sweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, x.s>>>(
+  delta_sweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, st>>>(
       x.a, x.W.get(), x.U.get(), x.Vn.get());
   HILA_CUDA_CHECK_LAUNCH();
 }
@@ -280,30 +255,38 @@ bool gdn_sm80_usable(const detail::Resolved& r, bool backward) {
 template <class T>
 void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
-    GdnCall<T> x(r, p, s);
+    GdnCall<T> x(r, p, s, false);
     x.wy();
-    gdn_sweep(x);
+    sweep_buffers(x);
+    gdn_sweep(x, s);
     x.output(p.o);
     x.write_final(p.final_state);
   }
 }
 
 // The backward (file comment): the forward recomputed with Tg and dvi, the reverse sweep, GLA's
-// chunk gradients on Vn (dq^, GLA's part of dk, dVn, dc), then the WY backward.
+// chunk gradients on Vn (dq^, GLA's part of dk, dVn, dc), then the WY backward. The recomputed
+// forward sweep (Vn, hbuf) runs on a side stream beside the reverse sweep, which reads none of its
+// outputs: few long sequences leave both latency-bound sweeps far from filling the GPU (at
+// B = 1, H = 16, dv = 128, 32 blocks each).
 template <class T>
 void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     using R = Acc<T>;
-    GdnCall<T> x(r, p, s);
+    GdnCall<T> x(r, p, s, true);
     const int64_t H = r.H, Ttot = x.Ttot, dk = x.dk, dv = x.dv, nch = x.seqs.nchunks;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
     DevBuf<T> dvi(size_t(H * Ttot * dv), s);
     x.wy(tg.get(), dvi.get());
-    gdn_sweep(x);
-    x.output(p.o);
-    x.write_final(p.final_state);
-    // the reverse sweep: dhbuf (the cotangents at the chunk ends), dS_0 and the parts of <dS, S_out>
+    sweep_buffers(x);
+    std::optional<SideStream> side;
+    if (x.NH > 0) {
+      side.emplace(s);
+      const NoAllocScope no_alloc;
+      gdn_sweep(x, side->side());
+    }
+    // the reverse sweep: dhbuf (the cotangents at the chunk ends) and dS_0
     DevBuf<R> dht(p.d_final.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
     DevBuf<R> dh0(p.d_init.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
     if (p.d_final.H.defined())
@@ -311,20 +294,22 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
                   int(dk), int(dv));
     const int nvt = int((dv + kVT - 1) / kVT);
     DevBuf<T> dhbuf(size_t(nch * H * dk * dv), s);
-    DevBuf<float> sdot(size_t(nch * H * nvt), s);
     GlaArgs<T> a = x.a;
     a.dht = dht.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
     if (x.NH > 0 && !(heuristics::delta_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
-                      delta_rsweep_sm90(a, x.W.get(), dvi.get(), sdot.get(), s))) {
+                      delta_rsweep_sm90(a, x.W.get(), dvi.get(), s))) {
       const size_t bytes = rsweep_smem(int(dk));
       set_smem(delta_rsweep_kernel<T>, bytes);
       if (!dry_run()) {  // dry run: workspace_size
-        delta_rsweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned(nvt)), kThreads, bytes, s>>>(a, x.W.get(), dvi.get(),
-                                                                                              sdot.get());
+        delta_rsweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned(nvt)), kThreads, bytes, s>>>(a, x.W.get(), dvi.get());
         HILA_CUDA_CHECK_LAUNCH();
       }
     }
-    // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc
+    if (side) side->join();
+    x.output(p.o);
+    x.write_final(p.final_state);
+    // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc (the last
+    // row's with <dS, S_out>, from the same 16-bit dS as the rows' k.dk)
     // the WY backward; dk and dv straight into the caller's tensors where their layouts allow
     WyBwdArgs<T> wb;
     const bool dk_direct = x.dk_in_wy_bwd(p, wb);
@@ -337,13 +322,16 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     a.v = x.Vn.get(), a.v_ld = a.v_hs = 0;
     a.dq = dq.get(), a.dk_ = dkb.get(), a.dg = dg.get(), a.dg_rows = true;  // wy_bwd_kernel sums dg per chunk
     a.dv_out = {dvn.get(), dv, Ttot * dv, 1.f};
-    gla_bwd_chunk(a, s);
-    wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get(), wb.sdot = sdot.get(), wb.nvt = nvt;
+    // dq straight into the caller's tensor where its layout allows (through the l2norm chain rule
+    // where the sm90 kernel runs; else dq to the fp32 buffer and the chain-rule pass)
+    const bool dq_try = x.dq_in_chunk_kernel(p, a.dq_out);
+    const bool dq_direct = gla_bwd_chunk(a, s) && dq_try;
+    wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dvn.get();
     wb.dk = dk_direct ? dkb.get() : dkw.get(), wb.dv = dvb.get(), wb.dg = dg.get(), wb.dbeta = dbeta.get();
     if (dv_direct) wb.dv16 = static_cast<T*>(p.dv.data), wb.dv16_ld = p.dv.stride[1], wb.dv16_hs = p.dv.stride[2];
     if (nch > 0) launch_wy_bwd(x.a, wb, s);  // the raw values v
-    x.write_grads(p, dq.get(), dk_direct ? nullptr : dkb.get(), dkw.get(), dv_direct ? nullptr : dvb.get(), dg.get(),
-                  dbeta.get());
+    x.write_grads(p, dq_direct ? nullptr : dq.get(), dk_direct ? nullptr : dkb.get(), dkw.get(),
+                  dv_direct ? nullptr : dvb.get(), dg.get(), dbeta.get());
     if (p.d_init.H.defined())
       HILA_LAUNCH(unpack_state<R>, x.NH * r.dk * r.dv, s, Strided(p.d_init.H), dh0.get(), x.NH, H, int(r.dk),
                   int(r.dv), int(dk), int(dv));

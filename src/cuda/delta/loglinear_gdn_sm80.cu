@@ -790,7 +790,7 @@ struct LoglinearGdnCall {
   DevBuf<T> qeff, u16, hl;
 
   LoglinearGdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
-      : x(r_, p, s_), r(r_), s(s_), H(r_.H), Ttot(x.Ttot), dk(x.dk), dv(x.dv), nch(x.seqs.nchunks),
+      : x(r_, p, s_, backward), r(r_), s(s_), H(r_.H), Ttot(x.Ttot), dk(x.dk), dv(x.dv), nch(x.seqs.nchunks),
         nL(int(r_.nL)), fin(p.final_state.H.defined()) {
     for (const auto& q : r.seqs) {
       Ls = std::max(Ls, bitlen64u(uint64_t(q.len)) + 1);
@@ -905,7 +905,7 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
       set_smem(loglinear_intra_bwd_kernel<T>, bytes);
       loglinear_intra_bwd_kernel<T><<<grid, kThreads, bytes, s>>>(x.a, ia);
       HILA_CUDA_CHECK_LAUNCH();
-      wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dU.get(), wb.sdot = nullptr, wb.nvt = 0;
+      wb.beta = x.beta.get(), wb.tg = tg.get(), wb.dvn = dU.get();
       wb.dk = dk_direct ? dka.get() : dkw.get(), wb.dv = dvb.get(), wb.dg = db.get(), wb.dbeta = dbeta.get();
       wb.dw = dW.get(), wb.dtgu = dtgu.get(), wb.dv_add = true;
       launch_wy_bwd(x.a, wb, s);

@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 3, true>;  // Qeff, K, W, dO
+  using L = Ring<DK, 3, 1>;  // Qeff, K, W, dO
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -348,7 +348,7 @@ bool loglinear_level_rsweeps_sm90(const GlaArgs<T>& a, const LoglinearRsweepArgs
   const dim3 g1 = level_grid(a, reach, 1);
   const int64_t blocks = int64_t(g1.x) * g1.y * g1.z;
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L = Ring<DK, 3, true>;
+    using L = Ring<DK, 3, 1>;
     const int S = ring_stages<L>(blocks, 2);
     if (S < 2) return false;
     return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {

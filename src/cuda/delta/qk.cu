@@ -77,10 +77,8 @@ struct RowAddr {
   }
 };
 
-// Rows per warp of delta_unpack_qk4 (kRows) and l2norm_pack (kPackRows): a warp issues the loads
-// of its rows before its first reduction. Four rows per warp make the chain rule's pass faster
-// and the normalising pass slower than one (docs/PERFORMANCE.md).
-constexpr int kRows = 4, kPackRows = 1;
+// Rows per warp of delta_unpack_qk4: a warp issues the loads of its rows before its first reduction.
+constexpr int kRows = 4;
 
 // The columns [4 (lane + 32 v), +4) of the warp's rows r0 + q W (q < R) of group g of the
 // caller's [B, T, G, d] x, as fp32 (0 past d and for rows >= Ttot): 8-byte loads where the layout
@@ -186,38 +184,62 @@ __global__ void __launch_bounds__(256, V == 1 ? 3 : 1)
     }
 }
 
-// The caller's q or k [B, T, G, d] -> packed [G][Ttot][dp], each row x / sqrt(|x|^2 + eps) (the
-// padding columns zero), and 1 / sqrt(|x|^2 + eps) to rstd [G][Ttot] when given. Lane l on the
-// columns [4 (l + 32 v), +4), v < V (dp <= 128 V), kPackRows rows per warp; 8-byte loads where the
-// input's layout allows (vx), else element by element.
-template <class T, int V>
-__global__ void l2norm_pack(T* dst, float* rstd, Strided x, RowAddr xa, int64_t G, int64_t Ttot, int d, int dp, bool vx) {
-  const int lane = threadIdx.x & 31;
-  const int64_t W = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)  // grid (row blocks, groups)
-    for (int64_t r0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; r0 < Ttot; r0 += kPackRows * W) {
-      float4 xv[kPackRows][V];
-      load_rows4<T, V, kPackRows>(xv, x, xa, g, r0, W, Ttot, d, vx);
+// 8 consecutive 16-bit values <-> fp32 (16 bytes)
+template <class T>
+__device__ __forceinline__ void load8(float (&v)[8], const T* p) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-      for (int q = 0; q < kPackRows; ++q) {
-        const int64_t r = r0 + q * W;
-        if (r >= Ttot) break;  // uniform over the warp
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = mma::unpack2<T>(w[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[8], float m) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(mma::pack2<T>(m * v[0], m * v[1]), mma::pack2<T>(m * v[2], m * v[3]),
+                                            mma::pack2<T>(m * v[4], m * v[5]), mma::pack2<T>(m * v[6], m * v[7]));
+}
+
+// The caller's q or k [B, T, G, d] -> packed [G][Ttot][dp], each row x / sqrt(|x|^2 + eps) (the
+// padding columns zero), and 1 / sqrt(|x|^2 + eps) to rstd [G][Ttot] when given. L lanes per row,
+// each on 8 columns [8 l, 8 l + 8) (dp <= 8 L), so a warp holds 32 / L rows at a time and R such
+// sets: its 32 R / L consecutive rows are all loaded (16 bytes a lane where the input's layout
+// allows, vx; else element by element) before the first reduction, which keeps enough bytes in
+// flight per SM for the pass to run at memory speed.
+template <class T, int L, int R>
+__global__ void __launch_bounds__(256) l2norm_pack(T* dst, float* rstd, Strided x, RowAddr xa, int64_t G, int64_t Ttot,
+                                                   int d, int dp, bool vx) {
+  constexpr int P = 32 / L;  // rows per set
+  const int lane = threadIdx.x & 31, sub = lane / L, c0 = 8 * (lane % L);
+  const int64_t W = int64_t(gridDim.x) * blockDim.x / 32;  // warps of the grid's x axis
+  for (int64_t g = blockIdx.y; g < G; g += gridDim.y)      // grid (row blocks, groups)
+    for (int64_t rb = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32 * (P * R); rb < Ttot; rb += W * P * R) {
+      float v[R][8];
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const int64_t r = rb + q * P + sub;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[q][u] = 0.f;
+        if (r >= Ttot || c0 >= d) continue;
+        const int64_t xr = xa(r, g);
+        if (vx) load8(v[q], static_cast<const T*>(x.p) + xr + c0);
+        else
+          for (int u = 0; u < 8 && c0 + u < d; ++u) v[q][u] = ld<float>(x, xr + (c0 + u) * x.s[3]);
+      }
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const int64_t r = rb + q * P + sub;
         float ss = 0.f;
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const float4 a = xv[q][v];
-          ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-        }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        for (int u = 0; u < 8; ++u) ss += v[q][u] * v[q][u];
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the row's L lanes
+        if (r >= Ttot) continue;
         const float inv = 1.f / sqrtf(ss + float(detail::kL2NormEps));
         const int64_t e = g * Ttot + r;
-        if (rstd && lane == 0) rstd[e] = inv;
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const int c0 = 4 * (lane + 32 * v);
-          const float4 a = xv[q][v];
-          if (c0 < dp) store4(dst + e * dp + c0, make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv));
-        }
+        if (rstd && c0 == 0) rstd[e] = inv;
+        if (c0 < dp) store8(dst + e * dp + c0, v[q], inv);
       }
     }
 }
@@ -228,13 +250,14 @@ inline dim3 rows_grid(const detail::Resolved& r, int R) {
               unsigned(std::min<int64_t>(r.G, 65535)));
 }
 
-// whether a [B, T, X, d] view can be read or written four 16-bit elements of T at a time
-template <class T>
-bool rows4(const TensorView& t, int d) {
-  if (sizeof(T) != 2 || t.dtype != dtype_of<T>() || t.ndim != 4 || d % 4 != 0 || t.stride[3] != 1) return false;
+// whether a [B, T, X, d] view can be read or written N 16-bit elements of T at a time (unit column
+// stride, d and the other strides multiples of N, the data aligned to 2N bytes)
+template <class T, int N>
+bool rows_vec(const TensorView& t, int d) {
+  if (sizeof(T) != 2 || t.dtype != dtype_of<T>() || t.ndim != 4 || d % N != 0 || t.stride[3] != 1) return false;
   for (int i = 0; i < 3; ++i)
-    if (t.stride[i] % 4 != 0) return false;
-  return reinterpret_cast<uintptr_t>(t.data) % 8 == 0;
+    if (t.stride[i] % N != 0) return false;
+  return reinterpret_cast<uintptr_t>(t.data) % (2 * N) == 0;
 }
 
 }  // namespace
@@ -251,7 +274,7 @@ void launch_unpack_qk(const TensorView& out, const Acc<T>* dx, const Acc<T>* dx2
       auto go = [&](auto kernel) {
         kernel<<<rows_grid(r, kRows), 256, 0, s>>>(Strided(out), RowAddr(out, r.B, r.T), dx, dx2, Strided(x),
                                             RowAddr(x, r.B, r.T), r.G, rep, r.B * r.T, dk, dkp, mult, l2,
-                                            rows4<T>(x, dk), rows4<T>(out, dk));
+                                            rows_vec<T, 4>(x, dk), rows_vec<T, 4>(out, dk));
       };
       if (dkp <= 128) go(delta_unpack_qk4<T, 1>);
       else go(delta_unpack_qk4<T, 2>);
@@ -269,14 +292,18 @@ void launch_l2norm_pack(T* dst, float* rstd, const TensorView& x, const detail::
                         cudaStream_t s) {
   const int64_t rows = r.G * r.B * r.T;
   // the tensor-core tier's padded head dims (heuristics::delta_sm80: dk <= 128) are within this
-  if (dp % 4 != 0 || dp > 256) throw Error("dk", "l2norm_pack takes padded head dims of at most 256 (multiples of 4)");
+  if (dp % 8 != 0 || dp > 256) throw Error("dk", "l2norm_pack takes padded head dims of at most 256 (multiples of 8)");
   if (rows == 0 || dry_run()) return;  // dry run: workspace_size
-  auto go = [&](auto kernel) {
-    kernel<<<rows_grid(r, kPackRows), 256, 0, s>>>(dst, rstd, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp,
-                                        rows4<T>(x, d));
+  constexpr int R = 2;
+  auto go = [&](auto kernel, int L) {
+    const int64_t per_block = 8 * R * (32 / L);  // rows of one block of 8 warps
+    const dim3 grid(unsigned(std::min<int64_t>((r.B * r.T + per_block - 1) / per_block, 1 << 20)),
+                    unsigned(std::min<int64_t>(r.G, 65535)));
+    kernel<<<grid, 256, 0, s>>>(dst, rstd, Strided(x), RowAddr(x, r.B, r.T), r.G, r.B * r.T, d, dp, rows_vec<T, 8>(x, d));
   };
-  if (dp <= 128) go(l2norm_pack<T, 1>);
-  else go(l2norm_pack<T, 2>);
+  if (dp <= 64) go(l2norm_pack<T, 8, R>, 8);
+  else if (dp <= 128) go(l2norm_pack<T, 16, R>, 16);
+  else go(l2norm_pack<T, 32, R>, 32);
   HILA_CUDA_CHECK_LAUNCH();
 }
 

@@ -175,10 +175,8 @@ struct RsweepTiles {
     char* p = base ? base + kSweepStages * stage_bytes : nullptr;
     dSs = reinterpret_cast<T*>(p);
     dVns = reinterpret_cast<T*>(p ? p + size_t(dk) * kLd * sizeof(T) : nullptr);
-    red = reinterpret_cast<float*>(p ? p + (size_t(dk) + kChunk) * kLd * sizeof(T) : nullptr);
-    if (bytes) *bytes = kSweepStages * stage_bytes + (size_t(dk) + kChunk) * kLd * sizeof(T) + kThreads / 32 * sizeof(float);
+    if (bytes) *bytes = kSweepStages * stage_bytes + (size_t(dk) + kChunk) * kLd * sizeof(T);
   }
-  float* red;  // [8] per-warp parts of <dS, S_out>
   __device__ T* Q(int st) const { return reinterpret_cast<T*>(base + st * stage_bytes); }
   __device__ T* K(int st) const { return Q(st) + kChunk * ldk; }
   __device__ T* W(int st) const { return K(st) + kChunk * ldk; }

@@ -14,14 +14,14 @@
 namespace hila::cuda::gdn {
 
 // Shared memory of a sweep block of NW warpgroups (each its own 64 value columns): S ring stages of
-// kTiles [C][dk] 16-bit tiles (each dk / 64 swizzled [C][64] blocks) and, with kDO, one [C][64] dO
-// block per warpgroup; then per warpgroup st16, the stages' mbarriers (8 bytes each) and 4 floats
-// per warpgroup.
-template <int DK, int kTiles, bool kDO = false, int NW = 1>
+// kTiles [C][dk] 16-bit tiles (each dk / 64 swizzled [C][64] blocks) and kBlocks [C][64] blocks per
+// warpgroup (dO, U, dvi: NW of each, one after the other); then per warpgroup st16, and the stages'
+// mbarriers (8 bytes each).
+template <int DK, int kTiles, int kBlocks = 0, int NW = 1>
 struct Ring {
   static constexpr uint32_t kTile = (DK / 64) * gla_sm90::kSweepTile;
-  static constexpr uint32_t kStage = kTiles * kTile + (kDO ? NW * gla_sm90::kSweepTile : 0);
-  static constexpr uint32_t kFixed = NW * (DK * 128 + 16);
+  static constexpr uint32_t kStage = kTiles * kTile + kBlocks * NW * gla_sm90::kSweepTile;
+  static constexpr uint32_t kFixed = NW * DK * 128;
   static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
 };
 
@@ -90,24 +90,6 @@ __device__ __forceinline__ void store_state_slabs(const float (&acc)[M][32], flo
 }
 
 #if HILA_SM90A
-// This thread's rows r = rl, rl + 8 of a chunk whose rows [r0, r0 + nr) are in the sequence: their
-// gates bi[hf] = b[r0 + r] and entries u[j][hf] = X[(r0 + r) ld + 8j .. +1] (16-bit X, already at
-// this thread's column: the C fragment's 2t), two 16-bit values per register, unpacked where they
-// are used (unpacked here, each would stall at its load); 0 past nr or without b. The forward
-// sweep's U, the reverse sweep's dvi.
-template <class T>
-__device__ __forceinline__ void load_rows16(uint32_t (&u)[8][2], float (&bi)[2], const T* X, int64_t ld,
-                                            const float* b, int64_t r0, int nr, int rl) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = rl + 8 * hf;
-    bi[hf] = b && r < nr ? b[r0 + r] : 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      u[j][hf] = r < nr ? *reinterpret_cast<const uint32_t*>(X + (r0 + r) * ld + 8 * j) : 0u;
-  }
-}
-
 // A sweep step's state update, S = decay S + (the products that products(acc[m], m) issues on slab
 // m: [dk, C] x [C, 64] wgmma chains accumulating into acc[m]), complete when it returns.
 template <int M, class F>

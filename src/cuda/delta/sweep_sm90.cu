@@ -5,22 +5,24 @@
 // [dk, 64] fp32 state (dk = 64 or 128: one or two m64 slabs) in wgmma accumulators. Per chunk,
 // with b the chunk-local cumsum of the log-gates, B = b[nr-1], w = e^{B-b}:
 //   forward (S: the state entering the chunk)
-//     (1) S -> 16-bit st16 [dk][64] (swizzled; and hbuf)
+//     (1) S -> 16-bit st16 [dk][64] (swizzled), stored from there to hbuf by TMA
 //     (2) Vn = U - W st16                   [C,dk]x[dk,64]  W K-major, st16 MN-major; Vn to global
 //     (3) S = e^B S + K^T (diag(w) Vn)      [dk,C]x[C,64]   per slab: K MN-major, diag(w) Vn (16-bit,
 //                                                          in st16's place) MN-major
 //   reverse (chunks last first; dS: the cotangent of the state at the chunk's end)
-//     (1) dS -> 16-bit st16 (and dhbuf); this block's part of <dS, S_out> (sdot)
+//     (1) dS -> 16-bit st16 (stored from there to dhbuf by TMA)
 //     (2) dVn = dvi + diag(w) K st16        [C,dk]x[dk,64]
 //     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
 //         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
-// W, K (and Q, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1 issued as
-// chunk c starts; U / dvi (16-bit), the gates (and S_out) are read from global memory into registers
-// a chunk ahead, their loads in flight over (3) and the next chunk's (1) and (2). Rows past the
+// W, K, U (and Q, K, W, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1
+// issued as chunk c starts; the gates are read from
+// global memory into registers a chunk ahead, their loads in flight over (3) and the next chunk's
+// (1) and (2). Rows past the
 // sequence (the next one's, or TMA's zeros) enter the products only against the zero rows of
 // diag(w) Vn, diag(scale e^b) dO and -dVn. The reverse sweep's block may hold two warpgroups, each
 // its own 64 value columns, the Q, K, W tiles shared (heuristics::delta_sm90_rsweep_warpgroups):
 // at dk = 128 one block fits an SM, so this halves the waves where there are more tiles than SMs.
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda/delta/sm90.cuh"
@@ -39,11 +41,12 @@ using namespace gla_sm90;
 template <class T, int DK, int S>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
-                            unsigned order, GlaArgs<T> a, const T* U, T* Vn) {
+                            const __grid_constant__ CUtensorMap mu, const __grid_constant__ CUtensorMap mh,
+                            unsigned order, GlaArgs<T> a, T* Vn) {
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 2>;
+  using L = Ring<DK, 2, 1>;  // W, K tiles and U's [C][64] block
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -56,15 +59,13 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  const T* Uh = U + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
   T* Vnh = Vn + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
-  const int64_t mat = int64_t(a.dk) * a.dv;
   const int rl = 16 * w + g;  // rows rl, rl + 8 of each slab and of the chunk's tiles
   float acc[M][32];
   load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
   init_ring(full, S, tid);
-  auto issue = [&](int c, int st) {  // thread 0: W, K of chunk c into stage st = c % S
+  auto issue = [&](int c, int st) {  // thread 0: W, K, U of chunk c into stage st = c % S
     if (c >= nch) return;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * L::kStage;
@@ -75,20 +76,21 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       load_rows(base + cb * kSweepTile, &mw, &full[st], order & 1, 64 * cb, r0, h);
       load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
     }
+    load_rows(base + 2 * L::kTile, &mu, &full[st], (order >> 2) & 1, v0, r0, h);
   };
   if (tid == 0)
     for (int c = 0; c < S - 1; ++c) issue(c, c);
-  // this thread's U [C][64] entries of chunk c (rows >= nr: 0) and gates: loaded a chunk ahead, once
-  // chunk c-1's have been used, in flight over the end of chunk c-1 and the start of chunk c
-  uint32_t u[8][2];
+  // the gates of this thread's rows rl, rl + 8 of chunk c (0 past nr or without b) and B: loaded a
+  // chunk ahead, once chunk c-1's have been used
   float bi[2], B = 0.f;
-  auto load_u = [&](int c) {
+  auto load_gates = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    load_rows16(u, bi, Uh, a.dv, b, r0, nr, rl);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) bi[hf] = b && rl + 8 * hf < nr ? b[r0 + rl + 8 * hf] : 0.f;
     B = b ? b[r0 + nr - 1] : 0.f;
   };
-  if (nch > 0) load_u(0);
+  if (nch > 0) load_gates(0);
   // the stage of chunk c (c % S) and the parity of its use, kept by counting (S = 3: no division)
   int st = 0;
   uint32_t par = 0;
@@ -98,19 +100,27 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
     if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
-    stash16<T, M>(acc, st16, a.hbuf ? a.hbuf + ((a.chunk0[seq] + c) * a.H + h) * mat + v0 + 2 * t : nullptr, a.dv);
+    stash16<T, M>(acc, st16, nullptr, a.dv);
     fence_async_smem();
     __syncthreads();
+    if (tid == 0 && a.hbuf) {  // st16 to hbuf by TMA (map mh, box {64, 64}: one slab a store)
+      const int row = int(((a.chunk0[seq] + c) * a.H + h) * DK);
+#pragma unroll
+      for (int m = 0; m < M; ++m) tma_store_2d(&mh, st16 + m * kSweepTile, v0, row + 64 * m);
+      bulk_commit();
+    }
     mbar_wait(&full[st], par);
-    // (2) Vn = U - W S
+    // (2) Vn = U - W S  (U: rows past nr are other rows', masked below)
     const uint32_t base = s0 + st * L::kStage;
+    const char* Ut = smem + st * L::kStage + 2 * L::kTile;
     float x[32];
     wg_fence();
     wgmma_chain<T, 64, 0, 1>(x, base, kChunk, a16, DK, DK / 16);
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
-    __syncthreads();  // every warp's product has read st16
+    if (tid == 0 && a.hbuf) bulk_wait_read<0>();  // the TMA store has read st16
+    __syncthreads();  // every warp's product (and the store) has read st16
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = rl + 8 * hf;
@@ -118,14 +128,14 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       const float wi = mma::fexp(B - bi[hf]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float2 uv = mma::unpack2<T>(u[j][hf]);
+        const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Ut + swz(kChunk, i, 8 * j + 2 * t)));
         const float y0 = in ? uv.x - x[4 * j + 2 * hf] : 0.f, y1 = in ? uv.y - x[4 * j + 2 * hf + 1] : 0.f;
         if (in) *reinterpret_cast<uint32_t*>(Vnh + (r0 + i) * a.dv + 8 * j) = mma::pack2<T>(y0, y1);
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
       }
     }
     const float decay = mma::fexp(B);
-    if (c + 1 < nch) load_u(c + 1);
+    if (c + 1 < nch) load_gates(c + 1);
     fence_async_smem();
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
@@ -134,25 +144,25 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     });
   }
   store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
+  if (tid == 0 && a.hbuf) bulk_wait<0>();  // the state stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
 }
 
 // The reverse sweep; grid (N x H, 1, dv / (64 NW)), NW warpgroups sharing the Q, K, W tiles, each
-// with its own 64 value columns (file comment). sdot[(cg H + h) nvt + tile] = <dS, S_out> over a
-// warpgroup's [dk, 64] tile, S_out the state at the end of chunk cg: the next chunk's entering
-// state (hbuf, 16-bit, loaded a chunk ahead) or, after the last chunk, ht.
+// with its own 64 value columns (file comment).
 template <class T, int DK, int S, int NW>
 __global__ void __launch_bounds__(kSm90Threads * NW)
     delta_rsweep_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                              const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mdo,
-                             unsigned order, GlaArgs<T> a, const T* dvi, float* sdot) {
+                             const __grid_constant__ CUtensorMap mdh, const __grid_constant__ CUtensorMap mdvi,
+                             unsigned order, GlaArgs<T> a) {
   static_assert(S >= 2, "a stage in the products and one in flight");
   static_assert(NW == 1 || NW == 2, "one or two warpgroups");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 3, true, NW>;
+  using L = Ring<DK, 3, 2, NW>;  // Q, K, W tiles; per warpgroup dO, then dvi [C][64]
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -162,34 +172,18 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   char* st16 = smem + S * L::kStage + wg * DK * 128;
   const uint32_t a16 = s0 + S * L::kStage + wg * DK * 128;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + NW * DK * 128);  // [S]
-  float* red = reinterpret_cast<float*>(full + S);  // [4 NW] per-warp parts of <dS, S_out>
-  // vb: the block's first value column (uniform); ct: this thread's column offset from it
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vt = blockIdx.z * NW + wg, vb = 64 * NW * blockIdx.z;
-  const int ct = 64 * wg + 2 * t;
+  // vb: the block's first value column (uniform)
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), qx = h / a.q_div, kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
-  const T* dvih = dvi + int64_t(h) * a.Ttot * a.dv + vb + ct;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
-  const int64_t mat = int64_t(a.dk) * a.dv;
   const float sc = float(a.scale);
   const int rl = 16 * w + g;
   float acc[M][32];
   load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
-  // this thread's entries of S_out (16-bit, as acc's) of the next chunk, loaded with its dvi (below)
-  uint32_t so16[M][8][2] = {};
-  auto soff = [&](int m, int j, int hf) { return int64_t(64 * m + rl + 8 * hf) * a.dv + vb + 8 * j + ct; };
-  auto prefetch_so = [&](int64_t cnext) {  // hbuf of global chunk cnext
-    const T* So = a.hbuf + (cnext * a.H + h) * mat;
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) so16[m][j][hf] = *reinterpret_cast<const uint32_t*>(So + soff(m, j, hf));
-  };
   init_ring(full, S, tid);
-  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO (NW blocks) of the i-th chunk from the end into stage st = i % S
+  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO, dvi (NW blocks each) of the i-th chunk from the end into stage st = i % S
     if (i >= nch) return;
     const int64_t r0 = row0 + int64_t(nch - 1 - i) * kChunk;
     char* base = smem + st * L::kStage;
@@ -205,24 +199,27 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     for (int x = 0; x < NW; ++x)
       load_rows(base + 3 * L::kTile + x * kSweepTile, &mdo, &full[st], (order >> 3) & 1, 64 * blockIdx.z * NW + 64 * x,
                 r0, h);
+#pragma unroll
+    for (int x = 0; x < NW; ++x)
+      load_rows(base + 3 * L::kTile + (NW + x) * kSweepTile, &mdvi, &full[st], (order >> 4) & 1,
+                64 * blockIdx.z * NW + 64 * x, r0, h);
   };
   if (tid == 0)
     for (int i = 0; i < S - 1; ++i) issue(i, i);
-  // this thread's dvi [C][64] entries of chunk c (rows >= nr: 0), gates of its rows rl, rl + 8 and
-  // of the dO rows it scales (wt / 8 + 16q), S_out: loaded a chunk ahead, as the forward's U
-  uint32_t u[8][2];
+  // the gates of this thread's rows rl, rl + 8 and of the dO rows it scales (wt / 8 + 16q), loaded a
+  // chunk ahead
   float bi[2], bo[4], B = 0.f;
   auto load_u = [&](int c) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    load_rows16(u, bi, dvih, a.dv, b, r0, nr, rl);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) bi[hf] = b && rl + 8 * hf < nr ? b[r0 + rl + 8 * hf] : 0.f;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = wt / 8 + 16 * q;
       bo[q] = b && r < nr ? b[r0 + r] : 0.f;
     }
     B = b ? b[r0 + nr - 1] : 0.f;
-    if (c + 1 < nch) prefetch_so(a.chunk0[seq] + c + 1);  // S_out of chunk c: the state entering c + 1
   };
   if (nch > 0) load_u(nch - 1);
   int st = 0;  // i % S and the parity of its use, kept by counting
@@ -230,33 +227,24 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   for (int i = 0; i < nch; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int c = nch - 1 - i, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
-    __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free; red is read
+    __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
-    // (1) the cotangent at the chunk's end, 16-bit; this thread's part of <dS, S_out>
-    stash16<T, M>(acc, st16, a.dhbuf + (cg * a.H + h) * mat + vb + ct, a.dv);
-    {
-      float part = 0.f;
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const float2 so = i == 0 ? *reinterpret_cast<const float2*>(a.ht + sidx + soff(m, j, hf))
-                                     : mma::unpack2<T>(so16[m][j][hf]);
-            part += acc[m][4 * j + 2 * hf] * so.x + acc[m][4 * j + 2 * hf + 1] * so.y;
-          }
-      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-      if (lane == 0) red[4 * wg + w] = part;
-    }
+    // (1) the cotangent at the chunk's end, 16-bit
+    stash16<T, M>(acc, st16, nullptr, a.dv);
     mbar_wait(&full[st], par);
     char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
     scale_do_rows<T>(dOt, wt, nr, [&](int q) { return sc * mma::fexp(bo[q]); });  // dO row r *= scale e^{b_r}
     fence_async_smem();
     __syncthreads();
-    if (wt == 0) sdot[(cg * a.H + h) * gridDim.z * NW + vt] = red[4 * wg] + red[4 * wg + 1] + red[4 * wg + 2] + red[4 * wg + 3];
-    // (2) dVn = dvi + diag(e^{B-b}) K dS
+    if (wt == 0) {  // this warpgroup's st16 to dhbuf by TMA (map mdh, box {64, 64}: one slab a store)
+      const int row = int((cg * a.H + h) * DK);
+#pragma unroll
+      for (int m = 0; m < M; ++m) tma_store_2d(&mdh, st16 + m * kSweepTile, vb + 64 * wg, row + 64 * m);
+      bulk_commit();
+    }
+    // (2) dVn = dvi + diag(e^{B-b}) K dS  (dvi: rows past nr are other rows', masked below)
     const uint32_t base = s0 + st * L::kStage;
+    const char* Dt = smem + st * L::kStage + 3 * L::kTile + (NW + wg) * kSweepTile;  // this warpgroup's dvi
     float x[32];
     wg_fence();
     uint32_t a16v = a16;  // st16's address, opaque here: its descriptors are formed per chunk, not held
@@ -265,7 +253,8 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
-    __syncthreads();  // every warp's product has read st16
+    if (wt == 0) bulk_wait_read<0>();  // the TMA store has read st16
+    __syncthreads();  // every warp's product (and the store) has read st16
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = rl + 8 * hf;
@@ -273,7 +262,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
       const float wi = mma::fexp(B - bi[hf]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {  // -dVn
-        const float2 uv = mma::unpack2<T>(u[j][hf]);
+        const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Dt + swz(kChunk, r, 8 * j + 2 * t)));
         const float y0 = in ? -(uv.x + wi * x[4 * j + 2 * hf]) : 0.f;
         const float y1 = in ? -(uv.y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
         *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
@@ -291,6 +280,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     });
   }
   store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
+  if (wt == 0) bulk_wait<0>();  // the cotangent stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
@@ -301,20 +291,24 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 template <class T>
 bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaStream_t s) {
   const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
+  if (int64_t(a.nchunks) * a.H * a.dk > INT32_MAX) return false;  // hbuf's rows as TMA coordinates
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    const int S = ring_stages<Ring<DK, 2>>(blocks, 2);
+    using L = Ring<DK, 2, 1>;
+    const int S = ring_stages<L>(blocks, 2);
     if (S < 2) return false;
     return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
       auto kernel = delta_sweep_sm90_kernel<T, DK, kS>;
-      const size_t bytes = Ring<DK, 2>::bytes(kS);
-      CUtensorMap mw, mk;
-      bool sw = false, sk = false;
+      const size_t bytes = L::bytes(kS);
+      CUtensorMap mw, mk, mu, mh = {};
+      bool sw = false, sk = false, su = false;
       if (!input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
-          !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) || !ready_sm90(kernel, bytes))
+          !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+          !input_map(&mu, su, U, 0, 0, a.dv, a.H, a.Ttot) || (a.hbuf && !state_map(&mh, a, a.hbuf, 64)) ||
+          !ready_sm90(kernel, bytes))
         return false;
       if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
       kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / 64)), kSm90Threads, bytes, s>>>(
-          mw, mk, unsigned(sw) | unsigned(sk) << 1, a, U, Vn);
+          mw, mk, mu, mh, unsigned(sw) | unsigned(sk) << 1 | unsigned(su) << 2, a, Vn);
       HILA_CUDA_CHECK_LAUNCH();
       return true;
     });
@@ -322,31 +316,35 @@ bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaSt
 }
 
 template <class T>
-bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, float* sdot, cudaStream_t s) {
+bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, cudaStream_t s) {
   const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
+  if (int64_t(a.nchunks) * a.H * a.dk > INT32_MAX) return false;  // dhbuf's rows as TMA coordinates
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L1 = Ring<DK, 3, true, 1>;
-    using L2 = Ring<DK, 3, true, 2>;
+    using L1 = Ring<DK, 3, 2, 1>;
+    using L2 = Ring<DK, 3, 2, 2>;
     const int nw = heuristics::delta_sm90_rsweep_warpgroups(tiles, a.dv % 128 == 0, device_info(), L1::kStage + 8,
                                                             L1::kFixed, L2::kStage + 8, L2::kFixed);
     auto run = [&](auto nw_c) -> bool {
       constexpr int NW = decltype(nw_c)::value;
-      const int S = ring_stages<Ring<DK, 3, true, NW>>(tiles / NW, NW == 1 ? 2 : 1);
+      const int S = ring_stages<Ring<DK, 3, 2, NW>>(tiles / NW, NW == 1 ? 2 : 1);
       if (S < 2) return false;
       return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
         auto kernel = delta_rsweep_sm90_kernel<T, DK, kS, NW>;
-        const size_t bytes = Ring<DK, 3, true, NW>::bytes(kS);
-        CUtensorMap mq, mk, mw, mdo;
-        bool sq = false, sk = false, sw = false, sd = false;
+        const size_t bytes = Ring<DK, 3, 2, NW>::bytes(kS);
+        CUtensorMap mq, mk, mw, mdo, mdh, mdvi;
+        bool sq = false, sk = false, sw = false, sd = false, su = false;
         if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
             !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
             !input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
-            !input_map(&mdo, sd, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot) || !ready_sm90(kernel, bytes))
+            !input_map(&mdo, sd, a.dO, a.dO_ld, a.dO_hs, a.dv, a.H, a.Ttot) || !state_map(&mdh, a, a.dhbuf, 64) ||
+            !input_map(&mdvi, su, dvi, 0, 0, a.dv, a.H, a.Ttot) ||
+            !ready_sm90(kernel, bytes))
           return false;
         if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
-        const unsigned order = unsigned(sq) | unsigned(sk) << 1 | unsigned(sw) << 2 | unsigned(sd) << 3;
+        const unsigned order =
+            unsigned(sq) | unsigned(sk) << 1 | unsigned(sw) << 2 | unsigned(sd) << 3 | unsigned(su) << 4;
         kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / (64 * NW))), kSm90Threads * NW, bytes, s>>>(
-            mq, mk, mw, mdo, order, a, dvi, sdot);
+            mq, mk, mw, mdo, mdh, mdvi, order, a);
         HILA_CUDA_CHECK_LAUNCH();
         return true;
       });
@@ -357,7 +355,7 @@ bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, float* sdo
 
 #define HILA_INSTANTIATE(T)                                                                          \
   template bool delta_sweep_sm90<T>(const GlaArgs<T>&, const T*, const T*, T*, cudaStream_t); \
-  template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const T*, float*, cudaStream_t);
+  template bool delta_rsweep_sm90<T>(const GlaArgs<T>&, const T*, const T*, cudaStream_t);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)
 #undef HILA_INSTANTIATE

@@ -14,10 +14,9 @@ namespace hila::cuda::gdn {
 template <class T>
 bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaStream_t s);
 
-// The reverse sweep: the cotangents at the chunk ends (a.dhbuf, 16-bit), of the initial state
-// (a.dh0) and the per-block parts of <dS, S_out> (sdot [nchunks][H][dv / 64]) from a.dht, a.q,
-// a.k, a.dO, W, dvi = A^T dO [H][Ttot][dv] (16-bit), the stored states a.hbuf and a.ht. False as above.
+// The reverse sweep: the cotangents at the chunk ends (a.dhbuf, 16-bit) and of the initial state
+// (a.dh0) from a.dht, a.q, a.k, a.dO, W, dvi = A^T dO [H][Ttot][dv] (16-bit). False as above.
 template <class T>
-bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, float* sdot, cudaStream_t s);
+bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, cudaStream_t s);
 
 }  // namespace hila::cuda::gdn

@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
     const int i = threadIdx.x;
     s.beta[i] = i < nr ? x.beta[rowbase + i] : 0.f;
     s.b[i] = gate_at(a.b ? a.b + int64_t(h) * a.Ttot : nullptr, r0, i, nr);
-    s.db[i] = i < nr ? x.dg[rowbase + i] : 0.f;  // GLA's dc = q^.dq^ - k.dk
+    s.db[i] = i < nr ? x.dg[rowbase + i] : 0.f;  // GLA's dc = q^.dq^ - k.dk, the last row's + <dS, S_out>
     s.dbeta[i] = s.ydy[i] = 0.f;
   }
   mma::cp_async_wait<0>();
@@ -578,9 +578,8 @@ __global__ void __launch_bounds__(kThreads, 2) wy_bwd_kernel(GlaArgs<T> a, WyBwd
         }
     }
   }
-  if (threadIdx.x == 0) {  // dg: reverse cumsum of db inside the chunk, dB's <dS, S_out> at the last row
+  if (threadIdx.x == 0) {  // dg: reverse cumsum of db inside the chunk (dB's <dS, S_out>: in the last row's dc)
     float acc = 0.f;
-    for (int k = 0; x.sdot && k < x.nvt; ++k) acc += x.sdot[(cg * a.H + h) * x.nvt + k];
     for (int i = nr - 1; i >= 0; --i) x.dg[rowbase + i] = (acc += s.db[i]);
   }
   if (threadIdx.x < nr) x.dbeta[rowbase + threadIdx.x] = s.dbeta[threadIdx.x];

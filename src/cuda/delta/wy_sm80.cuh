@@ -33,8 +33,6 @@ struct WyBwdArgs {
   const float* beta = nullptr;  // [H][Ttot]
   const T* tg = nullptr;        // [nchunks][H][C][C]: Tg (wy_kernel)
   const T* dvn = nullptr;       // [H][Ttot][dv]: dVn (GLA's dv with Vn for v, 16-bit)
-  const float* sdot = nullptr;  // [nchunks][H][nvt]: parts of <dS, S_out> (delta_rsweep_kernel); nullptr: none
-  int nvt = 1;
   // loglinear_gdn (loglinear_grad_kernel, loglinear_intra_bwd_kernel): dW given [H][Ttot][dk] (16-bit) instead of
   // -dVn Hp^T, an extra cotangent of TgU = Tg diag(beta) [nchunks][H][C][C] (fp32), and dv added to
   const T* dw = nullptr;

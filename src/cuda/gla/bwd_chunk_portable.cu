@@ -140,8 +140,10 @@ __global__ void __launch_bounds__(256) gla_bwd_chunk_kernel(GlaArgs<T> a) {
     __syncthreads();
     smem_gemm<T, true, false>(s.X, s.ldx, s.P, s.ldc, s.dO, s.ldv, kChunk, dv, kChunk, true);
     store(a.dv_, a.dv_out.add, dv);
-    if (a.dg_rows) {
-      for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i];
+    if (a.dg_rows) {  // the rows' dc, the last row's with <dH, H_end>
+      R D = 0;
+      for (int w = 0; w < int(blockDim.x) / 32; ++w) D += s.red[w];
+      for (int i = threadIdx.x; i < nr; i += blockDim.x) a.dg[rowbase + r0 + i] = s.dc[i] + (i == nr - 1 ? D : R(0));
     } else if (threadIdx.x < 32) {  // dc and red were written before the GEMMs' barriers
       R D = 0;
       for (int w = 0; w < int(blockDim.x) / 32; ++w) D += s.red[w];

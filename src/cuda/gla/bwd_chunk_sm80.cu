@@ -253,11 +253,11 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   };
   // this thread's part of <dH, H_end> (gla) or of ta.rho (the tree form: its state-write term alone)
   float dpart = 0.f;
-  const bool part = !a.dg_rows && (!kTree || ta.rho);
+  const bool part = !kTree || ta.rho;
   if constexpr (!kTree) {  // dH landed
     mma::cp_async_wait<0>();
     __syncthreads();
-    if (!a.dg_rows) {  // e^B <dH, Hp>, pairs of columns
+    {  // e^B <dH, Hp>, pairs of columns
       const int half = dv / 2;
       for (int e = threadIdx.x; e < dk * half; e += kBwdThreads) {
         const int r = e / half, col = 2 * (e % half);
@@ -317,12 +317,14 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_chunk_kernel(GlaArgs<T> a, Tr
   }
   __syncthreads();
   float D = 0.f;  // the chunk's <dH, H_end> (gla) or rho (tree)
-  if (part && w == 0) {
+  if (part && (w == 0 || (rows_only && int(threadIdx.x) == nr - 1))) {
 #pragma unroll
     for (int x = 0; x < kBwdThreads / 32; ++x) D += s.dc[2 * kChunk + x];
   }
-  if (rows_only) {
-    if (threadIdx.x < nr) a.dg[rowbase + threadIdx.x] = s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x];
+  if (rows_only) {  // a.dg_rows: the last row also carries <dH, H_end>
+    if (threadIdx.x < nr)
+      a.dg[rowbase + threadIdx.x] =
+          s.dc[threadIdx.x] + s.dc[kChunk + threadIdx.x] + (!kTree && int(threadIdx.x) == nr - 1 ? D : 0.f);
     if (kTree && part && threadIdx.x == 0) ta.rho[cg * a.H + h] = D;
   } else if (w == 0) {  // dg = the reverse cumsum of dc in the chunk + <dH, H_end>
     const int j0 = 2 * lane, j1 = j0 + 1;

@@ -8,7 +8,7 @@
 //   dV = diag(w) K dH + P^T dO                                              [C,dk]x[dk,dv] + [C,C]x[C,dv]
 //   dc = scale q^.dq^ - k.dk per row, w = e^{B-b}
 //   dg = the reverse cumsum of dc in the chunk + <dH, H_end>, <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j.(V dH^T)_j
-//        (a.dg_rows: dc per row instead)
+//        (a.dg_rows: dc per row instead, the last row's with <dH, H_end>)
 // Every product is one m64nN wgmma chain (C = 64 rows = the warpgroup's M), operands in shared
 // memory: the swizzled tiles serve K-major and, through the transpose flags, MN-major reads, so
 // no tile is stored twice. Hp and dH share one buffer (dH lands once dQ has read Hp), which keeps
@@ -172,10 +172,29 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       for (int cb = 0; cb < DV / 64; ++cb) tma_load_2d(smem + L::kS + cb * DK * 128, &mdh, &bar[1], 64 * cb, srow);
     }
     combine(acc, acc2, mma::fexp(bi0), mma::fexp(bi1), 1.f);
-    store(a.dq, a.dq_out, acc);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kQ, d0, d1);
     dc0 += sc * d0, dc1 += sc * d1;
+    const GradOut<T>& gq = a.dq_out;
+    if (gq.rstd) {  // the raw q's gradient (GradOut): a row's y.dy over the quad that holds its columns
+      for (float* v : {&d0, &d1}) *v += __shfl_xor_sync(0xffffffffu, *v, 1), *v += __shfl_xor_sync(0xffffffffu, *v, 2);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0;
+        if (i >= nr) continue;
+        const float yd = gq.mult * (hf ? d1 : d0), rs = gq.rstd[rowbase + i];
+        T* o = gq.p + h * gq.hs + (r0 + i) * gq.ld;
+#pragma unroll
+        for (int j = 0; j < DK / 8; ++j) {
+          const int col = 8 * j + 2 * t;
+          const float2 y = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(smem + L::kQ + swz(kChunk, i, col)));
+          *reinterpret_cast<uint32_t*>(o + col) = mma::pack2<T>((gq.mult * acc[4 * j + 2 * hf] - y.x * yd) * rs,
+                                                                (gq.mult * acc[4 * j + 2 * hf + 1] - y.y * yd) * rs);
+        }
+      }
+    } else {
+      store(a.dq, a.dq_out, acc);
+    }
   }
   const float w0 = mma::fexp(B - bi0), w1 = mma::fexp(B - bi1);
   constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
@@ -215,13 +234,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   }
   dc0 += __shfl_xor_sync(0xffffffffu, dc0, 1), dc0 += __shfl_xor_sync(0xffffffffu, dc0, 2);
   dc1 += __shfl_xor_sync(0xffffffffu, dc1, 1), dc1 += __shfl_xor_sync(0xffffffffu, dc1, 2);
-  if (a.dg_rows) {
-    if (t == 0) {
-      if (i0 < nr) a.dg[rowbase + i0] = dc0;
-      if (i1 < nr) a.dg[rowbase + i1] = dc1;
-    }
-    return;
-  }
   {  // e^B <dH, Hp>: 16-byte pieces p = tid + 128 x of the [DK][DV] state, row p / (DV / 8), columns
      // 8 (p % (DV / 8)) .. +8: Hp from hbuf (coalesced), dH from its swizzled tile
     constexpr int kUnits = DV / 8, kPieces = DK * kUnits / kSm90Threads;
@@ -251,8 +263,13 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   if (t == 0) red[i0] = dc0, red[i1] = dc1;
   if (lane == 0) red[kChunk + w] = dpart;
   __syncthreads();
-  if (w == 0) {
-    const float D = red[kChunk] + red[kChunk + 1] + red[kChunk + 2] + red[kChunk + 3];
+  const float D = red[kChunk] + red[kChunk + 1] + red[kChunk + 2] + red[kChunk + 3];
+  if (a.dg_rows) {  // the rows' dc, the last row's with <dH, H_end>
+    if (t == 0) {
+      if (i0 < nr) a.dg[rowbase + i0] = dc0 + (i0 == nr - 1 ? D : 0.f);
+      if (i1 < nr) a.dg[rowbase + i1] = dc1 + (i1 == nr - 1 ? D : 0.f);
+    }
+  } else if (w == 0) {
     chunk_dg(a.dg + rowbase, 2 * lane < nr ? red[2 * lane] : 0.f, 2 * lane + 1 < nr ? red[2 * lane + 1] : 0.f, D, nr);
   }
 #else

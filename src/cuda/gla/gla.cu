@@ -56,13 +56,20 @@ void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream) {
 }
 
 template <class T>
-void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
-  if (a.nchunks == 0) return;
+bool gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
+  if (a.nchunks == 0) return true;
   if (!tree &&
       heuristics::gla_sm90_bwd_chunk(a.dk, a.dv, a.hbuf && a.dhbuf, a.Ttot, a.nchunks, a.H, config().gla_sm90) &&
       gla_bwd_chunk_sm90(a, stream))
-    return;
-  gla_bwd_chunk_sm80(a, stream, tree);
+    return true;
+  if (!a.dq_out.rstd) {
+    gla_bwd_chunk_sm80(a, stream, tree);
+    return true;
+  }
+  GlaArgs<T> b = a;  // the l2norm chain rule of dq is the sm90 kernel's: dq to the fp32 buffer here
+  b.dq_out = GradOut<T>{};
+  gla_bwd_chunk_sm80(b, stream, tree);
+  return false;
 }
 
 // ---- the primitive ------------------------------------------------------------------------------
@@ -136,7 +143,7 @@ HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
   template void gla_tree_sweep<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, cudaStream_t);        \
   template void gla_output<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);                         \
   template void gla_fused_forward<T>(const GlaArgs<T>&, cudaStream_t);                                  \
-  template void gla_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);
+  template bool gla_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)
 #undef HILA_INSTANTIATE

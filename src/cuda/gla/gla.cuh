@@ -39,12 +39,17 @@ using StateOperand = std::conditional_t<kTensorCore<T>, T, Acc<T>>;
 // tensor instead: head h at p + h*hs, rows of ld, values times mult. With add set, add[h][row][c]
 // (fp32, the buffer's layout; it may be the buffer itself) is added first: the contributions of
 // the primitives before this one in a composition (docs/math/HLA.md §7.2).
+// For dq, with p set and rstd given ([H][Ttot], one head per group: the rows' 1 / |x| of q's l2
+// normalisation, qk_l2norm), the sm90 chunk-gradient kernel writes the gradient of the raw q,
+// (dy - y (y.dy)) rstd with dy = mult dq^ and y the normalised row (its q tile); gla_bwd_chunk
+// says whether it did (the sm80 kernel writes the fp32 buffer instead).
 template <class T>
 struct GradOut {
   T* p = nullptr;
   int64_t ld = 0, hs = 0;
   float mult = 1.f;
   const Acc<T>* add = nullptr;
+  const float* rstd = nullptr;
 };
 
 template <class T>
@@ -85,8 +90,10 @@ struct GlaArgs {
   // kernels add the value-role gradient into the key's and write dk only (dv_, dv_out unused)
   bool value_is_key = false;
   R* dg = nullptr;                                  // [H][Ttot]
-  // the chunk kernels write the per-row dc = q^.dq^ - k.dk into dg instead of the gate gradient,
-  // for a caller that adds its own terms and sums per chunk (the delta rule's WY backward)
+  // the chunk kernels write the per-row dc = q^.dq^ - k.dk into dg instead of the gate gradient, the
+  // chunk's last row plus <dH, H_end>, for a caller that adds its own terms and sums per chunk (the
+  // delta rule's WY backward). <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j.(V dH^T)_j is formed from
+  // the same 16-bit dH as the rows' k.dk, so the terms of dg that read dH cancel to fp32 rounding.
   bool dg_rows = false;
 };
 
@@ -132,9 +139,10 @@ void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree =
 template <class T>
 void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream);
 // the per-chunk gradients dq, dk, dv, dg (with `tree`, from the tree's nodes and dZ, or a.dg_rows:
-// the rows' dc in place of dg).
+// the rows' dc in place of dg, the last row's plus <dH, H_end>). False when a.dq_out.rstd is set and dq went to the fp32 buffer a.dq
+// instead (GradOut).
 template <class T>
-void gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
+bool gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 // Shared memory of the sm80 output and chunk-gradient kernels, and of the sm80 fused forward.
 size_t gla_output_smem(int dk, int dv, size_t esize);
 size_t gla_bwd_chunk_smem(int dk, int dv, bool tree = false);
