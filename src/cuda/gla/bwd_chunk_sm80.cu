@@ -20,8 +20,9 @@ using namespace gla_sm80;
 //   dV  = diag(w) K dH + P^T dO
 //   dc  = q^ . dq^ - k . dk,  dg = its reverse cumsum in the chunk + <dH, H_end>   (gla.cuh)
 //   <dH, H_end> = e^B <dH, Hp> + sum_j w_j k_j . (V dH^T)_j
-// (the tree form and a.dg_rows: dc per row instead; the tree form writes the second term, plus
-// sum_j k_j . fin_dk_j on a last partial chunk, to ta.rho: loglinear/tree.cuh).
+// (the tree form and a.dg_rows: dc per row instead; a.dg_rows adds <dH, H_end> to the last row's,
+// the tree form writes the second term, plus sum_j k_j . fin_dk_j on a last partial chunk, to
+// ta.rho: loglinear/tree.cuh).
 // Dynamic smem: Q, K [C, dk+8], V, dO [C, dv+8], Hp, dH [dk, dv+8], P, dA [C, C+8], b, dc (+ the
 // per-warp parts of <dH, H_end>).
 constexpr int kBwdThreads = 256;
