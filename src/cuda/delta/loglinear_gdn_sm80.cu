@@ -15,6 +15,8 @@
 // heuristics::loglinear_gdn_sm90_sweep chooses them (on Hopper, unless HILA_DELTA_SM90=0).
 // Per-level states and cotangents are stored in 16 bits as GEMM operands; carries, E, dMid, the
 // output accumulator and every accumulation are fp32.
+#include <optional>
+
 #include "cuda/delta/delta.cuh"
 #include "cuda/delta/gdn_call_sm80.cuh"
 #include "cuda/delta/loglinear_gdn_sm90.cuh"
@@ -803,8 +805,14 @@ struct LoglinearGdnCall {
   }
   dim3 grid(int m) const { return dim3(unsigned(x.NH), unsigned((reach >> m) + 1), unsigned((dv + kVT - 1) / kVT)); }
 
-  // tg: the backward's 16-bit Tg (wy_kernel); o: the caller's output or undefined
-  void forward(const TensorView& o, const StateView& f, T* tg = nullptr) {
+  // The forward in three steps: prepare (its buffers and the WY chunks; tg: the backward's 16-bit
+  // Tg), sweeps (the level sweeps on stream st, allocating nothing) and finish (o, the final state).
+  void forward(const TensorView& o, const StateView& f) {
+    prepare(o, nullptr);
+    sweeps(s);
+    finish(o, f);
+  }
+  void prepare(const TensorView& o, T* tg) {
     fws = DevBuf<float>(fin ? size_t(x.NH * Ls * dk * dv) : 0, s, true);
     qeff = DevBuf<T>(size_t(H * Ttot * dk), s);
     u16 = DevBuf<T>(size_t(H * Ttot * dv), s);
@@ -815,18 +823,22 @@ struct LoglinearGdnCall {
     x.wy(tg, nullptr, lw);
     E = DevBuf<float>(top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
     if (tg) hl = DevBuf<T>(size_t(top * nch * H * dk * dv), s);
+  }
+  void sweeps(cudaStream_t st) const {
     LoglinearSweepArgs<T> la;
     la.W = x.W.get(), la.U = u16.get(), la.qeff = qeff.get(), la.lam = lam.get(), la.nL = nL;
     la.E = E.get(), la.o = O.get(), la.fin = fws.get(), la.Ls = Ls, la.hl = hl.get();
     if (!(heuristics::loglinear_gdn_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
-          loglinear_level_sweeps_sm90(x.a, la, top, reach, s))) {
+          loglinear_level_sweeps_sm90(x.a, la, top, reach, st))) {
       const size_t bytes = sweep_smem(int(dk), true);
       set_smem(loglinear_level_sweep_kernel<T>, bytes);
       for (int m = 1; m <= top && !dry_run(); ++m) {
-        loglinear_level_sweep_kernel<T><<<grid(m), kThreads, bytes, s>>>(x.a, la, m);
+        loglinear_level_sweep_kernel<T><<<grid(m), kThreads, bytes, st>>>(x.a, la, m);
         HILA_CUDA_CHECK_LAUNCH();
       }
     }
+  }
+  void finish(const TensorView& o, const StateView& f) {
     if (Ttot > 0 && o.defined()) unpack_to<float>(o, O.get(), r, H, 1, int(r.dv), int(dv), 1.f, s);
     if (fin) {
       LvlGrid lg;
@@ -847,7 +859,8 @@ void loglinear_gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& 
 }
 
 // loglinear_gdn's backward on tensor cores (the section comment above loglinear_level_rsweep_kernel): the forward
-// recomputed with Tg and the level states, the reverse level sweeps m = top .. 1, loglinear_grad_kernel,
+// recomputed with Tg and the level states (its level sweeps on a side stream beside the reverse level sweeps
+// m = top .. 1, which read none of their outputs: dMid has its own buffer, not E's), loglinear_grad_kernel,
 // loglinear_intra_bwd_kernel, then the WY backward.
 template <class T>
 void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaStream_t s) {
@@ -859,12 +872,20 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
     const int nL = c.nL;
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
-    c.forward(p.o, p.final_state, tg.get());
-    // reverse level sweeps: dhl, and dMid (over E, which the forward no longer needs)
+    c.prepare(p.o, tg.get());
+    // the recomputed level sweeps (hl, E, the output) on a side stream beside the reverse level
+    // sweeps (dhl, dMid), which read none of their outputs
     DevBuf<T> dhl(size_t(c.top * nch * H * dk * dv), s), dmid16(c.top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
+    DevBuf<float> dmid(c.top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
+    std::optional<SideStream> side;
+    if (x.NH > 0) {
+      side.emplace(s);
+      const NoAllocScope no_alloc;
+      c.sweeps(side->side());
+    }
     {
       LoglinearRsweepArgs<T> ra;
-      ra.W = x.W.get(), ra.qeff = c.qeff.get(), ra.lam = c.lam.get(), ra.nL = nL, ra.dmid = c.E.get(),
+      ra.W = x.W.get(), ra.qeff = c.qeff.get(), ra.lam = c.lam.get(), ra.nL = nL, ra.dmid = dmid.get(),
       ra.dmid16 = dmid16.get(), ra.dhl = dhl.get();
       if (!(heuristics::loglinear_gdn_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
             loglinear_level_rsweeps_sm90(x.a, ra, c.top, c.reach, s))) {
@@ -876,6 +897,8 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
         }
       }
     }
+    if (side) side->join();
+    c.finish(p.o, p.final_state);
     DevBuf<T> dqeff16(size_t(H * Ttot * dk), s);
     DevBuf<float> dqeff(size_t(H * Ttot * dk), s), dka(size_t(H * Ttot * dk), s), db(size_t(H * Ttot), s);
     WyBwdArgs<T> wb;  // the WY backward's; dk straight into the caller's tensor where its layout allows
