@@ -5,8 +5,8 @@
 // accumulators acc[M][32]: thread (warp w, lane 4g + t) holds rows 64m + 16w + g (+8), columns
 // 8j + 2t (+1) of slab m at acc[m][4j + 2hf + e]. Its chunks' 16-bit tiles arrive by TMA
 // (128-byte swizzle) in a ring of S stages; st16 (dk * 128 bytes per warpgroup) holds the 16-bit
-// state [dk][64] as the B operand of the chunk's products, then the chunk's [C][64] operand of the
-// state update.
+// state [dk][64] as the B operand of the chunk's products, then (or in a [C][64] tile of its own
+// after it, vt) the chunk's [C][64] operand of the state update.
 #pragma once
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/sm90.cuh"
@@ -15,13 +15,15 @@ namespace hila::cuda::gdn {
 
 // Shared memory of a sweep block of NW warpgroups (each its own 64 value columns): S ring stages of
 // kTiles [C][dk] 16-bit tiles (each dk / 64 swizzled [C][64] blocks) and kBlocks [C][64] blocks per
-// warpgroup (dO, U, dvi: NW of each, one after the other); then per warpgroup st16, and the stages'
-// mbarriers (8 bytes each).
-template <int DK, int kTiles, int kBlocks = 0, int NW = 1>
+// warpgroup (dO, U, dvi: NW of each, one after the other); then per warpgroup st16 and, with kVt,
+// the [C][64] tile vt (the update's operand, so that the state's TMA store and the next chunk's
+// products need not wait for each other), and the stages' mbarriers (8 bytes each).
+template <int DK, int kTiles, int kBlocks = 0, int NW = 1, bool kVt = false>
 struct Ring {
   static constexpr uint32_t kTile = (DK / 64) * gla_sm90::kSweepTile;
   static constexpr uint32_t kStage = kTiles * kTile + kBlocks * NW * gla_sm90::kSweepTile;
-  static constexpr uint32_t kFixed = NW * DK * 128;
+  static constexpr uint32_t kState = DK * 128;  // st16 [DK][64] 16-bit, then vt
+  static constexpr uint32_t kFixed = NW * (kState + (kVt ? gla_sm90::kSweepTile : 0));
   static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
 };
 

@@ -8,12 +8,15 @@
 //     (1) S -> 16-bit st16 [dk][64] (swizzled), stored from there to hbuf by TMA
 //     (2) Vn = U - W st16                   [C,dk]x[dk,64]  W K-major, st16 MN-major; Vn to global
 //     (3) S = e^B S + K^T (diag(w) Vn)      [dk,C]x[C,64]   per slab: K MN-major, diag(w) Vn (16-bit,
-//                                                          in st16's place) MN-major
+//                                                          in the tile vt) MN-major
 //   reverse (chunks last first; dS: the cotangent of the state at the chunk's end)
 //     (1) dS -> 16-bit st16 (stored from there to dhbuf by TMA)
 //     (2) dVn = dvi + diag(w) K st16        [C,dk]x[dk,64]
 //     (3) dS = e^B dS + Q^T (diag(scale e^b) dO) + W^T (-dVn)   [dk,C]x[C,64], twice per slab
-//         (dO scaled in place in its stage, -dVn 16-bit in st16's place)
+//         (dO scaled in place in its stage, -dVn 16-bit in the tile vt)
+// vt is a [C][64] tile of its own beside st16, so that nothing waits for the TMA store of st16
+// until the next chunk's (1) overwrites it, a chunk later, and the epilogue of (2) needs no barrier
+// between the products' reads of st16 and its writes.
 // W, K, U (and Q, K, W, dO) arrive by TMA (128-byte swizzle) into a ring of S stages, chunk c+S-1
 // issued as chunk c starts; the gates are read from
 // global memory into registers a chunk ahead, their loads in flight over (3) and the next chunk's
@@ -46,14 +49,15 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 2, 1>;  // W, K tiles and U's [C][64] block
+  using L = Ring<DK, 2, 1, 1, true>;  // W, K tiles and U's [C][64] block; st16, vt
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
   char* st16 = smem + S * L::kStage;
-  const uint32_t a16 = s0 + S * L::kStage;
-  uint64_t* full = reinterpret_cast<uint64_t*>(st16 + DK * 128);  // [S]
+  char* vt = st16 + L::kState;
+  const uint32_t a16 = s0 + S * L::kStage, avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -97,7 +101,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   for (int c = 0; c < nch; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
+    if (tid == 0 && a.hbuf) bulk_wait_read<0>();  // chunk c-1's state store has read st16
+    __syncthreads();  // chunk c-1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
     stash16<T, M>(acc, st16, nullptr, a.dv);
@@ -119,8 +124,6 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
-    if (tid == 0 && a.hbuf) bulk_wait_read<0>();  // the TMA store has read st16
-    __syncthreads();  // every warp's product (and the store) has read st16
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = rl + 8 * hf;
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
         const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Ut + swz(kChunk, i, 8 * j + 2 * t)));
         const float y0 = in ? uv.x - x[4 * j + 2 * hf] : 0.f, y1 = in ? uv.y - x[4 * j + 2 * hf + 1] : 0.f;
         if (in) *reinterpret_cast<uint32_t*>(Vnh + (r0 + i) * a.dv + 8 * j) = mma::pack2<T>(y0, y1);
-        *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
+        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
       }
     }
     const float decay = mma::fexp(B);
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
-      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, avt, kChunk, kChunk / 16, true);
     });
   }
   store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
@@ -162,16 +165,18 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   static_assert(NW == 1 || NW == 2, "one or two warpgroups");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 3, 2, NW>;  // Q, K, W tiles; per warpgroup dO, then dvi [C][64]
+  using L = Ring<DK, 3, 2, NW, true>;  // Q, K, W tiles; per warpgroup dO, then dvi [C][64]; st16, vt
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
   const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
   const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
-  char* st16 = smem + S * L::kStage + wg * DK * 128;
-  const uint32_t a16 = s0 + S * L::kStage + wg * DK * 128;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + NW * DK * 128);  // [S]
+  constexpr uint32_t kOwn = L::kFixed / NW;  // st16 and vt of one warpgroup
+  char* st16 = smem + S * L::kStage + wg * kOwn;
+  char* vt = st16 + L::kState;
+  const uint32_t a16 = s0 + S * L::kStage + wg * kOwn, avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
   // vb: the block's first value column (uniform)
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -227,7 +232,8 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   for (int i = 0; i < nch; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int c = nch - 1 - i, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
-    __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free
+    if (wt == 0) bulk_wait_read<0>();  // chunk c+1's cotangent store has read st16
+    __syncthreads();  // chunk c+1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
     // (1) the cotangent at the chunk's end, 16-bit
     stash16<T, M>(acc, st16, nullptr, a.dv);
@@ -247,14 +253,13 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     const char* Dt = smem + st * L::kStage + 3 * L::kTile + (NW + wg) * kSweepTile;  // this warpgroup's dvi
     float x[32];
     wg_fence();
-    uint32_t a16v = a16;  // st16's address, opaque here: its descriptors are formed per chunk, not held
-    asm volatile("" : "+r"(a16v));
+    // st16's and vt's addresses, opaque here: their descriptors are formed per chunk, not held
+    uint32_t a16v = a16, avtv = avt;
+    asm volatile("" : "+r"(a16v), "+r"(avtv));
     wgmma_chain<T, 64, 0, 1>(x, base + L::kTile, kChunk, a16v, DK, DK / 16);
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
-    if (wt == 0) bulk_wait_read<0>();  // the TMA store has read st16
-    __syncthreads();  // every warp's product (and the store) has read st16
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = rl + 8 * hf;
@@ -265,7 +270,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
         const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Dt + swz(kChunk, r, 8 * j + 2 * t)));
         const float y0 = in ? -(uv.x + wi * x[4 * j + 2 * hf]) : 0.f;
         const float y1 = in ? -(uv.y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
-        *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
+        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
       }
     }
     const float decay = mma::fexp(B);
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
       wgmma_chain<T, 64, 1, 1>(slab, base + m * kSweepTile, kChunk, base + 3 * L::kTile + wg * kSweepTile, kChunk,
                                kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, a16v, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, avtv, kChunk, kChunk / 16, true);
     });
   }
   store_state_slabs<M>(acc, a.dh0 ? a.dh0 + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
@@ -293,7 +298,7 @@ bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaSt
   const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
   if (int64_t(a.nchunks) * a.H * a.dk > INT32_MAX) return false;  // hbuf's rows as TMA coordinates
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L = Ring<DK, 2, 1>;
+    using L = Ring<DK, 2, 1, 1, true>;
     const int S = ring_stages<L>(blocks, 2);
     if (S < 2) return false;
     return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
@@ -320,17 +325,17 @@ bool delta_rsweep_sm90(const GlaArgs<T>& a, const T* W, const T* dvi, cudaStream
   const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
   if (int64_t(a.nchunks) * a.H * a.dk > INT32_MAX) return false;  // dhbuf's rows as TMA coordinates
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L1 = Ring<DK, 3, 2, 1>;
-    using L2 = Ring<DK, 3, 2, 2>;
+    using L1 = Ring<DK, 3, 2, 1, true>;
+    using L2 = Ring<DK, 3, 2, 2, true>;
     const int nw = heuristics::delta_sm90_rsweep_warpgroups(tiles, a.dv % 128 == 0, device_info(), L1::kStage + 8,
                                                             L1::kFixed, L2::kStage + 8, L2::kFixed);
     auto run = [&](auto nw_c) -> bool {
       constexpr int NW = decltype(nw_c)::value;
-      const int S = ring_stages<Ring<DK, 3, 2, NW>>(tiles / NW, NW == 1 ? 2 : 1);
+      const int S = ring_stages<Ring<DK, 3, 2, NW, true>>(tiles / NW, NW == 1 ? 2 : 1);
       if (S < 2) return false;
       return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
         auto kernel = delta_rsweep_sm90_kernel<T, DK, kS, NW>;
-        const size_t bytes = Ring<DK, 3, 2, NW>::bytes(kS);
+        const size_t bytes = Ring<DK, 3, 2, NW, true>::bytes(kS);
         CUtensorMap mq, mk, mw, mdo, mdh, mdvi;
         bool sq = false, sk = false, sw = false, sd = false, su = false;
         if (!input_map(&mq, sq, a.q, a.q_ld, a.q_hs, a.dk, src_heads(a, a.q_div), a.Ttot) ||
