@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   static_assert(S >= 2, "a stage in the products and one in flight");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 3, 1>;  // Qeff, K, W, dO
+  using L = Ring<DK, 3, 1, 1, true>;  // Qeff, K, W, dO; st16, vt (-dVn: no barrier between (2)'s reads and its writes)
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
@@ -201,8 +201,9 @@ __global__ void __launch_bounds__(kSm90Threads)
   const int64_t stop = end < nch ? end : nch;
   const int n = int(stop - mid);  // chunks stop-1 .. mid
   char* st16 = smem + S * L::kStage;
-  const uint32_t a16 = s0 + S * L::kStage;
-  uint64_t* full = reinterpret_cast<uint64_t*>(st16 + DK * 128);  // [S]
+  char* vt = st16 + L::kState;
+  const uint32_t a16 = s0 + S * L::kStage, avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float* lam = x.lam + int64_t(h) * a.Ttot * x.nL + kLogChunk + lv;  // row r: lam[r * nL]
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   for (int i = 0; i < n; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int64_t c = stop - 1 - i;
     const int nr = rows_in(len, c);
-    __syncthreads();  // chunk c+1's products are complete: its stage and st16 are free
+    __syncthreads();  // chunk c+1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
     // (1) the cotangent after the chunk's erase, 16-bit, and to dhl
     stash16<T, M>(acc, st16, x.dhl + (((lv - 1) * a.nchunks + c0 + c) * a.H + h) * mat + v0 + 2 * t, a.dv);
@@ -267,7 +268,6 @@ __global__ void __launch_bounds__(kSm90Threads)
     wg_commit();
     wg_wait<0>();
     fence_regs(y);
-    __syncthreads();  // every warp's product has read st16
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = rl + 8 * hf;
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       const float wi = -mma::fexp(B - bi[hf]);  // -dVn
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) =
+        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, r, 8 * j + 2 * t)) =
             mma::pack2<T>(in ? wi * y[4 * j + 2 * hf] : 0.f, in ? wi * y[4 * j + 2 * hf + 1] : 0.f);
     }
     const float decay = mma::fexp(B);
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     // (3) dS = e^B dS + Qeff^T diag(lam) dO - W^T dVn
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
       wgmma_chain<T, 64, 1, 1>(slab, base + m * kSweepTile, kChunk, base + 3 * L::kTile, kChunk, kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, avt, kChunk, kChunk / 16, true);
     });
   }
   // dMid[mid]: fp32 and 16-bit
@@ -348,7 +348,7 @@ bool loglinear_level_rsweeps_sm90(const GlaArgs<T>& a, const LoglinearRsweepArgs
   const dim3 g1 = level_grid(a, reach, 1);
   const int64_t blocks = int64_t(g1.x) * g1.y * g1.z;
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L = Ring<DK, 3, 1>;
+    using L = Ring<DK, 3, 1, 1, true>;
     const int S = ring_stages<L>(blocks, 2);
     if (S < 2) return false;
     return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
