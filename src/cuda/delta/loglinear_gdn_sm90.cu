@@ -59,9 +59,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   if (mid > nch || (mid == nch && !fin_here)) return;  // no chunk reads it
   const int64_t stop = end < nch ? end : nch;
   const int n = int(stop - mid) + 1;  // chunks mid-1 .. stop-1 through the ring
-  char* st16 = smem + S * L::kStage;
-  const uint32_t a16 = s0 + S * L::kStage;
-  uint64_t* full = reinterpret_cast<uint64_t*>(st16 + DK * 128);  // [S]
+  char* st16 = smem + L::state_at(S);
+  const uint32_t a16 = s0 + L::state_at(S);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float* lam = x.lam + int64_t(h) * a.Ttot * x.nL + kLogChunk + lv;  // row r: lam[r * nL]
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];
@@ -200,10 +200,10 @@ __global__ void __launch_bounds__(kSm90Threads)
   if (mid >= nch) return;
   const int64_t stop = end < nch ? end : nch;
   const int n = int(stop - mid);  // chunks stop-1 .. mid
-  char* st16 = smem + S * L::kStage;
+  char* st16 = smem + L::state_at(S);
   char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + S * L::kStage, avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
+  const uint32_t a16 = s0 + L::state_at(S), avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float* lam = x.lam + int64_t(h) * a.Ttot * x.nL + kLogChunk + lv;  // row r: lam[r * nL]
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];

@@ -16,15 +16,21 @@ namespace hila::cuda::gdn {
 // Shared memory of a sweep block of NW warpgroups (each its own 64 value columns): S ring stages of
 // kTiles [C][dk] 16-bit tiles (each dk / 64 swizzled [C][64] blocks) and kBlocks [C][64] blocks per
 // warpgroup (dO, U, dvi: NW of each, one after the other); then per warpgroup st16 and, with kVt,
-// the [C][64] tile vt (the update's operand, so that the state's TMA store and the next chunk's
-// products need not wait for each other), and the stages' mbarriers (8 bytes each).
+// the [C][64] tile vt (the update's operand in a tile of its own: the epilogue that writes it need
+// not wait for the chunk's products and the state's TMA store to finish reading st16), and the
+// stages' mbarriers (8 bytes each).
 template <int DK, int kTiles, int kBlocks = 0, int NW = 1, bool kVt = false>
 struct Ring {
   static constexpr uint32_t kTile = (DK / 64) * gla_sm90::kSweepTile;
   static constexpr uint32_t kStage = kTiles * kTile + kBlocks * NW * gla_sm90::kSweepTile;
   static constexpr uint32_t kState = DK * 128;  // st16 [DK][64] 16-bit, then vt
-  static constexpr uint32_t kFixed = NW * (kState + (kVt ? gla_sm90::kSweepTile : 0));
+  static constexpr uint32_t kOwn = kState + (kVt ? gla_sm90::kSweepTile : 0);  // one warpgroup's
+  static constexpr uint32_t kFixed = NW * kOwn;
   static constexpr size_t bytes(int stages) { return size_t(stages) * (kStage + 8) + kFixed; }
+  // byte offsets in the block's shared memory with `stages` stages: warpgroup wg's st16 (its vt at
+  // + kState) and the stages' mbarriers
+  static constexpr uint32_t state_at(int stages, int wg = 0) { return stages * kStage + wg * kOwn; }
+  static constexpr uint32_t barriers_at(int stages) { return stages * kStage + kFixed; }
 };
 
 // Ring stages for `blocks` sweep blocks of layout L, at most `max_per_sm` blocks per SM

@@ -54,10 +54,10 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
-  char* st16 = smem + S * L::kStage;
+  char* st16 = smem + L::state_at(S);
   char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + S * L::kStage, avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
+  const uint32_t a16 = s0 + L::state_at(S), avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -172,11 +172,10 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
   const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
   const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
-  constexpr uint32_t kOwn = L::kFixed / NW;  // st16 and vt of one warpgroup
-  char* st16 = smem + S * L::kStage + wg * kOwn;
+  char* st16 = smem + L::state_at(S, wg);
   char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + S * L::kStage + wg * kOwn, avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + L::kFixed);  // [S]
+  const uint32_t a16 = s0 + L::state_at(S, wg), avt = a16 + L::kState;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   // vb: the block's first value column (uniform)
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
