@@ -281,11 +281,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     x.wy(tg.get(), dvi.get());
     sweep_buffers(x);
     std::optional<SideStream> side;
-    if (x.NH > 0) {
-      side.emplace(s);
-      const NoAllocScope no_alloc;
-      gdn_sweep(x, side->side());
-    }
+    if (x.NH > 0) side.emplace(s).run([&](cudaStream_t st) { gdn_sweep(x, st); });
     // the reverse sweep: dhbuf (the cotangents at the chunk ends) and dS_0
     DevBuf<R> dht(p.d_final.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
     DevBuf<R> dh0(p.d_init.H.defined() ? size_t(x.NH * dk * dv) : 0, s);

@@ -878,11 +878,7 @@ void loglinear_gdn_sm80_backward(const detail::Resolved& r, const BackwardParams
     DevBuf<T> dhl(size_t(c.top * nch * H * dk * dv), s), dmid16(c.top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
     DevBuf<float> dmid(c.top > 0 ? size_t((nch + 1) * H * dk * dv) : 0, s);
     std::optional<SideStream> side;
-    if (x.NH > 0) {
-      side.emplace(s);
-      const NoAllocScope no_alloc;
-      c.sweeps(side->side());
-    }
+    if (x.NH > 0) side.emplace(s).run([&](cudaStream_t st) { c.sweeps(st); });
     {
       LoglinearRsweepArgs<T> ra;
       ra.W = x.W.get(), ra.qeff = c.qeff.get(), ra.lam = c.lam.get(), ra.nL = nL, ra.dmid = dmid.get(),

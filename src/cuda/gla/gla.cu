@@ -116,11 +116,7 @@ void gla_backward(const GlaArgs<T>& a, cudaStream_t stream, const GlaArgs<T>* re
   // (work on the side stream must not allocate: the caller gives the recompute its gate cumsum
   // and hbuf, and NoAllocScope enforces it)
   std::optional<SideStream> side;
-  if (recompute) {
-    side.emplace(stream);
-    const NoAllocScope no_alloc;
-    gla_forward(*recompute, side->side());
-  }
+  if (recompute) side.emplace(stream).run([&](cudaStream_t st) { gla_forward(*recompute, st); });
   if constexpr (kTensorCore<T>) {
     gla_sweep(x, true, stream);
     if (side) side->join();

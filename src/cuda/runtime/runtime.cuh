@@ -280,7 +280,8 @@ class DeviceScope {
 // `main` wait for the work enqueued on side() since. Both waits are events (the fork / join
 // pattern graph capture accepts; the CudaGraph tests capture it). In a dry run (workspace_size), and with
 // HILA_SIDE_STREAM=0 (everything on the caller's stream, in order), side() is `main`. Work put on
-// side() must not allocate (NoAllocScope): a caller's workspace is reused in the order of `main`.
+// side() must not allocate (NoAllocScope): a caller's workspace is reused in the order of `main`;
+// run(work) calls work(side()) inside one.
 class SideStream {
  public:
   explicit SideStream(cudaStream_t main);
@@ -288,12 +289,19 @@ class SideStream {
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   cudaStream_t side() const { return side_; }
+  template <class F>
+  void run(F&& work) const;
   void join();
 
  private:
   cudaStream_t main_, side_;
   bool joined_ = false;
 };
+template <class F>
+void SideStream::run(F&& work) const {
+  const NoAllocScope no_alloc;
+  work(side_);
+}
 
 // Multiprocessors of the current device (read once per device).
 int sm_count();
