@@ -258,6 +258,15 @@ TEST(Heuristics, DeltaSm90Sweeps) {
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(256, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
   EXPECT_EQ(h::delta_sm90_rsweep_warpgroups(272, true, kH200, rev64, fixed64, 5 * 8192 + 8, 2 * fixed64), 1);
   EXPECT_EQ(h::delta_sm90_sweep_stages(272, kH200, rev64, fixed64), 3);
+  // the forward sweep's warpgroups per block: two (W, K shared) where one-warpgroup blocks would
+  // share SMs, one where each tile has an SM of its own or dv is not a multiple of 128
+  EXPECT_EQ(h::delta_sm90_sweep_warpgroups(256, true, kH200), 2);   // B = 8, T = 4K
+  EXPECT_EQ(h::delta_sm90_sweep_warpgroups(1024, true, kH200), 2);  // B = 32, T = 1K
+  EXPECT_EQ(h::delta_sm90_sweep_warpgroups(132, true, kH200), 1);
+  EXPECT_EQ(h::delta_sm90_sweep_warpgroups(64, true, kH200), 1);    // B = 2, T = 16K
+  EXPECT_EQ(h::delta_sm90_sweep_warpgroups(256, false, kH200), 1);
+  // dk = 128, two warpgroups: stages of W, K and two U blocks (48 KB), two state and vt tiles (48 KB)
+  EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, 6 * 8192 + 8, 2 * 3 * 8192, 1), 3);
 }
 
 TEST(Heuristics, DecodeStep) {

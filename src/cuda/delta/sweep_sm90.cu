@@ -22,9 +22,10 @@
 // global memory into registers a chunk ahead, their loads in flight over (3) and the next chunk's
 // (1) and (2). Rows past the
 // sequence (the next one's, or TMA's zeros) enter the products only against the zero rows of
-// diag(w) Vn, diag(scale e^b) dO and -dVn. The reverse sweep's block may hold two warpgroups, each
-// its own 64 value columns, the Q, K, W tiles shared (heuristics::delta_sm90_rsweep_warpgroups):
-// at dk = 128 one block fits an SM, so this halves the waves where there are more tiles than SMs.
+// diag(w) Vn, diag(scale e^b) dO and -dVn. A block may hold two warpgroups, each its own 64 value
+// columns, the chunk's [C, dk] tiles shared: the reverse sweep's where that halves the waves (at
+// dk = 128 one block fits an SM; heuristics::delta_sm90_rsweep_warpgroups), the forward sweep's
+// where one-warpgroup blocks would share SMs (heuristics::delta_sm90_sweep_warpgroups).
 #include <cstdint>
 #include <type_traits>
 
@@ -40,26 +41,30 @@ namespace {
 
 using namespace gla_sm90;
 
-// The forward sweep; grid (N x H, 1, dv / 64), one warpgroup (file comment).
-template <class T, int DK, int S>
-__global__ void __launch_bounds__(kSm90Threads, 2)
+// The forward sweep; grid (N x H, 1, dv / (64 NW)), NW warpgroups sharing the W, K tiles, each
+// with its own 64 value columns (file comment).
+template <class T, int DK, int S, int NW>
+__global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
     delta_sweep_sm90_kernel(const __grid_constant__ CUtensorMap mw, const __grid_constant__ CUtensorMap mk,
                             const __grid_constant__ CUtensorMap mu, const __grid_constant__ CUtensorMap mh,
                             unsigned order, GlaArgs<T> a, T* Vn) {
   static_assert(S >= 2, "a stage in the products and one in flight");
+  static_assert(NW == 1 || NW == 2, "one or two warpgroups");
 #if HILA_SM90A
   constexpr int M = DK / 64;
-  using L = Ring<DK, 2, 1, 1, true>;  // W, K tiles and U's [C][64] block; st16, vt
+  using L = Ring<DK, 2, 1, NW, true>;  // W, K tiles; per warpgroup U's [C][64] block; st16, vt
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
-  char* st16 = smem + L::state_at(S);
+  const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
+  const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
+  char* st16 = smem + L::state_at(S, wg);
   char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + L::state_at(S), avt = a16 + L::kState;
+  const uint32_t a16 = s0 + L::state_at(S, wg), avt = a16 + L::kState;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
+  // vb: the block's first value column (uniform), v0: this warpgroup's
+  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z, v0 = vb + 64 * wg;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), kx = h / a.k_div;
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
@@ -69,7 +74,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   float acc[M][32];
   load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
   init_ring(full, S, tid);
-  auto issue = [&](int c, int st) {  // thread 0: W, K, U of chunk c into stage st = c % S
+  auto issue = [&](int c, int st) {  // thread 0: W, K, U (NW blocks) of chunk c into stage st = c % S
     if (c >= nch) return;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * L::kStage;
@@ -80,7 +85,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
       load_rows(base + cb * kSweepTile, &mw, &full[st], order & 1, 64 * cb, r0, h);
       load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
     }
-    load_rows(base + 2 * L::kTile, &mu, &full[st], (order >> 2) & 1, v0, r0, h);
+#pragma unroll
+    for (int x = 0; x < NW; ++x)
+      load_rows(base + 2 * L::kTile + x * kSweepTile, &mu, &full[st], (order >> 2) & 1, vb + 64 * x, r0, h);
   };
   if (tid == 0)
     for (int c = 0; c < S - 1; ++c) issue(c, c);
@@ -101,14 +108,14 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   for (int c = 0; c < nch; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
-    if (tid == 0 && a.hbuf) bulk_wait_read<0>();  // chunk c-1's state store has read st16
+    if (wt == 0 && a.hbuf) bulk_wait_read<0>();  // chunk c-1's state store has read st16
     __syncthreads();  // chunk c-1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
     stash16<T, M>(acc, st16, nullptr, a.dv);
     fence_async_smem();
     __syncthreads();
-    if (tid == 0 && a.hbuf) {  // st16 to hbuf by TMA (map mh, box {64, 64}: one slab a store)
+    if (wt == 0 && a.hbuf) {  // this warpgroup's st16 to hbuf by TMA (map mh, box {64, 64}: a slab a store)
       const int row = int(((a.chunk0[seq] + c) * a.H + h) * DK);
 #pragma unroll
       for (int m = 0; m < M; ++m) tma_store_2d(&mh, st16 + m * kSweepTile, v0, row + 64 * m);
@@ -117,7 +124,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     mbar_wait(&full[st], par);
     // (2) Vn = U - W S  (U: rows past nr are other rows', masked below)
     const uint32_t base = s0 + st * L::kStage;
-    const char* Ut = smem + st * L::kStage + 2 * L::kTile;
+    const char* Ut = smem + st * L::kStage + 2 * L::kTile + wg * kSweepTile;  // this warpgroup's U
     float x[32];
     wg_fence();
     wgmma_chain<T, 64, 0, 1>(x, base, kChunk, a16, DK, DK / 16);
@@ -147,7 +154,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     });
   }
   store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
-  if (tid == 0 && a.hbuf) bulk_wait<0>();  // the state stores complete before the block exits
+  if (wt == 0 && a.hbuf) bulk_wait<0>();  // the state stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
 #endif
@@ -294,28 +301,33 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
 
 template <class T>
 bool delta_sweep_sm90(const GlaArgs<T>& a, const T* W, const T* U, T* Vn, cudaStream_t s) {
-  const int64_t blocks = int64_t(a.N) * a.H * (a.dv / 64);
+  const int64_t tiles = int64_t(a.N) * a.H * (a.dv / 64);  // (sequence x head, 64 value columns)
   if (int64_t(a.nchunks) * a.H * a.dk > INT32_MAX) return false;  // hbuf's rows as TMA coordinates
+  const int nw = heuristics::delta_sm90_sweep_warpgroups(tiles, a.dv % 128 == 0, device_info());
   return HILA_HEADDIM_SWITCH(a.dk, DK, [&] {
-    using L = Ring<DK, 2, 1, 1, true>;
-    const int S = ring_stages<L>(blocks, 2);
-    if (S < 2) return false;
-    return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
-      auto kernel = delta_sweep_sm90_kernel<T, DK, kS>;
-      const size_t bytes = L::bytes(kS);
-      CUtensorMap mw, mk, mu, mh = {};
-      bool sw = false, sk = false, su = false;
-      if (!input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
-          !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
-          !input_map(&mu, su, U, 0, 0, a.dv, a.H, a.Ttot) || (a.hbuf && !state_map(&mh, a, a.hbuf, 64)) ||
-          !ready_sm90(kernel, bytes))
-        return false;
-      if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
-      kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / 64)), kSm90Threads, bytes, s>>>(
-          mw, mk, mu, mh, unsigned(sw) | unsigned(sk) << 1 | unsigned(su) << 2, a, Vn);
-      HILA_CUDA_CHECK_LAUNCH();
-      return true;
-    });
+    auto run = [&](auto nw_c) -> bool {
+      constexpr int NW = decltype(nw_c)::value;
+      using L = Ring<DK, 2, 1, NW, true>;
+      const int S = ring_stages<L>(tiles / NW, NW == 1 ? 2 : 1);
+      if (S < 2) return false;
+      return HILA_DELTA_STAGES_SWITCH(S, kS, [&] {
+        auto kernel = delta_sweep_sm90_kernel<T, DK, kS, NW>;
+        const size_t bytes = L::bytes(kS);
+        CUtensorMap mw, mk, mu, mh = {};
+        bool sw = false, sk = false, su = false;
+        if (!input_map(&mw, sw, W, 0, 0, a.dk, a.H, a.Ttot) ||
+            !input_map(&mk, sk, a.k, a.k_ld, a.k_hs, a.dk, src_heads(a, a.k_div), a.Ttot) ||
+            !input_map(&mu, su, U, 0, 0, a.dv, a.H, a.Ttot) || (a.hbuf && !state_map(&mh, a, a.hbuf, 64)) ||
+            !ready_sm90(kernel, bytes))
+          return false;
+        if (dry_run()) return true;  // dry run: workspace_size (no workspace of its own)
+        kernel<<<dim3(unsigned(a.N * a.H), 1, unsigned(a.dv / (64 * NW))), kSm90Threads * NW, bytes, s>>>(
+            mw, mk, mu, mh, unsigned(sw) | unsigned(sk) << 1 | unsigned(su) << 2, a, Vn);
+        HILA_CUDA_CHECK_LAUNCH();
+        return true;
+      });
+    };
+    return nw == 2 ? run(std::integral_constant<int, 2>{}) : run(std::integral_constant<int, 1>{});
   });
 }
 

@@ -193,6 +193,14 @@ constexpr int delta_sm90_sweep_stages(int64_t blocks, const Device& d, size_t st
   return 0;
 }
 
+// Warpgroups per block of the delta sm90 forward sweep: two (each its own 64 value columns, the W,
+// K tiles shared, one block per SM; dv a multiple of 128) where one-warpgroup blocks would need more
+// than one per SM (more (sequence x head, 64-column) tiles than SMs), so that an SM's warpgroups read
+// each chunk's W and K once instead of once each; else one, every tile on an SM of its own.
+constexpr int delta_sm90_sweep_warpgroups(int64_t tiles, bool pairs, const Device& d) {
+  return pairs && tiles > d.sms ? 2 : 1;
+}
+
 // Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
 // K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
 // `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. An SM holds up
