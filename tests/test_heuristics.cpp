@@ -49,6 +49,15 @@ TEST(Config, DefaultsWithoutKnobs) {
   EXPECT_EQ(c.loglinear_tree_sweep, Force::automatic);
   EXPECT_FALSE(c.loglinear_store_budget.has_value());
   EXPECT_FALSE(c.emu_sm90);
+  EXPECT_EQ(c.delta_pieces, 0);
+}
+
+TEST(Config, DeltaPiecesTakesACount) {
+  EXPECT_EQ(parse({{"HILA_DELTA_PIECES", "3"}}).delta_pieces, 3);
+  EXPECT_EQ(parse({{"HILA_DELTA_PIECES", "1"}}).delta_pieces, 1);
+  EXPECT_EQ(parse({{"HILA_DELTA_PIECES", "0"}}).delta_pieces, 0);
+  EXPECT_EQ(parse({{"HILA_DELTA_PIECES", "-2"}}).delta_pieces, 0);
+  EXPECT_EQ(parse({{"HILA_DELTA_PIECES", "x"}}).delta_pieces, 0);
 }
 
 TEST(Config, SwitchesTakeTheirValues) {
@@ -267,6 +276,24 @@ TEST(Heuristics, DeltaSm90Sweeps) {
   EXPECT_EQ(h::delta_sm90_sweep_warpgroups(256, false, kH200), 1);
   // dk = 128, two warpgroups: stages of W, K and two U blocks (48 KB), two state and vt tiles (48 KB)
   EXPECT_EQ(h::delta_sm90_sweep_stages(128, kH200, 6 * 8192 + 8, 2 * 3 * 8192, 1), 3);
+}
+
+TEST(Heuristics, DeltaSweepPieces) {
+  // B = 1, T = 64K, H = 16, dv = 128: 32 sweep blocks (64 in the backward) on 132 SMs, 1024 chunks:
+  // eight pieces; B = 2, T = 16K: the forward's 64 blocks in four pieces, the backward's 128 in one
+  EXPECT_EQ(h::delta_sweep_pieces(32, 1024, kH200, 0), 8);
+  EXPECT_EQ(h::delta_sweep_pieces(64, 1024, kH200, 0), 8);
+  EXPECT_EQ(h::delta_sweep_pieces(64, 256, kH200, 0), 4);
+  EXPECT_EQ(h::delta_sweep_pieces(128, 256, kH200, 0), 1);
+  // B = 8, T = 4K (256 blocks) and short sequences: one
+  EXPECT_EQ(h::delta_sweep_pieces(256, 64, kH200, 0), 1);
+  EXPECT_EQ(h::delta_sweep_pieces(4, 127, kH200, 0), 1);
+  EXPECT_EQ(h::delta_sweep_pieces(4, 128, kH200, 0), 2);
+  // the knob: that many, at most one per chunk, and one for a single chunk
+  EXPECT_EQ(h::delta_sweep_pieces(512, 16, kH200, 3), 3);
+  EXPECT_EQ(h::delta_sweep_pieces(4, 5, kH200, 8), 5);
+  EXPECT_EQ(h::delta_sweep_pieces(4, 1, kH200, 4), 1);
+  EXPECT_EQ(h::delta_sweep_pieces(4, 0, kH200, 0), 1);
 }
 
 TEST(Heuristics, DecodeStep) {

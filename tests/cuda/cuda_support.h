@@ -33,6 +33,20 @@ std::string with_env(const char* name, const char* value, F f) {
   return err;
 }
 
+// `name` set to `value` for the scope's life (nothing when value is nullptr), the knobs re-read on
+// entry and exit.
+struct ScopedEnv {
+  ScopedEnv(const char* n, const char* value) : name(value ? n : nullptr) {
+    if (name) setenv(name, value, 1), hila::cuda::reload_config();
+  }
+  ~ScopedEnv() {
+    if (name) unsetenv(name), hila::cuda::reload_config();
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  const char* name;
+};
+
 // Every GPU test process poisons the library's temporaries (runtime/runtime.cuh, poison_scratch):
 // set before main, read with the other knobs at the first call.
 inline const bool kPoisonScratch = setenv("HILA_POISON_SCRATCH", "1", 0) == 0;

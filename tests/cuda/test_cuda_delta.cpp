@@ -40,6 +40,9 @@ struct DeltaCase {
   // HILA_EMU_SM90=1), the sm80 sweeps elsewhere
   const char* delta_sm90 = nullptr;
   bool bwd_o = true;  // the backward call asks for o too (false: it does not; the forward entry point checks o)
+  // HILA_DELTA_PIECES for the calls (nullptr: unset, heuristics::delta_sweep_pieces, one piece at
+  // these lengths): plain gdn's WY kernel and sweeps pipelined in that many pieces
+  const char* pieces = nullptr;
 };
 
 std::vector<DeltaCase> cases() {
@@ -142,6 +145,18 @@ std::vector<DeltaCase> cases() {
   // per SM, three chunks
   cs.push_back({Op::gdn, DType::bf16, 1, 130, 136, 136, 64, 128, {}, true, true, {0}, false, 1e-2,
                 "gdn_bf16_dk64_dv128_H136_T130_init_wide" + s9, 0, true, "1"});
+  // plain gdn's WY kernel and state sweeps in pieces (GlaArgs::c_lo; the sweeps carry the state and
+  // its cotangent from piece to piece): pieces of 6, 6 and 4 chunks with both states (sm90 sweeps),
+  // varlen with empty sequences and sequences that end before the last piece (sm90), the sm80
+  // sweeps in pieces of 2, 2 and 1 chunks, and the training call (no states) with GQA and l2norm
+  cs.push_back({Op::gdn, DType::bf16, 2, 1000, 2, 2, 128, 128, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_d128_T1000_init_pieces3" + s9, 0, true, "1", true, "3"});
+  cs.push_back({Op::gdn, DType::f16, 1, 0, 1, 4, 64, 64, varlen, true, true, {0}, false, 1e-2,
+                "gdn_f16_d64_varlen_init_pieces2" + s9, 0, true, "1", true, "2"});
+  cs.push_back({Op::gdn, DType::bf16, 2, 300, 2, 2, 128, 128, {}, true, true, {0}, false, 1e-2,
+                "gdn_bf16_d128_T300_init_pieces4", 0, true, nullptr, true, "4"});
+  cs.push_back({Op::gdn, DType::bf16, 2, 260, 1, 2, 64, 64, {}, true, false, {}, true, 1e-2,
+                "gdn_bf16_gqa2_l2norm_T260_train_pieces5" + s9, 0, false, "1", true, "5"});
   // loglinear_gdn's level sweeps on the sm90 tier forced on (src/cuda/delta/loglinear_gdn_sm90.cu):
   // without a final-state cotangent (both sweeps; the forward entry point the forward sweep alone),
   // lengths across several Fenwick levels (T = 1, 63, 64, 65, 130, 256, 300) at dk = dv = 128, dk =
@@ -238,7 +253,12 @@ TEST_P(CudaDelta, ForwardBackwardMatchFloat64Oracle) {
   if (c.init) p.d_init.H = dh0.view();
   p.cfg.check_values = true;
   // the call under the case's HILA_DELTA_SM90 ("0" where it sets none); the error it threw, else ""
-  auto call = [&](auto f) -> std::string { return with_env("HILA_DELTA_SM90", c.delta_sm90 ? c.delta_sm90 : "0", f); };
+  auto call = [&](auto f) -> std::string {
+    return with_env("HILA_DELTA_PIECES", c.pieces, [&] {
+      const std::string e = with_env("HILA_DELTA_SM90", c.delta_sm90 ? c.delta_sm90 : "0", f);
+      if (!e.empty()) throw std::runtime_error(e);
+    });
+  };
   {
     const std::string err = call([&] { backward(p); });
     ASSERT_EQ(err, "") << "backward threw";

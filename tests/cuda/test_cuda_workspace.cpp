@@ -27,6 +27,7 @@ struct WsCase {
   bool init, normalize;
   std::string name;
   std::vector<int64_t> init_pos = {};  // empty: the problem's default
+  const char* pieces = nullptr;         // HILA_DELTA_PIECES for the calls (gdn's WY and sweeps in pieces)
 };
 
 std::vector<WsCase> ws_cases() {
@@ -44,6 +45,8 @@ std::vector<WsCase> ws_cases() {
       {Op::loglinear_hla2, DType::f32, 1, 0, 1, 2, 32, 32, varlen, true, false, "loglinear_hla2_f32_varlen"},
       {Op::gdn, DType::f32, 2, 300, 2, 2, 32, 32, {}, true, false, "gdn_f32"},
       {Op::gdn, DType::bf16, 1, 0, 2, 4, 64, 64, varlen, true, false, "gdn_bf16_varlen_tc"},
+      // in pieces: the backward's cotangent carry is a temporary of its own
+      {Op::gdn, DType::bf16, 2, 300, 2, 2, 64, 64, {}, false, false, "gdn_bf16_pieces3", {}, "3"},
       {Op::loglinear_gdn, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false, "loglinear_gdn_bf16"},
   };
 }
@@ -94,6 +97,7 @@ class CudaWorkspace : public ::testing::TestWithParam<WsCase> {};
 TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
+  const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_backward(low, Form::chunk, 64, cuda0(), tmp); });
 }
@@ -103,6 +107,7 @@ TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
 TEST_P(CudaWorkspace, SizeQuery) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
+  const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
   const Problem low = ws_problem(c);
   DeviceMirror m(cuda0());
   Buffer o(low.v.dtype, std::vector<int64_t>(low.v.shape));
@@ -132,6 +137,7 @@ class CudaWorkspaceForward : public ::testing::TestWithParam<WsCase> {};
 TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
+  const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_forward(low, Form::chunk, 64, cuda0(), tmp); });
 }
@@ -164,6 +170,7 @@ class CudaGraph : public ::testing::TestWithParam<WsCase> {};
 TEST_P(CudaGraph, CapturedCallsReplayToTheDirectResults) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
+  const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
   const Problem low = ws_problem(c);
   struct Limit {  // a configured memory limit (far above these calls) for this scope only
     explicit Limit(bool on) : on_(on) {
@@ -209,6 +216,8 @@ INSTANTIATE_TEST_SUITE_P(
                       WsCase{Op::hla3, DType::f32, 2, 200, 2, 4, 32, 24, {}, false, false, "hla3_f32"},
                       WsCase{Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, false, false, "loglinear_bf16"},
                       WsCase{Op::gdn, DType::bf16, 2, 300, 2, 4, 64, 64, {}, false, false, "gdn_bf16"},
+                      // in pieces: two priority side streams, each joined after several forks
+                      WsCase{Op::gdn, DType::bf16, 2, 300, 2, 4, 64, 64, {}, false, false, "gdn_bf16_pieces3", {}, "3"},
                       WsCase{Op::loglinear_gdn, DType::bf16, 2, 200, 2, 2, 64, 64, {}, false, false,
                              "loglinear_gdn_bf16"}),
     [](const auto& info) { return info.param.name; });

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // One gdn / loglinear_gdn call's packed operands on the delta rule's sm80 tier (gdn_call_sm80.cuh).
+#include <algorithm>
 #include <vector>
 
 #include "cuda/delta/delta.cuh"
@@ -12,6 +13,7 @@ template <class T>
 GdnCall<T>::GdnCall(const detail::Resolved& r_, const ForwardParams& p, cudaStream_t s_, bool backward)
     : r(r_), s(s_), seqs(r_, s_, kChunk), dk(pad16(r_.dk)), dv(pad16(r_.dv)), rep(int(r_.H / r_.G)),
       Ttot(r_.B * r_.T), N(int64_t(r_.seqs.size())), NH(N * r_.H) {
+  for (const auto& q : r.seqs) max_chunks = std::max<int64_t>(max_chunks, (q.len + kChunk - 1) / kChunk);
   const size_t nqk = size_t(r.G * Ttot * dk);
   q = DevBuf<T>(nqk, s), k = DevBuf<T>(nqk, s);
   if (r.cfg.qk_l2norm) {  // packed and normalised in one pass (the rstd: for the backward's chain rules)
@@ -62,10 +64,23 @@ const T* GdnCall<T>::operand(const TensorView& t, int64_t X, int d, int dp, DevB
 
 template <class T>
 void GdnCall<T>::wy(T* tg, T* dvi, LoglinearWy<T> ll) {
-  W = DevBuf<T>(size_t(r.H * Ttot * dk), s);
-  if (!ll.qeff) U = DevBuf<T>(size_t(r.H * Ttot * dv), s);
+  wy_buffers(!ll.qeff);
   if (seqs.nchunks == 0) return;
   launch_wy(a, beta.get(), W.get(), U.get(), tg, dvi, ll, s);
+}
+
+template <class T>
+void GdnCall<T>::wy_buffers(bool with_u) {
+  W = DevBuf<T>(size_t(r.H * Ttot * dk), s);
+  if (with_u) U = DevBuf<T>(size_t(r.H * Ttot * dv), s);
+}
+
+template <class T>
+void GdnCall<T>::wy_piece(T* tg, T* dvi, int lo, int hi) {
+  if (seqs.nchunks == 0 || lo >= hi) return;
+  GlaArgs<T> b = a;
+  b.c_lo = lo, b.c_hi = hi;
+  launch_wy(b, beta.get(), W.get(), U.get(), tg, dvi, {}, s);
 }
 
 template <class T>

@@ -18,7 +18,7 @@ struct GdnCall {
   cudaStream_t s;
   SeqTables seqs;
   int dk, dv, rep;
-  int64_t Ttot, N, NH;
+  int64_t Ttot, N, NH, max_chunks = 0;  // max_chunks: the longest sequence's
   DevBuf<T> q, k, v, W, U, Vn, hbuf;
   DevBuf<R> g, beta, bsum, h0, ht;
   DevBuf<float> k_rstd, q_rstd;  // [G][Ttot] 1 / sqrt(|x|^2 + eps) of each raw row of k, q (qk_l2norm)
@@ -31,6 +31,9 @@ struct GdnCall {
   // W, U (and, for the backward, Tg and dvi = A^T dO from a.dO): wy_kernel.
   // With ll.qeff set, loglinear_gdn's Qeff, intra output and final in-chunk levels too (LoglinearWy).
   void wy(T* tg = nullptr, T* dvi = nullptr, LoglinearWy<T> ll = {});
+  // wy() in pieces: the buffers W (and U) once, then wy_kernel over the chunks [lo, hi) of every sequence.
+  void wy_buffers(bool with_u = true);
+  void wy_piece(T* tg, T* dvi, int lo, int hi);
   // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
   void output(const TensorView& o);
   // Whether wy_bwd_kernel can write the final dk into the caller's tensor (through the l2norm chain

@@ -32,7 +32,9 @@
 // stored in 16 bits (as fla's chunk_gated_delta_rule stores W, U, Vn and dv); the carries, the
 // states in the sweeps and every accumulation are fp32.
 // Chunks start at each sequence's first row: plain GDN does not depend on absolute positions.
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "core/plan.h"
 #include "cuda/delta/delta.cuh"
@@ -81,11 +83,12 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
     mma::async_rows(s.U, kLd, Uh, a.dv, row0 + int64_t(c) * kChunk, rows_in(len, c), v0, bv, kChunk);
     mma::cp_async_commit();
   };
-  if (nch > 0) issue(0), issue_u(0);
-  for (int c = 0; c < nch; ++c) {
+  const int lo = min(a.c_lo, nch), hi = min(a.c_hi, nch);  // this launch's chunks (GlaArgs::c_lo)
+  if (lo < hi) issue(lo), issue_u(lo);
+  for (int c = lo; c < hi; ++c) {
     mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed (U too); chunk c-1's reads of Ss, Vns and the other stage are done
-    if (c + 1 < nch) issue(c + 1);
+    if (c + 1 < hi) issue(c + 1);
     const int st = c % kSweepStages, nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     // (1) the state entering the chunk, 16-bit
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 2) delta_sweep_kernel(GlaArgs<T> a, 
         }
     }
     __syncthreads();  // U and Ss are read
-    if (c + 1 < nch) issue_u(c + 1);
+    if (c + 1 < hi) issue_u(c + 1);
     erase_add(acc, active, s.K(st), s.ldk, s.Vns, nt, s.b(st), nr);  // (3)
   }
   store_state(a.ht ? a.ht + sidx : nullptr, acc, active, a.dv, v0, bv);
@@ -163,12 +166,13 @@ __global__ void __launch_bounds__(kThreads) delta_rsweep_kernel(GlaArgs<T> a, co
     }
     mma::cp_async_commit();
   };
-  if (nch > 0) issue(nch - 1);
+  const int lo = min(a.c_lo, nch), hi = min(a.c_hi, nch);  // this launch's chunks (GlaArgs::c_lo), last first
+  if (lo < hi) issue(hi - 1);
   else mma::cp_async_commit();
-  for (int c = nch - 1; c >= 0; --c) {
+  for (int c = hi - 1; c >= lo; --c) {
     mma::cp_async_wait<0>();
     __syncthreads();  // chunk c has landed; chunk c+1's reads of dSs, dVns and the other stage are done
-    if (c > 0) issue(c - 1);
+    if (c > lo) issue(c - 1);
     else mma::cp_async_commit();
     const int st = c & 1, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
@@ -221,18 +225,95 @@ void sweep_buffers(GdnCall<T>& x) {
   x.hbuf = DevBuf<T>(size_t(x.seqs.nchunks * x.r.H * x.dk * x.dv), x.s);
   x.a.hbuf = x.hbuf.get();
 }
+// The forward sweep with the call's arguments a (x.a, or a piece of it), on stream st.
 template <class T>
-void gdn_sweep(const GdnCall<T>& x, cudaStream_t st) {
+void gdn_sweep(const GdnCall<T>& x, const GlaArgs<T>& a, cudaStream_t st) {
   if (x.NH == 0) return;
   if (heuristics::delta_sm90_sweep(x.dk, x.dv, x.Ttot, config().delta_sm90) &&
-      delta_sweep_sm90(x.a, x.W.get(), x.U.get(), x.Vn.get(), st))
+      delta_sweep_sm90(a, x.W.get(), x.U.get(), x.Vn.get(), st))
     return;
   const size_t bytes = sweep_smem(x.dk);
   set_smem(delta_sweep_kernel<T>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
   delta_sweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, st>>>(
-      x.a, x.W.get(), x.U.get(), x.Vn.get());
+      a, x.W.get(), x.U.get(), x.Vn.get());
   HILA_CUDA_CHECK_LAUNCH();
+}
+
+// The reverse sweep (a: the call's arguments with dht, dh0, dhbuf, or a piece of them), on stream st.
+template <class T>
+void gdn_rsweep(const GdnCall<T>& x, const GlaArgs<T>& a, const T* dvi, cudaStream_t st) {
+  if (x.NH == 0) return;
+  if (heuristics::delta_sm90_sweep(x.dk, x.dv, x.Ttot, config().delta_sm90) &&
+      delta_rsweep_sm90(a, x.W.get(), dvi, st))
+    return;
+  const size_t bytes = rsweep_smem(x.dk);
+  set_smem(delta_rsweep_kernel<T>, bytes);
+  if (dry_run()) return;  // dry run: workspace_size
+  delta_rsweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned((x.dv + kVT - 1) / kVT)), kThreads, bytes, st>>>(
+      a, x.W.get(), dvi);
+  HILA_CUDA_CHECK_LAUNCH();
+}
+
+// Pieces of the call's WY kernel and sweeps (heuristics::delta_sweep_pieces), run together
+// where they exceed one; backward: both sweeps run at once.
+template <class T>
+int gdn_pieces(const GdnCall<T>& x, bool backward) {
+  const int64_t tiles = x.NH * ((x.dv + kVT - 1) / kVT);  // (sequence x head, 64 value columns)
+  return heuristics::delta_sweep_pieces((backward ? 2 : 1) * tiles, x.max_chunks, device_info(),
+                                        config().delta_pieces);
+}
+
+// The WY kernel in pieces of `span` chunks of every sequence on the caller's stream, each sweep's walk over a
+// piece on a side stream once the piece's WY is done (heuristics::delta_sweep_pieces; x.W, x.U, Vn, hbuf are
+// allocated before: the side streams allocate nothing): the forward sweep (side lane 1) first piece to last,
+// its state carried in x.ht; with rev (the backward's reverse sweep: its dht, dh0 = the carry, dhbuf) the
+// reverse sweep (lane 2) last piece to first, its cotangent carried in rev->dh0, the WY pieces alternating
+// between the two ends, the first piece first: a sequence's partial last chunk reads (and masks) up to 63
+// rows past its end, the next sequences' first rows, in chunk 0 (past the last row: TMA's zeros), and the
+// sm90 reverse sweep's W^T (-dVn) multiplies those rows of W by zero rows of -dVn, so they must hold the WY
+// kernel's finite values, never unwritten memory. Both lanes run at the greatest stream priority: as WY
+// blocks finish, the sweeps' blocks take the SMs first.
+template <class T>
+void gdn_pieces_run(GdnCall<T>& x, int pieces, T* tg, T* dvi, const GlaArgs<T>* rev) {
+  const int64_t span = (x.max_chunks + pieces - 1) / pieces;
+  const int P = int((x.max_chunks + span - 1) / span);
+  auto piece = [&](GlaArgs<T> a, int k) {
+    a.c_lo = int(k * span), a.c_hi = int(std::min<int64_t>((k + 1) * span, x.max_chunks));
+    return a;
+  };
+  std::vector<char> done(size_t(P), 0);
+  std::optional<SideStream> fwd, bwd;  // forked from the caller's stream after the first WY piece
+  int next_f = 0, next_r = P - 1;      // each sweep's next piece
+  for (int i = 0; i < P; ++i) {
+    const int k = !rev ? i : i % 2 == 0 ? i / 2 : P - 1 - i / 2;  // rev: 0, P-1, 1, P-2, ...
+    x.wy_piece(tg, dvi, int(k * span), int(std::min<int64_t>((k + 1) * span, x.max_chunks)));
+    done[size_t(k)] = 1;
+    if (next_f < P && done[size_t(next_f)]) {
+      if (fwd) fwd->follow();
+      else fwd.emplace(x.s, 1);
+      fwd->run([&](cudaStream_t st) {
+        for (; next_f < P && done[size_t(next_f)]; ++next_f) {
+          GlaArgs<T> a = piece(x.a, next_f);
+          a.h0 = next_f == 0 ? x.a.h0 : x.ht.get(), a.ht = x.ht.get();
+          gdn_sweep(x, a, st);
+        }
+      });
+    }
+    if (rev && next_r >= 0 && done[size_t(next_r)]) {
+      if (bwd) bwd->follow();
+      else bwd.emplace(x.s, 2);
+      bwd->run([&](cudaStream_t st) {
+        for (; next_r >= 0 && done[size_t(next_r)]; --next_r) {
+          GlaArgs<T> a = piece(*rev, next_r);
+          if (next_r != P - 1) a.dht = rev->dh0;
+          gdn_rsweep(x, a, dvi, st);
+        }
+      });
+    }
+  }
+  if (fwd) fwd->join();
+  if (bwd) bwd->join();
 }
 
 }  // namespace
@@ -256,9 +337,15 @@ template <class T>
 void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStream_t s) {
   if constexpr (kTensorCore<T>) {
     GdnCall<T> x(r, p, s, false);
-    x.wy();
-    sweep_buffers(x);
-    gdn_sweep(x, s);
+    if (const int pieces = gdn_pieces(x, false); pieces > 1) {
+      x.wy_buffers();
+      sweep_buffers(x);
+      gdn_pieces_run<T>(x, pieces, nullptr, nullptr, nullptr);
+    } else {
+      x.wy();
+      sweep_buffers(x);
+      gdn_sweep(x, x.a, s);
+    }
     x.output(p.o);
     x.write_final(p.final_state);
   }
@@ -278,30 +365,32 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
     DevBuf<T> dO, tg(size_t(nch * H * kChunk * kChunk), s);
     x.a.dO = x.operand(p.d_o, H, int(r.dv), int(dv), dO, x.a.dO_ld, x.a.dO_hs);
     DevBuf<T> dvi(size_t(H * Ttot * dv), s);
-    x.wy(tg.get(), dvi.get());
-    sweep_buffers(x);
-    std::optional<SideStream> side;
-    if (x.NH > 0) side.emplace(s).run([&](cudaStream_t st) { gdn_sweep(x, st); });
-    // the reverse sweep: dhbuf (the cotangents at the chunk ends) and dS_0
+    // the reverse sweep's arguments: dhbuf (the cotangents at the chunk ends) and dS_0; in pieces,
+    // dS_0's buffer carries the cotangent from piece to piece
+    const int pieces = gdn_pieces(x, true);
     DevBuf<R> dht(p.d_final.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
-    DevBuf<R> dh0(p.d_init.H.defined() ? size_t(x.NH * dk * dv) : 0, s);
+    DevBuf<R> dh0(p.d_init.H.defined() || pieces > 1 ? size_t(x.NH * dk * dv) : 0, s);
     if (p.d_final.H.defined())
       HILA_LAUNCH(pack_state<R>, x.NH * dk * dv, s, dht.get(), Strided(p.d_final.H), x.NH, H, int(r.dk), int(r.dv),
                   int(dk), int(dv));
-    const int nvt = int((dv + kVT - 1) / kVT);
     DevBuf<T> dhbuf(size_t(nch * H * dk * dv), s);
     GlaArgs<T> a = x.a;
     a.dht = dht.get(), a.dh0 = dh0.get(), a.dhbuf = dhbuf.get();
-    if (x.NH > 0 && !(heuristics::delta_sm90_sweep(int(dk), int(dv), Ttot, config().delta_sm90) &&
-                      delta_rsweep_sm90(a, x.W.get(), dvi.get(), s))) {
-      const size_t bytes = rsweep_smem(int(dk));
-      set_smem(delta_rsweep_kernel<T>, bytes);
-      if (!dry_run()) {  // dry run: workspace_size
-        delta_rsweep_kernel<T><<<dim3(unsigned(x.NH), 1, unsigned(nvt)), kThreads, bytes, s>>>(a, x.W.get(), dvi.get());
-        HILA_CUDA_CHECK_LAUNCH();
-      }
+    if (pieces > 1) {
+      x.wy_buffers();
+      sweep_buffers(x);
+      a.hbuf = x.a.hbuf;
+      gdn_pieces_run(x, pieces, tg.get(), dvi.get(), &a);
+    } else {
+      x.wy(tg.get(), dvi.get());
+      sweep_buffers(x);
+      a.hbuf = x.a.hbuf;
+      // the recomputed forward sweep on a side stream beside the reverse sweep
+      std::optional<SideStream> side;
+      if (x.NH > 0) side.emplace(s).run([&](cudaStream_t st) { gdn_sweep(x, x.a, st); });
+      gdn_rsweep(x, a, dvi.get(), s);
+      if (side) side->join();
     }
-    if (side) side->join();
     x.output(p.o);
     x.write_final(p.final_state);
     // GLA's chunk gradients with the values Vn: dq^, GLA's part of dk, dVn (16-bit) and dc (the last

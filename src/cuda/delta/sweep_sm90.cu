@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z, v0 = vb + 64 * wg;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), kx = h / a.k_div;
+  const int lo = min(a.c_lo, nch), hi = min(a.c_hi, nch);  // this launch's chunks (GlaArgs::c_lo)
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   T* Vnh = Vn + int64_t(h) * a.Ttot * a.dv + v0 + 2 * t;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
@@ -74,8 +75,8 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
   float acc[M][32];
   load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
   init_ring(full, S, tid);
-  auto issue = [&](int c, int st) {  // thread 0: W, K, U (NW blocks) of chunk c into stage st = c % S
-    if (c >= nch) return;
+  auto issue = [&](int c, int st) {  // thread 0: W, K, U (NW blocks) of chunk c into stage st = (c - lo) % S
+    if (c >= hi) return;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
       load_rows(base + 2 * L::kTile + x * kSweepTile, &mu, &full[st], (order >> 2) & 1, vb + 64 * x, r0, h);
   };
   if (tid == 0)
-    for (int c = 0; c < S - 1; ++c) issue(c, c);
+    for (int c = 0; c < S - 1; ++c) issue(lo + c, c);
   // the gates of this thread's rows rl, rl + 8 of chunk c (0 past nr or without b) and B: loaded a
   // chunk ahead, once chunk c-1's have been used
   float bi[2], B = 0.f;
@@ -101,11 +102,11 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
     for (int hf = 0; hf < 2; ++hf) bi[hf] = b && rl + 8 * hf < nr ? b[r0 + rl + 8 * hf] : 0.f;
     B = b ? b[r0 + nr - 1] : 0.f;
   };
-  if (nch > 0) load_gates(0);
-  // the stage of chunk c (c % S) and the parity of its use, kept by counting (S = 3: no division)
+  if (lo < hi) load_gates(lo);
+  // the stage of chunk c ((c - lo) % S) and the parity of its use, kept by counting (S = 3: no division)
   int st = 0;
   uint32_t par = 0;
-  for (int c = 0; c < nch; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+  for (int c = lo; c < hi; ++c, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int nr = rows_in(len, c);
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     if (wt == 0 && a.hbuf) bulk_wait_read<0>();  // chunk c-1's state store has read st16
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
       }
     }
     const float decay = mma::fexp(B);
-    if (c + 1 < nch) load_gates(c + 1);
+    if (c + 1 < hi) load_gates(c + 1);
     fence_async_smem();
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
@@ -187,6 +188,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int nch = int((len + kChunk - 1) / kChunk), qx = h / a.q_div, kx = h / a.k_div;
+  const int lo = min(a.c_lo, nch), hi = min(a.c_hi, nch);  // this launch's chunks (GlaArgs::c_lo), last first
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const int64_t sidx = (int64_t(seq) * a.H + h) * a.dk * a.dv;  // [N][H][dk][dv]
   const float sc = float(a.scale);
@@ -194,9 +196,9 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   float acc[M][32];
   load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
   init_ring(full, S, tid);
-  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO, dvi (NW blocks each) of the i-th chunk from the end into stage st = i % S
-    if (i >= nch) return;
-    const int64_t r0 = row0 + int64_t(nch - 1 - i) * kChunk;
+  auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO, dvi (NW blocks each) of the i-th chunk from hi down into stage st = i % S
+    if (i >= hi - lo) return;
+    const int64_t r0 = row0 + int64_t(hi - 1 - i) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();  // the stage's dO was scaled in place (generic writes) before this refill
     mbar_expect_tx(&full[st], L::kStage);
@@ -232,11 +234,11 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     }
     B = b ? b[r0 + nr - 1] : 0.f;
   };
-  if (nch > 0) load_u(nch - 1);
+  if (lo < hi) load_u(hi - 1);
   int st = 0;  // i % S and the parity of its use, kept by counting
   uint32_t par = 0;
-  for (int i = 0; i < nch; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
-    const int c = nch - 1 - i, nr = rows_in(len, c);
+  for (int i = 0; i < hi - lo; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
+    const int c = hi - 1 - i, nr = rows_in(len, c);
     const int64_t cg = a.chunk0[seq] + c;
     if (wt == 0) bulk_wait_read<0>();  // chunk c+1's cotangent store has read st16
     __syncthreads();  // chunk c+1's products are complete: its stage, st16 and vt are free
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
       }
     }
     const float decay = mma::fexp(B);
-    if (c > 0) load_u(c - 1);
+    if (c > lo) load_u(c - 1);
     fence_async_smem();
     __syncthreads();
     // (3) dS = e^B dS + Q^T diag(scale e^b) dO - W^T dVn

@@ -19,7 +19,8 @@ namespace hila::cuda::gdn {
 
 namespace {
 
-// Tg, W and U of one chunk; grid (nchunks, H), 8 warps. With `bwd` (the backward's recompute)
+// Tg, W and U of one chunk; grid (nchunks, H), or (N x (c_hi - c_lo), H) for a piece [c_lo, c_hi)
+// of every sequence (GlaArgs::c_lo), 8 warps. With `bwd` (the backward's recompute)
 // also Tg in 16 bits to tg [nchunks][H][C][C] and the intra part of dVn, A^T dO, to dvi (16-bit
 // [H][Ttot][dv]); that takes Q, dO and P = A (16-bit) in smem too. With `ll` (loglinear_gdn, LoglinearWy
 // below) Q and P and the level table of the rows; Q's tile, sized for [C, max(dk, dv)], is then
@@ -60,10 +61,12 @@ __global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T>
   WyTiles<T> s(smem, a.dk, a.dv, bwd, lg);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
-  const int64_t cg = blockIdx.x;
-  const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c);
+  const bool piece = a.c_hi != INT32_MAX;
+  const int span = a.c_hi - a.c_lo, seq = piece ? int(blockIdx.x / span) : a.chunk_seq[blockIdx.x];
+  const int64_t c = piece ? a.c_lo + int64_t(blockIdx.x % span) : int64_t(blockIdx.x) - a.chunk0[seq];
+  if (c * kChunk >= a.len[seq]) return;  // past this sequence's chunks (a piece only)
+  const int64_t cg = a.chunk0[seq] + c, r0 = a.row0[seq] + c * kChunk;
+  const int h = blockIdx.y, nr = rows_in(a.len[seq], c);
   // two cp.async groups: K and Q (the K K^T and Q K^T products), then V and dO, which land during the
   // triangular solve
   mma::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
@@ -598,8 +601,10 @@ void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, T* U, T* tg, T* dvi
   const size_t bytes = wy_smem(a.dk, a.dv, dvi != nullptr, ll.qeff != nullptr);
   auto kernel = plain ? wy_kernel<T, true> : wy_kernel<T, false>;
   set_smem(kernel, bytes, /*max_carveout=*/plain);
-  if (dry_run()) return;  // dry run: workspace_size
-  kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
+  // a piece: N x (c_hi - c_lo) blocks, those past a sequence's chunks return at once
+  const int64_t blocks = a.c_hi == INT32_MAX ? a.nchunks : int64_t(a.N) * (a.c_hi - a.c_lo);
+  if (dry_run() || blocks <= 0) return;  // dry run: workspace_size
+  kernel<<<dim3(unsigned(blocks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
   HILA_CUDA_CHECK_LAUNCH();
 }
 

@@ -201,6 +201,23 @@ constexpr int delta_sm90_sweep_warpgroups(int64_t tiles, bool pairs, const Devic
   return pairs && tiles > d.sms ? 2 : 1;
 }
 
+// Pieces of a gdn call whose WY kernel runs beside its state sweeps (gdn_sm80.cu): the WY kernel of
+// piece k (chunks [k span, (k + 1) span) of every sequence) on the caller's stream, each sweep's
+// walk over piece k on a side stream once that WY is done, so that the chunk-parallel WY kernel
+// fills the SMs the latency-bound sweeps leave idle (few long sequences: B = 1, H = 16, dv = 128
+// walks 32 sweep blocks on 132 SMs) instead of running before them. sweep_blocks: the sweep blocks
+// running at once (the forward's sweep, or the backward's two); max_chunks: the longest sequence's.
+// One piece where those blocks take more than half the SMs or the longest sequence has fewer than
+// 2 kDeltaPieceChunks chunks; else pieces of at least kDeltaPieceChunks chunks, at most 8. knob
+// (HILA_DELTA_PIECES) > 0: that many, at most max_chunks.
+inline constexpr int64_t kDeltaPieceChunks = 64;
+constexpr int delta_sweep_pieces(int64_t sweep_blocks, int64_t max_chunks, const Device& d, int knob) {
+  if (max_chunks <= 1) return 1;
+  if (knob > 0) return int(std::min<int64_t>(knob, max_chunks));
+  if (2 * sweep_blocks > d.sms) return 1;
+  return int(std::clamp<int64_t>(max_chunks / kDeltaPieceChunks, 1, 8));
+}
+
 // Warpgroups per block of the delta sm90 reverse sweep: two (each its own 64 value columns, the Q,
 // K, W tiles shared; dv a multiple of 128) where that takes fewer waves than one per block, for
 // `tiles` (sequence x head, 64-column) tiles and each layout's stage / fixed bytes. An SM holds up

@@ -73,6 +73,10 @@ struct GlaArgs {
   // [cC, cC + C). The kernels' row tiles stay kChunk: a chunk of C < kChunk rows is held like a
   // sequence's partial last chunk (rows past it zero-filled or masked by nr = rows_in(len, c, C)).
   int C = kChunk;
+  // The delta rule's pipelined pieces (heuristics::delta_sweep_pieces): the chunks [c_lo, c_hi) of
+  // every sequence that its WY kernel and state sweeps cover in one launch (default: all). A sweep
+  // over a piece takes its state from h0 (dht) and leaves it in ht (dh0).
+  int c_lo = 0, c_hi = INT32_MAX;
   R scale = 1;
   // forward
   T* o = nullptr;                                   // [H][Ttot][dv]

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/runtime/config.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -69,6 +70,7 @@ Config Config::parse(const char* (*env)(const char*)) {
   c.gla_fused = force(env("HILA_GLA_FUSED"));
   c.gdn_tc = !is(env("HILA_GDN_TC"), "0");
   c.delta_sm90 = !is(env("HILA_DELTA_SM90"), "0");
+  if (const char* n = env("HILA_DELTA_PIECES")) c.delta_pieces = int(std::clamp(std::strtol(n, nullptr, 10), 0L, 1L << 20));
   c.loglinear_tree = !is(env("HILA_LOGLINEAR_TREE"), "0");
   c.loglinear_tree_sweep = force(env("HILA_LOGLINEAR_TREE_SWEEP"));
   if (const char* b = env("HILA_LOGLINEAR_STORE_BUDGET")) c.loglinear_store_budget = size_t(std::strtoull(b, nullptr, 10));

@@ -30,6 +30,7 @@ struct Config {
   Force gla_fused = Force::automatic;              // HILA_GLA_FUSED=0|1: the one-kernel GLA forward
   bool gdn_tc = true;                              // HILA_GDN_TC=0: the delta rule's portable kernels only
   bool delta_sm90 = true;                          // HILA_DELTA_SM90=0: the delta rule's sm80 state sweeps on Hopper too
+  int delta_pieces = 0;  // HILA_DELTA_PIECES=n: gdn's WY kernel and state sweeps pipelined in n pieces (1: none); 0: heuristics::delta_sweep_pieces
   bool loglinear_tree = true;                      // HILA_LOGLINEAR_TREE=0: the log-linear segment sweep only
   Force loglinear_tree_sweep = Force::automatic;   // HILA_LOGLINEAR_TREE_SWEEP=0|1: the tree build in the sweep
   std::optional<size_t> loglinear_store_budget;    // HILA_LOGLINEAR_STORE_BUDGET: bytes of stored levels

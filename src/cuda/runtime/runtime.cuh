@@ -276,21 +276,27 @@ class DeviceScope {
 
 
 // Work enqueued beside the caller's stream: side() is a stream of this host thread and device
-// that first waits for everything enqueued on `main` so far; join() (or the destructor) makes
-// `main` wait for the work enqueued on side() since. Both waits are events (the fork / join
-// pattern graph capture accepts; the CudaGraph tests capture it). In a dry run (workspace_size), and with
+// (one per `lane`: 0 at the default priority, the backwards' recomputed sweeps; 1 and 2 at the
+// device's greatest priority, for latency-bound sweeps that share the GPU with a chunk-parallel
+// kernel on `main`, whose blocks then yield SMs to theirs; gdn's pieces) that first waits for
+// everything enqueued on `main` so far;
+// follow() makes it wait again for what `main` has since; join() (or the destructor) makes `main`
+// wait for the work enqueued on side(). All waits are events (the fork / join pattern graph capture
+// accepts; the CudaGraph tests capture it). In a dry run (workspace_size), and with
 // HILA_SIDE_STREAM=0 (everything on the caller's stream, in order), side() is `main`. Work put on
 // side() must not allocate (NoAllocScope): a caller's workspace is reused in the order of `main`;
 // run(work) calls work(side()) inside one.
+inline constexpr int kSideLanes = 3;
 class SideStream {
  public:
-  explicit SideStream(cudaStream_t main);
+  explicit SideStream(cudaStream_t main, int lane = 0);
   ~SideStream();
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   cudaStream_t side() const { return side_; }
   template <class F>
   void run(F&& work) const;
+  void follow() const;
   void join();
 
  private:

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // SideStream (runtime.cuh): work enqueued beside the caller's stream, forked and joined by events.
+#include <stdexcept>
 #include <vector>
 
 #include "cuda/runtime/config.h"
@@ -29,15 +30,24 @@ cudaError_t link(cudaStream_t from, cudaStream_t to) {
 }
 }  // namespace
 
-SideStream::SideStream(cudaStream_t main) : main_(main), side_(main) {
+SideStream::SideStream(cudaStream_t main, int lane) : main_(main), side_(main) {
+  if (lane < 0 || lane >= kSideLanes) throw std::logic_error("SideStream: lane out of range");
   if (!config().side_stream || dry_run()) return;
-  // one non-blocking stream per (host thread, device), kept for the thread's lifetime
+  // one non-blocking stream per (host thread, device, lane), kept for the thread's lifetime
   thread_local std::vector<cudaStream_t> streams;
-  const int dev = current_device();
-  if (streams.size() <= size_t(dev)) streams.resize(size_t(dev) + 1, nullptr);
-  if (!streams[size_t(dev)]) HILA_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(dev)], cudaStreamNonBlocking));
-  side_ = streams[size_t(dev)];
+  const size_t at = size_t(current_device()) * kSideLanes + size_t(lane);
+  if (streams.size() <= at) streams.resize(at + 1, nullptr);
+  if (!streams[at]) {
+    int least = 0, greatest = 0;
+    if (lane > 0) HILA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    HILA_CUDA_CHECK(cudaStreamCreateWithPriority(&streams[at], cudaStreamNonBlocking, lane > 0 ? greatest : 0));
+  }
+  side_ = streams[at];
   HILA_CUDA_CHECK(link(main_, side_));
+}
+
+void SideStream::follow() const {
+  if (side_ != main_) HILA_CUDA_CHECK(link(main_, side_));
 }
 
 void SideStream::join() {

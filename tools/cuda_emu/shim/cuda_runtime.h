@@ -114,6 +114,12 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) { delete reinterpret_cast<cha
 // streams: the emulator runs every launch at once, in issue order, so a second stream is only a name
 constexpr unsigned cudaStreamNonBlocking = 1;
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* st, unsigned) { *st = reinterpret_cast<cudaStream_t>(new char); return cudaSuccess; }
+inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* st, unsigned f, int) { return cudaStreamCreateWithFlags(st, f); }
+inline cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
 inline cudaError_t cudaStreamDestroy(cudaStream_t st) { delete reinterpret_cast<char*>(st); return cudaSuccess; }
 // stream capture: never active on the emulator
