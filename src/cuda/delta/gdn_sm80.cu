@@ -287,7 +287,8 @@ void gdn_pieces_run(GdnCall<T>& x, int pieces, T* tg, T* dvi, const GlaArgs<T>* 
   int next_f = 0, next_r = P - 1;      // each sweep's next piece
   for (int i = 0; i < P; ++i) {
     const int k = !rev ? i : i % 2 == 0 ? i / 2 : P - 1 - i / 2;  // rev: 0, P-1, 1, P-2, ...
-    x.wy_piece(tg, dvi, int(k * span), int(std::min<int64_t>((k + 1) * span, x.max_chunks)));
+    const GlaArgs<T> w = piece(x.a, k);
+    x.wy_piece(tg, dvi, w.c_lo, w.c_hi);
     done[size_t(k)] = 1;
     if (next_f < P && done[size_t(next_f)]) {
       if (fwd) fwd->follow();

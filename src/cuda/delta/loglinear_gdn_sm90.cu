@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   using L = Ring<DK, 3>;  // W, K, Qeff
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
-  const uint32_t s0 = smem_u32(smem);
-  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  const RingAt<L, S> ra(smem, 0);  // st16 (and vt), the stages' mbarriers
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -59,28 +58,25 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   if (mid > nch || (mid == nch && !fin_here)) return;  // no chunk reads it
   const int64_t stop = end < nch ? end : nch;
   const int n = int(stop - mid) + 1;  // chunks mid-1 .. stop-1 through the ring
-  char* st16 = smem + L::state_at(S);
-  const uint32_t a16 = s0 + L::state_at(S);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float* lam = x.lam + int64_t(h) * a.Ttot * x.nL + kLogChunk + lv;  // row r: lam[r * nL]
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];
   const int rl = 16 * w + g;  // rows rl, rl + 8 of each slab and of the chunk's tiles
   float acc[M][32];
   load_state_slabs<M>(acc, lv > 1 ? x.E + ((c0 + mid) * a.H + h) * mat : nullptr, a.dv, rl, v0, t);
-  init_ring(full, S, tid);
+  init_ring(ra.full, S, tid);
   // thread 0: W, K (and Qeff where o is wanted) of chunk mid-1+i into stage st = i % S
   auto issue = [&](int i, int st) {
     if (i >= n) return;
     const int64_t r0 = row0 + (mid - 1 + i) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();
-    mbar_expect_tx(&full[st], x.o ? L::kStage : 2 * L::kTile);
+    mbar_expect_tx(&ra.full[st], x.o ? L::kStage : 2 * L::kTile);
 #pragma unroll
     for (int cb = 0; cb < M; ++cb) {
-      load_rows(base + cb * kSweepTile, &mw, &full[st], order & 1, 64 * cb, r0, h);
-      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
-      if (x.o) load_rows(base + 2 * L::kTile + cb * kSweepTile, &mq, &full[st], (order >> 2) & 1, 64 * cb, r0, h);
+      load_rows(base + cb * kSweepTile, &mw, &ra.full[st], order & 1, 64 * cb, r0, h);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &ra.full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+      if (x.o) load_rows(base + 2 * L::kTile + cb * kSweepTile, &mq, &ra.full[st], (order >> 2) & 1, 64 * cb, r0, h);
     }
   };
   if (tid == 0)
@@ -104,7 +100,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   for (int i = 0; i < n; ++i, st = st + 1 == S ? (par ^= 1, 0) : st + 1) {
     const int64_t c = mid - 1 + i, r0 = row0 + c * kChunk;
     const int nr = rows_in(len, c);
-    const uint32_t base = s0 + st * L::kStage;
+    const uint32_t base = ra.s0 + st * L::kStage;
     __syncthreads();  // chunk c-1's products are complete: its stage and st16 are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     float decay = 1.f;
@@ -118,22 +114,22 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float2 u = r < nr ? mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Ur + 8 * j)) : make_float2(0.f, 0.f);
-          *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(wi * u.x, wi * u.y);
+          *reinterpret_cast<uint32_t*>(ra.st16 + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(wi * u.x, wi * u.y);
         }
       }
-      mbar_wait(&full[st], par);
+      mbar_wait(&ra.full[st], par);
     } else {
       // (1) the state entering the chunk, 16-bit
-      stash16<T, M>(acc, st16, x.hl ? x.hl + (((lv - 1) * a.nchunks + c0 + c) * a.H + h) * mat + v0 + 2 * t : nullptr,
+      stash16<T, M>(acc, ra.st16, x.hl ? x.hl + (((lv - 1) * a.nchunks + c0 + c) * a.H + h) * mat + v0 + 2 * t : nullptr,
                     a.dv);
       fence_async_smem();
       __syncthreads();
-      mbar_wait(&full[st], par);
+      mbar_wait(&ra.full[st], par);
       // (2) Vn = -W S, Z = Qeff S
       float y[32], z[32];
       wg_fence();
-      wgmma_chain<T, 64, 0, 1>(y, base, kChunk, a16, DK, DK / 16);
-      if (x.o) wgmma_chain<T, 64, 0, 1>(z, base + 2 * L::kTile, kChunk, a16, DK, DK / 16);
+      wgmma_chain<T, 64, 0, 1>(y, base, kChunk, ra.a16, DK, DK / 16);
+      if (x.o) wgmma_chain<T, 64, 0, 1>(z, base + 2 * L::kTile, kChunk, ra.a16, DK, DK / 16);
       wg_commit();
       wg_wait<0>();
       fence_regs(y);
@@ -146,7 +142,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
         const float wi = -mma::fexp(B - bi[hf]);  // diag(w) Vn = -diag(w) W S
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          *reinterpret_cast<uint32_t*>(st16 + swz(kChunk, r, 8 * j + 2 * t)) =
+          *reinterpret_cast<uint32_t*>(ra.st16 + swz(kChunk, r, 8 * j + 2 * t)) =
               mma::pack2<T>(in ? wi * y[4 * j + 2 * hf] : 0.f, in ? wi * y[4 * j + 2 * hf + 1] : 0.f);
         if (x.o && in) {
           float* orow = x.o + (int64_t(h) * a.Ttot + r0 + r) * a.dv + v0 + 2 * t;
@@ -166,7 +162,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     __syncthreads();
     // (3) S = e^B S + K^T st16 (at chunk mid-1: S = E[mid] + K^T diag(w) U)
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
-      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, a16, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, ra.a16, kChunk, kChunk / 16, true);
     });
   }
   // E[end] (level 1 stores, higher levels add), when some chunk or the final state reads it
@@ -190,8 +186,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   using L = Ring<DK, 3, 1, 1, true>;  // Qeff, K, W, dO; st16, vt (-dVn: no barrier between (2)'s reads and its writes)
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
-  const uint32_t s0 = smem_u32(smem);
-  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
+  const RingAt<L, S> ra(smem, 0);  // st16 (and vt), the stages' mbarriers
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, v0 = blockIdx.z * 64;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -200,30 +195,26 @@ __global__ void __launch_bounds__(kSm90Threads)
   if (mid >= nch) return;
   const int64_t stop = end < nch ? end : nch;
   const int n = int(stop - mid);  // chunks stop-1 .. mid
-  char* st16 = smem + L::state_at(S);
-  char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + L::state_at(S), avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   const float* lam = x.lam + int64_t(h) * a.Ttot * x.nL + kLogChunk + lv;  // row r: lam[r * nL]
   const int64_t mat = int64_t(a.dk) * a.dv, c0 = a.chunk0[seq];
   const int rl = 16 * w + g;
   float acc[M][32];
   load_state_slabs<M>(acc, end < nch ? x.dmid + ((c0 + end) * a.H + h) * mat : nullptr, a.dv, rl, v0, t);
-  init_ring(full, S, tid);
+  init_ring(ra.full, S, tid);
   auto issue = [&](int i, int st) {  // thread 0: Qeff, K, W, dO of chunk stop-1-i into stage st = i % S
     if (i >= n) return;
     const int64_t r0 = row0 + (stop - 1 - i) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();  // the stage's dO was scaled in place (generic writes) before this refill
-    mbar_expect_tx(&full[st], L::kStage);
+    mbar_expect_tx(&ra.full[st], L::kStage);
 #pragma unroll
     for (int cb = 0; cb < M; ++cb) {
-      load_rows(base + cb * kSweepTile, &mq, &full[st], order & 1, 64 * cb, r0, h);
-      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
-      load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &full[st], (order >> 2) & 1, 64 * cb, r0, h);
+      load_rows(base + cb * kSweepTile, &mq, &ra.full[st], order & 1, 64 * cb, r0, h);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &ra.full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+      load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &ra.full[st], (order >> 2) & 1, 64 * cb, r0, h);
     }
-    load_rows(base + 3 * L::kTile, &mdo, &full[st], (order >> 3) & 1, v0, r0, h);
+    load_rows(base + 3 * L::kTile, &mdo, &ra.full[st], (order >> 3) & 1, v0, r0, h);
   };
   if (tid == 0)
     for (int i = 0; i < S - 1; ++i) issue(i, i);
@@ -254,17 +245,17 @@ __global__ void __launch_bounds__(kSm90Threads)
     __syncthreads();  // chunk c+1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
     // (1) the cotangent after the chunk's erase, 16-bit, and to dhl
-    stash16<T, M>(acc, st16, x.dhl + (((lv - 1) * a.nchunks + c0 + c) * a.H + h) * mat + v0 + 2 * t, a.dv);
-    mbar_wait(&full[st], par);
+    stash16<T, M>(acc, ra.st16, x.dhl + (((lv - 1) * a.nchunks + c0 + c) * a.H + h) * mat + v0 + 2 * t, a.dv);
+    mbar_wait(&ra.full[st], par);
     char* dOt = smem + st * L::kStage + 3 * L::kTile;
     scale_do_rows<T>(dOt, tid, nr, [&](int q) { return lo[q]; });  // dO row r *= lam_r
     fence_async_smem();
     __syncthreads();
     // (2) dVn = diag(w) K dS
-    const uint32_t base = s0 + st * L::kStage;
+    const uint32_t base = ra.s0 + st * L::kStage;
     float y[32];
     wg_fence();
-    wgmma_chain<T, 64, 0, 1>(y, base + L::kTile, kChunk, a16, DK, DK / 16);
+    wgmma_chain<T, 64, 0, 1>(y, base + L::kTile, kChunk, ra.a16, DK, DK / 16);
     wg_commit();
     wg_wait<0>();
     fence_regs(y);
@@ -275,7 +266,7 @@ __global__ void __launch_bounds__(kSm90Threads)
       const float wi = -mma::fexp(B - bi[hf]);  // -dVn
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, r, 8 * j + 2 * t)) =
+        *reinterpret_cast<uint32_t*>(ra.vt + swz(kChunk, r, 8 * j + 2 * t)) =
             mma::pack2<T>(in ? wi * y[4 * j + 2 * hf] : 0.f, in ? wi * y[4 * j + 2 * hf + 1] : 0.f);
     }
     const float decay = mma::fexp(B);
@@ -285,7 +276,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     // (3) dS = e^B dS + Qeff^T diag(lam) dO - W^T dVn
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
       wgmma_chain<T, 64, 1, 1>(slab, base + m * kSweepTile, kChunk, base + 3 * L::kTile, kChunk, kChunk / 16, true);
-      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, avt, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + 2 * L::kTile + m * kSweepTile, kChunk, ra.avt, kChunk, kChunk / 16, true);
     });
   }
   // dMid[mid]: fp32 and 16-bit

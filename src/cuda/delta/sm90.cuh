@@ -41,6 +41,22 @@ int ring_stages(int64_t blocks, int64_t max_per_sm) {
 }
 
 #if HILA_SM90A
+// A sweep block's ring of layout L and S stages in its dynamic shared memory (1024-byte aligned
+// for the swizzle, else it traps): warpgroup wg's st16 and vt, as pointers and as shared-space
+// addresses (the wgmma descriptors'), and the stages' mbarriers.
+template <class L, int S>
+struct RingAt {
+  uint32_t s0, a16, avt;
+  char *st16, *vt;
+  uint64_t* full;  // [S]
+  __device__ RingAt(char* smem, int wg) : s0(sm90::smem_u32(smem)) {
+    if (s0 & 1023) __trap();
+    st16 = smem + L::state_at(S, wg), vt = st16 + L::kState;
+    a16 = s0 + L::state_at(S, wg), avt = a16 + L::kState;
+    full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));
+  }
+};
+
 // This thread's 16-bit state entries (slab m rows 64m + 16w + g (+8), columns 8j + 2t (+1):
 // acc[m][4j + 2hf + e]) into the swizzled [DK][64] tile at st16 and, when out is set, to the
 // [dk][dv] matrix out (row 0, column v0 + 2t of it).

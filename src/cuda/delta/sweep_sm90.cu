@@ -55,14 +55,9 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
   using L = Ring<DK, 2, 1, NW, true>;  // W, K tiles; per warpgroup U's [C][64] block; st16, vt
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
-  const uint32_t s0 = smem_u32(smem);
-  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
   const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
   const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
-  char* st16 = smem + L::state_at(S, wg);
-  char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + L::state_at(S, wg), avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
+  const RingAt<L, S> ra(smem, wg);  // this warpgroup's st16, vt and the stages' mbarriers
   // vb: the block's first value column (uniform), v0: this warpgroup's
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z, v0 = vb + 64 * wg;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -74,21 +69,21 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
   const int rl = 16 * w + g;  // rows rl, rl + 8 of each slab and of the chunk's tiles
   float acc[M][32];
   load_state_slabs<M>(acc, a.h0 ? a.h0 + sidx : nullptr, a.dv, rl, v0, t);
-  init_ring(full, S, tid);
+  init_ring(ra.full, S, tid);
   auto issue = [&](int c, int st) {  // thread 0: W, K, U (NW blocks) of chunk c into stage st = (c - lo) % S
     if (c >= hi) return;
     const int64_t r0 = row0 + int64_t(c) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();
-    mbar_expect_tx(&full[st], L::kStage);
+    mbar_expect_tx(&ra.full[st], L::kStage);
 #pragma unroll
     for (int cb = 0; cb < M; ++cb) {
-      load_rows(base + cb * kSweepTile, &mw, &full[st], order & 1, 64 * cb, r0, h);
-      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+      load_rows(base + cb * kSweepTile, &mw, &ra.full[st], order & 1, 64 * cb, r0, h);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &ra.full[st], (order >> 1) & 1, 64 * cb, r0, kx);
     }
 #pragma unroll
     for (int x = 0; x < NW; ++x)
-      load_rows(base + 2 * L::kTile + x * kSweepTile, &mu, &full[st], (order >> 2) & 1, vb + 64 * x, r0, h);
+      load_rows(base + 2 * L::kTile + x * kSweepTile, &mu, &ra.full[st], (order >> 2) & 1, vb + 64 * x, r0, h);
   };
   if (tid == 0)
     for (int c = 0; c < S - 1; ++c) issue(lo + c, c);
@@ -113,22 +108,22 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
     __syncthreads();  // chunk c-1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(c + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c-1's stage
     // (1) the state entering the chunk, 16-bit
-    stash16<T, M>(acc, st16, nullptr, a.dv);
+    stash16<T, M>(acc, ra.st16, nullptr, a.dv);
     fence_async_smem();
     __syncthreads();
     if (wt == 0 && a.hbuf) {  // this warpgroup's st16 to hbuf by TMA (map mh, box {64, 64}: a slab a store)
       const int row = int(((a.chunk0[seq] + c) * a.H + h) * DK);
 #pragma unroll
-      for (int m = 0; m < M; ++m) tma_store_2d(&mh, st16 + m * kSweepTile, v0, row + 64 * m);
+      for (int m = 0; m < M; ++m) tma_store_2d(&mh, ra.st16 + m * kSweepTile, v0, row + 64 * m);
       bulk_commit();
     }
-    mbar_wait(&full[st], par);
+    mbar_wait(&ra.full[st], par);
     // (2) Vn = U - W S  (U: rows past nr are other rows', masked below)
-    const uint32_t base = s0 + st * L::kStage;
+    const uint32_t base = ra.s0 + st * L::kStage;
     const char* Ut = smem + st * L::kStage + 2 * L::kTile + wg * kSweepTile;  // this warpgroup's U
     float x[32];
     wg_fence();
-    wgmma_chain<T, 64, 0, 1>(x, base, kChunk, a16, DK, DK / 16);
+    wgmma_chain<T, 64, 0, 1>(x, base, kChunk, ra.a16, DK, DK / 16);
     wg_commit();
     wg_wait<0>();
     fence_regs(x);
@@ -142,7 +137,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
         const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Ut + swz(kChunk, i, 8 * j + 2 * t)));
         const float y0 = in ? uv.x - x[4 * j + 2 * hf] : 0.f, y1 = in ? uv.y - x[4 * j + 2 * hf + 1] : 0.f;
         if (in) *reinterpret_cast<uint32_t*>(Vnh + (r0 + i) * a.dv + 8 * j) = mma::pack2<T>(y0, y1);
-        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
+        *reinterpret_cast<uint32_t*>(ra.vt + swz(kChunk, i, 8 * j + 2 * t)) = mma::pack2<T>(wi * y0, wi * y1);
       }
     }
     const float decay = mma::fexp(B);
@@ -151,7 +146,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW, NW == 1 ? 2 : 1)
     __syncthreads();
     // (3) S = e^B S + K^T diag(w) Vn
     decay_then_accumulate(acc, decay, [&](float(&slab)[32], int m) {
-      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, avt, kChunk, kChunk / 16, true);
+      wgmma_chain<T, 64, 1, 1>(slab, base + L::kTile + m * kSweepTile, kChunk, ra.avt, kChunk, kChunk / 16, true);
     });
   }
   store_state_slabs<M>(acc, a.ht ? a.ht + sidx : nullptr, a.dv, rl, v0, t);
@@ -176,14 +171,9 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   using L = Ring<DK, 3, 2, NW, true>;  // Q, K, W tiles; per warpgroup dO, then dvi [C][64]; st16, vt
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];
-  const uint32_t s0 = smem_u32(smem);
-  if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
   const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid / kSm90Threads, wt = tid % kSm90Threads;  // warpgroup, its thread
   const int lane = tid & 31, w = wt >> 5, g = lane >> 2, t = lane & 3;            // w: warp in the warpgroup
-  char* st16 = smem + L::state_at(S, wg);
-  char* vt = st16 + L::kState;
-  const uint32_t a16 = s0 + L::state_at(S, wg), avt = a16 + L::kState;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::barriers_at(S));  // [S]
+  const RingAt<L, S> ra(smem, wg);  // this warpgroup's st16, vt and the stages' mbarriers
   // vb: the block's first value column (uniform)
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H, vb = 64 * NW * blockIdx.z;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
@@ -195,26 +185,26 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
   const int rl = 16 * w + g;
   float acc[M][32];
   load_state_slabs<M>(acc, a.dht ? a.dht + sidx : nullptr, a.dv, rl, vb + 64 * wg, t);
-  init_ring(full, S, tid);
+  init_ring(ra.full, S, tid);
   auto issue = [&](int i, int st) {  // thread 0: Q, K, W, dO, dvi (NW blocks each) of the i-th chunk from hi down into stage st = i % S
     if (i >= hi - lo) return;
     const int64_t r0 = row0 + int64_t(hi - 1 - i) * kChunk;
     char* base = smem + st * L::kStage;
     fence_async_smem();  // the stage's dO was scaled in place (generic writes) before this refill
-    mbar_expect_tx(&full[st], L::kStage);
+    mbar_expect_tx(&ra.full[st], L::kStage);
 #pragma unroll
     for (int cb = 0; cb < M; ++cb) {
-      load_rows(base + cb * kSweepTile, &mq, &full[st], order & 1, 64 * cb, r0, qx);
-      load_rows(base + L::kTile + cb * kSweepTile, &mk, &full[st], (order >> 1) & 1, 64 * cb, r0, kx);
-      load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &full[st], (order >> 2) & 1, 64 * cb, r0, h);
+      load_rows(base + cb * kSweepTile, &mq, &ra.full[st], order & 1, 64 * cb, r0, qx);
+      load_rows(base + L::kTile + cb * kSweepTile, &mk, &ra.full[st], (order >> 1) & 1, 64 * cb, r0, kx);
+      load_rows(base + 2 * L::kTile + cb * kSweepTile, &mw, &ra.full[st], (order >> 2) & 1, 64 * cb, r0, h);
     }
 #pragma unroll
     for (int x = 0; x < NW; ++x)
-      load_rows(base + 3 * L::kTile + x * kSweepTile, &mdo, &full[st], (order >> 3) & 1, 64 * blockIdx.z * NW + 64 * x,
+      load_rows(base + 3 * L::kTile + x * kSweepTile, &mdo, &ra.full[st], (order >> 3) & 1, 64 * blockIdx.z * NW + 64 * x,
                 r0, h);
 #pragma unroll
     for (int x = 0; x < NW; ++x)
-      load_rows(base + 3 * L::kTile + (NW + x) * kSweepTile, &mdvi, &full[st], (order >> 4) & 1,
+      load_rows(base + 3 * L::kTile + (NW + x) * kSweepTile, &mdvi, &ra.full[st], (order >> 4) & 1,
                 64 * blockIdx.z * NW + 64 * x, r0, h);
   };
   if (tid == 0)
@@ -244,8 +234,8 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     __syncthreads();  // chunk c+1's products are complete: its stage, st16 and vt are free
     if (tid == 0) issue(i + S - 1, st == 0 ? S - 1 : st - 1);  // into chunk c+1's stage
     // (1) the cotangent at the chunk's end, 16-bit
-    stash16<T, M>(acc, st16, nullptr, a.dv);
-    mbar_wait(&full[st], par);
+    stash16<T, M>(acc, ra.st16, nullptr, a.dv);
+    mbar_wait(&ra.full[st], par);
     char* dOt = smem + st * L::kStage + 3 * L::kTile + wg * kSweepTile;  // this warpgroup's dO block
     scale_do_rows<T>(dOt, wt, nr, [&](int q) { return sc * mma::fexp(bo[q]); });  // dO row r *= scale e^{b_r}
     fence_async_smem();
@@ -253,16 +243,16 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
     if (wt == 0) {  // this warpgroup's st16 to dhbuf by TMA (map mdh, box {64, 64}: one slab a store)
       const int row = int((cg * a.H + h) * DK);
 #pragma unroll
-      for (int m = 0; m < M; ++m) tma_store_2d(&mdh, st16 + m * kSweepTile, vb + 64 * wg, row + 64 * m);
+      for (int m = 0; m < M; ++m) tma_store_2d(&mdh, ra.st16 + m * kSweepTile, vb + 64 * wg, row + 64 * m);
       bulk_commit();
     }
     // (2) dVn = dvi + diag(e^{B-b}) K dS  (dvi: rows past nr are other rows', masked below)
-    const uint32_t base = s0 + st * L::kStage;
+    const uint32_t base = ra.s0 + st * L::kStage;
     const char* Dt = smem + st * L::kStage + 3 * L::kTile + (NW + wg) * kSweepTile;  // this warpgroup's dvi
     float x[32];
     wg_fence();
     // st16's and vt's addresses, opaque here: their descriptors are formed per chunk, not held
-    uint32_t a16v = a16, avtv = avt;
+    uint32_t a16v = ra.a16, avtv = ra.avt;
     asm volatile("" : "+r"(a16v), "+r"(avtv));
     wgmma_chain<T, 64, 0, 1>(x, base + L::kTile, kChunk, a16v, DK, DK / 16);
     wg_commit();
@@ -278,7 +268,7 @@ __global__ void __launch_bounds__(kSm90Threads * NW)
         const float2 uv = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(Dt + swz(kChunk, r, 8 * j + 2 * t)));
         const float y0 = in ? -(uv.x + wi * x[4 * j + 2 * hf]) : 0.f;
         const float y1 = in ? -(uv.y + wi * x[4 * j + 2 * hf + 1]) : 0.f;
-        *reinterpret_cast<uint32_t*>(vt + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
+        *reinterpret_cast<uint32_t*>(ra.vt + swz(kChunk, r, 8 * j + 2 * t)) = mma::pack2<T>(y0, y1);
       }
     }
     const float decay = mma::fexp(B);
