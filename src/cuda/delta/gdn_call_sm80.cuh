@@ -2,6 +2,8 @@
 // One gdn / loglinear_gdn call on the delta rule's sm80 tier (gdn_call_sm80.cu): its packed
 // operands and the forward pass that gdn_sm80.cu and loglinear_gdn_sm80.cu share.
 #pragma once
+#include <functional>
+
 #include "core/problem.h"
 #include "cuda/delta/wy_sm80.cuh"
 #include "cuda/gla/gla.cuh"
@@ -35,7 +37,8 @@ struct GdnCall {
   void wy_buffers(bool with_u = true);
   void wy_piece(T* tg, T* dvi, int lo, int hi);
   // o = the GLA output with the values Vn (into the caller's tensor in place when its layout allows).
-  void output(const TensorView& o);
+  // With `run`, run(args) launches the output kernel (gla_output) instead, e.g. piece by piece.
+  void output(const TensorView& o, const std::function<void(const GlaArgs<T>&)>& run = {});
   // Whether wy_bwd_kernel can write the final dk into the caller's tensor (through the l2norm chain
   // when it is on: one head per group, the caller's layout read in place); if so, wb set for it.
   bool dk_in_wy_bwd(const BackwardParams& p, WyBwdArgs<T>& wb) const;

@@ -264,58 +264,80 @@ int gdn_pieces(const GdnCall<T>& x, bool backward) {
                                         config().delta_pieces);
 }
 
-// The WY kernel in pieces of `span` chunks of every sequence on the caller's stream, each sweep's walk over a
-// piece on a side stream once the piece's WY is done (heuristics::delta_sweep_pieces; x.W, x.U, Vn, hbuf are
-// allocated before: the side streams allocate nothing): the forward sweep (side lane 1) first piece to last,
-// its state carried in x.ht; with rev (the backward's reverse sweep: its dht, dh0 = the carry, dhbuf) the
-// reverse sweep (lane 2) last piece to first, its cotangent carried in rev->dh0, the WY pieces alternating
-// between the two ends, the first piece first: a sequence's partial last chunk reads (and masks) up to 63
-// rows past its end, the next sequences' first rows, in chunk 0 (past the last row: TMA's zeros), and the
-// sm90 reverse sweep's W^T (-dVn) multiplies those rows of W by zero rows of -dVn, so they must hold the WY
-// kernel's finite values, never unwritten memory. Both lanes run at the greatest stream priority: as WY
-// blocks finish, the sweeps' blocks take the SMs first.
+// gdn's WY kernel and sweeps in pieces of `span` chunks of every sequence (heuristics::
+// delta_sweep_pieces). run(): the WY pieces on the caller's stream, each sweep's walk over a piece on
+// a side stream once the piece's WY is done (x.W, x.U, Vn, hbuf are allocated before: the side
+// streams allocate nothing): the forward sweep (side lane 1) first piece to last, its state carried in
+// x.ht; with rev (the backward's reverse sweep: its dht, dh0 = the carry, dhbuf) the reverse sweep
+// (lane 2) last piece to first, its cotangent carried in rev->dh0, the WY pieces alternating between
+// the two ends, the first piece first: a sequence's partial last chunk reads (and masks) up to 63 rows
+// past its end, the next sequences' first rows, in chunk 0 (past the last row: TMA's zeros), and the
+// sm90 reverse sweep's W^T (-dVn) multiplies those rows of W by zero rows of -dVn, so they must hold
+// the WY kernel's finite values, never unwritten memory. Both lanes run at the greatest stream
+// priority: as WY blocks finish, the sweeps' blocks take the SMs first. In the forward (no rev) the
+// sweep marks each piece done (SideStream::mark), and the output kernel runs on the caller's stream
+// piece by piece (wait(k)) while the sweep walks the next pieces; its reads of the next sequence's
+// rows of Vn (a partial last chunk) are of piece 0, done before any other. (In the backward the chunk
+// gradients and the WY backward wait for both sweeps: per piece they would start only after half
+// the sweeps' walk, and on an H100 they cost more than they overlapped.)
 template <class T>
-void gdn_pieces_run(GdnCall<T>& x, int pieces, T* tg, T* dvi, const GlaArgs<T>* rev) {
-  const int64_t span = (x.max_chunks + pieces - 1) / pieces;
-  const int P = int((x.max_chunks + span - 1) / span);
-  auto piece = [&](GlaArgs<T> a, int k) {
-    a.c_lo = int(k * span), a.c_hi = int(std::min<int64_t>((k + 1) * span, x.max_chunks));
+class GdnPieces {
+ public:
+  GdnPieces(const GdnCall<T>& x, int pieces)
+      : max_(x.max_chunks), span_((x.max_chunks + pieces - 1) / pieces), P_(int((x.max_chunks + span_ - 1) / span_)) {}
+  int count() const { return P_; }
+  GlaArgs<T> piece(GlaArgs<T> a, int k) const {
+    a.c_lo = int(k * span_), a.c_hi = int(std::min<int64_t>((k + 1) * span_, max_));
     return a;
-  };
-  std::vector<char> done(size_t(P), 0);
-  std::optional<SideStream> fwd, bwd;  // forked from the caller's stream after the first WY piece
-  int next_f = 0, next_r = P - 1;      // each sweep's next piece
-  for (int i = 0; i < P; ++i) {
-    const int k = !rev ? i : i % 2 == 0 ? i / 2 : P - 1 - i / 2;  // rev: 0, P-1, 1, P-2, ...
-    const GlaArgs<T> w = piece(x.a, k);
-    x.wy_piece(tg, dvi, w.c_lo, w.c_hi);
-    done[size_t(k)] = 1;
-    if (next_f < P && done[size_t(next_f)]) {
-      if (fwd) fwd->follow();
-      else fwd.emplace(x.s, 1);
-      fwd->run([&](cudaStream_t st) {
-        for (; next_f < P && done[size_t(next_f)]; ++next_f) {
-          GlaArgs<T> a = piece(x.a, next_f);
-          a.h0 = next_f == 0 ? x.a.h0 : x.ht.get(), a.ht = x.ht.get();
-          gdn_sweep(x, a, st);
-        }
-      });
-    }
-    if (rev && next_r >= 0 && done[size_t(next_r)]) {
-      if (bwd) bwd->follow();
-      else bwd.emplace(x.s, 2);
-      bwd->run([&](cudaStream_t st) {
-        for (; next_r >= 0 && done[size_t(next_r)]; --next_r) {
-          GlaArgs<T> a = piece(*rev, next_r);
-          if (next_r != P - 1) a.dht = rev->dh0;
-          gdn_rsweep(x, a, dvi, st);
-        }
-      });
-    }
   }
-  if (fwd) fwd->join();
-  if (bwd) bwd->join();
-}
+  void run(GdnCall<T>& x, T* tg, T* dvi, const GlaArgs<T>* rev) {
+    std::vector<char> done(size_t(P_), 0);
+    std::optional<SideStream> bwd;
+    int next_f = 0, next_r = P_ - 1;  // each sweep's next piece
+    for (int i = 0; i < P_; ++i) {
+      const int k = !rev ? i : i % 2 == 0 ? i / 2 : P_ - 1 - i / 2;  // rev: 0, P-1, 1, P-2, ...
+      const GlaArgs<T> w = piece(x.a, k);
+      x.wy_piece(tg, dvi, w.c_lo, w.c_hi);
+      done[size_t(k)] = 1;
+      if (next_f < P_ && done[size_t(next_f)]) {
+        if (fwd_) fwd_->follow();
+        else fwd_.emplace(x.s, 1);
+        fwd_->run([&](cudaStream_t st) {
+          for (; next_f < P_ && done[size_t(next_f)]; ++next_f) {
+            GlaArgs<T> a = piece(x.a, next_f);
+            a.h0 = next_f == 0 ? x.a.h0 : x.ht.get(), a.ht = x.ht.get();
+            gdn_sweep(x, a, st);
+            if (!rev) fwd_->mark(next_f);
+          }
+        });
+      }
+      if (rev && next_r >= 0 && done[size_t(next_r)]) {
+        if (bwd) bwd->follow();
+        else bwd.emplace(x.s, 2);
+        bwd->run([&](cudaStream_t st) {
+          for (; next_r >= 0 && done[size_t(next_r)]; --next_r) {
+            GlaArgs<T> a = piece(*rev, next_r);
+            if (next_r != P_ - 1) a.dht = rev->dh0;
+            gdn_rsweep(x, a, dvi, st);
+          }
+        });
+      }
+    }
+    if (bwd) bwd->join();
+    if (rev) join();
+  }
+  void wait(int k) const {  // the caller's stream waits for the forward sweep's piece k (forward only)
+    if (fwd_) fwd_->wait_mark(k);
+  }
+  void join() {
+    if (fwd_) fwd_->join();
+  }
+
+ private:
+  int64_t max_, span_;
+  int P_;
+  std::optional<SideStream> fwd_;  // forked from the caller's stream after the first WY piece
+};
 
 }  // namespace
 
@@ -341,13 +363,21 @@ void gdn_sm80_forward(const detail::Resolved& r, const ForwardParams& p, cudaStr
     if (const int pieces = gdn_pieces(x, false); pieces > 1) {
       x.wy_buffers();
       sweep_buffers(x);
-      gdn_pieces_run<T>(x, pieces, nullptr, nullptr, nullptr);
+      GdnPieces<T> pc(x, pieces);
+      pc.run(x, nullptr, nullptr, nullptr);
+      x.output(p.o, [&](const GlaArgs<T>& b) {  // each piece's output once the sweep is past it
+        for (int k = 0; k < pc.count(); ++k) {
+          pc.wait(k);
+          gla_output(pc.piece(b, k), s);
+        }
+      });
+      pc.join();
     } else {
       x.wy();
       sweep_buffers(x);
       gdn_sweep(x, x.a, s);
+      x.output(p.o);
     }
-    x.output(p.o);
     x.write_final(p.final_state);
   }
 }
@@ -381,7 +411,7 @@ void gdn_sm80_backward(const detail::Resolved& r, const BackwardParams& p, cudaS
       x.wy_buffers();
       sweep_buffers(x);
       a.hbuf = x.a.hbuf;
-      gdn_pieces_run(x, pieces, tg.get(), dvi.get(), &a);
+      GdnPieces<T>(x, pieces).run(x, tg.get(), dvi.get(), &a);
     } else {
       x.wy(tg.get(), dvi.get());
       sweep_buffers(x);

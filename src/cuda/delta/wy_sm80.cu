@@ -61,12 +61,10 @@ __global__ void __launch_bounds__(kThreads, kPlain ? 3 : 2) wy_kernel(GlaArgs<T>
   WyTiles<T> s(smem, a.dk, a.dv, bwd, lg);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
-  const bool piece = a.c_hi != INT32_MAX;
-  const int span = a.c_hi - a.c_lo, seq = piece ? int(blockIdx.x / span) : a.chunk_seq[blockIdx.x];
-  const int64_t c = piece ? a.c_lo + int64_t(blockIdx.x % span) : int64_t(blockIdx.x) - a.chunk0[seq];
-  if (c * kChunk >= a.len[seq]) return;  // past this sequence's chunks (a piece only)
-  const int64_t cg = a.chunk0[seq] + c, r0 = a.row0[seq] + c * kChunk;
-  const int h = blockIdx.y, nr = rows_in(a.len[seq], c);
+  const GridChunk gc(a, blockIdx.x);
+  if (!gc.valid) return;  // past this sequence's chunks (a piece)
+  const int64_t cg = gc.cg, c = gc.c, r0 = a.row0[gc.seq] + c * kChunk;
+  const int h = blockIdx.y, seq = gc.seq, nr = rows_in(a.len[seq], c);
   // two cp.async groups: K and Q (the K K^T and Q K^T products), then V and dO, which land during the
   // triangular solve
   mma::async_rows(s.K, s.ldk, a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk), row_ld(a.k_ld, a.dk), r0, nr, 0,
@@ -601,8 +599,7 @@ void launch_wy(const GlaArgs<T>& a, const float* beta, T* W, T* U, T* tg, T* dvi
   const size_t bytes = wy_smem(a.dk, a.dv, dvi != nullptr, ll.qeff != nullptr);
   auto kernel = plain ? wy_kernel<T, true> : wy_kernel<T, false>;
   set_smem(kernel, bytes, /*max_carveout=*/plain);
-  // a piece: N x (c_hi - c_lo) blocks, those past a sequence's chunks return at once
-  const int64_t blocks = a.c_hi == INT32_MAX ? a.nchunks : int64_t(a.N) * (a.c_hi - a.c_lo);
+  const int64_t blocks = grid_chunks(a);  // a piece: those past a sequence's chunks return at once
   if (dry_run() || blocks <= 0) return;  // dry run: workspace_size
   kernel<<<dim3(unsigned(blocks), unsigned(a.H)), kThreads, bytes, s>>>(a, beta, W, U, tg, dvi, ll);
   HILA_CUDA_CHECK_LAUNCH();

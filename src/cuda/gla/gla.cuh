@@ -101,6 +101,28 @@ struct GlaArgs {
   bool dg_rows = false;
 };
 
+// The chunk that block x of a chunk-parallel grid (grid_chunks(a) blocks on its x axis) takes: every
+// chunk of the call (its sequence from chunk_seq), or, for a piece [c_lo, c_hi) of every sequence
+// (GlaArgs::c_lo), N x (c_hi - c_lo) blocks, those past their sequence's chunks idle (!valid).
+struct GridChunk {
+  int seq;
+  int64_t c, cg;  // chunk in its sequence, in the call
+  bool valid;
+  template <class A>
+  __device__ GridChunk(const A& a, unsigned x) {
+    if (a.c_hi == INT32_MAX) {
+      cg = x, seq = a.chunk_seq[x], c = int64_t(x) - a.chunk0[seq], valid = true;
+    } else {
+      const unsigned span = unsigned(a.c_hi - a.c_lo);
+      seq = int(x / span), c = a.c_lo + int64_t(x % span), cg = a.chunk0[seq] + c, valid = c * a.C < a.len[seq];
+    }
+  }
+};
+template <class A>
+int64_t grid_chunks(const A& a) {
+  return a.c_hi == INT32_MAX ? a.nchunks : int64_t(a.N) * (a.c_hi - a.c_lo);
+}
+
 // ---- the primitive (gla.cu) --------------------------------------------------------------------------
 // Launchers (on `stream`). Forward writes o (if set), ht, hbuf.
 template <class T>

@@ -38,10 +38,11 @@ __global__ void __launch_bounds__(kOutThreads) output_kernel(GlaArgs<T> a, TreeA
   float* bs = reinterpret_cast<float*>(Ps + kChunk * kLdTile);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int rb = w & 3, ch = w >> 2;
-  const int64_t cg = blockIdx.x;
-  const int v0 = blockIdx.y * kOutV, h = blockIdx.z;
-  const int seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
+  const GridChunk gc(a, blockIdx.x);
+  if (!gc.valid) return;  // past this sequence's chunks (a piece)
+  const int64_t cg = gc.cg, c = gc.c;
+  const int v0 = blockIdx.y * kOutV, h = blockIdx.z, seq = gc.seq;
+  const int64_t r0 = a.row0[seq] + c * a.C;
   const int nr = rows_in(a.len[seq], c, a.C);
   const int bv = min(vt, a.dv - v0);
   mma::async_rows(Qs, ldq, a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk), row_ld(a.q_ld, a.dk), r0, nr, 0,
@@ -130,13 +131,13 @@ size_t gla_output_smem(int dk, int dv, size_t esize) {
 
 template <class T>
 void gla_output_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
-  if (a.nchunks == 0) return;
+  if (grid_chunks(a) <= 0) return;
   const size_t bytes = gla_output_smem(a.dk, a.dv, sizeof(T));
   HILA_BOOL_SWITCH(tree != nullptr, kTree, [&] {
     auto kernel = output_kernel<T, kTree>;
     set_smem(kernel, bytes);
     if (dry_run()) return;  // dry run: workspace_size
-    kernel<<<dim3(unsigned(a.nchunks), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(
+    kernel<<<dim3(unsigned(grid_chunks(a)), (a.dv + kOutV - 1) / kOutV, a.H), kOutThreads, bytes, stream>>>(
         a, tree ? *tree : TreeArgs{});
     HILA_CUDA_CHECK_LAUNCH();
   });

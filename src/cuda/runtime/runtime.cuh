@@ -285,7 +285,9 @@ class DeviceScope {
 // accepts; the CudaGraph tests capture it). In a dry run (workspace_size), and with
 // HILA_SIDE_STREAM=0 (everything on the caller's stream, in order), side() is `main`. Work put on
 // side() must not allocate (NoAllocScope): a caller's workspace is reused in the order of `main`;
-// run(work) calls work(side()) inside one.
+// run(work) calls work(side()) inside one. mark(i) records the side's work so far as its mark i (an
+// event of this thread, device, lane and i), and wait_mark(i) makes `main` wait for the last record
+// of mark i: the work enqueued on main after it may start once side() has done that much.
 inline constexpr int kSideLanes = 3;
 class SideStream {
  public:
@@ -297,10 +299,13 @@ class SideStream {
   template <class F>
   void run(F&& work) const;
   void follow() const;
+  void mark(int i) const;
+  void wait_mark(int i) const;
   void join();
 
  private:
   cudaStream_t main_, side_;
+  int lane_;
   bool joined_ = false;
 };
 template <class F>

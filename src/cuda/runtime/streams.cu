@@ -28,9 +28,20 @@ cudaError_t link(cudaStream_t from, cudaStream_t to) {
   if (err == cudaSuccess) err = cudaStreamWaitEvent(to, e, 0);
   return err;
 }
+
+// the event of mark i of this host thread's (device, lane), created once and re-recorded
+cudaEvent_t mark_event(int lane, int i) {
+  thread_local std::vector<std::vector<cudaEvent_t>> marks;
+  const size_t at = size_t(current_device()) * kSideLanes + size_t(lane);
+  if (marks.size() <= at) marks.resize(at + 1);
+  std::vector<cudaEvent_t>& m = marks[at];
+  if (m.size() <= size_t(i)) m.resize(size_t(i) + 1, nullptr);
+  if (!m[size_t(i)]) HILA_CUDA_CHECK(cudaEventCreateWithFlags(&m[size_t(i)], cudaEventDisableTiming));
+  return m[size_t(i)];
+}
 }  // namespace
 
-SideStream::SideStream(cudaStream_t main, int lane) : main_(main), side_(main) {
+SideStream::SideStream(cudaStream_t main, int lane) : main_(main), side_(main), lane_(lane) {
   if (lane < 0 || lane >= kSideLanes) throw std::logic_error("SideStream: lane out of range");
   if (!config().side_stream || dry_run()) return;
   // one non-blocking stream per (host thread, device, lane), kept for the thread's lifetime
@@ -48,6 +59,14 @@ SideStream::SideStream(cudaStream_t main, int lane) : main_(main), side_(main) {
 
 void SideStream::follow() const {
   if (side_ != main_) HILA_CUDA_CHECK(link(main_, side_));
+}
+
+void SideStream::mark(int i) const {
+  if (side_ != main_) HILA_CUDA_CHECK(cudaEventRecord(mark_event(lane_, i), side_));
+}
+
+void SideStream::wait_mark(int i) const {
+  if (side_ != main_) HILA_CUDA_CHECK(cudaStreamWaitEvent(main_, mark_event(lane_, i), 0));
 }
 
 void SideStream::join() {
