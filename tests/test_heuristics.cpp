@@ -50,6 +50,7 @@ TEST(Config, DefaultsWithoutKnobs) {
   EXPECT_FALSE(c.loglinear_store_budget.has_value());
   EXPECT_FALSE(c.emu_sm90);
   EXPECT_EQ(c.delta_pieces, 0);
+  EXPECT_EQ(c.loglinear_tree_segment, -1);
 }
 
 TEST(Config, DeltaPiecesTakesACount) {
@@ -106,6 +107,11 @@ TEST(Config, ForcedChoicesAndBudget) {
   EXPECT_EQ(parse({{"HILA_GLA_FUSED", ""}}).gla_fused, Force::on);  // set, and not 0
   EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SWEEP", "0"}}).loglinear_tree_sweep, Force::off);
   EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SWEEP", "1"}}).loglinear_tree_sweep, Force::on);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SEGMENT", "3"}}).loglinear_tree_segment, 3);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SEGMENT", "0"}}).loglinear_tree_segment, 0);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SEGMENT", "99"}}).loglinear_tree_segment, 40);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SEGMENT", "-4"}}).loglinear_tree_segment, 0);
+  EXPECT_EQ(parse({{"HILA_LOGLINEAR_TREE_SEGMENT", ""}}).loglinear_tree_segment, -1);
   const Config b = parse({{"HILA_LOGLINEAR_STORE_BUDGET", "4096"}});
   ASSERT_TRUE(b.loglinear_store_budget.has_value());
   EXPECT_EQ(*b.loglinear_store_budget, 4096u);
@@ -198,6 +204,15 @@ TEST(Heuristics, LogLinear) {
   EXPECT_FALSE(h::loglinear_tree_build_in_sweep(65, 132, Force::automatic));
   EXPECT_TRUE(h::loglinear_tree_build_in_sweep(1, 132, Force::on));
   EXPECT_FALSE(h::loglinear_tree_build_in_sweep(1000, 132, Force::off));
+  // the tree passes in segments of 32 chunks: sequences from 0, at least 128 chunks, fewer threads
+  // in one pass than twice the SMs hold
+  EXPECT_EQ(h::loglinear_tree_segment(false, 1024, 65536, 132, -1), 5);    // 1 x 64K, H = 16, 128 x 128
+  EXPECT_EQ(h::loglinear_tree_segment(false, 127, 65536, 132, -1), 0);
+  EXPECT_EQ(h::loglinear_tree_segment(false, 1024, 2 * 2048 * 132, 132, -1), 0);
+  EXPECT_EQ(h::loglinear_tree_segment(true, 1024, 65536, 132, -1), 0);     // a sequence from n0 > 0
+  EXPECT_EQ(h::loglinear_tree_segment(false, 4, 65536, 132, 1), 1);        // HILA_LOGLINEAR_TREE_SEGMENT
+  EXPECT_EQ(h::loglinear_tree_segment(false, 1024, 65536, 132, 0), 0);
+  EXPECT_EQ(h::loglinear_tree_segment(true, 1024, 65536, 132, 3), 0);
   // parts of long reading ranges: sequences from 0, up to 2^20 chunks
   EXPECT_TRUE(h::loglinear_tree_parts(false, 64 * ((int64_t(1) << 20) - 8), 8, 64));
   EXPECT_FALSE(h::loglinear_tree_parts(false, 64 * ((int64_t(1) << 20) - 8), 9, 64));

@@ -42,6 +42,9 @@ struct LlCase {
   // HILA_GLA_SM90 for the call: "1" builds the tree with the sm_90a sweep on Hopper at any block
   // count (with tree_sweep "1")
   const char* sm90 = nullptr;
+  // HILA_LOGLINEAR_TREE_SEGMENT for the call: the tree's up pass and push-down in segments of 2^s
+  // chunks; other than "0", the results are also compared bit for bit with one pass ("0")
+  const char* segment = nullptr;
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
@@ -144,6 +147,31 @@ std::vector<LlCase> cases() {
     x.name += "_sm90";
     cs.push_back(x);
   }
+  // the tree's up pass and push-down in segments of 2^s chunks (every sequence from 0): segments of 2,
+  // 4 and 8 chunks, partial last segments, a prefill's pending nodes, varlen with empty and short
+  // sequences, reading ranges in parts (130 chunks), the build in the sweep (the push-down only)
+  const std::vector<std::pair<const char*, const char*>> segs = {
+      {"bf16_d64_T1000_tree", "1"},           {"bf16_d64_T1000_tree", "2"},
+      {"bf16_d64_T1000_tree", "3"},           {"bf16_d64_T1000_tree_final", "2"},
+      {"bf16_d64_T130_tree_final", "1"},      {"bf16_varlen_gqa4_dv40_tree", "1"},
+      {"bf16_varlen_gqa4_dv40_tree_final", "2"}, {"bf16_d64_T8257_tree", "3"},
+      {"bf16_d64_T8257_tree", "0"},           {"bf16_varlen_long_tree_final", "2"},
+      {"bf16_d64_T1000_tree_sweep", "2"},     {"bf16_d128_T300_tree", "1"}};
+  for (const auto& [tag, seg] : segs) {
+    const std::string n = name(ll, tag);
+    const auto it = std::find_if(cs.begin(), cs.end(), [&](const LlCase& x) { return x.name == n; });
+    if (it == cs.end()) throw std::logic_error("no case " + n);
+    LlCase x = *it;
+    x.segment = seg;
+    x.name += std::string("_seg") + seg;
+    cs.push_back(x);
+  }
+  // from a state at position 0 (no shift: segments) with a final-state cotangent
+  {
+    LlCase x{ll, DType::bf16, 2, 1000, 1, 4, 64, 64, {}, {0}, 1e-2, name(ll, "bf16_d64_T1000_init0_seg2")};
+    x.segment = "2";
+    cs.push_back(x);
+  }
   // log-linear HLA family: GLA inner primitives, log-linear outer primitive (§7)
   for (Op op : {Op::loglinear_hla2, Op::loglinear_ahla, Op::loglinear_hla3}) {
     const double ridge = op == Op::loglinear_hla2 ? 0.3 : 0.0;
@@ -224,11 +252,14 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  const std::string err = with_env("HILA_GLA_SM90", c.sm90, [&] {
-    const std::string e = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
-    if (!e.empty()) throw std::runtime_error(e);
-  });
-  ASSERT_EQ(err, "") << "backward threw";
+  auto run = [&](const char* segment) {
+    ScopedEnv se("HILA_LOGLINEAR_TREE_SEGMENT", segment);
+    return with_env("HILA_GLA_SM90", c.sm90, [&] {
+      const std::string e = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
+      if (!e.empty()) throw std::runtime_error(e);
+    });
+  };
+  ASSERT_EQ(run(c.segment), "") << "backward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
@@ -251,6 +282,18 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
     if (!ref.d_init.S.empty()) check("dS0", dS0.fetch(), ref.d_init.S);
     if (!ref.d_init.P.empty()) check("dP0", dP0.fetch(), ref.d_init.P);
     check("dH0", dh0.fetch(), ref.d_init.H);
+  }
+  if (c.segment && std::string(c.segment) != "0") {  // the same sums in the same order as one pass
+    std::vector<std::pair<const char*, DevTensor*>> outs = {{"o", &o}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv},
+                                                            {"dg", &dg}, {"dlam", &dlam}};
+    if (fin) outs.push_back({"H_T", &fH});
+    if (init && c.d_init) outs.push_back({"dH0", &dh0});
+    std::vector<Buffer> seg;
+    for (const auto& x : outs) seg.push_back(x.second->fetch());
+    ASSERT_EQ(run("0"), "") << "backward in one pass threw";
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t i = 0; i < outs.size(); ++i)
+      EXPECT_TRUE(seg[i].bytes == outs[i].second->fetch().bytes) << outs[i].first << ": segments against one pass";
   }
   if (!fin) return;
   const Buffer fp = fpos.fetch();

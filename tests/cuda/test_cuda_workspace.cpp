@@ -28,6 +28,7 @@ struct WsCase {
   std::string name;
   std::vector<int64_t> init_pos = {};  // empty: the problem's default
   const char* pieces = nullptr;         // HILA_DELTA_PIECES for the calls (gdn's WY and sweeps in pieces)
+  const char* segment = nullptr;        // HILA_LOGLINEAR_TREE_SEGMENT (the tree passes in segments, a temporary of roots)
 };
 
 std::vector<WsCase> ws_cases() {
@@ -42,6 +43,9 @@ std::vector<WsCase> ws_cases() {
       // the tree backward from states: aligned (seeded), and unaligned (head rows swept first)
       {Op::loglinear, DType::bf16, 1, 0, 1, 2, 64, 64, varlen, true, false, "loglinear_bf16_varlen_at128", {128}},
       {Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, true, false, "loglinear_bf16_at77", {77}},
+      // the tree passes in segments of 4 chunks
+      {Op::loglinear, DType::bf16, 1, 0, 1, 2, 64, 64, varlen, false, false, "loglinear_bf16_varlen_segments", {}, nullptr,
+       "2"},
       {Op::loglinear_hla2, DType::f32, 1, 0, 1, 2, 32, 32, varlen, true, false, "loglinear_hla2_f32_varlen"},
       {Op::gdn, DType::f32, 2, 300, 2, 2, 32, 32, {}, true, false, "gdn_f32"},
       {Op::gdn, DType::bf16, 1, 0, 2, 4, 64, 64, varlen, true, false, "gdn_bf16_varlen_tc"},
@@ -98,6 +102,7 @@ TEST_P(CudaWorkspace, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
+  const ScopedEnv segment("HILA_LOGLINEAR_TREE_SEGMENT", c.segment);
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_backward(low, Form::chunk, 64, cuda0(), tmp); });
 }
@@ -108,6 +113,7 @@ TEST_P(CudaWorkspace, SizeQuery) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
+  const ScopedEnv segment("HILA_LOGLINEAR_TREE_SEGMENT", c.segment);
   const Problem low = ws_problem(c);
   DeviceMirror m(cuda0());
   Buffer o(low.v.dtype, std::vector<int64_t>(low.v.shape));
@@ -138,6 +144,7 @@ TEST_P(CudaWorkspaceForward, ExactWorkspaceTakesNoPoolMemoryAndMatchesThePool) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
+  const ScopedEnv segment("HILA_LOGLINEAR_TREE_SEGMENT", c.segment);
   const Problem low = ws_problem(c);
   expect_exact_workspace(c, [&](Temporaries tmp) { return run_forward(low, Form::chunk, 64, cuda0(), tmp); });
 }
@@ -150,6 +157,8 @@ INSTANTIATE_TEST_SUITE_P(
                              "loglinear_varlen_unaligned", {77, 0, 5, 128, 63, 1000}},
                       WsCase{Op::loglinear_hla2, DType::bf16, 2, 200, 2, 2, 64, 64, {}, true, false,
                              "loglinear_hla2_at77", {77}},
+                      WsCase{Op::loglinear, DType::bf16, 2, 1000, 2, 2, 64, 64, {}, false, false,
+                             "loglinear_prefill_segments", {}, nullptr, "2"},
                       WsCase{Op::gdn, DType::bf16, 1, 0, 2, 4, 64, 64, {0, 100, 0, 64, 1, 257}, true, false,
                              "gdn_bf16_varlen"}),
     [](const auto& info) { return info.param.name; });
@@ -171,6 +180,7 @@ TEST_P(CudaGraph, CapturedCallsReplayToTheDirectResults) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device: GPU tests are skipped (run them on a machine with a CUDA GPU)";
   const WsCase c = GetParam();
   const ScopedEnv pieces("HILA_DELTA_PIECES", c.pieces);
+  const ScopedEnv segment("HILA_LOGLINEAR_TREE_SEGMENT", c.segment);
   const Problem low = ws_problem(c);
   struct Limit {  // a configured memory limit (far above these calls) for this scope only
     explicit Limit(bool on) : on_(on) {
@@ -215,6 +225,8 @@ INSTANTIATE_TEST_SUITE_P(
                       WsCase{Op::hla2, DType::bf16, 2, 130, 1, 4, 64, 64, {}, false, true, "hla2_bf16_normalize"},
                       WsCase{Op::hla3, DType::f32, 2, 200, 2, 4, 32, 24, {}, false, false, "hla3_f32"},
                       WsCase{Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, false, false, "loglinear_bf16"},
+                      WsCase{Op::loglinear, DType::bf16, 2, 300, 1, 2, 64, 64, {}, false, false,
+                             "loglinear_bf16_segments", {}, nullptr, "1"},
                       WsCase{Op::gdn, DType::bf16, 2, 300, 2, 4, 64, 64, {}, false, false, "gdn_bf16"},
                       // in pieces: two priority side streams, each joined after several forks
                       WsCase{Op::gdn, DType::bf16, 2, 300, 2, 4, 64, 64, {}, false, false, "gdn_bf16_pieces3", {}, "3"},

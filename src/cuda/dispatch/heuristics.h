@@ -122,6 +122,18 @@ constexpr bool loglinear_tree_build_in_sweep(int64_t sweep_blocks, int64_t sms, 
   return 2 * sweep_blocks >= sms;
 }
 
+// The tree's up pass and push-down (elementwise, one thread per four state elements per (sequence,
+// head), along the chunks in series) in segments of 2^s chunks: the levels inside each segment in
+// parallel over the segments, then the levels above over the segment roots (loglinear/tree_sm80.cu,
+// TreePass). s = 5 when every sequence starts at position 0, the longest has at least 128 chunks
+// and one pass has fewer `threads` than the SMs hold twice (2048 each); 0 (one pass) otherwise.
+// HILA_LOGLINEAR_TREE_SEGMENT=s forces s (0: one pass) where every sequence starts at 0.
+constexpr int loglinear_tree_segment(bool shifted, int64_t max_chunks, int64_t threads, int64_t sms, int knob) {
+  if (shifted) return 0;
+  if (knob >= 0) return knob;
+  return max_chunks >= 128 && threads < 2 * 2048 * sms ? 5 : 0;
+}
+
 // The tree backward sums long reading ranges in parts (one per aligned block of 16 chunks, levels
 // m >= 6): (top - 5) ceil(nc / 16) <= nc slots per sequence while every sequence starts at 0 and
 // has at most 2^20 chunks; otherwise the ranges are summed whole (from n0 > 0 a range within the

@@ -23,7 +23,7 @@
 //   dH0[p+m] = dnode_m[(a0 >> (m-1)) - 1] after the push-down (the initial nodes, §2.4 re-key adjoint).
 //   dg per chunk: the chunk's reverse cumsum of dc plus the sum over the pairs crossing its end: rho
 //   (the chunk's own state write, TreeArgs::rho) plus, for the sources before the chunk, the levels'
-//   reads (sum of lam dlam per chunk) and the push-down's node terms A (tree_sm80.cu, tree_dg_kernel;
+//   reads (sum of lam dlam per chunk) and the push-down's node terms A (tree_sm80.cu, tree_dg_rows_kernel;
 //   docs/math/LOGLINEAR.md §5.3). The backward builds the nodes after the push-down, so that the
 //   build forms A from each fp32 node as it forms it (TreeArgs::pcot, apart).
 //   A final-state cotangent dHT (final state as in loglinear_final_kernel) adds e^{gap_m + B_r} dHT[p+m] to
@@ -110,13 +110,13 @@ struct TreeArgs {
   const float *fcoef = nullptr, *fin_dk = nullptr, *fin_dv = nullptr;
   // backward with gates: the chunk kernel writes rho[cg][h] = the pairs (i past the chunk, j in it)
   // of the chunk's dg term, sum_j k_j . dk_j over its state-write parts (w_j (V dZ^T)_j + fin_dk_j),
-  // from the same products as its rows' dc (tree_dg_kernel adds the rest of Y_c)
+  // from the same products as its rows' dc (tree_dg_rows_kernel adds the rest of Y_c)
   float* rho = nullptr;
   // backward with gates: the builds (tree_close, loglinear_tree_kernel's up pass) write the node
   // terms A_m[j] = <pcot, node_m[j]> of every node they form, from the fp32 node: pcot [slots][H][dk][dv]
   // is the part of the node's cotangent from its ancestors and the final state (the push-down's D - R);
   // apart [slots][H][ceil(dk dv / 128)] takes one partial sum per warp of 128 elements (or of one
-  // 64 x 64 state tile's 16 rows, at (tile index) * 4 + warp), zero elsewhere (tree_dg_kernel sums them)
+  // 64 x 64 state tile's 16 rows, at (tile index) * 4 + warp), zero elsewhere (tree_dg_rows_kernel sums them)
   const float* pcot = nullptr;
   float* apart = nullptr;
 };

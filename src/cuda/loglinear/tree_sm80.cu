@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 }
 
 // The tree, elementwise in fp32, along the chunks of a sequence in order; grid (element blocks,
-// N x H), four elements per thread, per-level registers in `stk` (a binary counter).
+// N x H, segments), four elements per thread, per-level registers in `stk` (a binary counter).
 //   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
 //         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
 //         (levels >= 2, even i; level 1 comes from the Z kernel), with `pend` the nodes
@@ -190,11 +190,25 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 //         is written, by the same thread); the builds dot it with the fp32 node for A_m[i]
 //         (TreeArgs::pcot, apart). The initial state's nodes get their A here, from H0 (fp32), in
 //         `apart` (per warp of 128 elements).
+// In segments of S = 2^s chunks (TreePass; every sequence from position 0): the node (s + 1, g) is
+// the root of chunks [g S, (g + 1) S), so the levels 1 .. s + 1 of a segment depend on its chunks
+// only and the levels above on the roots only. Up: kLow, one block row per segment (grid z), forms
+// the levels 1 .. s + 1 and leaves its complete root in fp32 in `node`'s slot (s + 1, g); kHigh then
+// climbs from the roots as its leaves. Down: kHigh pushes down to the roots, D_{s+1}[g] into
+// `root`; kLow per segment from there. Each node is formed by the same sums in the same order as in
+// one pass (kWhole), so the results are the same bit for bit; the serial chain of a block is S + nc / S
+// steps instead of nc.
+enum TreePhase { kWhole, kLow, kHigh };
+struct TreePass {
+  int s = 0;                // segments of 2^s chunks; 0 with kWhole
+  TreePhase phase = kWhole;
+  float* root = nullptr;    // down: D_{s+1}[g] per segment, [(chunk0 >> s) + seq + g][H][tile] (fp32)
+};
 
 template <class T, bool kDown>
 __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
-                                                      TreeArgs ta, const float* node, T* n16, const float* parts,
-                                                      int split, float* pout, float* apart) {
+                                                      TreeArgs ta, float* node, T* n16, const float* parts,
+                                                      int split, float* pout, float* apart, TreePass tp) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
   const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
@@ -206,6 +220,10 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
   if (nc == 0 || (whole ? (e_raw & ~int64_t(127)) >= tile : !valid)) return;
   const int64_t e = valid ? e_raw : (e_raw & ~int64_t(127));
   const int top = sn.top();           // levels 1..top hold nodes
+  // this block's leaves: chunks [jb, je) in steps of 2^(mlo-1) at level mlo; levels climb below mcap
+  const int s = tp.s, mlo = tp.phase == kHigh ? s + 1 : 1, mcap = tp.phase == kLow ? s + 1 : kMaxLevels + 1;
+  const int64_t g = blockIdx.z, step = int64_t(1) << (mlo - 1);
+  if (tp.phase == kHigh && top <= s) return;  // one segment holds every level
   int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
   off[1] = 0;
   for (int m = 1; m <= top; ++m) {
@@ -213,7 +231,8 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
     if (m < top) off[m + 1] = off[m] + sn.count(m);
   }
   auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
-  auto load = [&](int64_t slot) { return *reinterpret_cast<const float4*>(node + (slot * H + h) * tile + e); };
+  auto at = [&](const float* p, int64_t slot) { return reinterpret_cast<const float4*>(p + (slot * H + h) * tile + e); };
+  auto load = [&](int64_t slot) { return *at(node, slot); };
   auto put = [&](int64_t slot, float4 x) {
     if (!valid) return;
     uint2 u;
@@ -236,21 +255,32 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
         put(idx(m, (a0 >> (m - 1)) - 1), stk[m]);
       }
     const int64_t nf = lens[seq] / kChunk;  // full chunks
-    for (int64_t j = a0; j < a0 + nf; ++j) {
-      float4 cur = load(idx(1, j));  // Z_j = node_1[j]
-      int m = 1;
-      int64_t i = j;
-      while (i & 1) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
+    // kLow: segment g's full chunks; kHigh: the complete segments' roots
+    const int64_t jb = tp.phase == kLow ? a0 + (g << s) : a0;
+    const int64_t je = tp.phase == kLow ? min(a0 + nf, a0 + ((g + 1) << s)) : tp.phase == kHigh ? ((a0 + nf) >> s) << s : a0 + nf;
+    if (jb >= je && tp.phase == kLow) return;
+    for (int64_t j = jb; j < je; j += step) {
+      int m = mlo;
+      int64_t i = j >> (mlo - 1);
+      float4 cur = load(idx(m, i));  // Z_j = node_1[j], or (kHigh) the segment root in fp32
+      while ((i & 1) && m < mcap) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
         axpy(cur, decay(m, i), stk[m]);
         i >>= 1, ++m;
         if (!(i & 1)) put(idx(m, i), cur);
       }
-      if (ta.apart)  // A of the node formed, (m, i even); level 1 too (Z, its 16-bit copy from the Z kernel)
-        node_dot(ta.apart, idx(m, i), cur, *reinterpret_cast<const float4*>(ta.pcot + (idx(m, i) * H + h) * tile + e));
-      stk[m] = cur;  // a left child (i even), pending its sibling
+      // A of the node formed, (m, i even); level 1 too (Z, its 16-bit copy from the Z kernel); a
+      // kHigh leaf that climbs no level is a root kLow formed
+      if (ta.apart && !(i & 1) && (m > mlo || mlo == 1))
+        node_dot(ta.apart, idx(m, i), cur, *at(ta.pcot, idx(m, i)));
+      if (m == mcap) {  // kLow: the segment's root, the leaf of kHigh
+        if (valid) *reinterpret_cast<float4*>(node + (idx(m, i) * H + h) * tile + e) = cur;
+      } else {
+        stk[m] = cur;  // a left child (i even), pending its sibling
+      }
     }
-    if (ta.pend)
-      for (int m = 1; m < ta.lpend; ++m)
+    // the pending nodes of the levels this block holds (kLow: those of the segment where the full chunks end)
+    if (ta.pend && (tp.phase != kLow || g == (nf >> s)))
+      for (int m = mlo; m < ta.lpend && m < mcap; ++m)
         if (valid && (((a0 + nf) >> (m - 1)) & 1))
           *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
   } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
@@ -261,10 +291,17 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
         axpy(d, ta.fcoef[(int64_t(seq) * H + h) * ta.lpend + m],
              *reinterpret_cast<const float4*>(ta.dht + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e));
     };
-    for (int64_t j = 0; j < nc; ++j) {
-      // the ancestors of leaf a0 + j that differ from those of the leaf before: levels 1 .. ctz(a0 + j) + 1
-      const int mtop = j == 0 ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1);
-      for (int m = mtop; m >= 1; --m) {
+    // kLow: segment g's chunks below the levels s + 1 .. top, its root's D from kHigh; kHigh: one
+    // leaf per segment, the levels top .. s + 1
+    const int64_t jb = tp.phase == kLow ? g << s : 0, je = tp.phase == kLow ? min(nc, (g + 1) << s) : nc;
+    if (jb >= je) return;
+    float* root = tp.root ? tp.root + (((chunk0[seq] >> s) + seq) * H + h) * tile + e : nullptr;  // + g H tile
+    if (tp.phase == kLow && top > s) stk[s + 1] = *reinterpret_cast<const float4*>(root + g * H * tile);
+    const int mhi = tp.phase == kLow ? s : top;
+    for (int64_t j = jb; j < je; j += step) {
+      // the ancestors of leaf a0 + j that differ from those of the leaf before: levels mlo .. ctz(a0 + j) + 1
+      const int mtop = min(mhi, j == jb ? top : min(top, ctz64u(uint64_t(a0 + j)) + 1));
+      for (int m = mtop; m >= mlo; --m) {
         const int64_t i = (a0 + j) >> (m - 1);
         float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i < sn.hi(m)) {  // a complete node (pending ones get no cotangent: no final-state cotangent)
@@ -281,14 +318,17 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
             const int64_t nb = (nc + kSplit - 1) / kSplit, c1 = min((i + 2) << (m - 1), nc);
             float gap = 0.f;
             for (int64_t b = ((i + 1) << (m - 1)) / kSplit; b * kSplit < c1; ++b) {
-              axpy(d, __expf(gap), *reinterpret_cast<const float4*>(
-                                       parts + ((chunk0[seq] + (m - split) * nb + b) * H + h) * tile + e));
+              axpy(d, __expf(gap), *at(parts, chunk0[seq] + (m - split) * nb + b));
               if ((b + 1) * kSplit < c1) gap += ta.beta[idx(kSplitBetaLevel, b) * H + h];
             }
           }
           if (pout && !(i & 1) && valid) *reinterpret_cast<float4*>(pout + (idx(m, i) * H + h) * tile + e) = pc;
         }
         stk[m] = d;
+      }
+      if (tp.phase == kHigh) {  // the root's D for kLow
+        if (valid) *reinterpret_cast<float4*>(root + (j >> s) * H * tile) = stk[s + 1];
+        continue;
       }
       if (j == 0 && (ta.dh0 || apart))  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
         for (int m = 1; m <= top && (a0 >> (m - 1)); ++m) {
@@ -318,12 +358,15 @@ size_t wkv_smem() {
 // bases in ta.nbase). Built by the tree sweep (gla_tree_sweep) when it has enough blocks to fill
 // the GPU (heuristics::loglinear_tree_build_in_sweep); otherwise chunk-parallel: Z (fp32 and 16-bit,
 // one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
-// sequence, the depth of the up pass's stacks.
+// sequence, the depth of the up pass's stacks. seg: the up pass and the push-down in segments of
+// 2^seg chunks (0: one pass; heuristics::loglinear_tree_segment), nseg segments in the longest sequence.
 template <class T>
 struct Tree {
   int64_t slots = 0;
   int lstk = 1;
   bool shifted = false;  // some sequence starts at n0 > 0
+  int seg = 0;
+  unsigned nseg = 1;
   DevBuf<int64_t> a0, nbase;
   DevBuf<int> slot_seq;
   DevBuf<float> beta;
@@ -332,6 +375,7 @@ struct Tree {
   Tree(const LoglinearArgs<T>& a, const LoglinearTables& t, cudaStream_t s) {
     std::vector<int64_t> va0, vbase;
     std::vector<int> vseq;
+    int64_t max_nc = 0;
     for (size_t i = 0; i < t.n0.size(); ++i) {
       SeqNodes sn;
       sn.a0 = t.n0[i] / kChunk, sn.nc = (t.nend[i] - t.n0[i] + kChunk - 1) / kChunk, sn.base = slots;
@@ -340,7 +384,13 @@ struct Tree {
       slots += sn.total();
       vseq.resize(size_t(slots), int(i));
       lstk = std::max(lstk, sn.top() + 1);
+      max_nc = std::max(max_nc, sn.nc);
     }
+    // one thread per four state elements per (sequence, head) in one pass
+    const int64_t threads = (int64_t(a.p.dk) * a.p.dv / 4 + 255) / 256 * 256 * a.p.N * a.p.H;
+    seg = heuristics::loglinear_tree_segment(shifted, max_nc, threads, sm_count(), config().loglinear_tree_segment);
+    while (seg > 0 && ((max_nc - 1) >> seg) >= 65535) ++seg;  // grid z
+    nseg = unsigned(seg > 0 ? std::max<int64_t>(1, ((max_nc - 1) >> seg) + 1) : 1);
     if (shifted) {
       a0 = SeqTables::upload(va0, s), nbase = SeqTables::upload(vbase, s), slot_seq = SeqTables::upload(vseq, s);
       ta.a0 = a0.get(), ta.nbase = nbase.get(), ta.slot_seq = slot_seq.get(), ta.h0 = a.p.h0;
@@ -488,14 +538,24 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
   HILA_CUDA_CHECK_LAUNCH();
 }
 
+// The up pass (kDown false) or the push-down over the tree of a call: in one pass, or in segments of
+// 2^tr.seg chunks (TreePass; tr.nseg of them in the longest sequence): up kLow then kHigh, down
+// kHigh (the roots' D into a temporary) then kLow.
 template <class T, bool kDown>
-void launch_tree(const int64_t* len, const int64_t* chunk0, int NH, int H, int64_t tile, const TreeArgs& ta,
-                 const float* node, T* n16, cudaStream_t s, const float* parts = nullptr, int split = kMaxLevels,
-                 float* pout = nullptr, float* apart = nullptr) {
+void launch_tree(const GlaArgs<T>& p, const Tree<T>& tr, float* node, T* n16, cudaStream_t s,
+                 const float* parts = nullptr, int split = kMaxLevels, float* pout = nullptr, float* apart = nullptr) {
+  const int64_t tile = int64_t(p.dk) * p.dv;
+  const dim3 grid(unsigned((tile / 4 + 255) / 256), unsigned(p.N * p.H));
+  DevBuf<float> root(kDown && tr.seg ? size_t(((p.nchunks >> tr.seg) + p.N + 1) * p.H * tile) : 0, s);
   if (dry_run()) return;  // dry run: workspace_size
-  loglinear_tree_kernel<T, kDown><<<dim3(unsigned((tile / 4 + 255) / 256), unsigned(NH)), 256, 0, s>>>(
-      len, chunk0, H, tile, ta, node, n16, parts, split, pout, apart);
-  HILA_CUDA_CHECK_LAUNCH();
+  auto pass = [&](TreePhase ph, unsigned z) {
+    loglinear_tree_kernel<T, kDown><<<dim3(grid.x, grid.y, z), 256, 0, s>>>(
+        p.len, p.chunk0, p.H, tile, tr.ta, node, n16, parts, split, pout, apart, TreePass{tr.seg, ph, root.get()});
+    HILA_CUDA_CHECK_LAUNCH();
+  };
+  if (!tr.seg) pass(kWhole, 1);
+  else if (kDown) pass(kHigh, 1), pass(kLow, tr.nseg);
+  else pass(kLow, tr.nseg), pass(kHigh, 1);
 }
 
 // The gate gradient of the tree form per chunk (docs/math/LOGLINEAR.md §5.3): for row t of chunk c
@@ -538,19 +598,17 @@ __global__ void __launch_bounds__(kChunk) tree_sigma_kernel(GlaArgs<T> a, TreeAr
   }
 }
 
-// Y[cg][h] += X(n) per chunk (above; Y holds rho); one block per (sequence, head). P[cg][h][m] =
-// sum_{r' >= r} sigma_m(r') over the sequence's chunks (fp64, so that a range P_m(n + 1) - P_m(end)
-// keeps the precision of its own terms however long the sequence).
+// P[cg][h][m] = sum_{r' >= r} sigma_m(r') over the sequence's chunks (fp64, so that a range
+// P_m(n + 1) - P_m(end) keeps the precision of its own terms however long the sequence); one block
+// per (sequence, head), the levels in turn.
 template <class T>
-__global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, const float* sig, double* P,
-                                                      const float* apart, int64_t tile, float* Y) {
+__global__ void __launch_bounds__(256) tree_dg_scan_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, const float* sig, double* P) {
   using Scan = cub::BlockScan<double, 256>;
   __shared__ typename Scan::TempStorage tmp;
   const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int64_t nc = chunks_of(a.len, seq), c0 = a.chunk0[seq];
   if (nc == 0) return;
-  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
-  const int top = sn.top();
+  const int top = seq_nodes(ta, a.chunk0, seq, nc).top();
   for (int m = 1; m <= top && m < lstk; ++m) {
     double carry = 0.0;
     for (int64_t base = nc; base > 0; base -= 256) {  // tiles from the end, reversed
@@ -562,34 +620,34 @@ __global__ void __launch_bounds__(256) tree_dg_kernel(GlaArgs<T> a, TreeArgs ta,
       __syncthreads();
     }
   }
-  // one warp per chunk: lane 0 takes the sigma ranges, the lanes share the node terms' warp parts
-  const int nw = int((tile + 127) / 128), lane = threadIdx.x & 31;
-  for (int64_t c = threadIdx.x >> 5; c < nc; c += blockDim.x >> 5) {
-    float x = 0.f;
-    const int64_t n = sn.a0 + c;  // the boundary before chunk c (absolute)
-    for (int m = 1; m <= top && m < lstk; ++m) {
-      if (!((n >> (m - 1)) & 1)) continue;
-      const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
-      if (lane == 0 && c + 1 < nc)  // the reads by chunks c + 1 .. end - 1
-        x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
-      const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
-      for (int k = lane; k < nw; k += 32) x += ap[k];
-    }
-    x = warp_sum(x);
-    if (lane == 0) Y[(c0 + c) * a.H + h] += x;
-  }
 }
 
-// dg rows: dg_t = (suffix sum of dc over the chunk's rows from t) + Y_c; grid (nchunks, H), one warp.
+// dg rows: dg_t = (suffix sum of dc over the chunk's rows from t) + Y_c, Y_c = rho_c (in Y) + X(n)
+// (above, from P and the node terms' warp parts in apart); grid (nchunks, H), one warp: lane 0
+// takes the sigma ranges, the lanes share the node terms' parts.
 template <class T>
-__global__ void __launch_bounds__(32) tree_dg_rows_kernel(GlaArgs<T> a, const float* Y) {
+__global__ void __launch_bounds__(32) tree_dg_rows_kernel(GlaArgs<T> a, TreeArgs ta, int lstk, const double* P,
+                                                          const float* apart, int64_t tile, const float* Y) {
   using R = Acc<T>;
   const int64_t cg = blockIdx.x;
-  const int h = blockIdx.y, seq = a.chunk_seq[cg];
-  const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * kChunk;
-  const int nr = rows_in(a.len[seq], c), i0 = 2 * threadIdx.x, i1 = i0 + 1;
+  const int h = blockIdx.y, seq = a.chunk_seq[cg], lane = threadIdx.x;
+  const int64_t nc = chunks_of(a.len, seq), c0 = a.chunk0[seq], c = cg - c0, r0 = a.row0[seq] + c * kChunk;
+  const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, nc);
+  const int top = sn.top(), nw = int(apart_parts(tile));
+  const int64_t n = sn.a0 + c;  // the boundary before chunk c (absolute)
+  float x = 0.f;
+  for (int m = 1; m <= top && m < lstk; ++m) {
+    if (!((n >> (m - 1)) & 1)) continue;
+    const int64_t j = (n >> (m - 1)) - 1, end = ((j + 2) << (m - 1)) - sn.a0;  // relative end of the readers
+    if (lane == 0 && c + 1 < nc)  // the reads by chunks c + 1 .. end - 1
+      x += float(P[((c0 + c + 1) * a.H + h) * lstk + m] - (end < nc ? P[((c0 + end) * a.H + h) * lstk + m] : 0.0));
+    const float* ap = apart + (sn.slot(m, j) * a.H + h) * nw;
+    for (int k = lane; k < nw; k += 32) x += ap[k];
+  }
+  x = warp_sum(x);
+  const int nr = rows_in(a.len[seq], c), i0 = 2 * lane, i1 = i0 + 1;
   R* dg = a.dg + int64_t(h) * a.Ttot + r0;
-  chunk_dg(dg, i0 < nr ? dg[i0] : R(0), i1 < nr ? dg[i1] : R(0), R(Y[cg * a.H + h]), nr);
+  chunk_dg(dg, i0 < nr ? dg[i0] : R(0), i1 < nr ? dg[i1] : R(0), R(Y[cg * a.H + h] + x), nr);
 }
 
 // beta of every node.
@@ -610,7 +668,7 @@ void build_nodes(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
   } else {
     DevBuf<float> z(size_t(tr.slots * p.H * p.dk * p.dv), s);
     launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
-    launch_tree<T, false>(p.len, p.chunk0, p.N * p.H, p.H, int64_t(p.dk) * p.dv, tr.ta, z.get(), tr.node16.get(), s);
+    launch_tree<T, false>(p, tr, z.get(), tr.node16.get(), s);
   }
 }
 
@@ -683,17 +741,17 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     DevBuf<float> parts(split < kMaxLevels ? size_t(a.p.nchunks * a.p.H * tile) : 0, s);
     launch_wkv<T, kRead>(a.p, tr.ta, dnode.get(), nullptr, split, s, tr.slots);
     if (split < kMaxLevels) launch_wkv<T, kPart>(a.p, tr.ta, parts.get(), nullptr, split, s);
-    // dg per chunk (tree_dg_kernel): the node terms A, [slots][H][apart_parts(tile)], zero where no
+    // dg per chunk (tree_dg_rows_kernel): the node terms A, [slots][H][apart_parts(tile)], zero where no
     // node is formed; the push-down leaves D - R of the even nodes in dnode (in place of R)
     const bool gates = a.p.dg != nullptr;
     DevBuf<float> apart(gates ? size_t(tr.slots * a.p.H * apart_parts(tile)) : 0, s, true);
-    launch_tree<T, true>(a.p.len, a.p.chunk0, a.p.N * a.p.H, a.p.H, tile, tr.ta, dnode.get(), dz16.get(), s,
-                         parts.get(), split, gates ? dnode.get() : nullptr, apart.get());
+    launch_tree<T, true>(a.p, tr, dnode.get(), dz16.get(), s, parts.get(), split, gates ? dnode.get() : nullptr,
+                         apart.get());
     tr.ta.pcot = gates ? dnode.get() : nullptr, tr.ta.apart = apart.get();
     build_nodes(a.p, tr, tr.lstk, s);
     tr.ta.pcot = nullptr, tr.ta.apart = nullptr;
     tr.ta.dz16 = dz16.get();
-    DevBuf<float> Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);  // Y_c per chunk (tree_dg_kernel): rho_c first
+    DevBuf<float> Y(gates ? size_t(a.p.nchunks * a.p.H) : 0, s);  // Y_c per chunk: rho_c (tree_dg_rows_kernel adds X(n))
     tr.ta.rho = Y.get();
     gla_bwd_chunk(a.p, s, &tr.ta);  // dq, dk, dv, dlam, the rows' dc in dg and rho in Y
     const size_t nsig = gates ? size_t(a.p.nchunks * a.p.H * tr.lstk) : 0;
@@ -702,9 +760,10 @@ void loglinear_tree_backward(const LoglinearArgs<T>& a, const LoglinearTables& t
     if (gates && !dry_run()) {  // dry run: workspace_size
       tree_sigma_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), kChunk, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get());
       HILA_CUDA_CHECK_LAUNCH();
-      tree_dg_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get(), P.get(), apart.get(), tile, Y.get());
+      tree_dg_scan_kernel<T><<<unsigned(NH), 256, 0, s>>>(a.p, tr.ta, tr.lstk, sig.get(), P.get());
       HILA_CUDA_CHECK_LAUNCH();
-      tree_dg_rows_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), 32, 0, s>>>(a.p, Y.get());
+      tree_dg_rows_kernel<T><<<dim3(unsigned(a.p.nchunks), a.p.H), 32, 0, s>>>(a.p, tr.ta, tr.lstk, P.get(), apart.get(),
+                                                                                tile, Y.get());
       HILA_CUDA_CHECK_LAUNCH();
     }
   }

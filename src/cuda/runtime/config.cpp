@@ -73,6 +73,8 @@ Config Config::parse(const char* (*env)(const char*)) {
   if (const char* n = env("HILA_DELTA_PIECES")) c.delta_pieces = int(std::clamp(std::strtol(n, nullptr, 10), 0L, 1L << 20));
   c.loglinear_tree = !is(env("HILA_LOGLINEAR_TREE"), "0");
   c.loglinear_tree_sweep = force(env("HILA_LOGLINEAR_TREE_SWEEP"));
+  if (const char* n = env("HILA_LOGLINEAR_TREE_SEGMENT"); n && *n)
+    c.loglinear_tree_segment = int(std::clamp(std::strtol(n, nullptr, 10), 0L, 40L));
   if (const char* b = env("HILA_LOGLINEAR_STORE_BUDGET")) c.loglinear_store_budget = size_t(std::strtoull(b, nullptr, 10));
   c.emu_sm90 = is(env("HILA_EMU_SM90"), "1");
   return c;

@@ -33,6 +33,7 @@ struct Config {
   int delta_pieces = 0;  // HILA_DELTA_PIECES=n: gdn's WY kernel and state sweeps pipelined in n pieces (1: none); 0: heuristics::delta_sweep_pieces
   bool loglinear_tree = true;                      // HILA_LOGLINEAR_TREE=0: the log-linear segment sweep only
   Force loglinear_tree_sweep = Force::automatic;   // HILA_LOGLINEAR_TREE_SWEEP=0|1: the tree build in the sweep
+  int loglinear_tree_segment = -1;  // HILA_LOGLINEAR_TREE_SEGMENT=s (0..40): the tree passes in segments of 2^s chunks (0: one pass); -1: heuristics::loglinear_tree_segment
   std::optional<size_t> loglinear_store_budget;    // HILA_LOGLINEAR_STORE_BUDGET: bytes of stored levels
   bool emu_sm90 = false;                           // HILA_EMU_SM90=1: the host emulator runs the sm_90a kernels
 
