@@ -137,7 +137,8 @@ def test_forward_padding_labels_logits_to_keep_and_cache():
         count += len(p) - 1
     assert torch.allclose(out.loss.double(), total / count, rtol=1e-6, atol=0)  # the loss is fp32
     kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
-    assert torch.equal(kept, logits[:, -2:])
+    # the head's product over the kept rows alone may round otherwise than over all rows (BLAS blocking)
+    assert torch.allclose(kept, logits[:, -2:], rtol=0, atol=1e-12)
     # the cache: decode one token through it, then beam reordering copies rows
     nxt = torch.tensor([[3], [4]])
     step = model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
