@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 }
 
 // The tree, elementwise in fp32, along the chunks of a sequence in order; grid (element blocks,
-// N x H, segments), four elements per thread, per-level registers in `stk` (a binary counter).
+// N x H, segments), four elements per thread, the pending node of each level in `stk` (a binary
+// counter, in shared memory).
 //   up:   node_{m+1}[i] = e^{beta_m[2i+1]} node_m[2i] + node_m[2i+1] from level 1 (Z, fp32 in
 //         `node`) over the full chunks; writes the 16-bit copies n16 of the nodes the chunks read
 //         (levels >= 2, even i; level 1 comes from the Z kernel), with `pend` the nodes
@@ -199,6 +200,7 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 // one pass (kWhole), so the results are the same bit for bit; the serial chain of a block is S + nc / S
 // steps instead of nc.
 enum TreePhase { kWhole, kLow, kHigh };
+constexpr int kTreeThreads = 128;
 struct TreePass {
   int s = 0;                // segments of 2^s chunks; 0 with kWhole
   TreePhase phase = kWhole;
@@ -206,30 +208,35 @@ struct TreePass {
 };
 
 template <class T, bool kDown>
-__global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
+__global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int64_t* lens, const int64_t* chunk0, int H, int64_t tile,
                                                       TreeArgs ta, float* node, T* n16, const float* parts,
                                                       int split, float* pout, float* apart, TreePass tp) {
   const int seq = blockIdx.y / H, h = blockIdx.y % H;
   const int64_t nc = (lens[seq] + kChunk - 1) / kChunk;
   const SeqNodes sn = seq_nodes(ta, chunk0, seq, nc);
   const int64_t base = sn.base, a0 = sn.a0;
+  const int top = sn.top();  // levels 1..top hold nodes
+  // SeqNodes::off and lo of the block's sequence, in shared memory (per-thread arrays indexed by
+  // level would live in local memory)
+  __shared__ int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];
+  if (threadIdx.x == 0) {
+    off[1] = 0;
+    for (int m = 1; m <= top; ++m) {
+      lo[m] = sn.lo(m);
+      if (m < top) off[m + 1] = off[m] + sn.count(m);
+    }
+  }
+  __syncthreads();
   const int64_t e_raw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   // the warps of the node terms A stay whole (their shuffles): a lane past the tile works on its
   // warp's first elements and stores nothing
   const bool valid = e_raw < tile, whole = kDown ? apart != nullptr : ta.apart != nullptr;
   if (nc == 0 || (whole ? (e_raw & ~int64_t(127)) >= tile : !valid)) return;
   const int64_t e = valid ? e_raw : (e_raw & ~int64_t(127));
-  const int top = sn.top();           // levels 1..top hold nodes
   // this block's leaves: chunks [jb, je) in steps of 2^(mlo-1) at level mlo; levels climb below mcap
   const int s = tp.s, mlo = tp.phase == kHigh ? s + 1 : 1, mcap = tp.phase == kLow ? s + 1 : kMaxLevels + 1;
   const int64_t g = blockIdx.z, step = int64_t(1) << (mlo - 1);
   if (tp.phase == kHigh && top <= s) return;  // one segment holds every level
-  int64_t off[kMaxLevels + 1], lo[kMaxLevels + 1];  // SeqNodes::off, lo
-  off[1] = 0;
-  for (int m = 1; m <= top; ++m) {
-    lo[m] = sn.lo(m);
-    if (m < top) off[m + 1] = off[m] + sn.count(m);
-  }
   auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
   auto at = [&](const float* p, int64_t slot) { return reinterpret_cast<const float4*>(p + (slot * H + h) * tile + e); };
   auto load = [&](int64_t slot) { return *at(node, slot); };
@@ -246,13 +253,16 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
     const float d = warp_sum(valid ? x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w : 0.f);
     if ((threadIdx.x & 31) == 0) a[(slot * H + h) * apart_parts(tile) + (e >> 7)] = d;
   };
-  float4 stk[kMaxLevels + 1];
+  // the per-level registers of the counter: level m of this thread at stk_s[(m - mlo) kTreeThreads + thread]
+  // in dynamic shared memory (tree_smem)
+  extern __shared__ float4 stk_s[];
+  auto stk = [&](int m) -> float4& { return stk_s[(m - mlo) * kTreeThreads + threadIdx.x]; };
   if constexpr (!kDown) {
     // the initial state's levels p + m (set bits m-1 of a0): pending left children, read by chunk a0
     for (int m = 1; m <= top && (a0 >> (m - 1)); ++m)
       if ((a0 >> (m - 1)) & 1) {
-        stk[m] = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e);
-        put(idx(m, (a0 >> (m - 1)) - 1), stk[m]);
+        stk(m) = *reinterpret_cast<const float4*>(ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e);
+        put(idx(m, (a0 >> (m - 1)) - 1), stk(m));
       }
     const int64_t nf = lens[seq] / kChunk;  // full chunks
     // kLow: segment g's full chunks; kHigh: the complete segments' roots
@@ -264,7 +274,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
       int64_t i = j >> (mlo - 1);
       float4 cur = load(idx(m, i));  // Z_j = node_1[j], or (kHigh) the segment root in fp32
       while ((i & 1) && m < mcap) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
-        axpy(cur, decay(m, i), stk[m]);
+        axpy(cur, decay(m, i), stk(m));
         i >>= 1, ++m;
         if (!(i & 1)) put(idx(m, i), cur);
       }
@@ -275,14 +285,14 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
       if (m == mcap) {  // kLow: the segment's root, the leaf of kHigh
         if (valid) *reinterpret_cast<float4*>(node + (idx(m, i) * H + h) * tile + e) = cur;
       } else {
-        stk[m] = cur;  // a left child (i even), pending its sibling
+        stk(m) = cur;  // a left child (i even), pending its sibling
       }
     }
     // the pending nodes of the levels this block holds (kLow: those of the segment where the full chunks end)
     if (ta.pend && (tp.phase != kLow || g == (nf >> s)))
       for (int m = mlo; m < ta.lpend && m < mcap; ++m)
         if (valid && (((a0 + nf) >> (m - 1)) & 1))
-          *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk[m];
+          *reinterpret_cast<float4*>(ta.pend + ((int64_t(seq) * H + h) * ta.lpend + m) * tile + e) = stk(m);
   } else {  // leaves a0 + j; parts (m >= split) only with a0 = 0
     // the final-state cotangent of the pending node (m, i): fcoef dHT[p + m] (TreeArgs::dht)
     const int64_t nend = a0 + lens[seq] / kChunk;
@@ -296,7 +306,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
     const int64_t jb = tp.phase == kLow ? g << s : 0, je = tp.phase == kLow ? min(nc, (g + 1) << s) : nc;
     if (jb >= je) return;
     float* root = tp.root ? tp.root + (((chunk0[seq] >> s) + seq) * H + h) * tile + e : nullptr;  // + g H tile
-    if (tp.phase == kLow && top > s) stk[s + 1] = *reinterpret_cast<const float4*>(root + g * H * tile);
+    if (tp.phase == kLow && top > s) stk(s + 1) = *reinterpret_cast<const float4*>(root + g * H * tile);
     const int mhi = tp.phase == kLow ? s : top;
     for (int64_t j = jb; j < je; j += step) {
       // the ancestors of leaf a0 + j that differ from those of the leaf before: levels mlo .. ctz(a0 + j) + 1
@@ -309,7 +319,7 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
           add_final(d, m, i);
           if (m < top && (i >> 1) < sn.hi(m + 1)) {
             const float c = (i & 1) ? 1.f : decay(m, i + 1);
-            axpy(d, c, stk[m + 1]);
+            axpy(d, c, stk(m + 1));
           }
           const float4 pc = d;
           if (m < split) {
@@ -324,10 +334,10 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
           }
           if (pout && !(i & 1) && valid) *reinterpret_cast<float4*>(pout + (idx(m, i) * H + h) * tile + e) = pc;
         }
-        stk[m] = d;
+        stk(m) = d;
       }
       if (tp.phase == kHigh) {  // the root's D for kLow
-        if (valid) *reinterpret_cast<float4*>(root + (j >> s) * H * tile) = stk[s + 1];
+        if (valid) *reinterpret_cast<float4*>(root + (j >> s) * H * tile) = stk(s + 1);
         continue;
       }
       if (j == 0 && (ta.dh0 || apart))  // dH0[p + m] = D of the initial node left of the ancestor of a0 (bit m-1 of a0)
@@ -336,14 +346,14 @@ __global__ void __launch_bounds__(256) loglinear_tree_kernel(const int64_t* lens
           const int64_t i0 = (a0 >> (m - 1)) - 1;
           float4 d = make_float4(0.f, 0.f, 0.f, 0.f);  // dHT when no full chunk of the call reached it
           add_final(d, m, i0);
-          if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk[m + 1]);
+          if (m < top && (i0 >> 1) < sn.hi(m + 1)) axpy(d, decay(m, i0 + 1), stk(m + 1));
           const float* h0 = ta.h0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile;
           if (apart) node_dot(apart, idx(m, i0), d, *reinterpret_cast<const float4*>(h0 + e));
           axpy(d, 1.f, load(idx(m, i0)));  // its reads (R)
           if (ta.dh0 && valid)
             *reinterpret_cast<float4*>(ta.dh0 + ((int64_t(seq) * H + h) * ta.Ls + kLogChunk + m) * tile + e) = d;
         }
-      put(chunk0[seq] + j, stk[1]);
+      put(chunk0[seq] + j, stk(1));
     }
   }
 }
@@ -545,11 +555,17 @@ template <class T, bool kDown>
 void launch_tree(const GlaArgs<T>& p, const Tree<T>& tr, float* node, T* n16, cudaStream_t s,
                  const float* parts = nullptr, int split = kMaxLevels, float* pout = nullptr, float* apart = nullptr) {
   const int64_t tile = int64_t(p.dk) * p.dv;
-  const dim3 grid(unsigned((tile / 4 + 255) / 256), unsigned(p.N * p.H));
+  const dim3 grid(unsigned((tile / 4 + kTreeThreads - 1) / kTreeThreads), unsigned(p.N * p.H));
   DevBuf<float> root(kDown && tr.seg ? size_t(((p.nchunks >> tr.seg) + p.N + 1) * p.H * tile) : 0, s);
+  // the counter's levels: kLow 1 .. s + 1, kHigh s + 1 .. top, kWhole 1 .. top (top < lstk)
+  const auto smem = [&](TreePhase ph) {
+    const int levels = ph == kLow ? tr.seg + 1 : ph == kHigh ? tr.lstk - tr.seg - 1 : tr.lstk;
+    return size_t(std::max(levels, 1)) * kTreeThreads * sizeof(float4);
+  };
+  set_smem(loglinear_tree_kernel<T, kDown>, smem(kWhole) > smem(kLow) ? smem(kWhole) : smem(kLow), true);
   if (dry_run()) return;  // dry run: workspace_size
   auto pass = [&](TreePhase ph, unsigned z) {
-    loglinear_tree_kernel<T, kDown><<<dim3(grid.x, grid.y, z), 256, 0, s>>>(
+    loglinear_tree_kernel<T, kDown><<<dim3(grid.x, grid.y, z), kTreeThreads, smem(ph), s>>>(
         p.len, p.chunk0, p.H, tile, tr.ta, node, n16, parts, split, pout, apart, TreePass{tr.seg, ph, root.get()});
     HILA_CUDA_CHECK_LAUNCH();
   };
