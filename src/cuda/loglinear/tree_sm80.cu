@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int6
     const float d = warp_sum(valid ? x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w : 0.f);
     if ((threadIdx.x & 31) == 0) a[(slot * H + h) * apart_parts(tile) + (e >> 7)] = d;
   };
-  // the per-level registers of the counter: level m of this thread at stk_s[(m - mlo) kTreeThreads + thread]
-  // in dynamic shared memory (tree_smem)
+  // the counter: this thread's pending node of level m at stk_s[(m - mlo) kTreeThreads + thread], in
+  // dynamic shared memory (launch_tree sizes it per phase)
   extern __shared__ float4 stk_s[];
   auto stk = [&](int m) -> float4& { return stk_s[(m - mlo) * kTreeThreads + threadIdx.x]; };
   if constexpr (!kDown) {
