@@ -85,8 +85,9 @@ constexpr int gla_sm90_sweep_stages(int64_t blocks, const Device& d, size_t stag
 }
 
 // sm90 backward chunk kernel (one warpgroup per (chunk, head), dk and dv of 64 or 128, the
-// per-chunk states by TMA) in place of the sm80 one wherever it applies: faster at every measured
-// shape. HILA_GLA_SM90=0, or a list without "bwd", keeps the sm80 kernel.
+// per-chunk states by TMA; for the log-linear tree form the nodes and dZ, nchunks then the larger
+// of the chunks and the node slots) in place of the sm80 one wherever it applies: faster at every
+// measured shape. HILA_GLA_SM90=0, or a list without "bwd", keeps the sm80 kernel.
 constexpr bool gla_sm90_bwd_chunk(int dk, int dv, bool has_states, int64_t Ttot, int64_t nchunks, int64_t H,
                                   const Sm90Kernels& k) {
   if (!k.bwd) return false;

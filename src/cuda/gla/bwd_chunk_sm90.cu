@@ -16,6 +16,13 @@
 // <dH, Hp> is formed at the end from dH in shared memory and Hp read again from global memory (the
 // block's own state, still in L2): no register holds Hp across the dH load, and no thread reads the
 // buffer that the dH TMA overwrites.
+// kTree, the log-linear tree form (loglinear/tree.cuh; bwd_chunk_sm80.cu's kTree): P and dA carry
+// lam_i^{bitlen(i xor j)}, and their in-chunk level buckets of dP o (scale Gamma o Q K^T) give dlam
+// of levels 0..p (summed in registers per row); dQ^ = dA K + sum_m diag(lam^{p+m} e^{b+gap_m}) dO node_m^T
+// over the levels m the chunk reads, each node_m [dk][dv] in turn through the state buffer (the next
+// one's TMA under this one's scaling and its dlam row dots), then dH = the chunk's dZ; rows' dc to dg,
+// the state-write part of <dH, H_end> to ta.rho, and a last partial chunk's final-state rows (fin_dk,
+// fin_dv) as in bwd_chunk_sm80.cu.
 #include "cuda/dispatch/static_switch.h"
 #include "cuda/gla/sm90.cuh"
 
@@ -34,12 +41,14 @@ struct BwdSm90Layout {
                             kBar = kB + kChunk * 4, kBytes = kBar + 16;
 };
 
-template <class T, int DK, int DV, bool kFold = false>
+// mh, mdh: the per-chunk states hbuf, dhbuf (kTree: the 16-bit nodes ta.node16 and dZ ta.dz16).
+template <class T, int DK, int DV, bool kFold = false, bool kTree = false>
 __global__ void __launch_bounds__(kSm90Threads, 2)
     bwd_chunk_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                           const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mdo,
                           const __grid_constant__ CUtensorMap mh, const __grid_constant__ CUtensorMap mdh,
-                          unsigned order, GlaArgs<T> a) {
+                          unsigned order, GlaArgs<T> a, TreeArgs ta) {
+  static_assert(!(kFold && kTree), "the tree form keeps dk and dv apart");
 #if HILA_SM90A
   using L = BwdSm90Layout<DK, DV>;
   using namespace sm90;
@@ -53,14 +62,27 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const int h = blockIdx.y, seq = a.chunk_seq[cg];
   const int64_t c = cg - a.chunk0[seq], r0 = a.row0[seq] + c * a.C;
   const int nr = rows_in(a.len[seq], c, a.C);
-  const int srow = int((cg * a.H + h) * DK);  // row of this chunk's state in hbuf / dhbuf [.., DV]
+  const int srow = int((cg * a.H + h) * DK);  // row of this chunk's state in hbuf / dhbuf / dz16 [.., DV]
+  // kTree: the chunk's absolute index n reads the nodes of the set bits of n; the state buffer takes
+  // those nodes in ascending level, then dZ (loads on bar[1], parity = the load's index & 1)
+  const SeqNodes sn = kTree ? seq_nodes(ta, a.chunk0, seq, (a.len[seq] + a.C - 1) / a.C) : SeqNodes{};
+  const int64_t n = sn.a0 + c;
+  auto load_node = [&](int64_t slot) {  // node `slot` of head h into the state buffer (thread 0)
+    mbar_expect_tx(&bar[1], DK * DV * 2);
+    for (int cb = 0; cb < DV / 64; ++cb)
+      tma_load_2d(smem + L::kS + cb * DK * 128, &mh, &bar[1], 64 * cb, int((slot * a.H + h) * DK));
+  };
+  auto load_dh = [&] {  // dH (the chunk-end cotangent; kTree: dZ) into the state buffer (thread 0)
+    mbar_expect_tx(&bar[1], DK * DV * 2);
+    for (int cb = 0; cb < DV / 64; ++cb) tma_load_2d(smem + L::kS + cb * DK * 128, &mdh, &bar[1], 64 * cb, srow);
+  };
   if (tid == 0) {
     mbar_init(&bar[0], 1), mbar_init(&bar[1], 1);
     fence_barrier_init();
   }
   __syncthreads();
   if (tid == 0) {
-    mbar_expect_tx(&bar[0], kChunk * (2 * DK + 2 * DV) * 2 + DK * DV * 2);  // Q, K, V, dO, Hp
+    mbar_expect_tx(&bar[0], kChunk * (2 * DK + 2 * DV) * 2 + (kTree ? 0 : DK * DV * 2));  // Q, K, V, dO, Hp
     // bit i of `order`: input map i is swapped (input_map)
     auto in = [&](uint32_t off, const CUtensorMap* map, int i, int cb, int x) {
       load_rows(smem + off + cb * kChunk * 128, map, &bar[0], (order >> i) & 1, 64 * cb, r0, x);
@@ -68,7 +90,11 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     for (int cb = 0; cb < DK / 64; ++cb) in(L::kQ, &mq, 0, cb, h / a.q_div), in(L::kK, &mk, 1, cb, h / a.k_div);
     for (int cb = 0; cb < DV / 64; ++cb) {
       in(L::kV, &mv, 2, cb, h / a.v_div), in(L::kdO, &mdo, 3, cb, h);
-      tma_load_2d(smem + L::kS + cb * DK * 128, &mh, &bar[0], 64 * cb, srow);
+      if (!kTree) tma_load_2d(smem + L::kS + cb * DK * 128, &mh, &bar[0], 64 * cb, srow);
+    }
+    if (kTree) {  // the first level read, or dZ for chunk 0
+      if (n > 0) load_node(first_read_slot(sn, n));
+      else load_dh();
     }
     // the fp32 rows the epilogue adds (GradOut::add: the earlier primitives' dq, dk of a
     // composition), into L2 now rather than one dependent load per element at the end; dv's add
@@ -100,6 +126,10 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const float sc = float(a.scale), B = bs[kChunk - 1];
   const int i0 = 16 * w + g, i1 = i0 + 8;
   const float bi0 = bs[i0], bi1 = bs[i1];
+  const int64_t rowbase = int64_t(h) * a.Ttot + r0;  // row of chunk row 0 in dg, lam, dlam (times nL)
+  // kTree: lam of rows i0, i1 (rows >= nr read row nr - 1's; their products are zero)
+  const float* lam0 = kTree ? ta.lam + (rowbase + min(i0, nr - 1)) * ta.nL : nullptr;
+  const float* lam1 = kTree ? ta.lam + (rowbase + min(i1, nr - 1)) * ta.nL : nullptr;
   // P and dA: [C,dk]x[dk,C] and [C,dv]x[dv,C], masked and gated, to shared memory (16-bit)
   {
     float x[32], y[32];
@@ -109,6 +139,9 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     wg_commit();
     wg_wait<0>();
     fence_regs(x), fence_regs(y);
+    // kTree: this thread's part of dlam[i, l] = sum over the bucket l = bitlen(i xor j) of row i of
+    // dP o (scale Gamma o Q K^T), rows i0 (tl[0]) and i1 (tl[1])
+    float tl[2][kLogChunk + 1] = {};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -116,18 +149,38 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
         const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
         const float bi = hf ? bi1 : bi0;
         const bool in = i < nr;
-        const float g0 = in && col <= i ? mma::fexp(bi - bs[col]) : 0.f;
-        const float g1 = in && col + 1 <= i ? mma::fexp(bi - bs[col + 1]) : 0.f;
+        float g0 = in && col <= i ? mma::fexp(bi - bs[col]) : 0.f;
+        float g1 = in && col + 1 <= i ? mma::fexp(bi - bs[col + 1]) : 0.f;
+        float p0 = x[4 * j + 2 * hf] * sc * g0, p1 = x[4 * j + 2 * hf + 1] * sc * g1;
+        if constexpr (kTree) {
+          const float* lr = hf ? lam1 : lam0;
+          const int l0 = 32 - __clz(i ^ col), l1 = 32 - __clz(i ^ (col + 1));
+          const float t0 = y[4 * j + 2 * hf] * p0, t1 = y[4 * j + 2 * hf + 1] * p1;
+#pragma unroll
+          for (int l = 0; l <= kLogChunk; ++l) tl[hf][l] += (l0 == l ? t0 : 0.f) + (l1 == l ? t1 : 0.f);
+          const float w0 = g0 != 0.f ? lr[l0] : 0.f, w1 = g1 != 0.f ? lr[l1] : 0.f;
+          g0 *= w0, g1 *= w1, p0 *= w0, p1 *= w1;
+        }
         const uint32_t off = swz(kChunk, i, col);
-        *reinterpret_cast<uint32_t*>(smem + L::kP + off) =
-            mma::pack2<T>(x[4 * j + 2 * hf] * sc * g0, x[4 * j + 2 * hf + 1] * sc * g1);
+        *reinterpret_cast<uint32_t*>(smem + L::kP + off) = mma::pack2<T>(p0, p1);
         *reinterpret_cast<uint32_t*>(smem + L::kdA + off) =
             mma::pack2<T>(y[4 * j + 2 * hf] * g0, y[4 * j + 2 * hf + 1] * g1);
       }
+    if constexpr (kTree) {  // the row's buckets over the quad, written where non-empty (the others are never read)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0;
+#pragma unroll
+        for (int l = 0; l <= kLogChunk; ++l) {
+          float v = tl[hf][l];
+          v += __shfl_xor_sync(0xffffffffu, v, 1), v += __shfl_xor_sync(0xffffffffu, v, 2);
+          if (t == 0 && i < nr && (l == 0 || ((i >> (l - 1)) & 1))) ta.dlam[(rowbase + i) * ta.nL + l] = v;
+        }
+      }
+    }
     fence_async_smem();
     __syncthreads();
   }
-  const int64_t rowbase = int64_t(h) * a.Ttot + r0;
   // acc (N columns, the wgmma fragment) of rows < nr to the fp32 per-head buffer out [H][Ttot][N]
   // or the caller's tensor (GradOut; store_grad2)
   auto store = [&](float* out, const GradOut<T>& gt, const auto& acc) {
@@ -163,15 +216,55 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     }
   };
   float dc0 = 0.f, dc1 = 0.f;  // this thread's partial dc of rows i0, i1
+  uint32_t loads = 0;  // completed loads into the state buffer on bar[1] (kTree: the levels read)
   {  // dQ^ = diag(e^b) dO Hp^T + dA K: B = Hp K-major [dk][dv], K read MN-major
-    float acc[DK / 2], acc2[DK / 2];
-    wgmma_pair<T, DK, 0, 0, 0, 1>(acc, s0 + L::kdO, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kK);
-    __syncthreads();  // Hp read by every warp: dH may overwrite it
-    if (tid == 0) {
-      mbar_expect_tx(&bar[1], DK * DV * 2);  // dH
-      for (int cb = 0; cb < DV / 64; ++cb) tma_load_2d(smem + L::kS + cb * DK * 128, &mdh, &bar[1], 64 * cb, srow);
+    float acc[DK / 2];
+    if constexpr (kTree) {  // dA K, then per level read: acc += diag(lam^{p+m} e^{b+gap}) dO node_m^T
+      wg_fence();
+      wgmma_chain<T, DK, 0, 1>(acc, s0 + L::kdA, kChunk, s0 + L::kK, kChunk, kChunk / 16);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(acc);
+      for_each_read(ta, sn, n, h, a.H, [&](int m, int64_t, float gap) {
+        float y[DK / 2];  // [C,dv]x[dv,dk]: node_m K-major [dk][dv]
+        mbar_wait(&bar[1], loads & 1);
+        ++loads;
+        wg_fence();
+        wgmma_chain<T, DK, 0, 0>(y, s0 + L::kdO, kChunk, s0 + L::kS, DK, DV / 16);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(y);
+        __syncthreads();  // node_m read by every warp: the next level, or dZ, may overwrite it
+        if (tid == 0) {
+          if (const uint64_t above = uint64_t(n) >> m) {  // the next level read: the next set bit of n
+            const int m2 = m + 1 + ctz64u(above);
+            load_node(sn.slot(m2, (n >> (m2 - 1)) - 1));
+          } else {
+            load_dh();
+          }
+        }
+        const float f0 = mma::fexp(bi0 + gap), f1 = mma::fexp(bi1 + gap);
+        const float c0 = lam0[kLogChunk + m] * f0, c1 = lam1[kLogChunk + m] * f1;
+#pragma unroll
+        for (int j = 0; j < DK / 8; ++j)
+          acc[4 * j] += c0 * y[4 * j], acc[4 * j + 1] += c0 * y[4 * j + 1], acc[4 * j + 2] += c1 * y[4 * j + 2],
+              acc[4 * j + 3] += c1 * y[4 * j + 3];
+        float d0 = 0.f, d1 = 0.f;  // dlam[i, p+m] = scale e^{b_i+gap} q^_i . (dO node_m^T)_i
+        dot_rows(y, L::kQ, d0, d1);
+        d0 += __shfl_xor_sync(0xffffffffu, d0, 1), d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
+        d1 += __shfl_xor_sync(0xffffffffu, d1, 1), d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
+        if (t == 0) {
+          if (i0 < nr) ta.dlam[(rowbase + i0) * ta.nL + kLogChunk + m] = sc * f0 * d0;
+          if (i1 < nr) ta.dlam[(rowbase + i1) * ta.nL + kLogChunk + m] = sc * f1 * d1;
+        }
+      });
+    } else {
+      float acc2[DK / 2];
+      wgmma_pair<T, DK, 0, 0, 0, 1>(acc, s0 + L::kdO, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kK);
+      __syncthreads();  // Hp read by every warp: dH may overwrite it
+      if (tid == 0) load_dh();
+      combine(acc, acc2, mma::fexp(bi0), mma::fexp(bi1), 1.f);
     }
-    combine(acc, acc2, mma::fexp(bi0), mma::fexp(bi1), 1.f);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kQ, d0, d1);
     dc0 += sc * d0, dc1 += sc * d1;
@@ -199,17 +292,41 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   const float w0 = mma::fexp(B - bi0), w1 = mma::fexp(B - bi1);
   constexpr bool fold = kFold;  // the value is the key (a.value_is_key): dk gains dv, no dv written
   static_assert(!kFold || DK == DV, "the value is the key only when dk = dv");
-  mbar_wait(&bar[1], 0);
-  float dpart = 0.f;  // this thread's part of <dH, H_end>
+  mbar_wait(&bar[1], loads & 1);
+  // kTree with a final-state cotangent: the last partial chunk's rows gain fin [C][d] (fp32, per
+  // (sequence, head); loglinear_final_bwd_kernel) in dk (with kdot += k . fin, for ta.rho) and dv
+  const bool fin_rows = kTree && ta.fin_dk && nr < kChunk;
+  auto add_fin = [&](auto& acc, const float* fin, float* kdot) {
+    constexpr int N = int(sizeof(acc) / sizeof(float)) * 2;
+    const float* base = fin + (int64_t(seq) * a.H + h) * kChunk * N;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
+        if (i < nr) {
+          const float2 x = *reinterpret_cast<const float2*>(base + int64_t(i) * N + col);
+          acc[4 * j + 2 * hf] += x.x, acc[4 * j + 2 * hf + 1] += x.y;
+          if (kdot) {
+            const float2 k = mma::unpack2<T>(*reinterpret_cast<const uint32_t*>(smem + L::kK + swz(kChunk, i, col)));
+            *kdot += k.x * x.x + k.y * x.y;
+          }
+        }
+      }
+  };
+  // this thread's part of <dH, H_end> (kTree: of ta.rho, the state-write term alone)
+  const bool part = !kTree || ta.rho;
+  float dpart = 0.f;
   {  // dK = diag(w) V dH^T + scale dA^T Q^: dH K-major [dk][dv]; dA and Q read MN-major
     float acc[DK / 2], acc2[DK / 2];
     wgmma_pair<T, DK, 0, 0, 1, 1>(acc, s0 + L::kV, kChunk, s0 + L::kS, DK, DV / 16, acc2, s0 + L::kdA, s0 + L::kQ);
-    {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
+    if (part) {  // sum_j w_j k_j . (V dH^T)_j, the state write's part of <dH, H_end>
       float d0 = 0.f, d1 = 0.f;
       dot_rows(acc, L::kK, d0, d1);
       dpart += w0 * d0 + w1 * d1;
     }
     combine(acc, acc2, w0, w1, sc);
+    if (fin_rows) add_fin(acc, ta.fin_dk, part ? &dpart : nullptr);
     float d0 = 0.f, d1 = 0.f;
     dot_rows(acc, L::kK, d0, d1);  // dc reads the key-role gradient alone
     dc0 -= d0, dc1 -= d1;
@@ -230,11 +347,12 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     float acc[DV / 2], acc2[DV / 2];
     wgmma_pair<T, DV, 0, 1, 1, 1>(acc, s0 + L::kK, kChunk, s0 + L::kS, DK, DK / 16, acc2, s0 + L::kP, s0 + L::kdO);
     combine(acc, acc2, w0, w1, 1.f);
+    if (fin_rows) add_fin(acc, ta.fin_dv, nullptr);
     store(a.dv_, a.dv_out, acc);
   }
   dc0 += __shfl_xor_sync(0xffffffffu, dc0, 1), dc0 += __shfl_xor_sync(0xffffffffu, dc0, 2);
   dc1 += __shfl_xor_sync(0xffffffffu, dc1, 1), dc1 += __shfl_xor_sync(0xffffffffu, dc1, 2);
-  {  // e^B <dH, Hp>: 16-byte pieces p = tid + 128 x of the [DK][DV] state, row p / (DV / 8), columns
+  if constexpr (!kTree) {  // e^B <dH, Hp>: 16-byte pieces p = tid + 128 x of the [DK][DV] state, row p / (DV / 8), columns
      // 8 (p % (DV / 8)) .. +8: Hp from hbuf (coalesced), dH from its swizzled tile
     constexpr int kUnits = DV / 8, kPieces = DK * kUnits / kSm90Threads;
     static_assert(kPieces * kSm90Threads == DK * kUnits, "whole 16-byte pieces per thread");
@@ -264,11 +382,13 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
   if (lane == 0) red[kChunk + w] = dpart;
   __syncthreads();
   const float D = red[kChunk] + red[kChunk + 1] + red[kChunk + 2] + red[kChunk + 3];
-  if (a.dg_rows) {  // the rows' dc, the last row's with <dH, H_end>
+  if (kTree || a.dg_rows) {  // the rows' dc, the last row's with <dH, H_end> (kTree: D to ta.rho)
+    const float Dl = kTree ? 0.f : D;
     if (t == 0) {
-      if (i0 < nr) a.dg[rowbase + i0] = dc0 + (i0 == nr - 1 ? D : 0.f);
-      if (i1 < nr) a.dg[rowbase + i1] = dc1 + (i1 == nr - 1 ? D : 0.f);
+      if (i0 < nr) a.dg[rowbase + i0] = dc0 + (i0 == nr - 1 ? Dl : 0.f);
+      if (i1 < nr) a.dg[rowbase + i1] = dc1 + (i1 == nr - 1 ? Dl : 0.f);
     }
+    if (kTree && ta.rho && tid == 0) ta.rho[cg * a.H + h] = D;
   } else if (w == 0) {
     chunk_dg(a.dg + rowbase, 2 * lane < nr ? red[2 * lane] : 0.f, 2 * lane + 1 < nr ? red[2 * lane + 1] : 0.f, D, nr);
   }
@@ -281,35 +401,42 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
 }  // namespace
 
 // Once gla.cu has chosen this tier (heuristics::gla_sm90_bwd_chunk: dk, dv of 64 or 128, the
-// per-chunk states given); false where this device does not run the build's sm_90a code or TMA
-// cannot describe the operands.
+// per-chunk states given, or the tree's nodes and dZ); false where this device does not run the
+// build's sm_90a code or TMA cannot describe the operands.
 template <class T>
-bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream) {
+bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
   const int dk = a.dk, dv = a.dv;
   auto pick = [&](auto kernel, size_t bytes) -> bool {
     if (!ready_sm90(kernel, bytes)) return false;
     if (dry_run()) return true;  // dry run: workspace_size (no workspace either way)
-    // q, k, v, dO: input_map; hbuf, dhbuf: state_map
+    // q, k, v, dO: input_map; hbuf, dhbuf (the tree: node16, dz16): state_map
     CUtensorMap m[6];
     unsigned order = 0;
     bool sw_do = false;
+    const T* st = tree ? static_cast<const T*>(tree->node16) : a.hbuf;
+    const T* dst = tree ? static_cast<const T*>(tree->dz16) : a.dhbuf;
     if (!qkv_maps(a, m, order) || !input_map(&m[3], sw_do, a.dO, a.dO_ld, a.dO_hs, dv, a.H, a.Ttot) ||
-        !state_map(&m[4], a, a.hbuf, dk) || !state_map(&m[5], a, a.dhbuf, dk))
+        !state_map(&m[4], a, st, dk, tree ? tree->slots : a.nchunks) || !state_map(&m[5], a, dst, dk))
       return false;
     order |= unsigned(sw_do) << 3;
     kernel<<<dim3(unsigned(a.nchunks), unsigned(a.H)), kSm90Threads, bytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
-                                                                                       m[5], order, a);
+                                                                                       m[5], order, a,
+                                                                                       tree ? *tree : TreeArgs{});
     HILA_CUDA_CHECK_LAUNCH();
     return true;
   };
   return HILA_HEADDIM_SWITCH(dk, DK, [&] {
+    if (tree)  // dk and dv apart (bwd_chunk_sm80.cu's tree form does not fold either)
+      return HILA_HEADDIM_SWITCH(dv, DV, [&] {
+        return pick(bwd_chunk_sm90_kernel<T, DK, DV, false, true>, BwdSm90Layout<DK, DV>::kBytes);
+      });
     if (a.value_is_key)  // the inner S primitive: dk = dv
       return pick(bwd_chunk_sm90_kernel<T, DK, DK, true>, BwdSm90Layout<DK, DK>::kBytes);
     return HILA_HEADDIM_SWITCH(dv, DV, [&] { return pick(bwd_chunk_sm90_kernel<T, DK, DV>, BwdSm90Layout<DK, DV>::kBytes); });
   });
 }
 
-template bool gla_bwd_chunk_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t);
-template bool gla_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t);
+template bool gla_bwd_chunk_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, cudaStream_t, const TreeArgs*);
+template bool gla_bwd_chunk_sm90<__half>(const GlaArgs<__half>&, cudaStream_t, const TreeArgs*);
 
 }  // namespace hila::cuda

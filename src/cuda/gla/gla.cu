@@ -6,10 +6,12 @@
 //   fp32 / fp64:  the portable tier (sweep_portable.cu, bwd_chunk_portable.cu).
 //   bf16 / fp16:  per stage, sm90 (TMA + wgmma) where heuristics.h chooses it, else sm80
 //                 (mma.sync): sweep, fused forward, chunk gradients; the output kernel is sm80's.
+#include <algorithm>
 #include <optional>
 
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/gla.cuh"
+#include "cuda/loglinear/tree.cuh"
 #include "cuda/runtime/config.h"
 #include "cuda/runtime/runtime.cuh"
 
@@ -58,9 +60,11 @@ void gla_fused_forward(const GlaArgs<T>& a, cudaStream_t stream) {
 template <class T>
 bool gla_bwd_chunk(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
   if (a.nchunks == 0) return true;
-  if (!tree &&
-      heuristics::gla_sm90_bwd_chunk(a.dk, a.dv, a.hbuf && a.dhbuf, a.Ttot, a.nchunks, a.H, config().gla_sm90) &&
-      gla_bwd_chunk_sm90(a, stream))
+  // the tree form's state rows: its node slots (TreeArgs::slots) as well as dZ's nchunks
+  const bool states = tree ? tree->node16 && tree->dz16 : a.hbuf && a.dhbuf;
+  const int64_t state_count = tree ? std::max(a.nchunks, tree->slots) : a.nchunks;
+  if (heuristics::gla_sm90_bwd_chunk(a.dk, a.dv, states, a.Ttot, state_count, a.H, config().gla_sm90) &&
+      gla_bwd_chunk_sm90(a, stream, tree))
     return true;
   if (!a.dq_out.rstd) {
     gla_bwd_chunk_sm80(a, stream, tree);

@@ -205,7 +205,7 @@ bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, 
 template <class T>
 bool gla_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
-bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream);
+bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
 
 // Effective layout of an operand with d (padded) columns.
 __host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }

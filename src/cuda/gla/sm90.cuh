@@ -105,11 +105,13 @@ bool qkv_maps(const GlaArgs<T>& a, CUtensorMap* m, unsigned& order) {
   return true;
 }
 
-// Per-chunk 16-bit states (hbuf, dhbuf: [nchunks][H][dk][dv]) as a 2-d tensor map [nchunks*H*dk][dv],
-// box {64 columns, rows}: rows = dk, one chunk's and head's rows, or 64, a slab of them.
+// Per-chunk 16-bit states (hbuf, dhbuf: [nchunks][H][dk][dv]; states = nchunks, or the tree's node
+// slots for ta.node16) as a 2-d tensor map [states*H*dk][dv], box {64 columns, rows}: rows = dk, one
+// chunk's and head's rows, or 64, a slab of them.
 template <class T>
-bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p, int rows) {
-  const uint64_t dims[2] = {uint64_t(a.dv), uint64_t(a.nchunks * a.H * a.dk)}, strides[1] = {uint64_t(a.dv)};
+bool state_map(CUtensorMap* map, const GlaArgs<T>& a, const T* p, int rows, int64_t states = -1) {
+  if (states < 0) states = a.nchunks;
+  const uint64_t dims[2] = {uint64_t(a.dv), uint64_t(states * a.H * a.dk)}, strides[1] = {uint64_t(a.dv)};
   const uint32_t box[2] = {64, uint32_t(rows)};
   return sm90::encode_tile_map(map, std::is_same_v<T, __half>, p, 2, dims, strides, box);
 }

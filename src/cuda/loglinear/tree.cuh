@@ -88,6 +88,7 @@ struct TreeArgs {
   float* dlam = nullptr;       // [H][Ttot][nL] (backward)
   int nL = 1;
   const void* node16 = nullptr;  // [slots][H][dk][dv] 16-bit GEMM-operand copies of the nodes
+  int64_t slots = 0;             // node slots of node16 (and beta)
   const void* dz16 = nullptr;    // [nchunks][H][dk][dv] 16-bit dZ = dnode_1 after the push-down (backward)
   const float* beta = nullptr;   // [slots][H]
   // sequences from chunk-aligned n0 > 0: a0 = n0 / C and the node bases per

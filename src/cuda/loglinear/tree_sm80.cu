@@ -396,8 +396,9 @@ struct Tree {
       lstk = std::max(lstk, sn.top() + 1);
       max_nc = std::max(max_nc, sn.nc);
     }
-    // one thread per four state elements per (sequence, head) in one pass
-    const int64_t threads = (int64_t(a.p.dk) * a.p.dv / 4 + 255) / 256 * 256 * a.p.N * a.p.H;
+    // one pass's threads: blocks of kTreeThreads, one thread per four state elements, per (sequence, head)
+    const int64_t threads =
+        (int64_t(a.p.dk) * a.p.dv / 4 + kTreeThreads - 1) / kTreeThreads * kTreeThreads * a.p.N * a.p.H;
     seg = heuristics::loglinear_tree_segment(shifted, max_nc, threads, sm_count(), config().loglinear_tree_segment);
     while (seg > 0 && ((max_nc - 1) >> seg) >= 65535) ++seg;  // grid z
     nseg = unsigned(seg > 0 ? std::max<int64_t>(1, ((max_nc - 1) >> seg) + 1) : 1);
@@ -409,7 +410,7 @@ struct Tree {
     }
     beta = DevBuf<float>(size_t(slots * a.p.H), s);
     node16 = DevBuf<T>(size_t(slots * a.p.H * a.p.dk * a.p.dv), s);
-    ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.Ls = a.Ls, ta.node16 = node16.get(), ta.beta = beta.get();
+    ta.lam = a.lam, ta.dlam = a.dlam, ta.nL = a.nL, ta.Ls = a.Ls, ta.node16 = node16.get(), ta.slots = slots, ta.beta = beta.get();
   }
 };
 
