@@ -51,7 +51,8 @@ OUT=build/emu JOBS="$(nproc)" bash tools/cuda_emu/run.sh "${HILA_EMU_FILTER:-$EM
 # The Hopper kernels (TMA + wgmma, src/cuda/gla/*_sm90.cu) on the same emulator: its host versions
 # of the sm_90a pieces (tools/cuda_emu/shim/cuda/sm90_emu.h): sweeps, backward chunk kernel and
 # fused forward (with its TMA stores of the chunk states), with strided views, varlen, the HLA
-# gradient sums, chunks shorter than the 64-row tiles, the log-linear tree build and resets; the
+# gradient sums, chunks shorter than the 64-row tiles, the log-linear tree build and the tree form's
+# backward chunk kernel (level reads, a final-state cotangent, an initial state) and resets; the
 # delta rule's state sweeps (src/cuda/delta/sweep_sm90.cu) and loglinear_gdn's level sweeps
 # (src/cuda/delta/loglinear_gdn_sm90.cu), forced by the cases.
 EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init_sm90:'\
@@ -64,6 +65,8 @@ EMU_SM90='Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_d128_T65_init
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/hla2_bf16_varlen_init_chunk32:'\
 'Shapes/CudaOps.ForwardBackwardMatchNaiveFloat64/gla_bf16_dk128_dv64_gqa4_sm90_chunk32:'\
 'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d128_T300_tree_sweep_sm90:'\
+'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T130_tree_final:'\
+'Shapes/CudaLogLinear.ForwardBackwardMatchNaiveFloat64/loglinear_bf16_d64_T300_init192_tree_final:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/gdn_bf16_d128_T65_sm90:'\
 'Shapes/CudaDelta.ForwardBackwardMatchFloat64Oracle/loglinear_gdn_bf16_d128_T130_train_sm90:'\
 'Ops/CudaResetGates.*/gla_bf16_sm90'
