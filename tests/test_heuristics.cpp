@@ -88,14 +88,16 @@ TEST(Config, PoisonScratchIsOnForAnySetValueButEmptyAndZero) {
 
 TEST(Config, Sm90KernelList) {
   const Config one = parse({{"HILA_GLA_SM90", "1"}});
-  EXPECT_TRUE(one.gla_sm90.sweep && one.gla_sm90.bwd && one.gla_sm90.fwd && one.gla_sm90.forced);
+  EXPECT_TRUE(one.gla_sm90.sweep && one.gla_sm90.bwd && one.gla_sm90.fwd && one.gla_sm90.wkv && one.gla_sm90.forced);
   const Config none = parse({{"HILA_GLA_SM90", "0"}});
-  EXPECT_FALSE(none.gla_sm90.sweep || none.gla_sm90.bwd || none.gla_sm90.fwd || none.gla_sm90.forced);
+  EXPECT_FALSE(none.gla_sm90.sweep || none.gla_sm90.bwd || none.gla_sm90.fwd || none.gla_sm90.wkv ||
+               none.gla_sm90.forced);
   const Config empty = parse({{"HILA_GLA_SM90", ""}});
   EXPECT_FALSE(empty.gla_sm90.sweep || empty.gla_sm90.bwd || empty.gla_sm90.fwd);
   const Config list = parse({{"HILA_GLA_SM90", "bwd,fwd"}});
-  EXPECT_FALSE(list.gla_sm90.sweep);
+  EXPECT_FALSE(list.gla_sm90.sweep || list.gla_sm90.wkv);
   EXPECT_TRUE(list.gla_sm90.bwd && list.gla_sm90.fwd);
+  EXPECT_TRUE(parse({{"HILA_GLA_SM90", "sweep,wkv"}}).gla_sm90.wkv);
   EXPECT_FALSE(list.gla_sm90.forced);
   const Config prefix = parse({{"HILA_GLA_SM90", "sweeps,bw"}});  // whole words only
   EXPECT_FALSE(prefix.gla_sm90.sweep || prefix.gla_sm90.bwd || prefix.gla_sm90.fwd);
@@ -200,10 +202,13 @@ TEST(Heuristics, LogLinear) {
   EXPECT_FALSE(h::loglinear_tree(true, 64, 144, true));
   EXPECT_FALSE(h::loglinear_tree(true, 64, 64, false));  // HILA_LOGLINEAR_TREE=0
   // the tree build in the sweep from half the SMs
-  EXPECT_TRUE(h::loglinear_tree_build_in_sweep(66, 132, Force::automatic));
-  EXPECT_FALSE(h::loglinear_tree_build_in_sweep(65, 132, Force::automatic));
-  EXPECT_TRUE(h::loglinear_tree_build_in_sweep(1, 132, Force::on));
-  EXPECT_FALSE(h::loglinear_tree_build_in_sweep(1000, 132, Force::off));
+  using h::TreeBuild;
+  EXPECT_EQ(h::loglinear_tree_build(66, 132, 5, Force::automatic), TreeBuild::sweep);
+  EXPECT_EQ(h::loglinear_tree_build(65, 132, 5, Force::automatic), TreeBuild::sweep_segments);
+  EXPECT_EQ(h::loglinear_tree_build(65, 132, 0, Force::automatic), TreeBuild::chunks);
+  EXPECT_EQ(h::loglinear_tree_build(1, 132, 0, Force::on), TreeBuild::sweep);
+  EXPECT_EQ(h::loglinear_tree_build(1, 132, 2, Force::on), TreeBuild::sweep_segments);
+  EXPECT_EQ(h::loglinear_tree_build(1000, 132, 5, Force::off), TreeBuild::chunks);
   // the tree passes in segments of 32 chunks: sequences from 0, at least 128 chunks, fewer threads
   // in one pass than twice the SMs hold
   EXPECT_EQ(h::loglinear_tree_segment(false, 1024, 65536, 132, -1), 5);    // 1 x 64K, H = 16, 128 x 128

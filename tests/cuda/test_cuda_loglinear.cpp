@@ -40,7 +40,7 @@ struct LlCase {
   bool final_state = false;
   bool d_init = true;  // with init_pos: d_init is asked for
   // HILA_GLA_SM90 for the call: "1" builds the tree with the sm_90a sweep on Hopper at any block
-  // count (with tree_sweep "1")
+  // count (with tree_sweep "1"); a list without "wkv" keeps the backward's sums on the sm80 kernel
   const char* sm90 = nullptr;
   // HILA_LOGLINEAR_TREE_SEGMENT for the call: the tree's up pass and push-down in segments of 2^s
   // chunks; other than "0", the results are also compared bit for bit with one pass ("0")
@@ -147,23 +147,44 @@ std::vector<LlCase> cases() {
     x.name += "_sm90";
     cs.push_back(x);
   }
-  // the tree's up pass and push-down in segments of 2^s chunks (every sequence from 0): segments of 2,
-  // 4 and 8 chunks, partial last segments, a prefill's pending nodes, varlen with empty and short
-  // sequences, reading ranges in parts (130 chunks), the build in the sweep (the push-down only)
-  const std::vector<std::pair<const char*, const char*>> segs = {
-      {"bf16_d64_T1000_tree", "1"},           {"bf16_d64_T1000_tree", "2"},
-      {"bf16_d64_T1000_tree", "3"},           {"bf16_d64_T1000_tree_final", "2"},
-      {"bf16_d64_T130_tree_final", "1"},      {"bf16_varlen_gqa4_dv40_tree", "1"},
-      {"bf16_varlen_gqa4_dv40_tree_final", "2"}, {"bf16_d64_T8257_tree", "3"},
-      {"bf16_d64_T8257_tree", "0"},           {"bf16_varlen_long_tree_final", "2"},
-      {"bf16_d64_T1000_tree_sweep", "2"},     {"bf16_d128_T300_tree", "1"}};
-  for (const auto& [tag, seg] : segs) {
+  // the backward's node-cotangent sums on the sm80 kernel where the sm90 one runs by default
+  // (HILA_GLA_SM90 without "wkv"): reading ranges whole and in parts (varlen_long)
+  for (const char* tag : {"bf16_d64_T1000_tree", "bf16_varlen_long_tree"}) {
     const std::string n = name(ll, tag);
     const auto it = std::find_if(cs.begin(), cs.end(), [&](const LlCase& x) { return x.name == n; });
     if (it == cs.end()) throw std::logic_error("no case " + n);
     LlCase x = *it;
-    x.segment = seg;
-    x.name += std::string("_seg") + seg;
+    x.sm90 = "sweep,bwd,fwd";
+    x.name += "_sm80wkv";
+    cs.push_back(x);
+  }
+  // the tree in segments of 2^s chunks (every sequence from 0): the build in the sweep per segment
+  // (the default at these block counts; "1" forces it too) and the up pass above the roots, or
+  // chunk-parallel ("0": the up pass in segments too), and the push-down in segments: segments of 2,
+  // 4 and 8 chunks, partial last segments, a prefill's pending nodes, varlen with empty and short
+  // sequences, reading ranges in parts (130 chunks), the sm_90a sweep
+  struct Seg {
+    const char *tag, *seg, *sweep;
+  };
+  const std::vector<Seg> segs = {
+      {"bf16_d64_T1000_tree", "1", nullptr},  {"bf16_d64_T1000_tree", "2", nullptr},
+      {"bf16_d64_T1000_tree", "3", nullptr},  {"bf16_d64_T1000_tree_final", "2", nullptr},
+      {"bf16_d64_T130_tree_final", "1", nullptr}, {"bf16_varlen_gqa4_dv40_tree", "1", nullptr},
+      {"bf16_varlen_gqa4_dv40_tree_final", "2", nullptr}, {"bf16_d64_T8257_tree", "3", nullptr},
+      {"bf16_d64_T8257_tree", "0", nullptr},  {"bf16_varlen_long_tree_final", "2", nullptr},
+      {"bf16_d64_T1000_tree_sweep", "2", nullptr}, {"bf16_d128_T300_tree", "1", nullptr},
+      {"bf16_d64_T1000_tree_sweep_final_sm90", "2", nullptr}, {"bf16_d64_T1000_tree_sweep_sm90", "3", nullptr},
+      {"bf16_d128_T300_tree_sweep_sm90", "1", nullptr},
+      {"bf16_d64_T1000_tree", "2", "0"},      {"bf16_d64_T130_tree_final", "1", "0"},
+      {"bf16_varlen_gqa4_dv40_tree_final", "2", "0"}, {"bf16_d64_T8257_tree", "3", "0"}};
+  for (const Seg& sg : segs) {
+    const std::string n = name(ll, sg.tag);
+    const auto it = std::find_if(cs.begin(), cs.end(), [&](const LlCase& x) { return x.name == n; });
+    if (it == cs.end()) throw std::logic_error("no case " + n);
+    LlCase x = *it;
+    x.segment = sg.seg;
+    if (sg.sweep) x.tree_sweep = sg.sweep;
+    x.name += std::string("_seg") + sg.seg + (sg.sweep ? std::string("_chunks") : std::string());
     cs.push_back(x);
   }
   // from a state at position 0 (no shift: segments) with a final-state cotangent
@@ -252,14 +273,14 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.d_init = {};
   if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
   p.cfg.check_values = true;
-  auto run = [&](const char* segment) {
+  auto run = [&](const char* segment, const char* tree_sweep) {
     ScopedEnv se("HILA_LOGLINEAR_TREE_SEGMENT", segment);
     return with_env("HILA_GLA_SM90", c.sm90, [&] {
-      const std::string e = with_env("HILA_LOGLINEAR_TREE_SWEEP", c.tree_sweep, [&] { backward(p); });
+      const std::string e = with_env("HILA_LOGLINEAR_TREE_SWEEP", tree_sweep, [&] { backward(p); });
       if (!e.empty()) throw std::runtime_error(e);
     });
   };
-  ASSERT_EQ(run(c.segment), "") << "backward threw";
+  ASSERT_EQ(run(c.segment, c.tree_sweep), "") << "backward threw";
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const double floor_g = dg_floor(ref_in.q, ref.dq, ref_in.k, ref.dk, s.dk);  // see dg_floor
@@ -290,7 +311,8 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
     if (init && c.d_init) outs.push_back({"dH0", &dh0});
     std::vector<Buffer> seg;
     for (const auto& x : outs) seg.push_back(x.second->fetch());
-    ASSERT_EQ(run("0"), "") << "backward in one pass threw";
+    // one pass of the same build: the sweep (whole sequences) unless the case forces chunk-parallel
+    ASSERT_EQ(run("0", c.tree_sweep ? c.tree_sweep : "1"), "") << "backward in one pass threw";
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (size_t i = 0; i < outs.size(); ++i)
       EXPECT_TRUE(seg[i].bytes == outs[i].second->fetch().bytes) << outs[i].first << ": segments against one pass";

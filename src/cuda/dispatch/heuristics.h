@@ -114,13 +114,19 @@ constexpr bool loglinear_tree(bool tensor_core, int dk, int dv, bool knob) {
   return tensor_core && knob && dk >= 32 && dk <= 128 && dv <= 128;
 }
 
-// The tree's nodes built inside the state sweep (one block per (sequence x head, 64 x 64 tile),
-// `sweep_blocks` of them) or chunk-parallel (Z per chunk, then the levels): the sweep once its
-// blocks fill at least half the SMs (tree_sweep_chunk_ab_h200_2026-12-02.csv).
-// HILA_LOGLINEAR_TREE_SWEEP=0|1 forces the choice.
-constexpr bool loglinear_tree_build_in_sweep(int64_t sweep_blocks, int64_t sms, Force knob) {
-  if (knob != Force::automatic) return knob == Force::on;
-  return 2 * sweep_blocks >= sms;
+// How the tree's nodes are built: in the state sweep, one block per (sequence x head, 64 x 64 tile),
+// `sweep_blocks` of them, along whole sequences (sweep) or along segments of 2^seg chunks, the
+// levels above by the up pass from the segments' roots (sweep_segments; seg > 0, from
+// loglinear_tree_segment); or chunk-parallel (Z per chunk, then the up pass: chunks). The whole
+// sweep once its blocks fill at least half the SMs (tree_sweep_chunk_ab_h200_2026-12-02.csv), else
+// the sweep in segments where there are segments. HILA_LOGLINEAR_TREE_SWEEP=0 forces chunks, =1 the
+// sweep (in segments where seg > 0).
+enum class TreeBuild { chunks, sweep, sweep_segments };
+constexpr TreeBuild loglinear_tree_build(int64_t sweep_blocks, int64_t sms, int seg, Force knob) {
+  if (knob == Force::off) return TreeBuild::chunks;
+  if (knob == Force::on) return seg > 0 ? TreeBuild::sweep_segments : TreeBuild::sweep;
+  if (2 * sweep_blocks >= sms) return TreeBuild::sweep;
+  return seg > 0 ? TreeBuild::sweep_segments : TreeBuild::chunks;
 }
 
 // The tree's up pass and push-down (elementwise, one thread per four state elements per (sequence,
@@ -141,6 +147,13 @@ constexpr int loglinear_tree_segment(bool shifted, int64_t max_chunks, int64_t t
 // call has at most nc chunks, the length of the tree sweep).
 constexpr bool loglinear_tree_parts(bool shifted, int64_t Ttot, int64_t N, int64_t chunk) {
   return !shifted && Ttot / chunk + N <= (int64_t(1) << 20);
+}
+
+// sm90 tier of the log-linear tree backward's read sums (loglinear/wkv_sm90.cu: TMA + wgmma, value
+// tiles of 128 columns where dv allows) in place of the sm80 kernel, for dk and dv multiples of 64.
+// HILA_GLA_SM90=0, or a list without "wkv", keeps the sm80 kernel.
+constexpr bool loglinear_wkv_sm90(int dk, int dv, int64_t Ttot, const Sm90Kernels& k) {
+  return k.wkv && dk % 64 == 0 && dv % 64 == 0 && tma_rows_fit(Ttot, 64);
 }
 
 // Bytes of stored live levels a forward-only segment-sweep call may allocate to run its outputs

@@ -35,12 +35,12 @@ void gla_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
 }
 
 template <class T>
-void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
-  if (heuristics::gla_sm90_sweep(a.dk, a.dv, a.Ttot, a.nchunks, a.H, int64_t(a.N) * a.H, device_info(),
+void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg, cudaStream_t stream) {
+  if (heuristics::gla_sm90_sweep(a.dk, a.dv, a.Ttot, a.nchunks, a.H, int64_t(a.N) * a.H * nseg, device_info(),
                                  config().gla_sm90) &&
-      gla_tree_sweep_sm90(a, ta, stack, lstk, stream))
+      gla_tree_sweep_sm90(a, ta, stack, lstk, nseg, stream))
     return;
-  gla_tree_sweep_sm80(a, ta, stack, lstk, stream);
+  gla_tree_sweep_sm80(a, ta, stack, lstk, nseg, stream);
 }
 
 template <class T>
@@ -140,7 +140,7 @@ HILA_FOR_EACH_DTYPE(HILA_INSTANTIATE)
 #undef HILA_INSTANTIATE
 #define HILA_INSTANTIATE(T)                                                                             \
   template void gla_sweep<T>(const GlaArgs<T>&, bool, cudaStream_t);                                    \
-  template void gla_tree_sweep<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, cudaStream_t);        \
+  template void gla_tree_sweep<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, unsigned, cudaStream_t); \
   template void gla_output<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);                         \
   template void gla_fused_forward<T>(const GlaArgs<T>&, cudaStream_t);                                  \
   template bool gla_bwd_chunk<T>(const GlaArgs<T>&, cudaStream_t, const TreeArgs*);

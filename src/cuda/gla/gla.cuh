@@ -147,15 +147,16 @@ void gla_chunk_cumsum(const GlaArgs<T>& a, Acc<T>* b, cudaStream_t stream);
 template <class T>
 void gla_sweep(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
 // the log-linear tree built by the sweep (loglinear/tree.cuh; needs ta.beta, writes ta.node16): one
-// block per (sequence x head, 64 x 64 state tile), gla_sweep_blocks of them, with a per-block fp32
-// level stack of lstk levels (gla_tree_sweep_stack floats);
+// block per (sequence x head, 64 x 64 state tile), gla_sweep_blocks of them, times nseg with
+// segments (TreeArgs::seg; nseg segments in the longest sequence), with a per-block fp32 level
+// stack of lstk levels (gla_tree_sweep_stack floats);
 struct TreeArgs;
 template <class T>
-void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg, cudaStream_t stream);
 template <class T>
 int64_t gla_sweep_blocks(const GlaArgs<T>& a);
 template <class T>
-size_t gla_tree_sweep_stack(const GlaArgs<T>& a, int lstk);
+size_t gla_tree_sweep_stack(const GlaArgs<T>& a, int lstk, unsigned nseg);
 // the chunk-parallel output kernel, which reads hbuf (with `tree`: the tree's nodes, and the intra
 // block carries lam);
 template <class T>
@@ -188,7 +189,8 @@ size_t gla_bwd_chunk_portable_smem(int dk, int dv);
 template <class T>
 void gla_sweep_sm80(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
 template <class T>
-void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg,
+                         cudaStream_t stream);
 template <class T>
 void gla_output_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree);
 template <class T>
@@ -201,7 +203,8 @@ void gla_bwd_chunk_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs
 template <class T>
 bool gla_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream);
 template <class T>
-bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream);
+bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg,
+                         cudaStream_t stream);
 template <class T>
 bool gla_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>

@@ -37,6 +37,30 @@ __device__ __forceinline__ void wgmma_pair(float (&acc)[N / 2], uint32_t a1, int
   wg_wait<0>();
   fence_regs(acc), fence_regs(acc2);
 }
+
+// (key o w)^T as register A fragments of wgmma_rs: fa[kk] holds warp w's rows (key columns 16w..,
+// of the swizzled [C][64] key block at `tile`, read transposed by ldmatrix) and tokens 16kk..,
+// token k scaled by wt(k); tokens k >= nr are zero.
+template <class T, class W>
+__device__ __forceinline__ void scaled_key_frags(uint32_t (&fa)[4][4], const char* tile, int w, int lane, int nr,
+                                                 W&& wt) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int row = 16 * kk + (lane & 7) + ((lane >> 4) << 3), col = 16 * w + (((lane >> 3) & 1) << 3);
+    mma::ldsm_x4_t(fa[kk], tile + sm90::swz(kChunk, row, col));
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int k = 16 * kk + 2 * t + 8 * hf;
+      const float w0 = wt(k), w1 = wt(k + 1);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const float2 x = mma::unpack2<T>(fa[kk][2 * hf + m]);
+        fa[kk][2 * hf + m] = mma::pack2<T>(k < nr ? x.x * w0 : 0.f, k + 1 < nr ? x.y * w1 : 0.f);
+      }
+    }
+  }
+}
 #endif
 
 // A 16-bit input (q, k, v or dO) as a 3-d tensor map: columns, then rows and heads in increasing

@@ -29,6 +29,8 @@ constexpr int kThreads = 128;          // 4 warps; warp w owns rows [16w, 16w+16
 // thread's own accumulator elements per level in fp32 (`stack`, lstk levels per block), so it
 // needs no barriers. Only full chunks enter the tree (a partial last chunk is read by no chunk);
 // with ta.pend the pending nodes at the end go there (the final state's levels above the chunk).
+// With ta.seg > 0 one block per segment of 2^seg chunks (grid x: segment major, then sequence x
+// head), whose climb stops at the segment's root (tree_close).
 // Pipeline depth of the sweep: chunk i+2's operands (and gates) are in flight while chunk i is used.
 constexpr int kStages = 3;
 struct SweepStage {
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
   auto bs = [&](int st) { return reinterpret_cast<float*>(smem + st * SweepStage::kBytes + 2 * SweepStage::kTileBytes); };
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int sh = int(blockIdx.x % unsigned(a.N * a.H)), seq = sh / a.H, h = sh % a.H;
   const int k0 = blockIdx.y * kTile, v0 = blockIdx.z * vtile;
   const int bk = min(kTile, a.dk - k0), bv = min(vtile, a.dv - v0), nt = bv / 8;
   const bool active = 16 * w < bk;
@@ -74,8 +76,16 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const int r = fr.row_of(k0 + 16 * w, e), col = fr.col_of(v0, j, e);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
-  const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);
-  auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  // kTree: full chunks only, [cbeg, cbeg + nch) of segment g in segments
+  int64_t cbeg = 0, nfull = len / a.C;
+  int nch = int(kTree ? nfull : (len + a.C - 1) / a.C);
+  if (kTree && ta.seg > 0) {
+    cbeg = int64_t(blockIdx.x / unsigned(a.N * a.H)) << ta.seg;
+    const int64_t cend = min(nfull, cbeg + (int64_t(1) << ta.seg));
+    if (cend <= cbeg) return;
+    nch = int(cend - cbeg);
+  }
+  auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : int(cbeg) + i; };
   const mma::TileStream<T, kThreads, kChunk> key_rows(key, key_ld, k0, bk, kLdTile), val_rows(val, val_ld, v0, bv, kLdTile);
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)
   auto issue = [&](int i) {
@@ -118,6 +128,8 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
     if (sn.nc > 0) tree_seed<T>(ta, sn, stk, lstk, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
   }
+  float* const root = kTree && ta.seg > 0 ? ta.roots + root_row(chunk0, seq, ta.seg, h, a.H, int64_t(a.dk) * a.dv)
+                                          : nullptr;
   for (int i = 0; i < nch; ++i) {
     // chunk i has landed; the barrier also retires iteration i-1's reads of the stage refilled next
     mma::cp_async_wait<kStages - 2>();
@@ -132,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const float B = bt[rows_in(len, c, a.C) - 1];
       mma::zero(acc);
       update(acc, Kt, Vt, [&](int k) { return mma::fexp(B - bt[k]); });
-      tree_close<T>(ta, sn, stk, c, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at);
+      tree_close<T>(ta, sn, stk, c, h, a.H, a.dk, a.dv, r_lo, c_lo, active, nt, at, root);
       continue;
     }
     if (store && active) {  // state entering chunk c (forward) / cotangent at its end (reverse)
@@ -150,7 +162,8 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
     update(acc, Kt, Vt, wt);
   }
   if constexpr (kTree) {
-    if (ta.pend && active) tree_pending(ta, sn, stk, lstk, nch, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, nt);
+    if (ta.pend && active && (ta.seg == 0 || cbeg == (nfull >> ta.seg) << ta.seg))  // in segments: see sweep_sm90.cu
+      tree_pending(ta, sn, stk, lstk, nfull, seq, h, a.H, a.dk, a.dv, r_lo, c_lo, nt);
   }
   if (!kTree && fin && active) {
 #pragma unroll
@@ -187,13 +200,14 @@ int64_t gla_sweep_blocks(const GlaArgs<T>& a) {
 }
 
 template <class T>
-size_t gla_tree_sweep_stack(const GlaArgs<T>& a, int lstk) {
-  return size_t(gla_sweep_blocks(a)) * lstk * 8 * kThreads * 4;  // floats
+size_t gla_tree_sweep_stack(const GlaArgs<T>& a, int lstk, unsigned nseg) {
+  return size_t(gla_sweep_blocks(a)) * nseg * lstk * 8 * kThreads * 4;  // floats
 }
 
 template <class T>
-void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
-  const dim3 grid(unsigned(a.N * a.H), unsigned((a.dk + kTile - 1) / kTile), unsigned((a.dv + kTile - 1) / kTile));
+void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg,
+                         cudaStream_t stream) {
+  const dim3 grid(unsigned(a.N * a.H) * nseg, unsigned((a.dk + kTile - 1) / kTile), unsigned((a.dv + kTile - 1) / kTile));
   const size_t bytes = kStages * SweepStage::kBytes;
   set_smem(sweep_kernel<T, false, true>, bytes);
   if (dry_run()) return;  // dry run: workspace_size
@@ -204,8 +218,8 @@ void gla_tree_sweep_sm80(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, 
 #define HILA_INSTANTIATE(T)                                                                           \
   template void gla_sweep_sm80<T>(const GlaArgs<T>&, bool, cudaStream_t);                             \
   template int64_t gla_sweep_blocks<T>(const GlaArgs<T>&);                                            \
-  template size_t gla_tree_sweep_stack<T>(const GlaArgs<T>&, int);                                    \
-  template void gla_tree_sweep_sm80<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, cudaStream_t);
+  template size_t gla_tree_sweep_stack<T>(const GlaArgs<T>&, int, unsigned);                          \
+  template void gla_tree_sweep_sm80<T>(const GlaArgs<T>&, const TreeArgs&, float*, int, unsigned, cudaStream_t);
 HILA_INSTANTIATE(__nv_bfloat16)
 HILA_INSTANTIATE(__half)
 #undef HILA_INSTANTIATE

@@ -29,7 +29,8 @@ constexpr uint32_t sweep_bytes(int stages, int nv) { return stages * (sweep_stag
 
 // kTree: the log-linear tree build (loglinear/tree.cuh, as sweep_sm80.cu's sweep_kernel<kTree>): per full
 // chunk c the accumulators hold Z_c = (K o w)^T V (zeroed instead of decayed), and tree_close merges
-// them into the nodes with the per-thread fp32 level stack (lstk levels per block).
+// them into the nodes with the per-thread fp32 level stack (lstk levels per block); with ta.seg > 0
+// one block per segment of 2^seg chunks (grid x: segment g major, then sequence x head).
 template <class T, bool kRev, int S, int NV, bool kTree = false>
 __global__ void __launch_bounds__(kSm90Threads)
     sweep_sm90_kernel(const __grid_constant__ CUtensorMap mkey, const __grid_constant__ CUtensorMap mval,
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * (kStage + kChunk * 4));  // [S]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const mma::Frag fr{g, t};  // this lane's rows and columns of the accumulator tiles
-  const int seq = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int sh = int(blockIdx.x % unsigned(a.N * a.H)), seq = sh / a.H, h = sh % a.H;
   const int k0 = blockIdx.y * 64, v0 = blockIdx.z * NV;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const int kx = kRev ? h / a.q_div : h / a.k_div, vx = kRev ? h : h / a.v_div;  // source heads
@@ -64,8 +65,16 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       acc[4 * j + e] = init ? init[sidx + int64_t(r_lo + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
-  const int nch = int(kTree ? len / a.C : (len + a.C - 1) / a.C);  // kTree: full chunks only
-  auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : i; };
+  // kTree: full chunks only, [cbeg, cbeg + nch) of segment g in segments
+  int64_t cbeg = 0, nfull = len / a.C;
+  int nch = int(kTree ? nfull : (len + a.C - 1) / a.C);
+  if (kTree && ta.seg > 0) {
+    cbeg = int64_t(blockIdx.x / unsigned(a.N * a.H)) << ta.seg;
+    const int64_t cend = min(nfull, cbeg + (int64_t(1) << ta.seg));
+    if (cend <= cbeg) return;
+    nch = int(cend - cbeg);
+  }
+  auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : int(cbeg) + i; };
   // kTree: the thread's elements (j, e) of loglinear/tree.cuh's layout are acc[4j + e]
   auto at = [&](int j, int e) -> float& { return acc[4 * j + e]; };
   const TreeStack<kSm90Threads> stk(stack, lstk);  // kTree only (lstk = 0 otherwise)
@@ -74,6 +83,8 @@ __global__ void __launch_bounds__(kSm90Threads)
     sn = seq_nodes(ta, a.chunk0, seq, (len + a.C - 1) / a.C);
     if (sn.nc > 0) tree_seed<T>(ta, sn, stk, lstk, seq, h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, true, 8, at);
   }
+  float* const root = kTree && ta.seg > 0 ? ta.roots + root_row(a.chunk0[seq], seq, ta.seg, h, a.H, int64_t(a.dk) * a.dv)
+                                          : nullptr;
   init_ring(full, S, tid);
   // chunk i -> stage i % S (every thread commits one cp.async group per call)
   auto issue = [&](int i) {
@@ -116,22 +127,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     }
     const float B = bt[nr - 1];
     decay = mma::fexp(B);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int row = 16 * kk + (lane & 7) + ((lane >> 4) << 3), col = 16 * w + (((lane >> 3) & 1) << 3);
-      mma::ldsm_x4_t(fa[kk], base + swz(kChunk, row, col));
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int k = 16 * kk + 2 * t + 8 * hf;
-        const float w0 = kRev ? sc * mma::fexp(bt[k]) : mma::fexp(B - bt[k]);
-        const float w1 = kRev ? sc * mma::fexp(bt[k + 1]) : mma::fexp(B - bt[k + 1]);
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const float2 x = mma::unpack2<T>(fa[kk][2 * hf + m]);
-          fa[kk][2 * hf + m] = mma::pack2<T>(k < nr ? x.x * w0 : 0.f, k + 1 < nr ? x.y * w1 : 0.f);
-        }
-      }
-    }
+    scaled_key_frags<T>(fa, base, w, lane, nr, [&](int k) { return kRev ? sc * mma::fexp(bt[k]) : mma::fexp(B - bt[k]); });
   };
   const int64_t cstride = int64_t(a.H) * a.dk * a.dv;
   T* const store_base = store ? store + (a.chunk0[seq] * a.H + h) * int64_t(a.dk) * a.dv + int64_t(r_lo) * a.dv + v0 + 2 * t
@@ -158,7 +154,7 @@ __global__ void __launch_bounds__(kSm90Threads)
     fence_regs(acc);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) fence_regs(fa[kk]);  // the wgmmas read fa until here
-    if constexpr (kTree) tree_close<T>(ta, sn, stk, chunk_of(i), h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, true, 8, at);
+    if constexpr (kTree) tree_close<T>(ta, sn, stk, chunk_of(i), h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, true, 8, at, root);
     if (store && i + 1 < nch) {  // the state of chunk i+1 by TMA from chunk i's stage (see above)
       char* stg = smem + (i % S) * kStage;  // [64 rows][NV] swizzled: the key tile, then value tiles
 #pragma unroll
@@ -184,8 +180,9 @@ __global__ void __launch_bounds__(kSm90Threads)
     if (i + 1 < nch) step(i + 1, fa1, d1, fa0, d0);
   }
   if (fin) store_state_frag<NV>(acc, fin + sidx, a.dv, r_lo, v0, t);
-  if constexpr (kTree)
-    if (ta.pend) tree_pending(ta, sn, stk, lstk, nch, seq, h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, 8);
+  if constexpr (kTree)  // in segments: the levels below seg + 1, from the segment where the full chunks end
+    if (ta.pend && (ta.seg == 0 || cbeg == (nfull >> ta.seg) << ta.seg))
+      tree_pending(ta, sn, stk, lstk, nfull, seq, h, a.H, a.dk, a.dv, r_lo, v0 + 2 * t, 8);
   if (store && tid == 0) bulk_wait<0>();  // the state stores complete before the block exits
 #else
   __trap();  // launched only where runs_sm90a() holds
@@ -199,10 +196,11 @@ namespace {
 // gla.cu has chosen this tier (heuristics::gla_sm90_sweep); false where this device does not run the
 // build's sm_90a code or TMA cannot describe the operands.
 template <class T>
-bool sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream, const TreeArgs* tree, float* stack, int lstk) {
+bool sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream, const TreeArgs* tree, float* stack, int lstk,
+                unsigned nseg = 1) {
   static_assert(kSm90Threads == 128, "the tree stack is sized for 128 threads per block (gla_tree_sweep_stack)");
   constexpr int NV = 64;  // value tile: heuristics::gla_sm90_sweep says why
-  const int64_t blocks = int64_t(a.N) * a.H * (a.dk / 64) * (a.dv / NV);
+  const int64_t blocks = int64_t(a.N) * a.H * nseg * (a.dk / 64) * (a.dv / NV);
   const int S = heuristics::gla_sm90_sweep_stages(blocks, device_info(), sweep_bytes(1, NV));
   auto run = [&](auto kernel) -> bool {
     if (!sm90::runs_sm90a(reinterpret_cast<const void*>(kernel))) return false;
@@ -217,7 +215,7 @@ bool sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream, const Tr
                                   input_map(&mval, sval, a.v, a.v_ld, a.v_hs, a.dv, src_heads(a, a.v_div), a.Ttot);
     const T* st = reverse ? a.dhbuf : a.hbuf;
     if (!ok || (st && !state_map(&mst, a, st, 64))) return false;
-    const dim3 grid(unsigned(a.N * a.H), unsigned(a.dk / 64), unsigned(a.dv / NV));
+    const dim3 grid(unsigned(a.N * a.H) * nseg, unsigned(a.dk / 64), unsigned(a.dv / NV));
     kernel<<<grid, kSm90Threads, bytes, stream>>>(mkey, mval, mst, unsigned(skey) | unsigned(sval) << 1, a,
                                                   tree ? *tree : TreeArgs{}, stack, lstk);
     HILA_CUDA_CHECK_LAUNCH();
@@ -237,14 +235,15 @@ bool gla_sweep_sm90(const GlaArgs<T>& a, bool reverse, cudaStream_t stream) {
 }
 
 template <class T>
-bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, cudaStream_t stream) {
-  return sweep_sm90(a, false, stream, &ta, stack, lstk);
+bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg,
+                         cudaStream_t stream) {
+  return sweep_sm90(a, false, stream, &ta, stack, lstk, nseg);
 }
 
 template bool gla_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, bool, cudaStream_t);
 template bool gla_sweep_sm90<__half>(const GlaArgs<__half>&, bool, cudaStream_t);
-template bool gla_tree_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, const TreeArgs&, float*, int,
+template bool gla_tree_sweep_sm90<__nv_bfloat16>(const GlaArgs<__nv_bfloat16>&, const TreeArgs&, float*, int, unsigned,
                                                   cudaStream_t);
-template bool gla_tree_sweep_sm90<__half>(const GlaArgs<__half>&, const TreeArgs&, float*, int, cudaStream_t);
+template bool gla_tree_sweep_sm90<__half>(const GlaArgs<__half>&, const TreeArgs&, float*, int, unsigned, cudaStream_t);
 
 }  // namespace hila::cuda

@@ -120,7 +120,20 @@ struct TreeArgs {
   // 64 x 64 state tile's 16 rows, at (tile index) * 4 + warp), zero elsewhere (tree_dg_rows_kernel sums them)
   const float* pcot = nullptr;
   float* apart = nullptr;
+  // the build in the state sweep in segments of 2^seg chunks (seg > 0; every sequence from position
+  // 0): one block per segment forms the levels 1 .. seg + 1 of its chunks and leaves the segment's
+  // root, node (seg + 1, g), in fp32 in roots [(chunk0 >> seg) + seq + g][H][dk][dv] (the up pass
+  // of loglinear/tree_sm80.cu forms the levels above from them)
+  int seg = 0;
+  float* roots = nullptr;
 };
+
+// The first root of sequence seq (chunks from chunk0) for head h in a [.][H][tile] table of segment
+// roots of 2^s chunks (TreeArgs::roots): + g H tile for segment g. A sequence's segments start at
+// (chunk0 >> s) + seq, so the table holds (nchunks >> s) + N + 1 rows.
+__host__ __device__ __forceinline__ int64_t root_row(int64_t chunk0, int seq, int s, int h, int H, int64_t tile) {
+  return (((chunk0 >> s) + seq) * H + h) * tile;
+}
 
 // The number of partial sums per node of TreeArgs::apart.
 __host__ __device__ __forceinline__ int64_t apart_parts(int64_t tile) { return (tile + 127) / 128; }
@@ -214,18 +227,34 @@ __device__ __forceinline__ void tree_seed(const TreeArgs& ta, const SeqNodes& sn
 
 // After chunk c's Z_c is in the registers: while its node index (level m) is odd it closes its
 // parent, acc <- e^{beta_m[i]} stk[m] + acc; the node it ends as (m, i even) goes onto the stack and
-// into its slot (read by chunk (i + 1) 2^{m-1}).
+// into its slot (read by chunk (i + 1) 2^{m-1}). In segments (ta.seg > 0) the climb stops at the
+// segment's root (seg + 1, i), which goes to `root` (this sequence's and head's first root,
+// root_row) in fp32 instead of onto the stack; an odd root is read by no chunk (no 16-bit copy).
 template <class T, int kThreads, class At>
 __device__ __forceinline__ void tree_close(const TreeArgs& ta, const SeqNodes& sn, const TreeStack<kThreads>& stk,
                                            int64_t c, int h, int H, int dk, int dv, int r, int c0, bool active, int nt,
-                                           At&& at) {
+                                           At&& at, float* root = nullptr) {
+  const int mcap = ta.seg > 0 ? ta.seg + 1 : kMaxLevels + 1;
   int m = 1;
   int64_t i = sn.a0 + c;
-  while (i & 1) {
+  while ((i & 1) && m < mcap) {
     stk.add(m, mma::fexp(ta.beta[sn.slot(m, i) * H + h]), at);
     i >>= 1, ++m;
   }
-  stk.put(m, at);
+  if (m == mcap) {
+    if (active) {
+      float* dst = root + i * H * int64_t(dk) * dv;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < nt) {
+          *reinterpret_cast<float2*>(dst + int64_t(r) * dv + c0 + 8 * j) = make_float2(at(j, 0), at(j, 1));
+          *reinterpret_cast<float2*>(dst + int64_t(r + 8) * dv + c0 + 8 * j) = make_float2(at(j, 2), at(j, 3));
+        }
+    }
+    if (i & 1) return;
+  } else {
+    stk.put(m, at);
+  }
   if (active)
     mma::store_tile16(node16_at<T>(ta, sn.slot(m, i), h, H, dk, dv), dv, r, c0, nt, at);
   if (ta.apart && active) {  // A_m[i] = <pcot, node_m[i]> over this warp's 16 rows of the tile (fp32)

@@ -3,12 +3,15 @@
 // and the node layout). The chunk kernels are the GLA core's (gla.cuh: gla_output, gla_bwd_chunk)
 // with the tree operands; this file builds the tree: beta, Z and the node levels (forward), the node
 // cotangents and their push-down (backward).
+#include <algorithm>
+
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/dispatch/heuristics.h"
 #include "cuda/gla/gla.cuh"
 #include "cuda/loglinear/tree.cuh"
 #include "cuda/loglinear/loglinear.cuh"
+#include "cuda/loglinear/wkv.cuh"
 #include "cuda/prims/mma.cuh"
 #include "cuda/runtime/config.h"
 #include "cuda/runtime/runtime.cuh"
@@ -20,16 +23,6 @@ namespace {
 constexpr int kTile = 64;           // dk and dv tile of the node GEMMs
 constexpr int kLdTile = kTile + 8;  // padded smem row (16-bit elements)
 constexpr int kStages = 3;          // cp.async pipeline depth over the chunks of a node's range
-// Long reading ranges are summed in parts: levels m >= kSplitLevel (ranges of 2^{m-1} > kSplit
-// chunks) take one part per aligned block of kSplit chunks, combined in the push-down.
-constexpr int kSplit = 16, kSplitLevel = 6, kSplitBetaLevel = 5;  // node level kSplitBetaLevel spans kSplit chunks
-static_assert((1 << (kSplitBetaLevel - 1)) == kSplit && kSplitLevel == kSplitBetaLevel + 1, "split levels");
-enum WkvMode { kZ, kRead, kPart };
-
-__device__ __forceinline__ int64_t chunks_of(const int64_t* len, int seq) {
-  return (len[seq] + kChunk - 1) / kChunk;
-}
-
 // beta of every node (loglinear/tree.cuh): one block per (sequence, head); level by level. The chunks
 // before a0 (pure prefix, the initial state already decayed to n0 - 1) have beta = 0.
 template <class T>
@@ -53,17 +46,9 @@ __global__ void __launch_bounds__(256) loglinear_beta_kernel(GlaArgs<T> a, TreeA
   }
 }
 
-// out[slot] = sum over chunks N of a range of Xt_N^T diag(w_N) Y_N, fp32 [dk][dv] per (slot, head);
-// grid (items, H, dk tiles x dv tiles of 64), 4 warps, warp w rows [16w, 16w+16) of the dk tile.
-//   kZ (one chunk per item):  X = K, Y = V, w = e^{B-b}, slot = node_1 of the chunk; also to out16
-//     (the 16-bit GEMM-operand copy of node level 1).
-//   kRead (backward, a0 = 0; the read cotangent R of node (m, j) < split levels, one node slot per item):  X = Q, Y = dO
-//     over the chunks that read the node (j even: [(j+1) 2^{m-1}, (j+2) 2^{m-1}); j odd: none, R = 0
-//     and the slot is left unwritten),
-//     w = scale lam^{p+m} e^{b + gap}, gap the sum of the totals of the range's earlier chunks.
-//   kPart (levels m >= split): the same over block b of kSplit chunks of a reading range, into
-//     slot chunk0 + (m - split) nb + b (nb = ceil(nc / kSplit) blocks per level), gap from the
-//     block start.
+// The weighted chunk sums of loglinear/wkv.cuh on mma.sync; grid (items, H, dk tiles x dv tiles of
+// 64), 4 warps, warp w rows [16w, 16w+16) of the dk tile; kZ also writes out16 (the 16-bit
+// GEMM-operand copy of node level 1).
 template <class T, WkvMode kMode>
 __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeArgs ta, float* out, T* out16, int split) {
   constexpr bool kQdO = kMode != kZ;
@@ -79,39 +64,10 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
   const int k0 = (blockIdx.z / nvt) * kTile, v0 = (blockIdx.z % nvt) * kTile;
   const int bk = min(kTile, a.dk - k0), bv = min(kTile, a.dv - v0), nt = bv / 8;
   const bool active = 16 * w < bk;
-  int seq, m = 1;
-  int64_t c_begin, c_end, slot;
-  if constexpr (kMode == kRead) {
-    slot = blockIdx.x;
-    seq = ta.slot_seq ? ta.slot_seq[slot] : a.chunk_seq[slot >> 1];
-    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
-    int64_t u = slot - sn.base;
-    for (;; ++m) {  // node (m, lo_m + u) of the sequence
-      const int64_t cnt = sn.count(m);
-      if (cnt == 0 || m >= split) return;  // a spare slot, or a level summed in parts
-      if (u < cnt) break;
-      u -= cnt;
-    }
-    const int64_t j = sn.lo(m) + u;
-    if (j & 1) return;  // read by the chunks N with N >> (m-1) = j + 1 and bit m-1 set: none (R = 0)
-    // the reading chunks of the call (relative): [(j+1) 2^{m-1}, (j+2) 2^{m-1}) from a0 on
-    c_begin = max(int64_t((j + 1) << (m - 1)), sn.a0) - sn.a0;
-    c_end = min(int64_t((j + 2) << (m - 1)), sn.a0 + sn.nc) - sn.a0;
-  } else if constexpr (kMode == kPart) {
-    slot = blockIdx.x;
-    seq = a.chunk_seq[slot];
-    const int64_t nc = chunks_of(a.len, seq), nb = (nc + kSplit - 1) / kSplit, u = slot - a.chunk0[seq];
-    m = split + int(u / nb);
-    c_begin = (u % nb) * kSplit;
-    if (m > bitlen64u(uint64_t(nc)) || !((c_begin >> (m - 1)) & 1)) return;  // no such level / not read
-    c_end = min(c_begin + kSplit, nc);
-  } else {
-    const int64_t cg = blockIdx.x;
-    seq = a.chunk_seq[cg];
-    c_begin = cg - a.chunk0[seq], c_end = c_begin + 1;
-    const SeqNodes sn = seq_nodes(ta, a.chunk0, seq, chunks_of(a.len, seq));
-    slot = sn.slot(1, sn.a0 + c_begin);
-  }
+  const WkvItem it = wkv_item<kMode>(a, ta, blockIdx.x, split);
+  if (it.skip) return;
+  const int seq = it.seq, m = it.m;
+  const int64_t c_begin = it.c_begin, c_end = it.c_end, slot = it.slot;
   const int64_t len = a.len[seq], row0 = a.row0[seq];
   const T* X = kQdO ? a.q + (h / a.q_div) * head_stride(a.q_hs, a.Ttot, a.dk)
                      : a.k + (h / a.k_div) * head_stride(a.k_hs, a.Ttot, a.dk);
@@ -194,9 +150,9 @@ __global__ void __launch_bounds__(128) loglinear_wkv_kernel(GlaArgs<T> a, TreeAr
 // In segments of S = 2^s chunks (TreePass; every sequence from position 0): the node (s + 1, g) is
 // the root of chunks [g S, (g + 1) S), so the levels 1 .. s + 1 of a segment depend on its chunks
 // only and the levels above on the roots only. Up: kLow, one block row per segment (grid z), forms
-// the levels 1 .. s + 1 and leaves its complete root in fp32 in `node`'s slot (s + 1, g); kHigh then
-// climbs from the roots as its leaves. Down: kHigh pushes down to the roots, D_{s+1}[g] into
-// `root`; kLow per segment from there. Each node is formed by the same sums in the same order as in
+// the levels 1 .. s + 1 and leaves its complete root in fp32 in `root` (or the tree sweep does, in
+// segments: TreeArgs::seg); kHigh then climbs from the roots as its leaves. Down: kHigh pushes down
+// to the roots, D_{s+1}[g] into `root`; kLow per segment from there. Each node is formed by the same sums in the same order as in
 // one pass (kWhole), so the results are the same bit for bit; the serial chain of a block is S + nc / S
 // steps instead of nc.
 enum TreePhase { kWhole, kLow, kHigh };
@@ -204,7 +160,7 @@ constexpr int kTreeThreads = 128;
 struct TreePass {
   int s = 0;                // segments of 2^s chunks; 0 with kWhole
   TreePhase phase = kWhole;
-  float* root = nullptr;    // down: D_{s+1}[g] per segment, [(chunk0 >> s) + seq + g][H][tile] (fp32)
+  float* root = nullptr;    // per segment, fp32 [(chunk0 >> s) + seq + g][H][tile] (root_row): up, node (s + 1, g); down, D_{s+1}[g]
 };
 
 template <class T, bool kDown>
@@ -237,6 +193,8 @@ __global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int6
   const int s = tp.s, mlo = tp.phase == kHigh ? s + 1 : 1, mcap = tp.phase == kLow ? s + 1 : kMaxLevels + 1;
   const int64_t g = blockIdx.z, step = int64_t(1) << (mlo - 1);
   if (tp.phase == kHigh && top <= s) return;  // one segment holds every level
+  // the segment roots (s + 1, g) in fp32: + g H tile (TreePass::root)
+  float* root = tp.root ? tp.root + root_row(chunk0[seq], seq, s, h, H, tile) + e : nullptr;
   auto idx = [&](int m, int64_t i) { return base + off[m] + i - lo[m]; };  // global slot of node (m, i)
   auto at = [&](const float* p, int64_t slot) { return reinterpret_cast<const float4*>(p + (slot * H + h) * tile + e); };
   auto load = [&](int64_t slot) { return *at(node, slot); };
@@ -272,7 +230,8 @@ __global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int6
     for (int64_t j = jb; j < je; j += step) {
       int m = mlo;
       int64_t i = j >> (mlo - 1);
-      float4 cur = load(idx(m, i));  // Z_j = node_1[j], or (kHigh) the segment root in fp32
+      // Z_j = node_1[j], or (kHigh) the segment root
+      float4 cur = tp.phase == kHigh ? *reinterpret_cast<const float4*>(root + (j >> s) * H * tile) : load(idx(m, i));
       while ((i & 1) && m < mcap) {  // cur = node_m[i] closes its parent node_{m+1}[i >> 1] with the left child on stk
         axpy(cur, decay(m, i), stk(m));
         i >>= 1, ++m;
@@ -283,7 +242,7 @@ __global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int6
       if (ta.apart && !(i & 1) && (m > mlo || mlo == 1))
         node_dot(ta.apart, idx(m, i), cur, *at(ta.pcot, idx(m, i)));
       if (m == mcap) {  // kLow: the segment's root, the leaf of kHigh
-        if (valid) *reinterpret_cast<float4*>(node + (idx(m, i) * H + h) * tile + e) = cur;
+        if (valid) *reinterpret_cast<float4*>(root + (j >> s) * H * tile) = cur;
       } else {
         stk(m) = cur;  // a left child (i even), pending its sibling
       }
@@ -305,7 +264,6 @@ __global__ void __launch_bounds__(kTreeThreads) loglinear_tree_kernel(const int6
     // leaf per segment, the levels top .. s + 1
     const int64_t jb = tp.phase == kLow ? g << s : 0, je = tp.phase == kLow ? min(nc, (g + 1) << s) : nc;
     if (jb >= je) return;
-    float* root = tp.root ? tp.root + (((chunk0[seq] >> s) + seq) * H + h) * tile + e : nullptr;  // + g H tile
     if (tp.phase == kLow && top > s) stk(s + 1) = *reinterpret_cast<const float4*>(root + g * H * tile);
     const int mhi = tp.phase == kLow ? s : top;
     for (int64_t j = jb; j < je; j += step) {
@@ -365,9 +323,7 @@ size_t wkv_smem() {
 
 // The tree of a call: beta [slots][H] and the 16-bit node copies [slots][H][dk][dv] (tree.cuh:
 // 2 nchunks slots when every sequence starts at position 0, else the SeqNodes totals with their
-// bases in ta.nbase). Built by the tree sweep (gla_tree_sweep) when it has enough blocks to fill
-// the GPU (heuristics::loglinear_tree_build_in_sweep); otherwise chunk-parallel: Z (fp32 and 16-bit,
-// one block per chunk) and the up pass over the levels. lstk: levels (plus one) of the deepest
+// bases in ta.nbase). Built by build_nodes. lstk: levels (plus one) of the deepest
 // sequence, the depth of the up pass's stacks. seg: the up pass and the push-down in segments of
 // 2^seg chunks (0: one pass; heuristics::loglinear_tree_segment), nseg segments in the longest sequence.
 template <class T>
@@ -542,6 +498,10 @@ template <class T, WkvMode kMode>
 void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, int split, cudaStream_t s,
                 int64_t slots = 0) {
   const unsigned items = unsigned(kMode == kRead ? slots : p.nchunks);
+  if constexpr (kMode != kZ)
+    if (heuristics::loglinear_wkv_sm90(p.dk, p.dv, p.Ttot, config().gla_sm90) &&
+        loglinear_wkv_sm90(p, ta, kMode, out, split, items, s))
+      return;
   const dim3 grid(items, p.H, unsigned(((p.dk + kTile - 1) / kTile) * ((p.dv + kTile - 1) / kTile)));
   set_smem(loglinear_wkv_kernel<T, kMode>, wkv_smem<T>());
   if (dry_run()) return;  // dry run: workspace_size
@@ -549,15 +509,24 @@ void launch_wkv(const GlaArgs<T>& p, const TreeArgs& ta, float* out, T* out16, i
   HILA_CUDA_CHECK_LAUNCH();
 }
 
+// Rows of the segment roots of a call (TreePass::root, TreeArgs::roots, root_row).
+template <class T>
+size_t root_rows(const GlaArgs<T>& p, int seg) {
+  return size_t((p.nchunks >> seg) + p.N + 1);
+}
+
 // The up pass (kDown false) or the push-down over the tree of a call: in one pass, or in segments of
 // 2^tr.seg chunks (TreePass; tr.nseg of them in the longest sequence): up kLow then kHigh, down
-// kHigh (the roots' D into a temporary) then kLow.
+// kHigh (the roots' D into a temporary) then kLow. `roots`: up, the segments' levels are built (the
+// tree sweep in segments) and their roots are there: kHigh only.
 template <class T, bool kDown>
 void launch_tree(const GlaArgs<T>& p, const Tree<T>& tr, float* node, T* n16, cudaStream_t s,
-                 const float* parts = nullptr, int split = kMaxLevels, float* pout = nullptr, float* apart = nullptr) {
+                 const float* parts = nullptr, int split = kMaxLevels, float* pout = nullptr, float* apart = nullptr,
+                 float* roots = nullptr) {
   const int64_t tile = int64_t(p.dk) * p.dv;
   const dim3 grid(unsigned((tile / 4 + kTreeThreads - 1) / kTreeThreads), unsigned(p.N * p.H));
-  DevBuf<float> root(kDown && tr.seg ? size_t(((p.nchunks >> tr.seg) + p.N + 1) * p.H * tile) : 0, s);
+  DevBuf<float> own(tr.seg && !roots ? root_rows(p, tr.seg) * p.H * tile : 0, s);
+  float* root = roots ? roots : own.get();
   // the counter's levels: kLow 1 .. s + 1, kHigh s + 1 .. top, kWhole 1 .. top (top < lstk)
   const auto smem = [&](TreePhase ph) {
     const int levels = ph == kLow ? tr.seg + 1 : ph == kHigh ? tr.lstk - tr.seg - 1 : tr.lstk;
@@ -567,11 +536,12 @@ void launch_tree(const GlaArgs<T>& p, const Tree<T>& tr, float* node, T* n16, cu
   if (dry_run()) return;  // dry run: workspace_size
   auto pass = [&](TreePhase ph, unsigned z) {
     loglinear_tree_kernel<T, kDown><<<dim3(grid.x, grid.y, z), kTreeThreads, smem(ph), s>>>(
-        p.len, p.chunk0, p.H, tile, tr.ta, node, n16, parts, split, pout, apart, TreePass{tr.seg, ph, root.get()});
+        p.len, p.chunk0, p.H, tile, tr.ta, node, n16, parts, split, pout, apart, TreePass{tr.seg, ph, root});
     HILA_CUDA_CHECK_LAUNCH();
   };
   if (!tr.seg) pass(kWhole, 1);
   else if (kDown) pass(kHigh, 1), pass(kLow, tr.nseg);
+  else if (roots) pass(kHigh, 1);
   else pass(kLow, tr.nseg), pass(kHigh, 1);
 }
 
@@ -676,16 +646,34 @@ void build_beta(const GlaArgs<T>& p, Tree<T>& tr, cudaStream_t s) {
 }
 
 // Z into node level 1 and the upper node levels, after build_beta (and tr.ta.pend when set, lstk
-// levels; with tr.ta.apart the node terms A).
+// levels; with tr.ta.apart the node terms A): heuristics::loglinear_tree_build picks the tree sweep
+// (whole sequences, or segments of 2^tr.seg chunks and the up pass above them from their roots) or
+// the chunk-parallel build (Z per chunk, then the up pass).
 template <class T>
 void build_nodes(const GlaArgs<T>& p, Tree<T>& tr, int lstk, cudaStream_t s) {
-  if (heuristics::loglinear_tree_build_in_sweep(gla_sweep_blocks(p), sm_count(), config().loglinear_tree_sweep)) {
-    DevBuf<float> stack(gla_tree_sweep_stack(p, lstk), s);
-    gla_tree_sweep(p, tr.ta, stack.get(), lstk, s);
-  } else {
-    DevBuf<float> z(size_t(tr.slots * p.H * p.dk * p.dv), s);
-    launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
-    launch_tree<T, false>(p, tr, z.get(), tr.node16.get(), s);
+  using heuristics::TreeBuild;
+  const int64_t tile = int64_t(p.dk) * p.dv;
+  switch (heuristics::loglinear_tree_build(gla_sweep_blocks(p), sm_count(), tr.seg, config().loglinear_tree_sweep)) {
+    case TreeBuild::sweep: {
+      DevBuf<float> stack(gla_tree_sweep_stack(p, lstk, 1), s);
+      gla_tree_sweep(p, tr.ta, stack.get(), lstk, 1, s);
+      break;
+    }
+    case TreeBuild::sweep_segments: {
+      const int lseg = std::min(tr.seg + 1, lstk);  // the stack's levels: below the root, within the tree
+      DevBuf<float> stack(gla_tree_sweep_stack(p, lseg, tr.nseg), s), roots(root_rows(p, tr.seg) * p.H * tile, s);
+      TreeArgs ta = tr.ta;
+      ta.seg = tr.seg, ta.roots = roots.get();
+      gla_tree_sweep(p, ta, stack.get(), lseg, tr.nseg, s);
+      launch_tree<T, false>(p, tr, nullptr, tr.node16.get(), s, nullptr, kMaxLevels, nullptr, nullptr, roots.get());
+      break;
+    }
+    case TreeBuild::chunks: {
+      DevBuf<float> z(size_t(tr.slots * p.H * tile), s);
+      launch_wkv<T, kZ>(p, tr.ta, z.get(), tr.node16.get(), kMaxLevels, s);
+      launch_tree<T, false>(p, tr, z.get(), tr.node16.get(), s);
+      break;
+    }
   }
 }
 
