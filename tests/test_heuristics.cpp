@@ -98,6 +98,9 @@ TEST(Config, Sm90KernelList) {
   EXPECT_FALSE(list.gla_sm90.sweep || list.gla_sm90.wkv);
   EXPECT_TRUE(list.gla_sm90.bwd && list.gla_sm90.fwd);
   EXPECT_TRUE(parse({{"HILA_GLA_SM90", "sweep,wkv"}}).gla_sm90.wkv);
+  EXPECT_FALSE(list.gla_sm90.out);
+  EXPECT_TRUE(parse({{"HILA_GLA_SM90", "out"}}).gla_sm90.out);
+  EXPECT_TRUE(one.gla_sm90.out);
   EXPECT_FALSE(list.gla_sm90.forced);
   const Config prefix = parse({{"HILA_GLA_SM90", "sweeps,bw"}});  // whole words only
   EXPECT_FALSE(prefix.gla_sm90.sweep || prefix.gla_sm90.bwd || prefix.gla_sm90.fwd);

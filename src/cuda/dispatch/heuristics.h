@@ -95,6 +95,16 @@ constexpr bool gla_sm90_bwd_chunk(int dk, int dv, bool has_states, int64_t Ttot,
   return tma_rows_fit(Ttot, 64) && tma_state_rows_fit(nchunks, H, dk);
 }
 
+// sm90 chunk-parallel output kernel (one warpgroup per (chunk, 64 value columns, head), dk of 64 or
+// 128, dv a multiple of 64, the per-chunk states or, for the log-linear tree form, the nodes by TMA;
+// state rows: nchunks or the node slots) in place of the sm80 one wherever it applies.
+// HILA_GLA_SM90=0, or a list without "out", keeps the sm80 kernel.
+constexpr bool gla_sm90_output(int dk, int dv, bool has_states, int64_t Ttot, int64_t states, int64_t H,
+                               const Sm90Kernels& k) {
+  if (!k.out || (dk != 64 && dk != 128) || dv % 64 || !has_states) return false;
+  return tma_rows_fit(Ttot, 64) && tma_state_rows_fit(states, H, dk);
+}
+
 // sm90 one-kernel forward (dk of 64 or 128, dv a multiple of 64) in place of the sm80 one wherever
 // it applies, once gla_fused_forward has chosen the one-kernel form. HILA_GLA_SM90=0, or a list
 // without "fwd", keeps the sm80 kernel.

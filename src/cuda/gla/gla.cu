@@ -5,7 +5,7 @@
 // run it (no sm_90a code on this device, a layout TMA cannot describe).
 //   fp32 / fp64:  the portable tier (sweep_portable.cu, bwd_chunk_portable.cu).
 //   bf16 / fp16:  per stage, sm90 (TMA + wgmma) where heuristics.h chooses it, else sm80
-//                 (mma.sync): sweep, fused forward, chunk gradients; the output kernel is sm80's.
+//                 (mma.sync): sweep, output, fused forward, chunk gradients.
 #include <algorithm>
 #include <optional>
 
@@ -45,6 +45,12 @@ void gla_tree_sweep(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int l
 
 template <class T>
 void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) {
+  // the states: hbuf per chunk, or the tree's node slots (TreeArgs::slots)
+  const bool states = tree ? tree->node16 != nullptr : a.hbuf != nullptr;
+  const int64_t state_count = tree ? tree->slots : a.nchunks;
+  if (heuristics::gla_sm90_output(a.dk, a.dv, states, a.Ttot, state_count, a.H, config().gla_sm90) &&
+      gla_output_sm90(a, stream, tree))
+    return;
   gla_output_sm80(a, stream, tree);
 }
 

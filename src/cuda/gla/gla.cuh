@@ -197,7 +197,7 @@ template <class T>
 void gla_fused_forward_sm80(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
 void gla_bwd_chunk_sm80(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree);
-// sm90 (sm_90a: TMA + wgmma; sweep_sm90.cu, fused_fwd_sm90.cu, bwd_chunk_sm90.cu), for the calls
+// sm90 (sm_90a: TMA + wgmma; sweep_sm90.cu, output_sm90.cu, fused_fwd_sm90.cu, bwd_chunk_sm90.cu), for the calls
 // heuristics.h gives them: false (nothing launched) where this device does not run the build's
 // sm_90a code or TMA cannot describe the operands, and gla.cu then runs the sm80 kernel.
 template <class T>
@@ -206,6 +206,8 @@ template <class T>
 bool gla_tree_sweep_sm90(const GlaArgs<T>& a, const TreeArgs& ta, float* stack, int lstk, unsigned nseg,
                          cudaStream_t stream);
 template <class T>
+bool gla_output_sm90(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree);
+template <class T>
 bool gla_fused_forward_sm90(const GlaArgs<T>& a, cudaStream_t stream);
 template <class T>
 bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree = nullptr);
@@ -213,6 +215,17 @@ bool gla_bwd_chunk_sm90(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs
 // Effective layout of an operand with d (padded) columns.
 __host__ __device__ inline int64_t row_ld(int64_t ld, int d) { return ld ? ld : d; }
 __host__ __device__ inline int64_t head_stride(int64_t hs, int64_t Ttot, int d) { return hs ? hs : Ttot * d; }
+
+// Element (i, j) of the causal score block P = scale Gamma o Q K^T from x = (Q K^T)_ij: scale
+// e^{b_i - b_j} x for j <= i < nr, else 0; kTree: times lam_i^{bitlen(i xor j)} (aligned chunks,
+// docs/math/LOGLINEAR.md §2.6; lr = row i of lam). The output and fused-forward kernels of both tiers.
+template <bool kTree>
+__device__ __forceinline__ float score_elem(float x, int i, int j, int nr, float sc, float bi, float bj, const float* lr) {
+  if (!(j <= i && i < nr)) return 0.f;
+  float p = x * sc * mma::fexp(bi - bj);
+  if constexpr (kTree) p *= lr[32 - __clz(i ^ j)];
+  return p;
+}
 
 // The tensor-core chunk kernels' gradient store: values (v0, v1) of row r (prow = h Ttot + r in
 // the fp32 buffers [H][Ttot][ld]) and columns col, col + 1, plus gt.add, to gt.p or out.

@@ -37,14 +37,9 @@ __device__ __forceinline__ void score_store(T* Ps, const float (&x)[4][4], const
     for (int hf = 0; hf < 2; ++hf) {
       const int i = hf ? i1 : i0, col = n0 + 8 * j + 2 * t;
       const float bi = hf ? bi1 : bi0;
-      const bool in0 = col <= i && i < nr, in1 = col + 1 <= i && i < nr;
-      float p0 = in0 ? x[j][2 * hf] * sc * mma::fexp(bi - bs[col]) : 0.f;
-      float p1 = in1 ? x[j][2 * hf + 1] * sc * mma::fexp(bi - bs[col + 1]) : 0.f;
-      if constexpr (kTree) {
-        const float* lr = hf ? lam1 : lam0;
-        if (in0) p0 *= lr[32 - __clz(i ^ col)];
-        if (in1) p1 *= lr[32 - __clz(i ^ (col + 1))];
-      }
+      const float* lr = hf ? lam1 : lam0;
+      const float p0 = score_elem<kTree>(x[j][2 * hf], i, col, nr, sc, bi, bs[col], lr);
+      const float p1 = score_elem<kTree>(x[j][2 * hf + 1], i, col + 1, nr, sc, bi, bs[col + 1], lr);
       *reinterpret_cast<uint32_t*>(Ps + i * kLdTile + col) = mma::pack2<T>(p0, p1);
     }
 }

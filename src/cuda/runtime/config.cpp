@@ -37,7 +37,7 @@ Sm90Kernels sm90_kernels(const char* v) {
     }
     return false;
   };
-  k.sweep = listed("sweep"), k.bwd = listed("bwd"), k.fwd = listed("fwd"), k.wkv = listed("wkv");
+  k.sweep = listed("sweep"), k.bwd = listed("bwd"), k.fwd = listed("fwd"), k.wkv = listed("wkv"), k.out = listed("out");
   return k;
 }
 
