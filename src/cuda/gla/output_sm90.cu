@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kSm90Threads)
                        const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mh, unsigned order,
                        GlaArgs<T> a, TreeArgs ta) {
   using L = OutSm90Layout<DK>;
-  static_assert(L::kK % 1024 == 0 && L::kV % 1024 == 0 && L::kH % 1024 == 0, "1024-aligned swizzled tiles");
+  static_assert(L::kQ == 0 && L::kK % 1024 == 0 && L::kV % 1024 == 0 && L::kH % 1024 == 0, "1024-aligned swizzled tiles");
 #if HILA_SM90A
   using namespace sm90;
   extern __shared__ __align__(1024) char smem[];

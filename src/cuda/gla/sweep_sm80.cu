@@ -76,15 +76,11 @@ __global__ void __launch_bounds__(kThreads) sweep_kernel(GlaArgs<T> a, int vtile
       const int r = fr.row_of(k0 + 16 * w, e), col = fr.col_of(v0, j, e);
       acc[j][e] = (init && active && j < nt) ? float(init[sidx + int64_t(r) * a.dv + col]) : 0.f;
     }
-  // kTree: full chunks only, [cbeg, cbeg + nch) of segment g in segments
-  int64_t cbeg = 0, nfull = len / a.C;
-  int nch = int(kTree ? nfull : (len + a.C - 1) / a.C);
-  if (kTree && ta.seg > 0) {
-    cbeg = int64_t(blockIdx.x / unsigned(a.N * a.H)) << ta.seg;
-    const int64_t cend = min(nfull, cbeg + (int64_t(1) << ta.seg));
-    if (cend <= cbeg) return;
-    nch = int(cend - cbeg);
-  }
+  const SweepChunks span = sweep_chunks<kTree>(ta, len, a.C, blockIdx.x / unsigned(a.N * a.H));
+  if (span.skip) return;
+  const int nch = span.nch;
+  const int64_t cbeg = span.cbeg;
+  [[maybe_unused]] const int64_t nfull = span.nfull;  // kTree
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : int(cbeg) + i; };
   const mma::TileStream<T, kThreads, kChunk> key_rows(key, key_ld, k0, bk, kLdTile), val_rows(val, val_ld, v0, bv, kLdTile);
   // chunk i -> stage i % kStages: K / V tiles and the gates (rows >= nr zero-filled)

@@ -65,15 +65,11 @@ __global__ void __launch_bounds__(kSm90Threads)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       acc[4 * j + e] = init ? init[sidx + int64_t(r_lo + 8 * (e >> 1)) * a.dv + v0 + 8 * j + 2 * t + (e & 1)] : 0.f;
-  // kTree: full chunks only, [cbeg, cbeg + nch) of segment g in segments
-  int64_t cbeg = 0, nfull = len / a.C;
-  int nch = int(kTree ? nfull : (len + a.C - 1) / a.C);
-  if (kTree && ta.seg > 0) {
-    cbeg = int64_t(blockIdx.x / unsigned(a.N * a.H)) << ta.seg;
-    const int64_t cend = min(nfull, cbeg + (int64_t(1) << ta.seg));
-    if (cend <= cbeg) return;
-    nch = int(cend - cbeg);
-  }
+  const SweepChunks span = sweep_chunks<kTree>(ta, len, a.C, blockIdx.x / unsigned(a.N * a.H));
+  if (span.skip) return;
+  const int nch = span.nch;
+  const int64_t cbeg = span.cbeg;
+  [[maybe_unused]] const int64_t nfull = span.nfull;  // kTree
   auto chunk_of = [&](int i) { return kRev ? nch - 1 - i : int(cbeg) + i; };
   // kTree: the thread's elements (j, e) of loglinear/tree.cuh's layout are acc[4j + e]
   auto at = [&](int j, int e) -> float& { return acc[4 * j + e]; };

@@ -128,6 +128,28 @@ struct TreeArgs {
   float* roots = nullptr;
 };
 
+// The chunks a sweep block walks (gla/sweep_sm80.cu, sweep_sm90.cu): all of its sequence's (the
+// tree: its full chunks), or with the tree in segments (ta.seg > 0) the full chunks of segment g,
+// [cbeg, cbeg + nch); skip: a segment with none (the block has nothing to do).
+struct SweepChunks {
+  int64_t cbeg = 0, nfull = 0;  // nfull: the sequence's full chunks
+  int nch = 0;
+  bool skip = false;
+};
+template <bool kTree>
+__device__ __forceinline__ SweepChunks sweep_chunks(const TreeArgs& ta, int64_t len, int C, unsigned g) {
+  SweepChunks r;
+  r.nfull = len / C;
+  r.nch = int(kTree ? r.nfull : (len + C - 1) / C);
+  if (kTree && ta.seg > 0) {
+    r.cbeg = int64_t(g) << ta.seg;
+    const int64_t cend = min(r.nfull, r.cbeg + (int64_t(1) << ta.seg));
+    r.skip = cend <= r.cbeg;
+    r.nch = r.skip ? 0 : int(cend - r.cbeg);
+  }
+  return r;
+}
+
 // The first root of sequence seq (chunks from chunk0) for head h in a [.][H][tile] table of segment
 // roots of 2^s chunks (TreeArgs::roots): + g H tile for segment g. A sequence's segments start at
 // (chunk0 >> s) + seq, so the table holds (nchunks >> s) + N + 1 rows.

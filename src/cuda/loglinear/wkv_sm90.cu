@@ -32,10 +32,10 @@ __global__ void __launch_bounds__(kSm90Threads)
                     GlaArgs<T> a, TreeArgs ta, float* out, int split) {
   static_assert(kMode == kRead || kMode == kPart, "the backward's sums");
   static_assert(NV == 64 || NV == 128, "value tile of 64 or 128 columns");
-  constexpr int S = kWkvStages;
-  constexpr uint32_t kStage = wkv_stage(NV);
 #if HILA_SM90A
   using namespace sm90;
+  constexpr int S = kWkvStages;
+  constexpr uint32_t kStage = wkv_stage(NV);
   extern __shared__ __align__(1024) char smem[];
   const uint32_t s0 = smem_u32(smem);
   if (s0 & 1023) __trap();  // the swizzle needs 1024-byte aligned tiles
