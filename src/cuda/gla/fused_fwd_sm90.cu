@@ -118,11 +118,8 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     issue(i + 1);
     const uint32_t base = s0 + st * L::kStage;
     const float* bt = gates + st * kChunk;
-    if (nr < kChunk) {  // value rows past the sequence (the next one's, or TMA's zeros): zero
-      for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
-        *reinterpret_cast<uint4*>(smem + st * L::kStage + L::kV + (nr + e / 8) * 128 + (e % 8) * 16) =
-            make_uint4(0, 0, 0, 0);
-      fence_async_smem();
+    if (nr < kChunk) {  // value rows past the sequence
+      zero_rows_from(smem + st * L::kStage + L::kV, 1, nr, tid);
       __syncthreads();
     }
     // H <- e^B H first: the state's registers are read before any wgmma of this chunk is in flight
@@ -169,16 +166,7 @@ __global__ void __launch_bounds__(kSm90Threads, 2)
     // P = scale Gamma o S (rows i0, i1; columns 8j + 2t) packed as the A fragments of P V
     uint32_t pa[4][4];
     const float bi0 = bt[i0], bi1 = bt[i1];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
-        const float bi = hf ? bi1 : bi0;
-        const float p0 = col <= i && i < nr ? sacc[4 * j + 2 * hf] * sc * mma::fexp(bi - bt[col]) : 0.f;
-        const float p1 = col + 1 <= i && i < nr ? sacc[4 * j + 2 * hf + 1] * sc * mma::fexp(bi - bt[col + 1]) : 0.f;
-        pa[j >> 1][2 * (j & 1) + hf] = mma::pack2<T>(p0, p1);  // k step j/2: a0/a1 (k 2t..), a2/a3 (k 2t+8..)
-      }
+    pack_scores<T, false>(pa, sacc, i0, nr, sc, bt, nullptr, nullptr);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, 64, 1>(opv, pa[kk], desc_mn(base + L::kV, kChunk, kk), kk > 0);

@@ -71,11 +71,7 @@ __global__ void __launch_bounds__(kSm90Threads)
   const float* b = a.b ? a.b + int64_t(h) * a.Ttot : nullptr;
   if (tid < kChunk) bs[tid] = gate_at(b, r0, tid, nr);
   mbar_wait(&bar[0], 0);
-  if (nr < kChunk) {  // value rows past the sequence (the next one's, or TMA's zeros): zero
-    for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
-      *reinterpret_cast<uint4*>(smem + L::kV + (nr + e / 8) * 128 + (e % 8) * 16) = make_uint4(0, 0, 0, 0);
-    fence_async_smem();
-  }
+  if (nr < kChunk) zero_rows_from(smem + L::kV, 1, nr, tid);  // value rows past the sequence
   __syncthreads();  // bs, the zeroed rows
   const float sc = float(a.scale);
   const int i0 = 16 * w + g, i1 = i0 + 8;  // rows of this thread
@@ -90,18 +86,8 @@ __global__ void __launch_bounds__(kSm90Threads)
     wg_commit();
     wg_wait<0>();
     fence_regs(s);
-    uint32_t pa[4][4];  // P (rows i0, i1; columns 8j + 2t) as the A fragments of P V: k step j/2
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = hf ? i1 : i0, col = 8 * j + 2 * t;
-        const float bi = hf ? bi1 : bi0;
-        const float* lr = hf ? lam1 : lam0;
-        pa[j >> 1][2 * (j & 1) + hf] =
-            mma::pack2<T>(score_elem<kTree>(s[4 * j + 2 * hf], i, col, nr, sc, bi, bs[col], lr),
-                          score_elem<kTree>(s[4 * j + 2 * hf + 1], i, col + 1, nr, sc, bi, bs[col + 1], lr));
-      }
+    uint32_t pa[4][4];  // P as the A fragments of P V
+    pack_scores<T, kTree>(pa, s, i0, nr, sc, bs, lam0, lam1);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, 64, 1>(o, pa[kk], desc_mn(s0 + L::kV, kChunk, kk), kk > 0);  // P V

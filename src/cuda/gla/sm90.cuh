@@ -13,6 +13,7 @@
 namespace hila::cuda::gla_sm90 {
 
 constexpr int kSm90Threads = 128;  // one warpgroup
+constexpr uint32_t kSweepTile = kChunk * 64 * 2;  // one swizzled [C, 64] 16-bit block
 
 #if HILA_SM90A
 // A chunk's rows r0.. of head x, columns c0..c0+63, of an input tensor map (see input_map): one
@@ -61,6 +62,36 @@ __device__ __forceinline__ void scaled_key_frags(uint32_t (&fa)[4][4], const cha
     }
   }
 }
+
+// Rows nr.. of `blocks` swizzled [C][64] 16-bit blocks at `tile` (kSweepTile apart) set to zero by
+// the block's threads and fenced for the async proxy (wgmma); the caller's barrier follows. Rows
+// past a sequence hold the next one's values or TMA's zeros: a zero weight times a value that is
+// not finite would not be zero.
+__device__ __forceinline__ void zero_rows_from(char* tile, int blocks, int nr, int tid) {
+  for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
+    for (int cb = 0; cb < blocks; ++cb)
+      *reinterpret_cast<uint4*>(tile + cb * kSweepTile + (nr + e / 8) * 128 + (e % 8) * 16) = make_uint4(0, 0, 0, 0);
+  sm90::fence_async_smem();
+}
+
+// P = score_elem(S) of this thread's rows i0, i1 = i0 + 8 (S the m64n64 accumulator: columns
+// 8j + 2t (+1) at s[4j + 2hf + e]) packed as the register A fragments of P V: k step j / 2, a0 / a1
+// columns 2t.., a2 / a3 columns 2t + 8.. (bs: the chunk's gate cumsum; lam rows lr0, lr1: kTree).
+template <class T, bool kTree>
+__device__ __forceinline__ void pack_scores(uint32_t (&pa)[4][4], const float (&s)[32], int i0, int nr, float sc,
+                                            const float* bs, const float* lr0, const float* lr1) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = i0 + 8 * hf, col = 8 * j + 2 * t;
+      const float bi = bs[i];
+      const float* lr = hf ? lr1 : lr0;
+      pa[j >> 1][2 * (j & 1) + hf] = mma::pack2<T>(score_elem<kTree>(s[4 * j + 2 * hf], i, col, nr, sc, bi, bs[col], lr),
+                                                   score_elem<kTree>(s[4 * j + 2 * hf + 1], i, col + 1, nr, sc, bi, bs[col + 1], lr));
+    }
+}
 #endif
 
 // A 16-bit input (q, k, v or dO) as a 3-d tensor map: columns, then rows and heads in increasing
@@ -82,7 +113,6 @@ int src_heads(const GlaArgs<T>& a, int div) {
 }
 
 
-constexpr uint32_t kSweepTile = kChunk * 64 * 2;  // one swizzled [C, 64] 16-bit block
 
 // One m64 slab of a [dk][dv] fp32 state as a wgmma accumulator fragment of N columns: this
 // thread's rows r, r + 8 (r = slab row 16w + g plus the slab's first row) and columns

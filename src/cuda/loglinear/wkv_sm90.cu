@@ -80,13 +80,8 @@ __global__ void __launch_bounds__(kSm90Threads)
     __syncthreads();  // every thread's weights of chunk i; chunk i-2's stage is free
     issue(i + S - 2);
     char* base = smem + st * kStage;
-    if (nr < kChunk) {  // dO rows past the sequence (the next one's, or TMA's zeros): zero
-      for (int e = tid; e < (kChunk - nr) * 8; e += kSm90Threads)
-#pragma unroll
-        for (int cb = 0; cb < NV / 64; ++cb)
-          *reinterpret_cast<uint4*>(base + (1 + cb) * kSweepTile + (nr + e / 8) * 128 + (e % 8) * 16) =
-              make_uint4(0, 0, 0, 0);
-      fence_async_smem();
+    if (nr < kChunk) {  // dO rows past the sequence
+      zero_rows_from(base + kSweepTile, NV / 64, nr, tid);
       __syncthreads();
     }
     const float* wt = wts + st * kChunk;
