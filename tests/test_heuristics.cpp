@@ -192,6 +192,19 @@ TEST(Heuristics, Sm90ChunkKernels) {
   EXPECT_FALSE(h::gla_sm90_fused_forward(96, 128, true, false, 1 << 20, 1 << 14, 16, all));
   EXPECT_FALSE(h::gla_sm90_fused_forward(128, 128, false, false, 1 << 20, 1 << 14, 16, all));
   EXPECT_FALSE(h::gla_sm90_fused_forward(64, 64, true, false, 1 << 20, 1 << 14, 16, only_sweep));
+  // the output kernel: the tree form's levels; one state per chunk only when forced ("1")
+  Sm90Kernels forced_all;
+  forced_all.forced = true;
+  Sm90Kernels no_out;
+  no_out.out = false;
+  EXPECT_TRUE(h::gla_sm90_output(128, 128, true, true, 1 << 20, 1 << 14, 16, all));
+  EXPECT_FALSE(h::gla_sm90_output(128, 128, false, true, 1 << 20, 1 << 14, 16, all));
+  EXPECT_TRUE(h::gla_sm90_output(128, 128, false, true, 1 << 20, 1 << 14, 16, forced_all));
+  EXPECT_FALSE(h::gla_sm90_output(128, 128, true, true, 1 << 20, 1 << 14, 16, no_out));
+  EXPECT_FALSE(h::gla_sm90_output(96, 128, true, true, 1 << 20, 1 << 14, 16, forced_all));
+  EXPECT_FALSE(h::gla_sm90_output(64, 96, true, true, 1 << 20, 1 << 14, 16, forced_all));
+  EXPECT_FALSE(h::gla_sm90_output(64, 64, true, false, 1 << 20, 1 << 14, 16, forced_all));
+  EXPECT_FALSE(h::gla_sm90_output(128, 128, true, true, 1 << 20, int64_t(1) << 21, 8, forced_all));
   // the per-chunk states' rows count only where they are stored
   EXPECT_TRUE(h::gla_sm90_fused_forward(128, 128, true, false, 1 << 20, int64_t(1) << 21, 8, all));
   EXPECT_FALSE(h::gla_sm90_fused_forward(128, 128, true, true, 1 << 20, int64_t(1) << 21, 8, all));

@@ -87,7 +87,8 @@ struct Call {
     if (plan.fenwick) {
       tables.emplace(r, s);
       lam = DevBuf<R>(size_t(r.H * Ttot * r.nL), s);
-      HILA_LAUNCH(pack_lam<R>, r.H * Ttot * r.nL, s, lam.get(), Strided(p.lam), r.T, r.H, Ttot, int(r.nL));
+      const Strided in(p.lam);
+      HILA_LAUNCH(pack_lam<R>, r.H * Ttot * r.nL, s, lam.get(), in, LamIndex(in, r.T, r.H, Ttot, int(r.nL)));
     }
     if (p.init.H.defined()) H0 = pack_H(p.init.H, false);
   }
@@ -624,8 +625,10 @@ struct BackwardCall {
       HILA_LAUNCH(unpack_state<R>, c.NH * r.dk * r.dvp, s, Strided(p.d_init.P), gp->dh0.get(), c.NH, r.H, int(r.dk),
                   int(r.dvp), c.dkp, c.dvp);
     if (p.d_init.H.defined()) c.unpack_H(p.d_init.H, go->dh0.get());
-    if (p.dlam.defined())
-      HILA_LAUNCH(unpack_lam<R>, r.H * c.Ttot * r.nL, s, Strided(p.dlam), dlam.get(), r.T, r.H, c.Ttot, int(r.nL));
+    if (p.dlam.defined()) {
+      const Strided out(p.dlam);
+      HILA_LAUNCH(unpack_lam<R>, r.H * c.Ttot * r.nL, s, out, dlam.get(), LamIndex(out, r.T, r.H, c.Ttot, int(r.nL)));
+    }
   }
 };
 

@@ -45,6 +45,9 @@ struct LlCase {
   // HILA_LOGLINEAR_TREE_SEGMENT for the call: the tree's up pass and push-down in segments of 2^s
   // chunks; other than "0", the results are also compared bit for bit with one pass ("0")
   const char* segment = nullptr;
+  // lam and dlam as views into a [B, T + 3, H, L + 2] buffer (NaN in the padding): (B, T) do not
+  // merge into rows of one stride, so the packing takes its general index path
+  bool strided_lam = false;
 };
 
 constexpr int64_t kFar = (int64_t(1) << 17) + 5;  // past 2^17: levels up to 18, unaligned
@@ -214,6 +217,15 @@ std::vector<LlCase> cases() {
     cs.push_back({op, DType::bf16, 1, 0, 1, 2, 64, 48, {0, 70, 1, 130}, {5, 77, 128, 0}, 2e-2,
                   name(op, "bf16_normalize_varlen_init_unaligned"), true, false, ridge});
   }
+  // lam and dlam strided: the tree form (16-bit, training) and the chunk form from a state (f32)
+  for (auto [dt, T, init, tag] : {std::tuple{DType::bf16, int64_t(1000), false, "bf16_d64_T1000_strided_lam"},
+                                  std::tuple{DType::f32, int64_t(65), true, "f32_d64_T65_init13_strided_lam"}}) {
+    LlCase x{ll, dt, 2, T, 1, 2, 64, 64, {}, {}, dt == DType::f32 ? 1e-4 : 1e-2, name(ll, tag)};
+    if (init) x.init_pos = {13};
+    x.stateless = !init;
+    x.strided_lam = true;
+    cs.push_back(x);
+  }
   return cs;
 }
 
@@ -272,6 +284,22 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view(), p.dg = dg.view(), p.dlam = dlam.view();
   p.d_init = {};
   if (init && c.d_init) p.d_init.S = dS0.view(), p.d_init.P = dP0.view(), p.d_init.H = dh0.view();
+  // strided lam / dlam: [B, T, H, L] inside [B, Tb, H, Lp]
+  const int64_t L = low.lam.shape[3], Tb = low.lam.shape[1] + 3, Lp = L + 2, B = low.lam.shape[0], Hl = low.lam.shape[2];
+  auto wide_index = [&](int64_t e) {  // element e of [B, T, H, L] -> its place in [B, Tb, H, Lp]
+    const int64_t l = e % L, h = (e / L) % Hl, t = (e / (L * Hl)) % (Tb - 3), b = e / (L * Hl * (Tb - 3));
+    return ((b * Tb + t) * Hl + h) * Lp + l;
+  };
+  Buffer wide(low.lam.dtype, {B, Tb, Hl, Lp});
+  for (int64_t e = 0; e < wide.numel(); ++e) wide.set(e, std::nan(""));
+  for (int64_t e = 0; e < low.lam.numel(); ++e) wide.set(wide_index(e), low.lam.get(e));
+  DevTensor lam_w(c.strided_lam ? wide : Buffer{}), dlam_w(c.strided_lam ? wide : Buffer{}, true);
+  auto strided = [&](const DevTensor& t) {
+    TensorView v = TensorView::contiguous_view(t.p, t.host.dtype, {B, Tb - 3, Hl, L}, cuda0());
+    v.stride[0] = Tb * Hl * Lp, v.stride[1] = Hl * Lp, v.stride[2] = Lp, v.stride[3] = 1;
+    return v;
+  };
+  if (c.strided_lam) p.lam = strided(lam_w), p.dlam = strided(dlam_w);
   p.cfg.check_values = true;
   auto run = [&](const char* segment, const char* tree_sweep) {
     ScopedEnv se("HILA_LOGLINEAR_TREE_SEGMENT", segment);
@@ -298,7 +326,17 @@ TEST_P(CudaLogLinear, ForwardBackwardMatchNaiveFloat64) {
   check("dk", dk.fetch(), ref.dk);
   check("dv", dv.fetch(), ref.dv);
   check("dg", dg.fetch(), ref.dg, floor_g);
-  check("dlam", dlam.fetch(), ref.dlam);
+  if (c.strided_lam) {
+    const Buffer got_w = dlam_w.fetch();
+    Buffer got = low.lam;
+    for (int64_t e = 0; e < got.numel(); ++e) got.set(e, got_w.get(wide_index(e)));
+    check("dlam", got, ref.dlam);
+    int64_t written = 0;  // the padding keeps the poison
+    for (int64_t e = 0; e < got_w.numel(); ++e) written += std::isfinite(got_w.get(e));
+    EXPECT_EQ(written, got.numel()) << "dlam: elements written outside the view";
+  } else {
+    check("dlam", dlam.fetch(), ref.dlam);
+  }
   if (init && c.d_init) {
     if (!ref.d_init.S.empty()) check("dS0", dS0.fetch(), ref.d_init.S);
     if (!ref.d_init.P.empty()) check("dP0", dP0.fetch(), ref.d_init.P);

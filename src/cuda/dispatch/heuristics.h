@@ -97,11 +97,15 @@ constexpr bool gla_sm90_bwd_chunk(int dk, int dv, bool has_states, int64_t Ttot,
 
 // sm90 chunk-parallel output kernel (one warpgroup per (chunk, 64 value columns, head), dk of 64 or
 // 128, dv a multiple of 64, the per-chunk states or, for the log-linear tree form, the nodes by TMA;
-// state rows: nchunks or the node slots) in place of the sm80 one wherever it applies.
-// HILA_GLA_SM90=0, or a list without "out", keeps the sm80 kernel.
-constexpr bool gla_sm90_output(int dk, int dv, bool has_states, int64_t Ttot, int64_t states, int64_t H,
+// state rows: nchunks or the node slots) in place of the sm80 one for the tree form, whose levels it
+// reads through one TMA buffer (H100, d = 128, H = 16: loglinear forward 2.79 against 2.96 ms at
+// B = 1, T = 64K). For one state per chunk (GLA, the delta rule's pieces) the sm80 kernel stays: this
+// one was slower there (gla forward 1.67 against 1.38 ms at B = 1, T = 64K; 0.65 against 0.55 at
+// B = 2, T = 16K). HILA_GLA_SM90=1 takes it for every form (tests); =0, or a list without "out",
+// keeps the sm80 kernel.
+constexpr bool gla_sm90_output(int dk, int dv, bool tree, bool has_states, int64_t Ttot, int64_t states, int64_t H,
                                const Sm90Kernels& k) {
-  if (!k.out || (dk != 64 && dk != 128) || dv % 64 || !has_states) return false;
+  if (!k.out || (dk != 64 && dk != 128) || dv % 64 || !has_states || !(tree || k.forced)) return false;
   return tma_rows_fit(Ttot, 64) && tma_state_rows_fit(states, H, dk);
 }
 

@@ -48,7 +48,7 @@ void gla_output(const GlaArgs<T>& a, cudaStream_t stream, const TreeArgs* tree) 
   // the states: hbuf per chunk, or the tree's node slots (TreeArgs::slots)
   const bool states = tree ? tree->node16 != nullptr : a.hbuf != nullptr;
   const int64_t state_count = tree ? tree->slots : a.nchunks;
-  if (heuristics::gla_sm90_output(a.dk, a.dv, states, a.Ttot, state_count, a.H, config().gla_sm90) &&
+  if (heuristics::gla_sm90_output(a.dk, a.dv, tree != nullptr, states, a.Ttot, state_count, a.H, config().gla_sm90) &&
       gla_output_sm90(a, stream, tree))
     return;
   gla_output_sm80(a, stream, tree);

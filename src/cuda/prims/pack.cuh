@@ -143,24 +143,40 @@ __global__ void unpack_state(Strided out, const R* in, int64_t NH, int64_t H, in
   }
 }
 
-// lam [B, T, H, L] (strided) -> [H][Ttot][L]; and back for dlam.
-template <class R>
-__global__ void pack_lam(R* out, Strided in, int64_t T, int64_t H, int64_t Ttot, int L) {
-  const int64_t n = H * Ttot * L;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+// lam [B, T, H, L] (strided) -> [H][Ttot][L]; and back for dlam. Element e of the packed buffer is
+// (h, r, l) with r = b T + t. Where (B, T) merge into rows of stride s[1] (s[0] = T s[1], or B = 1) and the
+// buffer has fewer than 2^31 elements, the index splits in 32-bit arithmetic: 64-bit divisions
+// bound these kernels (0.17 ms each at B = 1, T = 64K, H = 16, L = 17 on an H100).
+struct LamIndex {
+  int64_t T, H, Ttot;
+  int L;
+  bool fast;
+  LamIndex(const Strided& x, int64_t T_, int64_t H_, int64_t Ttot_, int L_)
+      : T(T_), H(H_), Ttot(Ttot_), L(L_), fast((Ttot_ <= T_ || x.s[0] == T_ * x.s[1]) && H_ * Ttot_ * L_ <= INT32_MAX) {}
+  __host__ __device__ int64_t size() const { return H * Ttot * L; }
+  // the strided offset of packed element e
+  __device__ int64_t offset(const Strided& x, int64_t e) const {
+    if (fast) {
+      const uint32_t u = uint32_t(e), hr = u / uint32_t(L), l = u - hr * uint32_t(L);
+      const uint32_t h = hr / uint32_t(Ttot), r = hr - h * uint32_t(Ttot);
+      return int64_t(r) * x.s[1] + int64_t(h) * x.s[2] + int64_t(l) * x.s[3];
+    }
     const int l = int(e % L);
     const int64_t r = (e / L) % Ttot, h = e / (int64_t(L) * Ttot), b = r / T, t = r % T;
-    out[e] = ld<R>(in, b * in.s[0] + t * in.s[1] + h * in.s[2] + l * in.s[3]);
+    return b * x.s[0] + t * x.s[1] + h * x.s[2] + l * x.s[3];
   }
+};
+template <class R>
+__global__ void pack_lam(R* out, Strided in, LamIndex ix) {
+  const int64_t n = ix.size();
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
+    out[e] = ld<R>(in, ix.offset(in, e));
 }
 template <class R>
-__global__ void unpack_lam(Strided out, const R* in, int64_t T, int64_t H, int64_t Ttot, int L) {
-  const int64_t n = H * Ttot * L;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int l = int(e % L);
-    const int64_t r = (e / L) % Ttot, h = e / (int64_t(L) * Ttot), b = r / T, t = r % T;
-    st<R>(out, b * out.s[0] + t * out.s[1] + h * out.s[2] + l * out.s[3], in[e]);
-  }
+__global__ void unpack_lam(Strided out, const R* in, LamIndex ix) {
+  const int64_t n = ix.size();
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
+    st<R>(out, ix.offset(out, e), in[e]);
 }
 
 // Fenwick state [N, H, Ls_in, dk, dv] (strided) -> packed [N][H][Ls][dkp][dvp] holding only the

@@ -18,7 +18,7 @@ enum class Force { automatic, off, on };
 // Which sm_90a GLA kernels may run (HILA_GLA_SM90).
 struct Sm90Kernels {
   bool sweep = true, bwd = true, fwd = true;
-  bool forced = false;  // "1": wherever they apply, past the block-count threshold of the sweep
+  bool forced = false;  // "1": wherever they apply (past the sweep's block-count threshold; the output kernel for every form)
   bool out = true;      // the chunk-parallel output kernel (gla/output_sm90.cu)
   bool wkv = true;      // the log-linear tree backward's read sums (loglinear/wkv_sm90.cu)
 };
